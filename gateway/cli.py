@@ -1,0 +1,43 @@
+"""The `pdserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def _prepare_model(args: argparse.Namespace) -> int:
+    from llm_engine.default_model import prepare_default_model
+
+    path = prepare_default_model(args.out)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    commands = parser.add_subparsers(dest="command", required=True)
+    prepare = commands.add_parser(
+        "prepare-model",
+        help="materialise the default model (SmolLM2-135M-Instruct) as a Hugging Face directory",
+    )
+    prepare.add_argument("--out", default=None,
+                         help="directory to write (default: the cache, ~/.cache/pdserve/models/...)")
+    prepare.set_defaults(handler=_prepare_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except (FileNotFoundError, ValueError) as error:
+        print(f"pdserve {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The messages between a scheduler and the model runner: what one forward computes, and what it sampled.
+
+One forward carries any mix of prefill chunks and decode tokens (iteration-level batching); each entry
+says which new tokens a request computes, at which position they start, and where its KV blocks are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llm_engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's share of one forward."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # the tokens this forward computes (a prompt chunk, or the one latest token)
+    start_position: int  # position of token_ids[0]: tokens before it already have KV in the blocks
+    block_ids: tuple[int, ...]  # the request's block table, covering start_position + len(token_ids)
+    sampling: SamplingParams | None  # None: no token is sampled (a prompt chunk that is not the last)
+    output_index: int = 0  # output tokens the request already has (seeds the per-token generator)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens the attention of this chunk's last token sees, itself included."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """A whole forward: the scheduler's output, the model runner's input."""
+
+    chunks: tuple[ScheduledChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """The token one request gained from a forward."""
+
+    request_id: str
+    token_id: int
+    logprob: float | None  # log-probability of token_id when the request asked for logprobs
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """What a forward produced: one SampledToken per chunk that asked for sampling, in chunk order."""
+
+    sampled: tuple[SampledToken, ...]

@@ -1,0 +1,58 @@
+"""Engine configuration (what the operator chooses) and the model's shape (what the checkpoint says)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one worker's engine needs; checked once, here."""
+
+    model_dir: str  # a local Hugging Face model directory
+    dtype: str = "float32"  # weights and KV cache: "float32" or "bfloat16"
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    block_size: int = 16  # tokens per KV block
+    kv_cache_bytes: int = 512 * MiB  # memory budget of the paged KV cache
+    max_num_batched_tokens: int = 512  # tokens one forward may carry (prefill chunking budget)
+    max_num_seqs: int = 64  # requests one forward may carry
+    enable_prefix_caching: bool = True  # share full blocks of identical prefixes between requests
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            problems.append(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.block_size < 1:
+            problems.append(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_bytes < 1:
+            problems.append(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            problems.append("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if problems:
+            raise ValueError("invalid engine config: " + "; ".join(problems))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape facts of a loaded model that the KV cache, the scheduler and the transfer layer need."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int  # prompt + output tokens one request may hold
+    eos_token_ids: tuple[int, ...]

@@ -1,0 +1,130 @@
+"""LLMEngine: one worker's model, KV cache and scheduler behind a small synchronous API.
+
+    add_request → [step() = schedule → execute → update]* → RequestOutput per new token → finished.
+No Ray and no threads here: the pools wrap an engine in an actor and drive step() from their loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from llm_engine.block_pool import BlockPool
+from llm_engine.config import EngineConfig, ModelSpec
+from llm_engine.kv_cache_manager import KVCacheManager, blocks_for
+from llm_engine.model_loader import load_model
+from llm_engine.model_runner import ModelRunner
+from llm_engine.request import Request
+from llm_engine.sampling import SamplingParams
+from llm_engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One step's news about one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]  # tokens gained this step
+    new_logprobs: tuple[float, ...]  # their log-probabilities, when asked for
+    finish_reason: str | None  # None while running; "stop", "length" or "abort" when finished
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request, as `generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    output_logprobs: tuple[float, ...]
+    finish_reason: str
+    num_preemptions: int  # times the request lost its blocks and recomputed them
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: PreTrainedModel | None = None,
+                 spec: ModelSpec | None = None) -> None:
+        """Load the model (or adopt an already loaded one with its spec) and size the KV cache."""
+        if model is None or spec is None:
+            model, spec = load_model(config)
+        self.config = config
+        self.spec = spec
+        self.runner = ModelRunner(model, spec, config)
+        self.block_pool = BlockPool(self.runner.num_blocks)
+        self.kv = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self._ids = itertools.count()
+
+    def check_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+        """Raise ValueError naming the problem if this request can never be served here."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of the vocabulary [0, {self.spec.vocab_size}): {bad[:5]}")
+        total = len(prompt_token_ids) + sampling.max_tokens
+        if total > self.spec.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} "
+                f"exceeds the model's context of {self.spec.max_model_len} tokens"
+            )
+        if blocks_for(total, self.config.block_size) > self.block_pool.num_blocks:
+            raise ValueError(
+                f"{total} tokens need more KV blocks than this worker has ({self.block_pool.num_blocks} "
+                f"blocks of {self.config.block_size} tokens); raise the KV memory budget"
+            )
+
+    def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+                    request_id: str | None = None) -> str:
+        self.check_request(prompt_token_ids, sampling)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        eos = frozenset(self.spec.eos_token_ids)
+        self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, eos))
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        output = self.runner.execute(batch)
+        advanced = self.scheduler.update(batch, output)
+        return [
+            RequestOutput(
+                request_id=r.request_id,
+                new_token_ids=(r.output_token_ids[-1],),
+                new_logprobs=tuple(r.output_logprobs[-1:]) if r.sampling.logprobs else (),
+                finish_reason=r.status.value if r.is_finished else None,
+            )
+            for r in advanced
+        ]
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 sampling: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
+        """Run the prompts to completion together; results in prompt order."""
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        for prompt, p in zip(prompts, params, strict=True):
+            self.check_request(prompt, p)
+        requests = []
+        for prompt, p in zip(prompts, params, strict=True):
+            request_id = self.add_request(prompt, p)
+            requests.append(self.scheduler.requests[request_id])
+        while any(not r.is_finished for r in requests):
+            self.step()
+        return [
+            Completion(r.request_id, tuple(r.prompt_token_ids), tuple(r.output_token_ids),
+                       tuple(r.output_logprobs), r.status.value, r.num_preemptions)
+            for r in requests
+        ]

@@ -1,0 +1,156 @@
+"""Per-request block tables over a BlockPool, with hash-chained prefix sharing.
+
+A request's table covers token positions [0, len(table) * block_size). Lifecycle of one request:
+    can_allocate → allocate (shares cached prefix blocks, allocates the rest)
+    → [can_append → append]* as chunks and decode tokens need more slots
+    → cache_full_blocks after each forward (full blocks become shareable)
+    → free (blocks return to the pool; cached ones stay revivable until evicted).
+Plain Python, no tensors: the scheduler and the tests use it without a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from llm_engine.block_pool import BlockPool
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Stable 128-bit hash of one full block, chained to its predecessor so equal hashes mean equal prefixes.
+
+    Stable across processes (unlike `hash()`), so a router can predict which worker holds a prefix.
+    """
+    digest = hashlib.blake2b(parent_hash or b"", digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Chained hashes of every full block of `token_ids`."""
+    hashes: list[bytes] = []
+    parent: bytes | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class KVCacheManager:
+    """Maps request ids to block tables; the only code that calls BlockPool.allocate/free for requests."""
+
+    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._tables: dict[str, list[int]] = {}
+        # Number of leading blocks of each request already registered in the prefix cache, and the chained
+        # hash of the last of them, so each step hashes only the blocks that just filled.
+        self._num_cached_blocks: dict[str, int] = {}
+        self._last_hash: dict[str, bytes | None] = {}
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._tables[request_id]
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Block ids holding the longest cached prefix of `token_ids`.
+
+        The last token is never served from cache: its forward produces the logits we sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        block_ids = []
+        for block_hash in prefix_hashes(token_ids[: len(token_ids) - 1], self.block_size):
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def _num_free_needed(self, cached: list[int], num_tokens: int) -> int:
+        num_new = max(0, blocks_for(num_tokens, self.block_size) - len(cached))
+        # Reviving a free cached block also takes it out of the free queue.
+        num_revived = sum(1 for b in cached if self.pool.blocks[b].ref_count == 0)
+        return num_new + num_revived
+
+    def can_allocate(self, token_ids: Sequence[int], num_tokens: int, reserve_blocks: int = 0) -> bool:
+        """Could a new request get slots for its first `num_tokens` tokens, leaving `reserve_blocks` free?"""
+        cached = self.find_cached_prefix(token_ids)
+        return self.pool.can_allocate(self._num_free_needed(cached, num_tokens) + reserve_blocks)
+
+    def allocate(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> int:
+        """Give a new request a table covering `num_tokens` positions, sharing its cached prefix.
+
+        Returns:
+            The number of leading tokens whose KV is already in the shared blocks (a multiple of block_size).
+        """
+        if request_id in self._tables:
+            raise RuntimeError(f"request {request_id} already holds blocks")
+        cached = self.find_cached_prefix(token_ids)
+        num_tokens = max(num_tokens, len(cached) * self.block_size)
+        if not self.pool.can_allocate(self._num_free_needed(cached, num_tokens)):
+            raise RuntimeError(f"not enough free blocks for request {request_id}")
+        self.pool.touch(cached)
+        num_new = blocks_for(num_tokens, self.block_size) - len(cached)
+        self._tables[request_id] = cached + self.pool.allocate(num_new)
+        self._num_cached_blocks[request_id] = len(cached)
+        self._last_hash[request_id] = self.pool.blocks[cached[-1]].block_hash if cached else None
+        return len(cached) * self.block_size
+
+    def allocate_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        """Give a new request fresh, unshared blocks for `num_tokens` positions (to receive a transfer)."""
+        if request_id in self._tables:
+            raise RuntimeError(f"request {request_id} already holds blocks")
+        self._tables[request_id] = self.pool.allocate(blocks_for(num_tokens, self.block_size))
+        self._num_cached_blocks[request_id] = 0
+        self._last_hash[request_id] = None
+        return self._tables[request_id]
+
+    def num_append_blocks(self, request_id: str, num_tokens: int) -> int:
+        return max(0, blocks_for(num_tokens, self.block_size) - len(self._tables[request_id]))
+
+    def can_append(self, request_id: str, num_tokens: int) -> bool:
+        """Could the request's table grow to cover `num_tokens` positions in total?"""
+        return self.pool.can_allocate(self.num_append_blocks(request_id, num_tokens))
+
+    def append(self, request_id: str, num_tokens: int) -> None:
+        """Grow the request's table to cover `num_tokens` positions in total."""
+        num_new = self.num_append_blocks(request_id, num_tokens)
+        if num_new:
+            self._tables[request_id].extend(self.pool.allocate(num_new))
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register the request's blocks that are full and computed, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables[request_id]
+        num_full = min(num_computed_tokens // self.block_size, len(table))
+        start = self._num_cached_blocks[request_id]
+        if num_full <= start:
+            return
+        parent = self._last_hash[request_id]
+        for index in range(start, num_full):
+            parent = hash_block(parent, token_ids[index * self.block_size : (index + 1) * self.block_size])
+            self.pool.cache(table[index], parent)
+        self._num_cached_blocks[request_id] = num_full
+        self._last_hash[request_id] = parent
+
+    def free(self, request_id: str) -> None:
+        """Return every block of the request to the pool; unknown ids are ignored (abort is idempotent)."""
+        table = self._tables.pop(request_id, None)
+        self._num_cached_blocks.pop(request_id, None)
+        self._last_hash.pop(request_id, None)
+        if table is not None:
+            self.pool.free(table)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._tables)

@@ -1,0 +1,72 @@
+"""A request's state inside one worker: its tokens, how many of them have KV, and why it finished.
+
+States: WAITING (queued, or preempted back to the queue) → RUNNING (holds blocks, scheduled each step)
+→ FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED. A preempted request keeps its output tokens and
+recomputes their KV when it runs again. This object never crosses a process boundary.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from llm_engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    # Tokens (prompt, then output) whose KV is in this request's blocks.
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int, logprob: float | None) -> None:
+        """Add a sampled token and set FINISHED_* if it ends the request."""
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        hit_eos = token_id in self.eos_token_ids and not self.sampling.ignore_eos
+        if hit_eos or token_id in self.sampling.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif self.num_output_tokens >= self.sampling.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH

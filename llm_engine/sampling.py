@@ -1,0 +1,99 @@
+"""Sampling parameters (validated once, at construction) and the sampler that applies them to logits.
+
+Seeded sampling is reproducible per request and independent of batch composition, of preemption and of
+which worker samples: the generator for output token i is seeded from (seed, i), so the prefill worker
+drawing token 0 and the decode worker drawing the rest give the same stream as one worker would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are chosen and when its generation stops."""
+
+    max_tokens: int = 16  # output tokens to generate at most (the first token included)
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # keep only the k most likely tokens; 0 keeps all
+    seed: int | None = None  # per-request seed for reproducible random sampling
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation (EOS is added by the engine)
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks want fixed output lengths)
+    logprobs: bool = False  # return the log-probability of each chosen token
+
+    def __post_init__(self) -> None:
+        problems = []
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature <= 100.0:
+            problems.append(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            problems.append(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            problems.append(f"seed must be an integer or None, got {self.seed!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            problems.append(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if problems:
+            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _generator(seed: int, output_index: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    # Mix the index into the seed so consecutive tokens get unrelated streams.
+    generator.manual_seed((seed * 1_000_003 + output_index) & 0x7FFF_FFFF_FFFF_FFFF)
+    return generator
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    # logits: [V] → the same with excluded tokens at -inf
+    if top_k > 0 and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # Drop a token when the mass before it already reaches top_p; the most likely token always stays.
+        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]
+) -> tuple[list[int], list[float] | None]:
+    """Choose one token per row.
+
+    Args:
+        logits: [B, V] next-token logits, one row per request that samples this step.
+        params: the B requests' sampling parameters.
+        output_indices: for each row, how many output tokens the request already has (seeds the generator).
+
+    Returns:
+        The chosen token ids, and their log-probabilities under the model's distribution (before temperature
+        and filtering) when any request asked for logprobs, else None.
+    """
+    logits = logits.float()
+    token_ids = logits.argmax(dim=-1)  # [B]; greedy rows are done here, random rows overwritten below
+    for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
+        if p.is_greedy:
+            continue
+        row_logits = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
+        probs = torch.softmax(row_logits, dim=-1)
+        generator = None if p.seed is None else _generator(p.seed, index, logits.device)
+        token_ids[row] = torch.multinomial(probs, 1, generator=generator)[0]
+    chosen = token_ids.tolist()
+    if not any(p.logprobs for p in params):
+        return chosen, None
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None])[:, 0]
+    return chosen, logprobs.tolist()

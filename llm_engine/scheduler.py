@@ -1,0 +1,134 @@
+"""Iteration-level scheduler with chunked prefill, prefix sharing and preemption by recomputation.
+
+Queues: WAITING (a deque, arrival order; preempted requests go back to its front)
+        → RUNNING (holds blocks; every step each gets its next chunk or its one decode token).
+Each step:  schedule() → ModelInput  →  ModelRunner.execute  →  update(ModelInput, ModelOutput).
+schedule() serves running requests first, oldest first, within a token budget per forward (so one long
+prompt is cut into chunks and cannot hold the others back); when blocks run short it preempts the newest
+running request (frees its blocks, keeps its tokens, re-queues it). Then it admits waiting requests while
+budget, sequence slots and blocks last. Plain Python: no tensors, no model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from llm_engine.batch import ModelInput, ModelOutput, ScheduledChunk
+from llm_engine.kv_cache_manager import KVCacheManager
+from llm_engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is and free its blocks; returns it, or None if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request_id)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return request
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        completes = start + num_new == request.num_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            start_position=start,
+            block_ids=tuple(self.kv.block_table(request.request_id)),
+            sampling=request.sampling if completes else None,
+            output_index=request.num_output_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> ModelInput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:
+                continue  # preempted earlier in this loop to make room for an older request
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            total = request.num_computed_tokens + num_new
+            while not self.kv.can_append(request.request_id, total):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            self.kv.append(request.request_id, total)
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        # Admitting while preempting would thrash: the freed blocks belong to the re-queued requests.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            cached = len(self.kv.find_cached_prefix(request.all_token_ids)) * self.kv.block_size
+            num_new = min(request.num_tokens - cached, budget)
+            if not self.kv.can_allocate(request.all_token_ids, cached + num_new):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = self.kv.allocate(request.request_id, request.all_token_ids,
+                                                           cached + num_new)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return ModelInput(tuple(chunks))
+
+    def update(self, batch: ModelInput, output: ModelOutput) -> list[Request]:
+        """Advance computed counts, append sampled tokens, release finished requests.
+
+        Returns:
+            The requests that gained a token this step (finished ones included).
+        """
+        for chunk in batch.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None:
+                continue  # aborted while the forward ran
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+        advanced = []
+        for sampled in output.sampled:
+            request = self.requests.get(sampled.request_id)
+            if request is None:
+                continue
+            request.append_token(sampled.token_id, sampled.logprob)
+            advanced.append(request)
+            if request.is_finished:
+                self.running.remove(request)
+                self.kv.free(request.request_id)
+                del self.requests[request.request_id]
+        return advanced

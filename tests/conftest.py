@@ -1,0 +1,67 @@
+"""Shared fixtures: small real models built in the test session, and the default model when marked slow."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# One torch thread per process, as in the workers: 2 cores are shared by everything in a test run.
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def build_tiny_llama(out_dir: Path, *, vocab_size: int = 1000, seed: int = 0) -> Path:
+    """A 4-layer random Llama (hidden 256, GQA 8/2 heads) saved as a Hugging Face directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        # A wide init makes logits peaked, so greedy ties (where float noise could pick either) are rare.
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from llm_engine.default_model import prepare_default_model
+
+    return prepare_default_model()
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """Reference: transformers `generate`, one prompt at a time (no padding), greedy, stopping at EOS."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+            outputs.append(ids[0, len(prompt):].tolist())
+    return outputs
