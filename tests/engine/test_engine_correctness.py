@@ -1,4 +1,9 @@
-"""The engine's greedy output is token-identical to transformers `generate` (tiny random Llama)."""
+"""The engine's greedy output is token-identical to transformers `generate`.
+
+Every test runs on the tiny random Llama (fast suite) and on SmolLM2-135M (marked slow, still run in CI):
+(a) one request, (b) 8 requests of different lengths in one batch, (c) a prompt prefilled in chunks,
+(d) requests sharing prefix blocks; plus preemption, bf16, abort. Each ends with the block pool whole.
+"""
 
 from __future__ import annotations
 
@@ -7,30 +12,39 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_engine import EngineConfig, LLMEngine, SamplingParams
+from llm_engine import EngineConfig, KVCacheSpec, LLMEngine, SamplingParams
+from llm_engine.model_loader import read_model_spec
 from tests.conftest import hf_greedy, random_prompts
 
-VOCAB = 1000
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 
-def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
-    settings: dict[str, object] = {"kv_cache_bytes": 16 << 20, "max_num_batched_tokens": 512}
+@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def model_dir(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue("tiny_llama_dir" if request.param == "tiny" else "smollm2_dir")
+
+
+def make_engine(model_dir: Path, num_blocks: int = 256, **overrides: object) -> LLMEngine:
+    spec = read_model_spec(model_dir)
+    cache_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, 16, torch.float32)
+    block_bytes = cache_spec.block_bytes
+    settings: dict[str, object] = {"kv_cache_bytes": num_blocks * block_bytes}
     settings.update(overrides)
     return LLMEngine(EngineConfig(str(model_dir), **settings))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir: Path) -> dict[tuple[int, ...], list[int]]:
-    prompts = random_prompts([7, 1, 16, 33, 64, 100, 250, 5, 48], VOCAB)
-    shared = random_prompts([64], VOCAB, seed=7)[0]
+def reference(model_dir: Path) -> dict[tuple[int, ...], list[int]]:
+    vocab = read_model_spec(model_dir).vocab_size
+    prompts = random_prompts([7, 1, 16, 33, 64, 100, 250, 5, 48], vocab)
+    shared = random_prompts([64], vocab, seed=7)[0]
     prompts += [[*shared, 11, 12, 13], [*shared, 21, 22]]
-    outputs = hf_greedy(tiny_llama_dir, prompts, GREEDY.max_tokens)
+    outputs = hf_greedy(model_dir, prompts, GREEDY.max_tokens)
     return {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
 
 
-def test_single_request(tiny_llama_dir: Path, reference: dict) -> None:
-    engine = make_engine(tiny_llama_dir)
+def test_single_request(model_dir: Path, reference: dict) -> None:
+    engine = make_engine(model_dir)
     prompt = next(p for p in reference if len(p) == 33)
     [completion] = engine.generate([list(prompt)], GREEDY)
     assert list(completion.output_token_ids) == reference[prompt]
@@ -38,8 +52,8 @@ def test_single_request(tiny_llama_dir: Path, reference: dict) -> None:
     assert engine.block_pool.is_whole()
 
 
-def test_eight_requests_of_different_lengths_in_one_batch(tiny_llama_dir: Path, reference: dict) -> None:
-    engine = make_engine(tiny_llama_dir)
+def test_eight_requests_of_different_lengths_in_one_batch(model_dir: Path, reference: dict) -> None:
+    engine = make_engine(model_dir)
     prompts = [list(p) for p in reference][:8]
     assert len({len(p) for p in prompts}) == 8
     completions = engine.generate(prompts, GREEDY)
@@ -48,9 +62,9 @@ def test_eight_requests_of_different_lengths_in_one_batch(tiny_llama_dir: Path, 
     assert engine.block_pool.is_whole()
 
 
-def test_prompt_prefilled_in_several_chunks(tiny_llama_dir: Path, reference: dict) -> None:
+def test_prompt_prefilled_in_several_chunks(model_dir: Path, reference: dict) -> None:
     # A 24-token budget cuts the 250-token prompt into 11 chunks, interleaved with the others' decodes.
-    engine = make_engine(tiny_llama_dir, max_num_batched_tokens=24)
+    engine = make_engine(model_dir, max_num_batched_tokens=24)
     prompts = [list(p) for p in reference if len(p) in (250, 100, 7)]
     completions = engine.generate(prompts, GREEDY)
     for prompt, completion in zip(prompts, completions, strict=True):
@@ -58,8 +72,8 @@ def test_prompt_prefilled_in_several_chunks(tiny_llama_dir: Path, reference: dic
     assert engine.block_pool.is_whole()
 
 
-def test_request_sharing_prefix_blocks(tiny_llama_dir: Path, reference: dict) -> None:
-    engine = make_engine(tiny_llama_dir)
+def test_request_sharing_prefix_blocks(model_dir: Path, reference: dict) -> None:
+    engine = make_engine(model_dir)
     first, second = [list(p) for p in reference if len(p) in (66, 67)]
     [out_first] = engine.generate([first], GREEDY)
     hits_before = engine.block_pool.num_cached_blocks
@@ -72,8 +86,8 @@ def test_request_sharing_prefix_blocks(tiny_llama_dir: Path, reference: dict) ->
     assert engine.block_pool.is_whole()
 
 
-def test_prefix_blocks_shared_while_both_run(tiny_llama_dir: Path, reference: dict) -> None:
-    engine = make_engine(tiny_llama_dir, max_num_batched_tokens=70)
+def test_prefix_blocks_shared_while_both_run(model_dir: Path, reference: dict) -> None:
+    engine = make_engine(model_dir, max_num_batched_tokens=70)
     first, second = [list(p) for p in reference if len(p) in (66, 67)]
     outputs: dict[str, list[int]] = {"a": [], "b": []}
 
@@ -95,11 +109,10 @@ def test_prefix_blocks_shared_while_both_run(tiny_llama_dir: Path, reference: di
     assert engine.block_pool.is_whole()
 
 
-def test_preemption_by_recompute_keeps_greedy_output(tiny_llama_dir: Path, reference: dict) -> None:
+def test_preemption_by_recompute_keeps_greedy_output(model_dir: Path, reference: dict) -> None:
     # 12 blocks of 16 tokens cannot hold all four requests to the end: the newest are preempted, re-queued
     # and recomputed, and still produce the reference tokens.
-    block_bytes = make_engine(tiny_llama_dir).runner.cache_spec.block_bytes
-    engine = make_engine(tiny_llama_dir, kv_cache_bytes=12 * block_bytes, enable_prefix_caching=False)
+    engine = make_engine(model_dir, num_blocks=12, enable_prefix_caching=False)
     prompts = [list(p) for p in reference if len(p) in (33, 48, 64, 16)]
     completions = engine.generate(prompts, GREEDY)
     for prompt, completion in zip(prompts, completions, strict=True):
@@ -108,17 +121,18 @@ def test_preemption_by_recompute_keeps_greedy_output(tiny_llama_dir: Path, refer
     assert engine.block_pool.is_whole()
 
 
-def test_bfloat16_runs_and_frees(tiny_llama_dir: Path) -> None:
-    engine = make_engine(tiny_llama_dir, dtype="bfloat16")
+def test_bfloat16_runs_and_frees(model_dir: Path) -> None:
+    engine = make_engine(model_dir, dtype="bfloat16")
     assert engine.runner.kv_cache.dtype == torch.bfloat16
-    completions = engine.generate(random_prompts([10, 30], VOCAB), GREEDY)
-    assert all(len(c.output_token_ids) == GREEDY.max_tokens for c in completions)
+    fixed_length = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    completions = engine.generate(random_prompts([10, 30], engine.spec.vocab_size), fixed_length)
+    assert all(len(c.output_token_ids) == 24 for c in completions)
     assert engine.block_pool.is_whole()
 
 
-def test_abort_frees_blocks(tiny_llama_dir: Path) -> None:
-    engine = make_engine(tiny_llama_dir, max_num_batched_tokens=16)
-    for index, prompt in enumerate(random_prompts([40, 40, 40], VOCAB)):
+def test_abort_frees_blocks(model_dir: Path) -> None:
+    engine = make_engine(model_dir, max_num_batched_tokens=16)
+    for index, prompt in enumerate(random_prompts([40, 40, 40], engine.spec.vocab_size)):
         engine.add_request(prompt, GREEDY, request_id=f"r{index}")
     engine.step()
     engine.step()

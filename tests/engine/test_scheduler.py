@@ -1,0 +1,94 @@
+"""The scheduler without a model: chunking, admission by blocks, preemption, abort."""
+
+from __future__ import annotations
+
+from llm_engine.batch import ModelInput, ModelOutput, SampledToken
+from llm_engine.block_pool import BlockPool
+from llm_engine.kv_cache_manager import KVCacheManager
+from llm_engine.request import Request, RequestStatus
+from llm_engine.sampling import SamplingParams
+from llm_engine.scheduler import Scheduler
+
+BLOCK = 4
+
+
+def make(num_blocks: int = 64, budget: int = 16, max_seqs: int = 8, prefix_caching: bool = True) -> Scheduler:
+    return Scheduler(KVCacheManager(BlockPool(num_blocks), BLOCK, prefix_caching), budget, max_seqs)
+
+
+def fake_forward(batch: ModelInput) -> ModelOutput:
+    # The test's stand-in for the model's choice: token 7 for every chunk that samples.
+    return ModelOutput(tuple(SampledToken(c.request_id, 7, None) for c in batch.chunks if c.sampling))
+
+
+def add(scheduler: Scheduler, request_id: str, prompt_len: int, max_tokens: int = 4) -> Request:
+    request = Request(request_id, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+    scheduler.add(request)
+    return request
+
+
+def run_to_end(scheduler: Scheduler, max_steps: int = 500) -> list[ModelInput]:
+    batches = []
+    for _ in range(max_steps):
+        if not scheduler.num_unfinished:
+            break
+        batch = scheduler.schedule()
+        batches.append(batch)
+        scheduler.update(batch, fake_forward(batch))
+    return batches
+
+
+def test_chunking_bounds_tokens_per_step_and_lets_decodes_through() -> None:
+    scheduler = make(budget=16)
+    add(scheduler, "short", 3, max_tokens=10)
+    long = add(scheduler, "long", 100)
+    batches = run_to_end(scheduler)
+    assert all(b.num_tokens <= 16 for b in batches)
+    # While the long prompt is being chunked, the short request decodes in every step.
+    chunked_steps = [
+        b for b in batches if any(c.request_id == "long" and c.sampling is None for c in b.chunks)
+    ]
+    assert len(chunked_steps) >= 6
+    assert all(any(c.request_id == "short" for c in b.chunks) for b in chunked_steps[1:7])
+    assert long.status is RequestStatus.FINISHED_LENGTH and long.num_output_tokens == 4
+    assert scheduler.kv.pool.is_whole()
+
+
+def test_admission_waits_for_blocks_and_sequence_slots() -> None:
+    scheduler = make(num_blocks=6, budget=64, max_seqs=2)
+    for i in range(3):
+        add(scheduler, f"r{i}", 8)  # 2 blocks each, plus growth
+    first = scheduler.schedule()
+    assert [c.request_id for c in first.chunks] == ["r0", "r1"]  # max_seqs = 2
+    assert [r.request_id for r in scheduler.waiting] == ["r2"]
+    scheduler.update(first, fake_forward(first))
+    run_to_end(scheduler)
+    assert scheduler.kv.pool.is_whole()
+
+
+def test_preemption_requeues_newest_and_keeps_its_tokens() -> None:
+    scheduler = make(num_blocks=5, budget=64, prefix_caching=False)
+    old = add(scheduler, "old", 8, max_tokens=9)  # grows to 17 tokens: 5 blocks
+    new = add(scheduler, "new", 7, max_tokens=9)
+    batches = run_to_end(scheduler)
+    assert new.num_preemptions >= 1 and old.num_preemptions == 0
+    assert old.output_token_ids == [7] * 9 and new.output_token_ids == [7] * 9
+    # Recomputation re-sends prompt and generated tokens in one prefill chunk.
+    recompute = [c for b in batches for c in b.chunks if c.request_id == "new" and c.start_position == 0]
+    assert len(recompute) == 2 and recompute[1].num_tokens > 7
+    assert scheduler.kv.pool.is_whole()
+
+
+def test_abort_in_every_state_frees_blocks() -> None:
+    scheduler = make(num_blocks=16, budget=8)
+    add(scheduler, "queued", 30)
+    add(scheduler, "prefilling", 30)
+    batch = scheduler.schedule()  # "queued" takes the whole budget: "prefilling" still waits
+    scheduler.update(batch, fake_forward(batch))
+    batch = scheduler.schedule()
+    assert scheduler.abort("queued") is not None  # mid-prefill, while its forward "runs"
+    scheduler.update(batch, fake_forward(batch))
+    assert scheduler.abort("prefilling") is not None
+    assert scheduler.abort("missing") is None
+    assert scheduler.num_unfinished == 0
+    assert scheduler.kv.pool.is_whole()
