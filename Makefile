@@ -31,7 +31,9 @@ test: lint typecheck unit
 
 serve: $(STAMP)
 	$(BIN)/pdserve prepare-model
-	$(BIN)/pdserve serve --host 127.0.0.1 --port 8000
+	@if $(BIN)/pdserve --help | grep -q '^ *serve'; then \
+		$(BIN)/pdserve serve --host 127.0.0.1 --port 8000; \
+	else echo "make serve: the model is ready, but the HTTP gateway (pdserve serve) is not built yet" >&2; exit 1; fi
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine_bench.py

@@ -13,6 +13,15 @@ torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def build_tiny_llama(out_dir: Path, *, vocab_size: int = 1000, seed: int = 0) -> Path:
     """A 4-layer random Llama (hidden 256, GQA 8/2 heads) saved as a Hugging Face directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
