@@ -52,8 +52,14 @@ class Completion:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: PreTrainedModel | None = None,
-                 spec: ModelSpec | None = None) -> None:
-        """Load the model (or adopt an already loaded one with its spec) and size the KV cache."""
+                 spec: ModelSpec | None = None, scheduler_cls: type[Scheduler] = Scheduler,
+                 watermark: float = 0.0) -> None:
+        """Load the model (or adopt an already loaded one with its spec) and size the KV cache.
+
+        Args:
+            scheduler_cls: the scheduler policy (a prefill worker keeps finished requests' blocks).
+            watermark: fraction of blocks kept free when admitting waiting requests.
+        """
         if model is None or spec is None:
             model, spec = load_model(config)
         self.config = config
@@ -61,7 +67,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, spec, config)
         self.block_pool = BlockPool(self.runner.num_blocks)
         self.kv = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = scheduler_cls(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                       watermark_blocks=int(watermark * self.block_pool.num_blocks))
         self._ids = itertools.count()
 
     def check_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:

@@ -36,6 +36,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     # Tokens (prompt, then output) whose KV is in this request's blocks.
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     status: RequestStatus = RequestStatus.WAITING
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0

@@ -2,11 +2,14 @@
 
 Queues: WAITING (a deque, arrival order; preempted requests go back to its front)
         → RUNNING (holds blocks; every step each gets its next chunk or its one decode token).
+A request whose KV arrived from elsewhere (a transfer) joins RUNNING directly through add_running().
 Each step:  schedule() → ModelInput  →  ModelRunner.execute  →  update(ModelInput, ModelOutput).
 schedule() serves running requests first, oldest first, within a token budget per forward (so one long
 prompt is cut into chunks and cannot hold the others back); when blocks run short it preempts the newest
 running request (frees its blocks, keeps its tokens, re-queues it). Then it admits waiting requests while
-budget, sequence slots and blocks last. Plain Python: no tensors, no model.
+budget, sequence slots and blocks last, keeping `watermark_blocks` free so that admitting a request does not
+at once preempt the running ones. Finished requests leave through release(), which frees their blocks (a
+prefill worker overrides it: its blocks wait for the transfer). Plain Python: no tensors, no model.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from llm_engine.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 watermark_blocks: int = 0) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.watermark_blocks = watermark_blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -36,6 +41,20 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Join a request whose first `num_computed_tokens` already have KV in its blocks (held by self.kv)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not self.kv.has(request.request_id):
+            raise RuntimeError(f"request {request.request_id!r} holds no blocks")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def release(self, request: Request) -> None:
+        """A finished request leaves: its blocks go back to the pool."""
+        self.kv.free(request.request_id)
 
     def abort(self, request_id: str) -> Request | None:
         """Drop a request wherever it is and free its blocks; returns it, or None if unknown."""
@@ -97,11 +116,15 @@ class Scheduler:
             request = self.waiting[0]
             cached = len(self.kv.find_cached_prefix(request.all_token_ids)) * self.kv.block_size
             num_new = min(request.num_tokens - cached, budget)
-            if not self.kv.can_allocate(request.all_token_ids, cached + num_new):
+            # With nothing running the reserve protects nobody: admit rather than wait forever.
+            reserve = self.watermark_blocks if self.running else 0
+            if not self.kv.can_allocate(request.all_token_ids, cached + num_new, reserve):
                 break
             self.waiting.popleft()
             request.num_computed_tokens = self.kv.allocate(request.request_id, request.all_token_ids,
                                                            cached + num_new)
+            if not request.num_preemptions:
+                request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
@@ -129,6 +152,6 @@ class Scheduler:
             advanced.append(request)
             if request.is_finished:
                 self.running.remove(request)
-                self.kv.free(request.request_id)
                 del self.requests[request.request_id]
+                self.release(request)
         return advanced

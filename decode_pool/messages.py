@@ -1,0 +1,46 @@
+"""What goes into a decode worker and what streams out of it (typed, frozen; pickled through Ray)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_transfer import KVHandle
+from llm_engine import SamplingParams
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    request_id: str  # minted by the gateway, the same on both stages
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams  # the whole request's parameters (max_tokens counts the first token)
+    # The prefill worker's first token and the handle to its prompt KV. Both None: this worker prefills
+    # the prompt itself (colocated mode) and streams the first token too.
+    first_token_id: int | None = None
+    first_logprob: float | None = None
+    kv_handle: KVHandle | None = None
+
+
+@dataclass(frozen=True)
+class DecodeTimes:
+    """Wall-clock times (time.time()) on the decode worker; None for a stage the request skipped."""
+
+    queued: float  # the request reached the worker
+    transfer_started: float | None  # blocks allocated, pull started
+    transfer_finished: float | None  # pull DONE (or FAILED, then the prompt is recomputed here)
+    admitted: float | None  # joined the running batch
+    finished: float
+
+
+@dataclass(frozen=True)
+class DecodeOutput:
+    """One step's tokens for one request; the last one carries finish_reason and the stage times."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # new tokens (one per step; none in a final abort/error output)
+    logprobs: tuple[float, ...]  # their log-probabilities, when asked for
+    emitted_at: float  # wall clock when the step produced them
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    times: DecodeTimes | None = None  # on the final output
+    transfer_bytes: int = 0  # KV bytes pulled for this request (final output)
+    num_preemptions: int = 0  # times recomputed after losing its blocks (final output)
+    error: str = ""  # why, when finish_reason is "error"

@@ -1,0 +1,225 @@
+"""Decode worker: requests with a KV handle in, tokens out, one step at a time.
+
+Lifecycle of a request on this worker:
+    submit() → INBOX → AWAITING_BLOCKS (admission: prompt blocks + the watermark reserve must be free)
+      → TRANSFERRING (blocks allocated, pull started; polled every step, never awaited)
+      → RUNNING (joins the engine's running batch at the next step: iteration-level batching)
+      → FINISHED (stop, length, abort); blocks freed.
+    A request without a handle is prefilled here (colocated mode) and joins the engine's WAITING queue.
+    A FAILED pull is not fatal: the blocks are freed and the prompt recomputed here.
+    Preemption (blocks ran short) is the engine's: recompute, tokens kept, nothing lost.
+    abort() works in every state; an aborted TRANSFERRING request frees its blocks when its pull ends.
+Only the step loop's thread touches the engine and the receiver; other threads use the inbox.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from decode_pool.messages import DecodeOutput, DecodeRequest, DecodeTimes
+from kv_transfer import KVReceiver, PeerInfo, PullReply, PullRequest, TransferState
+from llm_engine import LLMEngine
+from llm_engine.kv_cache_manager import blocks_for
+from llm_engine.load import WorkerLoad
+from llm_engine.request import Request
+
+logger = logging.getLogger(__name__)
+OutputCallback = Callable[[DecodeOutput], None]
+TRANSFER_POLL_S = 0.001
+
+
+@dataclasses.dataclass
+class _Entry:
+    request: DecodeRequest
+    on_output: OutputCallback
+    queued: float
+    transfer_started: float | None = None
+    transfer_finished: float | None = None
+    admitted: float | None = None
+    transfer_bytes: int = 0
+    is_aborted: bool = False
+
+
+class DecodeWorker:
+    def __init__(self, worker_id: str, engine: LLMEngine, receiver: KVReceiver,
+                 deliver_pull: Callable[[PullRequest], None] | None = None) -> None:
+        """Args:
+        deliver_pull: carries a PullRequest to its prefill worker (backends whose sender takes part);
+            the reply comes back through on_pull_reply().
+        """
+        self.worker_id = worker_id
+        self.engine = engine
+        self.receiver = receiver
+        self.deliver_pull = deliver_pull
+        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._awaiting_blocks: collections.deque[str] = collections.deque()
+        self._transferring: dict[tuple[str, int], str] = {}
+
+    # Called from any thread.
+    def submit(self, request: DecodeRequest, on_output: OutputCallback) -> None:
+        """Queue a request; raises ValueError at once if it can never be served here."""
+        self.engine.check_request(request.prompt_token_ids, request.sampling)
+        with self._lock:
+            self._inbox.append(("submit", (request, on_output, time.time())))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    def add_peer(self, peer: PeerInfo) -> None:
+        with self._lock:
+            self._inbox.append(("peer", peer))
+
+    def on_pull_reply(self, reply: PullReply) -> None:
+        with self._lock:
+            self._inbox.append(("reply", reply))
+
+    # Called only from the step loop's thread.
+    def step(self) -> float | None:
+        """Inbox → admission → transfers → one forward → stream; returns the wait before the next step."""
+        self._drain_inbox()
+        self._admit()
+        if self.deliver_pull is not None:
+            for pull in self.receiver.take_pull_requests():
+                self.deliver_pull(pull)
+        for result in self.receiver.poll():
+            self._on_transfer_result(result.source_worker_id, result.transfer_id, result.state, result.reason)
+        scheduler = self.engine.scheduler
+        if scheduler.num_unfinished:
+            batch = scheduler.schedule()
+            output = self.engine.runner.execute(batch)
+            now = time.time()
+            for request in scheduler.update(batch, output):
+                self._emit(request, now)
+            return 0.0
+        return TRANSFER_POLL_S if self._transferring or self._awaiting_blocks else None
+
+    def load(self) -> WorkerLoad:
+        scheduler = self.engine.scheduler
+        entries = list(self._entries.values())
+        return WorkerLoad(
+            worker_id=self.worker_id, role="decode",
+            num_waiting=len(self._awaiting_blocks) + len(scheduler.waiting),
+            num_queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting),
+            num_running=len(scheduler.running), num_transferring=len(self._transferring),
+            num_free_blocks=self.engine.block_pool.num_free_blocks,
+            num_total_blocks=self.engine.block_pool.num_blocks,
+            num_outstanding_tokens=sum(e.request.sampling.max_tokens for e in entries),
+        )
+
+    def _drain_inbox(self) -> None:
+        while True:
+            with self._lock:
+                if not self._inbox:
+                    return
+                kind, payload = self._inbox.popleft()
+            if kind == "submit":
+                request, on_output, queued = payload  # type: ignore[misc]
+                self._entries[request.request_id] = _Entry(request, on_output, queued)
+                if request.kv_handle is None:
+                    self._start_local(request.request_id)
+                else:
+                    self._awaiting_blocks.append(request.request_id)
+            elif kind == "abort":
+                self._abort(str(payload))
+            elif kind == "peer":
+                self.receiver.add_peer(payload)  # type: ignore[arg-type]
+            else:
+                self.receiver.on_pull_reply(payload)  # type: ignore[arg-type]
+
+    def _admit(self) -> None:
+        """Start pulls, oldest first, while blocks for the prompt plus the watermark reserve are free."""
+        pool = self.engine.block_pool
+        while self._awaiting_blocks:
+            entry = self._entries[self._awaiting_blocks[0]]
+            handle = entry.request.kv_handle
+            assert handle is not None
+            busy = self.engine.scheduler.num_unfinished or self._transferring
+            reserve = self.engine.scheduler.watermark_blocks if busy else 0
+            if not pool.can_allocate(blocks_for(handle.num_tokens, self.engine.config.block_size) + reserve):
+                return
+            self._awaiting_blocks.popleft()
+            request_id = entry.request.request_id
+            dst = self.engine.kv.allocate_blocks(request_id, handle.num_tokens)
+            entry.transfer_started = time.time()
+            entry.transfer_bytes = len(dst) * self.engine.runner.cache_spec.block_bytes
+            try:
+                self.receiver.start_pull(handle, dst)
+            except (KeyError, ValueError) as error:
+                logger.warning("pull for %s refused (%s); recomputing the prompt here", request_id, error)
+                self._on_transfer_result(handle.source_worker_id, handle.transfer_id, TransferState.FAILED,
+                                         str(error), request_id)
+                continue
+            self._transferring[(handle.source_worker_id, handle.transfer_id)] = request_id
+
+    def _on_transfer_result(self, source: str, transfer_id: int, state: TransferState, reason: str,
+                            request_id: str | None = None) -> None:
+        request_id = request_id or self._transferring.pop((source, transfer_id), None)
+        if request_id is None:
+            return
+        entry = self._entries[request_id]
+        entry.transfer_finished = time.time()
+        if entry.is_aborted:
+            self.engine.kv.free(request_id)
+            self._finish(request_id, "abort", entry.transfer_finished)
+            return
+        request = entry.request
+        assert request.first_token_id is not None and request.kv_handle is not None
+        engine_request = Request(
+            request_id, list(request.prompt_token_ids), request.sampling,
+            frozenset(self.engine.spec.eos_token_ids), output_token_ids=[request.first_token_id],
+            output_logprobs=[] if request.first_logprob is None else [request.first_logprob],
+        )
+        if state is TransferState.DONE:
+            engine_request.num_computed_tokens = request.kv_handle.num_tokens
+            self.engine.scheduler.add_running(engine_request)
+            entry.admitted = time.time()
+        else:
+            logger.warning("pull for %s failed (%s); recomputing the prompt here", request_id, reason)
+            self.engine.kv.free(request_id)
+            entry.transfer_bytes = 0
+            self.engine.scheduler.add(engine_request)
+
+    def _start_local(self, request_id: str) -> None:
+        entry = self._entries[request_id]
+        request = entry.request
+        eos = frozenset(self.engine.spec.eos_token_ids)
+        self.engine.scheduler.add(Request(request_id, list(request.prompt_token_ids), request.sampling, eos))
+
+    def _emit(self, request: Request, now: float) -> None:
+        entry = self._entries[request.request_id]
+        entry.admitted = entry.admitted or now
+        logprobs = tuple(request.output_logprobs[-1:]) if request.sampling.logprobs else ()
+        output = DecodeOutput(request.request_id, (request.output_token_ids[-1],), logprobs, now)
+        if request.is_finished:
+            output = dataclasses.replace(output, finish_reason=request.status.value,
+                                         num_preemptions=request.num_preemptions)
+            self._finish(request.request_id, request.status.value, now, output)
+        else:
+            entry.on_output(output)
+
+    def _abort(self, request_id: str) -> None:
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return
+        if request_id in self._awaiting_blocks:
+            self._awaiting_blocks.remove(request_id)
+        elif request_id in self._transferring.values():
+            entry.is_aborted = True  # the pull may still write into the blocks: free them when it ends
+            return
+        else:
+            self.engine.scheduler.abort(request_id)
+        self._finish(request_id, "abort", time.time())
+
+    def _finish(self, request_id: str, reason: str, now: float, output: DecodeOutput | None = None) -> None:
+        entry = self._entries.pop(request_id)
+        times = DecodeTimes(entry.queued, entry.transfer_started, entry.transfer_finished, entry.admitted, now)
+        output = output or DecodeOutput(request_id, (), (), now, finish_reason=reason)
+        entry.on_output(dataclasses.replace(output, times=times, transfer_bytes=entry.transfer_bytes))

@@ -1,0 +1,22 @@
+"""What a worker reports about its load, for the router and the pool manager."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    worker_id: str
+    role: str  # "prefill", "decode" or "colocated"
+    num_waiting: int  # requests queued, not yet computing
+    num_queued_prompt_tokens: int  # prompt tokens still to prefill (queued + partly chunked)
+    num_running: int  # requests holding blocks and computing
+    num_transferring: int  # KV handoffs in flight (offered on prefill, pulling on decode)
+    num_free_blocks: int
+    num_total_blocks: int
+    num_outstanding_tokens: int  # decode: output tokens still to generate for admitted requests
+
+    @property
+    def kv_occupancy(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks

@@ -1,0 +1,56 @@
+"""A worker's step loop on its own thread, so the actor's event loop stays free while a forward runs.
+
+    actor coroutine ──submit/abort (thread-safe call on the worker)──► wake()
+    loop thread:   while running: delay = step(); wait(delay)   (None: until woken; 0: at once)
+Only the loop thread touches engine state; other threads hand it commands through the worker's inbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+class StepLoop:
+    def __init__(self, name: str, step: Callable[[], float | None]) -> None:
+        """Args:
+        name: thread name, for logs and py-spy.
+        step: one iteration; returns how long to wait before the next (None: until wake()).
+        """
+        self._step = step
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopped.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                delay = self._step()
+            except BaseException as error:  # a dead loop must be visible, not a silent hang
+                logger.exception("step loop %s died", self._thread.name)
+                self.error = error
+                return
+            if delay == 0:
+                continue
+            self._wake.wait(delay)
+            self._wake.clear()

@@ -1,0 +1,37 @@
+"""What goes into a prefill worker and what comes out of it (typed, frozen; pickled through Ray)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_transfer import KVHandle
+from llm_engine import SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str  # minted by the gateway, the same on both stages
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams  # the whole request's parameters (max_tokens counts the first token)
+
+
+@dataclass(frozen=True)
+class PrefillTimes:
+    """Wall-clock times (time.time()) on the prefill worker."""
+
+    queued: float  # the request reached the worker
+    started: float  # its first chunk was scheduled
+    finished: float  # its first token was sampled (and its KV offered)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token_id: int  # -1 when aborted
+    first_logprob: float | None  # when the request asked for logprobs
+    # Set when the request needs no decode: "stop" (EOS or stop token first), "length" (max_tokens 1),
+    # "abort". None means: decode continues from kv_handle.
+    finish_reason: str | None
+    kv_handle: KVHandle | None  # the prompt's KV, offered under a lease; None when finished here
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    times: PrefillTimes

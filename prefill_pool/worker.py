@@ -1,0 +1,164 @@
+"""Prefill worker: prompts in, first tokens and KV handles out.
+
+Lifecycle of a request on this worker:
+    submit() → INBOX → WAITING → RUNNING (chunks) → PREFILLED: first token sampled
+      → OFFERED: KVHandle returned, blocks leased to the decode side
+      → RELEASED (pulled, or lease expired) → blocks freed.
+    A request whose first token ends it (EOS, stop token, max_tokens 1) is freed at once, with no handle.
+    abort() works in every state; an OFFERED request's blocks are freed when its lease is released.
+Only the step loop's thread touches the engine; submit() and abort() go through a thread-safe inbox.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kv_transfer import KVSender, PullReply, PullRequest
+from llm_engine import LLMEngine
+from llm_engine.load import WorkerLoad
+from llm_engine.request import Request, RequestStatus
+from prefill_pool.messages import PrefillRequest, PrefillResult, PrefillTimes
+from prefill_pool.scheduler import PrefillScheduler
+
+logger = logging.getLogger(__name__)
+ResultCallback = Callable[[PrefillResult], None]
+# While leases are outstanding the loop polls the sender this often (seconds) even with no compute to do.
+TRANSFER_POLL_S = 0.002
+
+
+@dataclasses.dataclass
+class _Pending:
+    request: PrefillRequest
+    on_result: ResultCallback
+    queued: float
+    started: float = 0.0
+
+
+class PrefillWorker:
+    def __init__(self, worker_id: str, engine: LLMEngine, sender: KVSender) -> None:
+        if not isinstance(engine.scheduler, PrefillScheduler):
+            raise TypeError("a prefill worker's engine must use PrefillScheduler")
+        self.worker_id = worker_id
+        self.engine = engine
+        self.sender = sender
+        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
+        self._lock = threading.Lock()
+        # The sender is polled by the loop thread and answers pull requests (torch) from the actor's thread.
+        self._sender_lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}
+        self._offered: dict[int, str] = {}  # transfer_id → request_id whose blocks it holds
+
+    # Called from any thread.
+    def submit(self, request: PrefillRequest, on_result: ResultCallback) -> None:
+        """Queue a prompt; raises ValueError at once if it can never be served here."""
+        self.engine.check_request(request.prompt_token_ids, request.sampling)
+        with self._lock:
+            self._inbox.append(("submit", (request, on_result, time.time())))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    # Called only from the step loop's thread.
+    def step(self) -> float | None:
+        """Drain the inbox, release pulled/expired leases, run one forward; returns the wait before the next."""
+        self._drain_inbox()
+        with self._sender_lock:
+            releases = self.sender.poll()
+        for released in releases:
+            request_id = self._offered.pop(released.transfer_id, None)
+            if request_id is not None:
+                self.engine.kv.free(request_id)
+        scheduler = self.engine.scheduler
+        if scheduler.num_unfinished:
+            batch = scheduler.schedule()
+            now = time.time()
+            for chunk in batch.chunks:
+                pending = self._pending[chunk.request_id]
+                pending.started = pending.started or now
+            output = self.engine.runner.execute(batch)
+            for request in scheduler.update(batch, output):
+                self._finish_prefill(request)
+            return 0.0
+        return TRANSFER_POLL_S if self._offered else None
+
+    def accept_pull(self, pull: PullRequest) -> PullReply:
+        """For backends whose sender takes part (torch): post the send leg of a pull."""
+        with self._sender_lock:
+            return self.sender.accept_pull(pull)
+
+    def load(self) -> WorkerLoad:
+        scheduler = self.engine.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in list(scheduler.requests.values()))
+        with self._lock:
+            queued += sum(len(args[0].prompt_token_ids) for kind, args in self._inbox  # type: ignore[index]
+                          if kind == "submit")
+        return WorkerLoad(
+            worker_id=self.worker_id, role="prefill", num_waiting=len(scheduler.waiting),
+            num_queued_prompt_tokens=queued, num_running=len(scheduler.running),
+            num_transferring=len(self._offered), num_free_blocks=self.engine.block_pool.num_free_blocks,
+            num_total_blocks=self.engine.block_pool.num_blocks, num_outstanding_tokens=0,
+        )
+
+    def _drain_inbox(self) -> None:
+        while True:
+            with self._lock:
+                if not self._inbox:
+                    return
+                kind, payload = self._inbox.popleft()
+            if kind == "submit":
+                request, on_result, queued = payload  # type: ignore[misc]
+                self._start(request, on_result, queued)
+            else:
+                self._abort(str(payload))
+
+    def _start(self, request: PrefillRequest, on_result: ResultCallback, queued: float) -> None:
+        # The engine generates exactly one token here; the request's own max_tokens is judged in _finish.
+        one_token = dataclasses.replace(request.sampling, max_tokens=1)
+        try:
+            self.engine.add_request(request.prompt_token_ids, one_token, request_id=request.request_id)
+        except ValueError as error:
+            logger.warning("prefill of %s refused: %s", request.request_id, error)
+            on_result(self._result(request.request_id, -1, None, "abort", None, 0, queued, queued))
+            return
+        self._pending[request.request_id] = _Pending(request, on_result, queued)
+
+    def _abort(self, request_id: str) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return  # already finished (or offered: its lease frees the blocks)
+        self.engine.scheduler.abort(request_id)
+        self.engine.kv.free(request_id)
+        pending.on_result(self._result(request_id, -1, None, "abort", None, 0, pending.queued,
+                                       pending.started or time.time()))
+
+    def _finish_prefill(self, request: Request) -> None:
+        request_id = request.request_id
+        pending = self._pending.pop(request_id)
+        sampling = pending.request.sampling
+        finish_reason: str | None = None
+        if request.status is RequestStatus.FINISHED_STOPPED:
+            finish_reason = "stop"
+        elif sampling.max_tokens == 1:
+            finish_reason = "length"
+        handle = None
+        if finish_reason is None:
+            with self._sender_lock:
+                handle = self.sender.offer(self.engine.kv.block_table(request_id), request.num_computed_tokens)
+            self._offered[handle.transfer_id] = request_id
+        else:
+            self.engine.kv.free(request_id)
+        logprob = request.output_logprobs[0] if request.output_logprobs else None
+        pending.on_result(self._result(request_id, request.output_token_ids[0], logprob, finish_reason, handle,
+                                       request.num_cached_tokens, pending.queued, pending.started))
+
+    @staticmethod
+    def _result(request_id: str, token: int, logprob: float | None, finish_reason: str | None,
+                handle: object, cached: int, queued: float, started: float) -> PrefillResult:
+        return PrefillResult(request_id, token, logprob, finish_reason, handle,  # type: ignore[arg-type]
+                             cached, PrefillTimes(queued, started, time.time()))

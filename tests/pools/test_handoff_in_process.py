@@ -1,0 +1,127 @@
+"""Prefill worker → local KV handoff → decode worker, in one process, stepped by hand (no Ray, no threads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from decode_pool.messages import DecodeOutput, DecodeRequest
+from decode_pool.worker import DecodeWorker
+from kv_transfer import TransferConfig, make_receiver, make_sender
+from llm_engine import EngineConfig, LLMEngine, SamplingParams
+from prefill_pool.messages import PrefillRequest, PrefillResult
+from prefill_pool.scheduler import PrefillScheduler
+from prefill_pool.worker import PrefillWorker
+from tests.conftest import hf_greedy, random_prompts
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def make_pair(model_dir: Path, decode_blocks: int = 256, lease_s: float = 30.0,
+              budget: int = 64) -> tuple[PrefillWorker, DecodeWorker]:
+    prefill_engine = LLMEngine(EngineConfig(str(model_dir), kv_cache_bytes=8 << 20, max_num_batched_tokens=budget),
+                               scheduler_cls=PrefillScheduler)
+    block_bytes = prefill_engine.runner.cache_spec.block_bytes
+    decode_engine = LLMEngine(EngineConfig(str(model_dir), kv_cache_bytes=decode_blocks * block_bytes),
+                              watermark=0.05)
+    config = TransferConfig(lease_s=lease_s)
+    sender = make_sender("local", "p0", prefill_engine.runner.kv_cache, config=config)
+    receiver = make_receiver("local", "d0", decode_engine.runner.kv_cache, config=config)
+    prefill = PrefillWorker("p0", prefill_engine, sender)
+    decode = DecodeWorker("d0", decode_engine, receiver)
+    decode.add_peer(sender.peer_info())
+    return prefill, decode
+
+
+def run(prefill: PrefillWorker, decode: DecodeWorker, prompts: list[list[int]],
+        sampling: SamplingParams = GREEDY) -> dict[str, list[int]]:
+    results: list[PrefillResult] = []
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, DecodeOutput] = {}
+
+    def on_output(out: DecodeOutput) -> None:
+        tokens[out.request_id].extend(out.token_ids)
+        if out.finish_reason:
+            finished[out.request_id] = out
+
+    for index, prompt in enumerate(prompts):
+        prefill.submit(PrefillRequest(f"r{index}", tuple(prompt), sampling), results.append)
+    for _ in range(10_000):
+        prefill.step()
+        while results:
+            result = results.pop(0)
+            tokens[result.request_id] = [result.first_token_id]
+            if result.finish_reason is None:
+                decode.submit(DecodeRequest(result.request_id, tuple(prompts[int(result.request_id[1:])]),
+                                            sampling, result.first_token_id, result.first_logprob,
+                                            result.kv_handle), on_output)
+            else:
+                finished[result.request_id] = DecodeOutput(result.request_id, (), (), 0.0, result.finish_reason)
+        decode.step()
+        if len(finished) == len(prompts):
+            break
+    prefill.step()  # the sender sees the last pulls and releases their blocks
+    assert len(finished) == len(prompts)
+    return tokens
+
+
+def test_greedy_tokens_match_transformers_and_pools_end_whole(tiny_llama_dir: Path) -> None:
+    prompts = random_prompts([3, 17, 40, 100, 64, 9, 130, 33], 1000)
+    prefill, decode = make_pair(tiny_llama_dir)
+    tokens = run(prefill, decode, prompts)
+    expected = hf_greedy(tiny_llama_dir, prompts, GREEDY.max_tokens)
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
+    assert prefill.engine.block_pool.is_whole()
+    assert decode.engine.block_pool.is_whole()
+
+
+def test_decode_preemption_keeps_greedy_tokens(tiny_llama_dir: Path) -> None:
+    prompts = random_prompts([40, 50, 45, 60], 1000)
+    prefill, decode = make_pair(tiny_llama_dir, decode_blocks=12)
+    sampling = SamplingParams(max_tokens=30, temperature=0.0)
+    tokens = run(prefill, decode, prompts, sampling)
+    expected = hf_greedy(tiny_llama_dir, prompts, 30)
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
+    assert decode.engine.block_pool.is_whole() and prefill.engine.block_pool.is_whole()
+
+
+def test_single_token_requests_skip_decode(tiny_llama_dir: Path) -> None:
+    prefill, decode = make_pair(tiny_llama_dir)
+    tokens = run(prefill, decode, random_prompts([20, 5], 1000), SamplingParams(max_tokens=1, temperature=0))
+    assert all(len(t) == 1 for t in tokens.values())
+    assert prefill.engine.block_pool.is_whole() and decode.engine.block_pool.is_whole()
+
+
+@pytest.mark.parametrize("stage", ["queued", "prefilling", "awaiting_transfer", "decoding"])
+def test_abort_at_each_stage_frees_both_pools(tiny_llama_dir: Path, stage: str) -> None:
+    prefill, decode = make_pair(tiny_llama_dir, lease_s=0.2, budget=16)
+    prompt = random_prompts([60], 1000)[0]
+    results: list[PrefillResult] = []
+    outputs: list[DecodeOutput] = []
+    prefill.submit(PrefillRequest("r", tuple(prompt), GREEDY), results.append)
+    if stage == "queued":
+        prefill.abort("r")
+    prefill.step()  # first 16-token chunk
+    if stage == "prefilling":
+        prefill.abort("r")
+    while not results:
+        prefill.step()
+    if results[0].finish_reason != "abort":
+        result = results[0]
+        request = DecodeRequest("r", tuple(prompt), GREEDY, result.first_token_id, None, result.kv_handle)
+        if stage == "awaiting_transfer":
+            # The decode side never pulls: the lease runs out and the prefill side frees the blocks.
+            while prefill.engine.block_pool.num_used_blocks:
+                prefill.step()
+        else:
+            decode.submit(request, outputs.append)
+            decode.step()
+            decode.step()
+            decode.abort("r")
+            decode.step()
+            assert outputs[-1].finish_reason == "abort"
+            prefill.step()
+    assert (results[0].finish_reason == "abort") == (stage in ("queued", "prefilling"))
+    assert prefill.engine.block_pool.is_whole()
+    assert decode.engine.block_pool.is_whole()
