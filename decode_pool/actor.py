@@ -1,0 +1,82 @@
+"""The decode worker as a Ray actor: tokens stream back through a Ray streaming generator; the worker's
+step loop runs on its own thread. Wrapped with ray.remote(...) by the pool, which sets its resources."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from decode_pool.messages import DecodeOutput, DecodeRequest
+from decode_pool.worker import DecodeWorker
+from kv_transfer import PeerInfo, PullRequest, TransferConfig, TransferRecord, make_receiver
+from llm_engine import EngineConfig, LLMEngine
+from llm_engine.load import WorkerLoad
+from llm_engine.step_loop import StepLoop
+from llm_engine.worker_setup import TorchGroupSpec, setup_worker_process
+
+
+class DecodeActor:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, backend: str,
+                 transfer_config: TransferConfig, watermark: float = 0.05, num_threads: int = 1,
+                 torch_group: TorchGroupSpec | None = None) -> None:
+        setup_worker_process(num_threads, torch_group)
+        engine = LLMEngine(engine_config, watermark=watermark)
+        receiver = make_receiver(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
+        self.worker = DecodeWorker(worker_id, engine, receiver, deliver_pull=self._deliver_pull)
+        self._prefill_actors: dict[str, Any] = {}  # prefill worker id → its actor handle (torch backend)
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self.loop = StepLoop(f"decode-{worker_id}", self.worker.step)
+        self.loop.start()
+
+    async def add_prefill_peer(self, peer: PeerInfo, actor: Any = None) -> None:
+        """Learn a prefill worker (once); `actor` is needed where the sender takes part in pulls."""
+        self._event_loop = asyncio.get_running_loop()
+        self._prefill_actors[peer.worker_id] = actor
+        self.worker.add_peer(peer)
+        self.loop.wake()
+
+    async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeOutput]:
+        """Stream the request's tokens; closing or cancelling the stream aborts the request."""
+        event_loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[DecodeOutput] = asyncio.Queue()
+        self.worker.submit(request, lambda out: event_loop.call_soon_threadsafe(queue.put_nowait, out))
+        self.loop.wake()
+        is_finished = False
+        try:
+            while not is_finished:
+                output = await queue.get()
+                is_finished = output.finish_reason is not None
+                yield output
+        finally:
+            if not is_finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+        self.loop.wake()
+
+    def load(self) -> WorkerLoad:
+        if self.loop.error is not None:
+            raise RuntimeError(f"decode step loop died: {self.loop.error!r}")
+        return self.worker.load()
+
+    def is_whole(self) -> bool:
+        return self.worker.engine.block_pool.is_whole()
+
+    def transfer_records(self) -> list[TransferRecord]:
+        return self.worker.receiver.recorder.records
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        self.worker.receiver.close()
+
+    def _deliver_pull(self, pull: PullRequest) -> None:
+        # Called on the step loop thread: hop to the actor's event loop to make the actor call.
+        assert self._event_loop is not None, "add_prefill_peer() comes before any pull"
+        asyncio.run_coroutine_threadsafe(self._carry_pull(pull), self._event_loop)
+
+    async def _carry_pull(self, pull: PullRequest) -> None:
+        reply = await self._prefill_actors[pull.source_worker_id].accept_pull.remote(pull)
+        self.worker.on_pull_reply(reply)
+        self.loop.wake()

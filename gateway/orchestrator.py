@@ -1,0 +1,70 @@
+"""One request's way through both stages, as a stream of typed events.
+
+    pick decode worker → pick prefill worker → prefill (first token + KVHandle) → event #1 at once
+      → decode stream (the decode worker pulls the KV, then generates) → events → final event with times.
+Closing the stream early (client gone) aborts the request on whichever worker holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import ray
+
+from decode_pool.messages import DecodeOutput, DecodeRequest
+from gateway.router import Router
+from llm_engine import SamplingParams
+from prefill_pool.messages import PrefillRequest, PrefillResult
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    request_id: str
+    token_ids: tuple[int, ...]  # new tokens
+    logprobs: tuple[float, ...]
+    emitted_at: float  # wall clock when the worker produced them
+    finish_reason: str | None = None
+    prefill: PrefillResult | None = None  # on the first event
+    decode: DecodeOutput | None = None  # on the final event when the request was decoded
+
+
+async def run_request(router: Router, request_id: str, prompt_token_ids: tuple[int, ...],
+                      sampling: SamplingParams) -> AsyncIterator[StreamEvent]:
+    decode = router.pick_decode()
+    prefill = router.pick_prefill()
+    num_prompt = len(prompt_token_ids)
+    router.prefill_tokens[prefill.worker_id] += num_prompt
+    router.decode_tokens[decode.worker_id] += num_prompt + sampling.max_tokens
+    stream = None
+    is_finished = False
+    try:
+        prefill_ref = prefill.actor.prefill.remote(PrefillRequest(request_id, prompt_token_ids, sampling))
+        try:
+            result: PrefillResult = await prefill_ref
+        finally:
+            router.prefill_tokens[prefill.worker_id] -= num_prompt
+        logprobs = () if result.first_logprob is None else (result.first_logprob,)
+        first = StreamEvent(request_id, (result.first_token_id,) if result.finish_reason != "abort" else (),
+                            logprobs if sampling.logprobs else (), result.times.finished,
+                            result.finish_reason, prefill=result)
+        yield first
+        if result.finish_reason is not None:
+            is_finished = True
+            return
+        stream = decode.actor.generate.remote(DecodeRequest(
+            request_id, prompt_token_ids, sampling, result.first_token_id, result.first_logprob,
+            result.kv_handle))
+        async for ref in stream:
+            output: DecodeOutput = await ref
+            is_finished = output.finish_reason is not None
+            yield StreamEvent(request_id, output.token_ids, output.logprobs, output.emitted_at,
+                              output.finish_reason, decode=output if is_finished else None)
+    finally:
+        router.decode_tokens[decode.worker_id] -= num_prompt + sampling.max_tokens
+        if not is_finished:
+            # The client went away: stop the work wherever it is (both calls are idempotent).
+            prefill.actor.abort.remote(request_id)
+            decode.actor.abort.remote(request_id)
+            if stream is not None:
+                ray.cancel(stream)

@@ -1,0 +1,74 @@
+"""The prefill worker as a Ray actor: an async front (submissions never wait behind a forward) over the
+worker's step loop thread. Wrapped with ray.remote(...) by the pool, which sets its resources."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord, make_sender
+from llm_engine import EngineConfig, LLMEngine
+from llm_engine.load import WorkerLoad
+from llm_engine.step_loop import StepLoop
+from llm_engine.worker_setup import TorchGroupSpec, setup_worker_process
+from prefill_pool.messages import PrefillRequest, PrefillResult
+from prefill_pool.scheduler import PrefillScheduler
+from prefill_pool.worker import PrefillWorker
+
+
+class PrefillActor:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, backend: str,
+                 transfer_config: TransferConfig, num_threads: int = 1,
+                 torch_group: TorchGroupSpec | None = None) -> None:
+        setup_worker_process(num_threads, torch_group)
+        engine = LLMEngine(engine_config, scheduler_cls=PrefillScheduler)
+        sender = make_sender(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
+        self.worker = PrefillWorker(worker_id, engine, sender)
+        self.loop = StepLoop(f"prefill-{worker_id}", self.worker.step)
+        self.loop.start()
+
+    def peer_info(self) -> PeerInfo:
+        return self.worker.sender.peer_info()
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        """Prefill one prompt; returns its first token and KV handle. Cancelling the call aborts it."""
+        event_loop = asyncio.get_running_loop()
+        future: asyncio.Future[PrefillResult] = event_loop.create_future()
+
+        def deliver(result: PrefillResult) -> None:
+            event_loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+
+        self.worker.submit(request, deliver)  # ValueError reaches the caller
+        self.loop.wake()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.abort(request.request_id)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+        self.loop.wake()
+
+    def accept_pull(self, pull: PullRequest) -> PullReply:
+        reply = self.worker.accept_pull(pull)
+        self.loop.wake()
+        return reply
+
+    def load(self) -> WorkerLoad:
+        self._check_alive()
+        return self.worker.load()
+
+    def is_whole(self) -> bool:
+        """No block held: for tests and drains."""
+        return self.worker.engine.block_pool.is_whole()
+
+    def transfer_records(self) -> list[TransferRecord]:
+        return self.worker.sender.recorder.records
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        self.worker.sender.close()
+
+    def _check_alive(self) -> None:
+        if self.loop.error is not None:
+            raise RuntimeError(f"prefill step loop died: {self.loop.error!r}")
