@@ -40,7 +40,11 @@ class DecodeActor:
         """Stream the request's tokens; closing or cancelling the stream aborts the request."""
         event_loop = asyncio.get_running_loop()
         queue: asyncio.Queue[DecodeOutput] = asyncio.Queue()
-        self.worker.submit(request, lambda out: event_loop.call_soon_threadsafe(queue.put_nowait, out))
+
+        def deliver(output: DecodeOutput) -> None:
+            event_loop.call_soon_threadsafe(queue.put_nowait, output)
+
+        self.worker.submit(request, deliver)
         self.loop.wake()
         is_finished = False
         try:

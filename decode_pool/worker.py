@@ -56,7 +56,8 @@ class DecodeWorker:
         self.engine = engine
         self.receiver = receiver
         self.deliver_pull = deliver_pull
-        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
+        # Commands from other threads, run by the loop thread at the start of its next step.
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._awaiting_blocks: collections.deque[str] = collections.deque()
@@ -66,20 +67,21 @@ class DecodeWorker:
     def submit(self, request: DecodeRequest, on_output: OutputCallback) -> None:
         """Queue a request; raises ValueError at once if it can never be served here."""
         self.engine.check_request(request.prompt_token_ids, request.sampling)
-        with self._lock:
-            self._inbox.append(("submit", (request, on_output, time.time())))
+        queued = time.time()
+        self._post(lambda: self._accept(request, on_output, queued))
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._inbox.append(("abort", request_id))
+        self._post(lambda: self._abort(request_id))
 
     def add_peer(self, peer: PeerInfo) -> None:
-        with self._lock:
-            self._inbox.append(("peer", peer))
+        self._post(lambda: self.receiver.add_peer(peer))
 
     def on_pull_reply(self, reply: PullReply) -> None:
+        self._post(lambda: self.receiver.on_pull_reply(reply))
+
+    def _post(self, command: Callable[[], None]) -> None:
         with self._lock:
-            self._inbox.append(("reply", reply))
+            self._inbox.append(command)
 
     # Called only from the step loop's thread.
     def step(self) -> float | None:
@@ -115,24 +117,18 @@ class DecodeWorker:
         )
 
     def _drain_inbox(self) -> None:
-        while True:
-            with self._lock:
-                if not self._inbox:
-                    return
-                kind, payload = self._inbox.popleft()
-            if kind == "submit":
-                request, on_output, queued = payload  # type: ignore[misc]
-                self._entries[request.request_id] = _Entry(request, on_output, queued)
-                if request.kv_handle is None:
-                    self._start_local(request.request_id)
-                else:
-                    self._awaiting_blocks.append(request.request_id)
-            elif kind == "abort":
-                self._abort(str(payload))
-            elif kind == "peer":
-                self.receiver.add_peer(payload)  # type: ignore[arg-type]
-            else:
-                self.receiver.on_pull_reply(payload)  # type: ignore[arg-type]
+        with self._lock:
+            commands = list(self._inbox)
+            self._inbox.clear()
+        for command in commands:
+            command()
+
+    def _accept(self, request: DecodeRequest, on_output: OutputCallback, queued: float) -> None:
+        self._entries[request.request_id] = _Entry(request, on_output, queued)
+        if request.kv_handle is None:
+            self._start_local(request.request_id)
+        else:
+            self._awaiting_blocks.append(request.request_id)
 
     def _admit(self) -> None:
         """Start pulls, oldest first, while blocks for the prompt plus the watermark reserve are free."""
@@ -220,6 +216,7 @@ class DecodeWorker:
 
     def _finish(self, request_id: str, reason: str, now: float, output: DecodeOutput | None = None) -> None:
         entry = self._entries.pop(request_id)
-        times = DecodeTimes(entry.queued, entry.transfer_started, entry.transfer_finished, entry.admitted, now)
+        times = DecodeTimes(entry.queued, entry.transfer_started, entry.transfer_finished, entry.admitted,
+                            now)
         output = output or DecodeOutput(request_id, (), (), now, finish_reason=reason)
         entry.on_output(dataclasses.replace(output, times=times, transfer_bytes=entry.transfer_bytes))

@@ -110,7 +110,7 @@ class PDDeployment:
                                   "torch_group": self._torch_groups.get(worker_id)}
         if role == "decode":
             kwargs["watermark"] = self.config.watermark
-        actor = ray.remote(cls).options(**options).remote(  # type: ignore[call-overload]
+        actor = ray.remote(cls).options(**options).remote(
             worker_id, self.config.engine, self.backend.value, self.config.transfer, **kwargs)
         worker = Worker(worker_id, role, actor)
         self.workers[worker_id] = worker

@@ -43,7 +43,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def add_running(self, request: Request) -> None:
-        """Join a request whose first `num_computed_tokens` already have KV in its blocks (held by self.kv)."""
+        """Join a request whose first `num_computed_tokens` tokens already have KV in its blocks."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if not self.kv.has(request.request_id):

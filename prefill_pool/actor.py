@@ -34,8 +34,12 @@ class PrefillActor:
         event_loop = asyncio.get_running_loop()
         future: asyncio.Future[PrefillResult] = event_loop.create_future()
 
+        def resolve(result: PrefillResult) -> None:
+            if not future.done():  # the caller may have cancelled meanwhile
+                future.set_result(result)
+
         def deliver(result: PrefillResult) -> None:
-            event_loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+            event_loop.call_soon_threadsafe(resolve, result)
 
         self.worker.submit(request, deliver)  # ValueError reaches the caller
         self.loop.wake()

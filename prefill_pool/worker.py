@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kv_transfer import KVSender, PullReply, PullRequest
+from kv_transfer import KVHandle, KVSender, PullReply, PullRequest
 from llm_engine import LLMEngine
 from llm_engine.load import WorkerLoad
 from llm_engine.request import Request, RequestStatus
@@ -46,7 +46,9 @@ class PrefillWorker:
         self.worker_id = worker_id
         self.engine = engine
         self.sender = sender
-        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
+        # Commands from other threads, run by the loop thread at the start of its next step.
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
+        self._num_inbox_tokens = 0
         self._lock = threading.Lock()
         # The sender is polled by the loop thread and answers pull requests (torch) from the actor's thread.
         self._sender_lock = threading.Lock()
@@ -57,16 +59,18 @@ class PrefillWorker:
     def submit(self, request: PrefillRequest, on_result: ResultCallback) -> None:
         """Queue a prompt; raises ValueError at once if it can never be served here."""
         self.engine.check_request(request.prompt_token_ids, request.sampling)
+        queued = time.time()
         with self._lock:
-            self._inbox.append(("submit", (request, on_result, time.time())))
+            self._inbox.append(lambda: self._start(request, on_result, queued))
+            self._num_inbox_tokens += len(request.prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(lambda: self._abort(request_id))
 
     # Called only from the step loop's thread.
     def step(self) -> float | None:
-        """Drain the inbox, release pulled/expired leases, run one forward; returns the wait before the next."""
+        """Run the inbox, release pulled/expired leases, run one forward; returns the wait before the next."""
         self._drain_inbox()
         with self._sender_lock:
             releases = self.sender.poll()
@@ -94,10 +98,8 @@ class PrefillWorker:
 
     def load(self) -> WorkerLoad:
         scheduler = self.engine.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in list(scheduler.requests.values()))
-        with self._lock:
-            queued += sum(len(args[0].prompt_token_ids) for kind, args in self._inbox  # type: ignore[index]
-                          if kind == "submit")
+        queued = self._num_inbox_tokens
+        queued += sum(r.num_tokens - r.num_computed_tokens for r in list(scheduler.requests.values()))
         return WorkerLoad(
             worker_id=self.worker_id, role="prefill", num_waiting=len(scheduler.waiting),
             num_queued_prompt_tokens=queued, num_running=len(scheduler.running),
@@ -106,16 +108,12 @@ class PrefillWorker:
         )
 
     def _drain_inbox(self) -> None:
-        while True:
-            with self._lock:
-                if not self._inbox:
-                    return
-                kind, payload = self._inbox.popleft()
-            if kind == "submit":
-                request, on_result, queued = payload  # type: ignore[misc]
-                self._start(request, on_result, queued)
-            else:
-                self._abort(str(payload))
+        with self._lock:
+            commands = list(self._inbox)
+            self._inbox.clear()
+            self._num_inbox_tokens = 0
+        for command in commands:
+            command()
 
     def _start(self, request: PrefillRequest, on_result: ResultCallback, queued: float) -> None:
         # The engine generates exactly one token here; the request's own max_tokens is judged in _finish.
@@ -149,16 +147,17 @@ class PrefillWorker:
         handle = None
         if finish_reason is None:
             with self._sender_lock:
-                handle = self.sender.offer(self.engine.kv.block_table(request_id), request.num_computed_tokens)
+                table = self.engine.kv.block_table(request_id)
+                handle = self.sender.offer(table, request.num_computed_tokens)
             self._offered[handle.transfer_id] = request_id
         else:
             self.engine.kv.free(request_id)
         logprob = request.output_logprobs[0] if request.output_logprobs else None
-        pending.on_result(self._result(request_id, request.output_token_ids[0], logprob, finish_reason, handle,
-                                       request.num_cached_tokens, pending.queued, pending.started))
+        pending.on_result(self._result(request_id, request.output_token_ids[0], logprob, finish_reason,
+                                       handle, request.num_cached_tokens, pending.queued, pending.started))
 
     @staticmethod
     def _result(request_id: str, token: int, logprob: float | None, finish_reason: str | None,
-                handle: object, cached: int, queued: float, started: float) -> PrefillResult:
-        return PrefillResult(request_id, token, logprob, finish_reason, handle,  # type: ignore[arg-type]
-                             cached, PrefillTimes(queued, started, time.time()))
+                handle: KVHandle | None, cached: int, queued: float, started: float) -> PrefillResult:
+        return PrefillResult(request_id, token, logprob, finish_reason, handle, cached,
+                             PrefillTimes(queued, started, time.time()))

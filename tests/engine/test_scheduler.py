@@ -92,3 +92,16 @@ def test_abort_in_every_state_frees_blocks() -> None:
     assert scheduler.abort("missing") is None
     assert scheduler.num_unfinished == 0
     assert scheduler.kv.pool.is_whole()
+
+
+def test_admission_keeps_the_watermark_free_while_others_run() -> None:
+    scheduler = Scheduler(KVCacheManager(BlockPool(10), BLOCK), 64, 8, watermark_blocks=3)
+    add(scheduler, "first", 16, max_tokens=2)  # 4 blocks (+1 to grow): admitted even into the reserve
+    add(scheduler, "second", 12, max_tokens=2)  # 3 more would leave 3 free: exactly the watermark, admitted
+    add(scheduler, "third", 4, max_tokens=2)  # 1 more would leave 2 < 3: waits
+    batch = scheduler.schedule()
+    assert [c.request_id for c in batch.chunks] == ["first", "second"]
+    assert scheduler.kv.pool.num_free_blocks == 3
+    scheduler.update(batch, fake_forward(batch))
+    run_to_end(scheduler)
+    assert scheduler.kv.pool.is_whole()

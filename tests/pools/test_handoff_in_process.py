@@ -20,8 +20,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 def make_pair(model_dir: Path, decode_blocks: int = 256, lease_s: float = 30.0,
               budget: int = 64) -> tuple[PrefillWorker, DecodeWorker]:
-    prefill_engine = LLMEngine(EngineConfig(str(model_dir), kv_cache_bytes=8 << 20, max_num_batched_tokens=budget),
-                               scheduler_cls=PrefillScheduler)
+    prefill_config = EngineConfig(str(model_dir), kv_cache_bytes=8 << 20, max_num_batched_tokens=budget)
+    prefill_engine = LLMEngine(prefill_config, scheduler_cls=PrefillScheduler)
     block_bytes = prefill_engine.runner.cache_spec.block_bytes
     decode_engine = LLMEngine(EngineConfig(str(model_dir), kv_cache_bytes=decode_blocks * block_bytes),
                               watermark=0.05)
@@ -57,7 +57,8 @@ def run(prefill: PrefillWorker, decode: DecodeWorker, prompts: list[list[int]],
                                             sampling, result.first_token_id, result.first_logprob,
                                             result.kv_handle), on_output)
             else:
-                finished[result.request_id] = DecodeOutput(result.request_id, (), (), 0.0, result.finish_reason)
+                finished[result.request_id] = DecodeOutput(result.request_id, (), (), 0.0,
+                                                           result.finish_reason)
         decode.step()
         if len(finished) == len(prompts):
             break
@@ -125,3 +126,26 @@ def test_abort_at_each_stage_frees_both_pools(tiny_llama_dir: Path, stage: str) 
     assert (results[0].finish_reason == "abort") == (stage in ("queued", "prefilling"))
     assert prefill.engine.block_pool.is_whole()
     assert decode.engine.block_pool.is_whole()
+
+
+def test_decode_admission_keeps_the_watermark(tiny_llama_dir: Path) -> None:
+    prefill, decode = make_pair(tiny_llama_dir, decode_blocks=20)
+    decode.engine.scheduler.watermark_blocks = 5
+    results: list[PrefillResult] = []
+    prompts = random_prompts([96, 96, 96], 1000)  # 6 blocks each
+    for index, prompt in enumerate(prompts):
+        prefill.submit(PrefillRequest(f"r{index}", tuple(prompt), GREEDY), results.append)
+    while len(results) < 3:
+        prefill.step()
+    outputs: list[DecodeOutput] = []
+    for result, prompt in zip(results, prompts, strict=True):
+        decode.submit(DecodeRequest(result.request_id, tuple(prompt), GREEDY, result.first_token_id, None,
+                                    result.kv_handle), outputs.append)
+    decode.step()
+    # First: nothing else running, admitted. Second: 6 + 5 reserve <= 14 free. Third: 6 + 5 > 8 free: waits.
+    load = decode.load()
+    assert load.num_waiting == 1 and load.num_running == 2
+    while sum(1 for o in outputs if o.finish_reason) < 3:
+        decode.step()
+        prefill.step()
+    assert decode.engine.block_pool.is_whole() and prefill.engine.block_pool.is_whole()
