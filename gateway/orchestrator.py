@@ -7,7 +7,7 @@ Closing the stream early (client gone) aborts the request on whichever worker ho
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import ray
@@ -30,7 +30,7 @@ class StreamEvent:
 
 
 async def run_request(router: Router, request_id: str, prompt_token_ids: tuple[int, ...],
-                      sampling: SamplingParams) -> AsyncIterator[StreamEvent]:
+                      sampling: SamplingParams) -> AsyncGenerator[StreamEvent, None]:
     decode = router.pick_decode()
     prefill = router.pick_prefill()
     num_prompt = len(prompt_token_ids)

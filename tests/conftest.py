@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,28 @@ def build_tiny_llama(out_dir: Path, *, vocab_size: int = 1000, seed: int = 0) ->
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[None]:
+    """A local Ray instance shared by the tests that need one (about 3 s to start)."""
+    import ray
+
+    # Worker processes inherit this environment: UCX stays on loopback, tokenizers stay single-threaded.
+    os.environ["UCX_NET_DEVICES"] = "lo"
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """The tiny random Llama with SmolLM2's tokenizer and chat template (vocabulary 49152)."""
+    out = build_tiny_llama(tmp_path_factory.mktemp("tiny-chat"), vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).is_file():
+            shutil.copy2(smollm2_dir / name, out / name)
+    return out
 
 
 @pytest.fixture(scope="session")

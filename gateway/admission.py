@@ -1,0 +1,95 @@
+"""Admission: a request enters only if decode KV capacity can be reserved for prompt + max_tokens.
+
+States of a request here: WAITING (FIFO, bounded) → ADMITTED (holds a reservation) → released.
+A full waiting line, or a wait past the timeout, is an Overloaded error (HTTP 429 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+
+class Overloaded(Exception):
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Admission:
+    def __init__(self, capacity_tokens: int, max_waiting: int, timeout_s: float) -> None:
+        """Args:
+        capacity_tokens: decode KV tokens all decode workers hold together (less their watermarks).
+        max_waiting: requests allowed to wait for capacity; beyond that, Overloaded at once.
+        timeout_s: how long a request may wait before Overloaded.
+        """
+        self.capacity_tokens = capacity_tokens
+        self.max_waiting = max_waiting
+        self.timeout_s = timeout_s
+        self.reserved_tokens = 0
+        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    async def acquire(self, num_tokens: int) -> Reservation:
+        """Reserve `num_tokens` of decode capacity, waiting in line if needed.
+
+        Raises:
+            Overloaded: the line is full, or the wait passed the timeout.
+        """
+        if not self._waiting and self.reserved_tokens + num_tokens <= self.capacity_tokens:
+            self.reserved_tokens += num_tokens
+            return Reservation(self, num_tokens)
+        if len(self._waiting) >= self.max_waiting:
+            raise Overloaded(f"server busy: {len(self._waiting)} requests already wait for KV capacity", 1)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (num_tokens, future)
+        self._waiting.append(entry)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+        except TimeoutError:
+            self._give_up(entry)
+            raise Overloaded(f"no KV capacity for {num_tokens} tokens within {self.timeout_s:.0f} s",
+                             max(1, round(self.timeout_s / 4))) from None
+        except asyncio.CancelledError:  # the client went away while waiting
+            self._give_up(entry)
+            raise
+        return Reservation(self, num_tokens)
+
+    def _release(self, num_tokens: int) -> None:
+        self.reserved_tokens -= num_tokens
+        self._wake()
+
+    def _give_up(self, entry: tuple[int, asyncio.Future[None]]) -> None:
+        num_tokens, future = entry
+        if future.done():  # admitted just as the wait ended: hand the reservation back
+            self.reserved_tokens -= num_tokens
+            self._wake()
+        else:
+            self._waiting.remove(entry)
+            future.cancel()
+
+    def _wake(self) -> None:
+        while self._waiting:
+            num_tokens, future = self._waiting[0]
+            if self.reserved_tokens + num_tokens > self.capacity_tokens:
+                return
+            self._waiting.popleft()
+            self.reserved_tokens += num_tokens
+            future.set_result(None)
+
+
+class Reservation:
+    """Decode capacity held by one request; release() is idempotent (stream end and safety net call it)."""
+
+    def __init__(self, admission: Admission, num_tokens: int) -> None:
+        self._admission = admission
+        self.num_tokens = num_tokens
+        self._is_released = False
+
+    def release(self) -> None:
+        if not self._is_released:
+            self._is_released = True
+            self._admission._release(self.num_tokens)

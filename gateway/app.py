@@ -1,0 +1,172 @@
+"""The FastAPI application: `create_app(config)`; all state lives in app.state (set up in `lifespan`).
+
+    lifespan: Ray (join or start) → model dir → tokenizer → both pools started and connected → admission
+              capacity from the decode workers' KV → serve → shutdown of every actor (and of Ray if ours).
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics,
+GET /admin/pools. Errors use OpenAI's shape; a client that disconnects aborts its request on both workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import ray
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.admission import Admission, Overloaded
+from gateway.auth import require_admin, require_api_key
+from gateway.config import ServeConfig
+from gateway.pools import PDDeployment
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, ErrorBody, ErrorResponse
+from gateway.responses import chat_response, chat_stream, completion_response, completion_stream
+from gateway.service import BadRequest, GatewayService
+from llm_engine.model_loader import load_tokenizer, read_model_spec
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_dir(config: ServeConfig) -> str:
+    if config.model is not None:
+        return config.model
+    from llm_engine.default_model import prepare_default_model
+
+    return str(prepare_default_model())
+
+
+def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
+          headers: dict[str, str] | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorBody(message=message, type=kind, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def create_app(config: ServeConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        started_ray = not ray.is_initialized()
+        if started_ray:
+            ray.init(address=config.ray_address, include_dashboard=False, configure_logging=False)
+        model_dir = resolve_model_dir(config)
+        deployment = PDDeployment(config.deployment_config(model_dir))
+        await deployment.start()
+        try:
+            decode_loads = [x for x in await deployment.loads() if x.role == "decode"]
+            block_size = deployment.config.engine.block_size
+            usable = 1.0 - deployment.config.watermark
+            per_worker = [int(x.num_total_blocks * block_size * usable) for x in decode_loads]
+            app.state.service = GatewayService(
+                tokenizer=load_tokenizer(model_dir), spec=read_model_spec(model_dir),
+                model_name=config.served_model_name or Path(model_dir).name, deployment=deployment,
+                admission=Admission(sum(per_worker), config.max_waiting, config.queue_timeout_s),
+                max_request_tokens=min(per_worker), default_max_tokens=config.default_max_tokens,
+            )
+            app.state.started = time.time()
+            print(f"pdserve: serving {app.state.service.model_name} on http://{config.host}:{config.port} "
+                  f"with {config.prefill} prefill : {config.decode} decode workers "
+                  f"(KV transfer: {deployment.backend.value})", flush=True)
+            yield
+        finally:
+            await deployment.shutdown()
+            if started_ray:
+                ray.shutdown()
+
+    app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.state.config = config
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid")
+        return error(400, message, "invalid_request_error", param=where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kinds = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+        return error(exc.status_code, str(exc.detail), kinds.get(exc.status_code, "invalid_request_error"))
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        return error(exc.status, str(exc), kind, exc.param, exc.code)
+
+    @app.exception_handler(Overloaded)
+    async def overloaded(_: Request, exc: Overloaded) -> JSONResponse:
+        return error(429, str(exc), "rate_limit_error", headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        service: GatewayService = request.app.state.service
+        prepared = service.prepare_completion(body)
+        reservation = await service.admit(prepared)
+        deltas = service.stream(prepared, reservation)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = completion_stream(service, body, prepared, deltas, include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream",
+                                     background=BackgroundTask(reservation.release))
+        return JSONResponse((await completion_response(service, body, prepared, deltas)).model_dump())
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        service: GatewayService = request.app.state.service
+        prepared = service.prepare_chat(body)
+        reservation = await service.admit(prepared)
+        deltas = service.stream(prepared, reservation)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = chat_stream(service, body, prepared, deltas, include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream",
+                                     background=BackgroundTask(reservation.release))
+        return JSONResponse((await chat_response(service, body, prepared, deltas)).model_dump())
+
+    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
+    async def models(request: Request) -> dict[str, object]:
+        service: GatewayService = request.app.state.service
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model",
+                                            "created": int(request.app.state.started), "owned_by": "pdserve",
+                                            "max_model_len": service.spec.max_model_len}]}
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        service: GatewayService = request.app.state.service
+        try:
+            loads = await service.deployment.loads()
+        except Exception as exc:  # a dead actor or step loop: report it, do not crash the probe
+            return JSONResponse({"status": "unhealthy", "reason": str(exc)}, status_code=503)
+        return JSONResponse({"status": "ok", "workers": len(loads)})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        service: GatewayService = request.app.state.service
+        service.metrics.set_loads(await service.deployment.loads())
+        service.metrics.admission_waiting.set(service.admission.num_waiting)
+        service.metrics.admission_reserved.set(service.admission.reserved_tokens)
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/admin/pools", dependencies=[Depends(require_admin)])
+    async def admin_pools(request: Request) -> dict[str, object]:
+        service: GatewayService = request.app.state.service
+        loads = await service.deployment.loads()
+        return {
+            "prefill": sum(1 for x in loads if x.role == "prefill"),
+            "decode": sum(1 for x in loads if x.role == "decode"),
+            "backend": service.deployment.backend.value,
+            "workers": [
+                {"worker_id": x.worker_id, "role": x.role, "running_requests": x.num_running,
+                 "waiting_requests": x.num_waiting, "queued_prompt_tokens": x.num_queued_prompt_tokens,
+                 "transferring": x.num_transferring, "free_kv_blocks": x.num_free_blocks,
+                 "used_kv_blocks": x.num_total_blocks - x.num_free_blocks,
+                 "total_kv_blocks": x.num_total_blocks}
+                for x in loads
+            ],
+        }
+
+    return app

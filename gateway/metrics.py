@@ -1,0 +1,73 @@
+"""Prometheus metrics of one gateway (its own registry: no module-level globals, one set per app)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from gateway.protocol import Timings
+from llm_engine.load import WorkerLoad
+
+# Latency buckets from 5 ms to 2 min: CPU decode steps are tens of ms, long CPU prefills tens of seconds.
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 120)
+STAGES = ("gateway_queue", "prefill_queue", "prefill", "transfer", "decode_queue", "decode")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token", buckets=_SECONDS, registry=r)
+        self.itl = Histogram(
+            "pdserve_itl_seconds", "Gap between consecutive tokens", buckets=_SECONDS, registry=r
+        )
+        self.e2e = Histogram("pdserve_e2e_seconds", "Arrival to last token", buckets=_SECONDS, registry=r)
+        self.stage = Histogram(
+            "pdserve_stage_seconds", "Time spent in each stage", ["stage"], buckets=_SECONDS, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.output_tokens = Counter("pdserve_output_tokens", "Generated tokens", registry=r)
+        self.transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes", "KV bytes moved prefill→decode", registry=r
+        )
+        self.queued_prompt_tokens = Gauge(
+            "pdserve_queued_prompt_tokens", "Prompt tokens waiting per pool", ["pool"], registry=r
+        )
+        self.running = Gauge(
+            "pdserve_running_requests", "Requests computing per worker", ["worker", "role"], registry=r
+        )
+        self.kv_occupancy = Gauge(
+            "pdserve_kv_occupancy", "Fraction of KV blocks in use per worker", ["worker", "role"], registry=r
+        )
+        self.admission_waiting = Gauge(
+            "pdserve_admission_waiting", "Requests waiting for decode KV capacity", registry=r
+        )
+        self.admission_reserved = Gauge(
+            "pdserve_admission_reserved_tokens", "Decode KV tokens reserved", registry=r
+        )
+
+    def observe_request(self, timings: Timings, outcome: str, num_prompt: int, num_output: int) -> None:
+        self.requests.labels(outcome).inc()
+        self.ttft.observe(timings.ttft_ms / 1000)
+        self.e2e.observe(timings.e2e_ms / 1000)
+        for gap in timings.token_gaps_ms:
+            self.itl.observe(gap / 1000)
+        for stage in STAGES:
+            self.stage.labels(stage).observe(getattr(timings, f"{stage}_ms") / 1000)
+        self.prompt_tokens.inc(num_prompt)
+        self.output_tokens.inc(num_output)
+        self.transfer_bytes.inc(timings.transfer_bytes)
+
+    def set_loads(self, loads: list[WorkerLoad]) -> None:
+        for pool in ("prefill", "decode"):
+            self.queued_prompt_tokens.labels(pool).set(
+                sum(x.num_queued_prompt_tokens for x in loads if x.role == pool)
+            )
+        for load in loads:
+            self.running.labels(load.worker_id, load.role).set(load.num_running)
+            self.kv_occupancy.labels(load.worker_id, load.role).set(load.kv_occupancy)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

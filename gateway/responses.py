@@ -1,0 +1,121 @@
+"""OpenAI response framing of a TextDelta stream: whole responses, and SSE chunks ending in [DONE]."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from gateway.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
+from gateway.service import GatewayService, PreparedRequest, TextDelta
+
+
+def _usage(prepared: PreparedRequest, num_output: int) -> Usage:
+    num_prompt = len(prepared.prompt_token_ids)
+    return Usage(prompt_tokens=num_prompt, completion_tokens=num_output, total_tokens=num_prompt + num_output)
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+async def _collect(deltas: AsyncIterator[TextDelta]) -> tuple[str, list[int], list[float], TextDelta]:
+    text: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    last: TextDelta | None = None
+    async for delta in deltas:
+        text.append(delta.text)
+        token_ids.extend(delta.token_ids)
+        logprobs.extend(delta.logprobs)
+        last = delta
+    assert last is not None and last.finish_reason is not None
+    return "".join(text), token_ids, logprobs, last
+
+
+def _completion_logprobs(service: GatewayService, token_ids: list[int], logprobs: list[float]
+                         ) -> dict[str, list[float | str]]:
+    tokens: list[float | str] = [str(service.tokenizer.convert_ids_to_tokens(t)) for t in token_ids]
+    return {"tokens": tokens, "token_logprobs": list(logprobs)}
+
+
+def _chat_logprobs(service: GatewayService, token_ids: list[int], logprobs: list[float]
+                   ) -> dict[str, list[dict[str, float | str]]]:
+    return {"content": [{"token": str(service.tokenizer.convert_ids_to_tokens(t)), "logprob": lp}
+                        for t, lp in zip(token_ids, logprobs, strict=False)]}
+
+
+async def completion_response(service: GatewayService, body: CompletionRequest, prepared: PreparedRequest,
+                              deltas: AsyncIterator[TextDelta]) -> CompletionResponse:
+    text, token_ids, logprobs, last = await _collect(deltas)
+    choice = CompletionChoice(
+        text=text, finish_reason=last.finish_reason,
+        logprobs=_completion_logprobs(service, token_ids, logprobs) if body.logprobs is not None else None,
+        token_ids=token_ids if body.return_token_ids else None,
+    )
+    return CompletionResponse(id=prepared.request_id, model=service.model_name, choices=[choice],
+                              usage=_usage(prepared, last.num_output_tokens), timings=last.timings)
+
+
+async def completion_stream(service: GatewayService, body: CompletionRequest, prepared: PreparedRequest,
+                            deltas: AsyncIterator[TextDelta], include_usage: bool) -> AsyncIterator[str]:
+    last: TextDelta | None = None
+    async for delta in deltas:
+        last = delta
+        choice = CompletionChoice(
+            text=delta.text, finish_reason=delta.finish_reason,
+            logprobs=_completion_logprobs(service, list(delta.token_ids), list(delta.logprobs))
+            if body.logprobs is not None else None,
+            token_ids=list(delta.token_ids) if body.return_token_ids else None,
+        )
+        chunk = CompletionResponse(id=prepared.request_id, model=service.model_name, choices=[choice],
+                                   timings=delta.timings)
+        yield _sse(chunk.model_dump_json(exclude_none=True))
+    if include_usage and last is not None:
+        usage = CompletionResponse(id=prepared.request_id, model=service.model_name, choices=[],
+                                   usage=_usage(prepared, last.num_output_tokens))
+        yield _sse(usage.model_dump_json(exclude_none=True))
+    yield _sse("[DONE]")
+
+
+async def chat_response(service: GatewayService, body: ChatCompletionRequest, prepared: PreparedRequest,
+                        deltas: AsyncIterator[TextDelta]) -> ChatCompletionResponse:
+    text, token_ids, logprobs, last = await _collect(deltas)
+    choice = ChatChoice(
+        message=ChatDelta(role="assistant", content=text), finish_reason=last.finish_reason,
+        logprobs=_chat_logprobs(service, token_ids, logprobs) if body.logprobs else None,
+        token_ids=token_ids if body.return_token_ids else None,
+    )
+    return ChatCompletionResponse(id=prepared.request_id, model=service.model_name, choices=[choice],
+                                  usage=_usage(prepared, last.num_output_tokens), timings=last.timings)
+
+
+async def chat_stream(service: GatewayService, body: ChatCompletionRequest, prepared: PreparedRequest,
+                      deltas: AsyncIterator[TextDelta], include_usage: bool) -> AsyncIterator[str]:
+    def chunk(choice: ChatChoice | None, **extra: object) -> str:
+        response = ChatCompletionResponse(id=prepared.request_id, object="chat.completion.chunk",
+                                          model=service.model_name, choices=[choice] if choice else [],
+                                          **extra)  # type: ignore[arg-type]
+        return _sse(response.model_dump_json(exclude_none=True))
+
+    yield chunk(ChatChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None))
+    last: TextDelta | None = None
+    async for delta in deltas:
+        last = delta
+        choice = ChatChoice(
+            delta=ChatDelta(content=delta.text), finish_reason=delta.finish_reason,
+            logprobs=_chat_logprobs(service, list(delta.token_ids), list(delta.logprobs))
+            if body.logprobs else None,
+            token_ids=list(delta.token_ids) if body.return_token_ids else None,
+        )
+        yield chunk(choice, timings=delta.timings)
+    if include_usage and last is not None:
+        yield chunk(None, usage=_usage(prepared, last.num_output_tokens))
+    yield _sse("[DONE]")

@@ -1,0 +1,224 @@
+"""The gateway's request path, independent of HTTP framing.
+
+prepare_*(): validate against the model (name, vocabulary, context) and tokenize once → PreparedRequest
+admit():     reserve decode KV capacity for prompt + max_tokens (bounded wait, else Overloaded → 429)
+stream():    route through both pools → incremental detokenization, stop strings → TextDelta events;
+             the last one carries finish_reason, usage counts and the stage Timings (also exported to
+             Prometheus). Leaving the stream early (client gone, stop string) aborts both workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from decode_pool.messages import DecodeOutput
+from gateway.admission import Admission, Reservation
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.metrics import Metrics
+from gateway.orchestrator import run_request
+from gateway.pools import PDDeployment
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, Timings
+from gateway.router import Router
+from llm_engine import ModelSpec, SamplingParams
+from prefill_pool.messages import PrefillResult
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class BadRequest(Exception):
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stop_strings: list[str]
+    arrival: float  # time.time() when the gateway received it
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str | None = None
+    num_output_tokens: int = 0  # tokens generated so far
+    timings: Timings | None = None  # on the last delta
+
+
+class GatewayService:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        spec: ModelSpec,
+        model_name: str,
+        deployment: PDDeployment,
+        admission: Admission,
+        max_request_tokens: int,
+        default_max_tokens: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.model_name = model_name
+        self.deployment = deployment
+        self.router = Router(deployment)
+        self.admission = admission
+        self.metrics = Metrics()
+        self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
+        self.default_max_tokens = default_max_tokens
+
+    # Validation and tokenization.
+    def prepare_completion(self, request: CompletionRequest) -> PreparedRequest:
+        self._check_model(request.model)
+        if isinstance(request.prompt, str):
+            prompt = list(self.tokenizer.encode(request.prompt))
+        else:
+            prompt = list(request.prompt)
+            bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
+            if bad:
+                raise BadRequest(
+                    f"prompt token ids outside the vocabulary [0, {self.spec.vocab_size}): {bad[:5]}",
+                    param="prompt",
+                )
+        if not prompt:
+            raise BadRequest("the prompt is empty", param="prompt")
+        return self._prepare(request, prompt, request.max_tokens or 16, request.logprobs is not None)
+
+    def prepare_chat(self, request: ChatCompletionRequest) -> PreparedRequest:
+        self._check_model(request.model)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest(f"model {self.model_name} has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.text} for m in request.messages]
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        # transformers 5 returns a BatchEncoding here; older versions a plain list.
+        prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)  # type: ignore[call-overload,index]
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, min(self.default_max_tokens, self.spec.max_model_len - len(prompt)))
+        return self._prepare(request, prompt, max_tokens, request.logprobs)
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise BadRequest(
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def _prepare(
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        prompt: list[int],
+        max_tokens: int,
+        logprobs: bool,
+    ) -> PreparedRequest:
+        total = len(prompt) + max_tokens
+        if total > self.spec.max_model_len:
+            raise BadRequest(
+                f"this model's maximum context length is {self.spec.max_model_len} tokens; the "
+                f"request asks for {total} ({len(prompt)} in the prompt, {max_tokens} to generate)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        if total > self.max_request_tokens:
+            raise BadRequest(
+                f"the request needs KV for {total} tokens; one decode worker holds at most "
+                f"{self.max_request_tokens}",
+                param="max_tokens",
+            )
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=max(0, request.top_k),
+                seed=request.seed,
+                ignore_eos=request.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as error:
+            raise BadRequest(str(error)) from None
+        return PreparedRequest(
+            f"req-{uuid.uuid4().hex}", tuple(prompt), sampling, request.stop_strings, time.time()
+        )
+
+    # Admission and generation.
+    async def admit(self, prepared: PreparedRequest) -> Reservation:
+        reservation = await self.admission.acquire(
+            len(prepared.prompt_token_ids) + prepared.sampling.max_tokens
+        )
+        self.metrics.admission_waiting.set(self.admission.num_waiting)
+        self.metrics.admission_reserved.set(self.admission.reserved_tokens)
+        return reservation
+
+    async def stream(self, prepared: PreparedRequest, reservation: Reservation) -> AsyncIterator[TextDelta]:
+        admitted = time.time()
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prepared.stop_strings)
+        sent: list[float] = []
+        prefill: PrefillResult | None = None
+        decode: DecodeOutput | None = None
+        outcome = "abort"
+        events = run_request(self.router, prepared.request_id, prepared.prompt_token_ids, prepared.sampling)
+        try:
+            async for event in events:
+                prefill = event.prefill or prefill
+                decode = event.decode or decode
+                text = detokenizer.add(event.token_ids)
+                finish = "stop" if detokenizer.is_stopped else event.finish_reason
+                if event.token_ids:
+                    sent.append(time.time())
+                if finish is None:
+                    yield TextDelta(text, event.token_ids, event.logprobs, None, len(sent))
+                    continue
+                text += detokenizer.flush()
+                timings = self._timings(prepared.arrival, admitted, sent, prefill, decode)
+                outcome = finish
+                self.metrics.observe_request(timings, finish, len(prepared.prompt_token_ids), len(sent))
+                yield TextDelta(text, event.token_ids, event.logprobs, finish, len(sent), timings)
+                return
+        finally:
+            await events.aclose()  # aborts both workers unless the request finished there
+            reservation.release()
+            if outcome == "abort":
+                self.metrics.requests.labels("abort").inc()
+
+    @staticmethod
+    def _timings(
+        arrival: float,
+        admitted: float,
+        sent: list[float],
+        prefill: PrefillResult | None,
+        decode: DecodeOutput | None,
+    ) -> Timings:
+        def ms(start: float | None, end: float | None) -> float:
+            return 0.0 if start is None or end is None else max(0.0, 1000 * (end - start))
+
+        p = prefill.times if prefill is not None else None
+        d = decode.times if decode is not None else None
+        return Timings(
+            gateway_queue_ms=ms(arrival, admitted),
+            prefill_queue_ms=ms(p.queued, p.started) if p else 0.0,
+            prefill_ms=ms(p.started, p.finished) if p else 0.0,
+            transfer_ms=ms(d.transfer_started, d.transfer_finished) if d else 0.0,
+            transfer_bytes=decode.transfer_bytes if decode is not None else 0,
+            decode_queue_ms=(ms(d.queued, d.transfer_started) + ms(d.transfer_finished, d.admitted))
+            if d
+            else 0.0,
+            decode_ms=ms(d.admitted, d.finished) if d else 0.0,
+            ttft_ms=ms(arrival, sent[0] if sent else None),
+            e2e_ms=ms(arrival, sent[-1] if sent else time.time()),
+            token_gaps_ms=[ms(a, b) for a, b in itertools.pairwise(sent)],
+        )

@@ -1,0 +1,1 @@
+"""Transfer backends; import them through `kv_transfer.registry`, which imports each one lazily."""

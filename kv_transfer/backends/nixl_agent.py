@@ -1,0 +1,137 @@
+"""Thin adapter over the NIXL binding (`nixl._bindings`), built with a progress-thread delay.
+
+Why not `nixl._api.nixl_agent`: that wrapper hard-codes `nixlAgentConfig.pthrDelay = 0`, so the UCX
+progress thread never sleeps and burns a whole core even when idle. The binding's own `nixlAgentConfig`
+exposes `pthrDelay` (microseconds the thread waits between idle progress rounds), so this adapter builds
+the agent from the binding directly and keeps only the calls this package needs. The thread itself must
+stay on: without it, transfers whose target never calls into NIXL hang silently.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kv_transfer.layout import KVLayout
+
+XferStatus = str  # "DONE" | "PROC" | "ERR"
+
+
+class NixlAgent:
+    """One NIXL agent with the UCX backend, registered over one worker's KV memory."""
+
+    def __init__(self, name: str, progress_delay_us: int, error_mode: str, cma_seg_size: str) -> None:
+        """Args:
+            name: agent name, unique among the agents that talk to each other (the worker id).
+            progress_delay_us: idle wait of the progress thread; > 0 to keep it off the CPU.
+            error_mode: UCX error handling, "peer" (detects dead peers) or "none".
+            cma_seg_size: UCX_CMA_SEG_SIZE unless the environment sets it; "" keeps UCX's default.
+        """
+        if cma_seg_size:
+            # UCX reads its configuration from the environment when the backend creates its context.
+            os.environ.setdefault("UCX_CMA_SEG_SIZE", cma_seg_size)
+        from nixl import _bindings as nixl_bind
+
+        self._bind = nixl_bind
+        config = nixl_bind.nixlAgentConfig(True)
+        config.useProgThread = True
+        config.useListenThread = False
+        config.pthrDelay = progress_delay_us
+        self.name = name
+        self._agent = nixl_bind.nixlAgent(name, config)
+        self._ucx = self._agent.createBackend("UCX", {"ucx_error_handling_mode": error_mode})
+        self._registered: list[object] = []
+        self._dlists: list[int] = []
+
+    def _mem_type(self, layout: KVLayout) -> object:
+        return self._bind.VRAM_SEG if layout.device == "cuda" else self._bind.DRAM_SEG
+
+    def register(self, layout: KVLayout) -> None:
+        """Register every region of `layout` with UCX (pins it / creates its rkeys)."""
+        regions = [(r.address, r.num_bytes, r.device_id, "") for r in layout.regions]
+        reg = self._bind.nixlRegDList(self._mem_type(layout), regions)
+        self._check(self._agent.registerMem(reg, [self._ucx]), "registerMem")
+        self._registered.append(reg)
+
+    def metadata(self) -> bytes:
+        """This agent's metadata (connection info and registered memory keys) for peers."""
+        return bytes(self._agent.getLocalMD())
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns the peer's agent name."""
+        name = self._agent.loadRemoteMD(metadata)
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def prep_blocks(self, agent_name: str, layout: KVLayout) -> int:
+        """Prepare once a descriptor list with one entry per block, so block id == descriptor index.
+
+        Args:
+            agent_name: the remote agent's name, or "" for this agent's own blocks.
+            layout: the layout (ours or the peer's) whose blocks to describe.
+
+        Returns:
+            Prepared list handle for read().
+        """
+        # descs: [num_blocks, 3] = (address, length, device id); block i at row i.
+        descs = np.empty((layout.num_blocks, 3), dtype=np.uint64)
+        descs[:, 0] = [layout.block_address(i) for i in range(layout.num_blocks)]
+        descs[:, 1] = layout.block_bytes
+        descs[:, 2] = layout.regions[0].device_id
+        dlist = self._bind.nixlXferDList(self._mem_type(layout), descs)
+        target = agent_name or self._bind.NIXL_INIT_AGENT
+        handle = int(self._agent.prepXferDlist(target, dlist, [self._ucx]))
+        self._dlists.append(handle)
+        return handle
+
+    def read(self, local_dlist: int, local_ids: tuple[int, ...], remote_dlist: int,
+             remote_ids: tuple[int, ...], notif: bytes) -> tuple[int, XferStatus]:
+        """Post a READ of remote blocks into local blocks; the peer gets `notif` when it completes.
+
+        Returns:
+            (transfer handle, status right after posting).
+        """
+        local_idx = np.asarray(local_ids, dtype=np.int32)
+        remote_idx = np.asarray(remote_ids, dtype=np.int32)
+        # NIXL merges descriptors that are adjacent on both sides, so runs of consecutive ids become one copy.
+        xfer = int(self._agent.makeXferReq(self._bind.NIXL_READ, local_dlist, local_idx, remote_dlist,
+                                           remote_idx, notif, [self._ucx]))
+        return xfer, self._status(self._agent.postXferReq(xfer, notif))
+
+    def status(self, xfer: int) -> XferStatus:
+        """Non-blocking state of a posted transfer."""
+        return self._status(self._agent.getXferStatus(xfer))
+
+    def release(self, xfer: int) -> bool:
+        """Free a transfer handle (cancelling it if still in flight); False if NIXL refused."""
+        try:
+            self._agent.releaseXferReq(xfer)
+        except Exception:  # the binding raises on NIXL errors; the caller retries later
+            return False
+        return True
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """New notifications since the last call, by sending agent name."""
+        return dict(self._agent.getNotifs({}, [self._ucx]))
+
+    def close(self) -> None:
+        """Release prepared lists and deregister memory (the agent is freed with this object)."""
+        for handle in self._dlists:
+            self._agent.releasedDlistH(handle)
+        for reg in self._registered:
+            self._agent.deregisterMem(reg, [self._ucx])
+        self._dlists.clear()
+        self._registered.clear()
+
+    def _status(self, status: object) -> XferStatus:
+        if status == self._bind.NIXL_SUCCESS:
+            return "DONE"
+        if status == self._bind.NIXL_IN_PROG:
+            return "PROC"
+        return "ERR"
+
+    def _check(self, status: object, what: str) -> None:
+        if status != self._bind.NIXL_SUCCESS:
+            raise RuntimeError(f"NIXL {what} failed: {status}")

@@ -1,0 +1,31 @@
+"""Transfer-layer settings; each default lives here and only here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Settings shared by every backend's sender and receiver."""
+
+    lease_s: float = 30.0  # how long an offered block set waits for its pull before the sender frees it
+    transfer_timeout_s: float = 10.0  # a pull not DONE this long after start_pull is FAILED
+    # A pull must finish this long before the lease ends; covers clock skew between the two hosts, since the
+    # one-sided NIXL READ cannot be refused by the sender once its blocks are freed.
+    lease_margin_s: float = 0.05
+    record_capacity: int = 1024  # TransferRecords kept in memory per sender/receiver
+    # NIXL progress thread: sleep this long when idle. 0 (the Python wrapper's hard-coded value) spins a core.
+    nixl_progress_delay_us: int = 1000
+    # UCX error handling: "peer" turns a dead peer into an error instead of a hang, at some cost under load.
+    nixl_error_mode: str = "peer"
+    # UCX copies CMA (same-host) transfers in segments of this size, one segment per progress round; its
+    # default (hundreds of KiB) made 16-256 MiB READs ~2x slower here. Set through the environment before the
+    # agent starts, unless UCX_CMA_SEG_SIZE is already set. Empty: leave UCX's default.
+    ucx_cma_seg_size: str = "64M"
+
+    def __post_init__(self) -> None:
+        if self.lease_s <= 0 or self.transfer_timeout_s <= 0 or self.lease_margin_s < 0:
+            raise ValueError(f"lease_s and transfer_timeout_s must be > 0, lease_margin_s >= 0: {self}")
+        if self.nixl_error_mode not in ("peer", "none"):
+            raise ValueError(f"nixl_error_mode must be 'peer' or 'none', got {self.nixl_error_mode!r}")

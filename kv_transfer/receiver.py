@@ -1,0 +1,216 @@
+"""Receiver half (decode side): pulls a KVHandle's source blocks into its own destination blocks.
+
+Lifecycle of one pull (TransferState), keyed by (source_worker_id, transfer_id):
+    start_pull()  -> PENDING       checked: peer known, layouts compatible, lease not over
+                  -> TRANSFERRING  bytes moving (torch: after the sender's PullReply)
+    poll()        -> DONE          destination blocks hold the source bytes
+                  -> FAILED        refused, lease over, deadline passed, or backend error
+Every pull has a deadline (transfer timeout, and never past the lease minus a margin), so nothing hangs.
+poll() returns each finished pull once, as a TransferResult.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kv_transfer.config import TransferConfig
+from kv_transfer.enums import BackendName, TransferState
+from kv_transfer.layout import IncompatibleLayoutError, check_block_ids, check_compatible, layout_from_tensor
+from kv_transfer.messages import KVHandle, PeerInfo, PullReply, PullRequest, TransferResult
+from kv_transfer.metrics import TransferRecord, TransferRecorder
+
+if TYPE_CHECKING:
+    import torch
+
+    from kv_transfer.registry import BackendCapabilities
+
+PullKey = tuple[str, int]  # (source_worker_id, transfer_id)
+
+
+@dataclass
+class Pull:
+    """One pull in flight (internal to the receiver and its backend, never sent)."""
+
+    handle: KVHandle  # what is pulled
+    dst_block_ids: tuple[int, ...]  # where it goes
+    started_at: float  # time.monotonic() at start_pull
+    deadline: float  # time.monotonic() after which the pull is FAILED
+    state: TransferState = TransferState.PENDING  # see the module docstring
+    reason: str = ""  # why it FAILED
+    backend_state: Any = None  # the backend's own handle (NIXL xfer handle, torch work + staging buffer)
+
+    @property
+    def key(self) -> PullKey:
+        return (self.handle.source_worker_id, self.handle.transfer_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state in (TransferState.DONE, TransferState.FAILED)
+
+    def fail(self, reason: str) -> None:
+        self.state, self.reason = TransferState.FAILED, reason
+
+
+class KVReceiver(ABC):
+    """Base of every backend's receiver. Subclasses implement the backend hooks at the bottom."""
+
+    backend: ClassVar[BackendName]
+
+    def __init__(
+        self,
+        worker_id: str,
+        kv_cache: torch.Tensor,
+        config: TransferConfig | None = None,
+        recorder: TransferRecorder | None = None,
+    ) -> None:
+        """Register `kv_cache` as the memory pulled blocks are written into.
+
+        Args:
+            worker_id: unique id of this worker (also its NIXL agent name).
+            kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous.
+            config: transfer settings; defaults to TransferConfig().
+            recorder: where TransferRecords go; a private bounded one by default.
+        """
+        self.worker_id = worker_id
+        self.kv_cache = kv_cache
+        self.layout = layout_from_tensor(kv_cache)
+        self.config = config or TransferConfig()
+        self.recorder = recorder or TransferRecorder(self.config.record_capacity)
+        self.peers: dict[str, PeerInfo] = {}
+        self._pulls: dict[PullKey, Pull] = {}
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        """This backend's declared capabilities (see kv_transfer.registry)."""
+        from kv_transfer.registry import capabilities
+
+        return capabilities(self.backend)
+
+    def add_peer(self, peer: PeerInfo) -> None:
+        """Learn a sender once (idempotent); refuses an incompatible layout before any byte moves.
+
+        Args:
+            peer: the sender's peer_info().
+
+        Raises:
+            IncompatibleLayoutError: the peer's blocks do not mean the same bytes as ours.
+            ValueError: the peer was built for another backend.
+        """
+        if peer.backend != self.backend:
+            raise ValueError(f"peer {peer.worker_id} uses backend {peer.backend}, receiver {self.backend}")
+        check_compatible(peer.layout, self.layout)
+        if peer.worker_id not in self.peers:
+            self._on_add_peer(peer)
+            self.peers[peer.worker_id] = peer
+
+    def start_pull(self, handle: KVHandle, dst_block_ids: list[int] | tuple[int, ...]) -> TransferState:
+        """Start copying the handle's blocks into `dst_block_ids` (same order); poll() to see it finish.
+
+        Args:
+            handle: from the sender's offer().
+            dst_block_ids: destination blocks, allocated by the owner, one per source block.
+
+        Returns:
+            The pull's state right after starting (FAILED at once if the lease is already over).
+
+        Raises:
+            IncompatibleLayoutError: the handle's layout fingerprint differs from ours.
+            KeyError: the source worker was never added with add_peer().
+            ValueError: wrong backend, block count mismatch, ids out of range, or a duplicate pull.
+        """
+        peer = self.peers.get(handle.source_worker_id)
+        if peer is None:
+            raise KeyError(f"unknown source worker {handle.source_worker_id!r}; call add_peer() first "
+                           f"(known: {sorted(self.peers)})")
+        if handle.fingerprint != self.layout.fingerprint:
+            check_compatible(peer.layout, self.layout)  # names the differing fields
+            raise IncompatibleLayoutError(
+                f"handle fingerprint {handle.fingerprint} != ours {self.layout.fingerprint}")
+        if handle.backend != self.backend:
+            raise ValueError(f"handle offered through {handle.backend}, this receiver is {self.backend}")
+        dst = tuple(int(b) for b in dst_block_ids)
+        if len(dst) != len(handle.block_ids):
+            raise ValueError(f"{len(handle.block_ids)} source blocks but {len(dst)} destination blocks")
+        check_block_ids(peer.layout, handle.block_ids, "source")
+        check_block_ids(self.layout, dst, "destination")
+        key = (handle.source_worker_id, handle.transfer_id)
+        if key in self._pulls:
+            raise ValueError(f"transfer {key} is already being pulled")
+
+        now = time.monotonic()
+        lease_left = handle.lease_deadline - self.config.lease_margin_s - time.time()
+        pull = Pull(handle, dst, now, now + min(self.config.transfer_timeout_s, lease_left))
+        self._pulls[key] = pull
+        if lease_left <= 0:
+            pull.fail(f"lease of transfer {key} is over; not pulling")
+        else:
+            self._start(pull, peer)
+        return pull.state
+
+    def state(self, source_worker_id: str, transfer_id: int) -> TransferState | None:
+        """State of a pull not yet returned by poll(), or None."""
+        pull = self._pulls.get((source_worker_id, transfer_id))
+        return None if pull is None else pull.state
+
+    def poll(self) -> list[TransferResult]:
+        """Advance every pull; return those that finished (DONE or FAILED) since the last poll."""
+        finished: list[Pull] = []
+        now = time.monotonic()
+        for pull in list(self._pulls.values()):
+            if not pull.is_finished:
+                self._advance(pull)
+            if not pull.is_finished and now > pull.deadline:
+                self._abort(pull)
+                pull.fail(f"deadline passed in state {pull.state.name}")
+            if pull.is_finished:
+                finished.append(pull)
+        for pull in finished:
+            del self._pulls[pull.key]
+            self._record(pull)
+        return [TransferResult(p.handle.source_worker_id, p.handle.transfer_id, p.dst_block_ids, p.state,
+                               p.reason) for p in finished]
+
+    def take_pull_requests(self) -> list[PullRequest]:
+        """Pull requests the caller must deliver to senders (only backends where the sender takes part)."""
+        return []
+
+    def on_pull_reply(self, reply: PullReply) -> None:
+        """Deliver a sender's answer to a PullRequest (only backends where the sender takes part)."""
+        raise NotImplementedError(f"the {self.backend} backend has no pull replies")
+
+    def close(self) -> None:
+        """Release backend resources."""
+        return None
+
+    def _record(self, pull: Pull) -> None:
+        self.recorder.add(TransferRecord(
+            role="recv",
+            backend=self.backend,
+            source_worker_id=pull.handle.source_worker_id,
+            transfer_id=pull.handle.transfer_id,
+            num_blocks=len(pull.dst_block_ids),
+            num_bytes=len(pull.dst_block_ids) * self.layout.block_bytes,
+            duration_s=time.monotonic() - pull.started_at,
+            outcome=pull.state.name,
+            reason=pull.reason,
+        ))
+
+    # Backend hooks.
+    def _on_add_peer(self, peer: PeerInfo) -> None:
+        """Backend work done once per peer (load NIXL metadata, prepare descriptor lists)."""
+        return None
+
+    @abstractmethod
+    def _start(self, pull: Pull, peer: PeerInfo) -> None:
+        """Begin the pull: set pull.state to TRANSFERRING (or DONE / FAILED if it finished at once)."""
+
+    @abstractmethod
+    def _advance(self, pull: Pull) -> None:
+        """Check progress without blocking; set DONE or FAILED when finished."""
+
+    def _abort(self, pull: Pull) -> None:
+        """The deadline passed: stop the pull if the backend can (best effort)."""
+        return None

@@ -1,0 +1,187 @@
+"""Backend registry: names (BackendName) -> capabilities and lazily imported sender/receiver classes.
+
+Backends differ only by two declared capabilities (after Ray Serve LLM's KV connectors):
+    needs_peer_bound_up_front  the peer set is fixed when the backend starts (torch process-group ranks),
+                               instead of peers being added at any time through add_peer() (nixl, local)
+    sender_takes_part          each pull needs the sender to act (PullRequest -> accept_pull -> PullReply),
+                               instead of the receiver moving the bytes alone (nixl READ, local copy)
+Callers orchestrate by the flags, never by the backend's name.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kv_transfer.enums import BackendName
+
+if TYPE_CHECKING:
+    from kv_transfer.receiver import KVReceiver
+    from kv_transfer.sender import KVSender
+
+logger = logging.getLogger(__name__)
+
+
+class UnknownBackendError(ValueError):
+    """A backend name that the registry does not know."""
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend that is known but cannot run here (not installed, no process group, not colocated)."""
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What the orchestration must do differently for a backend."""
+
+    needs_peer_bound_up_front: bool  # peers fixed at start (ranks of a group) rather than added any time
+    sender_takes_part: bool  # each pull needs a PullRequest/PullReply round trip through the sender
+    crosses_processes: bool  # sender and receiver may live in different processes (or hosts)
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One registry entry; the module is imported only when the backend is used."""
+
+    name: BackendName  # registry key
+    module: str  # module holding the two classes
+    sender_class: str  # KVSender subclass name in `module`
+    receiver_class: str  # KVReceiver subclass name in `module`
+    capabilities: BackendCapabilities  # see the module docstring
+    is_available: Callable[[], bool]  # cheap check that the backend can run in this process
+
+
+@functools.cache
+def _nixl_is_available() -> bool:
+    if importlib.util.find_spec("nixl") is None:
+        return False
+    try:
+        importlib.import_module("nixl._bindings")
+    except ImportError as exc:  # e.g. the meta package without a CUDA-variant wheel
+        logger.info("nixl is installed but does not import: %s", exc)
+        return False
+    return True
+
+
+def _torch_dist_is_available() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+BACKENDS: dict[BackendName, BackendSpec] = {
+    BackendName.LOCAL: BackendSpec(
+        BackendName.LOCAL, "kv_transfer.backends.local", "LocalSender", "LocalReceiver",
+        BackendCapabilities(needs_peer_bound_up_front=False, sender_takes_part=False,
+                            crosses_processes=False),
+        lambda: True,
+    ),
+    BackendName.NIXL: BackendSpec(
+        BackendName.NIXL, "kv_transfer.backends.nixl", "NixlSender", "NixlReceiver",
+        BackendCapabilities(needs_peer_bound_up_front=False, sender_takes_part=False, crosses_processes=True),
+        _nixl_is_available,
+    ),
+    BackendName.TORCH: BackendSpec(
+        BackendName.TORCH, "kv_transfer.backends.torch_dist", "TorchSender", "TorchReceiver",
+        BackendCapabilities(needs_peer_bound_up_front=True, sender_takes_part=True, crosses_processes=True),
+        _torch_dist_is_available,
+    ),
+}
+
+
+def resolve(name: str | BackendName) -> BackendSpec:
+    """Look a backend up by name.
+
+    Args:
+        name: a BackendName or its string value ("nixl", "torch", "local").
+
+    Returns:
+        Its registry entry.
+
+    Raises:
+        UnknownBackendError: listing the known names.
+    """
+    try:
+        return BACKENDS[BackendName(name)]
+    except ValueError:
+        known = ", ".join(b.value for b in BACKENDS)
+        raise UnknownBackendError(f"unknown KV transfer backend {name!r}; known: {known}") from None
+
+
+def capabilities(name: str | BackendName) -> BackendCapabilities:
+    """The declared capabilities of a backend (no import of the backend itself)."""
+    return resolve(name).capabilities
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The backend picked for a sender/receiver pair, and why (for the log)."""
+
+    name: BackendName  # the backend to build both halves with
+    reason: str  # human-readable reason, logged at INFO
+
+
+def choose_backend(is_same_process: bool, forced: str | BackendName | None = None) -> BackendChoice:
+    """Pick the best backend for a peer pair: same process -> local; nixl importable -> nixl; else torch.
+
+    Args:
+        is_same_process: both halves live in this process (colocated mode).
+        forced: a backend name to use instead of choosing; never silently replaced.
+
+    Returns:
+        The choice and its reason.
+
+    Raises:
+        UnknownBackendError: `forced` is not a known name.
+        BackendUnavailableError: `forced` (or every candidate) cannot run here.
+    """
+    if forced is not None:
+        spec = resolve(forced)
+        if not spec.is_available():
+            raise BackendUnavailableError(f"forced KV transfer backend {spec.name} is not available here")
+        if spec.name == BackendName.LOCAL and not is_same_process:
+            raise BackendUnavailableError("forced backend local needs sender and receiver in one process")
+        choice = BackendChoice(spec.name, "forced by configuration")
+    elif is_same_process:
+        choice = BackendChoice(BackendName.LOCAL, "sender and receiver share this process")
+    elif BACKENDS[BackendName.NIXL].is_available():
+        choice = BackendChoice(BackendName.NIXL, "nixl is importable (one-sided READ over UCX)")
+    elif BACKENDS[BackendName.TORCH].is_available():
+        choice = BackendChoice(BackendName.TORCH, "nixl not importable; torch.distributed group initialised")
+    else:
+        raise BackendUnavailableError("no KV transfer backend available: nixl does not import and "
+                                      "torch.distributed is not initialised")
+    logger.info("KV transfer backend %s: %s", choice.name, choice.reason)
+    return choice
+
+
+def _load(name: str | BackendName, attr: str) -> Any:
+    spec = resolve(name)
+    if not spec.is_available():
+        raise BackendUnavailableError(f"KV transfer backend {spec.name} is not available here")
+    return getattr(importlib.import_module(spec.module), getattr(spec, attr))
+
+
+def make_sender(name: str | BackendName, worker_id: str, kv_cache: Any, **kwargs: Any) -> KVSender:
+    """Build a backend's sender half (prefill side).
+
+    Args:
+        name: backend name.
+        worker_id: unique id of this worker.
+        kv_cache: the engine's KV tensor, [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
+        **kwargs: config=, recorder=, and backend-specific options (torch: group=).
+
+    Returns:
+        The sender.
+    """
+    return _load(name, "sender_class")(worker_id, kv_cache, **kwargs)
+
+
+def make_receiver(name: str | BackendName, worker_id: str, kv_cache: Any, **kwargs: Any) -> KVReceiver:
+    """Build a backend's receiver half (decode side); arguments as for make_sender."""
+    return _load(name, "receiver_class")(worker_id, kv_cache, **kwargs)

@@ -1,0 +1,158 @@
+"""Sender half (prefill side): offers source blocks under a lease and reports when they may be freed.
+
+Lifecycle of an offered transfer on this side:
+    offer() -> KVHandle           lease starts; the owner must keep the blocks
+    [torch: accept_pull()]        the sender posts its send leg (claim)
+    poll() -> ReleasedBlocks      PULLED (receiver has its copy) | EXPIRED (lease ended) | FAILED (send leg)
+Nothing blocks: poll() is cheap and meant to be called every engine step.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+from kv_transfer.config import TransferConfig
+from kv_transfer.enums import BackendName, ReleaseReason
+from kv_transfer.layout import check_block_ids, layout_from_tensor
+from kv_transfer.lease import Lease, LeaseTable
+from kv_transfer.messages import KVHandle, PeerInfo, PullReply, PullRequest, ReleasedBlocks
+from kv_transfer.metrics import TransferRecord, TransferRecorder
+
+if TYPE_CHECKING:
+    import torch
+
+    from kv_transfer.registry import BackendCapabilities
+
+
+class KVSender(ABC):
+    """Base of every backend's sender. Subclasses implement the backend hooks at the bottom."""
+
+    backend: ClassVar[BackendName]
+
+    def __init__(
+        self,
+        worker_id: str,
+        kv_cache: torch.Tensor,
+        config: TransferConfig | None = None,
+        recorder: TransferRecorder | None = None,
+    ) -> None:
+        """Register `kv_cache` as the memory blocks are offered from.
+
+        Args:
+            worker_id: unique id of this worker (also the NIXL agent name).
+            kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous.
+            config: transfer settings; defaults to TransferConfig().
+            recorder: where TransferRecords go; a private bounded one by default.
+        """
+        self.worker_id = worker_id
+        self.kv_cache = kv_cache
+        self.layout = layout_from_tensor(kv_cache)
+        self.config = config or TransferConfig()
+        self.recorder = recorder or TransferRecorder(self.config.record_capacity)
+        self._leases = LeaseTable()
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        """This backend's declared capabilities (see kv_transfer.registry)."""
+        from kv_transfer.registry import capabilities
+
+        return capabilities(self.backend)
+
+    @property
+    def num_outstanding(self) -> int:
+        """Transfers offered and not yet released."""
+        return len(self._leases)
+
+    def peer_info(self) -> PeerInfo:
+        """The handshake message a receiver needs once before pulling from this sender."""
+        return PeerInfo(
+            worker_id=self.worker_id,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            backend=self.backend,
+            layout=self.layout,
+            backend_metadata=self._backend_metadata(),
+        )
+
+    def offer(self, block_ids: list[int] | tuple[int, ...], num_tokens: int, lease_s: float | None = None
+              ) -> KVHandle:
+        """Offer blocks for one pull; the owner keeps them until poll() releases this transfer.
+
+        Args:
+            block_ids: source blocks, in token order.
+            num_tokens: tokens whose KV the blocks hold.
+            lease_s: seconds the blocks wait for their pull; config.lease_s by default.
+
+        Returns:
+            The handle to hand to the receiver.
+        """
+        ids = tuple(int(b) for b in block_ids)
+        check_block_ids(self.layout, ids, "source")
+        lease = self._leases.offer(ids, num_tokens, self.config.lease_s if lease_s is None else lease_s)
+        return KVHandle(
+            source_worker_id=self.worker_id,
+            transfer_id=lease.transfer_id,
+            block_ids=ids,
+            num_tokens=num_tokens,
+            fingerprint=self.layout.fingerprint,
+            backend=self.backend,
+            lease_deadline=lease.deadline,
+        )
+
+    def poll(self) -> list[ReleasedBlocks]:
+        """Advance the backend and return the transfers whose source blocks the owner may now free.
+
+        Returns:
+            One ReleasedBlocks per transfer pulled, expired or failed since the last poll.
+        """
+        released: list[ReleasedBlocks] = []
+        # Completions first, so a pull that finished just before its deadline is reported PULLED.
+        for transfer_id, reason, why in self._progress():
+            lease = self._leases.release(transfer_id)
+            if lease is not None:
+                released.append(self._release(lease, reason, why))
+        for lease in self._leases.pop_expired():
+            released.append(self._release(lease, ReleaseReason.EXPIRED, "lease expired before any pull"))
+        return released
+
+    def accept_pull(self, request: PullRequest) -> PullReply:
+        """Start the send leg of a pull (only for backends where the sender takes part).
+
+        Args:
+            request: produced by the receiver's take_pull_requests(), delivered by the caller.
+
+        Returns:
+            Whether the send leg was posted; deliver it to the receiver's on_pull_reply().
+        """
+        raise NotImplementedError(f"the {self.backend} backend's sender takes no part in pulls")
+
+    def close(self) -> None:
+        """Release backend resources; outstanding leases are dropped without report."""
+        return None
+
+    def _release(self, lease: Lease, reason: ReleaseReason, why: str) -> ReleasedBlocks:
+        self.recorder.add(TransferRecord(
+            role="send",
+            backend=self.backend,
+            source_worker_id=self.worker_id,
+            transfer_id=lease.transfer_id,
+            num_blocks=len(lease.block_ids),
+            num_bytes=len(lease.block_ids) * self.layout.block_bytes,
+            duration_s=time.monotonic() - lease.offered_at,
+            outcome=reason.name,
+            reason="" if reason == ReleaseReason.PULLED else why,
+        ))
+        return ReleasedBlocks(lease.transfer_id, lease.block_ids, reason)
+
+    # Backend hooks.
+    @abstractmethod
+    def _backend_metadata(self) -> bytes:
+        """Opaque bytes a receiver of this backend needs (agent metadata, rank)."""
+
+    @abstractmethod
+    def _progress(self) -> list[tuple[int, ReleaseReason, str]]:
+        """Advance the backend; return (transfer_id, PULLED | FAILED, reason) for sends that finished."""

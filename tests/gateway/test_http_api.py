@@ -1,0 +1,151 @@
+"""The gateway over real HTTP: OpenAI-compatible completions and chat, streaming and not, timings, metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from llm_engine.model_loader import load_tokenizer
+from tests.conftest import hf_greedy
+from tests.gateway.conftest import API_KEY, MODEL, wait_until_no_blocks_used
+
+STAGES = ("gateway_queue_ms", "prefill_queue_ms", "prefill_ms", "transfer_ms", "decode_queue_ms", "decode_ms")
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events
+
+
+def test_completion_greedy_matches_transformers(client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_chat_model_dir)
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    expected = hf_greedy(tiny_chat_model_dir, [tokenizer.encode(prompt)], 12)[0]
+    choice = data["choices"][0]
+    assert choice["token_ids"] == expected
+    assert choice["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert choice["finish_reason"] == "length"
+    assert data["usage"] == {"prompt_tokens": len(tokenizer.encode(prompt)), "completion_tokens": 12,
+                             "total_tokens": len(tokenizer.encode(prompt)) + 12}
+    timings = data["timings"]
+    assert sum(timings[s] for s in STAGES) <= timings["e2e_ms"] + 1.0
+    assert timings["ttft_ms"] <= timings["e2e_ms"] and len(timings["token_gaps_ms"]) == 11
+    assert timings["transfer_bytes"] > 0
+
+
+def test_streaming_completion_equals_the_whole_one(client: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 10, "temperature": 0}
+    whole = client.post("/v1/completions", json=body).json()
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=stream_body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert text == whole["choices"][0]["text"]
+    final = [e for e in events if e["choices"] and e["choices"][0].get("finish_reason")]
+    assert len(final) == 1 and "timings" in final[0]
+    assert events[-1]["usage"]["completion_tokens"] == 10 and events[-1]["choices"] == []
+
+
+def test_chat_with_the_openai_sdk(server: str, tiny_chat_model_dir: Path) -> None:
+    sdk = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY)
+    messages = [{"role": "user", "content": "Say something."}]
+    whole = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    tokenizer = load_tokenizer(tiny_chat_model_dir)
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(encoded["input_ids"])
+    expected = hf_greedy(tiny_chat_model_dir, [prompt], 8)[0]
+    assert whole.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(prompt)
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                              stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    completion = sdk.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    assert completion.usage is not None and completion.usage.completion_tokens == 4
+    assert [m.id for m in sdk.models.list().data] == [MODEL]
+
+
+def test_stop_string_cuts_the_text_and_frees_blocks(client: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": [11, 12, 13], "max_tokens": 20, "temperature": 0}
+    full = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop
+    cut = client.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == full[: full.index(stop)]
+    assert wait_until_no_blocks_used(client) == 0
+
+
+def test_metrics_show_histograms_and_gauges(client: httpx.Client) -> None:
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+    text = client.get("/metrics").text
+    for name in ("pdserve_ttft_seconds_bucket", "pdserve_itl_seconds_bucket", "pdserve_e2e_seconds_bucket",
+                 'pdserve_stage_seconds_bucket{le="0.005",stage="transfer"}', "pdserve_kv_occupancy",
+                 'pdserve_queued_prompt_tokens{pool="prefill"}', "pdserve_running_requests"):
+        assert name in text, name
+
+
+def test_disconnect_mid_stream_frees_every_block(client: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 500, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert client.get("/admin/pools").json()["workers"]  # still running: the decode worker holds blocks
+    assert wait_until_no_blocks_used(client) == 0
+
+
+def test_health_models_and_admin(client: httpx.Client) -> None:
+    assert client.get("/health").json()["status"] == "ok"
+    assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
+    pools = client.get("/admin/pools").json()
+    assert (pools["prefill"], pools["decode"]) == (1, 1)
+    assert {w["role"] for w in pools["workers"]} == {"prefill", "decode"}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ("{not json", 400, "JSON"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "temperature": 9}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": MODEL}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [99999999]}, 400, "vocabulary"),
+        ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
+        ({"model": MODEL, "prompt": [5] * 1000, "max_tokens": 100}, 400, "context length"),
+        ({"model": MODEL, "prompt": [5] * 600, "max_tokens": 400}, 400, "decode worker holds at most"),
+    ],
+)
+def test_bad_input_gets_a_4xx_with_a_message(client: httpx.Client, body: object, status: int,
+                                             needle: str) -> None:
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = client.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert needle.lower() in error["message"].lower() and error["type"]
+
+
+def test_keys_are_required(server: str) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    assert httpx.post(f"{server}/v1/completions", json=body).status_code == 401
+    wrong = httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
+    assert httpx.get(f"{server}/health").status_code == 200  # no key needed
+    assert httpx.get(f"{server}/metrics").status_code == 200
+    assert httpx.get(f"{server}/admin/pools").status_code == 200  # loopback, no admin key configured

@@ -1,0 +1,127 @@
+"""The in-process backend, and the receiver's lifecycle rules every backend shares."""
+
+from __future__ import annotations
+
+import time
+from typing import ClassVar
+
+import pytest
+import torch
+
+from kv_transfer import (
+    BackendName,
+    IncompatibleLayoutError,
+    ReleaseReason,
+    TransferConfig,
+    TransferState,
+    make_receiver,
+    make_sender,
+)
+from kv_transfer.receiver import KVReceiver, Pull
+
+
+def _cache(num_blocks: int, seed: int | None = None, head_dim: int = 8) -> torch.Tensor:
+    # kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    shape = (num_blocks, 2, 2, 16, 3, head_dim)
+    if seed is None:
+        return torch.zeros(shape)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def pair():
+    sender = make_sender("local", "prefill-0", _cache(10, seed=0))
+    receiver = make_receiver("local", "decode-0", _cache(12))
+    receiver.add_peer(sender.peer_info())
+    yield sender, receiver
+    sender.close()
+
+
+def test_pull_copies_blocks_and_the_sender_releases_them(pair):
+    sender, receiver = pair
+    handle = sender.offer([7, 2, 3], num_tokens=40)
+
+    assert receiver.start_pull(handle, [0, 11, 5]) == TransferState.DONE
+    (result,) = receiver.poll()
+    (released,) = sender.poll()
+
+    assert (result.state, result.dst_block_ids) == (TransferState.DONE, (0, 11, 5))
+    assert torch.equal(receiver.kv_cache[[0, 11, 5]], sender.kv_cache[[7, 2, 3]])
+    assert (released.block_ids, released.reason) == ((7, 2, 3), ReleaseReason.PULLED)
+    assert sender.num_outstanding == 0 and receiver.poll() == []
+    assert [r.outcome for r in sender.recorder.records + receiver.recorder.records] == ["PULLED", "DONE"]
+
+
+def test_expired_lease_is_released_and_a_late_pull_fails_without_writing(pair):
+    sender, receiver = pair
+    handle = sender.offer([1, 2], num_tokens=20, lease_s=1e-6)
+    time.sleep(0.01)
+
+    (released,) = sender.poll()
+    state = receiver.start_pull(handle, [3, 4])
+    (result,) = receiver.poll()
+
+    assert released.reason == ReleaseReason.EXPIRED and sender.num_outstanding == 0
+    assert state == TransferState.FAILED and "lease" in result.reason
+    assert bool((receiver.kv_cache[[3, 4]] == 0).all())
+
+
+def test_sender_refuses_a_pull_after_expiry_even_if_the_receiver_is_early():
+    sender = make_sender("local", "prefill-1", _cache(4, seed=1))
+    # A receiver with no margin and a sender whose lease already ended: only the sender can refuse.
+    receiver = make_receiver("local", "decode-1", _cache(4), config=TransferConfig(lease_margin_s=0.0))
+    receiver.add_peer(sender.peer_info())
+    handle = sender.offer([0], num_tokens=1, lease_s=30.0)
+    sender._leases.get(handle.transfer_id).deadline = 0.0  # the sender's clock says the lease is over
+
+    assert receiver.start_pull(handle, [2]) == TransferState.FAILED
+    assert "expired" in receiver.poll()[0].reason
+    assert bool((receiver.kv_cache[2] == 0).all())
+    sender.close()
+
+
+def test_incompatible_layouts_and_bad_block_lists_are_refused(pair):
+    sender, receiver = pair
+    other = make_receiver("local", "decode-x", _cache(4, head_dim=4))
+    with pytest.raises(IncompatibleLayoutError, match="head_dim"):
+        other.add_peer(sender.peer_info())
+    handle = sender.offer([1, 2], num_tokens=20)
+    with pytest.raises(ValueError, match="2 source blocks but 1 destination"):
+        receiver.start_pull(handle, [0])
+    with pytest.raises(ValueError, match="out of range"):
+        receiver.start_pull(handle, [0, 12])
+    with pytest.raises(ValueError, match="out of range"):
+        sender.offer([10], num_tokens=1)
+    with pytest.raises(KeyError, match="add_peer"):
+        other.start_pull(handle, [0, 1])
+
+
+class _StuckReceiver(KVReceiver):
+    """A backend whose bytes never arrive."""
+
+    backend: ClassVar[BackendName] = BackendName.LOCAL
+    aborted: list[int]
+
+    def _start(self, pull: Pull, peer) -> None:
+        pull.state = TransferState.TRANSFERRING
+        self.aborted = []
+
+    def _advance(self, pull: Pull) -> None:
+        return None
+
+    def _abort(self, pull: Pull) -> None:
+        self.aborted.append(pull.handle.transfer_id)
+
+
+def test_a_pull_that_never_finishes_fails_at_its_deadline(pair):
+    sender, _ = pair
+    receiver = _StuckReceiver("decode-2", _cache(4), config=TransferConfig(transfer_timeout_s=1e-6))
+    receiver.add_peer(sender.peer_info())
+    handle = sender.offer([1], num_tokens=16)
+
+    assert receiver.start_pull(handle, [0]) == TransferState.TRANSFERRING
+    time.sleep(0.01)
+    (result,) = receiver.poll()
+
+    assert result.state == TransferState.FAILED and "deadline" in result.reason
+    assert receiver.aborted == [handle.transfer_id]

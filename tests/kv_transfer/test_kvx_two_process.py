@@ -1,0 +1,140 @@
+"""Two real processes (spawn), one sender and one receiver, for the nixl and torch (gloo) backends."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+
+from tests.kv_transfer.kvx_harness import Pair, PeerError, start_pair
+
+SRC_BLOCKS, DST_BLOCKS = 40, 64
+# (source ids, destination ids): one block, scattered ids, and runs mixed with gaps, both sides differing.
+# Destination ids are disjoint across tests (the module shares one receiver), so "untouched" means zero.
+_rng = random.Random(0)
+_FREE_DST = [b for b in range(60) if b not in (47, 0, 40, 12, 13, 14, 7, 33, 20, 21, 30, 31)]  # 60+: records
+CASES = [
+    ([5], [47]),
+    ([9, 2, 30, 17, 3, 8, 1], [0, 40, 12, 13, 14, 7, 33]),
+    (sorted(_rng.sample(range(SRC_BLOCKS), 24)), _rng.sample(_FREE_DST, 24)),
+]
+
+
+def _backends() -> list[str]:
+    return ["nixl", "torch"]
+
+
+def _prefill_options(**config) -> dict:
+    return {"num_blocks": SRC_BLOCKS, "fill_seed": 1, "config": config}
+
+
+def _decode_options(**extra) -> dict:
+    return {"num_blocks": DST_BLOCKS, **extra}
+
+
+@pytest.fixture(scope="module", params=_backends())
+def pair(request):
+    if request.param == "nixl":
+        pytest.importorskip("nixl._bindings")
+    started = start_pair(request.param, _prefill_options(), _decode_options())
+    started.decode.call("add_peer", started.prefill.call("peer_info"))
+    yield request.param, started
+    started.decode.stop()
+    started.prefill.stop()
+
+
+def _transfer_id(handle: bytes) -> int:
+    return int(msgpack.unpackb(handle)["transfer_id"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("src", "dst"), CASES, ids=["1-block", "scattered", "runs"])
+def test_pulled_blocks_are_bit_identical_and_released(pair: tuple[str, Pair], src, dst):
+    _backend, p = pair
+    assert p.decode.call("is_zero", dst)
+    handle = p.prefill.call("offer", src, 16 * len(src), 30.0)
+
+    state, reason = p.pull(handle, dst)
+
+    assert (state, reason) == ("DONE", "")
+    assert p.decode.call("checksum", dst) == p.prefill.call("checksum", src)
+    assert p.wait_released(_transfer_id(handle)) == (src, "PULLED")
+    assert p.prefill.call("num_outstanding") == 0
+
+
+@pytest.mark.slow
+def test_expired_lease_releases_blocks_and_late_pull_fails(pair: tuple[str, Pair]):
+    _backend, p = pair
+    src, dst = [11, 4], [20, 21]
+    handle = p.prefill.call("offer", src, 20, 0.2)
+
+    assert p.wait_released(_transfer_id(handle)) == (src, "EXPIRED")
+    state, reason = p.pull(handle, dst)
+
+    assert state == "FAILED" and "lease" in reason
+    assert p.decode.call("is_zero", dst)  # nothing was written
+    assert p.prefill.call("num_outstanding") == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", ["torch"], indirect=True)  # only the torch sender takes part in a pull
+def test_torch_sender_refuses_a_pull_whose_lease_ended_in_flight(pair: tuple[str, Pair]):
+    _backend, p = pair
+    src, dst = [12, 13], [30, 31]
+    handle = p.prefill.call("offer", src, 20, 0.5)
+    p.decode.call("start_pull", handle, dst)
+    requests = p.decode.call("take_requests")
+    p.wait_released(_transfer_id(handle))  # the lease expires while the request is "on the wire"
+
+    reply = p.prefill.call("accept", requests[0])
+    p.decode.call("on_reply", reply)
+    ((_, state, reason),) = p.decode.call("receiver_poll")
+
+    assert state == "FAILED" and "refused" in reason
+    assert p.decode.call("is_zero", dst)
+
+
+@pytest.mark.slow
+def test_records_cover_every_transfer_on_both_sides(pair: tuple[str, Pair]):
+    _backend, p = pair
+    pulled = p.prefill.call("offer", [0, 1], 32, 30.0)
+    assert p.pull(pulled, [60, 61])[0] == "DONE"
+    expired = p.prefill.call("offer", [2], 16, 0.1)
+    p.wait_released(_transfer_id(expired))
+    assert p.pull(expired, [62])[0] == "FAILED"
+    p.wait_released(_transfer_id(pulled))
+
+    sent = {tid: (outcome, size) for tid, outcome, size in p.prefill.call("records")}
+    received = {tid: (outcome, size) for tid, outcome, size in p.decode.call("records")}
+
+    block_bytes = 737_280
+    assert sent[_transfer_id(pulled)] == ("PULLED", 2 * block_bytes)
+    assert sent[_transfer_id(expired)] == ("EXPIRED", block_bytes)
+    assert received[_transfer_id(pulled)] == ("DONE", 2 * block_bytes)
+    assert received[_transfer_id(expired)] == ("FAILED", block_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", _backends())
+def test_incompatible_layout_is_refused_before_any_byte_moves(backend: str):
+    if backend == "nixl":
+        pytest.importorskip("nixl._bindings")
+    p = start_pair(backend, _prefill_options(), _decode_options(head_dim=32))
+    try:
+        with pytest.raises(PeerError) as error:
+            p.decode.call("add_peer", p.prefill.call("peer_info"))
+        assert error.value.type_name == "IncompatibleLayoutError"
+        assert "head_dim" in str(error.value)
+    finally:
+        p.decode.stop()
+        p.prefill.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", ["nixl"], indirect=True)  # the progress thread is NIXL's
+def test_nixl_agent_stays_off_the_cpu_when_idle(pair: tuple[str, Pair]):
+    _backend, p = pair
+    # CPU-seconds per second over ~1 s with both agents alive and connected; a spinning thread gives ~1.0.
+    assert p.prefill.call("idle_cpu", 1.0) < 0.2
+    assert p.decode.call("idle_cpu", 1.0) < 0.2
