@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test serve lint typecheck unit bench-engine clean
+.PHONY: test serve lint typecheck unit bench-engine bench-transfer bench-pd clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,12 +32,16 @@ test: lint typecheck unit
 
 serve: $(STAMP)
 	$(BIN)/pdserve prepare-model
-	@if $(BIN)/pdserve --help | grep -q '^ *serve'; then \
-		$(BIN)/pdserve serve --host 127.0.0.1 --port 8000; \
-	else echo "make serve: the model is ready, but the HTTP gateway (pdserve serve) is not built yet" >&2; exit 1; fi
+	$(BIN)/pdserve serve --host 127.0.0.1 --port 8000
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine_bench.py
+
+bench-transfer: $(STAMP)
+	$(BIN)/python benchmarks/kv_transfer_bench.py
+
+bench-pd: $(STAMP)
+	$(BIN)/python benchmarks/pd_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
