@@ -1,8 +1,9 @@
 """Gateway overhead (not a test): end-to-end time at the client minus the time the workers report for
 themselves (prefill queue + prefill + transfer + decode queue + decode), at 1 and at 64 concurrent streams.
 
-Starts a real server (local Ray, 1 prefill + 1 decode, nixl) on the tiny random Llama with SmolLM2's
-tokenizer, so that worker time is small and the gateway's own share is visible.
+Starts a real server (`pdserve serve` in its own process: local Ray, 1 prefill + 1 decode, nixl) on the tiny
+random Llama with SmolLM2's tokenizer, so that worker time is small and the gateway's own share is visible.
+The client runs in this process.
 
     .venv/bin/python benchmarks/gateway_bench.py [--requests 128] [--out benchmarks/results/gateway.md]
 """
@@ -15,19 +16,17 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
-import ray
-import uvicorn
 
-from gateway.app import create_app
-from gateway.config import ServeConfig
 from llm_engine.default_model import prepare_default_model
 from llm_engine.tiny_model import build_tiny_llama
 
@@ -83,15 +82,21 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    config = ServeConfig(model=str(model_dir), served_model_name="tiny", backend="nixl", port=port,
-                         kv_cache_mib=64, max_waiting=1024)
-    app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.1)
+    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir),
+               "--served-model-name", "tiny", "--backend", "nixl", "--port", str(port), "--kv-cache-mib", "64",
+               "--max-waiting", "1024"]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("pdserve serve did not come up")
+        time.sleep(0.5)
     url = f"http://127.0.0.1:{port}"
     lines = [
         f"# Gateway overhead ({datetime.now(UTC):%Y-%m-%d}, {platform.node()})",
@@ -115,9 +120,8 @@ def main() -> None:
                          f"{percentile(overhead, 50):.1f} | {percentile(overhead, 99):.1f} |")
             print(lines[-1], flush=True)
     finally:
-        server.should_exit = True
-        thread.join(60)
-        ray.shutdown()
+        server.send_signal(signal.SIGINT)  # the server's Ctrl-C path: shuts its actors and Ray down
+        server.wait(120)
     print("\n".join(lines))
     Path(args.out).write_text("\n".join(lines) + "\n")
 

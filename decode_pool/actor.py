@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from decode_pool.messages import DecodeOutput, DecodeRequest
+from decode_pool.messages import DecodeOutput, DecodeRequest, coalesce
 from decode_pool.worker import DecodeWorker
 from kv_transfer import PeerInfo, PullRequest, TransferConfig, TransferRecord, make_receiver
 from llm_engine import EngineConfig, LLMEngine
@@ -49,7 +49,12 @@ class DecodeActor:
         is_finished = False
         try:
             while not is_finished:
-                output = await queue.get()
+                # Everything already queued goes out as one item: each Ray stream item has a fixed cost,
+                # and a reader that fell behind should catch up, not fall further behind.
+                outputs = [await queue.get()]
+                while not queue.empty():
+                    outputs.append(queue.get_nowait())
+                output = coalesce(outputs)
                 is_finished = output.finish_reason is not None
                 yield output
         finally:

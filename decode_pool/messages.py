@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kv_transfer import KVHandle
@@ -44,3 +45,15 @@ class DecodeOutput:
     transfer_bytes: int = 0  # KV bytes pulled for this request (final output)
     num_preemptions: int = 0  # times recomputed after losing its blocks (final output)
     error: str = ""  # why, when finish_reason is "error"
+
+
+def coalesce(outputs: list[DecodeOutput]) -> DecodeOutput:
+    """Several queued outputs of one request as one (a slow reader gets them in one stream item)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return dataclasses.replace(
+        last,
+        token_ids=tuple(t for o in outputs for t in o.token_ids),
+        logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+    )
