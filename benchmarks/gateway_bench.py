@@ -84,8 +84,8 @@ def main() -> None:
         port = s.getsockname()[1]
     env = {**os.environ, "UCX_NET_DEVICES": "lo"}
     command = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir),
-               "--served-model-name", "tiny", "--backend", "nixl", "--port", str(port), "--kv-cache-mib", "64",
-               "--max-waiting", "1024"]
+               "--served-model-name", "tiny", "--backend", "nixl", "--port", str(port),
+               "--kv-cache-mib", "64", "--max-waiting", "1024"]
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
     while True:
