@@ -112,7 +112,8 @@ def create_app(config: ServeConfig) -> FastAPI:
             stream = completion_stream(service, body, prepared, deltas, include_usage)
             return StreamingResponse(stream, media_type="text/event-stream",
                                      background=BackgroundTask(reservation.release))
-        return JSONResponse((await completion_response(service, body, prepared, deltas)).model_dump())
+        response = await completion_response(service, body, prepared, deltas)
+        return JSONResponse(response.model_dump(exclude_none=True))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -125,7 +126,8 @@ def create_app(config: ServeConfig) -> FastAPI:
             stream = chat_stream(service, body, prepared, deltas, include_usage)
             return StreamingResponse(stream, media_type="text/event-stream",
                                      background=BackgroundTask(reservation.release))
-        return JSONResponse((await chat_response(service, body, prepared, deltas)).model_dump())
+        response = await chat_response(service, body, prepared, deltas)
+        return JSONResponse(response.model_dump(exclude_none=True))
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def models(request: Request) -> dict[str, object]:

@@ -32,7 +32,7 @@ class StreamEvent:
 async def run_request(router: Router, request_id: str, prompt_token_ids: tuple[int, ...],
                       sampling: SamplingParams) -> AsyncGenerator[StreamEvent, None]:
     decode = router.pick_decode()
-    prefill = router.pick_prefill()
+    prefill = router.pick_prefill(prompt_token_ids)
     num_prompt = len(prompt_token_ids)
     router.prefill_tokens[prefill.worker_id] += num_prompt
     router.decode_tokens[decode.worker_id] += num_prompt + sampling.max_tokens

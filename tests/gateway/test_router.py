@@ -1,0 +1,54 @@
+"""The router without Ray: least-loaded choice, and a bonus for the prefix a prefill worker likely holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.pools import DeploymentConfig, Worker
+from gateway.router import Router
+from llm_engine import EngineConfig
+
+
+@dataclass
+class FakeDeployment:
+    """Just what the router reads of a PDDeployment (the test's data, not the product)."""
+
+    workers: list[Worker]
+    config: DeploymentConfig = field(
+        default_factory=lambda: DeploymentConfig(EngineConfig("m", block_size=4)))
+
+    def active(self, role: str) -> list[Worker]:
+        return [w for w in self.workers if w.role == role and not w.is_draining]
+
+
+def make_router() -> Router:
+    workers = [Worker("prefill-0", "prefill", None), Worker("prefill-1", "prefill", None),
+               Worker("decode-2", "decode", None), Worker("decode-3", "decode", None)]
+    return Router(FakeDeployment(workers))  # type: ignore[arg-type]
+
+
+def test_least_loaded_workers_are_chosen() -> None:
+    router = make_router()
+    router.decode_tokens["decode-2"] = 100
+    router.prefill_tokens["prefill-0"] = 50
+    assert router.pick_decode().worker_id == "decode-3"
+    assert router.pick_prefill(tuple(range(10))).worker_id == "prefill-1"
+
+
+def test_a_shared_prefix_goes_back_to_the_worker_that_cached_it() -> None:
+    router = make_router()
+    system_prompt = tuple(range(100, 140))  # 10 blocks of 4
+    first = router.pick_prefill((*system_prompt, 1, 2, 3))
+    # The other worker is now less loaded by 30 tokens, but the first holds 40 tokens of this prefix.
+    router.prefill_tokens[first.worker_id] += 30
+    assert router.pick_prefill((*system_prompt, 7, 8)).worker_id == first.worker_id
+    # An unrelated prompt goes to the less loaded worker.
+    assert router.pick_prefill(tuple(range(500, 540))).worker_id != first.worker_id
+
+
+def test_draining_workers_are_not_chosen() -> None:
+    router = make_router()
+    router.deployment.workers[3].is_draining = True  # type: ignore[attr-defined]
+    router.decode_tokens["decode-2"] = 10**6
+    assert router.pick_decode().worker_id == "decode-2"
+
