@@ -68,9 +68,11 @@ def create_app(config: ServeConfig) -> FastAPI:
                 max_request_tokens=min(per_worker), default_max_tokens=config.default_max_tokens,
             )
             app.state.started = time.time()
+            layout = (f"{config.colocated} colocated workers" if config.colocated else
+                      f"{config.prefill} prefill : {config.decode} decode workers "
+                      f"(KV transfer: {deployment.backend.value})")
             print(f"pdserve: serving {app.state.service.model_name} on http://{config.host}:{config.port} "
-                  f"with {config.prefill} prefill : {config.decode} decode workers "
-                  f"(KV transfer: {deployment.backend.value})", flush=True)
+                  f"with {layout}", flush=True)
             yield
         finally:
             await deployment.shutdown()
@@ -160,6 +162,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         return {
             "prefill": sum(1 for x in loads if x.role == "prefill"),
             "decode": sum(1 for x in loads if x.role == "decode"),
+            "colocated": service.deployment.config.num_colocated,
             "backend": service.deployment.backend.value,
             "workers": [
                 {"worker_id": x.worker_id, "role": x.role, "running_requests": x.num_running,

@@ -27,6 +27,7 @@ class ServeConfig(BaseModel):
     device: str | None = None
     prefill: int = Field(default=1, ge=1)  # prefill workers
     decode: int = Field(default=1, ge=1)  # decode workers
+    colocated: int = Field(default=0, ge=0)  # baseline: workers that prefill and decode (replaces P and D)
     backend: Literal["auto", "nixl", "torch"] = "auto"
     block_size: int | None = Field(default=None, ge=1)
     kv_cache_mib: int | None = Field(default=None, ge=1)  # KV budget per worker
@@ -68,6 +69,9 @@ class ServeConfig(BaseModel):
         chosen = {k: v for k, v in engine_overrides.items() if v is not None}
         engine = EngineConfig(model_dir, **chosen)  # type: ignore[arg-type]
         gpus = 1.0 if engine.device.startswith("cuda") else 0.0
+        if self.colocated:
+            return DeploymentConfig(engine, num_prefill=0, num_decode=0, num_colocated=self.colocated,
+                                    num_gpus_per_worker=gpus)
         return DeploymentConfig(engine, num_prefill=self.prefill, num_decode=self.decode,
                                 backend=self.backend, transfer=TransferConfig(), num_gpus_per_worker=gpus)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import ray
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
+from gateway.pools import Worker
 from gateway.router import Router
 from llm_engine import SamplingParams
 from prefill_pool.messages import PrefillRequest, PrefillResult
@@ -32,6 +33,10 @@ class StreamEvent:
 async def run_request(router: Router, request_id: str, prompt_token_ids: tuple[int, ...],
                       sampling: SamplingParams) -> AsyncGenerator[StreamEvent, None]:
     decode = router.pick_decode()
+    if decode.is_colocated:
+        async for event in _run_colocated(router, decode, request_id, prompt_token_ids, sampling):
+            yield event
+        return
     prefill = router.pick_prefill(prompt_token_ids)
     num_prompt = len(prompt_token_ids)
     router.prefill_tokens[prefill.worker_id] += num_prompt
@@ -68,3 +73,23 @@ async def run_request(router: Router, request_id: str, prompt_token_ids: tuple[i
             decode.actor.abort.remote(request_id)
             if stream is not None:
                 ray.cancel(stream)
+
+
+async def _run_colocated(router: Router, worker: Worker, request_id: str, prompt_token_ids: tuple[int, ...],
+                         sampling: SamplingParams) -> AsyncGenerator[StreamEvent, None]:
+    """The colocated baseline: one worker prefills (chunks mixed into its decode steps) and decodes."""
+    reserved = len(prompt_token_ids) + sampling.max_tokens
+    router.decode_tokens[worker.worker_id] += reserved
+    stream = worker.actor.generate.remote(DecodeRequest(request_id, prompt_token_ids, sampling))
+    is_finished = False
+    try:
+        async for ref in stream:
+            output: DecodeOutput = await ref
+            is_finished = output.finish_reason is not None
+            yield StreamEvent(request_id, output.token_ids, output.logprobs, output.emitted_at,
+                              output.finish_reason, decode=output if is_finished else None)
+    finally:
+        router.decode_tokens[worker.worker_id] -= reserved
+        if not is_finished:
+            worker.actor.abort.remote(request_id)
+            ray.cancel(stream)

@@ -36,6 +36,9 @@ class DeploymentConfig:
     engine: EngineConfig  # model, dtype, device, block size, KV budget (the same for both roles)
     num_prefill: int = 1
     num_decode: int = 1
+    # Colocated baseline: this many workers that each prefill and decode (no KV transfer); when set,
+    # num_prefill and num_decode must be 0.
+    num_colocated: int = 0
     backend: str = "auto"  # "nixl", "torch" or "auto" (nixl if it imports, else torch)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     watermark: float = 0.05  # fraction of decode blocks kept free when admitting
@@ -44,13 +47,19 @@ class DeploymentConfig:
     num_threads: int = 1  # torch threads per worker
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError(f"need at least 1 prefill and 1 decode worker, got {self.num_prefill}:"
-                             f"{self.num_decode}")
+        if self.num_colocated:
+            if self.num_colocated < 0 or self.num_prefill or self.num_decode:
+                raise ValueError("colocated mode takes num_colocated >= 1 and no prefill or decode workers")
+        elif self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError(
+                f"need at least 1 prefill and 1 decode worker, got {self.num_prefill}:{self.num_decode}"
+            )
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
 
     def resolve_backend(self) -> BackendName:
+        if self.num_colocated:
+            return BackendName.LOCAL  # nothing crosses processes: each worker prefills for itself
         if self.backend != "auto":
             return resolve(self.backend).name  # unknown names raise, listing the known ones
         if resolve(BackendName.NIXL).is_available():
@@ -72,6 +81,7 @@ class Worker:
     role: str  # "prefill" or "decode"
     actor: Any  # Ray actor handle
     is_draining: bool = False
+    is_colocated: bool = False  # prefills its own requests (role is then "decode")
 
 
 class PDDeployment:
@@ -94,6 +104,7 @@ class PDDeployment:
                 self._torch_groups[f"{role}-{rank}"] = TorchGroupSpec(init, rank, world)
         names = [f"prefill-{i}" for i in range(self.config.num_prefill)]
         names += [f"decode-{self.config.num_prefill + i}" for i in range(self.config.num_decode)]
+        names += [f"colocated-{i}" for i in range(self.config.num_colocated)]
         self._ids = itertools.count(len(names))
         for name in names:
             self._create(name)
@@ -103,26 +114,47 @@ class PDDeployment:
 
     def _create(self, worker_id: str) -> Worker:
         role = worker_id.split("-")[0]
+        # A colocated worker is a decode worker that receives no handles and so prefills for itself.
         cls = PrefillActor if role == "prefill" else DecodeActor
-        options = {"num_cpus": self.config.num_cpus_per_worker, "num_gpus": self.config.num_gpus_per_worker,
-                   "name": f"pdserve-{worker_id}", "max_concurrency": 1000}
-        kwargs: dict[str, Any] = {"num_threads": self.config.num_threads,
-                                  "torch_group": self._torch_groups.get(worker_id)}
-        if role == "decode":
+        options = {
+            "num_cpus": self.config.num_cpus_per_worker,
+            "num_gpus": self.config.num_gpus_per_worker,
+            "name": f"pdserve-{worker_id}",
+            "max_concurrency": 1000,
+        }
+        kwargs: dict[str, Any] = {
+            "num_threads": self.config.num_threads,
+            "torch_group": self._torch_groups.get(worker_id),
+        }
+        if role != "prefill":
             kwargs["watermark"] = self.config.watermark
-        actor = ray.remote(cls).options(**options).remote(
-            worker_id, self.config.engine, self.backend.value, self.config.transfer, **kwargs)
-        worker = Worker(worker_id, role, actor)
+        actor = (
+            ray.remote(cls)
+            .options(**options)
+            .remote(worker_id, self.config.engine, self.backend.value, self.config.transfer, **kwargs)
+        )
+        worker = Worker(
+            worker_id, "decode" if role == "colocated" else role, actor, is_colocated=role == "colocated"
+        )
         self.workers[worker_id] = worker
         return worker
 
     async def _connect(self, new: list[Worker]) -> None:
         prefills = [w for w in self.workers.values() if w.role == "prefill"]
         decodes = [w for w in self.workers.values() if w.role == "decode"]
-        peers = dict(zip([p.worker_id for p in prefills],
-                         await asyncio.gather(*(p.actor.peer_info.remote() for p in prefills)), strict=True))
-        calls = [d.actor.add_prefill_peer.remote(peers[p.worker_id], p.actor)
-                 for d in decodes for p in prefills if d in new or p in new]
+        peers = dict(
+            zip(
+                [p.worker_id for p in prefills],
+                await asyncio.gather(*(p.actor.peer_info.remote() for p in prefills)),
+                strict=True,
+            )
+        )
+        calls = [
+            d.actor.add_prefill_peer.remote(peers[p.worker_id], p.actor)
+            for d in decodes
+            for p in prefills
+            if d in new or p in new
+        ]
         await asyncio.gather(*calls)
 
     def active(self, role: str) -> list[Worker]:
@@ -131,8 +163,9 @@ class PDDeployment:
     async def add_worker(self, role: str) -> str:
         """Start one more worker of `role` and connect it; returns its id."""
         if capabilities(self.backend).needs_peer_bound_up_front:
-            raise RuntimeError(f"the {self.backend} transfer backend fixes its workers at start; "
-                               "use nixl to resize pools")
+            raise RuntimeError(
+                f"the {self.backend} transfer backend fixes its workers at start; use nixl to resize pools"
+            )
         worker = self._create(f"{role}-{next(self._ids)}")
         await worker.actor.load.remote()
         await self._connect([worker])

@@ -208,6 +208,21 @@ class GatewayService:
 
         p = prefill.times if prefill is not None else None
         d = decode.times if decode is not None else None
+        if p is None and d is not None and d.transfer_started is None:
+            # Colocated: one worker queued, prefilled and decoded; its prefill span runs from arrival on
+            # the worker to the first token (queueing included), the rest is decode.
+            return Timings(
+                gateway_queue_ms=ms(arrival, admitted),
+                prefill_queue_ms=0.0,
+                prefill_ms=ms(d.queued, d.admitted),
+                transfer_ms=0.0,
+                transfer_bytes=0,
+                decode_queue_ms=0.0,
+                decode_ms=ms(d.admitted, d.finished),
+                ttft_ms=ms(arrival, sent[0] if sent else None),
+                e2e_ms=ms(arrival, sent[-1] if sent else time.time()),
+                token_gaps_ms=[ms(a, b) for a, b in itertools.pairwise(sent)],
+            )
         return Timings(
             gateway_queue_ms=ms(arrival, admitted),
             prefill_queue_ms=ms(p.queued, p.started) if p else 0.0,

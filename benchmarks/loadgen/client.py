@@ -1,0 +1,92 @@
+"""Open-loop sending: each request leaves at its arrival time, whatever the server's state, and streams.
+
+Per request it records when each token arrived (client clock), the usage, any error, and the server's
+stage timings when the server returns them (pdserve does, in the final chunk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from benchmarks.loadgen.workload import RequestSpec
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    scheduled_s: float  # planned arrival, seconds after the run started
+    sent_s: float  # when it actually left
+    input_len: int
+    output_len: int  # max_tokens asked for
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)  # arrival of each token, relative to sent_s
+    num_output_tokens: int = 0
+    status: int = 0  # HTTP status; 0 if the connection failed
+    error: str = ""
+    timings: dict[str, Any] | None = None  # the server's stage timings, when it returns them
+
+    @property
+    def itls_s(self) -> list[float]:
+        times = self.token_times_s
+        return [b - a for a, b in itertools.pairwise(times)]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.ttft_s is None or self.e2e_s is None or self.num_output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["itls_s"] = self.itls_s
+        data["tpot_s"] = self.tpot_s
+        return json.dumps(data)
+
+
+async def send_one(client: httpx.AsyncClient, spec: RequestSpec, model: str, start: float) -> RequestRecord:
+    await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
+    sent = time.perf_counter()
+    record = RequestRecord(
+        spec.index, spec.arrival_s, sent - start, len(spec.prompt_token_ids), spec.output_len
+    )
+    body = {
+        "model": model,
+        "prompt": list(spec.prompt_token_ids),
+        "max_tokens": spec.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            record.status = response.status_code
+            if response.status_code != 200:
+                record.error = (await response.aread()).decode(errors="replace")[:500]
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter() - sent
+                if chunk.get("usage"):
+                    record.num_output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("timings"):
+                    record.timings = chunk["timings"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    record.token_times_s.append(now)
+                    if record.ttft_s is None:
+                        record.ttft_s = now
+            record.e2e_s = time.perf_counter() - sent
+    except httpx.HTTPError as error:
+        record.error = f"{type(error).__name__}: {error}"
+    return record

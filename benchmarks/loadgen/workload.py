@@ -1,0 +1,145 @@
+"""What to send and when: request lengths (fixed, random, or from a trace) and arrival times.
+
+Traces: the Azure LLM inference CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`) and the Mooncake JSONL form
+(`{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}`), where equal hash ids mean equal
+prompt blocks (shared prefixes). Arrivals: Poisson at a rate, gamma with a burstiness factor (1 = Poisson,
+< 1 burstier), or the trace's own timestamps divided by a speed factor.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+# Tokens per Mooncake hash id (the trace's block size), before length scaling.
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    timestamp_s: float  # seconds since the trace's first request
+    input_len: int
+    output_len: int
+    hash_ids: tuple[int, ...] = ()  # Mooncake: one id per prompt block; equal ids mean equal blocks
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    index: int
+    arrival_s: float  # seconds after the run starts
+    prompt_token_ids: tuple[int, ...]
+    output_len: int
+
+
+def read_trace(path: str | Path) -> list[TraceRow]:
+    """Read an Azure CSV or Mooncake JSONL trace, by its content.
+
+    Raises:
+        ValueError: a row that is neither form, naming the line.
+    """
+    path = Path(path)
+    text = path.read_text()
+    if text.lstrip().startswith("{"):
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                rows.append(
+                    TraceRow(
+                        float(item["timestamp"]) / 1000.0,
+                        int(item["input_length"]),
+                        int(item["output_length"]),
+                        tuple(item.get("hash_ids", ())),
+                    )
+                )
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"{path}:{number}: not a Mooncake trace row ({error})") from None
+    else:
+        rows = []
+        reader = csv.DictReader(text.splitlines())
+        if reader.fieldnames is None or not {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= set(
+            reader.fieldnames
+        ):
+            raise ValueError(f"{path}: expected columns TIMESTAMP,ContextTokens,GeneratedTokens")
+        first: datetime | None = None
+        for number, item in enumerate(reader, 2):
+            try:
+                # Azure timestamps carry 7 fractional digits; datetime takes 6.
+                stamp = datetime.fromisoformat(item["TIMESTAMP"][:26])
+                first = first or stamp
+                rows.append(
+                    TraceRow(
+                        (stamp - first).total_seconds(),
+                        int(item["ContextTokens"]),
+                        int(item["GeneratedTokens"]),
+                    )
+                )
+            except ValueError as error:
+                raise ValueError(f"{path}:{number}: bad row ({error})") from None
+    if not rows:
+        raise ValueError(f"{path}: no requests in the trace")
+    return rows
+
+
+def poisson_arrivals(rate: float, count: int, rng: random.Random, burstiness: float = 1.0) -> list[float]:
+    """Arrival times of `count` requests at `rate` per second; gamma gaps with shape `burstiness`
+    (mean 1/rate; 1.0 is Poisson, smaller is burstier)."""
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError(f"rate and burstiness must be > 0, got {rate}, {burstiness}")
+    times, now = [], 0.0
+    for _ in range(count):
+        now += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+        times.append(now)
+    return times
+
+
+def build_requests(
+    count: int,
+    vocab_size: int,
+    seed: int = 0,
+    rate: float | None = None,
+    burstiness: float = 1.0,
+    trace: list[TraceRow] | None = None,
+    speed: float = 1.0,
+    input_len: int | None = None,
+    output_len: int | None = None,
+    length_scale: float = 1.0,
+    duration_s: float | None = None,
+) -> list[RequestSpec]:
+    """The run's requests: lengths from fixed values or the trace, arrivals from a rate or the trace.
+
+    Args:
+        rate: requests/s (Poisson or gamma); None replays the trace's timestamps divided by `speed`.
+        input_len, output_len: fixed lengths; None takes them from the trace.
+        length_scale: multiplies the trace's lengths (and Mooncake's block size), keeping their shape.
+        duration_s: drop requests arriving after this.
+    """
+    rng = random.Random(seed)
+    if trace is None and (input_len is None or output_len is None or rate is None):
+        raise ValueError("without a trace, give a rate and both input and output lengths")
+    rows = [trace[i % len(trace)] for i in range(count)] if trace else [TraceRow(0.0, 0, 0)] * count
+    if rate is not None:
+        arrivals = poisson_arrivals(rate, count, rng, burstiness)
+    else:
+        start = rows[0].timestamp_s
+        arrivals = [(r.timestamp_s - start) / speed for r in rows]
+    block_tokens = max(1, round(MOONCAKE_BLOCK_TOKENS * length_scale))
+    requests = []
+    for index, (row, arrival) in enumerate(zip(rows, arrivals, strict=True)):
+        if duration_s is not None and arrival > duration_s:
+            break
+        n_in = input_len if input_len is not None else max(1, round(row.input_len * length_scale))
+        n_out = output_len if output_len is not None else max(1, round(row.output_len * length_scale))
+        prompt: list[int] = []
+        for hash_id in row.hash_ids:  # shared blocks: the same tokens wherever the id recurs
+            block_rng = random.Random(hash_id * 7919 + seed)
+            prompt += [block_rng.randrange(vocab_size) for _ in range(block_tokens)]
+        prompt = prompt[:n_in] + [rng.randrange(vocab_size) for _ in range(max(0, n_in - len(prompt)))]
+        requests.append(RequestSpec(index, arrival, tuple(prompt), n_out))
+    return requests
