@@ -27,7 +27,7 @@ from gateway.config import ServeConfig
 from gateway.pools import PDDeployment
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, ErrorBody, ErrorResponse
 from gateway.responses import chat_response, chat_stream, completion_response, completion_stream
-from gateway.service import BadRequest, GatewayService
+from gateway.service import BadRequest, GatewayService, PreparedRequest
 from llm_engine.model_loader import load_tokenizer, read_model_spec
 
 logger = logging.getLogger(__name__)
@@ -103,33 +103,31 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def overloaded(_: Request, exc: Overloaded) -> JSONResponse:
         return error(429, str(exc), "rate_limit_error", headers={"Retry-After": str(exc.retry_after_s)})
 
+    async def respond(service: GatewayService, body: CompletionRequest | ChatCompletionRequest,
+                      prepared: PreparedRequest) -> Response:
+        """Admit, then answer whole or as an SSE stream, in the framing of the request's endpoint."""
+        reservation = await service.admit(prepared)
+        deltas = service.stream(prepared, reservation)
+        is_chat = isinstance(body, ChatCompletionRequest)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            framing = chat_stream if is_chat else completion_stream
+            stream = framing(service, body, prepared, deltas, include_usage)  # type: ignore[arg-type]
+            return StreamingResponse(stream, media_type="text/event-stream",
+                                     background=BackgroundTask(reservation.release))
+        whole = chat_response if is_chat else completion_response
+        response = await whole(service, body, prepared, deltas)  # type: ignore[arg-type]
+        return JSONResponse(response.model_dump(exclude_none=True))
+
     @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
-        prepared = service.prepare_completion(body)
-        reservation = await service.admit(prepared)
-        deltas = service.stream(prepared, reservation)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = completion_stream(service, body, prepared, deltas, include_usage)
-            return StreamingResponse(stream, media_type="text/event-stream",
-                                     background=BackgroundTask(reservation.release))
-        response = await completion_response(service, body, prepared, deltas)
-        return JSONResponse(response.model_dump(exclude_none=True))
+        return await respond(service, body, service.prepare_completion(body))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
-        prepared = service.prepare_chat(body)
-        reservation = await service.admit(prepared)
-        deltas = service.stream(prepared, reservation)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = chat_stream(service, body, prepared, deltas, include_usage)
-            return StreamingResponse(stream, media_type="text/event-stream",
-                                     background=BackgroundTask(reservation.release))
-        response = await chat_response(service, body, prepared, deltas)
-        return JSONResponse(response.model_dump(exclude_none=True))
+        return await respond(service, body, service.prepare_chat(body))
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def models(request: Request) -> dict[str, object]:

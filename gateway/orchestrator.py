@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 
@@ -60,11 +61,9 @@ async def run_request(router: Router, request_id: str, prompt_token_ids: tuple[i
         stream = decode.actor.generate.remote(DecodeRequest(
             request_id, prompt_token_ids, sampling, result.first_token_id, result.first_logprob,
             result.kv_handle))
-        async for ref in stream:
-            output: DecodeOutput = await ref
-            is_finished = output.finish_reason is not None
-            yield StreamEvent(request_id, output.token_ids, output.logprobs, output.emitted_at,
-                              output.finish_reason, decode=output if is_finished else None)
+        async for event in _decode_events(request_id, stream):
+            is_finished = event.finish_reason is not None
+            yield event
     finally:
         router.decode_tokens[decode.worker_id] -= num_prompt + sampling.max_tokens
         if not is_finished:
@@ -83,13 +82,20 @@ async def _run_colocated(router: Router, worker: Worker, request_id: str, prompt
     stream = worker.actor.generate.remote(DecodeRequest(request_id, prompt_token_ids, sampling))
     is_finished = False
     try:
-        async for ref in stream:
-            output: DecodeOutput = await ref
-            is_finished = output.finish_reason is not None
-            yield StreamEvent(request_id, output.token_ids, output.logprobs, output.emitted_at,
-                              output.finish_reason, decode=output if is_finished else None)
+        async for event in _decode_events(request_id, stream):
+            is_finished = event.finish_reason is not None
+            yield event
     finally:
         router.decode_tokens[worker.worker_id] -= reserved
         if not is_finished:
             worker.actor.abort.remote(request_id)
             ray.cancel(stream)
+
+
+async def _decode_events(request_id: str, stream: Any) -> AsyncGenerator[StreamEvent, None]:
+    """A decode actor's Ray stream of DecodeOutputs as StreamEvents (the last one carries the outputs)."""
+    async for ref in stream:
+        output: DecodeOutput = await ref
+        is_finished = output.finish_reason is not None
+        yield StreamEvent(request_id, output.token_ids, output.logprobs, output.emitted_at,
+                          output.finish_reason, decode=output if is_finished else None)
