@@ -26,7 +26,7 @@ class DecodeActor:
         self.worker = DecodeWorker(worker_id, engine, receiver, deliver_pull=self._deliver_pull)
         self._prefill_actors: dict[str, Any] = {}  # prefill worker id → its actor handle (torch backend)
         self._event_loop: asyncio.AbstractEventLoop | None = None
-        self.loop = StepLoop(f"decode-{worker_id}", self.worker.step)
+        self.loop = StepLoop(f"decode-{worker_id}", self.worker.step, num_threads)
         self.loop.start()
 
     async def add_prefill_peer(self, peer: PeerInfo, actor: Any = None) -> None:

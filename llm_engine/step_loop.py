@@ -11,16 +11,22 @@ import logging
 import threading
 from collections.abc import Callable
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 
 class StepLoop:
-    def __init__(self, name: str, step: Callable[[], float | None]) -> None:
+    def __init__(self, name: str, step: Callable[[], float | None], num_threads: int | None = None) -> None:
         """Args:
         name: thread name, for logs and py-spy.
         step: one iteration; returns how long to wait before the next (None: until wake()).
+        num_threads: torch threads for the forwards run on this thread. torch.set_num_threads() in the
+            main thread does not reach a new thread's BLAS pool: without this a forward here uses every
+            core, and on 2 cores the prefill and decode workers slow each other down ~2×.
         """
         self._step = step
+        self._num_threads = num_threads
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -43,6 +49,8 @@ class StepLoop:
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        if self._num_threads is not None:
+            torch.set_num_threads(self._num_threads)
         while not self._stopped.is_set():
             try:
                 delay = self._step()

@@ -23,7 +23,7 @@ class PrefillActor:
         engine = LLMEngine(engine_config, scheduler_cls=PrefillScheduler)
         sender = make_sender(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
         self.worker = PrefillWorker(worker_id, engine, sender)
-        self.loop = StepLoop(f"prefill-{worker_id}", self.worker.step)
+        self.loop = StepLoop(f"prefill-{worker_id}", self.worker.step, num_threads)
         self.loop.start()
 
     def peer_info(self) -> PeerInfo:
