@@ -18,6 +18,7 @@ import ray
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray.exceptions import RayError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -98,6 +99,11 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
         return error(exc.status, str(exc), kind, exc.param, exc.code)
+
+    @app.exception_handler(RayError)
+    async def worker_failed(_: Request, exc: RayError) -> JSONResponse:
+        logger.error("a worker failed: %s", exc)
+        return error(503, f"a worker failed while serving the request: {type(exc).__name__}", "server_error")
 
     @app.exception_handler(Overloaded)
     async def overloaded(_: Request, exc: Overloaded) -> JSONResponse:
