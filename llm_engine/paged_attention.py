@@ -160,11 +160,15 @@ def paged_attention_forward(
         out[0, rows] = attn[0].transpose(0, 1)
     if meta.decode is not None:
         d = meta.decode
-        q = query[0, :, d.q_indices].transpose(0, 1)[:, :, None]  # [B, H, 1, D]
+        num_kv_heads = key.shape[1]
+        # The query heads sharing a KV head become that head's "query positions": one SDPA call with no
+        # repeated K/V (query head h reads KV head h // group, as transformers' repeat_kv does).
+        q = query[0, :, d.q_indices].transpose(0, 1)  # [B, H, D]
+        q = q.reshape(q.shape[0], num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, KVH, G, D]
         k = _gather(cache, d.block_tables, layer, 0).transpose(1, 2)  # [B, KVH, L, D]
         v = _gather(cache, d.block_tables, layer, 1).transpose(1, 2)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=scaling, enable_gqa=True)
-        out[0, d.q_indices] = attn[:, :, 0]
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=scaling)  # [B, KVH, G, D]
+        out[0, d.q_indices] = attn.reshape(attn.shape[0], num_heads, head_dim)
     return out, None
 
 
