@@ -101,9 +101,9 @@ async def main_async(args: argparse.Namespace) -> None:
     model_dir = args.model or str(prepare_default_model())
     engine = EngineConfig(model_dir, kv_cache_bytes=512 << 20, max_num_batched_tokens=args.budget)
     results = {}
-    for name, num_prefill, colocated in (("1 prefill + 1 decode (nixl)", 1, False),
-                                         ("1 colocated worker", 1, True)):
-        deployment = PDDeployment(DeploymentConfig(engine, num_prefill=num_prefill, backend=args.backend))
+    for name, colocated in (("1 prefill + 1 decode (nixl)", False), ("1 colocated worker", True)):
+        layout = {"num_prefill": 0, "num_decode": 0, "num_colocated": 1} if colocated else {}
+        deployment = PDDeployment(DeploymentConfig(engine, backend=args.backend, **layout))  # type: ignore[arg-type]
         await deployment.start()
         try:
             results[name] = await measure(args, deployment, colocated)
