@@ -57,6 +57,10 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables[request_id]
 
+    def num_cached_blocks(self, request_id: str) -> int:
+        """Leading blocks of the request already registered in the prefix cache."""
+        return self._num_cached_blocks[request_id]
+
     def has(self, request_id: str) -> bool:
         return request_id in self._tables
 

@@ -45,6 +45,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> tuple[int, ...]:
+        """Tokens [start, end) of prompt + output, without building the whole list (hot path)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return tuple(self.output_token_ids[start - num_prompt : end - num_prompt])
+        if end <= num_prompt:
+            return tuple(self.prompt_token_ids[start:end])
+        return tuple(self.prompt_token_ids[start:]) + tuple(self.output_token_ids[: end - num_prompt])
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

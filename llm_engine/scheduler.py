@@ -74,7 +74,7 @@ class Scheduler:
         completes = start + num_new == request.num_tokens
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            token_ids=request.token_ids_between(start, start + num_new),
             start_position=start,
             block_ids=tuple(self.kv.block_table(request.request_id)),
             sampling=request.sampling if completes else None,
@@ -142,7 +142,11 @@ class Scheduler:
             if request is None:
                 continue  # aborted while the forward ran
             request.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            # Only when a block has just filled: building the token list every step would be wasted work.
+            num_full = request.num_computed_tokens // self.kv.block_size
+            if self.kv.enable_prefix_caching and num_full > self.kv.num_cached_blocks(request.request_id):
+                self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
+                                          request.num_computed_tokens)
         advanced = []
         for sampled in output.sampled:
             request = self.requests.get(sampled.request_id)

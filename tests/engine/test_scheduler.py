@@ -105,3 +105,11 @@ def test_admission_keeps_the_watermark_free_while_others_run() -> None:
     scheduler.update(batch, fake_forward(batch))
     run_to_end(scheduler)
     assert scheduler.kv.pool.is_whole()
+
+
+def test_token_slices_match_the_whole_token_list() -> None:
+    request = Request("x", [1, 2, 3, 4], SamplingParams(), output_token_ids=[5, 6, 7])
+    every = request.all_token_ids
+    for start in range(8):
+        for end in range(start, 8):
+            assert request.token_ids_between(start, end) == tuple(every[start:end])
