@@ -16,14 +16,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kv_transfer.config import TransferConfig
+from kv_transfer.endpoint import TransferEndpoint
 from kv_transfer.enums import BackendName, TransferState
-from kv_transfer.layout import IncompatibleLayoutError, check_block_ids, check_compatible, layout_from_tensor
+from kv_transfer.layout import IncompatibleLayoutError, check_block_ids, check_compatible
 from kv_transfer.messages import KVHandle, PeerInfo, PullReply, PullRequest, TransferResult
-from kv_transfer.metrics import TransferRecord, TransferRecorder
+from kv_transfer.metrics import TransferRecord
 
 if TYPE_CHECKING:
-    import torch
 
     from kv_transfer.registry import BackendCapabilities
 
@@ -54,31 +53,13 @@ class Pull:
         self.state, self.reason = TransferState.FAILED, reason
 
 
-class KVReceiver(ABC):
+class KVReceiver(TransferEndpoint, ABC):
     """Base of every backend's receiver. Subclasses implement the backend hooks at the bottom."""
 
     backend: ClassVar[BackendName]
 
-    def __init__(
-        self,
-        worker_id: str,
-        kv_cache: torch.Tensor,
-        config: TransferConfig | None = None,
-        recorder: TransferRecorder | None = None,
-    ) -> None:
-        """Register `kv_cache` as the memory pulled blocks are written into.
-
-        Args:
-            worker_id: unique id of this worker (also its NIXL agent name).
-            kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous.
-            config: transfer settings; defaults to TransferConfig().
-            recorder: where TransferRecords go; a private bounded one by default.
-        """
-        self.worker_id = worker_id
-        self.kv_cache = kv_cache
-        self.layout = layout_from_tensor(kv_cache)
-        self.config = config or TransferConfig()
-        self.recorder = recorder or TransferRecorder(self.config.record_capacity)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.peers: dict[str, PeerInfo] = {}
         self._pulls: dict[PullKey, Pull] = {}
 

@@ -26,6 +26,15 @@ if TYPE_CHECKING:
 _NOTIF_PREFIX = b"kvx:"
 
 
+def _registered_agent(end: KVSender | KVReceiver) -> NixlAgent:
+    """A NIXL agent named for the worker, with its whole KV tensor registered (once per process side)."""
+    config = end.config
+    agent = NixlAgent(end.worker_id, config.nixl_progress_delay_us, config.nixl_error_mode,
+                      config.ucx_cma_seg_size)
+    agent.register(end.layout)
+    return agent
+
+
 class NixlSender(KVSender):
     """Sender whose blocks are read by the receiver's NIXL agent; learns of pulls by notification."""
 
@@ -33,9 +42,7 @@ class NixlSender(KVSender):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.agent = NixlAgent(self.worker_id, self.config.nixl_progress_delay_us,
-                               self.config.nixl_error_mode, self.config.ucx_cma_seg_size)
-        self.agent.register(self.layout)
+        self.agent = _registered_agent(self)
 
     def _backend_metadata(self) -> bytes:
         return self.agent.metadata()
@@ -59,9 +66,7 @@ class NixlReceiver(KVReceiver):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.agent = NixlAgent(self.worker_id, self.config.nixl_progress_delay_us,
-                               self.config.nixl_error_mode, self.config.ucx_cma_seg_size)
-        self.agent.register(self.layout)
+        self.agent = _registered_agent(self)
         self._local_dlist = self.agent.prep_blocks("", self.layout)
         self._remote_dlists: dict[str, int] = {}
         self._unreleased: list[int] = []  # transfer handles NIXL refused to release yet (still in flight)

@@ -152,17 +152,23 @@ def test_keys_are_required(server: str) -> None:
     assert httpx.get(f"{server}/admin/pools").status_code == 200  # loopback, no admin key configured
 
 
+def burst(server: str, body: dict, count: int) -> list[httpx.Response]:
+    """`count` identical completions sent at the same moment."""
+
+    async def send_all() -> list[httpx.Response]:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=server, headers=headers, timeout=120) as aclient:
+            posts = (aclient.post("/v1/completions", json=body) for _ in range(count))
+            return list(await asyncio.gather(*posts))
+
+    return asyncio.run(send_all())
+
+
 def test_overload_gets_429_and_the_server_keeps_serving(server: str, client: httpx.Client) -> None:
     # Decode KV holds 972 tokens (64 blocks × 16, less the 5% watermark) and one request may wait: of four
     # 460-token requests two run, one waits, one is turned away at once.
     body = {"model": MODEL, "prompt": [3] * 10, "max_tokens": 450, "temperature": 0, "ignore_eos": True}
-
-    async def burst() -> list[httpx.Response]:
-        headers = {"Authorization": f"Bearer {API_KEY}"}
-        async with httpx.AsyncClient(base_url=server, headers=headers, timeout=120) as aclient:
-            return list(await asyncio.gather(*(aclient.post("/v1/completions", json=body) for _ in range(4))))
-
-    statuses = sorted(r.status_code for r in asyncio.run(burst()))
+    statuses = sorted(r.status_code for r in burst(server, body, 4))
     assert statuses == [200, 200, 200, 429]
     assert wait_until_no_blocks_used(client) == 0
     after = client.post("/v1/completions", json={"model": MODEL, "prompt": "still there?", "max_tokens": 2})
@@ -171,13 +177,7 @@ def test_overload_gets_429_and_the_server_keeps_serving(server: str, client: htt
 
 def test_429_carries_retry_after(server: str, client: httpx.Client) -> None:
     body = {"model": MODEL, "prompt": [3] * 10, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
-
-    async def burst() -> list[httpx.Response]:
-        headers = {"Authorization": f"Bearer {API_KEY}"}
-        async with httpx.AsyncClient(base_url=server, headers=headers, timeout=120) as aclient:
-            return list(await asyncio.gather(*(aclient.post("/v1/completions", json=body) for _ in range(3))))
-
-    rejected = [r for r in asyncio.run(burst()) if r.status_code == 429]
+    rejected = [r for r in burst(server, body, 3) if r.status_code == 429]
     assert rejected and int(rejected[0].headers["retry-after"]) >= 1
     assert rejected[0].json()["error"]["type"] == "rate_limit_error"
     assert wait_until_no_blocks_used(client) == 0
