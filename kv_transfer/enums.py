@@ -28,3 +28,4 @@ class ReleaseReason(IntEnum):
     PULLED = 0  # the receiver has its copy
     EXPIRED = 1  # nobody pulled before the lease ended
     FAILED = 2  # the send leg errored or timed out; nothing reads the blocks any more
+    WITHDRAWN = 3  # the owner or the receiver said nobody will pull (abort, failed pull): freed at once

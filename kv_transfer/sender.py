@@ -100,6 +100,25 @@ class KVSender(TransferEndpoint, ABC):
             released.append(self._release(lease, ReleaseReason.EXPIRED, "lease expired before any pull"))
         return released
 
+    def withdraw(self, transfer_id: int, why: str) -> ReleasedBlocks | None:
+        """End a lease early because nobody will pull it (the request was aborted, or its pull failed).
+
+        A claimed lease (the send leg is posted) is left to finish: its bytes are already on their way and
+        poll() reports it as usual. Calling this for an unknown or released transfer does nothing.
+
+        Args:
+            transfer_id: KVHandle.transfer_id to end.
+            why: recorded in the transfer's record.
+
+        Returns:
+            The blocks the owner may free now, or None when there is nothing to free yet.
+        """
+        lease = self._leases.get(transfer_id)
+        if lease is None or lease.is_claimed:
+            return None
+        self._leases.release(transfer_id)
+        return self._release(lease, ReleaseReason.WITHDRAWN, why)
+
     def accept_pull(self, request: PullRequest) -> PullReply:
         """Start the send leg of a pull (only for backends where the sender takes part).
 
