@@ -9,7 +9,7 @@ from typing import Any
 
 from decode_pool.messages import DecodeOutput, DecodeRequest, coalesce
 from decode_pool.worker import DecodeWorker
-from kv_transfer import PeerInfo, PullRequest, TransferConfig, TransferRecord, make_receiver
+from kv_transfer import KVHandle, PeerInfo, PullRequest, TransferConfig, TransferRecord, make_receiver
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.load import WorkerLoad
 from llm_engine.step_loop import StepLoop
@@ -23,10 +23,11 @@ class DecodeActor:
         setup_worker_process(num_threads, torch_group)
         engine = LLMEngine(engine_config, watermark=watermark)
         receiver = make_receiver(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
-        self.worker = DecodeWorker(worker_id, engine, receiver, deliver_pull=self._deliver_pull)
-        self._prefill_actors: dict[str, Any] = {}  # prefill worker id → its actor handle (torch backend)
+        self.worker = DecodeWorker(worker_id, engine, receiver, deliver_pull=self._deliver_pull,
+                                   release_source=self._release_source)
+        self._prefill_actors: dict[str, Any] = {}  # prefill worker id → its actor handle
         self._event_loop: asyncio.AbstractEventLoop | None = None
-        self.loop = StepLoop(f"decode-{worker_id}", self.worker.step, num_threads)
+        self.loop = StepLoop(f"decode-{worker_id}", self.worker.step, num_threads, on_error=self.worker.fail)
         self.loop.start()
 
     async def add_prefill_peer(self, peer: PeerInfo, actor: Any = None) -> None:
@@ -66,8 +67,7 @@ class DecodeActor:
         self.loop.wake()
 
     def load(self) -> WorkerLoad:
-        if self.loop.error is not None:
-            raise RuntimeError(f"decode step loop died: {self.loop.error!r}")
+        """The worker's latest load; `failure` is set once its step loop has died."""
         return self.worker.load()
 
     def is_whole(self) -> bool:
@@ -84,6 +84,12 @@ class DecodeActor:
         # Called on the step loop thread: hop to the actor's event loop to make the actor call.
         assert self._event_loop is not None, "add_prefill_peer() comes before any pull"
         asyncio.run_coroutine_threadsafe(self._carry_pull(pull), self._event_loop)
+
+    def _release_source(self, handle: KVHandle, why: str) -> None:
+        # Called on the step loop thread; fire and forget (if the prefill worker is gone, so are its blocks).
+        actor = self._prefill_actors.get(handle.source_worker_id)
+        if actor is not None and self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(actor.release_kv.remote, handle.transfer_id, why)
 
     async def _carry_pull(self, pull: PullRequest) -> None:
         reply = await self._prefill_actors[pull.source_worker_id].accept_pull.remote(pull)

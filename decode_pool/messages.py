@@ -19,6 +19,9 @@ class DecodeRequest:
     first_token_id: int | None = None
     first_logprob: float | None = None
     kv_handle: KVHandle | None = None
+    # Tokens the client already has from an earlier worker that failed mid-stream (migration): this worker
+    # recomputes the KV of prompt + these and continues after them. Empty for a new request.
+    generated_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,8 @@ class DecodeOutput:
     request_id: str
     token_ids: tuple[int, ...]  # new tokens (one per step; none in a final abort/error output)
     logprobs: tuple[float, ...]  # their log-probabilities, when asked for
-    emitted_at: float  # wall clock when the step produced them
+    emitted_at: float  # wall clock when the step produced the last of them
+    token_times: tuple[float, ...] = ()  # wall clock when each token was produced (several once coalesced)
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     times: DecodeTimes | None = None  # on the final output
     transfer_bytes: int = 0  # KV bytes pulled for this request (final output)
@@ -56,4 +60,5 @@ def coalesce(outputs: list[DecodeOutput]) -> DecodeOutput:
         last,
         token_ids=tuple(t for o in outputs for t in o.token_ids),
         logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+        token_times=tuple(t for o in outputs for t in o.token_times),
     )

@@ -5,11 +5,17 @@ Lifecycle of a request on this worker:
       → TRANSFERRING (blocks allocated, pull started; polled every step, never awaited)
       → RUNNING (joins the engine's running batch at the next step: iteration-level batching)
       → FINISHED (stop, length, abort); blocks freed.
-    A request without a handle is prefilled here (colocated mode) and joins the engine's WAITING queue.
+    A request without a handle is prefilled here (colocated mode, or a request migrated from a failed worker
+    with the tokens it already generated) and joins the engine's WAITING queue.
     A FAILED pull is not fatal: the blocks are freed and the prompt recomputed here.
     Preemption (blocks ran short) is the engine's: recompute, tokens kept, nothing lost.
     abort() works in every state; an aborted TRANSFERRING request frees its blocks when its pull ends.
-Only the step loop's thread touches the engine and the receiver; other threads use the inbox.
+    Whenever a handle will not be pulled (aborted before its pull, pull FAILED), release_source() tells the
+    prefill side at once, so its blocks do not wait for the lease to end.
+    fail() (the step loop died) ends every request here with finish_reason "error"; later submissions raise
+    WorkerFailed, and the gateway migrates the streams to another decode worker.
+Only the step loop's thread touches the engine and the receiver; other threads use the inbox, and load()
+returns the snapshot the loop thread published after its last step.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ import time
 from collections.abc import Callable
 
 from decode_pool.messages import DecodeOutput, DecodeRequest, DecodeTimes
-from kv_transfer import KVReceiver, PeerInfo, PullReply, PullRequest, TransferState
+from kv_transfer import KVHandle, KVReceiver, PeerInfo, PullReply, PullRequest, TransferState
 from llm_engine import LLMEngine
 from llm_engine.kv_cache_manager import blocks_for
 from llm_engine.load import WorkerLoad
 from llm_engine.request import Request
+from llm_engine.step_loop import WorkerFailed
 
 logger = logging.getLogger(__name__)
 OutputCallback = Callable[[DecodeOutput], None]
@@ -47,28 +54,40 @@ class _Entry:
 
 class DecodeWorker:
     def __init__(self, worker_id: str, engine: LLMEngine, receiver: KVReceiver,
-                 deliver_pull: Callable[[PullRequest], None] | None = None) -> None:
+                 deliver_pull: Callable[[PullRequest], None] | None = None,
+                 release_source: Callable[[KVHandle, str], None] | None = None) -> None:
         """Args:
         deliver_pull: carries a PullRequest to its prefill worker (backends whose sender takes part);
             the reply comes back through on_pull_reply().
+        release_source: tells a handle's prefill worker that nobody will pull it (with why), so that it
+            frees the blocks now. Called on the loop thread; must not block.
         """
         self.worker_id = worker_id
         self.engine = engine
         self.receiver = receiver
         self.deliver_pull = deliver_pull
+        self.release_source = release_source
         # Commands from other threads, run by the loop thread at the start of its next step.
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._awaiting_blocks: collections.deque[str] = collections.deque()
         self._transferring: dict[tuple[str, int], str] = {}
+        # Submissions still in the inbox, so that a dying loop can answer them too.
+        self._arriving: dict[str, tuple[DecodeRequest, OutputCallback, float]] = {}
+        self.failure = ""  # why the step loop died; set once, under _lock
+        self._load = self._snapshot()
 
     # Called from any thread.
     def submit(self, request: DecodeRequest, on_output: OutputCallback) -> None:
         """Queue a request; raises ValueError at once if it can never be served here."""
         self.engine.check_request(request.prompt_token_ids, request.sampling)
         queued = time.time()
-        self._post(lambda: self._accept(request, on_output, queued))
+        with self._lock:
+            if self.failure:
+                raise WorkerFailed(f"decode worker {self.worker_id} failed: {self.failure}")
+            self._arriving[request.request_id] = (request, on_output, queued)
+            self._inbox.append(lambda: self._accept(request, on_output, queued))
 
     def abort(self, request_id: str) -> None:
         self._post(lambda: self._abort(request_id))
@@ -78,6 +97,24 @@ class DecodeWorker:
 
     def on_pull_reply(self, reply: PullReply) -> None:
         self._post(lambda: self.receiver.on_pull_reply(reply))
+
+    def fail(self, error: BaseException) -> None:
+        """The step loop died: answer every request still here with an error (called on the loop thread)."""
+        with self._lock:
+            self.failure = f"{type(error).__name__}: {error}"
+            arriving = list(self._arriving.values())
+            self._arriving.clear()
+            self._inbox.clear()
+        now = time.time()
+        message = f"decode worker failed: {self.failure}"
+        for request, on_output, _ in arriving:
+            self._release_unpulled(request, "the decode worker failed")
+            on_output(DecodeOutput(request.request_id, (), (), now, finish_reason="error", error=message))
+        for request_id, entry in list(self._entries.items()):
+            if entry.transfer_finished is None:
+                self._release_unpulled(entry.request, "the decode worker failed")
+            self._finish(request_id, "error", now, error=message)
+        self._load = dataclasses.replace(self._load, failure=self.failure)
 
     def _post(self, command: Callable[[], None]) -> None:
         with self._lock:
@@ -94,18 +131,26 @@ class DecodeWorker:
         for result in self.receiver.poll():
             self._on_transfer_result(result.source_worker_id, result.transfer_id, result.state, result.reason)
         scheduler = self.engine.scheduler
-        if scheduler.num_unfinished:
-            batch = scheduler.schedule()
+        batch = scheduler.schedule() if scheduler.num_unfinished else None
+        if batch is not None and batch.chunks:
             output = self.engine.runner.execute(batch)
             now = time.time()
             for request in scheduler.update(batch, output):
                 self._emit(request, now)
+            self._load = self._snapshot()
             return 0.0
-        return TRANSFER_POLL_S if self._transferring or self._awaiting_blocks else None
+        self._load = self._snapshot()
+        # Nothing to compute (idle, or every waiting request needs blocks): sleep until woken (a submission,
+        # an abort), polling the receiver while pulls run, since their end is what frees or fills blocks.
+        return TRANSFER_POLL_S if self._transferring else None
 
     def load(self) -> WorkerLoad:
+        """The loop thread's latest snapshot (never reads the scheduler from another thread)."""
+        return self._load
+
+    def _snapshot(self) -> WorkerLoad:
         scheduler = self.engine.scheduler
-        entries = list(self._entries.values())
+        entries = self._entries.values()
         return WorkerLoad(
             worker_id=self.worker_id, role="decode",
             num_waiting=len(self._awaiting_blocks) + len(scheduler.waiting),
@@ -114,6 +159,7 @@ class DecodeWorker:
             num_free_blocks=self.engine.block_pool.num_free_blocks,
             num_total_blocks=self.engine.block_pool.num_blocks,
             num_outstanding_tokens=sum(e.request.sampling.max_tokens for e in entries),
+            failure=self.failure,
         )
 
     def _drain_inbox(self) -> None:
@@ -124,6 +170,8 @@ class DecodeWorker:
             command()
 
     def _accept(self, request: DecodeRequest, on_output: OutputCallback, queued: float) -> None:
+        with self._lock:
+            self._arriving.pop(request.request_id, None)
         self._entries[request.request_id] = _Entry(request, on_output, queued)
         if request.kv_handle is None:
             self._start_local(request.request_id)
@@ -162,6 +210,8 @@ class DecodeWorker:
             return
         entry = self._entries[request_id]
         entry.transfer_finished = time.time()
+        if state is not TransferState.DONE:
+            self._release_unpulled(entry.request, "aborted during the pull" if entry.is_aborted else reason)
         if entry.is_aborted:
             self.engine.kv.free(request_id)
             self._finish(request_id, "abort", entry.transfer_finished)
@@ -187,13 +237,18 @@ class DecodeWorker:
         entry = self._entries[request_id]
         request = entry.request
         eos = frozenset(self.engine.spec.eos_token_ids)
-        self.engine.scheduler.add(Request(request_id, list(request.prompt_token_ids), request.sampling, eos))
+        self.engine.scheduler.add(Request(request_id, list(request.prompt_token_ids), request.sampling, eos,
+                                          output_token_ids=list(request.generated_token_ids)))
+
+    def _release_unpulled(self, request: DecodeRequest, why: str) -> None:
+        if request.kv_handle is not None and self.release_source is not None:
+            self.release_source(request.kv_handle, why)
 
     def _emit(self, request: Request, now: float) -> None:
         entry = self._entries[request.request_id]
         entry.admitted = entry.admitted or now
         logprobs = tuple(request.output_logprobs[-1:]) if request.sampling.logprobs else ()
-        output = DecodeOutput(request.request_id, (request.output_token_ids[-1],), logprobs, now)
+        output = DecodeOutput(request.request_id, (request.output_token_ids[-1],), logprobs, now, (now,))
         if request.is_finished:
             output = dataclasses.replace(output, finish_reason=request.status.value,
                                          num_preemptions=request.num_preemptions)
@@ -207,6 +262,7 @@ class DecodeWorker:
             return
         if request_id in self._awaiting_blocks:
             self._awaiting_blocks.remove(request_id)
+            self._release_unpulled(entry.request, "aborted before its pull")
         elif request_id in self._transferring.values():
             entry.is_aborted = True  # the pull may still write into the blocks: free them when it ends
             return
@@ -214,9 +270,10 @@ class DecodeWorker:
             self.engine.scheduler.abort(request_id)
         self._finish(request_id, "abort", time.time())
 
-    def _finish(self, request_id: str, reason: str, now: float, output: DecodeOutput | None = None) -> None:
+    def _finish(self, request_id: str, reason: str, now: float, output: DecodeOutput | None = None,
+                error: str = "") -> None:
         entry = self._entries.pop(request_id)
         times = DecodeTimes(entry.queued, entry.transfer_started, entry.transfer_finished, entry.admitted,
                             now)
-        output = output or DecodeOutput(request_id, (), (), now, finish_reason=reason)
+        output = output or DecodeOutput(request_id, (), (), now, finish_reason=reason, error=error)
         entry.on_output(dataclasses.replace(output, times=times, transfer_bytes=entry.transfer_bytes))

@@ -1,7 +1,9 @@
 """Admission: a request enters only if decode KV capacity can be reserved for prompt + max_tokens.
 
-States of a request here: WAITING (FIFO, bounded) → ADMITTED (holds a reservation) → released.
-A full waiting line, or a wait past the timeout, is an Overloaded error (HTTP 429 with Retry-After).
+States of a request here: WAITING (FIFO, bounded in requests and in tokens) → ADMITTED (holds a
+reservation) → released. A full waiting line, or a wait past the timeout, is an Overloaded error (HTTP 429
+with Retry-After). The capacity follows the live decode workers (set_capacity): a failed worker's share is
+gone until its replacement is up, and requests wait for it in the line (within its timeout).
 """
 
 from __future__ import annotations
@@ -17,21 +19,30 @@ class Overloaded(Exception):
 
 
 class Admission:
-    def __init__(self, capacity_tokens: int, max_waiting: int, timeout_s: float) -> None:
+    def __init__(self, capacity_tokens: int, max_waiting: int, timeout_s: float,
+                 max_waiting_tokens: int | None = None) -> None:
         """Args:
         capacity_tokens: decode KV tokens all decode workers hold together (less their watermarks).
         max_waiting: requests allowed to wait for capacity; beyond that, Overloaded at once.
         timeout_s: how long a request may wait before Overloaded.
+        max_waiting_tokens: tokens (prompt + max_tokens) allowed to wait; default: capacity_tokens.
         """
         self.capacity_tokens = capacity_tokens
         self.max_waiting = max_waiting
+        self.max_waiting_tokens = capacity_tokens if max_waiting_tokens is None else max_waiting_tokens
         self.timeout_s = timeout_s
         self.reserved_tokens = 0
+        self.waiting_tokens = 0
         self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    def set_capacity(self, capacity_tokens: int) -> None:
+        """The decode pool changed size: admit from the line if there is room now."""
+        self.capacity_tokens = capacity_tokens
+        self._wake()
 
     async def acquire(self, num_tokens: int) -> Reservation:
         """Reserve `num_tokens` of decode capacity, waiting in line if needed.
@@ -44,9 +55,12 @@ class Admission:
             return Reservation(self, num_tokens)
         if len(self._waiting) >= self.max_waiting:
             raise Overloaded(f"server busy: {len(self._waiting)} requests already wait for KV capacity", 1)
+        if self._waiting and self.waiting_tokens + num_tokens > self.max_waiting_tokens:
+            raise Overloaded(f"server busy: {self.waiting_tokens} tokens already wait for KV capacity", 1)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (num_tokens, future)
         self._waiting.append(entry)
+        self.waiting_tokens += num_tokens
         try:
             await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except TimeoutError:
@@ -69,6 +83,7 @@ class Admission:
             self._wake()
         else:
             self._waiting.remove(entry)
+            self.waiting_tokens -= num_tokens
             future.cancel()
 
     def _wake(self) -> None:
@@ -77,6 +92,7 @@ class Admission:
             if self.reserved_tokens + num_tokens > self.capacity_tokens:
                 return
             self._waiting.popleft()
+            self.waiting_tokens -= num_tokens
             self.reserved_tokens += num_tokens
             future.set_result(None)
 

@@ -1,13 +1,16 @@
 """The FastAPI application: `create_app(config)`; all state lives in app.state (set up in `lifespan`).
 
     lifespan: Ray (join or start) → model dir → tokenizer → both pools started and connected → admission
-              capacity from the decode workers' KV → serve → shutdown of every actor (and of Ray if ours).
+              capacity from the decode workers' KV → pool watch (failed workers are replaced; capacity
+              follows the live decode workers) → serve → shutdown of every actor (and of Ray if ours).
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics,
 GET /admin/pools. Errors use OpenAI's shape; a client that disconnects aborts its request on both workers.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.admission import Admission, Overloaded
 from gateway.auth import require_admin, require_api_key
 from gateway.config import ServeConfig
+from gateway.orchestrator import RequestFailed
 from gateway.pools import PDDeployment
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, ErrorBody, ErrorResponse
 from gateway.responses import chat_response, chat_stream, completion_response, completion_stream
@@ -65,9 +69,13 @@ def create_app(config: ServeConfig) -> FastAPI:
             app.state.service = GatewayService(
                 tokenizer=load_tokenizer(model_dir), spec=read_model_spec(model_dir),
                 model_name=config.served_model_name or Path(model_dir).name, deployment=deployment,
-                admission=Admission(sum(per_worker), config.max_waiting, config.queue_timeout_s),
+                admission=Admission(sum(per_worker), config.max_waiting, config.queue_timeout_s,
+                                    config.max_waiting_tokens),
                 max_request_tokens=min(per_worker), default_max_tokens=config.default_max_tokens,
+                deadline_policy=config.deadline_policy(),
             )
+            deployment.on_change.append(app.state.service.on_pool_change)
+            watch = asyncio.create_task(deployment.watch())
             app.state.started = time.time()
             layout = (f"{config.colocated} colocated workers" if config.colocated else
                       f"{config.prefill} prefill : {config.decode} decode workers "
@@ -75,6 +83,9 @@ def create_app(config: ServeConfig) -> FastAPI:
             print(f"pdserve: serving {app.state.service.model_name} on http://{config.host}:{config.port} "
                   f"with {layout}", flush=True)
             yield
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
         finally:
             await deployment.shutdown()
             if started_ray:
@@ -103,7 +114,11 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.exception_handler(RayError)
     async def worker_failed(_: Request, exc: RayError) -> JSONResponse:
         logger.error("a worker failed: %s", exc)
-        return error(503, f"a worker failed while serving the request: {type(exc).__name__}", "server_error")
+        return error(503, "a worker failed while serving the request", "server_error", code="worker_failed")
+
+    @app.exception_handler(RequestFailed)
+    async def request_failed(_: Request, exc: RequestFailed) -> JSONResponse:
+        return error(503, str(exc), "server_error", code=exc.code, headers={"Retry-After": "1"})
 
     @app.exception_handler(Overloaded)
     async def overloaded(_: Request, exc: Overloaded) -> JSONResponse:
@@ -144,17 +159,20 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
+        """ok (200), degraded (200: serving, some workers being replaced), unavailable (503)."""
         service: GatewayService = request.app.state.service
-        try:
-            loads = await service.deployment.loads()
-        except Exception as exc:  # a dead actor or step loop: report it, do not crash the probe
-            return JSONResponse({"status": "unhealthy", "reason": str(exc)}, status_code=503)
-        return JSONResponse({"status": "ok", "workers": len(loads)})
+        await service.deployment.loads()  # notices a worker that died since the last watch
+        pools = service.deployment.health()
+        body = {"status": pools.status, "active_workers": pools.active, "target_workers": pools.target,
+                "replacing": pools.num_replacing}
+        return JSONResponse(body, status_code=503 if pools.status == "unavailable" else 200)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         service: GatewayService = request.app.state.service
         service.metrics.set_loads(await service.deployment.loads())
+        for kind, count in service.deployment.health().active.items():
+            service.metrics.workers.labels(kind).set(count)
         service.metrics.admission_waiting.set(service.admission.num_waiting)
         service.metrics.admission_reserved.set(service.admission.reserved_tokens)
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -162,19 +180,26 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.get("/admin/pools", dependencies=[Depends(require_admin)])
     async def admin_pools(request: Request) -> dict[str, object]:
         service: GatewayService = request.app.state.service
-        loads = await service.deployment.loads()
+        loads = {x.worker_id: x for x in await service.deployment.loads()}
+        pools = service.deployment.health()
         return {
-            "prefill": sum(1 for x in loads if x.role == "prefill"),
-            "decode": sum(1 for x in loads if x.role == "decode"),
-            "colocated": service.deployment.config.num_colocated,
+            "prefill": pools.active["prefill"],
+            "decode": pools.active["decode"],
+            "colocated": pools.active["colocated"],
+            "status": pools.status,
             "backend": service.deployment.backend.value,
             "workers": [
-                {"worker_id": x.worker_id, "role": x.role, "running_requests": x.num_running,
+                {"worker_id": w.worker_id, "kind": w.kind, "state": w.state.value}
+                for w in service.deployment.workers.values() if w.worker_id not in loads
+            ] + [
+                {"worker_id": x.worker_id, "kind": service.deployment.workers[x.worker_id].kind,
+                 "state": service.deployment.workers[x.worker_id].state.value,
+                 "role": x.role, "running_requests": x.num_running,
                  "waiting_requests": x.num_waiting, "queued_prompt_tokens": x.num_queued_prompt_tokens,
                  "transferring": x.num_transferring, "free_kv_blocks": x.num_free_blocks,
                  "used_kv_blocks": x.num_total_blocks - x.num_free_blocks,
                  "total_kv_blocks": x.num_total_blocks}
-                for x in loads
+                for x in loads.values() if x.worker_id in service.deployment.workers
             ],
         }
 

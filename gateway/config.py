@@ -11,6 +11,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gateway.deadlines import DeadlinePolicy
 from gateway.pools import DeploymentConfig
 from kv_transfer import TransferConfig
 from llm_engine import EngineConfig
@@ -38,7 +39,12 @@ class ServeConfig(BaseModel):
     admin_key: str | None = None  # required on /admin routes; without it they answer on loopback only
     ray_address: str | None = None  # join this Ray cluster; None: start a local one
     max_waiting: int = Field(default=256, ge=0)  # requests that may wait for decode KV capacity
+    max_waiting_tokens: int | None = Field(default=None, ge=0)  # tokens that may wait; default: the capacity
     queue_timeout_s: float = Field(default=60.0, gt=0)
+    # Request deadlines (gateway/deadlines.py): slack per stage, and seconds per prompt / output token.
+    deadline_slack_s: float | None = Field(default=None, gt=0)
+    deadline_prefill_s_per_token: float | None = Field(default=None, ge=0)
+    deadline_decode_s_per_token: float | None = Field(default=None, ge=0)
     default_max_tokens: int = Field(default=512, ge=1)  # chat requests that name no max_tokens
 
     @field_validator("model")
@@ -55,6 +61,11 @@ class ServeConfig(BaseModel):
             raise ValueError(f"{path}: expected a mapping of settings")
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
+
+    def deadline_policy(self) -> DeadlinePolicy:
+        chosen = {"slack_s": self.deadline_slack_s, "prefill_s_per_token": self.deadline_prefill_s_per_token,
+                  "decode_s_per_token": self.deadline_decode_s_per_token}
+        return DeadlinePolicy(**{k: v for k, v in chosen.items() if v is not None})
 
     @property
     def is_loopback(self) -> bool:

@@ -44,6 +44,13 @@ class Metrics:
         self.admission_waiting = Gauge(
             "pdserve_admission_waiting", "Requests waiting for decode KV capacity", registry=r
         )
+        self.request_errors = Counter(
+            "pdserve_request_errors", "Requests ended with an error, by cause", ["code"], registry=r
+        )
+        self.migrations = Counter(
+            "pdserve_migrations", "Streams moved to another decode worker after a failure", registry=r
+        )
+        self.workers = Gauge("pdserve_pool_workers", "Active workers by kind", ["kind"], registry=r)
         self.admission_reserved = Gauge(
             "pdserve_admission_reserved_tokens", "Decode KV tokens reserved", registry=r
         )

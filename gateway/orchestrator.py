@@ -1,23 +1,50 @@
-"""One request's way through both stages, as a stream of typed events.
+"""One request's way through both stages, as a stream of typed events, surviving worker failures.
 
-    pick decode worker → pick prefill worker → prefill (first token + KVHandle) → event #1 at once
-      → decode stream (the decode worker pulls the KV, then generates) → events → final event with times.
-Closing the stream early (client gone) aborts the request on whichever worker holds it.
+    pick decode worker → pick prefill worker → PREFILL (first token + KVHandle) → event #1 at once
+      → DECODE stream (the decode worker pulls the KV, then generates) → events → final event with times.
+Failures (a worker's actor died, its step loop died, or it answered with finish_reason "error"):
+    PREFILL: the worker is marked failed and the request retried once on another prefill worker.
+    DECODE:  the worker is marked failed; the request migrates to another decode worker with the tokens the
+             client already has (that worker recomputes prompt + those tokens), and the stream goes on
+             without a duplicate or missing token. Up to MAX_MIGRATIONS times.
+    With no live worker of the role needed (1P+1D), it waits for the replacement the pool starts, until the
+    stage's deadline; then, and whenever a deadline passes, it raises RequestFailed (a clear error).
+Leaving the stream early (client gone, error) aborts the request on whichever workers hold it, and tells the
+prefill worker to free a KV handle nobody will pull.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
-import ray
+from ray.exceptions import RayActorError, RayTaskError
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
+from gateway.deadlines import RequestDeadlines
 from gateway.pools import Worker
 from gateway.router import Router
 from llm_engine import SamplingParams
+from llm_engine.step_loop import WorkerFailed
 from prefill_pool.messages import PrefillRequest, PrefillResult
+
+MAX_PREFILL_ATTEMPTS = 2  # the first try and one retry on another worker
+MAX_MIGRATIONS = 3  # decode workers a request may move across before it ends with an error
+WORKER_POLL_S = 0.1  # while waiting for a replacement worker
+
+
+class RequestFailed(Exception):
+    """The request cannot finish; the message is safe to show the client (no internals)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code  # "worker_failed", "no_worker" or "deadline_exceeded"
+
+
+class _WorkerLost(Exception):
+    """A worker failed while holding this request (internal: triggers a retry or a migration)."""
 
 
 @dataclass(frozen=True)
@@ -25,77 +52,171 @@ class StreamEvent:
     request_id: str
     token_ids: tuple[int, ...]  # new tokens
     logprobs: tuple[float, ...]
-    emitted_at: float  # wall clock when the worker produced them
+    token_times: tuple[float, ...]  # worker wall clock when each token was produced
     finish_reason: str | None = None
     prefill: PrefillResult | None = None  # on the first event
     decode: DecodeOutput | None = None  # on the final event when the request was decoded
+    num_migrations: int = 0  # decode workers left behind because they failed (final event)
 
 
-async def run_request(router: Router, request_id: str, prompt_token_ids: tuple[int, ...],
-                      sampling: SamplingParams) -> AsyncGenerator[StreamEvent, None]:
-    decode = router.pick_decode()
-    if decode.is_colocated:
-        async for event in _run_colocated(router, decode, request_id, prompt_token_ids, sampling):
-            yield event
-        return
-    prefill = router.pick_prefill(prompt_token_ids)
-    num_prompt = len(prompt_token_ids)
-    router.prefill_tokens[prefill.worker_id] += num_prompt
-    router.decode_tokens[decode.worker_id] += num_prompt + sampling.max_tokens
-    stream = None
-    is_finished = False
-    try:
-        prefill_ref = prefill.actor.prefill.remote(PrefillRequest(request_id, prompt_token_ids, sampling))
-        try:
-            result: PrefillResult = await prefill_ref
-        finally:
-            router.prefill_tokens[prefill.worker_id] -= num_prompt
-        logprobs = () if result.first_logprob is None else (result.first_logprob,)
-        first = StreamEvent(request_id, (result.first_token_id,) if result.finish_reason != "abort" else (),
-                            logprobs if sampling.logprobs else (), result.times.finished,
-                            result.finish_reason, prefill=result)
-        yield first
-        if result.finish_reason is not None:
-            is_finished = True
+def _is_worker_loss(error: BaseException) -> bool:
+    if isinstance(error, RayActorError):
+        return True
+    return isinstance(error, RayTaskError) and isinstance(error.cause, WorkerFailed)
+
+
+class RequestRun:
+    """Drives one request; `events()` is its stream."""
+
+    def __init__(self, router: Router, request_id: str, prompt_token_ids: tuple[int, ...],
+                 sampling: SamplingParams, deadlines: RequestDeadlines) -> None:
+        self.router = router
+        self.deployment = router.deployment
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling = sampling
+        self.deadlines = deadlines
+        self.generated: list[int] = []  # every token the client has been sent
+        self.num_migrations = 0
+
+    async def events(self) -> AsyncGenerator[StreamEvent, None]:
+        decode = await self._wait_for_worker("decode", self.deadlines.prefill_by)
+        if decode.is_colocated:
+            async for event in self._decode(decode, DecodeRequest(self.request_id, self.prompt_token_ids,
+                                                                  self.sampling)):
+                yield event
             return
-        stream = decode.actor.generate.remote(DecodeRequest(
-            request_id, prompt_token_ids, sampling, result.first_token_id, result.first_logprob,
-            result.kv_handle))
-        async for event in _decode_events(request_id, stream):
-            is_finished = event.finish_reason is not None
-            yield event
-    finally:
-        router.decode_tokens[decode.worker_id] -= num_prompt + sampling.max_tokens
-        if not is_finished:
-            # The client went away: stop the work wherever it is (both calls are idempotent).
-            prefill.actor.abort.remote(request_id)
-            decode.actor.abort.remote(request_id)
-            if stream is not None:
-                ray.cancel(stream)
+        prefill, result = await self._prefill()
+        handle = result.kv_handle
+        is_handed_off = False
+        try:
+            self.generated.append(result.first_token_id)
+            logprobs = () if result.first_logprob is None or not self.sampling.logprobs else (
+                result.first_logprob,)
+            yield StreamEvent(self.request_id, (result.first_token_id,), logprobs, (result.times.finished,),
+                              result.finish_reason, prefill=result)
+            if result.finish_reason is not None:
+                return
+            request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
+                                    result.first_token_id, result.first_logprob, handle)
+            is_handed_off = True
+            async for event in self._decode(decode, request):
+                yield event
+        finally:
+            if handle is not None and not is_handed_off:
+                # The client left before the decode stage took the handle: nobody will pull these blocks.
+                prefill.actor.release_kv.remote(handle.transfer_id, "the request ended before its pull")
+
+    async def _prefill(self) -> tuple[Worker, PrefillResult]:
+        tried: set[str] = set()
+        num_prompt = len(self.prompt_token_ids)
+        for _ in range(MAX_PREFILL_ATTEMPTS):
+            prefill = await self._wait_for_worker("prefill", self.deadlines.prefill_by, tried)
+            tried.add(prefill.worker_id)
+            self.router.prefill_tokens[prefill.worker_id] += num_prompt
+            ref = prefill.actor.prefill.remote(PrefillRequest(self.request_id, self.prompt_token_ids,
+                                                              self.sampling))
+            try:
+                async with asyncio.timeout(self._left(self.deadlines.prefill_by)):
+                    result: PrefillResult = await ref
+            except TimeoutError:
+                prefill.actor.abort.remote(self.request_id)
+                raise RequestFailed(self._late("prefill", self.deadlines.prefill_by), "deadline_exceeded"
+                                    ) from None
+            except (RayActorError, RayTaskError) as error:
+                if not _is_worker_loss(error):
+                    raise
+                self.deployment.mark_failed(prefill.worker_id, f"prefill call failed: {type(error).__name__}")
+                continue
+            finally:
+                self.router.prefill_tokens[prefill.worker_id] -= num_prompt
+            if result.finish_reason == "error":
+                self.deployment.mark_failed(prefill.worker_id, result.error)
+                continue
+            return prefill, result
+        raise RequestFailed(
+            f"the prompt could not be prefilled: {MAX_PREFILL_ATTEMPTS} prefill workers failed",
+            "worker_failed",
+        )
+
+    async def _decode(self, decode: Worker, request: DecodeRequest) -> AsyncGenerator[StreamEvent, None]:
+        while True:
+            try:
+                async for event in self._decode_once(decode, request):
+                    yield event
+                return
+            except _WorkerLost as lost:
+                self.deployment.mark_failed(decode.worker_id, str(lost))
+                if self.num_migrations >= MAX_MIGRATIONS:
+                    raise RequestFailed(f"generation stopped: {self.num_migrations + 1} decode workers "
+                                        "failed while serving this request", "worker_failed") from None
+                self.num_migrations += 1
+            # Continue elsewhere from what the client has: the new worker recomputes prompt + those tokens.
+            decode = await self._wait_for_worker("decode", self.deadlines.finish_by, {decode.worker_id})
+            request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
+                                    generated_token_ids=tuple(self.generated))
+
+    async def _decode_once(self, decode: Worker, request: DecodeRequest) -> AsyncGenerator[StreamEvent, None]:
+        reserved = len(self.prompt_token_ids) + self.sampling.max_tokens
+        self.router.decode_tokens[decode.worker_id] += reserved
+        stream = decode.actor.generate.remote(request)
+        is_finished = False
+        try:
+            async for output in self._outputs(stream):
+                if output.finish_reason == "error":
+                    raise _WorkerLost(output.error or "decode worker failed")
+                is_finished = output.finish_reason is not None
+                self.generated.extend(output.token_ids)
+                yield StreamEvent(self.request_id, output.token_ids, output.logprobs, output.token_times,
+                                  output.finish_reason, decode=output if is_finished else None,
+                                  num_migrations=self.num_migrations)
+        finally:
+            self.router.decode_tokens[decode.worker_id] -= reserved
+            if not is_finished:
+                # Client gone, deadline, or worker lost: stop the work there (abort is idempotent).
+                decode.actor.abort.remote(self.request_id)
+
+    async def _outputs(self, stream: AsyncIterator[object]) -> AsyncGenerator[DecodeOutput, None]:
+        """The decode actor's Ray stream as DecodeOutputs, each awaited within the request's deadline."""
+        while True:
+            try:
+                async with asyncio.timeout(self._left(self.deadlines.finish_by)):
+                    ref = await anext(stream)
+                    output: DecodeOutput = await ref  # type: ignore[misc]
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise RequestFailed(self._late("decode", self.deadlines.finish_by), "deadline_exceeded"
+                                    ) from None
+            except (RayActorError, RayTaskError) as error:
+                if not _is_worker_loss(error):
+                    raise
+                raise _WorkerLost(f"decode stream failed: {type(error).__name__}") from None
+            yield output
+
+    async def _wait_for_worker(self, role: str, deadline: float, exclude: set[str] | None = None) -> Worker:
+        """The router's pick among live workers not in `exclude`; waits for a replacement until `deadline`."""
+        while True:
+            candidates = [w for w in self.deployment.active(role) if w.worker_id not in (exclude or ())]
+            if candidates:
+                return (self.router.pick_decode(candidates) if role == "decode"
+                        else self.router.pick_prefill(self.prompt_token_ids, candidates))
+            if not self.deployment.is_replacing(role):
+                raise RequestFailed(f"no {role} worker is alive and none is starting", "no_worker")
+            if self._left(deadline) <= 0:
+                raise RequestFailed(f"no {role} worker became available before the request's deadline",
+                                    "no_worker")
+            await asyncio.sleep(WORKER_POLL_S)
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        return max(0.0, deadline - time.time())
+
+    def _late(self, stage: str, deadline: float) -> str:
+        budget = deadline - self.deadlines.arrival
+        return f"the request passed its deadline in the {stage} stage ({budget:.1f} s after arrival)"
 
 
-async def _run_colocated(router: Router, worker: Worker, request_id: str, prompt_token_ids: tuple[int, ...],
-                         sampling: SamplingParams) -> AsyncGenerator[StreamEvent, None]:
-    """The colocated baseline: one worker prefills (chunks mixed into its decode steps) and decodes."""
-    reserved = len(prompt_token_ids) + sampling.max_tokens
-    router.decode_tokens[worker.worker_id] += reserved
-    stream = worker.actor.generate.remote(DecodeRequest(request_id, prompt_token_ids, sampling))
-    is_finished = False
-    try:
-        async for event in _decode_events(request_id, stream):
-            is_finished = event.finish_reason is not None
-            yield event
-    finally:
-        router.decode_tokens[worker.worker_id] -= reserved
-        if not is_finished:
-            worker.actor.abort.remote(request_id)
-            ray.cancel(stream)
-
-
-async def _decode_events(request_id: str, stream: Any) -> AsyncGenerator[StreamEvent, None]:
-    """A decode actor's Ray stream of DecodeOutputs as StreamEvents (the last one carries the outputs)."""
-    async for ref in stream:
-        output: DecodeOutput = await ref
-        is_finished = output.finish_reason is not None
-        yield StreamEvent(request_id, output.token_ids, output.logprobs, output.emitted_at,
-                          output.finish_reason, decode=output if is_finished else None)
+def run_request(router: Router, request_id: str, prompt_token_ids: tuple[int, ...], sampling: SamplingParams,
+                deadlines: RequestDeadlines) -> AsyncGenerator[StreamEvent, None]:
+    return RequestRun(router, request_id, prompt_token_ids, sampling, deadlines).events()

@@ -1,18 +1,26 @@
 """The two pools of Ray actors and the wiring between them; sets the prefill:decode ratio.
 
-Lifecycle of a worker:  add() → STARTING (actor constructor: model load, KV cache, transfer agent)
+Lifecycle of a worker (WorkerState):  add() → STARTING (actor constructor: model load, KV cache, agent)
     → ACTIVE (routable; every decode worker knows every prefill worker's PeerInfo)
-    → DRAINING (not routable; finishes what it holds) → STOPPED (shutdown, actor killed).
-The torch transfer backend binds its peers up front (one process group), so its pools cannot grow or
-shrink after start; nixl pools can.
+    → DRAINING (not routable; finishes what it holds) → removed (shutdown, actor killed).
+    ACTIVE | DRAINING → FAILED (its actor died, its step loop died, or it stopped answering): not routable;
+    the actor is killed and a new worker of the same kind is started in its place (retried with backoff
+    until it comes up), so the pools return to their target size by themselves.
+Failures are noticed two ways: the orchestrator reports a worker whose call failed (mark_failed), and
+watch() polls every worker's load once a second. health() says ok / degraded / unavailable from the states.
+The torch transfer backend binds its peers up front (one process group), so its pools cannot grow, shrink
+or replace a worker after start; nixl pools can.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import enum
 import itertools
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +53,7 @@ class DeploymentConfig:
     num_cpus_per_worker: float = 1.0  # Ray resource request of each actor
     num_gpus_per_worker: float = 0.0
     num_threads: int = 1  # torch threads per worker
+    start_timeout_s: float = 300.0  # a worker that has not loaded its model by then is given up and retried
 
     def __post_init__(self) -> None:
         if self.num_colocated:
@@ -75,13 +84,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# A worker that does not answer a load query for this long is taken for dead (a dead actor fails at once).
+LOAD_TIMEOUT_S = 30.0
+
+
+class WorkerState(enum.Enum):
+    STARTING = "starting"
+    ACTIVE = "active"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
 @dataclass
 class Worker:
     worker_id: str
     role: str  # "prefill" or "decode"
     actor: Any  # Ray actor handle
-    is_draining: bool = False
+    state: WorkerState = WorkerState.STARTING
     is_colocated: bool = False  # prefills its own requests (role is then "decode")
+
+    @property
+    def kind(self) -> str:
+        """What the worker was started as: "prefill", "decode" or "colocated"."""
+        return "colocated" if self.is_colocated else self.role
+
+
+@dataclass(frozen=True)
+class PoolHealth:
+    """What /health reports: states and counts only, never internals."""
+
+    status: str  # "ok": every target worker active; "degraded": some missing; "unavailable": cannot serve
+    active: dict[str, int]  # kind → active workers
+    target: dict[str, int]  # kind → workers the deployment should have
+    num_replacing: int  # failed workers whose replacement is starting
 
 
 class PDDeployment:
@@ -93,6 +128,12 @@ class PDDeployment:
         self.workers: dict[str, Worker] = {}
         self._ids = itertools.count()
         self._torch_groups: dict[str, TorchGroupSpec] = {}
+        self.target = {"prefill": config.num_prefill, "decode": config.num_decode,
+                       "colocated": config.num_colocated}
+        self.on_change: list[Callable[[], None]] = []  # called when the set of active workers changes
+        # Failed worker id → (that worker, the task starting its replacement).
+        self._replacements: dict[str, tuple[Worker, asyncio.Task[None]]] = {}
+        self._is_closing = False
 
     async def start(self) -> None:
         """Create both pools and connect every decode worker to every prefill worker."""
@@ -111,6 +152,9 @@ class PDDeployment:
         # Constructors run concurrently (a torch group forms only when every rank has joined).
         await asyncio.gather(*(w.actor.load.remote() for w in self.workers.values()))
         await self._connect(list(self.workers.values()))
+        for worker in self.workers.values():
+            worker.state = WorkerState.ACTIVE
+        self._changed()
 
     def _create(self, worker_id: str) -> Worker:
         role = worker_id.split("-")[0]
@@ -140,8 +184,9 @@ class PDDeployment:
         return worker
 
     async def _connect(self, new: list[Worker]) -> None:
-        prefills = [w for w in self.workers.values() if w.role == "prefill"]
-        decodes = [w for w in self.workers.values() if w.role == "decode"]
+        alive = [w for w in self.workers.values() if w.state is not WorkerState.FAILED]
+        prefills = [w for w in alive if w.role == "prefill"]
+        decodes = [w for w in alive if w.role == "decode"]
         peers = dict(
             zip(
                 [p.worker_id for p in prefills],
@@ -158,7 +203,7 @@ class PDDeployment:
         await asyncio.gather(*calls)
 
     def active(self, role: str) -> list[Worker]:
-        return [w for w in self.workers.values() if w.role == role and not w.is_draining]
+        return [w for w in self.workers.values() if w.role == role and w.state is WorkerState.ACTIVE]
 
     async def add_worker(self, role: str) -> str:
         """Start one more worker of `role` and connect it; returns its id."""
@@ -167,16 +212,99 @@ class PDDeployment:
                 f"the {self.backend} transfer backend fixes its workers at start; use nixl to resize pools"
             )
         worker = self._create(f"{role}-{next(self._ids)}")
+        self.target[worker.kind] += 1
         await worker.actor.load.remote()
         await self._connect([worker])
+        worker.state = WorkerState.ACTIVE
+        self._changed()
         return worker.worker_id
+
+    def mark_failed(self, worker_id: str, why: str) -> None:
+        """Take a worker out of routing at once and start its replacement (idempotent)."""
+        worker = self.workers.get(worker_id)
+        if worker is None or worker.state in (WorkerState.FAILED, WorkerState.STARTING):
+            return
+        logger.error("worker %s failed: %s", worker_id, why)
+        was_draining = worker.state is WorkerState.DRAINING
+        worker.state = WorkerState.FAILED
+        self._changed()
+        if self._is_closing:
+            return
+        if capabilities(self.backend).needs_peer_bound_up_front:
+            logger.error("the %s transfer backend fixes its workers at start: %s is not replaced",
+                         self.backend, worker_id)
+            return
+        if was_draining:  # it was leaving anyway: remove it, start nothing
+            self._forget(worker)
+            return
+        self._replacements[worker_id] = (worker, asyncio.create_task(self._replace(worker)))
+
+    def is_replacing(self, role: str) -> bool:
+        """Whether a worker that can serve `role` is being started in place of a failed one."""
+        return any(w.role == role for w, _ in self._replacements.values())
+
+    async def _replace(self, failed: Worker, first_retry_s: float = 1.0) -> None:
+        self._forget(failed)
+        retry_s = first_retry_s
+        while not self._is_closing:
+            worker = self._create(f"{failed.kind}-{next(self._ids)}")
+            try:
+                await asyncio.wait_for(worker.actor.load.remote(), self.config.start_timeout_s)
+                await self._connect([worker])
+            except Exception as error:
+                logger.error("replacement %s for %s did not start (%s); retrying in %.0f s",
+                             worker.worker_id, failed.worker_id, type(error).__name__, retry_s)
+                self._forget(worker)
+                await asyncio.sleep(retry_s)
+                retry_s = min(2 * retry_s, 30.0)
+                continue
+            worker.state = WorkerState.ACTIVE
+            logger.warning("worker %s replaces the failed %s", worker.worker_id, failed.worker_id)
+            self._changed()
+            break
+        self._replacements.pop(failed.worker_id, None)
+
+    def _forget(self, worker: Worker) -> None:
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(worker.actor, no_restart=True)
+        self.workers.pop(worker.worker_id, None)
+
+    def _changed(self) -> None:
+        for callback in self.on_change:
+            callback()
+
+    def health(self) -> PoolHealth:
+        active = {kind: 0 for kind in self.target}
+        for worker in self.workers.values():
+            if worker.state is WorkerState.ACTIVE:
+                active[worker.kind] += 1
+        can_prefill = active["prefill"] + active["colocated"]
+        can_decode = active["decode"] + active["colocated"]
+        if not can_prefill or not can_decode:
+            status = "unavailable"
+        elif any(active[kind] < self.target[kind] for kind in self.target):
+            status = "degraded"
+        else:
+            status = "ok"
+        return PoolHealth(status, active, dict(self.target), len(self._replacements))
+
+    async def watch(self, interval_s: float = 1.0) -> None:
+        """Poll every worker's load forever, so that a worker that died while idle is noticed and replaced."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.loads()
+            except Exception:  # the watcher itself must never die
+                logger.exception("pool watch failed")
 
     async def drain_worker(self, worker_id: str, poll_s: float = 0.05, timeout_s: float = 300.0) -> None:
         """Stop routing to a worker, wait until it holds nothing, then stop it."""
         worker = self.workers[worker_id]
-        if len(self.active(worker.role)) <= 1 and not worker.is_draining:
+        if len(self.active(worker.role)) <= 1 and worker.state is WorkerState.ACTIVE:
             raise ValueError(f"{worker_id} is the last active {worker.role} worker")
-        worker.is_draining = True
+        worker.state = WorkerState.DRAINING
+        self.target[worker.kind] -= 1
+        self._changed()
         deadline = asyncio.get_running_loop().time() + timeout_s
         while not await worker.actor.is_whole.remote():
             if asyncio.get_running_loop().time() > deadline:
@@ -187,10 +315,26 @@ class PDDeployment:
         del self.workers[worker_id]
 
     async def loads(self) -> list[WorkerLoad]:
-        workers = list(self.workers.values())
-        return list(await asyncio.gather(*(w.actor.load.remote() for w in workers)))
+        """Loads of the live workers; a worker that is dead or reports a failure is marked failed."""
+        workers = [w for w in self.workers.values() if w.state in (WorkerState.ACTIVE, WorkerState.DRAINING)]
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(w.actor.load.remote(), LOAD_TIMEOUT_S) for w in workers),
+            return_exceptions=True,
+        )
+        loads = []
+        for worker, answer in zip(workers, answers, strict=True):
+            if isinstance(answer, BaseException):
+                self.mark_failed(worker.worker_id, f"no load report: {type(answer).__name__}")
+            elif answer.failure:
+                self.mark_failed(worker.worker_id, answer.failure)
+            else:
+                loads.append(answer)
+        return loads
 
     async def shutdown(self) -> None:
+        self._is_closing = True
+        for _, task in self._replacements.values():
+            task.cancel()
         workers = list(self.workers.values())
         await asyncio.gather(*(w.actor.shutdown.remote() for w in workers), return_exceptions=True)
         for worker in workers:

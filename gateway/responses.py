@@ -1,9 +1,15 @@
-"""OpenAI response framing of a TextDelta stream: whole responses, and SSE chunks ending in [DONE]."""
+"""OpenAI response framing of a TextDelta stream: whole responses, and SSE chunks ending in [DONE].
+
+A stream that fails after its headers went out (no worker could finish it, a deadline passed) ends with an
+OpenAI-shaped error event, `data: {"error": {...}}`, then `data: [DONE]`: never a silent cut.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
+from gateway.orchestrator import RequestFailed
 from gateway.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -12,9 +18,13 @@ from gateway.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    ErrorBody,
+    ErrorResponse,
     Usage,
 )
 from gateway.service import GatewayService, PreparedRequest, TextDelta
+
+logger = logging.getLogger(__name__)
 
 
 def _usage(prepared: PreparedRequest, num_output: int) -> Usage:
@@ -24,6 +34,23 @@ def _usage(prepared: PreparedRequest, num_output: int) -> Usage:
 
 def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
+
+
+async def _guarded(deltas: AsyncIterator[TextDelta], errors: list[str]) -> AsyncIterator[TextDelta]:
+    """The deltas until the stream fails; then the failure's error event lands in `errors`."""
+    try:
+        async for delta in deltas:
+            yield delta
+    except RequestFailed as failed:
+        errors.append(_error_event(str(failed), failed.code))
+    except Exception:  # never a silent cut, never internals in the body
+        logger.exception("a stream failed")
+        errors.append(_error_event("the server failed while generating this response", "internal_error"))
+
+
+def _error_event(message: str, code: str) -> str:
+    body = ErrorResponse(error=ErrorBody(message=message, type="server_error", code=code))
+    return _sse(body.model_dump_json())
 
 
 async def _collect(deltas: AsyncIterator[TextDelta]) -> tuple[str, list[int], list[float], TextDelta]:
@@ -67,7 +94,8 @@ async def completion_response(service: GatewayService, body: CompletionRequest, 
 async def completion_stream(service: GatewayService, body: CompletionRequest, prepared: PreparedRequest,
                             deltas: AsyncIterator[TextDelta], include_usage: bool) -> AsyncIterator[str]:
     last: TextDelta | None = None
-    async for delta in deltas:
+    errors: list[str] = []
+    async for delta in _guarded(deltas, errors):
         last = delta
         choice = CompletionChoice(
             text=delta.text, finish_reason=delta.finish_reason,
@@ -78,6 +106,8 @@ async def completion_stream(service: GatewayService, body: CompletionRequest, pr
         chunk = CompletionResponse(id=prepared.request_id, model=service.model_name, choices=[choice],
                                    timings=delta.timings)
         yield _sse(chunk.model_dump_json(exclude_none=True))
+    for event in errors:
+        yield event
     if include_usage and last is not None:
         usage = CompletionResponse(id=prepared.request_id, model=service.model_name, choices=[],
                                    usage=_usage(prepared, last.num_output_tokens))
@@ -107,7 +137,8 @@ async def chat_stream(service: GatewayService, body: ChatCompletionRequest, prep
 
     yield chunk(ChatChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None))
     last: TextDelta | None = None
-    async for delta in deltas:
+    errors: list[str] = []
+    async for delta in _guarded(deltas, errors):
         last = delta
         choice = ChatChoice(
             delta=ChatDelta(content=delta.text), finish_reason=delta.finish_reason,
@@ -116,6 +147,8 @@ async def chat_stream(service: GatewayService, body: ChatCompletionRequest, prep
             token_ids=list(delta.token_ids) if body.return_token_ids else None,
         )
         yield chunk(choice, timings=delta.timings)
+    for event in errors:
+        yield event
     if include_usage and last is not None:
         yield chunk(None, usage=_usage(prepared, last.num_output_tokens))
     yield _sse("[DONE]")

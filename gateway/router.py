@@ -27,14 +27,16 @@ class Router:
         self.decode_tokens: defaultdict[str, int] = defaultdict(int)  # tokens of requests decoding there
         self._cached: defaultdict[str, OrderedDict[bytes, None]] = defaultdict(OrderedDict)
 
-    def pick_decode(self) -> Worker:
-        workers = self.deployment.active("decode")
+    def pick_decode(self, workers: list[Worker] | None = None) -> Worker:
+        """The least loaded of `workers` (default: every active decode worker)."""
+        workers = self.deployment.active("decode") if workers is None else workers
         if not workers:
             raise RuntimeError("no active decode worker")
         return min(workers, key=lambda w: self.decode_tokens[w.worker_id])
 
-    def pick_prefill(self, prompt_token_ids: tuple[int, ...]) -> Worker:
-        workers = self.deployment.active("prefill")
+    def pick_prefill(self, prompt_token_ids: tuple[int, ...], workers: list[Worker] | None = None) -> Worker:
+        """The best of `workers` (default: every active prefill worker) for this prompt."""
+        workers = self.deployment.active("prefill") if workers is None else workers
         if not workers:
             raise RuntimeError("no active prefill worker")
         hashes = prefix_hashes(prompt_token_ids, self.block_size)

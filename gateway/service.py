@@ -2,9 +2,13 @@
 
 prepare_*(): validate against the model (name, vocabulary, context) and tokenize once → PreparedRequest
 admit():     reserve decode KV capacity for prompt + max_tokens (bounded wait, else Overloaded → 429)
-stream():    route through both pools → incremental detokenization, stop strings → TextDelta events;
+stream():    route through both pools (within the request's deadlines; worker failures are retried or
+             migrated by the orchestrator) → incremental detokenization, stop strings → TextDelta events;
              the last one carries finish_reason, usage counts and the stage Timings (also exported to
-             Prometheus). Leaving the stream early (client gone, stop string) aborts both workers.
+             Prometheus). Leaving the stream early (client gone, stop string) aborts both workers. A request
+             that cannot finish raises RequestFailed (HTTP 503, or an error event mid-stream).
+Tokens are counted one by one (a worker may send several in one event); each gets its own time: the
+worker's spacing between them, anchored at the moment the gateway received the event.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from typing import TYPE_CHECKING
 
 from decode_pool.messages import DecodeOutput
 from gateway.admission import Admission, Reservation
+from gateway.deadlines import DeadlinePolicy
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import Metrics
-from gateway.orchestrator import run_request
+from gateway.orchestrator import RequestFailed, StreamEvent, run_request
 from gateway.pools import PDDeployment
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Timings
 from gateway.router import Router
@@ -68,6 +73,7 @@ class GatewayService:
         admission: Admission,
         max_request_tokens: int,
         default_max_tokens: int,
+        deadline_policy: DeadlinePolicy | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.spec = spec
@@ -78,6 +84,7 @@ class GatewayService:
         self.metrics = Metrics()
         self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
         self.default_max_tokens = default_max_tokens
+        self.deadline_policy = deadline_policy or DeadlinePolicy()
 
     # Validation and tokenization.
     def prepare_completion(self, request: CompletionRequest) -> PreparedRequest:
@@ -171,15 +178,21 @@ class GatewayService:
         prefill: PrefillResult | None = None
         decode: DecodeOutput | None = None
         outcome = "abort"
-        events = run_request(self.router, prepared.request_id, prepared.prompt_token_ids, prepared.sampling)
+        deadlines = self.deadline_policy.for_request(
+            prepared.arrival, len(prepared.prompt_token_ids), prepared.sampling.max_tokens
+        )
+        events = run_request(
+            self.router, prepared.request_id, prepared.prompt_token_ids, prepared.sampling, deadlines
+        )
         try:
             async for event in events:
                 prefill = event.prefill or prefill
                 decode = event.decode or decode
                 text = detokenizer.add(event.token_ids)
                 finish = "stop" if detokenizer.is_stopped else event.finish_reason
-                if event.token_ids:
-                    sent.append(time.time())
+                sent.extend(_token_times(event, time.time()))
+                if event.num_migrations and event.finish_reason is not None:
+                    self.metrics.migrations.inc(event.num_migrations)
                 if finish is None:
                     yield TextDelta(text, event.token_ids, event.logprobs, None, len(sent))
                     continue
@@ -189,11 +202,20 @@ class GatewayService:
                 self.metrics.observe_request(timings, finish, len(prepared.prompt_token_ids), len(sent))
                 yield TextDelta(text, event.token_ids, event.logprobs, finish, len(sent), timings)
                 return
+        except RequestFailed as failed:
+            outcome = "error"
+            self.metrics.requests.labels("error").inc()
+            self.metrics.request_errors.labels(failed.code).inc()
+            raise
         finally:
             await events.aclose()  # aborts both workers unless the request finished there
             reservation.release()
             if outcome == "abort":
                 self.metrics.requests.labels("abort").inc()
+
+    def on_pool_change(self) -> None:
+        """The set of active decode workers changed (failure, replacement, resize): recompute capacity."""
+        self.admission.set_capacity(self.max_request_tokens * len(self.deployment.active("decode")))
 
     @staticmethod
     def _timings(
@@ -237,3 +259,14 @@ class GatewayService:
             e2e_ms=ms(arrival, sent[-1] if sent else time.time()),
             token_gaps_ms=[ms(a, b) for a, b in itertools.pairwise(sent)],
         )
+
+
+def _token_times(event: StreamEvent, received: float) -> list[float]:
+    """One gateway-clock time per token of the event: the worker's spacing, ending when it arrived here."""
+    num = len(event.token_ids)
+    if not num:
+        return []
+    if len(event.token_times) != num:
+        return [received] * num
+    last = event.token_times[-1]
+    return [received - (last - t) for t in event.token_times]

@@ -1,4 +1,8 @@
-"""What a worker reports about its load, for the router and the pool manager."""
+"""What a worker reports about its load, for the router and the pool manager.
+
+The worker's loop thread builds one after every step and publishes it whole; other threads only read the
+latest one, so a report never iterates the scheduler's queues while the loop mutates them.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ class WorkerLoad:
     num_free_blocks: int
     num_total_blocks: int
     num_outstanding_tokens: int  # decode: output tokens still to generate for admitted requests
+    failure: str = ""  # why the worker's step loop died; empty while it serves
 
     @property
     def kv_occupancy(self) -> float:

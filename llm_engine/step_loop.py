@@ -3,6 +3,8 @@
     actor coroutine ──submit/abort (thread-safe call on the worker)──► wake()
     loop thread:   while running: delay = step(); wait(delay)   (None: until woken; 0: at once)
 Only the loop thread touches engine state; other threads hand it commands through the worker's inbox.
+A step that raises ends the loop: `on_error` runs on the loop thread (the worker ends every request it
+holds with an error) and `error` stays set, so the actor reports itself failed and the gateway replaces it.
 """
 
 from __future__ import annotations
@@ -16,16 +18,23 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+class WorkerFailed(RuntimeError):
+    """The worker's step loop died; it serves nothing more (the gateway replaces the worker)."""
+
+
 class StepLoop:
-    def __init__(self, name: str, step: Callable[[], float | None], num_threads: int | None = None) -> None:
+    def __init__(self, name: str, step: Callable[[], float | None], num_threads: int | None = None,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         """Args:
         name: thread name, for logs and py-spy.
         step: one iteration; returns how long to wait before the next (None: until wake()).
+        on_error: called once on the loop thread when a step raises, before the loop ends.
         num_threads: torch threads for the forwards run on this thread. torch.set_num_threads() in the
             main thread does not reach a new thread's BLAS pool: without this a forward here uses every
             core, and on 2 cores the prefill and decode workers slow each other down ~2×.
         """
         self._step = step
+        self._on_error = on_error
         self._num_threads = num_threads
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -57,6 +66,11 @@ class StepLoop:
             except BaseException as error:  # a dead loop must be visible, not a silent hang
                 logger.exception("step loop %s died", self._thread.name)
                 self.error = error
+                if self._on_error is not None:
+                    try:
+                        self._on_error(error)
+                    except Exception:
+                        logger.exception("step loop %s: failing its requests raised too", self._thread.name)
                 return
             if delay == 0:
                 continue

@@ -23,7 +23,7 @@ class PrefillActor:
         engine = LLMEngine(engine_config, scheduler_cls=PrefillScheduler)
         sender = make_sender(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
         self.worker = PrefillWorker(worker_id, engine, sender)
-        self.loop = StepLoop(f"prefill-{worker_id}", self.worker.step, num_threads)
+        self.loop = StepLoop(f"prefill-{worker_id}", self.worker.step, num_threads, on_error=self.worker.fail)
         self.loop.start()
 
     def peer_info(self) -> PeerInfo:
@@ -53,13 +53,18 @@ class PrefillActor:
         self.worker.abort(request_id)
         self.loop.wake()
 
+    def release_kv(self, transfer_id: int, why: str) -> None:
+        """Nobody will pull this transfer (its pull failed, or the request ended): free its blocks now."""
+        self.worker.release(transfer_id, why)
+        self.loop.wake()
+
     def accept_pull(self, pull: PullRequest) -> PullReply:
         reply = self.worker.accept_pull(pull)
         self.loop.wake()
         return reply
 
     def load(self) -> WorkerLoad:
-        self._check_alive()
+        """The worker's latest load; `failure` is set once its step loop has died."""
         return self.worker.load()
 
     def is_whole(self) -> bool:
@@ -72,7 +77,3 @@ class PrefillActor:
     def shutdown(self) -> None:
         self.loop.stop()
         self.worker.sender.close()
-
-    def _check_alive(self) -> None:
-        if self.loop.error is not None:
-            raise RuntimeError(f"prefill step loop died: {self.loop.error!r}")

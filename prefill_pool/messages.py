@@ -30,8 +30,9 @@ class PrefillResult:
     first_token_id: int  # -1 when aborted
     first_logprob: float | None  # when the request asked for logprobs
     # Set when the request needs no decode: "stop" (EOS or stop token first), "length" (max_tokens 1),
-    # "abort". None means: decode continues from kv_handle.
+    # "abort", "error" (the worker failed; see `error`). None means: decode continues from kv_handle.
     finish_reason: str | None
     kv_handle: KVHandle | None  # the prompt's KV, offered under a lease; None when finished here
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     times: PrefillTimes
+    error: str = ""  # why, when finish_reason is "error"

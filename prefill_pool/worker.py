@@ -6,7 +6,12 @@ Lifecycle of a request on this worker:
       → RELEASED (pulled, or lease expired) → blocks freed.
     A request whose first token ends it (EOS, stop token, max_tokens 1) is freed at once, with no handle.
     abort() works in every state; an OFFERED request's blocks are freed when its lease is released.
-Only the step loop's thread touches the engine; submit() and abort() go through a thread-safe inbox.
+    release(transfer_id) ends an OFFERED request's lease at once when nobody will pull it (the decode side's
+    pull failed or was aborted, or the client left): the lease itself is only the last resort.
+    fail() (the step loop died) ends every request still here with finish_reason "error"; later submissions
+    raise WorkerFailed.
+Only the step loop's thread touches the engine; submit(), abort() and release() go through a thread-safe
+inbox. load() returns the snapshot the loop thread published after its last step.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from kv_transfer import KVHandle, KVSender, PullReply, PullRequest
 from llm_engine import LLMEngine
 from llm_engine.load import WorkerLoad
 from llm_engine.request import Request, RequestStatus
+from llm_engine.step_loop import WorkerFailed
 from prefill_pool.messages import PrefillRequest, PrefillResult, PrefillTimes
 from prefill_pool.scheduler import PrefillScheduler
 
@@ -54,6 +60,10 @@ class PrefillWorker:
         self._sender_lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         self._offered: dict[int, str] = {}  # transfer_id → request_id whose blocks it holds
+        # Submissions still in the inbox, so that a dying loop can answer them too.
+        self._arriving: dict[str, tuple[PrefillRequest, ResultCallback, float]] = {}
+        self.failure = ""  # why the step loop died; set once, under _lock
+        self._load = self._snapshot()
 
     # Called from any thread.
     def submit(self, request: PrefillRequest, on_result: ResultCallback) -> None:
@@ -61,12 +71,35 @@ class PrefillWorker:
         self.engine.check_request(request.prompt_token_ids, request.sampling)
         queued = time.time()
         with self._lock:
+            if self.failure:
+                raise WorkerFailed(f"prefill worker {self.worker_id} failed: {self.failure}")
+            self._arriving[request.request_id] = (request, on_result, queued)
             self._inbox.append(lambda: self._start(request, on_result, queued))
             self._num_inbox_tokens += len(request.prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._inbox.append(lambda: self._abort(request_id))
+
+    def release(self, transfer_id: int, why: str) -> None:
+        """Nobody will pull this transfer: free its blocks now instead of when its lease ends."""
+        with self._lock:
+            self._inbox.append(lambda: self._release(transfer_id, why))
+
+    def fail(self, error: BaseException) -> None:
+        """The step loop died: answer every request still here with an error (called on the loop thread)."""
+        with self._lock:
+            self.failure = f"{type(error).__name__}: {error}"
+            arriving = list(self._arriving.values())
+            self._arriving.clear()
+            self._inbox.clear()
+        now = time.time()
+        answers = [(p.request, p.on_result, p.queued) for p in self._pending.values()] + arriving
+        self._pending.clear()
+        for request, on_result, queued in answers:
+            result = self._result(request.request_id, -1, None, "error", None, 0, queued, now)
+            on_result(dataclasses.replace(result, error=f"prefill worker failed: {self.failure}"))
+        self._load = dataclasses.replace(self._load, failure=self.failure)
 
     # Called only from the step loop's thread.
     def step(self) -> float | None:
@@ -79,8 +112,8 @@ class PrefillWorker:
             if request_id is not None:
                 self.engine.kv.free(request_id)
         scheduler = self.engine.scheduler
-        if scheduler.num_unfinished:
-            batch = scheduler.schedule()
+        batch = scheduler.schedule() if scheduler.num_unfinished else None
+        if batch is not None and batch.chunks:
             now = time.time()
             for chunk in batch.chunks:
                 pending = self._pending[chunk.request_id]
@@ -88,7 +121,11 @@ class PrefillWorker:
             output = self.engine.runner.execute(batch)
             for request in scheduler.update(batch, output):
                 self._finish_prefill(request)
+            self._load = self._snapshot()
             return 0.0
+        self._load = self._snapshot()
+        # Nothing to compute (idle, or every waiting prompt needs blocks that leases hold): sleep until woken,
+        # polling the sender while leases are out, since their release is what frees blocks here.
         return TRANSFER_POLL_S if self._offered else None
 
     def accept_pull(self, pull: PullRequest) -> PullReply:
@@ -97,14 +134,23 @@ class PrefillWorker:
             return self.sender.accept_pull(pull)
 
     def load(self) -> WorkerLoad:
+        """The loop thread's latest snapshot, plus prompt tokens still in the inbox."""
+        with self._lock:
+            inbox_tokens = self._num_inbox_tokens
+        load = self._load
+        queued = load.num_queued_prompt_tokens + inbox_tokens
+        return dataclasses.replace(load, num_queued_prompt_tokens=queued)
+
+    def _snapshot(self) -> WorkerLoad:
         scheduler = self.engine.scheduler
-        queued = self._num_inbox_tokens
-        queued += sum(r.num_tokens - r.num_computed_tokens for r in list(scheduler.requests.values()))
         return WorkerLoad(
             worker_id=self.worker_id, role="prefill", num_waiting=len(scheduler.waiting),
-            num_queued_prompt_tokens=queued, num_running=len(scheduler.running),
-            num_transferring=len(self._offered), num_free_blocks=self.engine.block_pool.num_free_blocks,
+            num_queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens
+                                         for r in scheduler.requests.values()),
+            num_running=len(scheduler.running), num_transferring=len(self._offered),
+            num_free_blocks=self.engine.block_pool.num_free_blocks,
             num_total_blocks=self.engine.block_pool.num_blocks, num_outstanding_tokens=0,
+            failure=self.failure,
         )
 
     def _drain_inbox(self) -> None:
@@ -116,6 +162,8 @@ class PrefillWorker:
             command()
 
     def _start(self, request: PrefillRequest, on_result: ResultCallback, queued: float) -> None:
+        with self._lock:
+            self._arriving.pop(request.request_id, None)
         # The engine generates exactly one token here; the request's own max_tokens is judged in _finish.
         one_token = dataclasses.replace(request.sampling, max_tokens=1)
         try:
@@ -134,6 +182,13 @@ class PrefillWorker:
         self.engine.kv.free(request_id)
         pending.on_result(self._result(request_id, -1, None, "abort", None, 0, pending.queued,
                                        pending.started or time.time()))
+
+    def _release(self, transfer_id: int, why: str) -> None:
+        with self._sender_lock:
+            released = self.sender.withdraw(transfer_id, why)
+        request_id = self._offered.pop(transfer_id, None) if released is not None else None
+        if request_id is not None:
+            self.engine.kv.free(request_id)
 
     def _finish_prefill(self, request: Request) -> None:
         request_id = request.request_id

@@ -66,6 +66,8 @@ async def send_one(client: httpx.AsyncClient, spec: RequestSpec, model: str, sta
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        # Token ids per chunk, so that a chunk carrying several tokens counts as several (vLLM knows it too).
+        "return_token_ids": True,
     }
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -82,8 +84,12 @@ async def send_one(client: httpx.AsyncClient, spec: RequestSpec, model: str, sta
                     record.num_output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("timings"):
                     record.timings = chunk["timings"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    record.token_times_s.append(now)
+                if chunk.get("error"):
+                    record.error = str(chunk["error"].get("message", chunk["error"]))[:500]
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                num_tokens = len(choice.get("token_ids") or ()) or (1 if choice.get("text") else 0)
+                if num_tokens:
+                    record.token_times_s.extend([now] * num_tokens)
                     if record.ttft_s is None:
                         record.ttft_s = now
             record.e2e_s = time.perf_counter() - sent

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.pools import DeploymentConfig, Worker
+from gateway.pools import DeploymentConfig, Worker, WorkerState
 from gateway.router import Router
 from llm_engine import EngineConfig
 
@@ -18,12 +18,12 @@ class FakeDeployment:
         default_factory=lambda: DeploymentConfig(EngineConfig("m", block_size=4)))
 
     def active(self, role: str) -> list[Worker]:
-        return [w for w in self.workers if w.role == role and not w.is_draining]
+        return [w for w in self.workers if w.role == role and w.state is WorkerState.ACTIVE]
 
 
 def make_router() -> Router:
-    workers = [Worker("prefill-0", "prefill", None), Worker("prefill-1", "prefill", None),
-               Worker("decode-2", "decode", None), Worker("decode-3", "decode", None)]
+    workers = [Worker(name, name.split("-")[0], None, WorkerState.ACTIVE)
+               for name in ("prefill-0", "prefill-1", "decode-2", "decode-3")]
     return Router(FakeDeployment(workers))  # type: ignore[arg-type]
 
 
@@ -48,7 +48,7 @@ def test_a_shared_prefix_goes_back_to_the_worker_that_cached_it() -> None:
 
 def test_draining_workers_are_not_chosen() -> None:
     router = make_router()
-    router.deployment.workers[3].is_draining = True  # type: ignore[attr-defined]
+    router.deployment.workers[3].state = WorkerState.DRAINING  # type: ignore[attr-defined]
     router.decode_tokens["decode-2"] = 10**6
     assert router.pick_decode().worker_id == "decode-2"
 
