@@ -13,9 +13,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import ray
 from fastapi import Depends, FastAPI, Request
@@ -36,6 +37,7 @@ from gateway.service import BadRequest, GatewayService, PreparedRequest
 from llm_engine.model_loader import load_tokenizer, read_model_spec
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def resolve_model_dir(config: ServeConfig) -> str:
@@ -50,6 +52,35 @@ def error(status: int, message: str, kind: str, param: str | None = None, code: 
           headers: dict[str, str] | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorBody(message=message, type=kind, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its response started."""
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first (then ClientGone)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        # The body is already read: the next ASGI message is the disconnect, whenever it comes.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()  # or the work's own exception
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientGone()
 
 
 def create_app(config: ServeConfig) -> FastAPI:
@@ -120,14 +151,23 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def request_failed(_: Request, exc: RequestFailed) -> JSONResponse:
         return error(503, str(exc), "server_error", code=exc.code, headers={"Retry-After": "1"})
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the connection is closed
+
     @app.exception_handler(Overloaded)
     async def overloaded(_: Request, exc: Overloaded) -> JSONResponse:
         return error(429, str(exc), "rate_limit_error", headers={"Retry-After": str(exc.retry_after_s)})
 
     async def respond(service: GatewayService, body: CompletionRequest | ChatCompletionRequest,
-                      prepared: PreparedRequest) -> Response:
-        """Admit, then answer whole or as an SSE stream, in the framing of the request's endpoint."""
-        reservation = await service.admit(prepared)
+                      prepared: PreparedRequest, request: Request) -> Response:
+        """Admit, then answer whole or as an SSE stream, in the framing of the request's endpoint.
+
+        Until the response starts, a client that leaves is noticed (it leaves the admission line, a whole
+        response's generation is aborted); once an SSE stream runs, Starlette notices it and closes the
+        stream, which aborts the request on both workers.
+        """
+        reservation = await unless_client_leaves(request, service.admit(prepared))
         deltas = service.stream(prepared, reservation)
         is_chat = isinstance(body, ChatCompletionRequest)
         if body.stream:
@@ -137,18 +177,21 @@ def create_app(config: ServeConfig) -> FastAPI:
             return StreamingResponse(stream, media_type="text/event-stream",
                                      background=BackgroundTask(reservation.release))
         whole = chat_response if is_chat else completion_response
-        response = await whole(service, body, prepared, deltas)  # type: ignore[arg-type]
+        try:
+            response = await unless_client_leaves(request, whole(service, body, prepared, deltas))  # type: ignore[arg-type]
+        finally:
+            await deltas.aclose()  # aborts both workers unless the request finished
         return JSONResponse(response.model_dump(exclude_none=True))
 
     @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
-        return await respond(service, body, service.prepare_completion(body))
+        return await respond(service, body, service.prepare_completion(body), request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
-        return await respond(service, body, service.prepare_chat(body))
+        return await respond(service, body, service.prepare_chat(body), request)
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def models(request: Request) -> dict[str, object]:

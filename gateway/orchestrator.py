@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ray.exceptions import RayActorError, RayTaskError
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
-from gateway.deadlines import RequestDeadlines
+from gateway.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.pools import Worker
 from gateway.router import Router
 from llm_engine import SamplingParams
@@ -88,7 +88,7 @@ class RequestRun:
             return
         prefill, result = await self._prefill()
         handle = result.kv_handle
-        is_handed_off = False
+        is_pulled = False  # the first decode worker finished the request, so it had pulled the KV
         try:
             self.generated.append(result.first_token_id)
             logprobs = () if result.first_logprob is None or not self.sampling.logprobs else (
@@ -99,13 +99,15 @@ class RequestRun:
                 return
             request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
                                     result.first_token_id, result.first_logprob, handle)
-            is_handed_off = True
             async for event in self._decode(decode, request):
+                is_pulled = event.finish_reason is not None and not self.num_migrations
                 yield event
         finally:
-            if handle is not None and not is_handed_off:
-                # The client left before the decode stage took the handle: nobody will pull these blocks.
-                prefill.actor.release_kv.remote(handle.transfer_id, "the request ended before its pull")
+            if handle is not None and not is_pulled:
+                # The client left, or the decode worker failed, perhaps before it pulled: free the prefill
+                # blocks now rather than at the lease's end. A lease already released, or being pulled
+                # (claimed), is left alone by the sender, so this is safe whatever the decode side did.
+                prefill.actor.release_kv.remote(handle.transfer_id, "the request ended or moved on")
 
     async def _prefill(self) -> tuple[Worker, PrefillResult]:
         tried: set[str] = set()
@@ -128,6 +130,9 @@ class RequestRun:
                     raise
                 self.deployment.mark_failed(prefill.worker_id, f"prefill call failed: {type(error).__name__}")
                 continue
+            except asyncio.CancelledError:  # the client went away: stop the prefill (and free its KV)
+                prefill.actor.abort.remote(self.request_id)
+                raise
             finally:
                 self.router.prefill_tokens[prefill.worker_id] -= num_prompt
             if result.finish_reason == "error":
@@ -218,5 +223,8 @@ class RequestRun:
 
 
 def run_request(router: Router, request_id: str, prompt_token_ids: tuple[int, ...], sampling: SamplingParams,
-                deadlines: RequestDeadlines) -> AsyncGenerator[StreamEvent, None]:
+                deadlines: RequestDeadlines | None = None) -> AsyncGenerator[StreamEvent, None]:
+    """The request's events; deadlines default to DeadlinePolicy()'s for a request arriving now."""
+    if deadlines is None:
+        deadlines = DeadlinePolicy().for_request(time.time(), len(prompt_token_ids), sampling.max_tokens)
     return RequestRun(router, request_id, prompt_token_ids, sampling, deadlines).events()

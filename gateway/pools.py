@@ -113,7 +113,9 @@ class Worker:
 class PoolHealth:
     """What /health reports: states and counts only, never internals."""
 
-    status: str  # "ok": every target worker active; "degraded": some missing; "unavailable": cannot serve
+    # "ok": every target worker active; "degraded": some missing or being replaced; "unavailable": cannot
+    # serve and nothing is starting.
+    status: str
     active: dict[str, int]  # kind → active workers
     target: dict[str, int]  # kind → workers the deployment should have
     num_replacing: int  # failed workers whose replacement is starting
@@ -281,7 +283,8 @@ class PDDeployment:
         can_prefill = active["prefill"] + active["colocated"]
         can_decode = active["decode"] + active["colocated"]
         if not can_prefill or not can_decode:
-            status = "unavailable"
+            # Requests wait for a replacement that is starting (within their deadlines): degraded, not down.
+            status = "degraded" if self._replacements else "unavailable"
         elif any(active[kind] < self.target[kind] for kind in self.target):
             status = "degraded"
         else:

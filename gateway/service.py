@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -171,7 +171,9 @@ class GatewayService:
         self.metrics.admission_reserved.set(self.admission.reserved_tokens)
         return reservation
 
-    async def stream(self, prepared: PreparedRequest, reservation: Reservation) -> AsyncIterator[TextDelta]:
+    async def stream(
+        self, prepared: PreparedRequest, reservation: Reservation
+    ) -> AsyncGenerator[TextDelta, None]:
         admitted = time.time()
         detokenizer = IncrementalDetokenizer(self.tokenizer, prepared.stop_strings)
         sent: list[float] = []

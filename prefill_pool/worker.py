@@ -5,7 +5,7 @@ Lifecycle of a request on this worker:
       → OFFERED: KVHandle returned, blocks leased to the decode side
       → RELEASED (pulled, or lease expired) → blocks freed.
     A request whose first token ends it (EOS, stop token, max_tokens 1) is freed at once, with no handle.
-    abort() works in every state; an OFFERED request's blocks are freed when its lease is released.
+    abort() works in every state; an OFFERED request's lease is withdrawn (unless a pull has claimed it).
     release(transfer_id) ends an OFFERED request's lease at once when nobody will pull it (the decode side's
     pull failed or was aborted, or the client left): the lease itself is only the last resort.
     fail() (the step loop died) ends every request still here with finish_reason "error"; later submissions
@@ -176,8 +176,11 @@ class PrefillWorker:
 
     def _abort(self, request_id: str) -> None:
         pending = self._pending.pop(request_id, None)
-        if pending is None:
-            return  # already finished (or offered: its lease frees the blocks)
+        if pending is None:  # already finished; if its KV is still offered, nobody will pull it now
+            for transfer_id, offered_id in list(self._offered.items()):
+                if offered_id == request_id:
+                    self._release(transfer_id, "the request was aborted")
+            return
         self.engine.scheduler.abort(request_id)
         self.engine.kv.free(request_id)
         pending.on_result(self._result(request_id, -1, None, "abort", None, 0, pending.queued,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.config import ServeConfig
@@ -25,6 +27,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextlib.contextmanager
+def serving(config: ServeConfig) -> Iterator[tuple[str, FastAPI]]:
+    """A real server on its own thread (uvicorn, the app's lifespan: Ray actors); yields (url, app)."""
+    app = create_app(config)
+    uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                       lifespan="on"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not uv.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("pdserve did not start")
+        time.sleep(0.1)
+    try:
+        yield f"http://{config.host}:{config.port}", app
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
     pytest.importorskip("nixl")
@@ -33,18 +55,8 @@ def server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
         kv_cache_mib=2,  # 64 blocks of 16 tokens per worker: small enough to overload on purpose
         max_num_batched_tokens=256, api_key=API_KEY, max_waiting=1, queue_timeout_s=30,
     )
-    uv = uvicorn.Server(uvicorn.Config(create_app(config), host=config.host, port=config.port,
-                                       log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not uv.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("pdserve did not start")
-        time.sleep(0.1)
-    yield f"http://{config.host}:{config.port}"
-    uv.should_exit = True
-    thread.join(60)
+    with serving(config) as (url, _):
+        yield url
 
 
 @pytest.fixture

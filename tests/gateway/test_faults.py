@@ -1,0 +1,359 @@
+"""Fault injection on a real server (1 prefill + 2 decode Ray actors, tiny Llama): after every fault each
+request ended (its tokens, or a clear error) within its deadline, no KV block is left in use, the failed
+worker was replaced, and the server still serves.
+
+Faults reach the real actors through Ray's `__ray_call__` (a function run on the actor instance): a step
+made slow or made to raise, a pull made to fail or to hang; killed actors are killed with `ray.kill`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from fastapi import FastAPI
+
+from gateway.config import ServeConfig
+from gateway.deadlines import DeadlinePolicy
+from tests.conftest import hf_greedy, random_prompts
+from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
+
+pytestmark = pytest.mark.slow
+VOCAB = 49152
+
+
+# Functions run inside the worker actors (pickled by value: the workers do not import the tests).
+def _slow_steps(actor: Any, seconds: float) -> None:
+    runner = actor.worker.engine.runner
+    execute = type(runner).execute
+
+    def slowed(batch: Any) -> Any:
+        time.sleep(seconds)
+        return execute(runner, batch)
+
+    runner.execute = slowed
+
+
+def _raise_in_next_step(actor: Any) -> None:
+    def broken(batch: Any) -> Any:
+        raise RuntimeError("injected fault: the forward failed")
+
+    actor.worker.engine.runner.execute = broken
+
+
+def _fail_pulls(actor: Any) -> None:
+    actor.worker.receiver._start = lambda pull, peer: pull.fail("injected fault: the transfer was dropped")
+
+
+def _stall_pulls(actor: Any) -> None:
+    from kv_transfer import TransferState
+
+    def stalled(pull: Any, peer: Any) -> None:
+        pull.state = TransferState.TRANSFERRING  # posted, and never heard of again
+
+    actor.worker.receiver._start = stalled
+    actor.worker.receiver._advance = lambda pull: None
+
+
+def _heal(actor: Any) -> None:
+    actor.worker.engine.runner.__dict__.pop("execute", None)
+    receiver = getattr(actor.worker, "receiver", None)
+    if receiver is not None:
+        receiver.__dict__.pop("_advance", None)
+        receiver.__dict__.pop("_start", None)
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def fault_server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[tuple[str, FastAPI]]:
+    config = ServeConfig(
+        model=str(tiny_chat_model_dir), served_model_name=MODEL, prefill=1, decode=2, port=free_port(),
+        kv_cache_mib=2,  # 64 blocks of 16 tokens per worker
+        max_num_batched_tokens=32,  # long prompts take many prefill steps: time to hit them mid-prefill
+        max_waiting=8, queue_timeout_s=30,
+    )
+    with serving(config) as running:
+        yield running
+
+
+@pytest.fixture
+def client(fault_server: tuple[str, FastAPI]) -> Iterator[httpx.Client]:
+    """A client; after the test every worker is healed, the pools are whole again and nothing is in use."""
+    url, app = fault_server
+    with httpx.Client(base_url=url, timeout=120) as c:
+        yield c
+        for worker in active_workers(c):
+            with_actor(worker, _heal)
+        wait_for_health(c, "ok", timeout_s=90)
+        assert wait_until_no_blocks_used(c, timeout_s=20) == 0
+        assert app.state.service.admission.reserved_tokens == 0
+
+
+def active_workers(client: httpx.Client, kind: str | None = None) -> list[str]:
+    workers = client.get("/admin/pools").json()["workers"]
+    return [w["worker_id"] for w in workers if w["state"] == "active" and kind in (None, w["kind"])]
+
+
+def with_actor(worker_id: str, fn: Callable[..., None], *args: object) -> None:
+    actor = ray.get_actor(f"pdserve-{worker_id}")
+    ray.get(actor.__ray_call__.remote(fn, *args))
+
+
+def wait_for_health(client: httpx.Client, status: str, timeout_s: float) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    for _ in range(int(timeout_s / 0.1)):
+        body = client.get("/health").json()
+        if body["status"] == status:
+            return body
+        time.sleep(0.1)
+    raise AssertionError(f"/health never said {status!r}; last: {body}")
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition never held")
+
+
+def worker_load(client: httpx.Client, worker_id: str) -> dict[str, Any]:
+    for worker in client.get("/admin/pools").json()["workers"]:
+        if worker["worker_id"] == worker_id:
+            return dict(worker)
+    return {}
+
+
+def complete(client: httpx.Client, prompt: list[int], max_tokens: int) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True}
+    return client.post("/v1/completions", json=body)
+
+
+def in_thread(fn: Callable[[], httpx.Response]) -> Callable[[], httpx.Response]:
+    """Start fn on a thread; the returned function joins it and gives its result."""
+    result: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+
+    def join() -> httpx.Response:
+        thread.join(120)
+        assert result, "the request never ended"
+        return result[0]
+
+    return join
+
+
+def stream_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    for line in response.iter_lines():
+        if line == "data: [DONE]":
+            yield {"done": True}
+        elif line.startswith("data: "):
+            yield json.loads(line[6:])
+
+
+def test_prefill_worker_killed_mid_prefill_is_retried_on_its_replacement(
+        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    [prefill] = active_workers(client, "prefill")
+    with_actor(prefill, _slow_steps, 0.05)
+    prompt = random_prompts([400], VOCAB, seed=11)[0]  # 13 chunks of 32 tokens: ~0.7 s of prefill
+    join = in_thread(lambda: complete(client, prompt, 8))
+    wait_for(lambda: worker_load(client, prefill).get("running_requests", 0) > 0)
+    ray.kill(ray.get_actor(f"pdserve-{prefill}"))
+    assert wait_for_health(client, "degraded", timeout_s=10)["target_workers"]["prefill"] == 1
+    response = join()
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == hf_greedy(tiny_chat_model_dir, [prompt], 8)[0]
+    wait_for_health(client, "ok", timeout_s=60)
+    assert prefill not in active_workers(client, "prefill")
+
+
+def test_decode_worker_killed_mid_stream_migrates_without_losing_a_token(
+        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    for decode in active_workers(client, "decode"):
+        with_actor(decode, _slow_steps, 0.03)
+    prompt = random_prompts([30], VOCAB, seed=12)[0]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0, "return_token_ids": True,
+            "stream": True}
+    token_ids: list[int] = []
+    events = []
+    killed = ""
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        for event in stream_events(response):
+            events.append(event)
+            if event.get("choices"):
+                token_ids.extend(event["choices"][0].get("token_ids") or [])
+            if len(token_ids) >= 5 and not killed:
+                [killed] = [w for w in active_workers(client, "decode")
+                            if worker_load(client, w)["running_requests"] > 0]
+                ray.kill(ray.get_actor(f"pdserve-{killed}"))
+    assert not [e for e in events if "error" in e]
+    assert events[-1] == {"done": True}
+    assert killed, "the stream ended before a worker could be killed"
+    assert token_ids == hf_greedy(tiny_chat_model_dir, [prompt], 40)[0]
+    assert killed not in active_workers(client)
+
+
+def test_decode_step_loop_that_raises_fails_over_every_request(
+        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    broken = active_workers(client, "decode")[0]
+    with_actor(broken, _raise_in_next_step)
+    prompts = random_prompts([12, 20, 28, 36], VOCAB, seed=13)
+    joins = [in_thread(lambda p=p: complete(client, p, 10)) for p in prompts]  # type: ignore[misc]
+    responses = [join() for join in joins]
+    expected = hf_greedy(tiny_chat_model_dir, prompts, 10)
+    assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+    assert [r.json()["choices"][0]["token_ids"] for r in responses] == expected
+    wait_for_health(client, "ok", timeout_s=60)
+    assert broken not in active_workers(client)
+
+
+def test_prefill_step_loop_that_raises_is_retried(client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    [prefill] = active_workers(client, "prefill")
+    with_actor(prefill, _raise_in_next_step)
+    prompt = random_prompts([24], VOCAB, seed=14)[0]
+    response = complete(client, prompt, 6)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == hf_greedy(tiny_chat_model_dir, [prompt], 6)[0]
+    wait_for_health(client, "ok", timeout_s=60)
+    assert prefill not in active_workers(client)
+
+
+def test_dropped_transfer_recomputes_and_frees_the_prefill_blocks_at_once(
+        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    for decode in active_workers(client, "decode"):
+        with_actor(decode, _fail_pulls)
+    prompt = random_prompts([50], VOCAB, seed=15)[0]
+    response = complete(client, prompt, 6)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["choices"][0]["token_ids"] == hf_greedy(tiny_chat_model_dir, [prompt], 6)[0]
+    assert data["timings"]["transfer_bytes"] == 0  # recomputed on the decode worker
+    # The decode side released the prefill blocks explicitly: well before the 30 s lease would have.
+    assert wait_until_no_blocks_used(client, timeout_s=3) == 0
+
+
+def test_client_gone_while_prefilling_frees_everything(client: httpx.Client) -> None:
+    [prefill] = active_workers(client, "prefill")
+    with_actor(prefill, _slow_steps, 0.05)
+    body = {"model": MODEL, "prompt": random_prompts([400], VOCAB, seed=16)[0], "max_tokens": 8,
+            "stream": True}
+    with client.stream("POST", "/v1/completions", json=body):
+        wait_for(lambda: worker_load(client, prefill).get("running_requests", 0) > 0)
+    wait_for(lambda: worker_load(client, prefill)["queued_prompt_tokens"] == 0, timeout_s=5)
+    assert wait_until_no_blocks_used(client, timeout_s=5) == 0
+
+
+def test_client_gone_while_transferring_frees_everything(client: httpx.Client) -> None:
+    for decode in active_workers(client, "decode"):
+        with_actor(decode, _stall_pulls)
+    body = {"model": MODEL, "prompt": random_prompts([50], VOCAB, seed=17)[0], "max_tokens": 8,
+            "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        for event in stream_events(response):
+            if event.get("choices"):
+                break  # the first token came from the prefill worker; the pull now hangs
+        decodes = active_workers(client, "decode")
+        wait_for(lambda: any(worker_load(client, w)["transferring"] for w in decodes))
+    # The aborted pull ends at its transfer deadline (10 s); then both sides free their blocks.
+    assert wait_until_no_blocks_used(client, timeout_s=20) == 0
+
+
+def test_client_gone_while_decoding_frees_everything(client: httpx.Client) -> None:
+    for decode in active_workers(client, "decode"):
+        with_actor(decode, _slow_steps, 0.03)
+    body = {"model": MODEL, "prompt": random_prompts([40], VOCAB, seed=18)[0], "max_tokens": 200,
+            "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        num_events = 0
+        for event in stream_events(response):
+            num_events += bool(event.get("choices"))
+            if num_events == 4:
+                break
+    assert wait_until_no_blocks_used(client, timeout_s=5) == 0
+
+
+def test_client_gone_while_queued_for_admission_leaves_the_line(
+        client: httpx.Client, fault_server: tuple[str, FastAPI]) -> None:
+    admission = fault_server[1].state.service.admission
+    for decode in active_workers(client, "decode"):
+        with_actor(decode, _slow_steps, 0.02)
+    big = {"model": MODEL, "prompt": random_prompts([30], VOCAB, seed=19)[0], "max_tokens": 900,
+           "ignore_eos": True, "stream": True}
+    url = fault_server[0]
+    with client.stream("POST", "/v1/completions", json=big), \
+            client.stream("POST", "/v1/completions", json=big):
+        wait_for(lambda: admission.reserved_tokens == 2 * 930)
+        # The third waits in line for capacity; its client gives up after 2 s and closes the connection.
+        impatient = in_thread(lambda: _post_expecting_timeout(url, big, read_timeout_s=2.0))
+        wait_for(lambda: admission.num_waiting == 1)
+        impatient()
+        wait_for(lambda: admission.num_waiting == 0, timeout_s=5)
+        assert admission.reserved_tokens == 2 * 930
+    wait_for(lambda: admission.reserved_tokens == 0)
+
+
+def _post_expecting_timeout(url: str, body: dict[str, Any], read_timeout_s: float) -> httpx.Response:
+    try:
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=read_timeout_s))
+    except httpx.ReadTimeout:
+        return httpx.Response(499)
+    raise AssertionError("the request was answered while it should have been waiting")
+
+
+def test_burst_of_ten_times_capacity_gets_429s_and_the_server_recovers(
+        client: httpx.Client, fault_server: tuple[str, FastAPI], tiny_chat_model_dir: Path) -> None:
+    url, app = fault_server
+    per_request = 30 + 60
+    num_requests = 10 * app.state.service.admission.capacity_tokens // per_request
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as session:
+            prompts = random_prompts([30] * num_requests, VOCAB, seed=20)
+            return list(await asyncio.gather(*(session.post("/v1/completions", json={
+                "model": MODEL, "prompt": p, "max_tokens": 60, "ignore_eos": True}) for p in prompts)))
+
+    responses = asyncio.run(burst())
+    statuses = {r.status_code for r in responses}
+    assert statuses <= {200, 429} and 429 in statuses and 200 in statuses
+    for response in responses:
+        if response.status_code == 429:
+            assert int(response.headers["retry-after"]) >= 1
+            assert response.json()["error"]["type"] == "rate_limit_error"
+        else:
+            assert response.json()["usage"]["completion_tokens"] == 60
+    assert wait_until_no_blocks_used(client, timeout_s=10) == 0
+    prompt = random_prompts([16], VOCAB, seed=21)[0]
+    after = complete(client, prompt, 5)
+    assert after.json()["choices"][0]["token_ids"] == hf_greedy(tiny_chat_model_dir, [prompt], 5)[0]
+
+
+def test_request_past_its_deadline_ends_with_a_clear_error(
+        client: httpx.Client, fault_server: tuple[str, FastAPI]) -> None:
+    service = fault_server[1].state.service
+    for decode in active_workers(client, "decode"):
+        with_actor(decode, _slow_steps, 0.05)
+    service.deadline_policy = DeadlinePolicy(slack_s=0.5, prefill_s_per_token=0.0, decode_s_per_token=0.0)
+    try:
+        body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 100, "ignore_eos": True}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "deadline_exceeded"
+        assert "deadline" in response.json()["error"]["message"]
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as streamed:
+            events = list(stream_events(streamed))
+        assert events[-2]["error"]["code"] == "deadline_exceeded" and events[-1] == {"done": True}
+    finally:
+        service.deadline_policy = DeadlinePolicy()
+    assert wait_until_no_blocks_used(client, timeout_s=5) == 0
