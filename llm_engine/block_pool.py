@@ -34,6 +34,7 @@ class BlockPool:
         # Insertion order = eviction order: head is the least recently freed block.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}
+        self.num_free_calls = 0  # grows whenever blocks may have been freed: "has anything changed?"
 
     @property
     def num_free_blocks(self) -> int:
@@ -93,6 +94,7 @@ class BlockPool:
 
         Blocks are freed in reverse so that a request's last (least shareable) blocks are evicted first.
         """
+        self.num_free_calls += 1
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             if block.ref_count <= 0:

@@ -9,7 +9,10 @@ prompt is cut into chunks and cannot hold the others back); when blocks run shor
 running request (frees its blocks, keeps its tokens, re-queues it). Then it admits waiting requests while
 budget, sequence slots and blocks last, keeping `watermark_blocks` free so that admitting a request does not
 at once preempt the running ones. Finished requests leave through release(), which frees their blocks (a
-prefill worker overrides it: its blocks wait for the transfer). Plain Python: no tensors, no model.
+prefill worker overrides it: its blocks wait for the transfer). When nothing runs and the waiting requests
+do not fit, schedule() remembers that, and until a request comes or goes or blocks are freed it answers an
+empty batch at once, without looking for cached prefixes again (a worker polling for transfers would
+otherwise re-hash the head prompt every poll). Plain Python: no tensors, no model.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._num_added = 0  # requests ever added: with the pool's free count, tells whether anything changed
+        self._stalled_at: tuple[int, int, int] | None = None  # (added, requests, block frees) at an empty batch
 
     @property
     def num_unfinished(self) -> int:
@@ -41,6 +46,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self._num_added += 1
 
     def add_running(self, request: Request) -> None:
         """Join a request whose first `num_computed_tokens` tokens already have KV in its blocks."""
@@ -51,6 +57,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        self._num_added += 1
 
     def release(self, request: Request) -> None:
         """A finished request leaves: its blocks go back to the pool."""
@@ -90,6 +97,14 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def schedule(self) -> ModelInput:
+        progress = (self._num_added, len(self.requests), self.kv.pool.num_free_calls)
+        if not self.running and progress == self._stalled_at:
+            return ModelInput(())  # nothing changed since the waiting requests last failed to fit
+        batch = self._schedule()
+        self._stalled_at = None if batch.chunks else progress
+        return batch
+
+    def _schedule(self) -> ModelInput:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted = False
