@@ -91,9 +91,10 @@ class NixlReceiver(KVReceiver):
         self._retry_releases()
         self._finish_if_settled(pull, self.agent.status(pull.backend_state))
 
-    def _abort(self, pull: Pull) -> None:
+    def _abort(self, pull: Pull) -> bool:
         if pull.backend_state is not None and not self.agent.release(pull.backend_state):
             self._unreleased.append(pull.backend_state)
+        return True
 
     def _finish_if_settled(self, pull: Pull, status: str) -> None:
         if status == "PROC":

@@ -109,8 +109,9 @@ class _StuckReceiver(KVReceiver):
     def _advance(self, pull: Pull) -> None:
         return None
 
-    def _abort(self, pull: Pull) -> None:
+    def _abort(self, pull: Pull) -> bool:
         self.aborted.append(pull.handle.transfer_id)
+        return True
 
 
 def test_a_pull_that_never_finishes_fails_at_its_deadline(pair):
