@@ -10,7 +10,9 @@ class TransferConfig:
     """Settings shared by every backend's sender and receiver."""
 
     lease_s: float = 30.0  # how long an offered block set waits for its pull before the sender frees it
-    transfer_timeout_s: float = 10.0  # a pull not DONE this long after start_pull is FAILED
+    # A pull not DONE this long after start_pull is FAILED; also the longest a NIXL sender holds granted
+    # blocks for one READ, and a torch sender waits for its send leg.
+    transfer_timeout_s: float = 10.0
     # The receiver does not start a pull this close to the lease's end by its own clock: a cheap early-out.
     # Safety never rests on it (the hosts' clocks may disagree): the sender refuses a pull after its lease.
     lease_margin_s: float = 0.05
