@@ -74,6 +74,8 @@ def sender_main(conn: Any, backend: str, num_blocks: int, options: dict[str, Any
     sender: Any = make_sender(backend, "bench-prefill", make_cache(num_blocks), config=config)
     conn.send(wire.encode(sender.peer_info()))
     while True:
+        while not conn.poll(POLL_SLEEP_S):  # poll between commands too, as a prefill worker's step loop does:
+            sender.poll()  # nixl answers the receiver's claims here
         command, arg = conn.recv()
         sender.poll()  # frees finished leases and sends
         if command == "offer":

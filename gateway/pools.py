@@ -140,11 +140,14 @@ class PDDeployment:
     async def start(self) -> None:
         """Create both pools and connect every decode worker to every prefill worker."""
         if capabilities(self.backend).needs_peer_bound_up_front:
+            from kv_transfer.backends.torch_dist import p2p_backend
+
             world = self.config.num_prefill + self.config.num_decode
             init = f"tcp://127.0.0.1:{_free_port()}"
+            group_backend = p2p_backend(self.config.engine.device)  # NCCL for a CUDA KV cache, else gloo
             for rank in range(world):
                 role = "prefill" if rank < self.config.num_prefill else "decode"
-                self._torch_groups[f"{role}-{rank}"] = TorchGroupSpec(init, rank, world)
+                self._torch_groups[f"{role}-{rank}"] = TorchGroupSpec(init, rank, world, group_backend)
         names = [f"prefill-{i}" for i in range(self.config.num_prefill)]
         names += [f"decode-{self.config.num_prefill + i}" for i in range(self.config.num_decode)]
         names += [f"colocated-{i}" for i in range(self.config.num_colocated)]

@@ -14,6 +14,8 @@ Receiver half (decode side)::
 
 Backends whose capabilities say `sender_takes_part` (torch) also need the caller to carry
 `receiver.take_pull_requests()` to `sender.accept_pull()` and its reply to `receiver.on_pull_reply()`.
+Whatever the backend, the sender's poll() decides, by its own clock, whether a pull may still read a lease's
+blocks (nixl answers the receiver's claim there), so keep polling it while leases are outstanding.
 """
 
 from __future__ import annotations

@@ -10,9 +10,11 @@ class TransferConfig:
     """Settings shared by every backend's sender and receiver."""
 
     lease_s: float = 30.0  # how long an offered block set waits for its pull before the sender frees it
-    transfer_timeout_s: float = 10.0  # a pull not DONE this long after start_pull is FAILED
-    # A pull must finish this long before the lease ends; covers clock skew between the two hosts, since the
-    # one-sided NIXL READ cannot be refused by the sender once its blocks are freed.
+    # A pull not DONE this long after start_pull is FAILED; also the longest a NIXL sender holds granted
+    # blocks for one READ, and a torch sender waits for its send leg.
+    transfer_timeout_s: float = 10.0
+    # The receiver does not start a pull this close to the lease's end by its own clock: a cheap early-out.
+    # Safety never rests on it (the hosts' clocks may disagree): the sender refuses a pull after its lease.
     lease_margin_s: float = 0.05
     record_capacity: int = 1024  # TransferRecords kept in memory per sender/receiver
     # NIXL progress thread: sleep this long when idle. 0 (the Python wrapper's hard-coded value) spins a core.

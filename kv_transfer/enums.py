@@ -9,7 +9,7 @@ class BackendName(StrEnum):
     """Transfer backends known to the registry (`registry.BACKENDS`)."""
 
     LOCAL = "local"  # same process (colocated prefill and decode): index_copy between two tensors
-    NIXL = "nixl"  # NIXL agents over UCX: the receiver READs, the sender does nothing but get notified
+    NIXL = "nixl"  # NIXL agents over UCX: the receiver READs once the sender granted its claim (notification)
     TORCH = "torch"  # torch.distributed isend/irecv (gloo on CPU, NCCL on GPU): both sides take part
 
 

@@ -1,10 +1,13 @@
 """Sender-side leases on offered source blocks.
 
 Lifecycle of one lease (states of `Lease`):
-    offered --claim--> claimed (torch/local: the sender has started or finished sending)
+    offered --claim--> claimed (torch/local: the sender has started or finished sending; nixl: it granted a
+                       receiver's claim, and holds the blocks until that receiver's word or the grant's hold)
     offered | claimed --release--> gone, reported PULLED or FAILED by sender.poll()
     offered --deadline passes--> gone, reported EXPIRED by sender.poll()
-A claimed lease no longer expires: its bytes are already on their way (torch copies them to a staging buffer).
+    offered --withdraw--> gone, reported WITHDRAWN at once
+A claimed lease no longer expires: its bytes are already on their way (torch copies them to a staging buffer;
+nixl bounds the READ by the grant's hold). Expiry is judged by this host's clock only.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Handshake:  sender.peer_info() -> PeerInfo -> receiver.add_peer()            (once per peer pair)
 Handoff:    sender.offer() -> KVHandle -> receiver.start_pull()               (once per request)
 torch only: receiver.take_pull_requests() -> PullRequest -> sender.accept_pull() -> PullReply
-            -> receiver.on_pull_reply()                                       (the sender must take part)
+            -> receiver.on_pull_reply()            (the sender must take part; deliver every reply, any order)
 """
 
 from __future__ import annotations
@@ -57,6 +57,10 @@ class PullReply:
     transfer_id: int  # KVHandle.transfer_id answered
     is_accepted: bool  # True: the send leg is posted; False: refused (lease expired, unknown id)
     reason: str  # why it was refused; empty when accepted
+    # Accepted: how many sends this sender posted to the same destination rank before this one (0, 1, ...).
+    # The receiver posts its receives in this order, whatever order the replies arrive in. -1 when refused.
+    send_seq: int
+    num_blocks: int  # blocks in the send leg, so a receiver that gave up can still match it; 0 when refused
 
 
 @dataclass(frozen=True)

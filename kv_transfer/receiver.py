@@ -1,12 +1,15 @@
 """Receiver half (decode side): pulls a KVHandle's source blocks into its own destination blocks.
 
 Lifecycle of one pull (TransferState), keyed by (source_worker_id, transfer_id):
-    start_pull()  -> PENDING       checked: peer known, layouts compatible, lease not over
-                  -> TRANSFERRING  bytes moving (torch: after the sender's PullReply)
+    start_pull()  -> PENDING       checked: peer known, layouts compatible, lease not over by our clock
+                  -> TRANSFERRING  bytes moving (torch: after the sender's PullReply; nixl: after its grant)
     poll()        -> DONE          destination blocks hold the source bytes
                   -> FAILED        refused, lease over, deadline passed, or backend error
-Every pull has a deadline (transfer timeout, and never past the lease minus a margin), so nothing hangs.
-poll() returns each finished pull once, as a TransferResult.
+Every pull has a deadline (config.transfer_timeout_s after start_pull), so nothing hangs; a pull whose backend
+cannot stop it at the deadline is reported only once it has stopped, so no byte lands in destination blocks
+the owner was told are free. poll() returns each finished pull once, as a TransferResult.
+The sender decides whether a lease is still valid, by its own clock (it refuses late pulls): the check of
+handle.lease_deadline against this host's clock is only an early-out, never what keeps a pull safe.
 """
 
 from __future__ import annotations
@@ -122,10 +125,10 @@ class KVReceiver(TransferEndpoint, ABC):
             raise ValueError(f"transfer {key} is already being pulled")
 
         now = time.monotonic()
-        lease_left = handle.lease_deadline - self.config.lease_margin_s - time.time()
-        pull = Pull(handle, dst, now, now + min(self.config.transfer_timeout_s, lease_left))
+        pull = Pull(handle, dst, now, now + self.config.transfer_timeout_s)
         self._pulls[key] = pull
-        if lease_left <= 0:
+        # An early-out only: the two hosts' clocks may disagree, so the sender is what refuses a late pull.
+        if handle.lease_deadline - self.config.lease_margin_s <= time.time():
             pull.fail(f"lease of transfer {key} is over; not pulling")
         else:
             self._start(pull, peer)
@@ -138,13 +141,13 @@ class KVReceiver(TransferEndpoint, ABC):
 
     def poll(self) -> list[TransferResult]:
         """Advance every pull; return those that finished (DONE or FAILED) since the last poll."""
+        self._progress()
         finished: list[Pull] = []
         now = time.monotonic()
         for pull in list(self._pulls.values()):
             if not pull.is_finished:
                 self._advance(pull)
-            if not pull.is_finished and now > pull.deadline:
-                self._abort(pull)
+            if not pull.is_finished and now > pull.deadline and self._abort(pull):
                 pull.fail(f"deadline passed in state {pull.state.name}")
             if pull.is_finished:
                 finished.append(pull)
@@ -184,6 +187,10 @@ class KVReceiver(TransferEndpoint, ABC):
         """Backend work done once per peer (load NIXL metadata, prepare descriptor lists)."""
         return None
 
+    def _progress(self) -> None:
+        """Backend work done once per poll(), before the pulls are advanced (drain notifications, retries)."""
+        return None
+
     @abstractmethod
     def _start(self, pull: Pull, peer: PeerInfo) -> None:
         """Begin the pull: set pull.state to TRANSFERRING (or DONE / FAILED if it finished at once)."""
@@ -192,6 +199,11 @@ class KVReceiver(TransferEndpoint, ABC):
     def _advance(self, pull: Pull) -> None:
         """Check progress without blocking; set DONE or FAILED when finished."""
 
-    def _abort(self, pull: Pull) -> None:
-        """The deadline passed: stop the pull if the backend can (best effort)."""
-        return None
+    def _abort(self, pull: Pull) -> bool:
+        """The deadline passed: stop the pull.
+
+        Returns:
+            True once nothing of this pull can write its destination blocks any more; False to be asked again
+            at the next poll() (the pull stays unreported until then).
+        """
+        return True

@@ -3,8 +3,9 @@
 Backends differ only by two declared capabilities (after Ray Serve LLM's KV connectors):
     needs_peer_bound_up_front  the peer set is fixed when the backend starts (torch process-group ranks),
                                instead of peers being added at any time through add_peer() (nixl, local)
-    sender_takes_part          each pull needs the sender to act (PullRequest -> accept_pull -> PullReply),
-                               instead of the receiver moving the bytes alone (nixl READ, local copy)
+    sender_takes_part          each pull needs the caller to carry PullRequest -> accept_pull -> PullReply,
+                               instead of the backend reaching the sender itself (nixl: a claim notification
+                               answered in sender.poll(), then a READ; local: a copy)
 Callers orchestrate by the flags, never by the backend's name.
 """
 

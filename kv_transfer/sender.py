@@ -3,8 +3,11 @@
 Lifecycle of an offered transfer on this side:
     offer() -> KVHandle           lease starts; the owner must keep the blocks
     [torch: accept_pull()]        the sender posts its send leg (claim)
+    [nixl: poll()]                the sender grants the receiver's claim notification (claim), or refuses it
+    withdraw()                    nobody will pull: an unclaimed lease ends at once (WITHDRAWN)
     poll() -> ReleasedBlocks      PULLED (receiver has its copy) | EXPIRED (lease ended) | FAILED (send leg)
-Nothing blocks: poll() is cheap and meant to be called every engine step.
+A lease's validity is decided only here, by this host's clock: a pull that comes after the lease ended (or
+after a withdraw) is refused. Nothing blocks: poll() is cheap and meant to be called every engine step.
 """
 
 from __future__ import annotations

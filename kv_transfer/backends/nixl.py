@@ -1,21 +1,40 @@
-"""NIXL backend: the receiver READs the sender's blocks over UCX, then NIXL notifies the sender.
+"""NIXL backend: the receiver READs the sender's blocks over UCX, once the sender has granted the READ.
 
-One pull:
-    receiver.start_pull()  READ posted (one-sided, the sender's CPU takes no part)  -> TRANSFERRING
-    receiver.poll()        transfer status DONE -> DONE; ERR -> FAILED; deadline -> FAILED (cancelled)
-    sender.poll()          notification b"kvx:<transfer_id>" arrives -> blocks released PULLED
+A READ is one-sided: once posted, the sender cannot stop it. So before any READ the receiver asks, and the
+sender's own clock decides (NIXL notifications, kv_transfer.backends.nixl_notif):
+    receiver.start_pull()  CLAIM(hold_s = time the pull has left) -> sender                 -> PENDING
+    sender.poll()          lease still valid by the sender's clock: claimed (no longer expires),
+                           held hold_s (capped by its transfer timeout), GRANT(hold_s) -> receiver;
+                           else (expired, withdrawn, unknown, being pulled): REFUSE(reason) -> receiver
+    receiver.poll()        GRANT: READ posted, PULLED attached to it                         -> TRANSFERRING
+                           REFUSE                                                            -> FAILED
+    receiver.poll()        READ DONE within hold_s of sending the claim                      -> DONE
+                           READ ERR, or the deadline passes (READ cancelled first): DROP     -> FAILED
+    sender.poll()          PULLED -> released PULLED; DROP, or the hold passed -> released FAILED
+Why no clock agreement is needed: only durations cross between the hosts. The sender starts counting a hold
+when it handles the claim, after the receiver sent it; the receiver trusts a READ only if it saw it DONE
+within the granted hold of sending the claim. So the sender frees granted blocks on the receiver's word
+(PULLED, DROP) or after every READ the receiver would trust has ended. handle.lease_deadline is only the
+receiver's early-out. Cost: one notification round trip plus the wait for the sender's next poll().
+
 Handshake once per peer: the receiver loads the sender's agent metadata and prepares a descriptor list over
 all of the peer's blocks; its own blocks are prepared once at construction. Per pull only indices are passed.
-A one-sided READ cannot be refused by the sender, so a late pull is refused by the receiver instead: it never
-starts (nor reports DONE) past the handle's lease deadline minus config.lease_margin_s.
+The sender learns how to reach a receiver from its claims, which carry the receiver's connection info until
+that sender has answered one, so PeerInfo still goes one way only.
+Transfer handles: each READ's handle is released exactly once, when the READ is seen DONE or ERR, when the
+deadline cancels it, or at close(). A release NIXL refuses is logged and retried at every poll(); a pull whose
+READ could not be cancelled is reported only once it has been, so nothing lands in freed destination blocks.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from kv_transfer.backends.nixl_agent import NixlAgent
+from kv_transfer.backends.nixl_notif import NixlNotif, NotifKind, decode_notif, encode_notif
 from kv_transfer.enums import BackendName, ReleaseReason, TransferState
 from kv_transfer.receiver import KVReceiver, Pull
 from kv_transfer.sender import KVSender
@@ -23,7 +42,7 @@ from kv_transfer.sender import KVSender
 if TYPE_CHECKING:
     from kv_transfer.messages import PeerInfo
 
-_NOTIF_PREFIX = b"kvx:"
+logger = logging.getLogger(__name__)
 
 
 def _registered_agent(end: KVSender | KVReceiver) -> NixlAgent:
@@ -35,81 +54,221 @@ def _registered_agent(end: KVSender | KVReceiver) -> NixlAgent:
     return agent
 
 
+@dataclass
+class _Grant:
+    """Sender side: a claimed lease that one receiver may READ (internal, never sent)."""
+
+    agent_name: str  # the receiver's NIXL agent; only its PULLED / DROP end the grant
+    hold_until: float  # time.monotonic() after which no READ the receiver trusts can still run
+
+
 class NixlSender(KVSender):
-    """Sender whose blocks are read by the receiver's NIXL agent; learns of pulls by notification."""
+    """Sender whose blocks are read by the receiver's NIXL agent, after it granted the receiver's claim."""
 
     backend: ClassVar[BackendName] = BackendName.NIXL
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.agent = _registered_agent(self)
+        self._grants: dict[int, _Grant] = {}  # by transfer id
+        self._connections: dict[str, bytes] = {}  # receiver agent name -> connection info loaded for it
 
     def _backend_metadata(self) -> bytes:
         return self.agent.metadata()
 
     def _progress(self) -> list[tuple[int, ReleaseReason, str]]:
         done: list[tuple[int, ReleaseReason, str]] = []
-        for messages in self.agent.notifications().values():
+        for agent_name, messages in self.agent.notifications().items():
             for message in messages:
-                if message.startswith(_NOTIF_PREFIX):
-                    done.append((int(message[len(_NOTIF_PREFIX):]), ReleaseReason.PULLED, ""))
+                notif = decode_notif(message, agent_name)
+                if notif is None:
+                    continue
+                if notif.kind == NotifKind.CLAIM:
+                    self._answer(agent_name, notif)
+                elif notif.kind == NotifKind.PULLED and self._end_grant(agent_name, notif.transfer_id):
+                    done.append((notif.transfer_id, ReleaseReason.PULLED, ""))
+                elif notif.kind == NotifKind.DROP and self._end_grant(agent_name, notif.transfer_id):
+                    why = f"receiver dropped the pull: {notif.reason}"
+                    done.append((notif.transfer_id, ReleaseReason.FAILED, why))
+        now = time.monotonic()
+        for transfer_id, grant in list(self._grants.items()):
+            if now > grant.hold_until:
+                del self._grants[transfer_id]
+                done.append((transfer_id, ReleaseReason.FAILED, "the granted READ did not end in its hold"))
         return done
+
+    def _end_grant(self, agent_name: str, transfer_id: int) -> bool:
+        """Forget a grant on its receiver's word; False if there is none (e.g. DROP after the hold ended)."""
+        grant = self._grants.get(transfer_id)
+        if grant is None:
+            return False
+        if grant.agent_name != agent_name:
+            logger.warning("%s ended transfer %d granted to %s; ignored", agent_name, transfer_id,
+                           grant.agent_name)
+            return False
+        del self._grants[transfer_id]
+        return True
+
+    def _answer(self, agent_name: str, claim: NixlNotif) -> None:
+        """Grant or refuse a claim; the lease's validity is decided here, by this host's clock."""
+        if claim.connection_info and self._connections.get(agent_name) != claim.connection_info:
+            try:
+                self.agent.add_remote(claim.connection_info)
+            except Exception as exc:  # cannot answer; the lease stays unclaimed and the pull times out
+                logger.warning("connection info from %s could not be loaded: %s", agent_name, exc)
+                return
+            self._connections[agent_name] = claim.connection_info
+        hold_s = min(claim.hold_s, self.config.transfer_timeout_s)
+        if hold_s > 0:
+            lease, reason = self._leases.claim(claim.transfer_id)
+        else:
+            lease, reason = None, "the claim left no time to read"
+        if lease is None:
+            refusal = encode_notif(NotifKind.REFUSE, claim.transfer_id, reason=reason)
+            self.agent.send_notif(agent_name, refusal)
+            return
+        # Held even if the grant is lost on the way: no READ is then posted, and the hold ends it.
+        self._grants[claim.transfer_id] = _Grant(agent_name, time.monotonic() + hold_s)
+        self.agent.send_notif(agent_name, encode_notif(NotifKind.GRANT, claim.transfer_id, hold_s=hold_s))
 
     def close(self) -> None:
         self.agent.close()
 
 
+@dataclass
+class _Read:
+    """Pull.backend_state of a NIXL pull (internal, never sent)."""
+
+    agent_name: str  # the sender's NIXL agent
+    claim_sent_at: float  # time.monotonic() when the claim left; the sender's hold counts from later
+    xfer: int | None = None  # the READ's transfer handle, from posting until it is released
+    is_release_refused: bool = False  # NIXL refused to cancel it at the deadline once (logged once)
+
+
 class NixlReceiver(KVReceiver):
-    """Receiver that READs blocks from NixlSenders through its own NIXL agent."""
+    """Receiver that claims, then READs, blocks from NixlSenders through its own NIXL agent."""
 
     backend: ClassVar[BackendName] = BackendName.NIXL
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.agent = _registered_agent(self)
+        self._connection_info = self.agent.connection_info()
         self._local_dlist = self.agent.prep_blocks("", self.layout)
-        self._remote_dlists: dict[str, int] = {}
-        self._unreleased: list[int] = []  # transfer handles NIXL refused to release yet (still in flight)
+        self._remote_dlists: dict[str, int] = {}  # by source worker id
+        self._agent_names: dict[str, str] = {}  # source worker id -> its NIXL agent name
+        self._workers: dict[str, str] = {}  # NIXL agent name -> source worker id
+        self._answered: set[str] = set()  # source workers that answered a claim: they can reach us
+        self._unreleased: list[int] = []  # handles of finished READs that NIXL refused to release yet
 
     def _on_add_peer(self, peer: PeerInfo) -> None:
         agent_name = self.agent.add_remote(peer.backend_metadata)
         self._remote_dlists[peer.worker_id] = self.agent.prep_blocks(agent_name, peer.layout)
+        self._agent_names[peer.worker_id] = agent_name
+        self._workers[agent_name] = peer.worker_id
 
     def _start(self, pull: Pull, peer: PeerInfo) -> None:
-        notif = _NOTIF_PREFIX + str(pull.handle.transfer_id).encode()
+        now = time.monotonic()
+        connection_info = b"" if peer.worker_id in self._answered else self._connection_info
+        claim = encode_notif(NotifKind.CLAIM, pull.handle.transfer_id, hold_s=pull.deadline - now,
+                             connection_info=connection_info)
+        pull.backend_state = _Read(self._agent_names[peer.worker_id], now)
+        if not self.agent.send_notif(pull.backend_state.agent_name, claim):
+            pull.fail("the claim could not be sent to the sender's NIXL agent")
+
+    def _progress(self) -> None:
+        self._unreleased = [xfer for xfer in self._unreleased if not self.agent.release(xfer)]
+        for agent_name, messages in self.agent.notifications().items():
+            worker_id = self._workers.get(agent_name)
+            if worker_id is None:
+                continue
+            self._answered.add(worker_id)
+            for message in messages:
+                answer = decode_notif(message, agent_name)
+                if answer is not None:
+                    self._on_answer(worker_id, agent_name, answer)
+
+    def _on_answer(self, worker_id: str, agent_name: str, answer: NixlNotif) -> None:
+        """A sender's GRANT or REFUSE of one of our claims."""
+        pull = self._pulls.get((worker_id, answer.transfer_id))
+        if pull is not None and pull.state == TransferState.PENDING:
+            if answer.kind == NotifKind.REFUSE:
+                pull.fail(f"sender refused: {answer.reason}")
+            elif answer.kind == NotifKind.GRANT:
+                self._read(pull, answer.hold_s)
+        elif answer.kind == NotifKind.GRANT and (pull is None or pull.is_finished):
+            # The pull failed before the grant came: let the sender free the blocks now.
+            self._drop(agent_name, answer.transfer_id, "the pull ended before the grant arrived")
+
+    def _read(self, pull: Pull, hold_s: float) -> None:
+        """The sender granted the claim: post the READ if the grant leaves time to trust it."""
+        read: _Read = pull.backend_state
+        pull.deadline = min(pull.deadline, read.claim_sent_at + hold_s)
+        if time.monotonic() > pull.deadline:
+            self._drop(read.agent_name, pull.handle.transfer_id, "the grant arrived after its hold")
+            return  # fails at this poll's deadline check
+        pulled = encode_notif(NotifKind.PULLED, pull.handle.transfer_id)
         try:
-            xfer, status = self.agent.read(self._local_dlist, pull.dst_block_ids,
-                                           self._remote_dlists[peer.worker_id], pull.handle.block_ids, notif)
-        except Exception as exc:  # the binding raises on NIXL errors (e.g. peer gone, bad descriptors)
-            pull.fail(f"NIXL READ could not be posted: {exc}")
+            read.xfer, status = self.agent.read(self._local_dlist, pull.dst_block_ids,
+                                                self._remote_dlists[pull.handle.source_worker_id],
+                                                pull.handle.block_ids, pulled)
+        except RuntimeError as exc:
+            pull.fail(str(exc))
+            self._drop(read.agent_name, pull.handle.transfer_id, "the READ could not be posted")
             return
-        pull.backend_state = xfer
         pull.state = TransferState.TRANSFERRING
-        self._finish_if_settled(pull, status)
+        self._settle(pull, status)
 
     def _advance(self, pull: Pull) -> None:
-        self._retry_releases()
-        self._finish_if_settled(pull, self.agent.status(pull.backend_state))
+        read: _Read = pull.backend_state
+        if pull.state == TransferState.TRANSFERRING and read.xfer is not None:
+            self._settle(pull, self.agent.status(read.xfer))
 
-    def _abort(self, pull: Pull) -> None:
-        if pull.backend_state is not None and not self.agent.release(pull.backend_state):
-            self._unreleased.append(pull.backend_state)
-
-    def _finish_if_settled(self, pull: Pull, status: str) -> None:
-        if status == "PROC":
+    def _settle(self, pull: Pull, status: str) -> None:
+        read: _Read = pull.backend_state
+        if status == "PROC" or read.xfer is None:
             return
+        self._release(read.xfer)
+        read.xfer = None
         if status == "DONE" and time.monotonic() <= pull.deadline:
             pull.state = TransferState.DONE
         elif status == "DONE":
-            # Seen only after the cutoff: it may have finished after the sender freed the blocks.
-            pull.fail("READ completed too late to be trusted: the lease was over")
+            # Seen only after the hold: it may have finished after the sender freed the blocks.
+            pull.fail("READ completed too late to be trusted: the sender's hold was over")
         else:
             pull.fail("NIXL READ failed (peer gone or memory no longer registered)")
-        self.agent.release(pull.backend_state)
+            self._drop(read.agent_name, pull.handle.transfer_id, "the READ failed")
 
-    def _retry_releases(self) -> None:
-        self._unreleased = [x for x in self._unreleased if not self.agent.release(x)]
+    def _abort(self, pull: Pull) -> bool:
+        read: _Read | None = pull.backend_state
+        if read is None or read.xfer is None:
+            return True  # no READ posted; a grant that still comes gets a DROP
+        if not self.agent.release(read.xfer):  # still in flight and NIXL could not cancel it
+            if not read.is_release_refused:
+                logger.warning("NIXL could not cancel the READ of transfer %d at its deadline; retrying at "
+                               "each poll", pull.handle.transfer_id)
+            read.is_release_refused = True
+            return False
+        read.xfer = None
+        self._drop(read.agent_name, pull.handle.transfer_id, "deadline passed; READ cancelled")
+        return True
+
+    def _release(self, xfer: int) -> None:
+        if not self.agent.release(xfer):
+            logger.warning("NIXL refused to release transfer handle %#x; retrying at each poll", xfer)
+            self._unreleased.append(xfer)
+
+    def _drop(self, agent_name: str, transfer_id: int, reason: str) -> None:
+        self.agent.send_notif(agent_name, encode_notif(NotifKind.DROP, transfer_id, reason=reason))
 
     def close(self) -> None:
-        self._retry_releases()
+        for pull in self._pulls.values():
+            read = pull.backend_state
+            if isinstance(read, _Read) and read.xfer is not None:
+                self._unreleased.append(read.xfer)
+                read.xfer = None
+        self._unreleased = [xfer for xfer in self._unreleased if not self.agent.release(xfer)]
+        if self._unreleased:
+            logger.error("closing with %d NIXL transfer handles NIXL refused to release",
+                         len(self._unreleased))
         self.agent.close()

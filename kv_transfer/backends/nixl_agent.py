@@ -5,10 +5,13 @@ progress thread never sleeps and burns a whole core even when idle. The binding'
 exposes `pthrDelay` (microseconds the thread waits between idle progress rounds), so this adapter builds
 the agent from the binding directly and keeps only the calls this package needs. The thread itself must
 stay on: without it, transfers whose target never calls into NIXL hang silently.
+The binding raises on every NIXL error status; the calls made from a poll() (status, release, notifications,
+send_notif) turn those into return values here, so no NIXL error reaches a worker's step loop.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -16,6 +19,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     from kv_transfer.layout import KVLayout
+
+logger = logging.getLogger(__name__)
 
 XferStatus = str  # "DONE" | "PROC" | "ERR"
 
@@ -60,6 +65,11 @@ class NixlAgent:
         """This agent's metadata (connection info and registered memory keys) for peers."""
         return bytes(self._agent.getLocalMD())
 
+    def connection_info(self) -> bytes:
+        """Just enough metadata for a peer to send this agent notifications (no memory keys): ~300 bytes."""
+        no_memory = self._bind.nixlRegDList(self._bind.DRAM_SEG, [])
+        return bytes(self._agent.getLocalPartialMD(no_memory, True, [self._ucx]))
+
     def add_remote(self, metadata: bytes) -> str:
         """Load a peer's metadata; returns the peer's agent name."""
         name = self._agent.loadRemoteMD(metadata)
@@ -91,30 +101,68 @@ class NixlAgent:
         """Post a READ of remote blocks into local blocks; the peer gets `notif` when it completes.
 
         Returns:
-            (transfer handle, status right after posting).
+            (transfer handle, status right after posting); the caller must release() the handle once.
+
+        Raises:
+            RuntimeError: the READ could not be made or posted (no handle is left to release then).
         """
         local_idx = np.asarray(local_ids, dtype=np.int32)
         remote_idx = np.asarray(remote_ids, dtype=np.int32)
         # NIXL merges descriptors that are adjacent on both sides, so runs of consecutive ids become one copy.
-        xfer = int(self._agent.makeXferReq(self._bind.NIXL_READ, local_dlist, local_idx, remote_dlist,
-                                           remote_idx, notif, [self._ucx]))
-        return xfer, self._status(self._agent.postXferReq(xfer, notif))
+        try:
+            xfer = int(self._agent.makeXferReq(self._bind.NIXL_READ, local_dlist, local_idx, remote_dlist,
+                                               remote_idx, notif, [self._ucx]))
+        except Exception as exc:
+            raise RuntimeError(f"NIXL READ could not be made: {exc}") from exc
+        try:
+            return xfer, self._status(self._agent.postXferReq(xfer, notif))
+        except Exception as exc:
+            if not self.release(xfer):  # never posted, so nothing is in flight to refuse its release
+                logger.error("NIXL transfer handle %#x of a READ that failed to post was not released", xfer)
+            raise RuntimeError(f"NIXL READ could not be posted: {exc}") from exc
 
     def status(self, xfer: int) -> XferStatus:
-        """Non-blocking state of a posted transfer."""
-        return self._status(self._agent.getXferStatus(xfer))
+        """Non-blocking state of a posted transfer; "ERR" for any NIXL error."""
+        try:
+            return self._status(self._agent.getXferStatus(xfer))
+        except Exception as exc:  # the binding raises on error statuses (peer gone, remote invalidated)
+            logger.info("NIXL transfer %#x failed: %s", xfer, exc)
+            return "ERR"
 
     def release(self, xfer: int) -> bool:
-        """Free a transfer handle (cancelling it if still in flight); False if NIXL refused."""
+        """Free a transfer handle, cancelling it if still in flight.
+
+        Returns:
+            True once freed (never call again then); False if NIXL refused (it could not cancel a transfer
+            still in flight): the handle stays valid, and the caller must try again later.
+        """
         try:
             self._agent.releaseXferReq(xfer)
-        except Exception:  # the binding raises on NIXL errors; the caller retries later
+        except Exception as exc:  # NIXL_ERR_REPOST_ACTIVE and the like
+            logger.debug("NIXL refused to release transfer handle %#x: %s", xfer, exc)
             return False
         return True
 
     def notifications(self) -> dict[str, list[bytes]]:
-        """New notifications since the last call, by sending agent name."""
-        return dict(self._agent.getNotifs({}, [self._ucx]))
+        """New notifications since the last call, by sending agent name; empty if NIXL errs."""
+        try:
+            return dict(self._agent.getNotifs({}, [self._ucx]))
+        except Exception as exc:
+            logger.warning("NIXL notifications could not be read: %s", exc)
+            return {}
+
+    def send_notif(self, agent_name: str, message: bytes) -> bool:
+        """Send a notification to a peer agent whose metadata (or connection info) was loaded.
+
+        Returns:
+            False if NIXL could not send it (unknown or disconnected peer); logged.
+        """
+        try:
+            self._agent.genNotif(agent_name, message, [self._ucx])
+        except Exception as exc:
+            logger.warning("NIXL notification to %s could not be sent: %s", agent_name, exc)
+            return False
+        return True
 
     def close(self) -> None:
         """Release prepared lists and deregister memory (the agent is freed with this object)."""

@@ -9,15 +9,25 @@ The sender takes part, so each pull is a round trip delivered by the caller (e.g
     sender.poll()                  isend complete -> PULLED (timed out -> FAILED)
 The staging buffers keep the destination blocks untouched until every byte has arrived, and let the source
 blocks be freed even if a send leg never completes. The peer set is the process group, fixed up front.
-NCCL ignores tags and matches p2p operations in posting order: deliver the replies of one sender in the order
-it produced them.
+
+Ordering invariant, per (sender rank, receiver rank) pair: the receiver posts its irecvs in exactly the order
+the sender posted its isends, and posts exactly one irecv for every isend. NCCL ignores tags and pairs p2p
+operations by posting order, so without this a reply delivered out of order (concurrent actor calls) puts one
+pull's bytes into another's blocks, and an unmatched isend holds up every later one. How it is kept:
+    - the sender numbers its isends per destination rank (PullReply.send_seq, in posting order);
+    - the receiver holds an accepted reply until the replies of every earlier send_seq from that sender have
+      their irecv posted (replies may arrive in any order; the caller must deliver every one);
+    - an accepted reply whose pull already FAILED (deadline) still gets its irecv, into a discarded buffer.
+Gloo matches by tag (the transfer id), so for gloo the invariant is harmless rather than required.
+The group's backend must be the one `p2p_backend()` names for the KV cache's device (checked at construction).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -27,10 +37,13 @@ from kv_transfer import wire
 from kv_transfer.enums import BackendName, ReleaseReason, TransferState
 from kv_transfer.messages import PullReply, PullRequest
 from kv_transfer.receiver import KVReceiver, Pull
+from kv_transfer.registry import BackendUnavailableError
 from kv_transfer.sender import KVSender
 
 if TYPE_CHECKING:
     from kv_transfer.messages import PeerInfo
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,42 @@ class TorchPeerMetadata:
     """PeerInfo.backend_metadata of the torch backend."""
 
     rank: int  # global torch.distributed rank of the worker
+
+
+def p2p_backend(device: str | torch.device) -> str:
+    """The torch.distributed backend that moves KV blocks living on `device`: NCCL for CUDA, gloo for CPU.
+
+    Args:
+        device: the KV cache's device ("cpu", "cuda", "cuda:1" or a torch.device).
+
+    Returns:
+        "nccl" or "gloo", to pass to init_process_group (llm_engine.worker_setup.TorchGroupSpec.backend).
+    """
+    device_type = torch.device(device).type
+    if device_type == "cuda":
+        return "nccl"
+    if device_type == "cpu":
+        return "gloo"
+    raise ValueError(f"the torch KV transfer backend supports cpu and cuda KV caches, not {device_type}")
+
+
+def check_group_backend(backend_config: str, device: str | torch.device) -> None:
+    """Refuse a process group that would move `device` tensors with the wrong backend (e.g. gloo for CUDA).
+
+    Args:
+        backend_config: dist.get_backend_config(group), e.g. "cpu:gloo,cuda:gloo" or "cuda:nccl".
+        device: the KV cache's device.
+
+    Raises:
+        BackendUnavailableError: the group has no backend, or another one, for that device.
+    """
+    device_type = torch.device(device).type
+    by_device = dict(entry.split(":", 1) for entry in backend_config.split(","))
+    needed = p2p_backend(device_type)
+    if by_device.get(device_type) != needed:
+        raise BackendUnavailableError(
+            f"the torch KV transfer backend needs {needed} for a {device_type} KV cache, but the process "
+            f"group uses {backend_config!r}; initialise it with backend={needed!r}")
 
 
 class _Completion:
@@ -77,9 +126,18 @@ class _Send:
     deadline: float  # time.monotonic() after which the send is reported FAILED
 
 
-def _require_group() -> None:
+@dataclass
+class _SendOrder:
+    """Receiver side: where the irecvs from one sender stand in that sender's posting order."""
+
+    next_seq: int = 0  # send_seq of the next irecv to post
+    waiting: dict[int, PullReply] = field(default_factory=dict)  # accepted replies that arrived early
+
+
+def _require_group(group: Any, kv_cache: torch.Tensor) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("the torch backend needs torch.distributed.init_process_group() first")
+    check_group_backend(dist.get_backend_config(group), kv_cache.device)
 
 
 class TorchSender(KVSender):
@@ -90,27 +148,41 @@ class TorchSender(KVSender):
     def __init__(self, *args: Any, group: Any = None, **kwargs: Any) -> None:
         """Args as KVSender, plus group: the torch.distributed group (default: the world)."""
         super().__init__(*args, **kwargs)
-        _require_group()
+        _require_group(group, self.kv_cache)
         self._group = group
+        self._rank = dist.get_rank()
         self._sends: dict[int, _Send] = {}
+        self._num_posted: dict[int, int] = {}  # destination rank -> isends posted to it (the next send_seq)
+        self._failed_posts: list[tuple[int, ReleaseReason, str]] = []  # claimed, but the isend did not post
         self._abandoned: list[_Send] = []  # timed-out sends, kept alive so gloo never sees freed memory
 
     def _backend_metadata(self) -> bytes:
-        return wire.encode(TorchPeerMetadata(rank=dist.get_rank()))
+        return wire.encode(TorchPeerMetadata(rank=self._rank))
 
     def accept_pull(self, request: PullRequest) -> PullReply:
         lease, reason = self._leases.claim(request.transfer_id)
         if lease is None:
-            return PullReply(self.worker_id, request.transfer_id, is_accepted=False, reason=reason)
+            return PullReply(self.worker_id, request.transfer_id, is_accepted=False, reason=reason,
+                             send_seq=-1, num_blocks=0)
         index = torch.tensor(lease.block_ids, dtype=torch.long, device=self.kv_cache.device)
         staging = self.kv_cache.index_select(0, index)
-        work = dist.isend(staging, dst=request.destination_rank, group=self._group, tag=request.transfer_id)
+        dst = request.destination_rank
+        try:
+            work = dist.isend(staging, dst=dst, group=self._group, tag=request.transfer_id)
+        except Exception as exc:  # e.g. a broken group: nothing was posted, so the order is unchanged
+            why = f"isend could not be posted: {exc}"
+            self._failed_posts.append((request.transfer_id, ReleaseReason.FAILED, why))
+            return PullReply(self.worker_id, request.transfer_id, is_accepted=False, reason=why,
+                             send_seq=-1, num_blocks=0)
+        send_seq = self._num_posted.get(dst, 0)
+        self._num_posted[dst] = send_seq + 1
         deadline = time.monotonic() + self.config.transfer_timeout_s
         self._sends[request.transfer_id] = _Send(_Completion(work, staging.is_cuda), staging, deadline)
-        return PullReply(self.worker_id, request.transfer_id, is_accepted=True, reason="")
+        return PullReply(self.worker_id, request.transfer_id, is_accepted=True, reason="",
+                         send_seq=send_seq, num_blocks=len(lease.block_ids))
 
     def _progress(self) -> list[tuple[int, ReleaseReason, str]]:
-        done: list[tuple[int, ReleaseReason, str]] = []
+        done, self._failed_posts = self._failed_posts, []
         now = time.monotonic()
         for transfer_id, send in list(self._sends.items()):
             if send.completion.is_done():
@@ -134,21 +206,24 @@ class TorchReceiver(KVReceiver):
     def __init__(self, *args: Any, group: Any = None, **kwargs: Any) -> None:
         """Args as KVReceiver, plus group: the torch.distributed group (default: the world)."""
         super().__init__(*args, **kwargs)
-        _require_group()
+        _require_group(group, self.kv_cache)
         self._group = group
+        self._rank = dist.get_rank()
         self._ranks: dict[str, int] = {}
+        self._orders: dict[str, _SendOrder] = {}  # by source worker id
         self._outbox: list[PullRequest] = []
-        self._abandoned: list[tuple[_Completion, torch.Tensor]] = []  # timed-out irecvs, staging buffers
+        self._abandoned: list[tuple[_Completion, torch.Tensor]] = []  # irecvs nobody waits for, and staging
 
     def _on_add_peer(self, peer: PeerInfo) -> None:
         self._ranks[peer.worker_id] = wire.decode(TorchPeerMetadata, peer.backend_metadata).rank
+        self._orders[peer.worker_id] = _SendOrder()
 
     def _start(self, pull: Pull, peer: PeerInfo) -> None:
         self._outbox.append(PullRequest(
             source_worker_id=peer.worker_id,
             transfer_id=pull.handle.transfer_id,
             destination_worker_id=self.worker_id,
-            destination_rank=dist.get_rank(),
+            destination_rank=self._rank,
         ))
 
     def take_pull_requests(self) -> list[PullRequest]:
@@ -156,22 +231,49 @@ class TorchReceiver(KVReceiver):
         return requests
 
     def on_pull_reply(self, reply: PullReply) -> None:
-        pull = self._pulls.get((reply.source_worker_id, reply.transfer_id))
-        if pull is None or pull.state != TransferState.PENDING:
-            return  # too late: the pull already FAILED on its deadline; an accepted send times out there
         if not reply.is_accepted:
-            pull.fail(f"sender refused: {reply.reason}")
+            pull = self._pulls.get((reply.source_worker_id, reply.transfer_id))
+            if pull is not None and pull.state == TransferState.PENDING:
+                pull.fail(f"sender refused: {reply.reason}")
+            return  # nothing was posted, so the order is unchanged
+        order = self._orders[reply.source_worker_id]
+        if reply.send_seq < order.next_seq or reply.send_seq in order.waiting:
+            logger.warning("duplicate pull reply %s from %s ignored", reply.transfer_id,
+                           reply.source_worker_id)
             return
+        order.waiting[reply.send_seq] = reply
+        while order.next_seq in order.waiting:
+            self._post_recv(order.waiting.pop(order.next_seq))
+            order.next_seq += 1
+
+    def _post_recv(self, reply: PullReply) -> None:
+        """Post the irecv matching one accepted send; its turn in the sender's posting order has come."""
+        pull = self._pulls.get((reply.source_worker_id, reply.transfer_id))
         # staging: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        staging = torch.empty((len(pull.dst_block_ids), *self.kv_cache.shape[1:]),
+        staging = torch.empty((reply.num_blocks, *self.kv_cache.shape[1:]),
                               dtype=self.kv_cache.dtype, device=self.kv_cache.device)
-        work = dist.irecv(staging, src=self._ranks[reply.source_worker_id], group=self._group,
-                          tag=reply.transfer_id)
-        pull.backend_state = (_Completion(work, staging.is_cuda), staging)
-        pull.state = TransferState.TRANSFERRING
+        try:
+            work = dist.irecv(staging, src=self._ranks[reply.source_worker_id], group=self._group,
+                              tag=reply.transfer_id)
+        except Exception as exc:
+            if pull is not None and pull.state == TransferState.PENDING:
+                pull.fail(f"irecv could not be posted: {exc}")
+            return
+        completion = _Completion(work, staging.is_cuda)
+        if pull is not None and pull.state == TransferState.PENDING:
+            if reply.num_blocks == len(pull.dst_block_ids):
+                pull.backend_state = (completion, staging)
+                pull.state = TransferState.TRANSFERRING
+                return
+            pull.fail(f"sender sends {reply.num_blocks} blocks, the pull expects {len(pull.dst_block_ids)}")
+        # The pull already FAILED (deadline), but the send is posted: match it anyway, so that the sender's
+        # next send lands in our next irecv, and let the bytes go.
+        self._abandoned.append((completion, staging))
+
+    def _progress(self) -> None:
+        self._abandoned = [(c, s) for c, s in self._abandoned if not c.is_done()]
 
     def _advance(self, pull: Pull) -> None:
-        self._abandoned = [(c, s) for c, s in self._abandoned if not c.is_done()]
         if pull.state != TransferState.TRANSFERRING:
             return
         completion, staging = pull.backend_state
@@ -184,7 +286,7 @@ class TorchReceiver(KVReceiver):
         self.kv_cache.index_copy_(0, index, staging)
         pull.state = TransferState.DONE
 
-    def _abort(self, pull: Pull) -> None:
+    def _abort(self, pull: Pull) -> bool:
         if pull.state == TransferState.TRANSFERRING:
-            self._abandoned.append(pull.backend_state)
-
+            self._abandoned.append(pull.backend_state)  # the irecv writes only its staging buffer
+        return True

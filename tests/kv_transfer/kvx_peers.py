@@ -67,6 +67,8 @@ def serve(conn: Any, role: str, backend: str, options: dict[str, Any]) -> None:
         "offer": lambda ids, n, lease_s: wire.encode(half.offer(ids, n, lease_s)),
         "accept": lambda req: wire.encode(half.accept_pull(wire.decode(PullRequest, req))),
         "sender_poll": lambda: [(r.transfer_id, list(r.block_ids), r.reason.name) for r in half.poll()],
+        "withdraw": lambda transfer_id, why: [(r.transfer_id, list(r.block_ids), r.reason.name)
+                                              for r in [half.withdraw(transfer_id, why)] if r is not None],
         "add_peer": lambda info: half.add_peer(wire.decode(PeerInfo, info)),
         "start_pull": lambda handle, dst: half.start_pull(wire.decode(KVHandle, handle), dst).name,
         "take_requests": lambda: [wire.encode(r) for r in half.take_pull_requests()],

@@ -63,7 +63,8 @@ def test_messages_round_trip_through_msgpack():
     messages = [
         PeerInfo("prefill-0", "host", 12, BackendName.NIXL, layout, b"\x00agent-md"),
         KVHandle("prefill-0", 7, (3, 1, 2), 40, layout.fingerprint, BackendName.TORCH, 1.7e9),
-        PullReply("prefill-0", 7, is_accepted=False, reason="lease expired"),
+        PullReply("prefill-0", 7, is_accepted=False, reason="lease expired", send_seq=-1, num_blocks=0),
+        PullReply("prefill-0", 8, is_accepted=True, reason="", send_seq=3, num_blocks=2),
         ReleasedBlocks(7, (3, 1), ReleaseReason.EXPIRED),
         TransferResult("prefill-0", 7, (5, 6), TransferState.FAILED, "deadline"),
     ]

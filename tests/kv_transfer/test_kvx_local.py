@@ -80,6 +80,35 @@ def test_sender_refuses_a_pull_after_expiry_even_if_the_receiver_is_early():
     sender.close()
 
 
+def test_a_withdrawn_transfer_is_freed_at_once_and_a_later_pull_fails_without_writing(pair):
+    sender, receiver = pair
+    handle = sender.offer([4, 5], num_tokens=20)
+
+    released = sender.withdraw(handle.transfer_id, "request aborted")
+    state = receiver.start_pull(handle, [6, 7])
+    (result,) = receiver.poll()
+
+    assert released is not None
+    assert (released.block_ids, released.reason) == ((4, 5), ReleaseReason.WITHDRAWN)
+    assert state == TransferState.FAILED and "released" in result.reason
+    assert bool((receiver.kv_cache[[6, 7]] == 0).all())
+    assert sender.poll() == [] and sender.num_outstanding == 0  # reported once, by withdraw()
+    assert sender.withdraw(handle.transfer_id, "again") is None
+    assert [r.outcome for r in sender.recorder.records] == ["WITHDRAWN"]
+
+
+def test_withdraw_leaves_a_pulled_transfer_to_be_reported_pulled(pair):
+    sender, receiver = pair
+    handle = sender.offer([8], num_tokens=16)
+    assert receiver.start_pull(handle, [9]) == TransferState.DONE
+
+    assert sender.withdraw(handle.transfer_id, "too late") is None
+    (released,) = sender.poll()
+
+    assert released.reason == ReleaseReason.PULLED and sender.num_outstanding == 0
+    assert torch.equal(receiver.kv_cache[9], sender.kv_cache[8])
+
+
 def test_incompatible_layouts_and_bad_block_lists_are_refused(pair):
     sender, receiver = pair
     other = make_receiver("local", "decode-x", _cache(4, head_dim=4))
@@ -109,8 +138,9 @@ class _StuckReceiver(KVReceiver):
     def _advance(self, pull: Pull) -> None:
         return None
 
-    def _abort(self, pull: Pull) -> None:
+    def _abort(self, pull: Pull) -> bool:
         self.aborted.append(pull.handle.transfer_id)
+        return True
 
 
 def test_a_pull_that_never_finishes_fails_at_its_deadline(pair):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import msgpack
 import pytest
@@ -13,7 +14,8 @@ SRC_BLOCKS, DST_BLOCKS = 40, 64
 # (source ids, destination ids): one block, scattered ids, and runs mixed with gaps, both sides differing.
 # Destination ids are disjoint across tests (the module shares one receiver), so "untouched" means zero.
 _rng = random.Random(0)
-_FREE_DST = [b for b in range(60) if b not in (47, 0, 40, 12, 13, 14, 7, 33, 20, 21, 30, 31)]  # 60+: records
+_USED_DST = (47, 0, 40, 12, 13, 14, 7, 33, 20, 21, 30, 31, 34, 35, 36, 37, 38, 39)  # by the tests below
+_FREE_DST = [b for b in range(60) if b not in _USED_DST]  # 60+: records
 CASES = [
     ([5], [47]),
     ([9, 2, 30, 17, 3, 8, 1], [0, 40, 12, 13, 14, 7, 33]),
@@ -138,3 +140,65 @@ def test_nixl_agent_stays_off_the_cpu_when_idle(pair: tuple[str, Pair]):
     # CPU-seconds per second over ~1 s with both agents alive and connected; a spinning thread gives ~1.0.
     assert p.prefill.call("idle_cpu", 1.0) < 0.2
     assert p.decode.call("idle_cpu", 1.0) < 0.2
+
+
+def _results(p: Pair, count: int, timeout: float = 30.0) -> dict[int, tuple[str, str]]:
+    """Drive both sides (carrying pull requests and replies in order) until `count` pulls have finished."""
+    results: dict[int, tuple[str, str]] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < count and time.monotonic() < deadline:
+        for request in p.decode.call("take_requests"):
+            p.decode.call("on_reply", p.prefill.call("accept", request))
+        results.update({tid: (state, reason) for tid, state, reason in p.decode.call("receiver_poll")})
+        p.poll_sender()
+        time.sleep(0.002)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", ["torch"], indirect=True)  # only torch has pull replies
+def test_torch_replies_delivered_out_of_order_land_in_their_own_blocks(pair: tuple[str, Pair]):
+    _backend, p = pair
+    first, second = p.prefill.call("offer", [14, 15], 32, 30.0), p.prefill.call("offer", [16, 17], 32, 30.0)
+    p.decode.call("start_pull", first, [34, 35])
+    p.decode.call("start_pull", second, [36, 37])
+    replies = [p.prefill.call("accept", request) for request in p.decode.call("take_requests")]
+
+    for reply in reversed(replies):  # concurrent actor calls: the later send's reply arrives first
+        p.decode.call("on_reply", reply)
+    results = _results(p, 2)
+
+    assert results == {_transfer_id(first): ("DONE", ""), _transfer_id(second): ("DONE", "")}
+    assert p.decode.call("checksum", [34, 35]) == p.prefill.call("checksum", [14, 15])
+    assert p.decode.call("checksum", [36, 37]) == p.prefill.call("checksum", [16, 17])
+
+
+@pytest.mark.slow
+def test_a_withdrawn_transfer_is_refused_to_a_later_pull(pair: tuple[str, Pair]):
+    _backend, p = pair
+    handle = p.prefill.call("offer", [18], 16, 30.0)
+
+    assert p.prefill.call("withdraw", _transfer_id(handle), "request aborted") == [
+        (_transfer_id(handle), [18], "WITHDRAWN")]
+    state, reason = p.pull(handle, [38])
+
+    assert state == "FAILED" and "refused" in reason
+    assert p.decode.call("is_zero", [38])
+    assert p.prefill.call("num_outstanding") == 0
+    assert p.prefill.call("withdraw", _transfer_id(handle), "again") == []  # nothing left to free
+
+
+@pytest.mark.slow
+def test_the_senders_clock_decides_expiry_even_if_the_receivers_disagrees(pair: tuple[str, Pair]):
+    _backend, p = pair
+    handle = p.prefill.call("offer", [19], 16, 0.2)
+    assert p.wait_released(_transfer_id(handle)) == ([19], "EXPIRED")  # by the sender's clock
+    # Clock skew: the receiver's clock is far behind, so by its own reckoning the lease has an hour to go.
+    fields = msgpack.unpackb(handle)
+    skewed = msgpack.packb({**fields, "lease_deadline": fields["lease_deadline"] + 3600}, use_bin_type=True)
+
+    state, reason = p.pull(skewed, [39])
+
+    assert state == "FAILED" and "refused" in reason
+    assert p.decode.call("is_zero", [39])  # the freed source block was never read
+    assert p.prefill.call("num_outstanding") == 0
