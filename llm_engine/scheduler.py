@@ -34,8 +34,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._num_added = 0  # requests ever added: with the pool's free count, tells whether anything changed
-        self._stalled_at: tuple[int, int, int] | None = None  # (added, requests, block frees) at an empty batch
+        # Requests ever added: with the pool's count of frees, tells whether anything changed.
+        self._num_added = 0
+        self._stalled_at: tuple[int, int, int] | None = None  # (added, requests, frees) at an empty batch
 
     @property
     def num_unfinished(self) -> int:

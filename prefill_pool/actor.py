@@ -12,7 +12,9 @@ from llm_engine.step_loop import StepLoop
 from llm_engine.worker_setup import TorchGroupSpec, setup_worker_process
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.scheduler import PrefillScheduler
-from prefill_pool.worker import PrefillWorker
+from prefill_pool.worker import TRANSFER_POLL_S, PrefillWorker
+
+IDLE_POLL_S = 0.05  # with no KV offered the poller only checks now and then whether some is
 
 
 class PrefillActor:
@@ -25,12 +27,23 @@ class PrefillActor:
         self.worker = PrefillWorker(worker_id, engine, sender)
         self.loop = StepLoop(f"prefill-{worker_id}", self.worker.step, num_threads, on_error=self.worker.fail)
         self.loop.start()
+        self._transfer_poller: asyncio.Task[None] | None = None
+
+    async def _poll_transfers(self) -> None:
+        """Answer pulls from the actor's event loop while a forward runs on the loop thread (a NIXL claim
+        would otherwise wait for the forward to end: up to a second for a long chunk on a CPU)."""
+        while True:
+            await asyncio.sleep(TRANSFER_POLL_S if self.worker.has_transfers else IDLE_POLL_S)
+            if self.worker.has_transfers and self.worker.poll_transfers():
+                self.loop.wake()
 
     def peer_info(self) -> PeerInfo:
         return self.worker.sender.peer_info()
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Prefill one prompt; returns its first token and KV handle. Cancelling the call aborts it."""
+        if self._transfer_poller is None:
+            self._transfer_poller = asyncio.create_task(self._poll_transfers())
         event_loop = asyncio.get_running_loop()
         future: asyncio.Future[PrefillResult] = event_loop.create_future()
 
@@ -75,5 +88,7 @@ class PrefillActor:
         return self.worker.sender.recorder.records
 
     def shutdown(self) -> None:
+        if self._transfer_poller is not None:
+            self._transfer_poller.cancel()
         self.loop.stop()
         self.worker.sender.close()

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kv_transfer import KVHandle, KVSender, PullReply, PullRequest
+from kv_transfer import KVHandle, KVSender, PullReply, PullRequest, ReleasedBlocks
 from llm_engine import LLMEngine
 from llm_engine.load import WorkerLoad
 from llm_engine.request import Request, RequestStatus
@@ -58,6 +58,7 @@ class PrefillWorker:
         self._lock = threading.Lock()
         # The sender is polled by the loop thread and answers pull requests (torch) from the actor's thread.
         self._sender_lock = threading.Lock()
+        self._released: list[ReleasedBlocks] = []  # seen by poll_transfers(), freed by the loop thread
         self._pending: dict[str, _Pending] = {}
         self._offered: dict[int, str] = {}  # transfer_id → request_id whose blocks it holds
         # Submissions still in the inbox, so that a dying loop can answer them too.
@@ -102,11 +103,29 @@ class PrefillWorker:
         self._load = dataclasses.replace(self._load, failure=self.failure)
 
     # Called only from the step loop's thread.
+    def poll_transfers(self) -> bool:
+        """Advance the sender (answer NIXL claims, see pulls finish) from any thread, so that a decode
+        worker's pull does not wait for a forward to end; the blocks are freed by the loop thread.
+
+        Returns:
+            Whether some transfers were released (wake the loop to free their blocks).
+        """
+        with self._sender_lock:
+            releases = self.sender.poll()
+            self._released.extend(releases)
+        return bool(releases)
+
+    @property
+    def has_transfers(self) -> bool:
+        """Whether any offered KV waits for its pull (safe from any thread)."""
+        return self.sender.num_outstanding > 0
+
     def step(self) -> float | None:
         """Run the inbox, release pulled/expired leases, run one forward; returns the wait before the next."""
         self._drain_inbox()
         with self._sender_lock:
-            releases = self.sender.poll()
+            releases = self._released + self.sender.poll()
+            self._released = []
         for released in releases:
             request_id = self._offered.pop(released.transfer_id, None)
             if request_id is not None:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
-from decode_pool.worker import DecodeWorker
 from gateway.orchestrator import StreamEvent
 from gateway.service import _token_times
 from kv_transfer import KVHandle
@@ -39,8 +38,8 @@ def prefill_all(prefill: PrefillWorker, prompts: list[list[int]]) -> list[Prefil
 
 
 def decode_request(result: PrefillResult, prompt: list[int]) -> DecodeRequest:
-    return DecodeRequest(result.request_id, tuple(prompt), GREEDY, result.first_token_id, result.first_logprob,
-                         result.kv_handle)
+    return DecodeRequest(result.request_id, tuple(prompt), GREEDY, result.first_token_id,
+                         result.first_logprob, result.kv_handle)
 
 
 def test_prefill_step_loop_that_dies_answers_every_request_with_an_error(tiny_llama_dir: Path) -> None:
@@ -143,7 +142,8 @@ def test_migrated_request_continues_after_the_tokens_the_client_has(tiny_llama_d
         if output.finish_reason:
             finished.append(output)
 
-    decode.submit(DecodeRequest("m", tuple(prompt), GREEDY, generated_token_ids=tuple(expected[:3])), on_output)
+    migrated = DecodeRequest("m", tuple(prompt), GREEDY, generated_token_ids=tuple(expected[:3]))
+    decode.submit(migrated, on_output)
     while not finished:
         decode.step()
     assert tokens == expected[3:]
