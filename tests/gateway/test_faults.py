@@ -120,12 +120,12 @@ def wait_for_health(client: httpx.Client, status: str, timeout_s: float) -> dict
     raise AssertionError(f"/health never said {status!r}; last: {body}")
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0, state: Callable[[], object] = str) -> None:
     for _ in range(int(timeout_s / 0.02)):
         if condition():
             return
         time.sleep(0.02)
-    raise AssertionError("condition never held")
+    raise AssertionError(f"condition never held; {state()}")
 
 
 def worker_load(client: httpx.Client, worker_id: str) -> dict[str, Any]:
@@ -261,13 +261,26 @@ def test_client_gone_while_transferring_frees_everything(client: httpx.Client) -
     body = {"model": MODEL, "prompt": random_prompts([50], VOCAB, seed=17)[0], "max_tokens": 8,
             "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as response:
-        for event in stream_events(response):
-            if event.get("choices"):
-                break  # the first token came from the prefill worker; the pull now hangs
+        events = stream_events(response)  # held: closing it would close the connection now
+        while not next(events).get("choices"):
+            pass  # the first token came from the prefill worker; the pull now hangs
         decodes = active_workers(client, "decode")
-        wait_for(lambda: any(worker_load(client, w)["transferring"] for w in decodes))
+        wait_for(lambda: any(worker_load(client, w)["transferring"] for w in decodes),
+                 state=lambda: client.get("/admin/pools").json())
     # The aborted pull ends at its transfer deadline (10 s); then both sides free their blocks.
     assert wait_until_no_blocks_used(client, timeout_s=20) == 0
+
+
+def test_client_gone_right_after_the_first_token_frees_the_prefill_kv_at_once(client: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": random_prompts([50], VOCAB, seed=22)[0], "max_tokens": 8,
+            "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        for event in stream_events(response):
+            if event.get("choices"):
+                break  # and the connection closes with the events' iterator
+    # Whether the decode stage had the handle yet or not, nothing waits for the 30 s lease: the gateway
+    # withdraws it, or the decode worker aborts (and releases) what it holds.
+    assert wait_until_no_blocks_used(client, timeout_s=3) == 0
 
 
 def test_client_gone_while_decoding_frees_everything(client: httpx.Client) -> None:
