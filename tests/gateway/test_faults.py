@@ -120,7 +120,8 @@ def wait_for_health(client: httpx.Client, status: str, timeout_s: float) -> dict
     raise AssertionError(f"/health never said {status!r}; last: {body}")
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0, state: Callable[[], object] = str) -> None:
+def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0,
+             state: Callable[[], object] = str) -> None:
     for _ in range(int(timeout_s / 0.02)):
         if condition():
             return
