@@ -38,7 +38,11 @@ _SERVE_FLAGS: list[tuple[str, type, str]] = [
     ("--admin-key", str, "require this Bearer key on /admin routes (or PDSERVE_ADMIN_KEY)"),
     ("--address", str, "join this Ray cluster instead of starting a local one"),
     ("--max-waiting", int, "requests that may wait for decode KV capacity before 429"),
+    ("--max-waiting-tokens", int, "tokens (prompt + max_tokens) that may wait before 429 (default: the KV)"),
     ("--queue-timeout-s", float, "seconds a request may wait for capacity before 429"),
+    ("--deadline-slack-s", float, "request deadlines: slack per stage, s (defaults: gateway/deadlines.py)"),
+    ("--deadline-prefill-s-per-token", float, "request deadlines: seconds per prompt token"),
+    ("--deadline-decode-s-per-token", float, "request deadlines: seconds per output token"),
     ("--default-max-tokens", int, "max_tokens of chat requests that give none"),
 ]
 
