@@ -20,20 +20,23 @@ from typing import TypeVar
 
 import ray
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from ray.exceptions import RayError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.admission import Admission, Overloaded
+from gateway.admission import Admission
 from gateway.auth import require_admin, require_api_key
+from gateway.body_guard import BodyGuard
 from gateway.config import ServeConfig
-from gateway.orchestrator import RequestFailed
+from gateway.errors import documented, install_error_handlers, without_validation_422
 from gateway.pools import PDDeployment
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, ErrorBody, ErrorResponse
+from gateway.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+)
 from gateway.responses import chat_response, chat_stream, completion_response, completion_stream
-from gateway.service import BadRequest, GatewayService, PreparedRequest
+from gateway.service import GatewayService, PreparedRequest
 from llm_engine.model_loader import load_tokenizer, read_model_spec
 
 logger = logging.getLogger(__name__)
@@ -48,10 +51,11 @@ def resolve_model_dir(config: ServeConfig) -> str:
     return str(prepare_default_model())
 
 
-def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
-          headers: dict[str, str] | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorBody(message=message, type=kind, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+# What each kind of route documents beyond its 200 (errors.documented gives OpenAI's error body).
+_GENERATE = documented(400, 401, 404, 413, 415, 429, 503)
+# With "stream": true: events whose data is a JSON chunk of the 200 model, the last one "[DONE]".
+_SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                         "properties": {"data": {"type": "string"}}}}}
 
 
 class ClientGone(Exception):
@@ -125,39 +129,13 @@ def create_app(config: ServeConfig) -> FastAPI:
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.config = config
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid")
-        return error(400, message, "invalid_request_error", param=where or None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kinds = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
-        return error(exc.status_code, str(exc.detail), kinds.get(exc.status_code, "invalid_request_error"))
-
-    @app.exception_handler(BadRequest)
-    async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        return error(exc.status, str(exc), kind, exc.param, exc.code)
-
-    @app.exception_handler(RayError)
-    async def worker_failed(_: Request, exc: RayError) -> JSONResponse:
-        logger.error("a worker failed: %s", exc)
-        return error(503, "a worker failed while serving the request", "server_error", code="worker_failed")
-
-    @app.exception_handler(RequestFailed)
-    async def request_failed(_: Request, exc: RequestFailed) -> JSONResponse:
-        return error(503, str(exc), "server_error", code=exc.code, headers={"Retry-After": "1"})
+    install_error_handlers(app)
+    app.add_middleware(BodyGuard)
+    app.openapi = without_validation_422(app)  # type: ignore[method-assign]
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it: the connection is closed
-
-    @app.exception_handler(Overloaded)
-    async def overloaded(_: Request, exc: Overloaded) -> JSONResponse:
-        return error(429, str(exc), "rate_limit_error", headers={"Retry-After": str(exc.retry_after_s)})
 
     async def respond(service: GatewayService, body: CompletionRequest | ChatCompletionRequest,
                       prepared: PreparedRequest, request: Request) -> Response:
@@ -183,24 +161,26 @@ def create_app(config: ServeConfig) -> FastAPI:
             await deltas.aclose()  # aborts both workers unless the request finished
         return JSONResponse(response.model_dump(exclude_none=True))
 
-    @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
+    @app.post("/v1/completions", dependencies=[Depends(require_api_key)],
+              responses={200: {"model": CompletionResponse, "content": _SSE}, **_GENERATE})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
         return await respond(service, body, service.prepare_completion(body), request)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)],
+              responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_GENERATE})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
         return await respond(service, body, service.prepare_chat(body), request)
 
-    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
+    @app.get("/v1/models", dependencies=[Depends(require_api_key)], responses=documented(401))
     async def models(request: Request) -> dict[str, object]:
         service: GatewayService = request.app.state.service
         return {"object": "list", "data": [{"id": service.model_name, "object": "model",
                                             "created": int(request.app.state.started), "owned_by": "pdserve",
                                             "max_model_len": service.spec.max_model_len}]}
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "unavailable: a role has no live worker"}})
     async def health(request: Request) -> JSONResponse:
         """ok (200), degraded (200: serving, some workers being replaced), unavailable (503)."""
         service: GatewayService = request.app.state.service
@@ -210,7 +190,8 @@ def create_app(config: ServeConfig) -> FastAPI:
                 "replacing": pools.num_replacing}
         return JSONResponse(body, status_code=503 if pools.status == "unavailable" else 200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(require_api_key)], responses=documented(401, 503),
+             response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         service: GatewayService = request.app.state.service
         service.metrics.set_loads(await service.deployment.loads())
@@ -220,7 +201,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         service.metrics.admission_reserved.set(service.admission.reserved_tokens)
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/admin/pools", dependencies=[Depends(require_admin)])
+    @app.get("/admin/pools", dependencies=[Depends(require_admin)], responses=documented(401, 403, 503))
     async def admin_pools(request: Request) -> dict[str, object]:
         service: GatewayService = request.app.state.service
         loads = {x.worker_id: x for x in await service.deployment.loads()}

@@ -1,33 +1,40 @@
-"""Keys: /v1 routes want the API key when one is set; /admin routes want the admin key, or, when none is
-set, a server bound to loopback. Compared in constant time."""
+"""Keys: /v1 routes and /metrics want the API key when one is set; /admin routes want the admin key, or,
+when none is set, a server bound to loopback. Neither key opens the other's routes. Compared in constant
+time. Both are Bearer tokens, declared as security schemes so the OpenAPI description shows them.
+"""
 
 from __future__ import annotations
 
 import hmac
+from typing import Annotated
 
-from fastapi import HTTPException, Request
+from fastapi import HTTPException, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-
-def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-def _matches(given: str | None, expected: str) -> bool:
-    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+# auto_error=False: a missing or non-Bearer header reaches our check (and our 401), not FastAPI's 403.
+_api_key = HTTPBearer(scheme_name="api_key", auto_error=False, description="--api-key (/v1 and /metrics)")
+_admin_key = HTTPBearer(scheme_name="admin_key", auto_error=False, description="--admin-key (/admin)")
 
 
-async def require_api_key(request: Request) -> None:
+def _matches(given: HTTPAuthorizationCredentials | None, expected: str) -> bool:
+    token = given.credentials.strip() if given is not None else ""
+    return bool(token) and hmac.compare_digest(token.encode(), expected.encode())
+
+
+async def require_api_key(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_api_key)]
+) -> None:
     expected = request.app.state.config.api_key
-    if expected and not _matches(_bearer(request), expected):
+    if expected and not _matches(credentials, expected):
         raise HTTPException(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
 
-async def require_admin(request: Request) -> None:
+async def require_admin(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_admin_key)]
+) -> None:
     config = request.app.state.config
     if config.admin_key:
-        if not _matches(_bearer(request), config.admin_key):
+        if not _matches(credentials, config.admin_key):
             raise HTTPException(401, "missing or wrong admin key: send 'Authorization: Bearer <admin key>'")
     elif not config.is_loopback:
         raise HTTPException(403, "admin routes need --admin-key when the server is not bound to loopback")
