@@ -3,27 +3,61 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 16  # OpenAI takes 4; a few more cost little (each is searched for after every token)
+MAX_STOP_CHARS = 256  # per stop string: text that could start one is held back from the stream
+
+
+def _encodable(text: str) -> str:
+    # JSON can spell a lone UTF-16 surrogate ("\ud800"), which is no character: the tokenizer cannot take it.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode text (a lone surrogate at position {exc.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]  # text that reaches the tokenizer
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored (OpenAI clients send many); wrong types and ranges are 400s.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored (OpenAI clients send many). Types are strict, as OpenAI's are: "5" is not a
+    # number nor 1 a boolean; wrong types and ranges are 400s.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # extension; 0 or -1 disable it
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    top_k: int = Field(default=0, ge=-1, lt=2**31)  # extension; 0 or -1 disable it
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # 64 bits, signed or not, as vLLM takes
+    stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | Annotated[
+        list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_STRINGS)
+    ] | None = None
     n: int = Field(default=1, ge=1, le=1)  # one choice per request
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate exactly max_tokens (benchmarks)
     return_token_ids: bool = False  # extension: the choice carries the generated token ids
+
+    @field_validator("max_tokens", "max_completion_tokens", "top_k", "seed", "n", "logprobs", "top_logprobs",
+                     mode="before", check_fields=False)
+    @classmethod
+    def _whole_number(cls, value: object) -> object:
+        # JSON has one number type: 4.0 is an integer to JSON Schema (and what some clients send for 4).
+        # Otherwise integers are strict: "4", 4.5 and true are refused.
+        return int(value) if isinstance(value, float) and value.is_integer() else value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _few_stop_strings(cls, stop: object) -> object:
+        # Refused before its items are validated: 10^5 stop strings cost nothing to turn away.
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}")
+        return stop
 
     @property
     def stop_strings(self) -> list[str]:
@@ -33,17 +67,24 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     include_usage: bool = False
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] = Field(min_length=1)
+    # Text, or token ids.
+    prompt: Annotated[str, Field(min_length=1), AfterValidator(_encodable)] | Annotated[
+        list[int], Field(min_length=1)
+    ]
     logprobs: int | None = Field(default=None, ge=0, le=0)  # only the chosen token's logprob
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     @property
     def text(self) -> str:
@@ -51,8 +92,10 @@ class ChatMessage(BaseModel):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatCompletionRequest(_Request):

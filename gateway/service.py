@@ -20,6 +20,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from jinja2 import TemplateError
+
 from decode_pool.messages import DecodeOutput
 from gateway.admission import Admission, Reservation
 from gateway.deadlines import DeadlinePolicy
@@ -34,6 +36,12 @@ from prefill_pool.messages import PrefillResult
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+# Below these, sampling is greedy in all but name, and the sampler cannot take them: logits divided by a
+# tiny temperature overflow to inf, and a top_p under float32's smallest value rounds to 0 and drops every
+# token. Either way the probabilities are NaN, and that stops the worker's step loop.
+MIN_TEMPERATURE = 1e-5  # as vLLM
+MIN_TOP_P = 1e-6
 
 
 class BadRequest(Exception):
@@ -108,7 +116,11 @@ class GatewayService:
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest(f"model {self.model_name} has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": m.text} for m in request.messages]
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except TemplateError as exc:  # the template refuses the conversation (e.g. roles that must alternate)
+            raise BadRequest(f"the model's chat template refuses these messages: {exc.message}",
+                             param="messages") from None
         # transformers 5 returns a BatchEncoding here; older versions a plain list.
         prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)  # type: ignore[call-overload,index]
         max_tokens = request.max_completion_tokens or request.max_tokens
@@ -146,10 +158,11 @@ class GatewayService:
                 f"{self.max_request_tokens}",
                 param="max_tokens",
             )
+        is_greedy = request.temperature < MIN_TEMPERATURE or request.top_p < MIN_TOP_P
         try:
             sampling = SamplingParams(
                 max_tokens=max_tokens,
-                temperature=request.temperature,
+                temperature=0.0 if is_greedy else request.temperature,
                 top_p=request.top_p,
                 top_k=max(0, request.top_k),
                 seed=request.seed,
