@@ -61,9 +61,8 @@ class _Request(BaseModel):
 
     @property
     def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return [s for s in stops if s]  # "" would stop every request before its first character
 
 
 class StreamOptions(BaseModel):
