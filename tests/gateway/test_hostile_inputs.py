@@ -1,0 +1,193 @@
+"""Hostile and malformed requests: each gets the right 4xx in OpenAI's error shape, and afterwards the server
+still serves a normal request and holds no KV block."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import MODEL, wait_until_no_blocks_used
+
+VOCAB_SIZE = 49152  # the tiny chat model's (SmolLM2's tokenizer)
+JSON = {"content-type": "application/json"}
+
+
+def assert_error(response: httpx.Response, status: int, needle: str, param: str | None = None) -> None:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert needle.lower() in body["error"]["message"].lower(), body
+    assert body["error"]["type"] == ("invalid_request_error" if status != 404 else "not_found_error")
+    if param is not None:
+        assert body["error"]["param"] == param, body
+
+
+@pytest.fixture
+def still_serving(client: httpx.Client) -> Iterator[None]:
+    """After the test: a normal request is served, and every KV block is free again."""
+    yield
+    normal = {"model": MODEL, "prompt": "still there?", "max_tokens": 2}
+    response = client.post("/v1/completions", json=normal)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+    assert wait_until_no_blocks_used(client) == 0
+
+
+pytestmark = pytest.mark.usefixtures("still_serving")
+
+
+def test_a_ten_megabyte_body_gets_413(client: httpx.Client) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "a" * (10 << 20)})
+    assert_error(client.post("/v1/completions", content=body, headers=JSON), 413, "larger than")
+
+
+def test_a_ten_megabyte_chunked_body_gets_413(client: httpx.Client) -> None:
+    # No Content-Length: the server counts the bytes as they arrive.
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(10):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    assert_error(client.post("/v1/completions", content=chunks(), headers=JSON), 413, "larger than")
+
+
+def test_deeply_nested_json_gets_400(client: httpx.Client) -> None:
+    deep = '{"model": "tiny", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    assert_error(client.post("/v1/completions", content=deep, headers=JSON), 400, "nested too deeply")
+    nested = {"model": MODEL, "prompt": [[[[[[[[1]]]]]]]]}
+    assert_error(client.post("/v1/completions", json=nested), 400, "prompt", param="prompt[0]")
+
+
+def test_deep_json_in_an_unknown_field_is_ignored(client: httpx.Client) -> None:
+    body = '{"model": "tiny", "prompt": "hi", "max_tokens": 2, "extra": ' + "[" * 500 + "]" * 500 + "}"
+    assert client.post("/v1/completions", content=body, headers=JSON).status_code == 200
+
+
+def test_invalid_utf8_gets_400(client: httpx.Client) -> None:
+    body = b'{"model": "tiny", "prompt": "\xff\xfe\xc3("}'
+    assert_error(client.post("/v1/completions", content=body, headers=JSON), 400, "not valid UTF-8")
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_lone_surrogate_gets_400(client: httpx.Client, route: str) -> None:
+    # Valid JSON ("\ud800" is a legal escape), but no character: the tokenizer cannot take it.
+    if route == "/v1/completions":
+        body, param = '{"model": "tiny", "prompt": "ab\\ud800"}', "prompt"
+    else:
+        body = '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'
+        param = "messages[0].content"
+    assert_error(client.post(route, content=body, headers=JSON), 400, "unicode", param=param)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", -1), ("max_tokens", 0), ("max_tokens", 10**30), ("max_tokens", 2.5),
+        ("max_tokens", "8"), ("max_tokens", True),
+        ("temperature", -0.5), ("temperature", 2.0001), ("temperature", 1e308), ("temperature", "hot"),
+        ("top_p", 0), ("top_p", -1), ("top_p", 1.5),
+        ("top_k", -2), ("top_k", 10**30),
+        ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5),
+        ("logprobs", -1), ("logprobs", 5), ("logprobs", 10**30),
+        ("n", 0), ("n", 2),
+    ],
+)
+def test_bad_numbers_get_400_naming_the_field(client: httpx.Client, field: str, value: object) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, field: value}
+    assert_error(client.post("/v1/completions", json=body), 400, "", param=field)
+
+
+@pytest.mark.parametrize(
+    "raw", ['"max_tokens": 1e400', '"temperature": NaN', '"top_p": Infinity', '"max_tokens": ' + "9" * 5000]
+)
+def test_numbers_json_cannot_hold_get_400(client: httpx.Client, raw: str) -> None:
+    body = '{"model": "tiny", "prompt": "x", ' + raw + "}"
+    assert_error(client.post("/v1/completions", content=body, headers=JSON), 400, "")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", 1e-300), ("top_p", 1e-300), ("seed", -(2**63)), ("seed", 2**64 - 1), ("top_k", -1),
+     ("top_k", 2**31 - 1)],
+)
+def test_extreme_but_valid_numbers_are_served(client: httpx.Client, field: str, value: object) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, field: value}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_hundred_thousand_stop_strings_get_400_naming_stop(client: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": "x", "stop": [f"s{i}" for i in range(100_000)]}
+    assert_error(client.post("/v1/completions", json=body), 400, "at most 16 stop strings", param="stop")
+    long_stop = {"model": MODEL, "prompt": "x", "stop": "s" * 10_000}
+    assert_error(client.post("/v1/completions", json=long_stop), 400, "at most 256 characters", param="stop")
+
+
+def test_unknown_fields_are_ignored(client: httpx.Client) -> None:
+    extras = {"frequency_penalty": 0.5, "presence_penalty": 0.1, "user": "u-1", "logit_bias": {"50": 1},
+              "suffix": None, "echo": False, "best_of": 1, "metadata": {"a": [1, {"b": None}]}}
+    completion = {"model": MODEL, "prompt": "x", "max_tokens": 2, **extras}
+    assert client.post("/v1/completions", json=completion).status_code == 200
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x", "name": "me"}], "max_tokens": 2,
+            "tools": [], "response_format": {"type": "text"}, **extras}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_not_sent_as_json_gets_415(client: httpx.Client, content_type: str | None) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+    request = client.build_request("POST", "/v1/completions", content=body)
+    if content_type is None:
+        request.headers.pop("content-type", None)
+    else:
+        request.headers["content-type"] = content_type
+    response = client.send(request)
+    assert response.status_code == 415, response.text
+    assert "application/json" in response.json()["error"]["message"]
+    # A JSON media type with parameters, or a +json one, is JSON.
+    for json_type in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        answer = client.post("/v1/completions", content=body, headers={"content-type": json_type})
+        assert answer.status_code == 200, (json_type, answer.text)
+
+
+@pytest.mark.parametrize("content", [b"", b"null", b"[]", b"5", b'"prompt"'])
+def test_an_empty_or_non_object_body_gets_400(client: httpx.Client, content: bytes) -> None:
+    assert_error(client.post("/v1/completions", content=content, headers=JSON), 400, "JSON object")
+
+
+@pytest.mark.parametrize("prompt", [[-1], [VOCAB_SIZE], [5, 2**70], ""])
+def test_bad_prompts_get_400_naming_prompt(client: httpx.Client, prompt: object) -> None:
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+    assert_error(response, 400, "", param="prompt")
+
+
+def test_an_empty_messages_list_gets_400(client: httpx.Client) -> None:
+    response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert_error(response, 400, "at least 1", param="messages")
+
+
+def test_unsupported_message_parts_get_400(client: httpx.Client) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [image]}]}
+    assert_error(client.post("/v1/chat/completions", json=body), 400, "", param="messages[0].content[0].type")
+    wrong_role = {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}
+    assert_error(client.post("/v1/chat/completions", json=wrong_role), 400, "", param="messages[0].role")
+
+
+def test_unknown_routes_and_methods_get_openai_errors(client: httpx.Client) -> None:
+    missing = client.get("/v1/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    wrong_method = client.get("/v1/completions")
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stop", ["", [""], ["", ""]])
+def test_an_empty_stop_string_stops_nothing(client: httpx.Client, stop: object) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "ignore_eos": True, "stop": stop}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "length"
