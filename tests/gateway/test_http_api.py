@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from llm_engine.model_loader import load_tokenizer
 from tests.conftest import hf_greedy
@@ -90,13 +91,43 @@ def test_stop_string_cuts_the_text_and_frees_blocks(client: httpx.Client) -> Non
     assert wait_until_no_blocks_used(client) == 0
 
 
-def test_metrics_show_histograms_and_gauges(client: httpx.Client) -> None:
-    client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
-    text = client.get("/metrics").text
-    for name in ("pdserve_ttft_seconds_bucket", "pdserve_itl_seconds_bucket", "pdserve_e2e_seconds_bucket",
-                 'pdserve_stage_seconds_bucket{le="0.005",stage="transfer"}', "pdserve_kv_occupancy",
-                 'pdserve_queued_prompt_tokens{pool="prefill"}', "pdserve_running_requests"):
-        assert name in text, name
+def metric_samples(client: httpx.Client) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(response.text) for s in family.samples}
+
+
+def test_metrics_count_what_was_served(client: httpx.Client) -> None:
+    before = metric_samples(client)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    greedy = {"model": MODEL, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    bodies = [{**greedy, "prompt": p} for p in prompts]
+    answers = [client.post("/v1/completions", json=body).json() for body in bodies]
+    assert [a["usage"]["completion_tokens"] for a in answers] == [4, 4]
+    assert wait_until_no_blocks_used(client) == 0
+    after = metric_samples(client)
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, frozenset(labels.items()))
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("pdserve_requests_total", outcome="length") == 2
+    assert grew("pdserve_prompt_tokens_total") == 3 + 5
+    assert grew("pdserve_output_tokens_total") == 4 + 4
+    for histogram in ("pdserve_ttft_seconds_count", "pdserve_e2e_seconds_count"):
+        assert grew(histogram) == 2, histogram
+    for stage in ("prefill", "transfer", "decode"):
+        assert grew("pdserve_stage_seconds_count", stage=stage) == 2, stage
+    assert grew("pdserve_itl_seconds_count") >= 2  # at least one gap per request (steps may coalesce)
+    assert grew("pdserve_kv_transfer_bytes_total") > 0
+    # The gauges, read after the requests finished: nothing runs, no block is in use, nothing waits.
+    workers = client.get("/admin/pools").json()["workers"]
+    for worker in workers:
+        labels = {"worker": worker["worker_id"], "role": worker["role"]}
+        assert after[("pdserve_running_requests", frozenset(labels.items()))] == 0
+        assert after[("pdserve_kv_occupancy", frozenset(labels.items()))] == 0
+    assert after[("pdserve_admission_reserved_tokens", frozenset())] == 0
 
 
 def test_disconnect_mid_stream_frees_every_block(client: httpx.Client) -> None:
@@ -106,16 +137,49 @@ def test_disconnect_mid_stream_frees_every_block(client: httpx.Client) -> None:
         lines = response.iter_lines()
         for _ in range(5):
             next(lines)
-        assert client.get("/admin/pools").json()["workers"]  # still running: the decode worker holds blocks
+        decode = decode_worker(client)
+        assert decode["running_requests"] == 1 and decode["used_kv_blocks"] >= 1  # still running
     assert wait_until_no_blocks_used(client) == 0
+    assert decode_worker(client)["running_requests"] == 0
 
 
-def test_health_models_and_admin(client: httpx.Client) -> None:
-    assert client.get("/health").json()["status"] == "ok"
-    assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
-    pools = client.get("/admin/pools").json()
-    assert (pools["prefill"], pools["decode"]) == (1, 1)
-    assert {w["role"] for w in pools["workers"]} == {"prefill", "decode"}
+def decode_worker(client: httpx.Client) -> dict:
+    [decode] = [w for w in client.get("/admin/pools").json()["workers"] if w["role"] == "decode"]
+    return dict(decode)
+
+
+def test_health_and_models(client: httpx.Client) -> None:
+    assert client.get("/health").status_code == 200
+    [model] = client.get("/v1/models").json()["data"]
+    assert model["id"] == MODEL and model["max_model_len"] == 1024
+
+
+def test_admin_pools_shows_both_pools_and_the_blocks_a_request_holds(client: httpx.Client) -> None:
+    assert wait_until_no_blocks_used(client) == 0
+    idle = client.get("/admin/pools").json()
+    assert (idle["prefill"], idle["decode"], idle["colocated"]) == (1, 1, 0)
+    assert idle["backend"] in ("nixl", "torch")
+    assert sorted(w["role"] for w in idle["workers"]) == ["decode", "prefill"]
+    for worker in idle["workers"]:
+        assert worker["total_kv_blocks"] == 64  # kv_cache_mib=2 of the tiny model, 16 tokens a block
+        assert (worker["free_kv_blocks"], worker["used_kv_blocks"]) == (64, 0)
+        assert (worker["running_requests"], worker["waiting_requests"], worker["transferring"]) == (0, 0, 0)
+    # A 40-token prompt generating 300 tokens: after 5 events the decode worker runs it and holds its KV.
+    body = {"model": MODEL, "prompt": list(range(100, 140)), "max_tokens": 300, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        for _ in range(5):
+            next(lines)
+        busy = decode_worker(client)
+        assert busy["running_requests"] == 1
+        assert busy["used_kv_blocks"] >= 3 and busy["used_kv_blocks"] + busy["free_kv_blocks"] == 64
+        rest = [line for line in lines if line]  # read to the end
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+    assert wait_until_no_blocks_used(client) == 0
+    for worker in client.get("/admin/pools").json()["workers"]:
+        assert (worker["free_kv_blocks"], worker["used_kv_blocks"], worker["running_requests"]) == (64, 0, 0)
 
 
 @pytest.mark.parametrize(

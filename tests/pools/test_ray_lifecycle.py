@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.orchestrator import run_request
+from gateway.orchestrator import StreamEvent, run_request
 from gateway.pools import DeploymentConfig, PDDeployment
 from gateway.router import Router
 from llm_engine import EngineConfig, SamplingParams
@@ -59,7 +59,13 @@ def test_stream_closed_mid_decode_and_mid_prefill_frees_blocks(tiny_llama_dir: P
 
 
 def test_add_and_drain_workers(tiny_llama_dir: Path) -> None:
-    async def scenario() -> tuple[list[str], list[str], list[int]]:
+    """Added workers serve requests; a worker drained while it decodes one finishes it, then stops."""
+
+    async def events_of(router: Router, request_id: str, prompt: list[int], sampling: SamplingParams,
+                        ) -> list[StreamEvent]:
+        return [e async for e in run_request(router, request_id, tuple(prompt), sampling)]
+
+    async def scenario() -> dict[str, object]:
         deployment = PDDeployment(config_for(tiny_llama_dir))
         await deployment.start()
         router = Router(deployment)
@@ -67,24 +73,60 @@ def test_add_and_drain_workers(tiny_llama_dir: Path) -> None:
             new_decode = await deployment.add_worker("decode")
             new_prefill = await deployment.add_worker("prefill")
             roles_after_add = sorted(load.role for load in await deployment.loads())
-            # The new workers serve requests: route the next ones to them first.
+            # Route the next requests to the new workers: the old ones look busy.
             router.decode_tokens["decode-1"] += 10_000
             router.prefill_tokens["prefill-0"] += 10_000
-            sampling = SamplingParams(max_tokens=5, temperature=0.0)
-            lengths = []
-            for index, prompt in enumerate(random_prompts([10, 20], 1000)):
-                events = [e async for e in run_request(router, f"r{index}", tuple(prompt), sampling)]
-                lengths.append(sum(len(e.token_ids) for e in events))
-            await deployment.drain_worker(new_decode)
+            short = SamplingParams(max_tokens=5, temperature=0.0)
+            served = await events_of(router, "r0", random_prompts([10], 1000)[0], short)
+            handle = served[0].prefill.kv_handle if served[0].prefill is not None else None
+            pulled = await deployment.workers[new_decode].actor.transfer_records.remote()
+
+            # A long request on the new decode worker; drain that worker once it is decoding.
+            long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+            prompt = random_prompts([20], 1000, seed=2)[0]
+            stream = run_request(router, "r1", tuple(prompt), long)
+            events = [await anext(stream), await anext(stream)]  # the prefill's token, then a decode step
+            is_busy_at_drain = not await deployment.workers[new_decode].actor.is_whole.remote()
+            drain = asyncio.ensure_future(deployment.drain_worker(new_decode))
+            await asyncio.sleep(0)
+            routed_while_draining = router.pick_decode().worker_id
+            async for event in stream:
+                events.append(event)
+            await drain
+            is_gone = new_decode not in deployment.workers
             await deployment.drain_worker(new_prefill)
             with pytest.raises(ValueError, match="last active decode worker"):
                 await deployment.drain_worker("decode-1")
-            roles_after_drain = sorted(load.role for load in await deployment.loads())
-            return roles_after_add, roles_after_drain, lengths
+            # The same request again, served by the workers that remain: the reference output.
+            router.decode_tokens["decode-1"] -= 10_000
+            router.prefill_tokens["prefill-0"] -= 10_000
+            reference = await events_of(router, "r2", prompt, long)
+            return {
+                "roles_after_add": roles_after_add,
+                "roles_after_drain": sorted(load.role for load in await deployment.loads()),
+                "handle": handle, "pulled": pulled, "new_prefill": new_prefill,
+                "num_short_tokens": sum(len(e.token_ids) for e in served),
+                "is_busy_at_drain": is_busy_at_drain, "routed_while_draining": routed_while_draining,
+                "new_decode": new_decode, "is_gone": is_gone, "events": events, "reference": reference,
+            }
         finally:
             await deployment.shutdown()
 
-    after_add, after_drain, lengths = asyncio.run(scenario())
-    assert after_add == ["decode", "decode", "prefill", "prefill"]
-    assert after_drain == ["decode", "prefill"]
-    assert lengths == [5, 5]
+    result = asyncio.run(scenario())
+    assert result["roles_after_add"] == ["decode", "decode", "prefill", "prefill"]
+    assert result["roles_after_drain"] == ["decode", "prefill"]
+    assert result["num_short_tokens"] == 5
+    # Served by the added pair: the new prefill worker offered the KV, and the new decode worker pulled it.
+    handle = result["handle"]
+    assert handle is not None and handle.source_worker_id == result["new_prefill"]
+    assert [(r.source_worker_id, r.transfer_id, r.outcome) for r in result["pulled"]] == [
+        (result["new_prefill"], handle.transfer_id, "DONE")
+    ]
+    # Drained mid-request: it was holding the request, took no new one, and stopped only after finishing it
+    # with the same tokens the remaining workers produce for the same request.
+    assert result["is_busy_at_drain"] and result["routed_while_draining"] == "decode-1"
+    events, reference = result["events"], result["reference"]
+    assert events[-1].finish_reason == "length" and reference[-1].finish_reason == "length"
+    tokens = [t for e in events for t in e.token_ids]
+    assert len(tokens) == 300 and tokens == [t for e in reference for t in e.token_ids]
+    assert result["is_gone"]
