@@ -9,6 +9,8 @@ body and headers as documented, and every non-2xx body in OpenAI's error shape w
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,11 +18,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.strategies import SearchStrategy
 
-from tests.gateway.conftest import API_KEY, MODEL, wait_until_no_blocks_used
+from tests.gateway.conftest import API_KEY, MODEL, serve_config, serving, wait_until_no_blocks_used
 
 schemathesis = pytest.importorskip("schemathesis")
-
-pytestmark = pytest.mark.slow
 
 MAX_FUZZ_TOKENS = 4  # generation stays cheap: every valid request makes at most this many tokens
 GENERATE_ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -70,6 +70,14 @@ def fuzz(strategy: SearchStrategy[Any], server: str, num_examples: int) -> None:
         check_error_body(response)
 
     one()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
+    # A chat request that names no max_tokens generates default_max_tokens: keep those cheap too (negative
+    # cases that the server rightly accepts, such as one with an empty-named extra field, are served).
+    with serving(serve_config(tiny_chat_model_dir, default_max_tokens=MAX_FUZZ_TOKENS)) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
