@@ -190,7 +190,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                 "replacing": pools.num_replacing}
         return JSONResponse(body, status_code=503 if pools.status == "unavailable" else 200)
 
-    @app.get("/metrics", dependencies=[Depends(require_api_key)], responses=documented(401, 503),
+    @app.get("/metrics", dependencies=[Depends(require_api_key)], responses=documented(401),
              response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         service: GatewayService = request.app.state.service
@@ -201,7 +201,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         service.metrics.admission_reserved.set(service.admission.reserved_tokens)
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/admin/pools", dependencies=[Depends(require_admin)], responses=documented(401, 403, 503))
+    @app.get("/admin/pools", dependencies=[Depends(require_admin)], responses=documented(401, 403))
     async def admin_pools(request: Request) -> dict[str, object]:
         service: GatewayService = request.app.state.service
         loads = {x.worker_id: x for x in await service.deployment.loads()}

@@ -98,8 +98,8 @@ def test_the_description_lists_the_errors_the_server_gives(openapi: dict[str, An
         assert responses["429"]["headers"]["Retry-After"]["required"] is True
         assert "text/event-stream" in responses["200"]["content"]
     assert set(paths["/v1/models"]["get"]["responses"]) == {"200", "401"}
-    assert set(paths["/metrics"]["get"]["responses"]) == {"200", "401", "503"}
-    assert set(paths["/admin/pools"]["get"]["responses"]) == {"200", "401", "403", "503"}
+    assert set(paths["/metrics"]["get"]["responses"]) == {"200", "401"}
+    assert set(paths["/admin/pools"]["get"]["responses"]) == {"200", "401", "403"}
     assert "422" not in str(openapi) and "HTTPValidationError" not in openapi["components"]["schemas"]
     error_body = openapi["components"]["schemas"]["ErrorBody"]
     assert set(error_body["properties"]) == {"message", "type", "param", "code"}
