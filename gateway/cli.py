@@ -34,7 +34,7 @@ _SERVE_FLAGS: list[tuple[str, type, str]] = [
     ("--max-num-batched-tokens", int, "tokens per forward (prefill chunk budget)"),
     ("--host", str, "address to bind (default 127.0.0.1)"),
     ("--port", int, "port (default 8000)"),
-    ("--api-key", str, "require this Bearer key on /v1 routes (or PDSERVE_API_KEY)"),
+    ("--api-key", str, "require this Bearer key on /v1 routes and /metrics (or PDSERVE_API_KEY)"),
     ("--admin-key", str, "require this Bearer key on /admin routes (or PDSERVE_ADMIN_KEY)"),
     ("--address", str, "join this Ray cluster instead of starting a local one"),
     ("--max-waiting", int, "requests that may wait for decode KV capacity before 429"),

@@ -35,7 +35,7 @@ class ServeConfig(BaseModel):
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
-    api_key: str | None = None  # required as a Bearer token on /v1 routes when set
+    api_key: str | None = None  # required as a Bearer token on /v1 routes and /metrics when set
     admin_key: str | None = None  # required on /admin routes; without it they answer on loopback only
     ray_address: str | None = None  # join this Ray cluster; None: start a local one
     max_waiting: int = Field(default=256, ge=0)  # requests that may wait for decode KV capacity

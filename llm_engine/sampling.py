@@ -64,6 +64,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         # Drop a token when the mass before it already reaches top_p; the most likely token always stays.
         drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop_sorted[0] = False  # even when top_p underflows to 0 in float32
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -90,6 +91,9 @@ def sample(
             continue
         row_logits = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
         probs = torch.softmax(row_logits, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            # A temperature so small that logits/temperature overflows: the distribution is the argmax.
+            continue
         generator = None if p.seed is None else _generator(p.seed, index, logits.device)
         token_ids[row] = torch.multinomial(probs, 1, generator=generator)[0]
     chosen = token_ids.tolist()

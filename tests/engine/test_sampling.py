@@ -60,3 +60,12 @@ def test_top_p_and_top_k_exclude_unlikely_tokens() -> None:
     seen_k = {sample(logits, [SamplingParams(top_k=3, seed=s)], [0])[0][0] for s in range(200)}
     assert seen_p == {0, 1}  # 0.5 < 0.7 so token 1 is kept; 0.8 >= 0.7 so token 2 is not
     assert seen_k == {0, 1, 2}
+
+
+def test_degenerate_temperature_and_top_p_fall_back_to_the_argmax() -> None:
+    """A NaN distribution used to raise in multinomial and kill the worker's step loop."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.0]])
+    for params in (SamplingParams(temperature=1e-45, seed=1), SamplingParams(top_p=2.2e-308, seed=1),
+                   SamplingParams(temperature=1e-40, top_p=1e-300)):
+        tokens, _ = sample(logits, [params], [0])
+        assert tokens == [1]
