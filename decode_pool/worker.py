@@ -23,17 +23,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable
 
 from decode_pool.messages import DecodeOutput, DecodeRequest, DecodeTimes
 from kv_transfer import KVHandle, KVReceiver, PeerInfo, PullReply, PullRequest, TransferState
 from llm_engine import LLMEngine
+from llm_engine.inbox import WorkerInbox
 from llm_engine.kv_cache_manager import blocks_for
 from llm_engine.load import WorkerLoad
 from llm_engine.request import Request
-from llm_engine.step_loop import WorkerFailed
 
 logger = logging.getLogger(__name__)
 OutputCallback = Callable[[DecodeOutput], None]
@@ -68,14 +67,11 @@ class DecodeWorker:
         self.deliver_pull = deliver_pull
         self.release_source = release_source
         # Commands from other threads, run by the loop thread at the start of its next step.
-        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
-        self._lock = threading.Lock()
+        self._inbox: WorkerInbox[tuple[DecodeRequest, OutputCallback, float]] = WorkerInbox(
+            f"decode worker {worker_id}")
         self._entries: dict[str, _Entry] = {}
         self._awaiting_blocks: collections.deque[str] = collections.deque()
         self._transferring: dict[tuple[str, int], str] = {}
-        # Submissions still in the inbox, so that a dying loop can answer them too.
-        self._arriving: dict[str, tuple[DecodeRequest, OutputCallback, float]] = {}
-        self.failure = ""  # why the step loop died; set once, under _lock
         self._load = self._snapshot()
 
     # Called from any thread.
@@ -83,28 +79,26 @@ class DecodeWorker:
         """Queue a request; raises ValueError at once if it can never be served here."""
         self.engine.check_request(request.prompt_token_ids, request.sampling)
         queued = time.time()
-        with self._lock:
-            if self.failure:
-                raise WorkerFailed(f"decode worker {self.worker_id} failed: {self.failure}")
-            self._arriving[request.request_id] = (request, on_output, queued)
-            self._inbox.append(lambda: self._accept(request, on_output, queued))
+        self._inbox.submit(request.request_id, (request, on_output, queued),
+                           lambda: self._accept(request, on_output, queued))
 
     def abort(self, request_id: str) -> None:
-        self._post(lambda: self._abort(request_id))
+        self._inbox.post(lambda: self._abort(request_id))
 
     def add_peer(self, peer: PeerInfo) -> None:
-        self._post(lambda: self.receiver.add_peer(peer))
+        self._inbox.post(lambda: self.receiver.add_peer(peer))
 
     def on_pull_reply(self, reply: PullReply) -> None:
-        self._post(lambda: self.receiver.on_pull_reply(reply))
+        self._inbox.post(lambda: self.receiver.on_pull_reply(reply))
+
+    @property
+    def failure(self) -> str:
+        """Why the step loop died; empty while it serves."""
+        return self._inbox.failure
 
     def fail(self, error: BaseException) -> None:
         """The step loop died: answer every request still here with an error (called on the loop thread)."""
-        with self._lock:
-            self.failure = f"{type(error).__name__}: {error}"
-            arriving = list(self._arriving.values())
-            self._arriving.clear()
-            self._inbox.clear()
+        arriving = self._inbox.fail(error)
         now = time.time()
         message = f"decode worker failed: {self.failure}"
         for request, on_output, _ in arriving:
@@ -116,14 +110,10 @@ class DecodeWorker:
             self._finish(request_id, "error", now, error=message)
         self._load = dataclasses.replace(self._load, failure=self.failure)
 
-    def _post(self, command: Callable[[], None]) -> None:
-        with self._lock:
-            self._inbox.append(command)
-
     # Called only from the step loop's thread.
     def step(self) -> float | None:
         """Inbox → admission → transfers → one forward → stream; returns the wait before the next step."""
-        self._drain_inbox()
+        self._inbox.drain()
         self._admit()
         if self.deliver_pull is not None:
             for pull in self.receiver.take_pull_requests():
@@ -162,16 +152,8 @@ class DecodeWorker:
             failure=self.failure,
         )
 
-    def _drain_inbox(self) -> None:
-        with self._lock:
-            commands = list(self._inbox)
-            self._inbox.clear()
-        for command in commands:
-            command()
-
     def _accept(self, request: DecodeRequest, on_output: OutputCallback, queued: float) -> None:
-        with self._lock:
-            self._arriving.pop(request.request_id, None)
+        self._inbox.take(request.request_id)
         self._entries[request.request_id] = _Entry(request, on_output, queued)
         if request.kv_handle is None:
             self._start_local(request.request_id)

@@ -16,7 +16,6 @@ inbox. load() returns the snapshot the loop thread published after its last step
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import threading
@@ -25,9 +24,9 @@ from collections.abc import Callable
 
 from kv_transfer import KVHandle, KVSender, PullReply, PullRequest, ReleasedBlocks
 from llm_engine import LLMEngine
+from llm_engine.inbox import WorkerInbox
 from llm_engine.load import WorkerLoad
 from llm_engine.request import Request, RequestStatus
-from llm_engine.step_loop import WorkerFailed
 from prefill_pool.messages import PrefillRequest, PrefillResult, PrefillTimes
 from prefill_pool.scheduler import PrefillScheduler
 
@@ -53,17 +52,13 @@ class PrefillWorker:
         self.engine = engine
         self.sender = sender
         # Commands from other threads, run by the loop thread at the start of its next step.
-        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
-        self._num_inbox_tokens = 0
-        self._lock = threading.Lock()
+        self._inbox: WorkerInbox[tuple[PrefillRequest, ResultCallback, float]] = WorkerInbox(
+            f"prefill worker {worker_id}")
         # The sender is polled by the loop thread and answers pull requests (torch) from the actor's thread.
         self._sender_lock = threading.Lock()
         self._released: list[ReleasedBlocks] = []  # seen by poll_transfers(), freed by the loop thread
         self._pending: dict[str, _Pending] = {}
         self._offered: dict[int, str] = {}  # transfer_id → request_id whose blocks it holds
-        # Submissions still in the inbox, so that a dying loop can answer them too.
-        self._arriving: dict[str, tuple[PrefillRequest, ResultCallback, float]] = {}
-        self.failure = ""  # why the step loop died; set once, under _lock
         self._load = self._snapshot()
 
     # Called from any thread.
@@ -71,29 +66,24 @@ class PrefillWorker:
         """Queue a prompt; raises ValueError at once if it can never be served here."""
         self.engine.check_request(request.prompt_token_ids, request.sampling)
         queued = time.time()
-        with self._lock:
-            if self.failure:
-                raise WorkerFailed(f"prefill worker {self.worker_id} failed: {self.failure}")
-            self._arriving[request.request_id] = (request, on_result, queued)
-            self._inbox.append(lambda: self._start(request, on_result, queued))
-            self._num_inbox_tokens += len(request.prompt_token_ids)
+        self._inbox.submit(request.request_id, (request, on_result, queued),
+                           lambda: self._start(request, on_result, queued), len(request.prompt_token_ids))
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._inbox.append(lambda: self._abort(request_id))
+        self._inbox.post(lambda: self._abort(request_id))
 
     def release(self, transfer_id: int, why: str) -> None:
         """Nobody will pull this transfer: free its blocks now instead of when its lease ends."""
-        with self._lock:
-            self._inbox.append(lambda: self._release(transfer_id, why))
+        self._inbox.post(lambda: self._release(transfer_id, why))
+
+    @property
+    def failure(self) -> str:
+        """Why the step loop died; empty while it serves."""
+        return self._inbox.failure
 
     def fail(self, error: BaseException) -> None:
         """The step loop died: answer every request still here with an error (called on the loop thread)."""
-        with self._lock:
-            self.failure = f"{type(error).__name__}: {error}"
-            arriving = list(self._arriving.values())
-            self._arriving.clear()
-            self._inbox.clear()
+        arriving = self._inbox.fail(error)
         now = time.time()
         answers = [(p.request, p.on_result, p.queued) for p in self._pending.values()] + arriving
         self._pending.clear()
@@ -122,7 +112,7 @@ class PrefillWorker:
 
     def step(self) -> float | None:
         """Run the inbox, release pulled/expired leases, run one forward; returns the wait before the next."""
-        self._drain_inbox()
+        self._inbox.drain()
         with self._sender_lock:
             releases = self._released + self.sender.poll()
             self._released = []
@@ -154,10 +144,8 @@ class PrefillWorker:
 
     def load(self) -> WorkerLoad:
         """The loop thread's latest snapshot, plus prompt tokens still in the inbox."""
-        with self._lock:
-            inbox_tokens = self._num_inbox_tokens
         load = self._load
-        queued = load.num_queued_prompt_tokens + inbox_tokens
+        queued = load.num_queued_prompt_tokens + self._inbox.num_tokens
         return dataclasses.replace(load, num_queued_prompt_tokens=queued)
 
     def _snapshot(self) -> WorkerLoad:
@@ -172,17 +160,8 @@ class PrefillWorker:
             failure=self.failure,
         )
 
-    def _drain_inbox(self) -> None:
-        with self._lock:
-            commands = list(self._inbox)
-            self._inbox.clear()
-            self._num_inbox_tokens = 0
-        for command in commands:
-            command()
-
     def _start(self, request: PrefillRequest, on_result: ResultCallback, queued: float) -> None:
-        with self._lock:
-            self._arriving.pop(request.request_id, None)
+        self._inbox.take(request.request_id)
         # The engine generates exactly one token here; the request's own max_tokens is judged in _finish.
         one_token = dataclasses.replace(request.sampling, max_tokens=1)
         try:

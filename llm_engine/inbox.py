@@ -1,0 +1,73 @@
+"""A worker's inbox: how other threads hand work to its step loop, and how a dying loop answers them.
+
+    any thread:  submit(request_id, submission, run, num_tokens) | post(run)   → queued commands
+    loop thread: drain() → runs each command in order; take(request_id) once a submission is accepted
+    loop dies:   fail(error) → the submissions still queued (their callers must be answered); from then on
+                 submit() raises WorkerFailed
+One lock guards it all, so a submission either lands before the failure (and fail() returns it) or is
+refused; no caller is left waiting on a request the worker will never see.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from llm_engine.step_loop import WorkerFailed
+
+Submission = TypeVar("Submission")
+
+
+class WorkerInbox(Generic[Submission]):
+    def __init__(self, worker_name: str) -> None:
+        self.worker_name = worker_name  # for WorkerFailed messages
+        self._lock = threading.Lock()
+        self._commands: collections.deque[Callable[[], None]] = collections.deque()
+        self._arriving: dict[str, Submission] = {}  # submitted, not yet taken by the loop thread
+        self._num_tokens = 0  # tokens of the queued submissions (the prefill worker's queue depth)
+        self.failure = ""  # why the step loop died; set once
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def submit(self, request_id: str, submission: Submission, run: Callable[[], None], num_tokens: int = 0
+               ) -> None:
+        """Queue a new request's command; raises WorkerFailed once the loop has died."""
+        with self._lock:
+            if self.failure:
+                raise WorkerFailed(f"{self.worker_name} failed: {self.failure}")
+            self._arriving[request_id] = submission
+            self._commands.append(run)
+            self._num_tokens += num_tokens
+
+    def post(self, run: Callable[[], None]) -> None:
+        """Queue a command for the loop thread (abort, release, a peer to add)."""
+        with self._lock:
+            self._commands.append(run)
+
+    def drain(self) -> None:
+        """Run every queued command, in order (loop thread)."""
+        with self._lock:
+            commands = list(self._commands)
+            self._commands.clear()
+            self._num_tokens = 0
+        for run in commands:
+            run()
+
+    def take(self, request_id: str) -> None:
+        """The loop thread has accepted this submission: from now on the worker itself answers it."""
+        with self._lock:
+            self._arriving.pop(request_id, None)
+
+    def fail(self, error: BaseException) -> list[Submission]:
+        """Mark the worker failed; returns the submissions nobody has taken (answer them with an error)."""
+        with self._lock:
+            self.failure = f"{type(error).__name__}: {error}"
+            arriving = list(self._arriving.values())
+            self._arriving.clear()
+            self._commands.clear()
+            self._num_tokens = 0
+        return arriving
