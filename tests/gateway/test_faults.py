@@ -64,8 +64,17 @@ def _stall_pulls(actor: Any) -> None:
     actor.worker.receiver._advance = lambda pull: None
 
 
+def _lose_releases_and_shorten_leases(actor: Any) -> None:
+    import dataclasses
+
+    actor.worker.release = lambda transfer_id, why: None  # explicit releases never arrive
+    sender = actor.worker.sender
+    sender.config = dataclasses.replace(sender.config, lease_s=1.0)
+
+
 def _heal(actor: Any) -> None:
     actor.worker.engine.runner.__dict__.pop("execute", None)
+    actor.worker.__dict__.pop("release", None)
     receiver = getattr(actor.worker, "receiver", None)
     if receiver is not None:
         receiver.__dict__.pop("_advance", None)
@@ -282,6 +291,32 @@ def test_client_gone_right_after_the_first_token_frees_the_prefill_kv_at_once(cl
     # Whether the decode stage had the handle yet or not, nothing waits for the 30 s lease: the gateway
     # withdraws it, or the decode worker aborts (and releases) what it holds.
     assert wait_until_no_blocks_used(client, timeout_s=3) == 0
+
+
+def test_lease_ends_unpulled_kv_when_every_release_is_lost(client: httpx.Client) -> None:
+    [prefill] = active_workers(client, "prefill")
+    with_actor(prefill, _lose_releases_and_shorten_leases)
+    for decode in active_workers(client, "decode"):
+        with_actor(decode, _fail_pulls)  # nobody will pull: only the (1 s) lease can free the blocks
+    body = {"model": MODEL, "prompt": random_prompts([50], VOCAB, seed=23)[0], "max_tokens": 8,
+            "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        for event in stream_events(response):
+            if event.get("choices"):
+                break
+    assert wait_until_no_blocks_used(client, timeout_s=10) == 0
+    records = ray.get(ray.get_actor(f"pdserve-{prefill}").transfer_records.remote())
+    assert records[-1].outcome == "EXPIRED"
+    with_actor(prefill, _restore_leases)
+
+
+def _restore_leases(actor: Any) -> None:
+    import dataclasses
+
+    from kv_transfer import TransferConfig
+
+    sender = actor.worker.sender
+    sender.config = dataclasses.replace(sender.config, lease_s=TransferConfig().lease_s)
 
 
 def test_client_gone_while_decoding_frees_everything(client: httpx.Client) -> None:
