@@ -90,6 +90,9 @@ class RequestRun:
         handle = result.kv_handle
         is_pulled = False  # the first decode worker finished the request, so it had pulled the KV
         try:
+            if result.finish_reason == "abort":  # refused by the worker: no token to send
+                yield StreamEvent(self.request_id, (), (), (), "abort", prefill=result)
+                return
             self.generated.append(result.first_token_id)
             logprobs = () if result.first_logprob is None or not self.sampling.logprobs else (
                 result.first_logprob,)
