@@ -24,8 +24,8 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
 from gateway.deadlines import DeadlinePolicy, RequestDeadlines
-from gateway.pools import Worker
 from gateway.router import Router
+from gateway.workers import Worker
 from llm_engine import SamplingParams
 from llm_engine.step_loop import WorkerFailed
 from prefill_pool.messages import PrefillRequest, PrefillResult

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import itertools
 import logging
 import socket
@@ -27,6 +26,7 @@ from typing import Any
 import ray
 
 from decode_pool.actor import DecodeActor
+from gateway.workers import PoolHealth, Worker, WorkerState
 from kv_transfer import BackendName, TransferConfig, capabilities
 from kv_transfer.registry import resolve
 from llm_engine import EngineConfig
@@ -86,39 +86,6 @@ def _free_port() -> int:
 
 # A worker that does not answer a load query for this long is taken for dead (a dead actor fails at once).
 LOAD_TIMEOUT_S = 30.0
-
-
-class WorkerState(enum.Enum):
-    STARTING = "starting"
-    ACTIVE = "active"
-    DRAINING = "draining"
-    FAILED = "failed"
-
-
-@dataclass
-class Worker:
-    worker_id: str
-    role: str  # "prefill" or "decode"
-    actor: Any  # Ray actor handle
-    state: WorkerState = WorkerState.STARTING
-    is_colocated: bool = False  # prefills its own requests (role is then "decode")
-
-    @property
-    def kind(self) -> str:
-        """What the worker was started as: "prefill", "decode" or "colocated"."""
-        return "colocated" if self.is_colocated else self.role
-
-
-@dataclass(frozen=True)
-class PoolHealth:
-    """What /health reports: states and counts only, never internals."""
-
-    # "ok": every target worker active; "degraded": some missing or being replaced; "unavailable": cannot
-    # serve and nothing is starting.
-    status: str
-    active: dict[str, int]  # kind → active workers
-    target: dict[str, int]  # kind → workers the deployment should have
-    num_replacing: int  # failed workers whose replacement is starting
 
 
 class PDDeployment:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
 
-from gateway.pools import PDDeployment, Worker
+from gateway.pools import PDDeployment
+from gateway.workers import Worker
 from llm_engine.kv_cache_manager import prefix_hashes
 
 # Block hashes remembered per prefill worker; beyond this the oldest are forgotten (as the worker evicts).

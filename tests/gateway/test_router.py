@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.pools import DeploymentConfig, Worker, WorkerState
+from gateway.pools import DeploymentConfig
 from gateway.router import Router
+from gateway.workers import Worker, WorkerState
 from llm_engine import EngineConfig
 
 

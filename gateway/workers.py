@@ -1,0 +1,43 @@
+"""A worker as the gateway sees it (its kind, its actor, its state) and what /health reports of the pools.
+
+States (WorkerState): STARTING → ACTIVE → DRAINING → removed; ACTIVE | DRAINING → FAILED → replaced.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+
+class WorkerState(enum.Enum):
+    STARTING = "starting"
+    ACTIVE = "active"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    role: str  # "prefill" or "decode"
+    actor: Any  # Ray actor handle
+    state: WorkerState = WorkerState.STARTING
+    is_colocated: bool = False  # prefills its own requests (role is then "decode")
+
+    @property
+    def kind(self) -> str:
+        """What the worker was started as: "prefill", "decode" or "colocated"."""
+        return "colocated" if self.is_colocated else self.role
+
+
+@dataclass(frozen=True)
+class PoolHealth:
+    """What /health reports: states and counts only, never internals."""
+
+    # "ok": every target worker active; "degraded": some missing or being replaced; "unavailable": cannot
+    # serve and nothing is starting.
+    status: str
+    active: dict[str, int]  # kind → active workers
+    target: dict[str, int]  # kind → workers the deployment should have
+    num_replacing: int  # failed workers whose replacement is starting
