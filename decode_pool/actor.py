@@ -37,6 +37,12 @@ class DecodeActor:
         self.worker.add_peer(peer)
         self.loop.wake()
 
+    def remove_prefill_peer(self, worker_id: str) -> None:
+        """A prefill worker left the deployment: forget it."""
+        self._prefill_actors.pop(worker_id, None)
+        self.worker.remove_peer(worker_id)
+        self.loop.wake()
+
     async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeOutput]:
         """Stream the request's tokens; closing or cancelling the stream aborts the request."""
         event_loop = asyncio.get_running_loop()

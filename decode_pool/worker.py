@@ -88,6 +88,9 @@ class DecodeWorker:
     def add_peer(self, peer: PeerInfo) -> None:
         self._inbox.post(lambda: self.receiver.add_peer(peer))
 
+    def remove_peer(self, worker_id: str) -> None:
+        self._inbox.post(lambda: self.receiver.remove_peer(worker_id))
+
     def on_pull_reply(self, reply: PullReply) -> None:
         self._inbox.post(lambda: self.receiver.on_pull_reply(reply))
 
@@ -136,7 +139,8 @@ class DecodeWorker:
 
     def load(self) -> WorkerLoad:
         """The loop thread's latest snapshot (never reads the scheduler from another thread)."""
-        return self._load
+        load = self._load
+        return dataclasses.replace(load, num_requests=load.num_requests + self._inbox.num_arriving)
 
     def _snapshot(self) -> WorkerLoad:
         scheduler = self.engine.scheduler
@@ -149,7 +153,7 @@ class DecodeWorker:
             num_free_blocks=self.engine.block_pool.num_free_blocks,
             num_total_blocks=self.engine.block_pool.num_blocks,
             num_outstanding_tokens=sum(e.request.sampling.max_tokens for e in entries),
-            failure=self.failure,
+            failure=self.failure, num_requests=len(self._entries),
         )
 
     def _accept(self, request: DecodeRequest, on_output: OutputCallback, queued: float) -> None:

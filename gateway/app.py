@@ -4,7 +4,8 @@
               capacity from the decode workers' KV → pool watch (failed workers are replaced; capacity
               follows the live decode workers) → serve → shutdown of every actor (and of Ray if ours).
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics,
-GET /admin/pools. Errors use OpenAI's shape; a client that disconnects aborts its request on both workers.
+GET and PUT /admin/pools (gateway/admin.py). Errors use OpenAI's shape; a client that disconnects aborts
+its request on both workers.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from gateway.admin import router as admin_routes
 from gateway.admission import Admission
-from gateway.auth import require_admin, require_api_key
+from gateway.auth import require_api_key
 from gateway.body_guard import BodyGuard
 from gateway.config import ServeConfig
 from gateway.errors import documented, install_error_handlers, without_validation_422
@@ -35,8 +37,10 @@ from gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from gateway.resize import PoolResizer
 from gateway.responses import chat_response, chat_stream, completion_response, completion_stream
 from gateway.service import GatewayService, PreparedRequest
+from gateway.workers import KIND_NAMES
 from llm_engine.model_loader import load_tokenizer, read_model_spec
 
 logger = logging.getLogger(__name__)
@@ -110,6 +114,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                 deadline_policy=config.deadline_policy(),
             )
             deployment.on_change.append(app.state.service.on_pool_change)
+            app.state.resizer = PoolResizer(deployment, app.state.service.router)
             watch = asyncio.create_task(deployment.watch())
             app.state.started = time.time()
             layout = (f"{config.colocated} colocated workers" if config.colocated else
@@ -186,7 +191,9 @@ def create_app(config: ServeConfig) -> FastAPI:
         service: GatewayService = request.app.state.service
         await service.deployment.loads()  # notices a worker that died since the last watch
         pools = service.deployment.health()
-        body = {"status": pools.status, "active_workers": pools.active, "target_workers": pools.target,
+        body = {"status": pools.status,
+                "active_workers": {KIND_NAMES[kind]: n for kind, n in pools.active.items()},
+                "target_workers": {KIND_NAMES[kind]: n for kind, n in pools.target.items()},
                 "replacing": pools.num_replacing}
         return JSONResponse(body, status_code=503 if pools.status == "unavailable" else 200)
 
@@ -201,30 +208,5 @@ def create_app(config: ServeConfig) -> FastAPI:
         service.metrics.admission_reserved.set(service.admission.reserved_tokens)
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/admin/pools", dependencies=[Depends(require_admin)], responses=documented(401, 403))
-    async def admin_pools(request: Request) -> dict[str, object]:
-        service: GatewayService = request.app.state.service
-        loads = {x.worker_id: x for x in await service.deployment.loads()}
-        pools = service.deployment.health()
-        return {
-            "prefill": pools.active["prefill"],
-            "decode": pools.active["decode"],
-            "colocated": pools.active["colocated"],
-            "status": pools.status,
-            "backend": service.deployment.backend.value,
-            "workers": [
-                {"worker_id": w.worker_id, "kind": w.kind, "state": w.state.value}
-                for w in service.deployment.workers.values() if w.worker_id not in loads
-            ] + [
-                {"worker_id": x.worker_id, "kind": service.deployment.workers[x.worker_id].kind,
-                 "state": service.deployment.workers[x.worker_id].state.value,
-                 "role": x.role, "running_requests": x.num_running,
-                 "waiting_requests": x.num_waiting, "queued_prompt_tokens": x.num_queued_prompt_tokens,
-                 "transferring": x.num_transferring, "free_kv_blocks": x.num_free_blocks,
-                 "used_kv_blocks": x.num_total_blocks - x.num_free_blocks,
-                 "total_kv_blocks": x.num_total_blocks}
-                for x in loads.values() if x.worker_id in service.deployment.workers
-            ],
-        }
-
+    app.include_router(admin_routes)
     return app

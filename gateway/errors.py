@@ -29,6 +29,7 @@ from gateway.protocol import (
     StreamOptions,
     TextPart,
 )
+from gateway.resize import PoolLayout, ResizeConflict, ResizeRefused
 from gateway.service import BadRequest
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "conflict_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -57,6 +59,8 @@ ERROR_RESPONSES: dict[int, dict[str, Any]] = {
     401: {"description": "Missing or wrong key (Authorization: Bearer <key>)"},
     403: {"description": "Admin routes without --admin-key, on a server not bound to loopback"},
     404: {"description": "The model named in the request is not the one this server serves"},
+    409: {"description": "The pools cannot change now: another change is being applied, or the transfer "
+                         "backend fixes the workers at start"},
     413: {"description": "The request body is larger than the server accepts"},
     415: {"description": "The request body is not sent as application/json"},
     429: {"description": "No decode KV capacity within the queue timeout, or the waiting line is full",
@@ -83,7 +87,8 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
 # Names of request fields: a validation error's location keeps these (and list indices) and drops
 # pydantic's union-member tags such as "str" or "list[int]".
 _FIELD_NAMES = frozenset(
-    name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
+    name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
+                       PoolLayout)
     for name in model.model_fields
 )
 
@@ -111,6 +116,8 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
         return error(400, f"the request body is not valid JSON ({reason})" if reason else
                      "the request body is not valid JSON")
     param = _param(tuple(first.get("loc", ())))
+    if first.get("type") == "extra_forbidden":  # a field the model does not know: name it
+        param = str(first.get("loc", ("",))[-1])
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if not param:
         return error(400, f"the request body must be a JSON object with the request's fields: {message}")
@@ -151,6 +158,14 @@ def install_error_handlers(app: FastAPI) -> None:
     async def request_failed(_: Request, exc: RequestFailed) -> JSONResponse:
         # Its message is written for the client (see RequestFailed).
         return error(503, str(exc), code=exc.code, headers={"Retry-After": "1"})
+
+    @app.exception_handler(ResizeRefused)
+    async def resize_refused(_: Request, exc: ResizeRefused) -> JSONResponse:
+        return error(400, str(exc))
+
+    @app.exception_handler(ResizeConflict)
+    async def resize_conflict(_: Request, exc: ResizeConflict) -> JSONResponse:
+        return error(409, str(exc))
 
     @app.exception_handler(Overloaded)
     async def overloaded(_: Request, exc: Overloaded) -> JSONResponse:

@@ -81,7 +81,10 @@ class RequestRun:
 
     async def events(self) -> AsyncGenerator[StreamEvent, None]:
         decode = await self._wait_for_worker("decode", self.deadlines.prefill_by)
-        if decode.is_colocated:
+        has_prefill_pool = self.deployment.active("prefill") or self.deployment.is_replacing("prefill")
+        if decode.is_colocated or not has_prefill_pool:
+            # A mixed worker prefills its own requests; so does a decode worker when no prefill worker is
+            # left (a layout moving to all-mixed drains the prefill pool while decode workers still serve).
             async for event in self._decode(decode, DecodeRequest(self.request_id, self.prompt_token_ids,
                                                                   self.sampling)):
                 yield event

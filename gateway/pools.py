@@ -100,6 +100,7 @@ class PDDeployment:
         self.target = {"prefill": config.num_prefill, "decode": config.num_decode,
                        "colocated": config.num_colocated}
         self.on_change: list[Callable[[], None]] = []  # called when the set of active workers changes
+        self.on_remove: list[Callable[[str], None]] = []  # called with the id of a worker that is gone
         # Failed worker id → (that worker, the task starting its replacement).
         self._replacements: dict[str, tuple[Worker, asyncio.Task[None]]] = {}
         self._is_closing = False
@@ -240,6 +241,11 @@ class PDDeployment:
         with contextlib.suppress(Exception):  # already gone
             ray.kill(worker.actor, no_restart=True)
         self.workers.pop(worker.worker_id, None)
+        for callback in self.on_remove:
+            callback(worker.worker_id)
+        if worker.role == "prefill":  # decode workers forget it as a peer
+            for decode in self.active("decode"):
+                decode.actor.remove_prefill_peer.remote(worker.worker_id)
 
     def _changed(self) -> None:
         for callback in self.on_change:
@@ -270,22 +276,35 @@ class PDDeployment:
             except Exception:  # the watcher itself must never die
                 logger.exception("pool watch failed")
 
-    async def drain_worker(self, worker_id: str, poll_s: float = 0.05, timeout_s: float = 300.0) -> None:
-        """Stop routing to a worker, wait until it holds nothing, then stop it."""
+    async def drain_worker(self, worker_id: str, poll_s: float = 0.05, timeout_s: float = 300.0,
+                           in_flight: Callable[[str], int] | None = None) -> None:
+        """Stop routing to a worker, wait until it holds nothing, then stop it.
+
+        Args:
+            in_flight: the gateway's count of what it has sent the worker and not seen come back; a call
+                on its way is not in the worker's load yet, so the drain also waits for this to be 0.
+        """
         worker = self.workers[worker_id]
-        if len(self.active(worker.role)) <= 1 and worker.state is WorkerState.ACTIVE:
-            raise ValueError(f"{worker_id} is the last active {worker.role} worker")
+        others = [w for w in self.workers.values() if w.is_active and w is not worker]
+        can_prefill = any(w.role == "prefill" or w.is_colocated for w in others)
+        if worker.is_active and not (can_prefill and any(w.role == "decode" for w in others)):
+            raise ValueError(f"without {worker_id} no active worker could prefill or decode")
         worker.state = WorkerState.DRAINING
         self.target[worker.kind] -= 1
         self._changed()
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while not await worker.actor.is_whole.remote():
+        num_idle = 0
+        while num_idle < 2:  # twice in a row: a request between the two reads shows in one of them
+            load = await worker.actor.load.remote()
+            is_idle = load.num_requests == 0 and load.num_free_blocks == load.num_total_blocks
+            num_idle = num_idle + 1 if is_idle and not (in_flight and in_flight(worker_id)) else 0
             if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"{worker_id} still holds KV blocks after {timeout_s} s")
+                raise TimeoutError(
+                    f"{worker_id} still holds {load.num_requests} requests after {timeout_s:.0f} s"
+                )
             await asyncio.sleep(poll_s)
         await worker.actor.shutdown.remote()
-        ray.kill(worker.actor)
-        del self.workers[worker_id]
+        self._forget(worker)
 
     async def loads(self) -> list[WorkerLoad]:
         """Loads of the live workers; a worker that is dead or reports a failure is marked failed."""

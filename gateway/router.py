@@ -24,9 +24,22 @@ class Router:
     def __init__(self, deployment: PDDeployment) -> None:
         self.deployment = deployment
         self.block_size = deployment.config.engine.block_size
+        deployment.on_remove.append(self.forget)
         self.prefill_tokens: defaultdict[str, int] = defaultdict(int)  # prompt tokens sent, not yet prefilled
         self.decode_tokens: defaultdict[str, int] = defaultdict(int)  # tokens of requests decoding there
         self._cached: defaultdict[str, OrderedDict[bytes, None]] = defaultdict(OrderedDict)
+
+    def forget(self, worker_id: str) -> None:
+        """A worker left the deployment: drop what the router remembers of it."""
+        self._cached.pop(worker_id, None)
+        if not self.prefill_tokens.get(worker_id):
+            self.prefill_tokens.pop(worker_id, None)
+        if not self.decode_tokens.get(worker_id):
+            self.decode_tokens.pop(worker_id, None)
+
+    def in_flight(self, worker_id: str) -> int:
+        """Tokens of requests sent to the worker and not yet back (0: nothing on its way there)."""
+        return self.prefill_tokens.get(worker_id, 0) + self.decode_tokens.get(worker_id, 0)
 
     def pick_decode(self, workers: list[Worker] | None = None) -> Worker:
         """The least loaded of `workers` (default: every active decode worker)."""

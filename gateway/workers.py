@@ -9,6 +9,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+# What the HTTP API calls each kind: a colocated worker is a "mixed" one (it prefills and decodes).
+KIND_NAMES = {"prefill": "prefill", "decode": "decode", "colocated": "mixed"}
+
 
 class WorkerState(enum.Enum):
     STARTING = "starting"
@@ -24,6 +27,10 @@ class Worker:
     actor: Any  # Ray actor handle
     state: WorkerState = WorkerState.STARTING
     is_colocated: bool = False  # prefills its own requests (role is then "decode")
+
+    @property
+    def is_active(self) -> bool:
+        return self.state is WorkerState.ACTIVE
 
     @property
     def kind(self) -> str:

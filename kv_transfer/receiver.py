@@ -90,6 +90,11 @@ class KVReceiver(TransferEndpoint, ABC):
             self._on_add_peer(peer)
             self.peers[peer.worker_id] = peer
 
+    def remove_peer(self, worker_id: str) -> None:
+        """Forget a sender that left (a drained worker); later handles from it are refused (KeyError).
+        Pulls from it already running end as usual, at the latest at their deadline."""
+        self.peers.pop(worker_id, None)
+
     def start_pull(self, handle: KVHandle, dst_block_ids: list[int] | tuple[int, ...]) -> TransferState:
         """Start copying the handle's blocks into `dst_block_ids` (same order); poll() to see it finish.
 

@@ -33,6 +33,11 @@ class WorkerInbox(Generic[Submission]):
     def num_tokens(self) -> int:
         return self._num_tokens
 
+    @property
+    def num_arriving(self) -> int:
+        """Submissions the loop thread has not taken yet."""
+        return len(self._arriving)
+
     def submit(self, request_id: str, submission: Submission, run: Callable[[], None], num_tokens: int = 0
                ) -> None:
         """Queue a new request's command; raises WorkerFailed once the loop has died."""

@@ -21,6 +21,9 @@ class WorkerLoad:
     num_total_blocks: int
     num_outstanding_tokens: int  # decode: output tokens still to generate for admitted requests
     failure: str = ""  # why the worker's step loop died; empty while it serves
+    # Requests the worker holds in any state (inbox, waiting, prefilling, offered or pulling KV, decoding):
+    # a draining worker may stop only at 0.
+    num_requests: int = 0
 
     @property
     def kv_occupancy(self) -> float:

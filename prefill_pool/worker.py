@@ -146,7 +146,8 @@ class PrefillWorker:
         """The loop thread's latest snapshot, plus prompt tokens still in the inbox."""
         load = self._load
         queued = load.num_queued_prompt_tokens + self._inbox.num_tokens
-        return dataclasses.replace(load, num_queued_prompt_tokens=queued)
+        return dataclasses.replace(load, num_queued_prompt_tokens=queued,
+                                   num_requests=load.num_requests + self._inbox.num_arriving)
 
     def _snapshot(self) -> WorkerLoad:
         scheduler = self.engine.scheduler
@@ -157,7 +158,7 @@ class PrefillWorker:
             num_running=len(scheduler.running), num_transferring=len(self._offered),
             num_free_blocks=self.engine.block_pool.num_free_blocks,
             num_total_blocks=self.engine.block_pool.num_blocks, num_outstanding_tokens=0,
-            failure=self.failure,
+            failure=self.failure, num_requests=len(self._pending) + len(self._offered),
         )
 
     def _start(self, request: PrefillRequest, on_result: ResultCallback, queued: float) -> None:

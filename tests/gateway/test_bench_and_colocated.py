@@ -109,7 +109,7 @@ def test_colocated_workers_serve_the_same_tokens(colocated_server: str, tiny_cha
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=colocated_server, headers=headers, timeout=120) as client:
         pools = client.get("/admin/pools").json()
-        assert (pools["prefill"], pools["decode"], pools["colocated"]) == (0, 0, 2)  # counted by kind
+        assert (pools["prefill"], pools["decode"], pools["mixed"]) == (0, 0, 2)  # counted by kind
         for prompt in prompts:
             body = {
                 "model": MODEL,

@@ -157,7 +157,7 @@ def test_health_and_models(client: httpx.Client) -> None:
 def test_admin_pools_shows_both_pools_and_the_blocks_a_request_holds(client: httpx.Client) -> None:
     assert wait_until_no_blocks_used(client) == 0
     idle = client.get("/admin/pools").json()
-    assert (idle["prefill"], idle["decode"], idle["colocated"]) == (1, 1, 0)
+    assert (idle["prefill"], idle["decode"], idle["mixed"]) == (1, 1, 0)
     assert idle["backend"] in ("nixl", "torch")
     assert sorted(w["role"] for w in idle["workers"]) == ["decode", "prefill"]
     for worker in idle["workers"]:

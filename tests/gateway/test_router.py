@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.pools import DeploymentConfig
@@ -17,6 +18,7 @@ class FakeDeployment:
     workers: list[Worker]
     config: DeploymentConfig = field(
         default_factory=lambda: DeploymentConfig(EngineConfig("m", block_size=4)))
+    on_remove: list[Callable[[str], None]] = field(default_factory=list)
 
     def active(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role and w.state is WorkerState.ACTIVE]

@@ -1,0 +1,137 @@
+"""PUT /admin/pools on a real server (Ray actors, tiny Llama, nixl): layouts change under a steady stream of
+requests and nothing is lost; bad layouts are refused before anything moves; one change at a time."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.config import ServeConfig
+from gateway.pools import DeploymentConfig, PDDeployment
+from gateway.resize import PoolLayout, PoolResizer, ResizeConflict
+from gateway.router import Router
+from llm_engine import EngineConfig
+from tests.conftest import hf_greedy, random_prompts
+from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
+
+pytestmark = pytest.mark.slow
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def url(tiny_chat_model_dir: Path, ray_local: None) -> Any:
+    pytest.importorskip("nixl")
+    config = ServeConfig(model=str(tiny_chat_model_dir), served_model_name=MODEL, backend="nixl",
+                         port=free_port(), kv_cache_mib=2, max_num_batched_tokens=64)
+    with serving(config) as (base_url, _):
+        yield base_url
+
+
+@pytest.fixture
+def client(url: str) -> Any:
+    with httpx.Client(base_url=url, timeout=300) as c:
+        yield c
+
+
+def layout_of(client: httpx.Client) -> tuple[int, int, int]:
+    pools = client.get("/admin/pools").json()
+    return pools["prefill"], pools["decode"], pools["mixed"]
+
+
+class SteadyLoad:
+    """Greedy requests one after another from two threads until stopped; remembers every answer."""
+
+    def __init__(self, client: httpx.Client) -> None:
+        self.client = client
+        self.answers: list[tuple[list[int], httpx.Response]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(seed,), daemon=True) for seed in (1, 2)]
+
+    def __enter__(self) -> SteadyLoad:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(120)
+
+    def _run(self, seed: int) -> None:
+        index = 0
+        while not self._stop.is_set():
+            [prompt] = random_prompts([8 + (index * 7) % 40], VOCAB, seed=100 * seed + index)
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                    "return_token_ids": True}
+            self.answers.append((prompt, self.client.post("/v1/completions", json=body)))
+            index += 1
+
+
+def test_layouts_change_under_load_and_every_request_is_served(
+        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    with SteadyLoad(client) as load:
+        for layout in ({"prefill": 1, "decode": 2}, {"prefill": 1, "decode": 1},
+                       {"prefill": 0, "decode": 0, "mixed": 2}, {"prefill": 1, "decode": 1, "mixed": 0}):
+            response = client.put("/admin/pools", json=layout)
+            assert response.status_code == 200, response.text
+            assert response.json()["error"] == ""
+            expected = (layout["prefill"], layout["decode"], layout.get("mixed", 0))
+            assert layout_of(client) == expected
+            time.sleep(0.5)  # some requests on this layout
+    assert len(load.answers) > 8
+    assert [r.status_code for _, r in load.answers] == [200] * len(load.answers)
+    prompts = [p for p, _ in load.answers]
+    expected_tokens = hf_greedy(tiny_chat_model_dir, prompts, 6)
+    assert [r.json()["choices"][0]["token_ids"] for _, r in load.answers] == expected_tokens
+    assert wait_until_no_blocks_used(client) == 0
+    workers = client.get("/admin/pools").json()["workers"]
+    assert sorted(w["kind"] for w in workers) == ["decode", "prefill"]
+    assert all(w["state"] == "active" for w in workers)
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"prefill": -1, "decode": 1}, "greater than or equal to 0"),
+    ({"prefill": 0, "decode": 0, "mixed": 0}, "cannot serve"),
+    ({"prefill": 0, "decode": 2}, "cannot serve"),
+    ({"prefill": 2, "decode": 0}, "cannot serve"),
+    ({"prefill": 1, "decode": 1, "gpus": 3}, "gpus: Extra inputs are not permitted"),
+    ({"prefill": 1000, "decode": 1}, "CPUs free"),
+    ({"prefill": "1", "decode": 1}, "integer"),
+])
+def test_bad_layouts_are_refused_before_anything_moves(client: httpx.Client, body: dict[str, Any],
+                                                       words: str) -> None:
+    before = client.get("/admin/pools").json()["workers"]
+    response = client.put("/admin/pools", json=body)
+    assert response.status_code == 400, response.text
+    assert words in response.json()["error"]["message"]
+    assert client.get("/admin/pools").json()["workers"] == before
+
+
+def test_a_second_change_while_one_applies_is_a_conflict(client: httpx.Client) -> None:
+    slow: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: slow.append(
+        client.put("/admin/pools", json={"prefill": 1, "decode": 2})), daemon=True)
+    thread.start()
+    for _ in range(200):
+        if client.get("/admin/pools").json()["change_in_progress"]:
+            break
+        time.sleep(0.02)
+    second = client.put("/admin/pools", json={"prefill": 2, "decode": 1})
+    assert second.status_code == 409
+    assert second.json()["error"]["type"] == "conflict_error"
+    thread.join(120)
+    assert slow[0].status_code == 200 and layout_of(client) == (1, 2, 0)
+    assert client.put("/admin/pools", json={"prefill": 1, "decode": 1}).status_code == 200
+    assert layout_of(client) == (1, 1, 0)
+
+
+def test_the_torch_backend_cannot_resize(tiny_llama_dir: Path) -> None:
+    deployment = PDDeployment(DeploymentConfig(EngineConfig(str(tiny_llama_dir)), backend="torch"))
+    resizer = PoolResizer(deployment, Router(deployment))
+    with pytest.raises(ResizeConflict, match="fixes its workers"):
+        resizer.check(PoolLayout(prefill=1, decode=2))
