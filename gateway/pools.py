@@ -252,20 +252,7 @@ class PDDeployment:
             callback()
 
     def health(self) -> PoolHealth:
-        active = {kind: 0 for kind in self.target}
-        for worker in self.workers.values():
-            if worker.state is WorkerState.ACTIVE:
-                active[worker.kind] += 1
-        can_prefill = active["prefill"] + active["colocated"]
-        can_decode = active["decode"] + active["colocated"]
-        if not can_prefill or not can_decode:
-            # Requests wait for a replacement that is starting (within their deadlines): degraded, not down.
-            status = "degraded" if self._replacements else "unavailable"
-        elif any(active[kind] < self.target[kind] for kind in self.target):
-            status = "degraded"
-        else:
-            status = "ok"
-        return PoolHealth(status, active, dict(self.target), len(self._replacements))
+        return PoolHealth.of(list(self.workers.values()), self.target, len(self._replacements))
 
     async def watch(self, interval_s: float = 1.0) -> None:
         """Poll every worker's load forever, so that a worker that died while idle is noticed and replaced."""

@@ -48,3 +48,20 @@ class PoolHealth:
     active: dict[str, int]  # kind → active workers
     target: dict[str, int]  # kind → workers the deployment should have
     num_replacing: int  # failed workers whose replacement is starting
+
+    @staticmethod
+    def of(workers: list[Worker], target: dict[str, int], num_replacing: int) -> PoolHealth:
+        active = dict.fromkeys(target, 0)
+        for worker in workers:
+            if worker.is_active:
+                active[worker.kind] += 1
+        can_prefill = active["prefill"] + active["colocated"]
+        can_decode = active["decode"] + active["colocated"]
+        if not can_prefill or not can_decode:
+            # Requests wait for a replacement that is starting (within their deadlines): degraded, not down.
+            status = "degraded" if num_replacing else "unavailable"
+        elif any(active[kind] < target[kind] for kind in target):
+            status = "degraded"
+        else:
+            status = "ok"
+        return PoolHealth(status, active, dict(target), num_replacing)
