@@ -273,9 +273,11 @@ class PDDeployment:
         """
         worker = self.workers[worker_id]
         others = [w for w in self.workers.values() if w.is_active and w is not worker]
-        can_prefill = any(w.role == "prefill" or w.is_colocated for w in others)
-        if worker.is_active and not (can_prefill and any(w.role == "decode" for w in others)):
-            raise ValueError(f"without {worker_id} no active worker could prefill or decode")
+        lacking = [role for role, can in (
+            ("prefill", any(w.role == "prefill" or w.is_colocated for w in others)),
+            ("decode", any(w.role == "decode" for w in others))) if not can]
+        if worker.is_active and lacking:
+            raise ValueError(f"{worker_id} is the last active worker that can {' or '.join(lacking)}")
         worker.state = WorkerState.DRAINING
         self.target[worker.kind] -= 1
         self._changed()

@@ -95,7 +95,7 @@ def test_add_and_drain_workers(tiny_llama_dir: Path) -> None:
             await drain
             is_gone = new_decode not in deployment.workers
             await deployment.drain_worker(new_prefill)
-            with pytest.raises(ValueError, match="last active decode worker"):
+            with pytest.raises(ValueError, match="last active worker that can decode"):
                 await deployment.drain_worker("decode-1")
             # The same request again, served by the workers that remain: the reference output.
             router.decode_tokens["decode-1"] -= 10_000
