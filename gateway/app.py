@@ -111,7 +111,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                 admission=Admission(sum(per_worker), config.max_waiting, config.queue_timeout_s,
                                     config.max_waiting_tokens),
                 max_request_tokens=min(per_worker), default_max_tokens=config.default_max_tokens,
-                deadline_policy=config.deadline_policy(),
+                deadline_policy=config.deadline_policy(), local_prefill=config.local_prefill_policy(),
             )
             deployment.on_change.append(app.state.service.on_pool_change)
             app.state.resizer = PoolResizer(deployment, app.state.service.router)

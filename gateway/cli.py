@@ -43,6 +43,10 @@ _SERVE_FLAGS: list[tuple[str, type, str]] = [
     ("--deadline-slack-s", float, "request deadlines: slack per stage, s (defaults: gateway/deadlines.py)"),
     ("--deadline-prefill-s-per-token", float, "request deadlines: seconds per prompt token"),
     ("--deadline-decode-s-per-token", float, "request deadlines: seconds per output token"),
+    ("--local-prefill-max-tokens", int, "decode workers prefill prompts with at most this many uncached "
+                                        "tokens themselves (off unless set)"),
+    ("--local-prefill-queue-tokens", int, "... or any prompt while every prefill worker has this many "
+                                          "tokens queued (off unless set)"),
     ("--default-max-tokens", int, "max_tokens of chat requests that give none"),
 ]
 

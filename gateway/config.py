@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.deadlines import DeadlinePolicy
 from gateway.pools import DeploymentConfig
+from gateway.router import LocalPrefillPolicy
 from kv_transfer import TransferConfig
 from llm_engine import EngineConfig
 
@@ -45,6 +46,11 @@ class ServeConfig(BaseModel):
     deadline_slack_s: float | None = Field(default=None, gt=0)
     deadline_prefill_s_per_token: float | None = Field(default=None, ge=0)
     deadline_decode_s_per_token: float | None = Field(default=None, ge=0)
+    # Conditional disaggregation (gateway/router.py LocalPrefillPolicy): a decode worker prefills a prompt
+    # itself when at most this many of its tokens are uncached, or while every prefill worker has this
+    # many prompt tokens queued.
+    local_prefill_max_tokens: int | None = Field(default=None, ge=0)
+    local_prefill_queue_tokens: int | None = Field(default=None, ge=0)
     default_max_tokens: int = Field(default=512, ge=1)  # chat requests that name no max_tokens
 
     @field_validator("model")
@@ -61,6 +67,11 @@ class ServeConfig(BaseModel):
             raise ValueError(f"{path}: expected a mapping of settings")
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
+
+    def local_prefill_policy(self) -> LocalPrefillPolicy:
+        chosen = {"max_uncached_tokens": self.local_prefill_max_tokens,
+                  "min_prefill_queue_tokens": self.local_prefill_queue_tokens}
+        return LocalPrefillPolicy(**{k: v for k, v in chosen.items() if v is not None})
 
     def deadline_policy(self) -> DeadlinePolicy:
         chosen = {"slack_s": self.deadline_slack_s, "prefill_s_per_token": self.deadline_prefill_s_per_token,

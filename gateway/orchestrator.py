@@ -57,6 +57,7 @@ class StreamEvent:
     prefill: PrefillResult | None = None  # on the first event
     decode: DecodeOutput | None = None  # on the final event when the request was decoded
     num_migrations: int = 0  # decode workers left behind because they failed (final event)
+    local_prefill_reason: str = ""  # why the decode worker prefilled the prompt itself (final event)
 
 
 def _is_worker_loss(error: BaseException) -> bool:
@@ -78,13 +79,20 @@ class RequestRun:
         self.deadlines = deadlines
         self.generated: list[int] = []  # every token the client has been sent
         self.num_migrations = 0
+        self.local_prefill_reason = ""  # why the decode worker prefilled the prompt; empty: the prefill pool
 
     async def events(self) -> AsyncGenerator[StreamEvent, None]:
         decode = await self._wait_for_worker("decode", self.deadlines.prefill_by)
         has_prefill_pool = self.deployment.active("prefill") or self.deployment.is_replacing("prefill")
-        if decode.is_colocated or not has_prefill_pool:
-            # A mixed worker prefills its own requests; so does a decode worker when no prefill worker is
-            # left (a layout moving to all-mixed drains the prefill pool while decode workers still serve).
+        # A mixed worker prefills its own requests; so does a decode worker when no prefill worker is left
+        # (a layout moving to all-mixed drains the prefill pool while decode workers still serve), or when
+        # the router finds the handoff not worth it (conditional disaggregation).
+        self.local_prefill_reason = (
+            "mixed worker" if decode.is_colocated else
+            "no prefill worker" if not has_prefill_pool else
+            self.router.local_prefill_reason(self.prompt_token_ids)
+        )
+        if self.local_prefill_reason:
             async for event in self._decode(decode, DecodeRequest(self.request_id, self.prompt_token_ids,
                                                                   self.sampling)):
                 yield event
@@ -180,7 +188,8 @@ class RequestRun:
                 self.generated.extend(output.token_ids)
                 yield StreamEvent(self.request_id, output.token_ids, output.logprobs, output.token_times,
                                   output.finish_reason, decode=output if is_finished else None,
-                                  num_migrations=self.num_migrations)
+                                  num_migrations=self.num_migrations,
+                                  local_prefill_reason=self.local_prefill_reason if is_finished else "")
         finally:
             self.router.decode_tokens[decode.worker_id] -= reserved
             if not is_finished:

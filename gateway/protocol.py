@@ -123,6 +123,8 @@ class Timings(BaseModel):
     ttft_ms: float  # arrival at the gateway to the first token leaving it
     e2e_ms: float  # arrival to the last token
     token_gaps_ms: list[float]  # gaps between consecutive tokens leaving the gateway
+    prefill_on: str = "prefill"  # the worker kind that prefilled: "prefill" (the pool) or "decode" (itself)
+    local_prefill_reason: str | None = None  # why the decode or mixed worker prefilled the prompt itself
 
 
 class CompletionChoice(BaseModel):

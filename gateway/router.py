@@ -1,7 +1,8 @@
 """Picks the workers for a request: decode first (it must have room), then prefill.
 
 Decode: the worker with the fewest tokens reserved for requests running there (its KV use to come).
-Prefill: the fewest prompt tokens queued, minus the prompt tokens it probably holds in its prefix cache.
+Prefill: the fewest prompt tokens queued, minus the prompt tokens it probably holds in its prefix cache;
+or none, when the LocalPrefillPolicy says the decode worker should prefill the prompt itself.
 The router counts what it has sent and not yet seen finish, per worker, so a burst of arrivals spreads out
 at once instead of piling onto whichever worker looked idle in the last load report; and it remembers the
 block hashes of the prompts it sent to each prefill worker (the same stable hashes the workers use), in a
@@ -11,6 +12,7 @@ bounded LRU per worker, as its belief of what each prefix cache holds.
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
 
 from gateway.pools import PDDeployment
 from gateway.workers import Worker
@@ -20,9 +22,25 @@ from llm_engine.kv_cache_manager import prefix_hashes
 MAX_REMEMBERED_BLOCKS = 65536
 
 
+@dataclass(frozen=True)
+class LocalPrefillPolicy:
+    """When a decode worker prefills a request itself instead of the prefill pool (conditional
+    disaggregation): the handoff costs a prefill round trip and a KV transfer, which a short prompt does not
+    repay, and a long prefill queue makes a decode worker's spare step budget the faster path.
+    0 turns a rule off (both are off by default: always disaggregate)."""
+
+    max_uncached_tokens: int = 0  # prompts with at most this many tokens not in any prefill cache
+    min_prefill_queue_tokens: int = 0  # ... or any size, while every prefill worker has this many queued
+
+    def __post_init__(self) -> None:
+        if self.max_uncached_tokens < 0 or self.min_prefill_queue_tokens < 0:
+            raise ValueError(f"local prefill thresholds must be >= 0, got {self}")
+
+
 class Router:
-    def __init__(self, deployment: PDDeployment) -> None:
+    def __init__(self, deployment: PDDeployment, local_prefill: LocalPrefillPolicy | None = None) -> None:
         self.deployment = deployment
+        self.local_prefill = local_prefill or LocalPrefillPolicy()
         self.block_size = deployment.config.engine.block_size
         deployment.on_remove.append(self.forget)
         self.prefill_tokens: defaultdict[str, int] = defaultdict(int)  # prompt tokens sent, not yet prefilled
@@ -40,6 +58,22 @@ class Router:
     def in_flight(self, worker_id: str) -> int:
         """Tokens of requests sent to the worker and not yet back (0: nothing on its way there)."""
         return self.prefill_tokens.get(worker_id, 0) + self.decode_tokens.get(worker_id, 0)
+
+    def local_prefill_reason(self, prompt_token_ids: tuple[int, ...]) -> str:
+        """Why the decode worker should prefill this prompt itself; empty: send it to the prefill pool.
+        Only prompt tokens that no prefill worker is believed to hold count as prompt work."""
+        policy = self.local_prefill
+        prefills = self.deployment.active("prefill")
+        if not prefills or not (policy.max_uncached_tokens or policy.min_prefill_queue_tokens):
+            return ""
+        hashes = prefix_hashes(prompt_token_ids, self.block_size)
+        uncached = len(prompt_token_ids) - max(self.cached_tokens(w, hashes) for w in prefills)
+        if policy.max_uncached_tokens and uncached <= policy.max_uncached_tokens:
+            return f"short prompt: {uncached} uncached tokens <= {policy.max_uncached_tokens}"
+        queued = min(self.prefill_tokens[w.worker_id] for w in prefills)
+        if policy.min_prefill_queue_tokens and queued >= policy.min_prefill_queue_tokens:
+            return f"prefill queue: {queued} tokens >= {policy.min_prefill_queue_tokens} on every worker"
+        return ""
 
     def pick_decode(self, workers: list[Worker] | None = None) -> Worker:
         """The least loaded of `workers` (default: every active decode worker)."""

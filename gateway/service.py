@@ -30,7 +30,7 @@ from gateway.metrics import Metrics
 from gateway.orchestrator import RequestFailed, StreamEvent, run_request
 from gateway.pools import PDDeployment
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Timings
-from gateway.router import Router
+from gateway.router import LocalPrefillPolicy, Router
 from llm_engine import ModelSpec, SamplingParams
 from prefill_pool.messages import PrefillResult
 
@@ -82,12 +82,13 @@ class GatewayService:
         max_request_tokens: int,
         default_max_tokens: int,
         deadline_policy: DeadlinePolicy | None = None,
+        local_prefill: LocalPrefillPolicy | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.spec = spec
         self.model_name = model_name
         self.deployment = deployment
-        self.router = Router(deployment)
+        self.router = Router(deployment, local_prefill)
         self.admission = admission
         self.metrics = Metrics()
         self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
@@ -213,6 +214,8 @@ class GatewayService:
                     continue
                 text += detokenizer.flush()
                 timings = self._timings(prepared.arrival, admitted, sent, prefill, decode)
+                if event.local_prefill_reason:
+                    timings.prefill_on, timings.local_prefill_reason = "decode", event.local_prefill_reason
                 outcome = finish
                 self.metrics.observe_request(timings, finish, len(prepared.prompt_token_ids), len(sent))
                 yield TextDelta(text, event.token_ids, event.logprobs, finish, len(sent), timings)

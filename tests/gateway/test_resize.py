@@ -10,11 +10,12 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
 from gateway.config import ServeConfig
 from gateway.pools import DeploymentConfig, PDDeployment
 from gateway.resize import PoolLayout, PoolResizer, ResizeConflict
-from gateway.router import Router
+from gateway.router import LocalPrefillPolicy, Router
 from llm_engine import EngineConfig
 from tests.conftest import hf_greedy, random_prompts
 from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
@@ -24,12 +25,17 @@ VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
-def url(tiny_chat_model_dir: Path, ray_local: None) -> Any:
+def running(tiny_chat_model_dir: Path, ray_local: None) -> Any:
     pytest.importorskip("nixl")
     config = ServeConfig(model=str(tiny_chat_model_dir), served_model_name=MODEL, backend="nixl",
                          port=free_port(), kv_cache_mib=2, max_num_batched_tokens=64)
-    with serving(config) as (base_url, _):
-        yield base_url
+    with serving(config) as served:
+        yield served
+
+
+@pytest.fixture
+def url(running: tuple[str, FastAPI]) -> str:
+    return running[0]
 
 
 @pytest.fixture
@@ -135,3 +141,27 @@ def test_the_torch_backend_cannot_resize(tiny_llama_dir: Path) -> None:
     resizer = PoolResizer(deployment, Router(deployment))
     with pytest.raises(ResizeConflict, match="fixes its workers"):
         resizer.check(PoolLayout(prefill=1, decode=2))
+
+
+def test_short_prompts_are_prefilled_on_the_decode_worker_when_asked(
+        client: httpx.Client, running: tuple[str, FastAPI], tiny_chat_model_dir: Path) -> None:
+    router = running[1].state.service.router
+    router.local_prefill = LocalPrefillPolicy(max_uncached_tokens=16)
+    try:
+        short, long = random_prompts([10, 40], VOCAB, seed=31)
+        answers = [complete_greedy(client, prompt) for prompt in (short, long)]
+    finally:
+        router.local_prefill = LocalPrefillPolicy()
+    assert [a["choices"][0]["token_ids"] for a in answers] == hf_greedy(tiny_chat_model_dir, [short, long], 6)
+    local, pooled = (a["timings"] for a in answers)
+    assert local["prefill_on"] == "decode" and "10 uncached tokens <= 16" in local["local_prefill_reason"]
+    assert local["transfer_bytes"] == 0
+    assert pooled["prefill_on"] == "prefill" and pooled["transfer_bytes"] > 0
+    assert wait_until_no_blocks_used(client) == 0
+
+
+def complete_greedy(client: httpx.Client, prompt: list[int]) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return dict(response.json())
