@@ -24,7 +24,8 @@ class PrefillActor:
         setup_worker_process(num_threads, torch_group)
         engine = LLMEngine(engine_config, scheduler_cls=PrefillScheduler)
         sender = make_sender(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
-        self.worker = PrefillWorker(worker_id, engine, sender)
+        # The actor polls the sender from its event loop (_poll_transfers): the loop thread sleeps when idle.
+        self.worker = PrefillWorker(worker_id, engine, sender, is_sender_polled_elsewhere=True)
         self.loop = StepLoop(f"prefill-{worker_id}", self.worker.step, num_threads, on_error=self.worker.fail)
         self.loop.start()
         self._transfer_poller: asyncio.Task[None] | None = None

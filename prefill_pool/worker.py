@@ -45,10 +45,16 @@ class _Pending:
 
 
 class PrefillWorker:
-    def __init__(self, worker_id: str, engine: LLMEngine, sender: KVSender) -> None:
+    def __init__(self, worker_id: str, engine: LLMEngine, sender: KVSender,
+                 is_sender_polled_elsewhere: bool = False) -> None:
+        """Args:
+        is_sender_polled_elsewhere: another thread calls poll_transfers() and wakes the loop when blocks
+            come back (the actor does), so the idle loop need not poll the sender itself.
+        """
         if not isinstance(engine.scheduler, PrefillScheduler):
             raise TypeError("a prefill worker's engine must use PrefillScheduler")
         self.worker_id = worker_id
+        self.is_sender_polled_elsewhere = is_sender_polled_elsewhere
         self.engine = engine
         self.sender = sender
         # Commands from other threads, run by the loop thread at the start of its next step.
@@ -135,7 +141,7 @@ class PrefillWorker:
         self._load = self._snapshot()
         # Nothing to compute (idle, or every waiting prompt needs blocks that leases hold): sleep until woken,
         # polling the sender while leases are out, since their release is what frees blocks here.
-        return TRANSFER_POLL_S if self._offered else None
+        return TRANSFER_POLL_S if self._offered and not self.is_sender_polled_elsewhere else None
 
     def accept_pull(self, pull: PullRequest) -> PullReply:
         """For backends whose sender takes part (torch): post the send leg of a pull."""
