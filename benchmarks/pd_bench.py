@@ -32,6 +32,7 @@ from gateway.pools import DeploymentConfig, PDDeployment
 from gateway.router import Router
 from llm_engine import EngineConfig, SamplingParams
 from llm_engine.default_model import prepare_default_model
+from pool_worker import Role
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -41,7 +42,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def measure(args: argparse.Namespace, deployment: PDDeployment, colocated: bool) -> dict[str, float]:
     router = Router(deployment)
-    decode_actor = deployment.active("decode")[0].actor
+    decode_actor = deployment.active(Role.DECODE, Role.MIXED)[0].actor
     generator = torch.Generator().manual_seed(0)
     long_sampling = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
     one_token = SamplingParams(max_tokens=1, temperature=0.0)
@@ -102,7 +103,7 @@ async def main_async(args: argparse.Namespace) -> None:
     engine = EngineConfig(model_dir, kv_cache_bytes=512 << 20, max_num_batched_tokens=args.budget)
     results = {}
     for name, colocated in (("1 prefill + 1 decode (nixl)", False), ("1 colocated worker", True)):
-        layout = {"num_prefill": 0, "num_decode": 0, "num_colocated": 1} if colocated else {}
+        layout = {"num_prefill": 0, "num_decode": 0, "num_mixed": 1} if colocated else {}
         deployment = PDDeployment(DeploymentConfig(engine, backend=args.backend, **layout))  # type: ignore[arg-type]
         await deployment.start()
         try:

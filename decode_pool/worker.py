@@ -10,6 +10,8 @@ Lifecycle of a request on this worker:
     A FAILED pull is not fatal: the blocks are freed and the prompt recomputed here.
     Preemption (blocks ran short) is the engine's: recompute, tokens kept, nothing lost.
     abort() works in every state; an aborted TRANSFERRING request frees its blocks when its pull ends.
+    evacuate() ends every request here as abort() does, but with finish_reason "migrate": the gateway
+    continues each on another worker from the tokens the client has (a worker changing role leaves now).
     Whenever a handle will not be pulled (aborted before its pull, pull FAILED), release_source() tells the
     prefill side at once, so its blocks do not wait for the lease to end.
     fail() (the step loop died) ends every request here with finish_reason "error"; later submissions raise
@@ -49,6 +51,7 @@ class _Entry:
     admitted: float | None = None
     transfer_bytes: int = 0
     is_aborted: bool = False
+    abort_reason: str = "abort"  # the finish_reason an aborted request ends with ("migrate": evacuated)
 
 
 class DecodeWorker:
@@ -84,6 +87,10 @@ class DecodeWorker:
 
     def abort(self, request_id: str) -> None:
         self._inbox.post(lambda: self._abort(request_id))
+
+    def evacuate(self) -> None:
+        """End every request here with finish_reason "migrate", freeing its blocks (see the lifecycle)."""
+        self._inbox.post(self._evacuate)
 
     def add_peer(self, peer: PeerInfo) -> None:
         self._inbox.post(lambda: self.receiver.add_peer(peer))
@@ -200,7 +207,7 @@ class DecodeWorker:
             self._release_unpulled(entry.request, "aborted during the pull" if entry.is_aborted else reason)
         if entry.is_aborted:
             self.engine.kv.free(request_id)
-            self._finish(request_id, "abort", entry.transfer_finished)
+            self._finish(request_id, entry.abort_reason, entry.transfer_finished)
             return
         request = entry.request
         assert request.first_token_id is not None and request.kv_handle is not None
@@ -242,10 +249,15 @@ class DecodeWorker:
         else:
             entry.on_output(output)
 
-    def _abort(self, request_id: str) -> None:
+    def _evacuate(self) -> None:
+        for request_id in list(self._entries):
+            self._abort(request_id, "migrate")
+
+    def _abort(self, request_id: str, reason: str = "abort") -> None:
         entry = self._entries.get(request_id)
         if entry is None:
             return
+        entry.abort_reason = reason
         if request_id in self._awaiting_blocks:
             self._awaiting_blocks.remove(request_id)
             self._release_unpulled(entry.request, "aborted before its pull")
@@ -254,7 +266,7 @@ class DecodeWorker:
             return
         else:
             self.engine.scheduler.abort(request_id)
-        self._finish(request_id, "abort", time.time())
+        self._finish(request_id, reason, time.time())
 
     def _finish(self, request_id: str, reason: str, now: float, output: DecodeOutput | None = None,
                 error: str = "") -> None:

@@ -1,6 +1,7 @@
 """Admin routes (admin key, or loopback without one): read and set the pool layout.
 
-GET /admin/pools  each worker's kind, state and load; the layout aimed at; a change in progress.
+GET /admin/pools  each worker's role, state and load; the layout aimed at; a change in progress; the ratio
+                  controller's state and its recent decisions.
 PUT /admin/pools  {"prefill": N, "decode": M, "mixed": K} → checked (4xx before anything moves), then
                   applied one worker at a time (gateway/resize.py); answers the plan and what was done.
 """
@@ -13,24 +14,33 @@ from fastapi import APIRouter, Depends, Request
 
 from gateway.auth import require_admin
 from gateway.errors import documented
+from gateway.ratio_controller import Decision, RatioController
 from gateway.resize import PoolLayout, PoolResizer
 from gateway.service import GatewayService
-from gateway.workers import KIND_NAMES
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+
+
+def decision_summary(decision: Decision) -> dict[str, object]:
+    return {"at": decision.at, "from_level": decision.from_level, "to_level": decision.to_level,
+            "reason": decision.reason, "detail": decision.detail,
+            "queued_prompt_tokens": decision.signals.queued_prompt_tokens}
 
 
 @router.get("/pools", responses=documented(401, 403))
 async def get_pools(request: Request) -> dict[str, object]:
     service: GatewayService = request.app.state.service
     resizer: PoolResizer = request.app.state.resizer
+    controller: RatioController = request.app.state.controller
     deployment = service.deployment
     loads = {x.worker_id: x for x in await deployment.loads()}
     pools = deployment.health()
     workers: list[dict[str, object]] = []
     for worker in list(deployment.workers.values()):
-        entry: dict[str, object] = {"worker_id": worker.worker_id, "kind": KIND_NAMES[worker.kind],
-                                    "role": worker.role, "state": worker.state.value}
+        entry: dict[str, object] = {"worker_id": worker.worker_id, "role": worker.role.value,
+                                    "state": worker.state.value}
+        if worker.next_role is not None:
+            entry["next_role"] = worker.next_role.value
         load = loads.get(worker.worker_id)
         if load is not None:
             entry |= {"requests": load.num_requests, "running_requests": load.num_running,
@@ -42,11 +52,14 @@ async def get_pools(request: Request) -> dict[str, object]:
         workers.append(entry)
     change = resizer.current_plan
     return {
-        **{KIND_NAMES[kind]: count for kind, count in pools.active.items()},
-        "target": {KIND_NAMES[kind]: count for kind, count in pools.target.items()},
+        **pools.active,
+        "target": pools.target,
         "status": pools.status,
         "backend": deployment.backend.value,
         "change_in_progress": None if change is None else dataclasses.asdict(change),
+        "auto": controller.is_on,
+        "queued_prompt_tokens": controller.queued_prompt_tokens(),  # routed, not yet prefilled
+        "ratio_decisions": [decision_summary(d) for d in list(controller.decisions)[-20:]],
         "workers": workers,
     }
 
@@ -54,7 +67,17 @@ async def get_pools(request: Request) -> dict[str, object]:
 @router.put("/pools", responses=documented(400, 401, 403, 409))
 async def put_pools(layout: PoolLayout, request: Request) -> dict[str, object]:
     resizer: PoolResizer = request.app.state.resizer
+    controller: RatioController = request.app.state.controller
+    if layout.auto is not None:
+        if layout.auto and not resizer.deployment.can_change:
+            resizer.check(layout)  # the same 409 as any change on a fixed torch group
+        if layout.auto:
+            controller.start()
+        else:
+            controller.stop()
+        return {"auto": controller.is_on}
     moves = resizer.check(layout)  # ResizeRefused (400) / ResizeConflict (409) before anything moves
-    result = await resizer.apply(moves)
-    return {"layout": layout.model_dump(), **dataclasses.asdict(result),
-            "moves": [{"action": m.action, "kind": KIND_NAMES[m.kind]} for m in result.moves]}
+    controller.stop()  # a layout set by hand stays until the operator turns auto back on
+    result = await resizer.apply(moves, layout.drain_grace_s)
+    return {"layout": {role.value: n for role, n in layout.by_role().items()}, **dataclasses.asdict(result),
+            "moves": [m.describe() for m in result.moves]}

@@ -37,11 +37,12 @@ from gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from gateway.ratio_controller import RatioController
 from gateway.resize import PoolResizer
 from gateway.responses import chat_response, chat_stream, completion_response, completion_stream
 from gateway.service import GatewayService, PreparedRequest
-from gateway.workers import KIND_NAMES
 from llm_engine.model_loader import load_tokenizer, read_model_spec
+from pool_worker import Role
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -101,7 +102,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         deployment = PDDeployment(config.deployment_config(model_dir))
         await deployment.start()
         try:
-            decode_loads = [x for x in await deployment.loads() if x.role == "decode"]
+            decode_loads = [x for x in await deployment.loads() if Role(x.role).can_decode]
             block_size = deployment.config.engine.block_size
             usable = 1.0 - deployment.config.watermark
             per_worker = [int(x.num_total_blocks * block_size * usable) for x in decode_loads]
@@ -115,14 +116,23 @@ def create_app(config: ServeConfig) -> FastAPI:
             )
             deployment.on_change.append(app.state.service.on_pool_change)
             app.state.resizer = PoolResizer(deployment, app.state.service.router)
+            app.state.controller = RatioController(
+                deployment, app.state.service.router, app.state.resizer, app.state.service.metrics,
+                app.state.service.recent, config.controller_policy())
+            app.state.service.ratio_controller = app.state.controller
+            if config.ratio == "auto":
+                if not deployment.can_change:
+                    raise ValueError(f"--ratio auto needs workers that can change role; the "
+                                     f"{deployment.backend} backend fixes them at start (use --backend nixl)")
+                app.state.controller.start()
             watch = asyncio.create_task(deployment.watch())
             app.state.started = time.time()
-            layout = (f"{config.colocated} colocated workers" if config.colocated else
-                      f"{config.prefill} prefill : {config.decode} decode workers "
-                      f"(KV transfer: {deployment.backend.value})")
+            layout = (f"{config.prefill or 0} prefill + {config.decode or 0} decode + {config.mixed or 0} "
+                      f"mixed workers (KV transfer: {deployment.backend.value}; ratio {config.ratio})")
             print(f"pdserve: serving {app.state.service.model_name} on http://{config.host}:{config.port} "
                   f"with {layout}", flush=True)
             yield
+            app.state.controller.stop()
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
@@ -192,8 +202,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         await service.deployment.loads()  # notices a worker that died since the last watch
         pools = service.deployment.health()
         body = {"status": pools.status,
-                "active_workers": {KIND_NAMES[kind]: n for kind, n in pools.active.items()},
-                "target_workers": {KIND_NAMES[kind]: n for kind, n in pools.target.items()},
+                "active_workers": pools.active, "target_workers": pools.target,
                 "replacing": pools.num_replacing}
         return JSONResponse(body, status_code=503 if pools.status == "unavailable" else 200)
 
@@ -202,8 +211,8 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def metrics(request: Request) -> Response:
         service: GatewayService = request.app.state.service
         service.metrics.set_loads(await service.deployment.loads())
-        for kind, count in service.deployment.health().active.items():
-            service.metrics.workers.labels(kind).set(count)
+        for role, count in service.deployment.health().active.items():
+            service.metrics.workers.labels(role).set(count)
         service.metrics.admission_waiting.set(service.admission.num_waiting)
         service.metrics.admission_reserved.set(service.admission.reserved_tokens)
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")

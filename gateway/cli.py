@@ -23,10 +23,14 @@ def _prepare_model(args: argparse.Namespace) -> int:
 _SERVE_FLAGS: list[tuple[str, type, str]] = [
     ("--model", str, "Hugging Face model directory (default: SmolLM2-135M-Instruct, prepared on first use)"),
     ("--served-model-name", str, "model name clients send (default: the directory's name)"),
-    ("--prefill", int, "prefill workers (default 1)"),
-    ("--decode", int, "decode workers (default 1)"),
-    ("--colocated", int, "baseline: K workers that each prefill and decode, instead of the two pools"),
-    ("--backend", str, "KV transfer backend: auto, nixl or torch (default auto)"),
+    ("--prefill", int, "prefill workers (default: 1 when no role is given, else 0)"),
+    ("--decode", int, "decode workers (default: 1 when no role is given, else 0)"),
+    ("--mixed", int, "workers that prefill and decode their own requests (the colocated layout; default 0)"),
+    ("--colocated", int, "the old name of --mixed"),
+    ("--backend", str, "KV transfer backend: auto, nixl, torch or local (default auto)"),
+    ("--ratio", str, "fixed (default) or auto: a controller moves workers between roles by load"),
+    ("--ttft-slo-s", float, "the ratio controller's time-to-first-token target, s"),
+    ("--itl-slo-s", float, "the ratio controller's inter-token latency target, s"),
     ("--dtype", str, "float32 or bfloat16"),
     ("--device", str, "cpu or cuda"),
     ("--block-size", int, "tokens per KV block"),
@@ -71,7 +75,11 @@ def _serve(args: argparse.Namespace) -> int:
             config = ServeConfig.model_validate({k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = str(first["loc"][0]) if first["loc"] else "config"
+        if not first["loc"]:  # a check across fields: its message names the flags
+            message = str(first["msg"]).removeprefix("Value error, ")
+            print(f"pdserve serve: error: {message}", file=sys.stderr)
+            return 2
+        field = str(first["loc"][0])
         flag = "--address" if field == "ray_address" else "--" + field.replace("_", "-")
         print(f"pdserve serve: error: {flag}: {first['msg']}", file=sys.stderr)
         return 2

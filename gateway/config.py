@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.deadlines import DeadlinePolicy
-from gateway.pools import DeploymentConfig
+from gateway.deployment_config import DeploymentConfig
+from gateway.ratio_controller import ControllerPolicy
 from gateway.router import LocalPrefillPolicy
 from kv_transfer import TransferConfig
 from llm_engine import EngineConfig
@@ -27,10 +28,16 @@ class ServeConfig(BaseModel):
     served_model_name: str | None = None  # the name clients send; default: the directory's name
     dtype: Literal["float32", "bfloat16"] | None = None
     device: str | None = None
-    prefill: int = Field(default=1, ge=1)  # prefill workers
-    decode: int = Field(default=1, ge=1)  # decode workers
-    colocated: int = Field(default=0, ge=0)  # baseline: workers that prefill and decode (replaces P and D)
-    backend: Literal["auto", "nixl", "torch"] = "auto"
+    # Workers per role. None: 1 prefill + 1 decode when no role is named, else 0 of an unnamed role.
+    prefill: int | None = Field(default=None, ge=0)
+    decode: int | None = Field(default=None, ge=0)
+    mixed: int | None = Field(default=None, ge=0)  # workers that prefill and decode their own requests
+    colocated: int | None = Field(default=None, ge=0)  # the old name of `mixed`
+    backend: Literal["auto", "nixl", "torch", "local"] = "auto"
+    # The ratio controller (gateway/ratio_controller.py): "auto" moves workers between roles by load.
+    ratio: Literal["fixed", "auto"] = "fixed"
+    ttft_slo_s: float | None = Field(default=None, gt=0)  # the controller's targets
+    itl_slo_s: float | None = Field(default=None, gt=0)
     block_size: int | None = Field(default=None, ge=1)
     kv_cache_mib: int | None = Field(default=None, ge=1)  # KV budget per worker
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
@@ -60,6 +67,25 @@ class ServeConfig(BaseModel):
             raise ValueError(f"model directory {model!r} does not exist")
         return model
 
+    @model_validator(mode="after")
+    def _layout_can_serve(self) -> ServeConfig:
+        if self.colocated is not None:
+            if self.mixed is not None and self.mixed != self.colocated:
+                raise ValueError("--colocated is the old name of --mixed: give one of them")
+            self.mixed, self.colocated = self.colocated, None
+        if self.prefill is None and self.decode is None and self.mixed is None:
+            self.prefill, self.decode = 1, 1
+        if self.ratio == "auto" and self.backend == "torch":
+            raise ValueError("--ratio auto moves workers between roles, which the torch backend's fixed "
+                             "process group cannot: use --backend nixl")
+        prefill, decode, mixed = self.prefill or 0, self.decode or 0, self.mixed or 0
+        if prefill + mixed < 1 or decode + mixed < 1:
+            raise ValueError(f"--prefill/--decode/--mixed: {prefill} prefill + {decode} decode + {mixed} "
+                             "mixed cannot serve: "
+                             "it needs a worker that can prefill (prefill or mixed) and one that can decode "
+                             "(decode or mixed)")
+        return self
+
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: object) -> ServeConfig:
         data = yaml.safe_load(Path(path).read_text()) or {}
@@ -72,6 +98,11 @@ class ServeConfig(BaseModel):
         chosen = {"max_uncached_tokens": self.local_prefill_max_tokens,
                   "min_prefill_queue_tokens": self.local_prefill_queue_tokens}
         return LocalPrefillPolicy(**{k: v for k, v in chosen.items() if v is not None})
+
+    def controller_policy(self) -> ControllerPolicy:
+        default = ControllerPolicy()
+        return ControllerPolicy(ttft_slo_s=self.ttft_slo_s or default.ttft_slo_s,
+                                itl_slo_s=self.itl_slo_s or default.itl_slo_s)
 
     def deadline_policy(self) -> DeadlinePolicy:
         chosen = {"slack_s": self.deadline_slack_s, "prefill_s_per_token": self.deadline_prefill_s_per_token,
@@ -91,9 +122,7 @@ class ServeConfig(BaseModel):
         chosen = {k: v for k, v in engine_overrides.items() if v is not None}
         engine = EngineConfig(model_dir, **chosen)  # type: ignore[arg-type]
         gpus = 1.0 if engine.device.startswith("cuda") else 0.0
-        if self.colocated:
-            return DeploymentConfig(engine, num_prefill=0, num_decode=0, num_colocated=self.colocated,
-                                    num_gpus_per_worker=gpus)
-        return DeploymentConfig(engine, num_prefill=self.prefill, num_decode=self.decode,
-                                backend=self.backend, transfer=TransferConfig(), num_gpus_per_worker=gpus)
+        return DeploymentConfig(engine, num_prefill=self.prefill or 0, num_decode=self.decode or 0,
+                                num_mixed=self.mixed or 0, backend=self.backend, transfer=TransferConfig(),
+                                num_gpus_per_worker=gpus)
 

@@ -50,7 +50,11 @@ class Metrics:
         self.migrations = Counter(
             "pdserve_migrations", "Streams moved to another decode worker after a failure", registry=r
         )
-        self.workers = Gauge("pdserve_pool_workers", "Active workers by kind", ["kind"], registry=r)
+        self.workers = Gauge("pdserve_pool_workers", "Active workers by role", ["role"], registry=r)
+        self.ratio_changes = Counter(
+            "pdserve_ratio_changes", "Workers moved between roles by the ratio controller",
+            ["from", "to", "reason"], registry=r,
+        )
         self.admission_reserved = Gauge(
             "pdserve_admission_reserved_tokens", "Decode KV tokens reserved", registry=r
         )
@@ -68,7 +72,7 @@ class Metrics:
         self.transfer_bytes.inc(timings.transfer_bytes)
 
     def set_loads(self, loads: list[WorkerLoad]) -> None:
-        for pool in ("prefill", "decode"):
+        for pool in ("prefill", "decode", "mixed"):
             self.queued_prompt_tokens.labels(pool).set(
                 sum(x.num_queued_prompt_tokens for x in loads if x.role == pool)
             )

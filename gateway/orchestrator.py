@@ -9,6 +9,9 @@ Failures (a worker's actor died, its step loop died, or it answered with finish_
              without a duplicate or missing token. Up to MAX_MIGRATIONS times.
     With no live worker of the role needed (1P+1D), it waits for the replacement the pool starts, until the
     stage's deadline; then, and whenever a deadline passes, it raises RequestFailed (a clear error).
+Evacuation (a decode or mixed worker changing role or leaving hands its requests back, finish "migrate"):
+    the stream moves the same way, without marking the worker failed; a request with no token yet is
+    routed again from the start (to the prefill pool, if the new layout has one).
 Leaving the stream early (client gone, error) aborts the request on whichever workers hold it, and tells the
 prefill worker to free a KV handle nobody will pull.
 """
@@ -28,6 +31,7 @@ from gateway.router import Router
 from gateway.workers import Worker
 from llm_engine import SamplingParams
 from llm_engine.step_loop import WorkerFailed
+from pool_worker import Role
 from prefill_pool.messages import PrefillRequest, PrefillResult
 
 MAX_PREFILL_ATTEMPTS = 2  # the first try and one retry on another worker
@@ -47,6 +51,16 @@ class _WorkerLost(Exception):
     """A worker failed while holding this request (internal: triggers a retry or a migration)."""
 
 
+class _Evacuated(Exception):
+    """The decode worker is changing role or leaving and handed the request back (internal: it migrates,
+    and the worker is not marked failed)."""
+
+
+class _Requeued(Exception):
+    """A request handed back before its first token (internal: it is routed again from the start, so a
+    long prompt goes to the prefill pool rather than to whichever decode worker takes the stream)."""
+
+
 @dataclass(frozen=True)
 class StreamEvent:
     request_id: str
@@ -57,6 +71,7 @@ class StreamEvent:
     prefill: PrefillResult | None = None  # on the first event
     decode: DecodeOutput | None = None  # on the final event when the request was decoded
     num_migrations: int = 0  # decode workers left behind because they failed (final event)
+    num_moves: int = 0  # decode workers left because they changed role or left the pools (final event)
     local_prefill_reason: str = ""  # why the decode worker prefilled the prompt itself (final event)
 
 
@@ -78,24 +93,45 @@ class RequestRun:
         self.sampling = sampling
         self.deadlines = deadlines
         self.generated: list[int] = []  # every token the client has been sent
-        self.num_migrations = 0
+        self.num_migrations = 0  # moves forced by failed decode workers
+        self.num_moves = 0  # moves because a decode worker changed role or left (not failures)
         self.local_prefill_reason = ""  # why the decode worker prefilled the prompt; empty: the prefill pool
 
     async def events(self) -> AsyncGenerator[StreamEvent, None]:
+        while True:
+            try:
+                async for event in self._route():
+                    yield event
+                return
+            except _Requeued:  # handed back before its first token: route it again, as if it just came
+                self.num_moves += 1
+                self.local_prefill_reason = ""
+
+    async def _route(self) -> AsyncGenerator[StreamEvent, None]:
         decode = await self._wait_for_worker("decode", self.deadlines.prefill_by)
-        has_prefill_pool = self.deployment.active("prefill") or self.deployment.is_replacing("prefill")
+        has_prefill_pool = (self.deployment.active(Role.PREFILL) or self.deployment.is_replacing(Role.PREFILL)
+                            or self._is_prefill_coming())
         # A mixed worker prefills its own requests; so does a decode worker when no prefill worker is left
         # (a layout moving to all-mixed drains the prefill pool while decode workers still serve), or when
         # the router finds the handoff not worth it (conditional disaggregation).
         self.local_prefill_reason = (
-            "mixed worker" if decode.is_colocated else
+            "mixed worker" if decode.role is Role.MIXED else
             "no prefill worker" if not has_prefill_pool else
             self.router.local_prefill_reason(self.prompt_token_ids)
         )
         if self.local_prefill_reason:
-            async for event in self._decode(decode, DecodeRequest(self.request_id, self.prompt_token_ids,
-                                                                  self.sampling)):
-                yield event
+            # Prompt tokens sent to a decode or mixed worker and not yet prefilled (the ratio controller's
+            # view of prompt work on workers that also decode).
+            pending = len(self.prompt_token_ids)
+            self.router.local_prefill_tokens[decode.worker_id] += pending
+            try:
+                async for event in self._decode(decode, DecodeRequest(self.request_id, self.prompt_token_ids,
+                                                                      self.sampling)):
+                    self.router.local_prefill_tokens[decode.worker_id] -= pending
+                    pending = 0
+                    yield event
+            finally:
+                self.router.local_prefill_tokens[decode.worker_id] -= pending
             return
         prefill, result = await self._prefill()
         handle = result.kv_handle
@@ -114,7 +150,7 @@ class RequestRun:
             request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
                                     result.first_token_id, result.first_logprob, handle)
             async for event in self._decode(decode, request):
-                is_pulled = event.finish_reason is not None and not self.num_migrations
+                is_pulled = event.finish_reason is not None and not (self.num_migrations or self.num_moves)
                 yield event
         finally:
             if handle is not None and not is_pulled:
@@ -170,6 +206,10 @@ class RequestRun:
                     raise RequestFailed(f"generation stopped: {self.num_migrations + 1} decode workers "
                                         "failed while serving this request", "worker_failed") from None
                 self.num_migrations += 1
+            except _Evacuated:
+                if not self.generated:  # it was still prefilling there: the whole route starts again
+                    raise _Requeued from None
+                self.num_moves += 1
             # Continue elsewhere from what the client has: the new worker recomputes prompt + those tokens.
             decode = await self._wait_for_worker("decode", self.deadlines.finish_by, {decode.worker_id})
             request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
@@ -184,11 +224,17 @@ class RequestRun:
             async for output in self._outputs(stream):
                 if output.finish_reason == "error":
                     raise _WorkerLost(output.error or "decode worker failed")
-                is_finished = output.finish_reason is not None
+                is_evacuated = output.finish_reason == "migrate"
+                is_finished = output.finish_reason is not None  # evacuated: the worker let go of it too
                 self.generated.extend(output.token_ids)
+                if is_evacuated:
+                    if output.token_ids:
+                        yield StreamEvent(self.request_id, output.token_ids, output.logprobs,
+                                          output.token_times)
+                    raise _Evacuated
                 yield StreamEvent(self.request_id, output.token_ids, output.logprobs, output.token_times,
                                   output.finish_reason, decode=output if is_finished else None,
-                                  num_migrations=self.num_migrations,
+                                  num_migrations=self.num_migrations, num_moves=self.num_moves,
                                   local_prefill_reason=self.local_prefill_reason if is_finished else "")
         finally:
             self.router.decode_tokens[decode.worker_id] -= reserved
@@ -217,16 +263,24 @@ class RequestRun:
     async def _wait_for_worker(self, role: str, deadline: float, exclude: set[str] | None = None) -> Worker:
         """The router's pick among live workers not in `exclude`; waits for a replacement until `deadline`."""
         while True:
-            candidates = [w for w in self.deployment.active(role) if w.worker_id not in (exclude or ())]
+            roles = (Role.DECODE, Role.MIXED) if role == "decode" else (Role.PREFILL,)
+            candidates = [w for w in self.deployment.active(*roles) if w.worker_id not in (exclude or ())]
             if candidates:
                 return (self.router.pick_decode(candidates) if role == "decode"
                         else self.router.pick_prefill(self.prompt_token_ids, candidates))
-            if not self.deployment.is_replacing(role):
+            if not (self.deployment.is_replacing(*roles) or self._is_role_coming(roles)):
                 raise RequestFailed(f"no {role} worker is alive and none is starting", "no_worker")
             if self._left(deadline) <= 0:
                 raise RequestFailed(f"no {role} worker became available before the request's deadline",
                                     "no_worker")
             await asyncio.sleep(WORKER_POLL_S)
+
+    def _is_role_coming(self, roles: tuple[Role, ...]) -> bool:
+        """Whether a worker is changing role into one of `roles` (it will be routable shortly)."""
+        return any(w.next_role in roles for w in self.deployment.workers.values())
+
+    def _is_prefill_coming(self) -> bool:
+        return self._is_role_coming((Role.PREFILL,))
 
     @staticmethod
     def _left(deadline: float) -> float:

@@ -1,15 +1,22 @@
-"""The two pools of Ray actors and the wiring between them; sets the prefill:decode ratio.
+"""The pools of worker actors and the wiring between them; sets the prefill:decode ratio.
 
-Lifecycle of a worker (WorkerState):  add() → STARTING (actor constructor: model load, KV cache, agent)
-    → ACTIVE (routable; every decode worker knows every prefill worker's PeerInfo)
-    → DRAINING (not routable; finishes what it holds) → removed (shutdown, actor killed).
-    ACTIVE | DRAINING → FAILED (its actor died, its step loop died, or it stopped answering): not routable;
-    the actor is killed and a new worker of the same kind is started in its place (retried with backoff
-    until it comes up), so the pools return to their target size by themselves.
+Every worker is the same kind of actor (pool_worker.WorkerActor) serving in a role: prefill, decode or
+mixed. Lifecycle of a worker (WorkerState):
+    add() → STARTING (actor constructor: model load, KV cache, transfer endpoint)
+    → ACTIVE (routable; every decode or mixed worker knows every prefill worker's PeerInfo)
+    → change_role(): decode ⇄ mixed at once (same front, routed differently); to or from prefill the worker
+      is CHANGING_ROLE: not routable, its decode streams evacuated to other workers (they continue from the
+      tokens the client has), and once it holds nothing its front is rebuilt in the new role over the same
+      weights and KV cache; peers are rewired → ACTIVE in the new role
+    → drain_worker(): DRAINING (not routable; finishes what it holds, or after a grace period evacuates it)
+      → removed (shutdown, actor killed).
+    ACTIVE | DRAINING | CHANGING_ROLE → FAILED (its actor died, its step loop died, or it stopped
+    answering): not routable; the actor is killed and a new worker of the same role is started in its place
+    (retried with backoff until it comes up), so the pools return to their target size by themselves.
 Failures are noticed two ways: the orchestrator reports a worker whose call failed (mark_failed), and
 watch() polls every worker's load once a second. health() says ok / degraded / unavailable from the states.
-The torch transfer backend binds its peers up front (one process group), so its pools cannot grow, shrink
-or replace a worker after start; nixl pools can.
+The torch transfer backend binds its peers up front (one process group), so its pools cannot grow, shrink,
+change roles or replace a worker after start; nixl pools can.
 """
 
 from __future__ import annotations
@@ -19,63 +26,21 @@ import contextlib
 import itertools
 import logging
 import socket
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import ray
 
-from decode_pool.actor import DecodeActor
+from gateway.deployment_config import DeploymentConfig
 from gateway.workers import PoolHealth, Worker, WorkerState
-from kv_transfer import BackendName, TransferConfig, capabilities
-from kv_transfer.registry import resolve
-from llm_engine import EngineConfig
+from kv_transfer import capabilities
 from llm_engine.load import WorkerLoad
 from llm_engine.worker_setup import TorchGroupSpec
-from prefill_pool.actor import PrefillActor
+from pool_worker import Role, WorkerActor
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class DeploymentConfig:
-    """What `pdserve serve` starts."""
-
-    engine: EngineConfig  # model, dtype, device, block size, KV budget (the same for both roles)
-    num_prefill: int = 1
-    num_decode: int = 1
-    # Colocated baseline: this many workers that each prefill and decode (no KV transfer); when set,
-    # num_prefill and num_decode must be 0.
-    num_colocated: int = 0
-    backend: str = "auto"  # "nixl", "torch" or "auto" (nixl if it imports, else torch)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    watermark: float = 0.05  # fraction of decode blocks kept free when admitting
-    num_cpus_per_worker: float = 1.0  # Ray resource request of each actor
-    num_gpus_per_worker: float = 0.0
-    num_threads: int = 1  # torch threads per worker
-    start_timeout_s: float = 300.0  # a worker that has not loaded its model by then is given up and retried
-
-    def __post_init__(self) -> None:
-        if self.num_colocated:
-            if self.num_colocated < 0 or self.num_prefill or self.num_decode:
-                raise ValueError("colocated mode takes num_colocated >= 1 and no prefill or decode workers")
-        elif self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError(
-                f"need at least 1 prefill and 1 decode worker, got {self.num_prefill}:{self.num_decode}"
-            )
-        if not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-
-    def resolve_backend(self) -> BackendName:
-        if self.num_colocated:
-            return BackendName.LOCAL  # nothing crosses processes: each worker prefills for itself
-        if self.backend != "auto":
-            return resolve(self.backend).name  # unknown names raise, listing the known ones
-        if resolve(BackendName.NIXL).is_available():
-            logger.info("KV transfer backend nixl: it imports here (one-sided READ over UCX)")
-            return BackendName.NIXL
-        logger.info("KV transfer backend torch: nixl does not import here")
-        return BackendName.TORCH
+__all__ = ["DeploymentConfig", "PDDeployment"]
 
 
 def _free_port() -> int:
@@ -89,39 +54,42 @@ LOAD_TIMEOUT_S = 30.0
 
 
 class PDDeployment:
-    """Owns every worker actor of both roles."""
+    """Owns every worker actor of every role."""
 
     def __init__(self, config: DeploymentConfig) -> None:
         self.config = config
         self.backend = config.resolve_backend()
         self.workers: dict[str, Worker] = {}
+        # Worker ids (and so Ray actor names) are unique in the cluster: several gateways may share one.
+        self._tag = uuid.uuid4().hex[:6]
         self._ids = itertools.count()
         self._torch_groups: dict[str, TorchGroupSpec] = {}
-        self.target = {"prefill": config.num_prefill, "decode": config.num_decode,
-                       "colocated": config.num_colocated}
+        self.target: dict[Role, int] = config.layout()
         self.on_change: list[Callable[[], None]] = []  # called when the set of active workers changes
-        self.on_remove: list[Callable[[str], None]] = []  # called with the id of a worker that is gone
+        self.on_remove: list[Callable[[str], None]] = []  # called with the id of a worker gone from its role
         # Failed worker id → (that worker, the task starting its replacement).
         self._replacements: dict[str, tuple[Worker, asyncio.Task[None]]] = {}
         self._is_closing = False
+        self.last_loads: list[WorkerLoad] = []  # from the latest loads() (watch() refreshes it every second)
+
+    @property
+    def can_change(self) -> bool:
+        """Whether workers can be added, removed, replaced or change role (not with a fixed torch group)."""
+        return not capabilities(self.backend).needs_peer_bound_up_front
 
     async def start(self) -> None:
-        """Create both pools and connect every decode worker to every prefill worker."""
-        if capabilities(self.backend).needs_peer_bound_up_front:
+        """Create every worker and connect every decode or mixed worker to every prefill worker."""
+        roles = [role for role, count in self.config.layout().items() for _ in range(count)]
+        if not self.can_change:
             from kv_transfer.backends.torch_dist import p2p_backend
 
-            world = self.config.num_prefill + self.config.num_decode
             init = f"tcp://127.0.0.1:{_free_port()}"
             group_backend = p2p_backend(self.config.engine.device)  # NCCL for a CUDA KV cache, else gloo
-            for rank in range(world):
-                role = "prefill" if rank < self.config.num_prefill else "decode"
-                self._torch_groups[f"{role}-{rank}"] = TorchGroupSpec(init, rank, world, group_backend)
-        names = [f"prefill-{i}" for i in range(self.config.num_prefill)]
-        names += [f"decode-{self.config.num_prefill + i}" for i in range(self.config.num_decode)]
-        names += [f"colocated-{i}" for i in range(self.config.num_colocated)]
-        self._ids = itertools.count(len(names))
-        for name in names:
-            self._create(name)
+            for rank in range(len(roles)):
+                spec = TorchGroupSpec(init, rank, len(roles), group_backend)
+                self._torch_groups[self._worker_id(rank)] = spec
+        for role in roles:
+            self._create(role)
         # Constructors run concurrently (a torch group forms only when every rank has joined).
         await asyncio.gather(*(w.actor.load.remote() for w in self.workers.values()))
         await self._connect(list(self.workers.values()))
@@ -129,68 +97,100 @@ class PDDeployment:
             worker.state = WorkerState.ACTIVE
         self._changed()
 
-    def _create(self, worker_id: str) -> Worker:
-        role = worker_id.split("-")[0]
-        # A colocated worker is a decode worker that receives no handles and so prefills for itself.
-        cls = PrefillActor if role == "prefill" else DecodeActor
+    def _worker_id(self, number: int) -> str:
+        return f"worker-{self._tag}-{number}"
+
+    def _create(self, role: Role) -> Worker:
+        worker_id = self._worker_id(next(self._ids))
         options = {
             "num_cpus": self.config.num_cpus_per_worker,
             "num_gpus": self.config.num_gpus_per_worker,
             "name": f"pdserve-{worker_id}",
             "max_concurrency": 1000,
         }
-        kwargs: dict[str, Any] = {
-            "num_threads": self.config.num_threads,
-            "torch_group": self._torch_groups.get(worker_id),
-        }
-        if role != "prefill":
-            kwargs["watermark"] = self.config.watermark
         actor = (
-            ray.remote(cls)
+            ray.remote(WorkerActor)
             .options(**options)
-            .remote(worker_id, self.config.engine, self.backend.value, self.config.transfer, **kwargs)
+            .remote(worker_id, role.value, self.config.engine, self.backend.value, self.config.transfer,
+                    watermark=self.config.watermark, num_threads=self.config.num_threads,
+                    torch_group=self._torch_groups.get(worker_id))
         )
-        worker = Worker(
-            worker_id, "decode" if role == "colocated" else role, actor, is_colocated=role == "colocated"
-        )
+        worker = Worker(worker_id, role, actor)
         self.workers[worker_id] = worker
         return worker
 
     async def _connect(self, new: list[Worker]) -> None:
+        """Tell every decode or mixed worker about every prefill worker, where either is in `new`."""
         alive = [w for w in self.workers.values() if w.state is not WorkerState.FAILED]
-        prefills = [w for w in alive if w.role == "prefill"]
-        decodes = [w for w in alive if w.role == "decode"]
-        peers = dict(
-            zip(
-                [p.worker_id for p in prefills],
-                await asyncio.gather(*(p.actor.peer_info.remote() for p in prefills)),
-                strict=True,
-            )
-        )
-        calls = [
-            d.actor.add_prefill_peer.remote(peers[p.worker_id], p.actor)
-            for d in decodes
-            for p in prefills
-            if d in new or p in new
-        ]
-        await asyncio.gather(*calls)
+        prefills = [w for w in alive if w.role is Role.PREFILL]
+        decodes = [w for w in alive if w.role.can_decode]
+        pairs = [(d, p) for d in decodes for p in prefills if d in new or p in new]
+        needed = {p.worker_id: p for _, p in pairs}
+        infos = await asyncio.gather(*(p.actor.peer_info.remote() for p in needed.values()))
+        peers = dict(zip(needed, infos, strict=True))
+        await asyncio.gather(*(d.actor.add_prefill_peer.remote(peers[p.worker_id], p.actor)
+                               for d, p in pairs))
 
-    def active(self, role: str) -> list[Worker]:
-        return [w for w in self.workers.values() if w.role == role and w.state is WorkerState.ACTIVE]
+    def active(self, *roles: Role) -> list[Worker]:
+        """Routable workers in any of `roles`."""
+        return [w for w in self.workers.values() if w.role in roles and w.state is WorkerState.ACTIVE]
 
-    async def add_worker(self, role: str) -> str:
-        """Start one more worker of `role` and connect it; returns its id."""
-        if capabilities(self.backend).needs_peer_bound_up_front:
-            raise RuntimeError(
-                f"the {self.backend} transfer backend fixes its workers at start; use nixl to resize pools"
-            )
-        worker = self._create(f"{role}-{next(self._ids)}")
-        self.target[worker.kind] += 1
+    def _check_can_change(self) -> None:
+        if not self.can_change:
+            raise RuntimeError(f"the {self.backend} transfer backend fixes its workers at start; use nixl to "
+                               "change the pools")
+
+    async def add_worker(self, role: Role) -> str:
+        """Start one more worker in `role` and connect it; returns its id."""
+        self._check_can_change()
+        worker = self._create(Role(role))
+        self.target[role] += 1
         await worker.actor.load.remote()
         await self._connect([worker])
         worker.state = WorkerState.ACTIVE
         self._changed()
         return worker.worker_id
+
+    async def change_role(self, worker_id: str, role: Role, in_flight: Callable[[str], int] | None = None,
+                          grace_s: float = 0.0, timeout_s: float = 300.0) -> None:
+        """Move an active worker to `role` without restarting it (see the lifecycle).
+
+        Args:
+            in_flight: the gateway's count of what it has sent the worker and not seen come back.
+            grace_s: how long its decode streams may run on before they are evacuated to other workers.
+        """
+        self._check_can_change()
+        worker, role = self.workers[worker_id], Role(role)
+        old = worker.role
+        if not worker.is_active:
+            raise RuntimeError(f"{worker_id} is {worker.state.value}, not active")
+        if role is old:
+            return
+        self._check_others_can_decode(worker, role)
+        self.target[old] -= 1
+        self.target[role] += 1
+        if old.can_decode and role.can_decode:  # decode ⇄ mixed: only the routing changes
+            await worker.actor.set_role.remote(role.value)
+            worker.role = role
+            self._changed()
+            return
+        worker.state, worker.next_role = WorkerState.CHANGING_ROLE, role
+        self._changed()
+        await self._wait_until_empty(worker, in_flight, grace_s, timeout_s)
+        if old is Role.PREFILL:
+            self._unwire_prefill(worker)
+        await worker.actor.set_role.remote(role.value)
+        worker.role = role
+        await self._connect([worker])
+        # next_role stays set until now: requests waiting for a worker in that role keep waiting for it.
+        worker.state, worker.next_role = WorkerState.ACTIVE, None
+        self._changed()
+
+    def _check_others_can_decode(self, leaving: Worker, new_role: Role | None = None) -> None:
+        others = [w for w in self.workers.values() if w.is_active and w is not leaving]
+        if leaving.is_active and not (new_role and new_role.can_decode) and not any(
+                w.role.can_decode for w in others):
+            raise ValueError(f"{leaving.worker_id} is the last active worker that can decode")
 
     def mark_failed(self, worker_id: str, why: str) -> None:
         """Take a worker out of routing at once and start its replacement (idempotent)."""
@@ -203,7 +203,7 @@ class PDDeployment:
         self._changed()
         if self._is_closing:
             return
-        if capabilities(self.backend).needs_peer_bound_up_front:
+        if not self.can_change:
             logger.error("the %s transfer backend fixes its workers at start: %s is not replaced",
                          self.backend, worker_id)
             return
@@ -212,15 +212,16 @@ class PDDeployment:
             return
         self._replacements[worker_id] = (worker, asyncio.create_task(self._replace(worker)))
 
-    def is_replacing(self, role: str) -> bool:
-        """Whether a worker that can serve `role` is being started in place of a failed one."""
-        return any(w.role == role for w, _ in self._replacements.values())
+    def is_replacing(self, *roles: Role) -> bool:
+        """Whether a worker in any of `roles` is being started in place of a failed one."""
+        return any((w.next_role or w.role) in roles for w, _ in self._replacements.values())
 
     async def _replace(self, failed: Worker, first_retry_s: float = 1.0) -> None:
         self._forget(failed)
+        role = failed.next_role or failed.role  # a worker that failed while changing role: its new role
         retry_s = first_retry_s
         while not self._is_closing:
-            worker = self._create(f"{failed.kind}-{next(self._ids)}")
+            worker = self._create(role)
             try:
                 await asyncio.wait_for(worker.actor.load.remote(), self.config.start_timeout_s)
                 await self._connect([worker])
@@ -241,10 +242,18 @@ class PDDeployment:
         with contextlib.suppress(Exception):  # already gone
             ray.kill(worker.actor, no_restart=True)
         self.workers.pop(worker.worker_id, None)
+        if worker.role is Role.PREFILL:
+            self._unwire_prefill(worker)
+        else:
+            for callback in self.on_remove:
+                callback(worker.worker_id)
+
+    def _unwire_prefill(self, worker: Worker) -> None:
+        """A prefill worker leaves its role: the router and every decode or mixed worker forget it."""
         for callback in self.on_remove:
             callback(worker.worker_id)
-        if worker.role == "prefill":  # decode workers forget it as a peer
-            for decode in self.active("decode"):
+        for decode in self.workers.values():
+            if decode.role.can_decode and decode.state is not WorkerState.FAILED:
                 decode.actor.remove_prefill_peer.remote(worker.worker_id)
 
     def _changed(self) -> None:
@@ -263,41 +272,48 @@ class PDDeployment:
             except Exception:  # the watcher itself must never die
                 logger.exception("pool watch failed")
 
-    async def drain_worker(self, worker_id: str, poll_s: float = 0.05, timeout_s: float = 300.0,
-                           in_flight: Callable[[str], int] | None = None) -> None:
+    async def drain_worker(self, worker_id: str, in_flight: Callable[[str], int] | None = None,
+                           grace_s: float = 30.0, timeout_s: float = 300.0) -> None:
         """Stop routing to a worker, wait until it holds nothing, then stop it.
 
         Args:
             in_flight: the gateway's count of what it has sent the worker and not seen come back; a call
                 on its way is not in the worker's load yet, so the drain also waits for this to be 0.
+            grace_s: how long its decode streams may run on before they are evacuated to other workers.
         """
+        self._check_can_change()
         worker = self.workers[worker_id]
-        others = [w for w in self.workers.values() if w.is_active and w is not worker]
-        lacking = [role for role, can in (
-            ("prefill", any(w.role == "prefill" or w.is_colocated for w in others)),
-            ("decode", any(w.role == "decode" for w in others))) if not can]
-        if worker.is_active and lacking:
-            raise ValueError(f"{worker_id} is the last active worker that can {' or '.join(lacking)}")
+        self._check_others_can_decode(worker)
         worker.state = WorkerState.DRAINING
-        self.target[worker.kind] -= 1
+        self.target[worker.role] -= 1
         self._changed()
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        num_idle = 0
-        while num_idle < 2:  # twice in a row: a request between the two reads shows in one of them
-            load = await worker.actor.load.remote()
-            is_idle = load.num_requests == 0 and load.num_free_blocks == load.num_total_blocks
-            num_idle = num_idle + 1 if is_idle and not (in_flight and in_flight(worker_id)) else 0
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(
-                    f"{worker_id} still holds {load.num_requests} requests after {timeout_s:.0f} s"
-                )
-            await asyncio.sleep(poll_s)
+        await self._wait_until_empty(worker, in_flight, grace_s, timeout_s)
         await worker.actor.shutdown.remote()
         self._forget(worker)
 
+    async def _wait_until_empty(self, worker: Worker, in_flight: Callable[[str], int] | None, grace_s: float,
+                                timeout_s: float, poll_s: float = 0.05) -> None:
+        """Until the worker holds no request in any state and nothing is on its way to it; after `grace_s`
+        its decode streams are evacuated (again whenever one arrives late)."""
+        event_loop = asyncio.get_running_loop()
+        started = event_loop.time()
+        num_idle = 0
+        while num_idle < 2:  # twice in a row: a request between the two reads shows in one of them
+            waited = event_loop.time() - started
+            if waited >= grace_s and worker.role.can_decode:
+                await worker.actor.evacuate.remote()
+            load = await worker.actor.load.remote()
+            is_idle = load.num_requests == 0 and load.num_free_blocks == load.num_total_blocks
+            num_idle = num_idle + 1 if is_idle and not (in_flight and in_flight(worker.worker_id)) else 0
+            if waited > timeout_s:
+                raise TimeoutError(f"{worker.worker_id} still holds {load.num_requests} requests after "
+                                   f"{timeout_s:.0f} s")
+            await asyncio.sleep(poll_s)
+
     async def loads(self) -> list[WorkerLoad]:
         """Loads of the live workers; a worker that is dead or reports a failure is marked failed."""
-        workers = [w for w in self.workers.values() if w.state in (WorkerState.ACTIVE, WorkerState.DRAINING)]
+        live = (WorkerState.ACTIVE, WorkerState.DRAINING, WorkerState.CHANGING_ROLE)
+        workers = [w for w in self.workers.values() if w.state in live]
         answers = await asyncio.gather(
             *(asyncio.wait_for(w.actor.load.remote(), LOAD_TIMEOUT_S) for w in workers),
             return_exceptions=True,
@@ -310,6 +326,7 @@ class PDDeployment:
                 self.mark_failed(worker.worker_id, answer.failure)
             else:
                 loads.append(answer)
+        self.last_loads = loads
         return loads
 
     async def shutdown(self) -> None:

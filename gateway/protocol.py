@@ -125,6 +125,9 @@ class Timings(BaseModel):
     token_gaps_ms: list[float]  # gaps between consecutive tokens leaving the gateway
     prefill_on: str = "prefill"  # the worker kind that prefilled: "prefill" (the pool) or "decode" (itself)
     local_prefill_reason: str | None = None  # why the decode or mixed worker prefilled the prompt itself
+    # Times the stream moved to another worker, which recomputed what the client had: its worker failed,
+    # changed role or left the pools.
+    num_moves: int = 0
 
 
 class CompletionChoice(BaseModel):

@@ -1,12 +1,15 @@
 """Setting the pool layout at runtime (`PUT /admin/pools`): plan, check, then apply one worker at a time.
 
-    PoolLayout (the body) → check(): can it serve? can the backend resize? does Ray have room? → 4xx if not
-      → plan_moves(): workers to add, then workers to drain (adds first, so capacity never dips below the
-        smaller of the two layouts) → apply(): each move in turn; a drain ends only when the worker holds
-        no request in any state and the gateway has nothing in flight to it → ResizeResult.
-One resize at a time: a second PUT while one applies is a ResizeConflict (409), as is any resize of a
-torch-backend deployment (its process group is fixed at start). Kinds: prefill, decode, and mixed (a worker
-that prefills its own requests and decodes them: the colocated layout).
+    PoolLayout (the body) → check(): can it serve? can the backend change? does Ray have room? → 4xx if not
+      → plan_moves(): role changes decode ⇄ mixed (instant: only the routing changes), then workers to add,
+        then role changes to or from prefill (drain, then rebuild in place: same process, same weights),
+        then workers to drain. Adds come before the moves that take a worker out of service, so capacity
+        never dips below the smaller of the two layouts.
+      → apply(): each move in turn; a drain ends only when the worker holds no request in any state and the
+        gateway has nothing in flight to it (decode streams still there after a grace period move to
+        other workers, losing no token) → ResizeResult.
+One change at a time: a second PUT while one applies is a ResizeConflict (409), as is any change of a
+torch-backend deployment (its process group is fixed at start).
 """
 
 from __future__ import annotations
@@ -17,29 +20,44 @@ import time
 from dataclasses import dataclass, field
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.pools import PDDeployment
 from gateway.router import Router
-from gateway.workers import KIND_NAMES
-from kv_transfer import capabilities
+from pool_worker import Role
 
 logger = logging.getLogger(__name__)
 
-_KIND_OF = {name: kind for kind, name in KIND_NAMES.items()}  # the body's names → the deployment's kinds
+# How long a PUT lets a leaving worker's decode streams run on before they move to other workers.
+DRAIN_GRACE_S = 30.0
 
 
 class PoolLayout(BaseModel):
-    """The body of PUT /admin/pools: how many workers of each kind the deployment should have."""
+    """The body of PUT /admin/pools: how many workers of each role the deployment should have (a count not
+    given is 0), or {"auto": true|false} to turn the ratio controller on or off. Setting a layout by hand
+    turns the controller off."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    prefill: int = Field(ge=0, le=1024)
-    decode: int = Field(ge=0, le=1024)
+    prefill: int = Field(default=0, ge=0, le=1024)
+    decode: int = Field(default=0, ge=0, le=1024)
     mixed: int = Field(default=0, ge=0, le=1024)
+    # How long a leaving worker's decode streams may run on before they move to other workers (they lose no
+    # token either way: the new worker recomputes what the client has).
+    drain_grace_s: float = Field(default=DRAIN_GRACE_S, ge=0, le=3600)
+    auto: bool | None = None
 
-    def by_kind(self) -> dict[str, int]:
-        return {_KIND_OF[name]: count for name, count in self.model_dump().items()}
+    @model_validator(mode="after")
+    def _layout_or_auto(self) -> PoolLayout:
+        counts = self.model_fields_set & {"prefill", "decode", "mixed"}
+        if self.auto is not None and counts:
+            raise ValueError("give either worker counts or auto, not both")
+        if self.auto is None and not counts:
+            raise ValueError("give worker counts (prefill, decode, mixed) or auto")
+        return self
+
+    def by_role(self) -> dict[Role, int]:
+        return {Role.PREFILL: self.prefill, Role.DECODE: self.decode, Role.MIXED: self.mixed}
 
 
 class ResizeRefused(Exception):
@@ -47,13 +65,21 @@ class ResizeRefused(Exception):
 
 
 class ResizeConflict(Exception):
-    """Another resize is applying, or the backend cannot resize (HTTP 409); nothing has moved."""
+    """Another change is applying, or the backend cannot change (HTTP 409); nothing has moved."""
 
 
 @dataclass(frozen=True)
 class Move:
-    action: str  # "add" or "drain"
-    kind: str  # "prefill", "decode" or "colocated"
+    action: str  # "add", "drain" or "change" (a worker changes role in place)
+    role: Role  # the role added, drained, or changed to
+    from_role: Role | None = None  # for "change": the role it leaves
+    worker_id: str | None = None  # the worker to change or drain; None: the resizer picks
+
+    def describe(self) -> dict[str, str]:
+        described = {"action": self.action, "role": self.role.value}
+        if self.from_role is not None:
+            described["from"] = self.from_role.value
+        return described
 
 
 @dataclass
@@ -61,16 +87,29 @@ class ResizeResult:
     """What PUT /admin/pools answers."""
 
     moves: list[Move]  # the plan, in order
-    done: list[str] = field(default_factory=list)  # "added decode-5", "drained prefill-0", one per move
+    done: list[str] = field(default_factory=list)  # "added worker-5", "worker-0: prefill → mixed", ...
     error: str = ""  # why the plan stopped part way (a worker failed to start, a drain timed out)
     seconds: float = 0.0
 
 
-def plan_moves(current: dict[str, int], target: dict[str, int]) -> list[Move]:
-    """Adds first, then drains, one worker per move."""
-    adds = [Move("add", kind) for kind in target for _ in range(target[kind] - current.get(kind, 0))]
-    drains = [Move("drain", kind) for kind in target for _ in range(current.get(kind, 0) - target[kind])]
-    return adds + drains
+def plan_moves(current: dict[Role, int], target: dict[Role, int]) -> list[Move]:
+    """Role changes where one role has too many workers and another too few, then adds and drains for the
+    rest, ordered as the module docstring says."""
+    surplus = {role: current.get(role, 0) - target.get(role, 0) for role in Role}
+    changes: list[Move] = []
+    # decode ⇄ mixed first: free and instant. Then pair what is left.
+    for pairs in (((Role.DECODE, Role.MIXED), (Role.MIXED, Role.DECODE)),
+                  tuple((a, b) for a in Role for b in Role if a is not b)):
+        for from_role, to_role in pairs:
+            while surplus[from_role] > 0 and surplus[to_role] < 0:
+                changes.append(Move("change", to_role, from_role))
+                surplus[from_role] -= 1
+                surplus[to_role] += 1
+    instant = [m for m in changes if m.role.can_decode and m.from_role is not None and m.from_role.can_decode]
+    in_place = [m for m in changes if m not in instant]
+    adds = [Move("add", role) for role in Role for _ in range(-surplus[role])]
+    drains = [Move("drain", role) for role in Role for _ in range(surplus[role])]
+    return instant + adds + in_place + drains
 
 
 class PoolResizer:
@@ -79,20 +118,24 @@ class PoolResizer:
         self.router = router
         self.drain_timeout_s = drain_timeout_s
         self._lock = asyncio.Lock()
-        self.current_plan: ResizeResult | None = None  # the resize applying now, for GET /admin/pools
+        self.current_plan: ResizeResult | None = None  # the change applying now, for GET /admin/pools
+
+    @property
+    def is_busy(self) -> bool:
+        return self._lock.locked()
 
     def check(self, layout: PoolLayout) -> list[Move]:
         """The moves to reach `layout`, or ResizeRefused / ResizeConflict saying why not."""
-        if capabilities(self.deployment.backend).needs_peer_bound_up_front:
+        if not self.deployment.can_change:
             raise ResizeConflict(f"the {self.deployment.backend} transfer backend fixes its workers when the "
                                  "server starts; serve with --backend nixl to change the pools at runtime")
-        if self._lock.locked():
+        if self.is_busy:
             raise ResizeConflict("another change of the pools is being applied; try again when it is done")
-        target = layout.by_kind()
-        if target["prefill"] + target["colocated"] < 1 or target["decode"] + target["colocated"] < 1:
+        target = layout.by_role()
+        if target[Role.PREFILL] + target[Role.MIXED] < 1 or target[Role.DECODE] + target[Role.MIXED] < 1:
             raise ResizeRefused("the layout cannot serve: it needs at least one worker that can prefill "
                                 "(prefill or mixed) and one that can decode (decode or mixed)")
-        if (target["prefill"] or target["decode"]) and self.deployment.backend.value == "local":
+        if (target[Role.PREFILL] or target[Role.DECODE]) and self.deployment.backend.value == "local":
             raise ResizeConflict("this server was started with only mixed workers and no KV transfer "
                                  "backend; serve with --backend nixl to add prefill or decode workers")
         moves = plan_moves(self.deployment.target, target)
@@ -104,9 +147,13 @@ class PoolResizer:
                                 f"cluster has {available:g} CPUs free")
         return moves
 
-    async def apply(self, moves: list[Move]) -> ResizeResult:
-        """Carry out the moves in order; stops at the first that fails (the rest do not run)."""
-        if self._lock.locked():
+    async def apply(self, moves: list[Move], grace_s: float = DRAIN_GRACE_S) -> ResizeResult:
+        """Carry out the moves in order; stops at the first that fails (the rest do not run).
+
+        Args:
+            grace_s: how long a leaving worker's decode streams may run on before they move elsewhere.
+        """
+        if self.is_busy:
             raise ResizeConflict("another change of the pools is being applied; try again when it is done")
         async with self._lock:
             result = ResizeResult(moves)
@@ -114,27 +161,36 @@ class PoolResizer:
             started = time.monotonic()
             try:
                 for move in moves:
-                    if move.action == "add":
-                        worker_id = await self.deployment.add_worker(move.kind)
-                        result.done.append(f"added {worker_id}")
-                    else:
-                        worker_id = self._pick_to_drain(move.kind)
-                        await self.deployment.drain_worker(worker_id, timeout_s=self.drain_timeout_s,
-                                                           in_flight=self.router.in_flight)
-                        result.done.append(f"drained {worker_id}")
+                    result.done.append(await self._apply_one(move, grace_s))
                     logger.info("pools: %s", result.done[-1])
             except Exception as error:
                 result.error = f"{type(error).__name__}: {error}"
-                logger.error("pools: the resize stopped after %d of %d moves: %s", len(result.done),
+                logger.error("pools: the change stopped after %d of %d moves: %s", len(result.done),
                              len(moves), result.error)
             finally:
                 result.seconds = time.monotonic() - started
                 self.current_plan = None
             return result
 
-    def _pick_to_drain(self, kind: str) -> str:
-        """The newest active worker of that kind (the oldest keep their warm prefix caches)."""
-        candidates = [w for w in self.deployment.workers.values() if w.kind == kind and w.is_active]
+    async def _apply_one(self, move: Move, grace_s: float) -> str:
+        if move.action == "add":
+            return f"added {await self.deployment.add_worker(move.role)}"
+        if move.action == "drain":
+            worker_id = move.worker_id or self._pick(move.role)
+            await self.deployment.drain_worker(worker_id, in_flight=self.router.in_flight, grace_s=grace_s,
+                                               timeout_s=self.drain_timeout_s)
+            return f"drained {worker_id}"
+        assert move.from_role is not None
+        worker_id = move.worker_id or self._pick(move.from_role)
+        await self.deployment.change_role(worker_id, move.role, in_flight=self.router.in_flight,
+                                          grace_s=grace_s, timeout_s=self.drain_timeout_s)
+        return f"{worker_id}: {move.from_role.value} → {move.role.value}"
+
+    def _pick(self, role: Role) -> str:
+        """The active worker of that role with the least work (ties: the newest; the oldest keep their
+        warm prefix caches)."""
+        candidates = [w for w in self.deployment.workers.values() if w.role is role and w.is_active]
         if not candidates:
-            raise RuntimeError(f"no active {kind} worker to drain")
-        return candidates[-1].worker_id
+            raise RuntimeError(f"no active {role.value} worker")
+        held = {x.worker_id: x.num_requests for x in self.deployment.last_loads}
+        return min(reversed(candidates), key=lambda w: held.get(w.worker_id, 0)).worker_id

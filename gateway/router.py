@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from gateway.pools import PDDeployment
 from gateway.workers import Worker
 from llm_engine.kv_cache_manager import prefix_hashes
+from pool_worker import Role
 
 # Block hashes remembered per prefill worker; beyond this the oldest are forgotten (as the worker evicts).
 MAX_REMEMBERED_BLOCKS = 65536
@@ -45,6 +46,8 @@ class Router:
         deployment.on_remove.append(self.forget)
         self.prefill_tokens: defaultdict[str, int] = defaultdict(int)  # prompt tokens sent, not yet prefilled
         self.decode_tokens: defaultdict[str, int] = defaultdict(int)  # tokens of requests decoding there
+        # Prompt tokens a decode or mixed worker was sent to prefill itself, not yet prefilled.
+        self.local_prefill_tokens: defaultdict[str, int] = defaultdict(int)
         self._cached: defaultdict[str, OrderedDict[bytes, None]] = defaultdict(OrderedDict)
 
     def forget(self, worker_id: str) -> None:
@@ -54,6 +57,8 @@ class Router:
             self.prefill_tokens.pop(worker_id, None)
         if not self.decode_tokens.get(worker_id):
             self.decode_tokens.pop(worker_id, None)
+        if not self.local_prefill_tokens.get(worker_id):
+            self.local_prefill_tokens.pop(worker_id, None)
 
     def in_flight(self, worker_id: str) -> int:
         """Tokens of requests sent to the worker and not yet back (0: nothing on its way there)."""
@@ -63,7 +68,7 @@ class Router:
         """Why the decode worker should prefill this prompt itself; empty: send it to the prefill pool.
         Only prompt tokens that no prefill worker is believed to hold count as prompt work."""
         policy = self.local_prefill
-        prefills = self.deployment.active("prefill")
+        prefills = self.deployment.active(Role.PREFILL)
         if not prefills or not (policy.max_uncached_tokens or policy.min_prefill_queue_tokens):
             return ""
         hashes = prefix_hashes(prompt_token_ids, self.block_size)
@@ -76,15 +81,15 @@ class Router:
         return ""
 
     def pick_decode(self, workers: list[Worker] | None = None) -> Worker:
-        """The least loaded of `workers` (default: every active decode worker)."""
-        workers = self.deployment.active("decode") if workers is None else workers
+        """The least loaded of `workers` (default: every active decode or mixed worker)."""
+        workers = self.deployment.active(Role.DECODE, Role.MIXED) if workers is None else workers
         if not workers:
             raise RuntimeError("no active decode worker")
         return min(workers, key=lambda w: self.decode_tokens[w.worker_id])
 
     def pick_prefill(self, prompt_token_ids: tuple[int, ...], workers: list[Worker] | None = None) -> Worker:
         """The best of `workers` (default: every active prefill worker) for this prompt."""
-        workers = self.deployment.active("prefill") if workers is None else workers
+        workers = self.deployment.active(Role.PREFILL) if workers is None else workers
         if not workers:
             raise RuntimeError("no active prefill worker")
         hashes = prefix_hashes(prompt_token_ids, self.block_size)

@@ -30,12 +30,16 @@ from gateway.metrics import Metrics
 from gateway.orchestrator import RequestFailed, StreamEvent, run_request
 from gateway.pools import PDDeployment
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Timings
+from gateway.recent import RecentLatencies
 from gateway.router import LocalPrefillPolicy, Router
 from llm_engine import ModelSpec, SamplingParams
+from pool_worker import Role
 from prefill_pool.messages import PrefillResult
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from gateway.ratio_controller import RatioController
 
 # Below these, sampling is greedy in all but name, and the sampler cannot take them: logits divided by a
 # tiny temperature overflow to inf, and a top_p under float32's smallest value rounds to 0 and drops every
@@ -94,6 +98,8 @@ class GatewayService:
         self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
         self.default_max_tokens = default_max_tokens
         self.deadline_policy = deadline_policy or DeadlinePolicy()
+        self.recent = RecentLatencies()  # the ratio controller's view of TTFT and ITL
+        self.ratio_controller: RatioController | None = None  # told of every prompt as it is routed
 
     # Validation and tokenization.
     def prepare_completion(self, request: CompletionRequest) -> PreparedRequest:
@@ -197,6 +203,8 @@ class GatewayService:
         deadlines = self.deadline_policy.for_request(
             prepared.arrival, len(prepared.prompt_token_ids), prepared.sampling.max_tokens
         )
+        if self.ratio_controller is not None:
+            self.ratio_controller.note_prompt(len(prepared.prompt_token_ids))
         events = run_request(
             self.router, prepared.request_id, prepared.prompt_token_ids, prepared.sampling, deadlines
         )
@@ -216,8 +224,10 @@ class GatewayService:
                 timings = self._timings(prepared.arrival, admitted, sent, prefill, decode)
                 if event.local_prefill_reason:
                     timings.prefill_on, timings.local_prefill_reason = "decode", event.local_prefill_reason
+                timings.num_moves = event.num_migrations + event.num_moves
                 outcome = finish
                 self.metrics.observe_request(timings, finish, len(prepared.prompt_token_ids), len(sent))
+                self.recent.add(timings)
                 yield TextDelta(text, event.token_ids, event.logprobs, finish, len(sent), timings)
                 return
         except RequestFailed as failed:
@@ -232,8 +242,10 @@ class GatewayService:
                 self.metrics.requests.labels("abort").inc()
 
     def on_pool_change(self) -> None:
-        """The set of active decode workers changed (failure, replacement, resize): recompute capacity."""
-        self.admission.set_capacity(self.max_request_tokens * len(self.deployment.active("decode")))
+        """The set of active decode or mixed workers changed (failure, replacement, resize, role change):
+        recompute capacity."""
+        num_decoding = len(self.deployment.active(Role.DECODE, Role.MIXED))
+        self.admission.set_capacity(self.max_request_tokens * num_decoding)
 
     @staticmethod
     def _timings(

@@ -1,6 +1,7 @@
-"""A worker as the gateway sees it (its kind, its actor, its state) and what /health reports of the pools.
+"""A worker as the gateway sees it (its role, its actor, its state) and what /health reports of the pools.
 
-States (WorkerState): STARTING → ACTIVE → DRAINING → removed; ACTIVE | DRAINING → FAILED → replaced.
+States (WorkerState): STARTING → ACTIVE → DRAINING → removed;  ACTIVE → CHANGING_ROLE → ACTIVE (in its new
+role);  ACTIVE | DRAINING | CHANGING_ROLE → FAILED → replaced. Only ACTIVE workers are routed to.
 """
 
 from __future__ import annotations
@@ -9,33 +10,28 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-# What the HTTP API calls each kind: a colocated worker is a "mixed" one (it prefills and decodes).
-KIND_NAMES = {"prefill": "prefill", "decode": "decode", "colocated": "mixed"}
+from pool_worker import Role
 
 
 class WorkerState(enum.Enum):
     STARTING = "starting"
     ACTIVE = "active"
-    DRAINING = "draining"
+    DRAINING = "draining"  # leaving the deployment once it holds nothing
+    CHANGING_ROLE = "changing_role"  # drained, then serves in another role (same process, same weights)
     FAILED = "failed"
 
 
 @dataclass
 class Worker:
     worker_id: str
-    role: str  # "prefill" or "decode"
-    actor: Any  # Ray actor handle
+    role: Role
+    actor: Any  # Ray actor handle (pool_worker.WorkerActor)
     state: WorkerState = WorkerState.STARTING
-    is_colocated: bool = False  # prefills its own requests (role is then "decode")
+    next_role: Role | None = None  # while CHANGING_ROLE
 
     @property
     def is_active(self) -> bool:
         return self.state is WorkerState.ACTIVE
-
-    @property
-    def kind(self) -> str:
-        """What the worker was started as: "prefill", "decode" or "colocated"."""
-        return "colocated" if self.is_colocated else self.role
 
 
 @dataclass(frozen=True)
@@ -45,23 +41,26 @@ class PoolHealth:
     # "ok": every target worker active; "degraded": some missing or being replaced; "unavailable": cannot
     # serve and nothing is starting.
     status: str
-    active: dict[str, int]  # kind → active workers
-    target: dict[str, int]  # kind → workers the deployment should have
+    active: dict[str, int]  # role → active workers
+    target: dict[str, int]  # role → workers the deployment should have
     num_replacing: int  # failed workers whose replacement is starting
 
     @staticmethod
-    def of(workers: list[Worker], target: dict[str, int], num_replacing: int) -> PoolHealth:
-        active = dict.fromkeys(target, 0)
+    def of(workers: list[Worker], target: dict[Role, int], num_replacing: int) -> PoolHealth:
+        active = {role.value: 0 for role in Role}
         for worker in workers:
             if worker.is_active:
-                active[worker.kind] += 1
-        can_prefill = active["prefill"] + active["colocated"]
-        can_decode = active["decode"] + active["colocated"]
-        if not can_prefill or not can_decode:
-            # Requests wait for a replacement that is starting (within their deadlines): degraded, not down.
-            status = "degraded" if num_replacing else "unavailable"
-        elif any(active[kind] < target[kind] for kind in target):
+                active[worker.role.value] += 1
+        # Any worker that decodes can serve alone: with no prefill worker left, decode workers prefill for
+        # themselves. A worker changing role is missing from its old role and not yet in its new one:
+        # degraded, as is a missing or replaced one. With no worker to decode, requests wait for a
+        # replacement or a role change (within their deadlines): degraded, not down.
+        can_decode = active[Role.DECODE] + active[Role.MIXED]
+        is_changing = any(w.state is WorkerState.CHANGING_ROLE for w in workers)
+        if not can_decode:
+            status = "degraded" if num_replacing or is_changing else "unavailable"
+        elif is_changing or any(active[role.value] < target[role] for role in Role):
             status = "degraded"
         else:
             status = "ok"
-        return PoolHealth(status, active, dict(target), num_replacing)
+        return PoolHealth(status, active, {role.value: n for role, n in target.items()}, num_replacing)

@@ -18,7 +18,7 @@ from kv_transfer.layout import KVLayout
 class PeerInfo:
     """What a receiver learns once about a sender before pulling from it."""
 
-    worker_id: str  # unique id of the sending worker; also its NIXL agent name
+    worker_id: str  # unique id of the sending worker (its NIXL agent name adds the endpoint's incarnation)
     hostname: str  # host of the sender's process, to detect colocation
     pid: int  # process id of the sender, to detect the same-process (local) case
     backend: BackendName  # backend the sender was built for

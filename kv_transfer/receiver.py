@@ -92,8 +92,10 @@ class KVReceiver(TransferEndpoint, ABC):
 
     def remove_peer(self, worker_id: str) -> None:
         """Forget a sender that left (a drained worker); later handles from it are refused (KeyError).
-        Pulls from it already running end as usual, at the latest at their deadline."""
-        self.peers.pop(worker_id, None)
+        Pulls from it already running end as usual, at the latest at their deadline. The same worker may
+        come back (a worker that changed role and back) with a new endpoint: add_peer() learns it anew."""
+        if self.peers.pop(worker_id, None) is not None:
+            self._on_remove_peer(worker_id)
 
     def start_pull(self, handle: KVHandle, dst_block_ids: list[int] | tuple[int, ...]) -> TransferState:
         """Start copying the handle's blocks into `dst_block_ids` (same order); poll() to see it finish.
@@ -190,6 +192,10 @@ class KVReceiver(TransferEndpoint, ABC):
     # Backend hooks.
     def _on_add_peer(self, peer: PeerInfo) -> None:
         """Backend work done once per peer (load NIXL metadata, prepare descriptor lists)."""
+        return None
+
+    def _on_remove_peer(self, worker_id: str) -> None:
+        """Backend work done when a peer is forgotten."""
         return None
 
     def _progress(self) -> None:

@@ -67,9 +67,22 @@ class LLMEngine:
         self.runner = ModelRunner(model, spec, config)
         self.block_pool = BlockPool(self.runner.num_blocks)
         self.kv = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching)
-        self.scheduler = scheduler_cls(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                       watermark_blocks=int(watermark * self.block_pool.num_blocks))
+        self.scheduler = self._make_scheduler(scheduler_cls, watermark)
         self._ids = itertools.count()
+
+    def _make_scheduler(self, scheduler_cls: type[Scheduler], watermark: float) -> Scheduler:
+        return scheduler_cls(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                             watermark_blocks=int(watermark * self.block_pool.num_blocks))
+
+    def use_scheduler(self, scheduler_cls: type[Scheduler], watermark: float = 0.0) -> None:
+        """Change the scheduling policy (a worker changing role) over the same weights and KV cache.
+        Only an idle engine may: no request scheduled and no block held (cached prefixes stay)."""
+        if self.scheduler.num_unfinished or self.kv.num_requests or not self.block_pool.is_whole():
+            raise RuntimeError(
+                f"the engine still holds work ({self.scheduler.num_unfinished} requests, "
+                f"{self.block_pool.num_used_blocks} blocks in use); drain it before changing its scheduler"
+            )
+        self.scheduler = self._make_scheduler(scheduler_cls, watermark)
 
     def check_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
         """Raise ValueError naming the problem if this request can never be served here."""

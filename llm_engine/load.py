@@ -12,7 +12,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class WorkerLoad:
     worker_id: str
-    role: str  # "prefill", "decode" or "colocated"
+    role: str  # "prefill", "decode" or "mixed"
     num_waiting: int  # requests queued, not yet computing
     num_queued_prompt_tokens: int  # prompt tokens still to prefill (queued + partly chunked)
     num_running: int  # requests holding blocks and computing

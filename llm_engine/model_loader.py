@@ -16,6 +16,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+# Times this process loaded weights: a worker that changes role keeps its model, and reports this to prove it.
+_num_loads = 0
+
+
+def num_model_loads() -> int:
+    return _num_loads
 
 
 def read_model_spec(model_dir: str | Path) -> ModelSpec:
@@ -66,6 +72,9 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
 def load_model(config: EngineConfig) -> tuple[PreTrainedModel, ModelSpec]:
     """Load weights with the paged attention plugged in, in eval mode, on the configured device and dtype."""
     from transformers import AutoModelForCausalLM
+
+    global _num_loads
+    _num_loads += 1
 
     spec = read_model_spec(config.model_dir)
     paged_attention.register()

@@ -28,7 +28,9 @@ READ could not be cancelled is reported only once it has been, so nothing lands 
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -45,11 +47,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# Numbers each endpoint this process builds: a worker that changes role builds a new one, and its agent
+# needs a name no peer has seen (peers keep a loaded agent's metadata under its name).
+_incarnations = itertools.count()
+
+
 def _registered_agent(end: KVSender | KVReceiver) -> NixlAgent:
-    """A NIXL agent named for the worker, with its whole KV tensor registered (once per process side)."""
+    """A NIXL agent named for the worker and this endpoint, with its whole KV tensor registered."""
     config = end.config
-    agent = NixlAgent(end.worker_id, config.nixl_progress_delay_us, config.nixl_error_mode,
-                      config.ucx_cma_seg_size)
+    name = f"{end.worker_id}#{os.getpid()}.{next(_incarnations)}"
+    agent = NixlAgent(name, config.nixl_progress_delay_us, config.nixl_error_mode, config.ucx_cma_seg_size)
     agent.register(end.layout)
     return agent
 
@@ -166,6 +173,14 @@ class NixlReceiver(KVReceiver):
         self._remote_dlists[peer.worker_id] = self.agent.prep_blocks(agent_name, peer.layout)
         self._agent_names[peer.worker_id] = agent_name
         self._workers[agent_name] = peer.worker_id
+
+    def _on_remove_peer(self, worker_id: str) -> None:
+        # If the worker comes back (a new endpoint, a new agent name), it must be sent our connection info
+        # again before it can answer a claim.
+        self._answered.discard(worker_id)
+        agent_name = self._agent_names.pop(worker_id, None)
+        if agent_name is not None:
+            self._workers.pop(agent_name, None)
 
     def _start(self, pull: Pull, peer: PeerInfo) -> None:
         now = time.monotonic()

@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.config import ServeConfig
+from pool_worker import Role
 
 EXAMPLE = Path(__file__).parents[2] / "deploy" / "serve.example.yaml"
 
@@ -24,8 +25,23 @@ def test_unknown_and_invalid_settings_are_rejected(tmp_path: Path) -> None:
     bad.write_text("prefil: 2\n")
     with pytest.raises(ValidationError, match="prefil"):
         ServeConfig.from_yaml(bad)
-    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        ServeConfig(decode=-1)
+    with pytest.raises(ValidationError, match="cannot serve"):
         ServeConfig(decode=0)
+    with pytest.raises(ValidationError, match="old name of --mixed"):
+        ServeConfig(mixed=2, colocated=3)
+    with pytest.raises(ValidationError, match="torch backend"):
+        ServeConfig(ratio="auto", backend="torch")
+
+
+def test_roles_not_named_are_zero_unless_none_is() -> None:
+    default = ServeConfig()
+    assert (default.prefill, default.decode, default.mixed) == (1, 1, None)
+    assert ServeConfig(mixed=2).deployment_config("m").layout() == ServeConfig(colocated=2).deployment_config(
+        "m").layout() == {Role.PREFILL: 0, Role.DECODE: 0, Role.MIXED: 2}
+    assert ServeConfig(prefill=1, mixed=1).deployment_config("m").layout() == {
+        Role.PREFILL: 1, Role.DECODE: 0, Role.MIXED: 1}
 
 
 def test_cli_names_the_bad_flag() -> None:

@@ -111,7 +111,7 @@ def client(fault_server: tuple[str, FastAPI]) -> Iterator[httpx.Client]:
 
 def active_workers(client: httpx.Client, kind: str | None = None) -> list[str]:
     workers = client.get("/admin/pools").json()["workers"]
-    return [w["worker_id"] for w in workers if w["state"] == "active" and kind in (None, w["kind"])]
+    return [w["worker_id"] for w in workers if w["state"] == "active" and kind in (None, w["role"])]
 
 
 def with_actor(worker_id: str, fn: Callable[..., None], *args: object) -> None:

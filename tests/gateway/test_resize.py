@@ -3,6 +3,7 @@ requests and nothing is lost; bad layouts are refused before anything moves; one
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import ray
 from fastapi import FastAPI
 
 from gateway.config import ServeConfig
@@ -17,6 +19,7 @@ from gateway.pools import DeploymentConfig, PDDeployment
 from gateway.resize import PoolLayout, PoolResizer, ResizeConflict
 from gateway.router import LocalPrefillPolicy, Router
 from llm_engine import EngineConfig
+from pool_worker import WorkerInfo
 from tests.conftest import hf_greedy, random_prompts
 from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
 
@@ -78,26 +81,109 @@ class SteadyLoad:
             index += 1
 
 
-def test_layouts_change_under_load_and_every_request_is_served(
-        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
-    with SteadyLoad(client) as load:
-        for layout in ({"prefill": 1, "decode": 2}, {"prefill": 1, "decode": 1},
-                       {"prefill": 0, "decode": 0, "mixed": 2}, {"prefill": 1, "decode": 1, "mixed": 0}):
-            response = client.put("/admin/pools", json=layout)
-            assert response.status_code == 200, response.text
-            assert response.json()["error"] == ""
-            expected = (layout["prefill"], layout["decode"], layout.get("mixed", 0))
-            assert layout_of(client) == expected
-            time.sleep(0.5)  # some requests on this layout
+def worker_infos(client: httpx.Client) -> dict[str, WorkerInfo]:
+    """Each worker's own account of itself (role, process, weight loads), asked of its actor."""
+    ids = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]]
+    return {i: ray.get(ray.get_actor(f"pdserve-{i}").info.remote()) for i in ids}
+
+
+def change_layout(client: httpx.Client, layout: dict[str, int]) -> dict[str, Any]:
+    response = client.put("/admin/pools", json=layout)
+    assert response.status_code == 200, response.text
+    assert response.json()["error"] == ""
+    assert layout_of(client) == (layout["prefill"], layout["decode"], layout["mixed"])
+    time.sleep(0.5)  # some requests on this layout
+    return dict(response.json())
+
+
+def check_answers(load: SteadyLoad, model_dir: Path) -> None:
     assert len(load.answers) > 8
-    assert [r.status_code for _, r in load.answers] == [200] * len(load.answers)
-    prompts = [p for p, _ in load.answers]
-    expected_tokens = hf_greedy(tiny_chat_model_dir, prompts, 6)
+    failed = [r.text for _, r in load.answers if r.status_code != 200]
+    assert not failed, failed
+    expected_tokens = hf_greedy(model_dir, [p for p, _ in load.answers], 6)
     assert [r.json()["choices"][0]["token_ids"] for _, r in load.answers] == expected_tokens
+
+
+def test_roles_change_in_place_under_load_and_every_request_is_served(
+        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    before = worker_infos(client)
+    with SteadyLoad(client) as load:
+        to_mixed = change_layout(client, {"prefill": 0, "decode": 0, "mixed": 2})
+        mixed = worker_infos(client)
+        back = change_layout(client, {"prefill": 1, "decode": 1, "mixed": 0})
+    check_answers(load, tiny_chat_model_dir)
+    # Both layout changes were role changes of the same two processes: no worker added or removed, the
+    # weights loaded once in each, and decode ⇄ mixed was only a relabel.
+    assert [m["action"] for m in to_mixed["moves"] + back["moves"]] == ["change"] * 4
+    after = worker_infos(client)
+    assert set(before) == set(mixed) == set(after)
+    assert {i: (x.pid, x.num_model_loads) for i, x in after.items()} == {
+        i: (x.pid, 1) for i, x in before.items()}
+    assert {x.role.value for x in mixed.values()} == {"mixed"}
+    assert sorted(x.role.value for x in after.values()) == ["decode", "prefill"]
     assert wait_until_no_blocks_used(client) == 0
     workers = client.get("/admin/pools").json()["workers"]
-    assert sorted(w["kind"] for w in workers) == ["decode", "prefill"]
     assert all(w["state"] == "active" for w in workers)
+
+
+def test_pools_grow_and_shrink_under_load_and_every_request_is_served(
+        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    with SteadyLoad(client) as load:
+        grown = change_layout(client, {"prefill": 1, "decode": 2, "mixed": 0})
+        shrunk = change_layout(client, {"prefill": 1, "decode": 1, "mixed": 0})
+    check_answers(load, tiny_chat_model_dir)
+    assert [m["action"] for m in grown["moves"] + shrunk["moves"]] == ["add", "drain"]
+    assert wait_until_no_blocks_used(client) == 0
+    workers = client.get("/admin/pools").json()["workers"]
+    assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
+    assert all(w["state"] == "active" for w in workers)
+
+
+# Run inside the worker actors (as in test_faults.py).
+def _slow_steps(actor: Any, seconds: float) -> None:
+    runner = actor.worker.engine.runner
+    execute = type(runner).execute
+
+    def slowed(batch: Any) -> Any:
+        time.sleep(seconds)
+        return execute(runner, batch)
+
+    runner.execute = slowed
+
+
+def _heal(actor: Any) -> None:
+    actor.worker.engine.runner.__dict__.pop("execute", None)
+
+
+def test_a_stream_moves_off_a_worker_that_changes_role_without_losing_a_token(
+        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    change_layout(client, {"prefill": 0, "decode": 0, "mixed": 2})
+    actors = [ray.get_actor(f"pdserve-{i}") for i in worker_infos(client)]
+    ray.get([a.__ray_call__.remote(_slow_steps, 0.02) for a in actors])  # the engine keeps it across roles
+    try:
+        [prompt] = random_prompts([20], VOCAB, seed=41)
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 80, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "stream": True}
+        token_ids: list[int] = []
+        final: dict[str, Any] = {}
+        change: list[httpx.Response] = []
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                token_ids += chunk["choices"][0]["token_ids"] or []
+                final = chunk
+                if len(token_ids) >= 10 and not change:  # mid-stream: the worker holding it becomes prefill
+                    body_ = {"prefill": 1, "decode": 1, "mixed": 0, "drain_grace_s": 0}
+                    change.append(client.put("/admin/pools", json=body_))
+        assert change[0].status_code == 200 and change[0].json()["error"] == "", change[0].text
+    finally:
+        ray.get([a.__ray_call__.remote(_heal) for a in actors])
+    assert token_ids == hf_greedy(tiny_chat_model_dir, [prompt], 80, ignore_eos=True)[0]
+    assert final["timings"]["num_moves"] == 1
+    assert layout_of(client) == (1, 1, 0)
+    assert wait_until_no_blocks_used(client) == 0
 
 
 @pytest.mark.parametrize(("body", "words"), [

@@ -9,6 +9,7 @@ from gateway.pools import DeploymentConfig
 from gateway.router import Router
 from gateway.workers import Worker, WorkerState
 from llm_engine import EngineConfig
+from pool_worker import Role
 
 
 @dataclass
@@ -20,12 +21,12 @@ class FakeDeployment:
         default_factory=lambda: DeploymentConfig(EngineConfig("m", block_size=4)))
     on_remove: list[Callable[[str], None]] = field(default_factory=list)
 
-    def active(self, role: str) -> list[Worker]:
-        return [w for w in self.workers if w.role == role and w.state is WorkerState.ACTIVE]
+    def active(self, *roles: Role) -> list[Worker]:
+        return [w for w in self.workers if w.role in roles and w.state is WorkerState.ACTIVE]
 
 
 def make_router() -> Router:
-    workers = [Worker(name, name.split("-")[0], None, WorkerState.ACTIVE)
+    workers = [Worker(name, Role(name.split("-")[0]), None, WorkerState.ACTIVE)
                for name in ("prefill-0", "prefill-1", "decode-2", "decode-3")]
     return Router(FakeDeployment(workers))  # type: ignore[arg-type]
 

@@ -15,7 +15,7 @@ def test_dead_only_decode_worker_is_replaced_and_requests_wait_for_it(client: ht
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "temperature": 0, "return_token_ids": True}
     before = client.post("/v1/completions", json=body)
     assert before.status_code == 200
-    [decode] = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"] if w["kind"] == "decode"]
+    [decode] = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"] if w["role"] == "decode"]
     ray.kill(ray.get_actor(f"pdserve-{decode}"))
 
     health = client.get("/health")

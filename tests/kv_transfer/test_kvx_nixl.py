@@ -230,7 +230,7 @@ def test_close_releases_the_handles_of_reads_in_flight(monkeypatch: pytest.Monke
 
 def test_a_foreign_notification_is_ignored(pair):
     sender, receiver, _binding = pair
-    receiver.agent.send_notif(sender.worker_id, b"kvx:12345")  # the old completion format, say
+    receiver.agent.send_notif(sender.agent.name, b"kvx:12345")  # the old completion format, say
     handle = sender.offer([0], num_tokens=16)
     receiver.start_pull(handle, [7])
     results = _drive(sender, receiver, {}, lambda res, rel: res)

@@ -11,6 +11,7 @@ from gateway.orchestrator import StreamEvent, run_request
 from gateway.pools import DeploymentConfig, PDDeployment
 from gateway.router import Router
 from llm_engine import EngineConfig, SamplingParams
+from pool_worker import Role
 from tests.conftest import random_prompts
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -69,13 +70,15 @@ def test_add_and_drain_workers(tiny_llama_dir: Path) -> None:
         deployment = PDDeployment(config_for(tiny_llama_dir))
         await deployment.start()
         router = Router(deployment)
+        [old_prefill], [old_decode] = ([w.worker_id for w in deployment.active(role)]
+                                       for role in (Role.PREFILL, Role.DECODE))
         try:
             new_decode = await deployment.add_worker("decode")
             new_prefill = await deployment.add_worker("prefill")
             roles_after_add = sorted(load.role for load in await deployment.loads())
             # Route the next requests to the new workers: the old ones look busy.
-            router.decode_tokens["decode-1"] += 10_000
-            router.prefill_tokens["prefill-0"] += 10_000
+            router.decode_tokens[old_decode] += 10_000
+            router.prefill_tokens[old_prefill] += 10_000
             short = SamplingParams(max_tokens=5, temperature=0.0)
             served = await events_of(router, "r0", random_prompts([10], 1000)[0], short)
             handle = served[0].prefill.kv_handle if served[0].prefill is not None else None
@@ -96,12 +99,13 @@ def test_add_and_drain_workers(tiny_llama_dir: Path) -> None:
             is_gone = new_decode not in deployment.workers
             await deployment.drain_worker(new_prefill)
             with pytest.raises(ValueError, match="last active worker that can decode"):
-                await deployment.drain_worker("decode-1")
+                await deployment.drain_worker(old_decode)
             # The same request again, served by the workers that remain: the reference output.
-            router.decode_tokens["decode-1"] -= 10_000
-            router.prefill_tokens["prefill-0"] -= 10_000
+            router.decode_tokens[old_decode] -= 10_000
+            router.prefill_tokens[old_prefill] -= 10_000
             reference = await events_of(router, "r2", prompt, long)
             return {
+                "old_decode": old_decode,
                 "roles_after_add": roles_after_add,
                 "roles_after_drain": sorted(load.role for load in await deployment.loads()),
                 "handle": handle, "pulled": pulled, "new_prefill": new_prefill,
@@ -124,7 +128,7 @@ def test_add_and_drain_workers(tiny_llama_dir: Path) -> None:
     ]
     # Drained mid-request: it was holding the request, took no new one, and stopped only after finishing it
     # with the same tokens the remaining workers produce for the same request.
-    assert result["is_busy_at_drain"] and result["routed_while_draining"] == "decode-1"
+    assert result["is_busy_at_drain"] and result["routed_while_draining"] == result["old_decode"]
     events, reference = result["events"], result["reference"]
     assert events[-1].finish_reason == "length" and reference[-1].finish_reason == "length"
     tokens = [t for e in events for t in e.token_ids]

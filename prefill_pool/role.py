@@ -1,15 +1,20 @@
-"""The prefill worker as a Ray actor: an async front (submissions never wait behind a forward) over the
-worker's step loop thread. Wrapped with ray.remote(...) by the pool, which sets its resources."""
+"""The prefill role of a worker process: an async front (submissions never wait behind a forward) over a
+PrefillWorker whose step loop runs on its own thread.
+
+Lifecycle:  PrefillRole(engine) — the engine's scheduler becomes PrefillScheduler, a KV sender is built and
+    registered over the engine's KV cache, the step loop starts → prefill() / release_kv() / accept_pull()
+    → close(): the loop stops, the sender deregisters. The engine (weights, KV cache) outlives the role:
+    the worker actor (pool_worker) builds another role over it when the worker changes role.
+"""
 
 from __future__ import annotations
 
 import asyncio
 
 from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord, make_sender
-from llm_engine import EngineConfig, LLMEngine
+from llm_engine import LLMEngine
 from llm_engine.load import WorkerLoad
 from llm_engine.step_loop import StepLoop
-from llm_engine.worker_setup import TorchGroupSpec, setup_worker_process
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.scheduler import PrefillScheduler
 from prefill_pool.worker import TRANSFER_POLL_S, PrefillWorker
@@ -17,14 +22,13 @@ from prefill_pool.worker import TRANSFER_POLL_S, PrefillWorker
 IDLE_POLL_S = 0.05  # with no KV offered the poller only checks now and then whether some is
 
 
-class PrefillActor:
-    def __init__(self, worker_id: str, engine_config: EngineConfig, backend: str,
-                 transfer_config: TransferConfig, num_threads: int = 1,
-                 torch_group: TorchGroupSpec | None = None) -> None:
-        setup_worker_process(num_threads, torch_group)
-        engine = LLMEngine(engine_config, scheduler_cls=PrefillScheduler)
+class PrefillRole:
+    def __init__(self, worker_id: str, engine: LLMEngine, backend: str, transfer_config: TransferConfig,
+                 num_threads: int = 1) -> None:
+        engine.use_scheduler(PrefillScheduler)
         sender = make_sender(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
-        # The actor polls the sender from its event loop (_poll_transfers): the loop thread sleeps when idle.
+        # The role polls the sender from the actor's event loop (_poll_transfers): the loop thread sleeps
+        # when idle.
         self.worker = PrefillWorker(worker_id, engine, sender, is_sender_polled_elsewhere=True)
         self.loop = StepLoop(f"prefill-{worker_id}", self.worker.step, num_threads, on_error=self.worker.fail)
         self.loop.start()
@@ -78,17 +82,12 @@ class PrefillActor:
         return reply
 
     def load(self) -> WorkerLoad:
-        """The worker's latest load; `failure` is set once its step loop has died."""
         return self.worker.load()
-
-    def is_whole(self) -> bool:
-        """No block held: for tests and drains."""
-        return self.worker.engine.block_pool.is_whole()
 
     def transfer_records(self) -> list[TransferRecord]:
         return self.worker.sender.recorder.records
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         if self._transfer_poller is not None:
             self._transfer_poller.cancel()
         self.loop.stop()

@@ -1,5 +1,13 @@
-"""The decode worker as a Ray actor: tokens stream back through a Ray streaming generator; the worker's
-step loop runs on its own thread. Wrapped with ray.remote(...) by the pool, which sets its resources."""
+"""The decode role of a worker process (also the mixed role: a decode worker that is sent prompts without
+a KV handle prefills them itself). Tokens stream back through the actor's Ray streaming generator; the
+DecodeWorker's step loop runs on its own thread.
+
+Lifecycle:  DecodeRole(engine) — the engine's scheduler becomes the decode scheduler (with the admission
+    watermark), a KV receiver is built and registered over the engine's KV cache, the step loop starts
+    → add_prefill_peer() / generate() / evacuate() → close(): the loop stops, the receiver deregisters.
+    The engine (weights, KV cache) outlives the role: the worker actor (pool_worker) builds another role
+    over it when the worker changes role.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +18,16 @@ from typing import Any
 from decode_pool.messages import DecodeOutput, DecodeRequest, coalesce
 from decode_pool.worker import DecodeWorker
 from kv_transfer import KVHandle, PeerInfo, PullRequest, TransferConfig, TransferRecord, make_receiver
-from llm_engine import EngineConfig, LLMEngine
+from llm_engine import LLMEngine
 from llm_engine.load import WorkerLoad
+from llm_engine.scheduler import Scheduler
 from llm_engine.step_loop import StepLoop
-from llm_engine.worker_setup import TorchGroupSpec, setup_worker_process
 
 
-class DecodeActor:
-    def __init__(self, worker_id: str, engine_config: EngineConfig, backend: str,
-                 transfer_config: TransferConfig, watermark: float = 0.05, num_threads: int = 1,
-                 torch_group: TorchGroupSpec | None = None) -> None:
-        setup_worker_process(num_threads, torch_group)
-        engine = LLMEngine(engine_config, watermark=watermark)
+class DecodeRole:
+    def __init__(self, worker_id: str, engine: LLMEngine, backend: str, transfer_config: TransferConfig,
+                 watermark: float = 0.05, num_threads: int = 1) -> None:
+        engine.use_scheduler(Scheduler, watermark)
         receiver = make_receiver(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
         self.worker = DecodeWorker(worker_id, engine, receiver, deliver_pull=self._deliver_pull,
                                    release_source=self._release_source)
@@ -72,17 +78,18 @@ class DecodeActor:
         self.worker.abort(request_id)
         self.loop.wake()
 
-    def load(self) -> WorkerLoad:
-        """The worker's latest load; `failure` is set once its step loop has died."""
-        return self.worker.load()
+    def evacuate(self) -> None:
+        """End every request here with finish_reason "migrate" (the gateway continues them elsewhere)."""
+        self.worker.evacuate()
+        self.loop.wake()
 
-    def is_whole(self) -> bool:
-        return self.worker.engine.block_pool.is_whole()
+    def load(self) -> WorkerLoad:
+        return self.worker.load()
 
     def transfer_records(self) -> list[TransferRecord]:
         return self.worker.receiver.recorder.records
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         self.loop.stop()
         self.worker.receiver.close()
 

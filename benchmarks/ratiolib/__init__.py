@@ -1,0 +1,1 @@
+"""Reporting for benchmarks/ratio_switch.py."""

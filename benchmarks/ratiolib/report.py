@@ -1,0 +1,81 @@
+"""table.md and timeline.png of a ratio_switch run: fixed layouts against `--ratio auto`, side by side."""
+
+from __future__ import annotations
+
+import argparse
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+PHASES = ("light", "long prompts", "light again")
+
+
+def _row(name: str, phase: str, s: dict[str, Any]) -> str:
+    return (f"| {phase} | {name} | {s['num_ok']}/{s['num_requests']} | "
+            f"{1000 * s['itl_s_over_tokens']['p99']:.0f} | {1000 * s['ttft_s_over_requests']['p90']:.0f} | "
+            f"{s['goodput']:.3f} |")
+
+
+def write_report(results: dict[str, Any], args: argparse.Namespace, out: Path) -> None:
+    lines = [
+        f"# Fixed layouts against the ratio controller ({datetime.now(UTC):%Y-%m-%d})",
+        "",
+        "SmolLM2-135M fp32 on 2 CPU cores, one torch thread per worker, nixl. Phased load: Azure "
+        f"conversation trace (lengths × 0.25), Poisson {args.chat_rate} req/s for three phases of "
+        f"{args.phase_s:.0f} s; in the middle phase also {args.long_len}-token prompts (32 out) at "
+        f"{args.long_rate} req/s. Goodput SLO: "
+        f"TTFT ≤ {args.ttft_slo} s and TPOT ≤ {args.itl_slo} s. Each setup is its own server, run one after "
+        "another in one invocation.",
+        "Command: `.venv/bin/python benchmarks/ratio_switch.py`",
+        "",
+        "| phase | setup | ok/requests | ITL p99 ms | TTFT p90 ms | goodput req/s |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for phase in (*PHASES, "overall"):
+        for name, result in results.items():
+            phased = result["phased"]
+            summary = phased["overall"] if phase == "overall" else phased["phases"][phase]
+            lines.append(_row(name, phase, summary))
+    lines += ["", "Closed workloads:", "",
+              "| setup | 16 clients 256/64: output tok/s | 4 streams + 2×1500-token prompts: stream ITL p99 "
+              "ms (max) | burst output tok/s |", "|---|---:|---:|---:|"]
+    for name, result in results.items():
+        closed, burst = result["closed16"], result["burst"]
+        lines.append(f"| {name} | {closed['output_token_throughput']:.1f} | "
+                     f"{1000 * burst['stream_itl_p99_s']:.0f} ({1000 * burst['stream_itl_max_s']:.0f}) | "
+                     f"{burst['output_token_throughput']:.1f} |")
+    if "auto" in results:
+        lines += ["", "The controller's decisions (phased load):", ""]
+        for d in results["auto"]["phased"]["decisions"]:
+            lines.append(f"- level {d['from_level']} → {d['to_level']} ({d['reason']}): {d['detail']}")
+        for load in ("closed16", "burst"):
+            decisions = results["auto"][load]["decisions"]
+            reasons = [f"{d['from_level']}→{d['to_level']} {d['reason']}" for d in decisions]
+            lines.append(f"- {load}: {', '.join(reasons) or 'no change'}")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if "auto" in results:
+        plot_timeline(results["auto"]["phased"], args, out / "timeline.png")
+
+
+def plot_timeline(phased: dict[str, Any], args: argparse.Namespace, path: Path) -> None:
+    timeline = phased["timeline"]
+    t = [p["t"] for p in timeline]
+    fig, (roles, queue) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    for role in ("prefill", "decode", "mixed"):
+        roles.step(t, [p[role] for p in timeline], where="post", label=role)
+    roles.set(ylabel="active workers", title="--ratio auto: roles over time (phased load)")
+    queue.plot(t, [p["queued_prompt_tokens"] for p in timeline], color="tab:red")
+    queue.set(xlabel="seconds", ylabel="prompt tokens routed, not yet prefilled")
+    for ax in (roles, queue):
+        for boundary in (args.phase_s, 2 * args.phase_s):
+            ax.axvline(boundary, color="grey", linestyle="--", alpha=0.6)
+        ax.grid(alpha=0.3)
+    roles.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

@@ -1,0 +1,53 @@
+"""What `pdserve serve` starts: the layout of the pools and every worker's settings."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kv_transfer import BackendName, TransferConfig
+from kv_transfer.registry import resolve
+from llm_engine import EngineConfig
+from pool_worker import Role
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    engine: EngineConfig  # model, dtype, device, block size, KV budget (the same for every role)
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_mixed: int = 0  # workers that prefill and decode their own requests (the colocated layout)
+    backend: str = "auto"  # "nixl", "torch", "local" or "auto" (nixl if it imports, else torch)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    watermark: float = 0.05  # fraction of decode blocks kept free when admitting
+    num_cpus_per_worker: float = 1.0  # Ray resource request of each actor
+    num_gpus_per_worker: float = 0.0
+    num_threads: int = 1  # torch threads per worker
+    start_timeout_s: float = 300.0  # a worker that has not loaded its model by then is given up and retried
+
+    def __post_init__(self) -> None:
+        if min(self.num_prefill, self.num_decode, self.num_mixed) < 0:
+            raise ValueError(f"worker counts must be >= 0, got {self.layout()}")
+        if self.num_prefill + self.num_mixed < 1 or self.num_decode + self.num_mixed < 1:
+            raise ValueError("the layout cannot serve: it needs at least one worker that can prefill "
+                             "(prefill or mixed) and one that can decode (decode or mixed), got "
+                             f"{self.layout()}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+    def layout(self) -> dict[Role, int]:
+        return {Role.PREFILL: self.num_prefill, Role.DECODE: self.num_decode, Role.MIXED: self.num_mixed}
+
+    def resolve_backend(self) -> BackendName:
+        if self.backend != "auto":
+            return resolve(self.backend).name  # unknown names raise, listing the known ones
+        if resolve(BackendName.NIXL).is_available():
+            logger.info("KV transfer backend nixl: it imports here (one-sided READ over UCX)")
+            return BackendName.NIXL
+        if not self.num_prefill and not self.num_decode:
+            logger.info("no KV transfer backend: nixl does not import here and every worker is mixed")
+            return BackendName.LOCAL
+        logger.info("KV transfer backend torch: nixl does not import here")
+        return BackendName.TORCH

@@ -1,0 +1,263 @@
+"""The ratio controller (`pdserve serve --ratio auto`, or `PUT /admin/pools {"auto": true}`): moves workers
+between roles as the traffic changes, one worker at a time.
+
+It keeps the deployment on a ladder of layouts over its N workers: level 0 is N mixed workers (each
+prefills and decodes its own requests: no transfer, every core decodes), level k ≥ 1 is k prefill + N-k
+decode workers (running streams are protected from long prompts).
+    tick (every interval_s, or at once when a long prompt arrives) → Signals (from what the gateway
+    already knows: prompt tokens queued on each worker and on their way, decode batch sizes, KV occupancy,
+    recent TTFT and ITL against the SLOs) → decide():
+      0 → 1   a long prompt (≥ long_prompt_tokens) arrived while streams decode, or the ITL tail is over
+              its SLO while prompts queue and the median is not (prefill chunks cause the tail; a slow
+              median means decoding itself is short of cores, which disaggregation would make worse).
+              The worker holding the most prompt work becomes the prefill worker (its streams move to the
+              others, losing no token).
+      k → k+1 TTFT p90 over its SLO with prompt work piling up on every prefill worker (≥ 1 decode stays).
+      k → k-1 prefill has been idle (little queued, no long prompt) for calm_s; at k = 1 that means the
+              prompts that needed protection are gone, and N mixed workers serve light traffic faster.
+    → moves applied through the PoolResizer (one change at a time, shared with PUT /admin/pools).
+Hysteresis: up on a high mark, down only after calm_s below a low mark; and no change within min_dwell_s
+of the last. Every decision is logged with its reason, counted in pdserve_ratio_changes_total{from,to,
+reason}, and kept (the last 200) for GET /admin/pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from gateway.metrics import Metrics
+from gateway.pools import PDDeployment
+from gateway.recent import RecentLatencies
+from gateway.resize import Move, PoolResizer, plan_moves
+from gateway.router import Router
+from gateway.workers import WorkerState
+from llm_engine.load import WorkerLoad
+from pool_worker import Role
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ControllerPolicy:
+    interval_s: float = 1.0  # how often it looks (a long prompt wakes it at once)
+    min_dwell_s: float = 5.0  # no change sooner than this after the last one
+    calm_s: float = 10.0  # prefill idle this long before a prefill worker goes back
+    long_prompt_tokens: int = 1024  # a prompt this long interferes with decoding on a mixed worker
+    ttft_slo_s: float = 3.0
+    itl_slo_s: float = 0.2
+    grace_s: float = 0.0  # a worker changing role hands its decode streams over at once
+
+    def __post_init__(self) -> None:
+        if min(self.interval_s, self.calm_s, self.ttft_slo_s, self.itl_slo_s) <= 0 or self.min_dwell_s < 0:
+            raise ValueError(f"controller intervals and SLOs must be > 0, got {self}")
+        if self.long_prompt_tokens < 1:
+            raise ValueError(f"long_prompt_tokens must be >= 1, got {self.long_prompt_tokens}")
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What one tick saw."""
+
+    level: int  # prefill workers aimed at (0: all mixed)
+    num_workers: int
+    queued_prompt_tokens: int  # routed to any worker and not yet prefilled
+    num_decoding: int  # requests running on decode and mixed workers
+    kv_occupancy: float  # the fullest decode or mixed worker
+    ttft_p90_s: float | None  # over the recent window; None without enough requests
+    itl_p99_s: float | None
+    itl_p50_s: float | None
+    seconds_since_long_prompt: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    at: float  # time.time()
+    from_level: int
+    to_level: int
+    reason: str  # "long_prompt", "itl_slo", "ttft_slo" or "prefill_idle"
+    detail: str
+    signals: Signals
+
+
+class Ladder:
+    """The controller's decisions, apart from any I/O: signals and the time in, a Decision (or None) out;
+    it keeps the hysteresis state (when the last change happened, since when prefill has been calm)."""
+
+    def __init__(self, policy: ControllerPolicy) -> None:
+        self.policy = policy
+        self._last_change = float("-inf")
+        self._calm_since: float | None = None
+
+    def note_change(self, now: float) -> None:
+        """A change was made (or ended) at `now`: the dwell time and the calm timer start again."""
+        self._last_change = now
+        self._calm_since = None
+
+    def decide(self, s: Signals, now: float) -> Decision | None:
+        """The move the signals call for, if any (pure: no side effect but the calm timer)."""
+        p = self.policy
+        is_long_prompt_recent = s.seconds_since_long_prompt < max(p.interval_s, 1.0) * 2
+        is_calm = s.queued_prompt_tokens < p.long_prompt_tokens // 4 and not is_long_prompt_recent
+        self._calm_since = (self._calm_since or now) if is_calm else None
+        if now - self._last_change < p.min_dwell_s:
+            return None
+        level, n = s.level, s.num_workers
+        if level == 0 and n >= 2:
+            if is_long_prompt_recent and s.num_decoding:
+                return self._decision(s, 1, "long_prompt", f"a prompt of >= {p.long_prompt_tokens} tokens "
+                                      f"arrived while {s.num_decoding} streams decode")
+            # Only a tail that prefill chunks cause: with the median over the SLO too, decoding itself is
+            # the bottleneck, and giving a decoding core to prefill would make it worse.
+            if s.itl_p99_s is not None and s.itl_p50_s is not None and s.itl_p99_s > p.itl_slo_s \
+                    and s.itl_p50_s <= p.itl_slo_s and s.queued_prompt_tokens:
+                return self._decision(s, 1, "itl_slo", f"ITL p99 {s.itl_p99_s * 1000:.0f} ms > SLO "
+                                      f"{p.itl_slo_s * 1000:.0f} ms (median {s.itl_p50_s * 1000:.0f} ms) "
+                                      f"with {s.queued_prompt_tokens} prompt tokens queued")
+            return None
+        if level >= 1 and level + 1 < n and s.ttft_p90_s is not None and s.ttft_p90_s > p.ttft_slo_s \
+                and s.queued_prompt_tokens >= level * p.long_prompt_tokens:
+            return self._decision(s, level + 1, "ttft_slo", f"TTFT p90 {s.ttft_p90_s:.2f} s > SLO "
+                                  f"{p.ttft_slo_s:.2f} s with {s.queued_prompt_tokens} prompt tokens queued")
+        if level >= 1 and self._calm_since is not None and now - self._calm_since >= p.calm_s:
+            return self._decision(s, level - 1, "prefill_idle", f"under {p.long_prompt_tokens // 4} prompt "
+                                  f"tokens queued and no long prompt for {p.calm_s:.0f} s")
+        return None
+
+    @staticmethod
+    def _decision(s: Signals, to_level: int, reason: str, detail: str) -> Decision:
+        return Decision(time.time(), s.level, to_level, reason, detail, s)
+
+
+
+@dataclass
+class RatioController:
+    deployment: PDDeployment
+    router: Router
+    resizer: PoolResizer
+    metrics: Metrics
+    recent: RecentLatencies
+    policy: ControllerPolicy = field(default_factory=ControllerPolicy)
+    decisions: collections.deque[Decision] = field(default_factory=lambda: collections.deque(maxlen=200))
+
+    def __post_init__(self) -> None:
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.ladder = Ladder(self.policy)
+        self._changed_at = float("-inf")  # time.monotonic() when the last change ended
+        self._last_long_prompt = float("-inf")  # time.monotonic() of the latest long prompt
+
+    @property
+    def is_on(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> None:
+        if not self.is_on:
+            self._task = asyncio.create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def set_policy(self, policy: ControllerPolicy) -> None:
+        self.policy = policy
+        self.ladder = Ladder(policy)
+
+    def note_prompt(self, num_uncached_tokens: int) -> None:
+        """Called as each request is routed: a long prompt wakes the controller at once."""
+        if num_uncached_tokens >= self.policy.long_prompt_tokens:
+            self._last_long_prompt = time.monotonic()
+            self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):  # woken early by a long prompt, or the interval passed
+                await asyncio.wait_for(self._wake.wait(), self.policy.interval_s)
+            self._wake.clear()
+            try:
+                await self.tick()
+            except Exception:  # the controller must never die; the pools stay as they are
+                logger.exception("ratio controller tick failed")
+
+    async def tick(self) -> Decision | None:
+        workers = self.deployment.workers.values()
+        if self.resizer.is_busy or any(w.state is not WorkerState.ACTIVE for w in workers):
+            return None  # a change (ours or an operator's) or a replacement is under way
+        signals = self.signals(await self.deployment.loads())
+        decision = self.ladder.decide(signals, time.monotonic())
+        if decision is not None:
+            await self._apply(decision)
+        return decision
+
+    def signals(self, loads: list[WorkerLoad]) -> Signals:
+        decoding = [x for x in loads if Role(x.role).can_decode]
+        now = time.monotonic()
+        return Signals(
+            level=self.deployment.target[Role.PREFILL],
+            num_workers=sum(self.deployment.target.values()),
+            queued_prompt_tokens=self.queued_prompt_tokens(),
+            num_decoding=sum(x.num_running for x in decoding),
+            kv_occupancy=max((x.kv_occupancy for x in decoding), default=0.0),
+            # Only requests that finished since the last change: the layout before it says nothing now.
+            ttft_p90_s=self.recent.ttft_quantile(0.9, since=self._changed_at),
+            itl_p99_s=self.recent.itl_quantile(0.99, since=self._changed_at),
+            itl_p50_s=self.recent.itl_quantile(0.5, since=self._changed_at),
+            seconds_since_long_prompt=now - self._last_long_prompt,
+        )
+
+    def queued_prompt_tokens(self, worker_id: str | None = None) -> int:
+        """Prompt tokens routed and not yet prefilled (the gateway's own count: it sees a prompt the moment
+        it is routed, before any worker reports it), on one worker or on all."""
+        counts = (self.router.prefill_tokens, self.router.local_prefill_tokens)
+        if worker_id is not None:
+            return sum(c.get(worker_id, 0) for c in counts)
+        return sum(sum(c.values()) for c in counts)
+
+    async def _apply(self, decision: Decision) -> None:
+        n = decision.signals.num_workers
+        target = ({Role.PREFILL: 0, Role.DECODE: 0, Role.MIXED: n} if decision.to_level == 0 else
+                  {Role.PREFILL: decision.to_level, Role.DECODE: n - decision.to_level, Role.MIXED: 0})
+        moves = self._with_chosen_workers(plan_moves(self.deployment.target, target))
+        logger.warning("ratio controller: level %d → %d (%s: %s)", decision.from_level, decision.to_level,
+                       decision.reason, decision.detail)
+        self.ladder.note_change(time.monotonic())
+        self.decisions.append(decision)
+        result = await self.resizer.apply(moves, grace_s=self.policy.grace_s)
+        for move in moves[:len(result.done)]:
+            from_role = move.from_role.value if move.from_role else "none"
+            self.metrics.ratio_changes.labels(from_role, move.role.value, decision.reason).inc()
+        self._changed_at = time.monotonic()
+        self.ladder.note_change(self._changed_at)  # dwell from the end of the change, not its start
+        if result.error:
+            logger.error("ratio controller: the change stopped: %s", result.error)
+
+    def _with_chosen_workers(self, moves: list[Move]) -> list[Move]:
+        """Name the worker of every role change. A worker becoming prefill is the one with the most prompt
+        work queued (a long prompt that arrived on a mixed worker is routed again to the same worker once
+        it prefills, its computed blocks still in the prefix cache); the others go in the resizer's order
+        (the least busy first)."""
+        queued = {w: self.queued_prompt_tokens(w) for w in self.deployment.workers}
+        held = {x.worker_id: x.num_requests for x in self.deployment.last_loads}
+        taken: set[str] = set()
+
+        def take(role: Role, key: dict[str, int], most: bool) -> str | None:
+            candidates = [w.worker_id for w in self.deployment.active(role) if w.worker_id not in taken]
+            if not candidates:
+                return None
+            chosen = (max if most else min)(candidates, key=lambda i: key.get(i, 0))
+            taken.add(chosen)
+            return chosen
+
+        named: dict[int, str | None] = {}
+        for i, move in enumerate(moves):  # prefill-bound changes choose first
+            if move.action == "change" and move.role is Role.PREFILL and move.from_role is not None:
+                named[i] = take(move.from_role, queued, most=True)
+        for i, move in enumerate(moves):
+            if move.action == "change" and i not in named and move.from_role is not None:
+                named[i] = take(move.from_role, held, most=False)
+        return [Move(m.action, m.role, m.from_role, named.get(i)) for i, m in enumerate(moves)]

@@ -1,0 +1,163 @@
+"""WorkerActor: the one Ray actor class every pool worker runs. It loads the model and sizes the KV cache
+once, then serves in a role (prefill, decode or mixed) and can change role without reloading anything.
+
+Lifecycle:  WorkerActor(role) → the engine loads (weights + KV cache, once per process) → the role's front
+    is built over it (PrefillRole: sender + prefill scheduler; DecodeRole: receiver + decode scheduler)
+    → serves → set_role(other):
+        decode ⇄ mixed: the same DecodeRole; only the label changes (the gateway routes differently);
+        prefill ⇄ decode/mixed: the worker must hold nothing (the gateway drained it, evacuating decode
+            streams to other workers); the old front closes (step loop stopped, transfer endpoint
+            deregistered), the new one is built over the same engine: free blocks and their cached
+            prefixes stay, the model is not touched
+    → shutdown().
+Calls meant for another role (prefill() on a decode worker, ...) raise WrongRole: the gateway routes by
+role and drains before a change, so one means a routing bug, and it must be loud.
+Wrapped with ray.remote(...) by the pool, which sets its resources and name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from decode_pool.messages import DecodeOutput, DecodeRequest
+from decode_pool.role import DecodeRole
+from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord
+from llm_engine import EngineConfig, LLMEngine
+from llm_engine.load import WorkerLoad
+from llm_engine.model_loader import num_model_loads
+from llm_engine.worker_setup import TorchGroupSpec, setup_worker_process
+from pool_worker.roles import Role
+from prefill_pool.messages import PrefillRequest, PrefillResult
+from prefill_pool.role import PrefillRole
+
+
+class WrongRole(RuntimeError):
+    """A call meant for another role reached this worker."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Who the worker is, for /admin/pools and for tests that check a role change kept the process."""
+
+    worker_id: str
+    role: Role
+    pid: int
+    num_model_loads: int  # weight loads in this process: 1 however often the role changed
+    num_role_changes: int
+
+
+class WorkerActor:
+    def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, backend: str,
+                 transfer_config: TransferConfig, watermark: float = 0.05, num_threads: int = 1,
+                 torch_group: TorchGroupSpec | None = None) -> None:
+        setup_worker_process(num_threads, torch_group)
+        self.worker_id = worker_id
+        self.engine = LLMEngine(engine_config)
+        self._backend = backend
+        self._transfer_config = transfer_config
+        self._watermark = watermark
+        self._num_threads = num_threads
+        self._num_role_changes = 0
+        self.role = Role(role)
+        self._front: PrefillRole | DecodeRole = self._build_front(self.role)
+
+    def _build_front(self, role: Role) -> PrefillRole | DecodeRole:
+        if role is Role.PREFILL:
+            return PrefillRole(self.worker_id, self.engine, self._backend, self._transfer_config,
+                               self._num_threads)
+        return DecodeRole(self.worker_id, self.engine, self._backend, self._transfer_config,
+                          self._watermark, self._num_threads)
+
+    @property
+    def worker(self) -> Any:
+        """The current role's worker (PrefillWorker or DecodeWorker); tests reach the engine through it."""
+        return self._front.worker
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, self.role, os.getpid(), num_model_loads(), self._num_role_changes)
+
+    async def set_role(self, role: str) -> WorkerInfo:
+        """Serve as `role` from now on (see the lifecycle); raises RuntimeError if the worker still holds
+        work and the change needs a new front."""
+        new = Role(role)
+        if new is self.role:
+            return self.info()
+        if new.can_decode and self.role.can_decode:  # decode ⇄ mixed: the same front
+            self.role = new
+        else:
+            load = self._front.load()
+            if load.num_requests or not self.engine.block_pool.is_whole():
+                raise RuntimeError(
+                    f"{self.worker_id} still holds {load.num_requests} requests and "
+                    f"{self.engine.block_pool.num_used_blocks} KV blocks; drain it before it changes role"
+                )
+            self._front.close()
+            self._front = self._build_front(new)
+            self.role = new
+        self._num_role_changes += 1
+        return self.info()
+
+    # Both roles.
+    def abort(self, request_id: str) -> None:
+        self._front.abort(request_id)
+
+    def load(self) -> WorkerLoad:
+        """The worker's latest load; `failure` is set once its step loop has died."""
+        return replace(self._front.load(), role=self.role.value)
+
+    def is_whole(self) -> bool:
+        """No block held: for tests and drains."""
+        return self.engine.block_pool.is_whole()
+
+    def transfer_records(self) -> list[TransferRecord]:
+        return self._front.transfer_records()
+
+    def shutdown(self) -> None:
+        self._front.close()
+
+    # Prefill role.
+    def peer_info(self) -> PeerInfo:
+        return self._prefill().peer_info()
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        return await self._prefill().prefill(request)
+
+    def release_kv(self, transfer_id: int, why: str) -> None:
+        """Nobody will pull this transfer: free its blocks now. After a role change there is nothing to free
+        (the change waited until every lease had ended), so a late release is ignored."""
+        if isinstance(self._front, PrefillRole):
+            self._front.release_kv(transfer_id, why)
+
+    def accept_pull(self, pull: PullRequest) -> PullReply:
+        return self._prefill().accept_pull(pull)
+
+    # Decode and mixed roles.
+    async def add_prefill_peer(self, peer: PeerInfo, actor: Any = None) -> None:
+        await self._decode().add_prefill_peer(peer, actor)
+
+    def remove_prefill_peer(self, worker_id: str) -> None:
+        if isinstance(self._front, DecodeRole):  # a prefill worker knows no peers: nothing to forget
+            self._front.remove_prefill_peer(worker_id)
+
+    async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeOutput]:
+        """Stream the request's tokens; closing or cancelling the stream aborts the request."""
+        async for output in self._decode().generate(request):
+            yield output
+
+    def evacuate(self) -> None:
+        """End every request here with finish_reason "migrate": the gateway continues them elsewhere."""
+        if isinstance(self._front, DecodeRole):
+            self._front.evacuate()
+
+    def _prefill(self) -> PrefillRole:
+        if not isinstance(self._front, PrefillRole):
+            raise WrongRole(f"{self.worker_id} serves as {self.role.value}, not prefill")
+        return self._front
+
+    def _decode(self) -> DecodeRole:
+        if not isinstance(self._front, DecodeRole):
+            raise WrongRole(f"{self.worker_id} serves as prefill, not decode or mixed")
+        return self._front

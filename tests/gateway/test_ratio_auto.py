@@ -1,0 +1,116 @@
+"""`--ratio auto` on a real server (Ray actors, tiny Llama, nixl): two mixed workers become one prefill and
+one decode worker when a long prompt arrives among running streams, and go back once prefill is calm; the
+streams lose no token, the workers are the same processes throughout, every block comes back."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from fastapi import FastAPI
+
+from gateway.config import ServeConfig
+from gateway.ratio_controller import ControllerPolicy
+from tests.conftest import hf_greedy, random_prompts
+from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
+
+pytestmark = pytest.mark.slow
+VOCAB = 49152
+FAST = ControllerPolicy(interval_s=0.2, min_dwell_s=0.5, calm_s=1.5, long_prompt_tokens=200)
+
+
+@pytest.fixture(scope="module")
+def auto_server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[tuple[str, FastAPI]]:
+    pytest.importorskip("nixl")
+    config = ServeConfig(model=str(tiny_chat_model_dir), served_model_name=MODEL, backend="nixl", mixed=2,
+                         ratio="auto", port=free_port(), kv_cache_mib=2, max_num_batched_tokens=64)
+    with serving(config) as (url, app):
+        app.state.controller.set_policy(FAST)
+        yield url, app
+
+
+# Run inside the worker actors (as in test_faults.py): slower steps keep the streams running long enough.
+def _slow_steps(actor: Any, seconds: float) -> None:
+    runner = actor.worker.engine.runner
+    execute = type(runner).execute
+
+    def slowed(batch: Any) -> Any:
+        time.sleep(seconds)
+        return execute(runner, batch)
+
+    runner.execute = slowed
+
+
+def layout_of(client: httpx.Client) -> tuple[int, int, int]:
+    pools = client.get("/admin/pools").json()
+    return pools["prefill"], pools["decode"], pools["mixed"]
+
+
+def wait_for_layout(client: httpx.Client, layout: tuple[int, int, int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while layout_of(client) != layout or client.get("/admin/pools").json()["change_in_progress"]:
+        assert time.monotonic() < deadline, f"never reached {layout}: {client.get('/admin/pools').json()}"
+        time.sleep(0.05)
+
+
+def stream_tokens(url: str, prompt: list[int], max_tokens: int, out: list[list[int]]) -> None:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}
+    tokens: list[int] = []
+    with httpx.Client(base_url=url, timeout=120) as client, \
+            client.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                tokens += json.loads(line[6:])["choices"][0]["token_ids"] or []
+    out.append(tokens)
+
+
+def test_auto_disaggregates_for_a_long_prompt_and_goes_back_when_calm(
+        auto_server: tuple[str, FastAPI], tiny_chat_model_dir: Path) -> None:
+    url, _ = auto_server
+    with httpx.Client(base_url=url, timeout=120) as client:
+        assert layout_of(client) == (0, 0, 2) and client.get("/admin/pools").json()["auto"] is True
+        ids = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]]
+        actors = [ray.get_actor(f"pdserve-{i}") for i in ids]
+        before = {i: ray.get(a.info.remote()) for i, a in zip(ids, actors, strict=True)}
+        ray.get([a.__ray_call__.remote(_slow_steps, 0.01) for a in actors])
+
+        stream_prompts = random_prompts([20, 24], VOCAB, seed=51)
+        streamed: list[list[int]] = []
+        threads = [threading.Thread(target=stream_tokens, args=(url, prompt, 120, streamed))
+                   for prompt in stream_prompts]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)  # both streams decoding
+        [long_prompt] = random_prompts([300], VOCAB, seed=52)
+        body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 6, "temperature": 0,
+                "return_token_ids": True}
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        wait_for_layout(client, (1, 1, 0), timeout_s=10)
+        for thread in threads:
+            thread.join(120)
+        wait_for_layout(client, (0, 0, 2), timeout_s=20)  # prefill calm: back to two mixed workers
+
+        decisions = client.get("/admin/pools").json()["ratio_decisions"]
+        assert [(d["from_level"], d["to_level"], d["reason"]) for d in decisions][:2] == [
+            (0, 1, "long_prompt"), (1, 0, "prefill_idle")]
+        metrics = client.get("/metrics").text
+        assert 'pdserve_ratio_changes_total{from="mixed",reason="long_prompt",to="prefill"} 1.0' in metrics
+        after = {i: ray.get(a.info.remote()) for i, a in zip(ids, actors, strict=True)}
+        assert wait_until_no_blocks_used(client) == 0
+
+    expected = hf_greedy(tiny_chat_model_dir, stream_prompts, 120, ignore_eos=True)
+    assert sorted(streamed) == sorted(expected)
+    assert answer.json()["choices"][0]["token_ids"] == hf_greedy(tiny_chat_model_dir, [long_prompt], 6)[0]
+    # The same two processes throughout, the weights loaded once in each, and they did change role.
+    assert {i: (x.pid, x.num_model_loads) for i, x in after.items()} == {
+        i: (x.pid, 1) for i, x in before.items()}
+    assert sum(x.num_role_changes for x in after.values()) >= 4

@@ -1,0 +1,103 @@
+"""The ratio controller's decisions (Ladder) and the resizer's move planning, without a server."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.ratio_controller import ControllerPolicy, Ladder, Signals
+from gateway.resize import Move, PoolLayout, plan_moves
+from pool_worker import Role
+
+POLICY = ControllerPolicy(interval_s=1.0, min_dwell_s=5.0, calm_s=10.0, long_prompt_tokens=1000,
+                          ttft_slo_s=2.0, itl_slo_s=0.2)
+QUIET = Signals(level=0, num_workers=2, queued_prompt_tokens=0, num_decoding=4, kv_occupancy=0.1,
+                ttft_p90_s=0.5, itl_p99_s=0.05, itl_p50_s=0.04, seconds_since_long_prompt=float("inf"))
+
+
+def test_a_long_prompt_among_decoding_streams_disaggregates_at_once() -> None:
+    ladder = Ladder(POLICY)
+    assert ladder.decide(QUIET, now=100.0) is None
+    decision = ladder.decide(dataclasses.replace(QUIET, seconds_since_long_prompt=0.1,
+                                                 queued_prompt_tokens=1500), now=101.0)
+    assert decision is not None and (decision.from_level, decision.to_level) == (0, 1)
+    assert decision.reason == "long_prompt"
+
+
+def test_a_long_prompt_with_nothing_decoding_changes_nothing() -> None:
+    signals = dataclasses.replace(QUIET, seconds_since_long_prompt=0.1, num_decoding=0,
+                                  queued_prompt_tokens=1500)
+    assert Ladder(POLICY).decide(signals, now=100.0) is None
+
+
+def test_itl_over_its_slo_while_prompts_queue_disaggregates() -> None:
+    slow = dataclasses.replace(QUIET, itl_p99_s=0.5, queued_prompt_tokens=300)
+    decision = Ladder(POLICY).decide(slow, now=100.0)
+    assert decision is not None and decision.reason == "itl_slo" and decision.to_level == 1
+    # Slow decoding with no prompt work, or slow decoding all the time (the median over the SLO too: short of
+    # decoding cores), is not something a prefill worker would fix.
+    assert Ladder(POLICY).decide(dataclasses.replace(slow, queued_prompt_tokens=0), now=100.0) is None
+    assert Ladder(POLICY).decide(dataclasses.replace(slow, itl_p50_s=0.3), now=100.0) is None
+
+
+def test_no_change_within_the_dwell_time_of_the_last() -> None:
+    ladder = Ladder(POLICY)
+    ladder.note_change(100.0)
+    urgent = dataclasses.replace(QUIET, seconds_since_long_prompt=0.1, queued_prompt_tokens=1500)
+    assert ladder.decide(urgent, now=104.0) is None
+    assert ladder.decide(urgent, now=105.5) is not None
+
+
+def test_back_to_mixed_only_after_prefill_was_calm_for_calm_s() -> None:
+    ladder = Ladder(POLICY)
+    ladder.note_change(0.0)
+    disaggregated = dataclasses.replace(QUIET, level=1)
+    assert ladder.decide(disaggregated, now=10.0) is None  # calm starts here
+    busy_again = dataclasses.replace(disaggregated, queued_prompt_tokens=800)
+    assert ladder.decide(busy_again, now=15.0) is None  # above the low mark: the calm timer restarts
+    assert ladder.decide(disaggregated, now=16.0) is None
+    assert ladder.decide(disaggregated, now=25.0) is None
+    decision = ladder.decide(disaggregated, now=26.5)
+    assert decision is not None and (decision.to_level, decision.reason) == (0, "prefill_idle")
+
+
+def test_ttft_over_its_slo_with_prompt_work_piling_up_adds_a_prefill_worker() -> None:
+    piled = dataclasses.replace(QUIET, level=1, num_workers=4, ttft_p90_s=3.0, queued_prompt_tokens=2500)
+    decision = Ladder(POLICY).decide(piled, now=100.0)
+    assert decision is not None and (decision.to_level, decision.reason) == (2, "ttft_slo")
+    # Never the last decode worker.
+    assert Ladder(POLICY).decide(dataclasses.replace(piled, level=3), now=100.0) is None
+
+
+def test_bad_policies_are_refused() -> None:
+    with pytest.raises(ValueError, match="must be > 0"):
+        ControllerPolicy(itl_slo_s=0)
+    with pytest.raises(ValueError, match="long_prompt_tokens"):
+        ControllerPolicy(long_prompt_tokens=0)
+
+
+def test_plans_change_roles_before_adding_or_removing_workers() -> None:
+    one_one = {Role.PREFILL: 1, Role.DECODE: 1, Role.MIXED: 0}
+    two_mixed = {Role.PREFILL: 0, Role.DECODE: 0, Role.MIXED: 2}
+    assert plan_moves(one_one, two_mixed) == [Move("change", Role.MIXED, Role.DECODE),
+                                              Move("change", Role.MIXED, Role.PREFILL)]
+    assert plan_moves(two_mixed, one_one) == [Move("change", Role.DECODE, Role.MIXED),
+                                              Move("change", Role.PREFILL, Role.MIXED)]
+    # Adds come before a change that takes a worker out of service, and drains come last.
+    assert plan_moves(one_one, {Role.PREFILL: 0, Role.DECODE: 1, Role.MIXED: 2}) == [
+        Move("add", Role.MIXED), Move("change", Role.MIXED, Role.PREFILL)]
+    one_two = {Role.PREFILL: 1, Role.DECODE: 2, Role.MIXED: 0}
+    assert plan_moves(one_two, one_one) == [Move("drain", Role.DECODE)]
+    assert plan_moves(one_one, one_one) == []
+
+
+def test_a_pools_body_is_a_layout_or_auto() -> None:
+    assert PoolLayout.model_validate({"mixed": 2}).by_role() == {Role.PREFILL: 0, Role.DECODE: 0,
+                                                                  Role.MIXED: 2}
+    assert PoolLayout.model_validate({"auto": True}).auto is True
+    with pytest.raises(ValidationError, match="not both"):
+        PoolLayout.model_validate({"auto": True, "prefill": 1})
+    with pytest.raises(ValidationError, match="worker counts"):
+        PoolLayout.model_validate({"drain_grace_s": 3})
