@@ -140,12 +140,11 @@ def run_plan(args: argparse.Namespace) -> int:
     workload = Workload(args.num_requests, args.seed, args.burstiness, trace,
                         str(Path(args.trace).resolve()) if args.trace else None, args.speed, args.input_len,
                         args.output_len, args.length_scale)
-    defaults = _serving_defaults()
-    config = SimConfig(profile.shape, float(defaults["watermark"]), int(defaults["max_waiting"]),
-                       float(defaults["queue_timeout_s"]), hop_s=args.hop_ms / 1000.0)
     access = None
     if args.apply is not None:
-        from tuner.apply import ServerAccess, check_model
+        import httpx
+
+        from tuner.apply import ServerAccess, ServerError, check_model
 
         access = ServerAccess(args.apply.rstrip("/"), args.api_key or os.environ.get("PDSERVE_API_KEY"),
                               args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY"))
@@ -153,6 +152,11 @@ def run_plan(args: argparse.Namespace) -> int:
             check_model(access, profile.model)
         except ValueError as error:
             _fail(args, f"--profile: {error}")
+        except (httpx.HTTPError, ServerError) as error:
+            _fail(args, f"--apply: {access.url}: {type(error).__name__}: {error}")
+    defaults = _serving_defaults()
+    config = SimConfig(profile.shape, float(defaults["watermark"]), int(defaults["max_waiting"]),
+                       float(defaults["queue_timeout_s"]), hop_s=args.hop_ms / 1000.0)
     total = len(rates) * _num_layouts(args.workers) + (
         sum(_num_layouts(n) for n in range(1, args.workers + 1)) if args.target_rate else 0)
     with tqdm(total=total, desc="simulate", disable=args.no_progress, **PROGRESS) as bar:
@@ -181,7 +185,9 @@ def _num_layouts(num_workers: int) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from tuner.apply import ServerAccess
+    import httpx
+
+    from tuner.apply import ServerAccess, ServerError
     from tuner.validate import load_plan, report, validate
 
     try:
@@ -195,6 +201,8 @@ def run_validate(args: argparse.Namespace) -> int:
         comparisons = validate(plan, access, Path(args.out), labels, show_progress=not args.no_progress)
     except ValueError as error:
         _fail(args, f"--plan: {error}")
+    except (httpx.HTTPError, ServerError) as error:
+        _fail(args, f"--url: {access.url}: {type(error).__name__}: {error}")
     print(report(comparisons))
     return 0
 

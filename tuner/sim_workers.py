@@ -66,9 +66,18 @@ class _Worker:
         self.waiting: deque[SimRequest] = deque()  # engine WAITING
         self.prefilling: list[SimRequest] = []  # RUNNING, prompt not yet computed
         self.is_busy = False
+        self.is_waking = False
         self.busy_s = 0.0  # time spent in forwards (utilization, for the plan's reasoning)
 
     def wake(self, now: float) -> None:
+        if not self.is_busy and not self.is_waking:
+            # The step starts after every other event of this instant: the real loop drains its whole inbox
+            # when it wakes, so requests that arrive together are batched together.
+            self.is_waking = True
+            self.sim.at(now, self._woken, None, is_last=True)
+
+    def _woken(self, _: object, now: float) -> None:
+        self.is_waking = False
         if not self.is_busy:
             self.begin(now)
 

@@ -8,9 +8,10 @@ A request's way (the gateway's, gateway/service.py and gateway/orchestrator.py):
     → prefill worker (one hop) → first token → gateway (one hop; the client sees it) → decode worker (one
       hop) → pull → decode → each token to the gateway (one hop) → last token: reservation released.
     A mixed worker (or a decode worker with no prefill pool) gets the request directly and prefills it itself.
-Workers are in sim_workers.py. Events are (time, seq, callback, argument) in one heap; a worker's forward is
-one event whatever its batch, so a plan of hundreds of layouts runs in seconds. Not modelled: prefix-cache
-hits (the load generator's prompts are random), request deadlines (far looser than any SLO), failures.
+Workers are in sim_workers.py. Events are (time, is_last, seq, callback, argument) in one heap; a worker's
+forward is one event whatever its batch, so a plan of hundreds of layouts runs in seconds. Not modelled:
+prefix-cache hits (the load generator's prompts are random), request deadlines (far looser than any SLO),
+worker failures, the decode step's token budget when more requests decode than it holds (never, at 512).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class Simulation:
         self.reserved = self.waiting_tokens = 0
         self.line: deque[SimRequest] = deque()
         self.num_in_system = 0
-        self._heap: list[tuple[float, int, Callable[[Any, float], None], Any]] = []
+        self._heap: list[tuple[float, bool, int, Callable[[Any, float], None], Any]] = []
         self._seq = itertools.count()
         self.itl_steps: list[tuple[float, int]] = []
         self.itl_gaps: list[float] = []
@@ -119,8 +120,10 @@ class Simulation:
         self.num_preemptions = 0
         self._requests: list[SimRequest] = []
 
-    def at(self, time: float, callback: Callable[[Any, float], None], argument: Any) -> None:
-        heapq.heappush(self._heap, (time, next(self._seq), callback, argument))
+    def at(self, time: float, callback: Callable[[Any, float], None], argument: Any, *,
+           is_last: bool = False) -> None:
+        """Call callback(argument, time) then; `is_last`: after every other event of that instant."""
+        heapq.heappush(self._heap, (time, is_last, next(self._seq), callback, argument))
 
     def run(self, requests: Sequence[RequestShape]) -> SimResult:
         self._requests = [SimRequest(i, s.arrival_s, s.input_len, s.output_len)
@@ -129,7 +132,7 @@ class Simulation:
             self.at(self._requests[0].arrival, self._arrive, self._requests[0])
         heap, pop = self._heap, heapq.heappop
         while heap:
-            time, _, callback, argument = pop(heap)
+            time, _, _, callback, argument = pop(heap)
             callback(argument, time)
         hop = self.config.hop_s
         done = [r for r in self._requests if not r.error]
