@@ -8,8 +8,10 @@ What the simulator asks, and the form of each answer (linear in named features, 
     mixed step     a + b·batch + c·context + d·t + e·q   fitted over every forward measured, so a decode batch
                                                          plus a prefill chunk is priced by one model
     transfer       a + b·bytes
-A coefficient that least squares makes negative (noise on a small term) is dropped and the rest refitted:
-a negative cost per token would make a bigger batch faster, and the simulator would exploit it.
+Least squares on relative error (each point weighted by 1/seconds): forwards span 1 ms to seconds, and an
+absolute fit would spend its intercept on the longest prompts and misprice every short step. A coefficient
+that comes out negative (noise on a small term) is dropped and the rest refitted: a negative cost per token
+would make a bigger batch faster, and the simulator would exploit it.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class LinearFit:
 
 def fit_linear(features: Sequence[str], rows: Sequence[Sequence[float]], seconds: Sequence[float]
                ) -> LinearFit:
-    """Least squares with non-negative coefficients (drop the most negative, refit, until none is).
+    """Least squares of relative error with non-negative coefficients (drop the most negative, refit, until
+    none is).
 
     Raises:
         ValueError: no points, or fewer points than features.
@@ -96,12 +99,14 @@ def fit_linear(features: Sequence[str], rows: Sequence[Sequence[float]], seconds
                          f"got {len(rows)}")
     x = np.asarray(rows, dtype=np.float64)  # [points, features]
     y = np.asarray(seconds, dtype=np.float64)  # [points]
+    weight = 1.0 / np.maximum(y, 1e-12)  # [points]: relative error
     # Columns differ by orders of magnitude (1 vs bytes): scale them so lstsq's rank cut-off is fair.
     scale = np.maximum(np.abs(x).max(axis=0), 1e-30)
     active = list(range(len(features)))
     coefficients = np.zeros(len(features))
     while active:
-        solution, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
+        scaled = x[:, active] / scale[active] * weight[:, None]
+        solution, *_ = np.linalg.lstsq(scaled, y * weight, rcond=None)
         solution = solution / scale[active]
         if (solution >= 0).all():
             coefficients[:] = 0.0
