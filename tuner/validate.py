@@ -18,6 +18,8 @@ from typing import Any, cast
 from loadgen.runner import BenchConfig, run_bench
 from tuner.apply import ServerAccess, apply_layout, check_model, current_layout
 
+# Layouts whose measured goodput differs by less than this fraction are equally good: a run's noise.
+GOODPUT_TIE = 0.05
 # (name, plan.json table key, summary.json section, its percentile key)
 FIGURES = (
     ("TTFT p50", "ttft_p50_s", "ttft_s_over_requests", "p50"),
@@ -114,9 +116,14 @@ def report(comparisons: list[Comparison]) -> str:
         lines.append(f"{c.label:>8} {'trace' if c.rate is None else f'{c.rate:g}':>6} " + " ".join(cells))
     for rate in dict.fromkeys(c.rate for c in comparisons):
         at_rate = [c for c in comparisons if c.rate == rate]
-        predicted = max(at_rate, key=lambda c: c.predicted["goodput"]).label
-        measured = max(at_rate, key=lambda c: c.measured["goodput"]).label
-        verdict = "the same" if predicted == measured else "DIFFERENT"
-        lines.append(f"rate {'trace' if rate is None else f'{rate:g}'}: predicted best {predicted}, "
-                     f"measured best {measured}: {verdict}")
+        predicted = max(at_rate, key=lambda c: c.predicted["goodput"])
+        measured = max(at_rate, key=lambda c: c.measured["goodput"])
+        if predicted is measured:
+            verdict = "the same"
+        elif predicted.measured["goodput"] >= (1 - GOODPUT_TIE) * measured.measured["goodput"]:
+            verdict = f"a tie (measured goodput within {100 * GOODPUT_TIE:.0f}%)"
+        else:
+            verdict = "DIFFERENT"
+        lines.append(f"rate {'trace' if rate is None else f'{rate:g}'}: predicted best {predicted.label}, "
+                     f"measured best {measured.label}: {verdict}")
     return "\n".join(lines)
