@@ -27,7 +27,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from benchmarks.loadgen.runner import BenchConfig, run_bench
+from loadgen.runner import BenchConfig, run_bench
 
 SETUPS = {
     "1P+1D": ["--prefill", "1", "--decode", "1", "--backend", "nixl"],

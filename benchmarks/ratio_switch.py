@@ -26,9 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.loadgen.client import RequestRecord, send_one
-from benchmarks.loadgen.summary import SLO, percentile, summarize
-from benchmarks.loadgen.workload import RequestSpec, build_requests, poisson_arrivals, read_trace
+from loadgen.client import RequestRecord, send_one
+from loadgen.summary import SLO, percentile, summarize
+from loadgen.workload import RequestSpec, build_requests, poisson_arrivals, read_trace
 from benchmarks.pd_vs_colocated import TRACE, start_server
 from benchmarks.ratiolib.report import write_report
 

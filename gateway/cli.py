@@ -88,7 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from benchmarks.loadgen.runner import BenchConfig, run_bench
+    from loadgen.runner import BenchConfig, run_bench
 
     if args.rate is None and args.trace is None:
         print(

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.loadgen.summary import percentiles
 from benchmarks.soaklib.config import SoakConfig
 from benchmarks.soaklib.traffic import SoakRecord
+from loadgen.summary import percentiles
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What the soak sends and how: the request mix, its client-side cancellations, one SoakRecord per request.
 
-The mix builds on benchmarks/loadgen (RequestSpec and Poisson arrivals from workload.py, RequestRecord
+The mix builds on loadgen/ (RequestSpec and Poisson arrivals from workload.py, RequestRecord
 from client.py). A request's outcome, set once it ends:
   pending → ok         the response or stream finished with a finish_reason (and [DONE] for a stream)
           → cancelled  the client left on purpose: before the first token, after N tokens, or gave up
@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
-from benchmarks.loadgen.client import RequestRecord
-from benchmarks.loadgen.workload import RequestSpec, poisson_arrivals
 from benchmarks.soaklib.config import SoakConfig
+from loadgen.client import RequestRecord
+from loadgen.workload import RequestSpec, poisson_arrivals
 
 # Prompt text for chat requests: common words, about one token each with SmolLM2's tokenizer.
 _WORDS_TEXT = """

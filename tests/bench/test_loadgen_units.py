@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.loadgen.client import RequestRecord
-from benchmarks.loadgen.sampler import parse_sample
-from benchmarks.loadgen.summary import SLO, percentile, summarize
-from benchmarks.loadgen.workload import build_requests, poisson_arrivals, read_trace
+from loadgen.client import RequestRecord
+from loadgen.sampler import parse_sample
+from loadgen.summary import SLO, percentile, summarize
+from loadgen.workload import build_requests, poisson_arrivals, read_trace
 
 AZURE = Path(__file__).parents[3] / "shared" / "traces" / "azure_conv_2023.csv"
 

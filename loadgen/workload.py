@@ -28,6 +28,17 @@ class TraceRow:
 
 
 @dataclass(frozen=True)
+class RequestShape:
+    """A request before its prompt exists: what a simulator needs, and what build_requests fills in."""
+
+    index: int
+    arrival_s: float  # seconds after the run starts
+    input_len: int  # prompt tokens
+    output_len: int  # max_tokens (the load generator sets ignore_eos, so also the tokens generated)
+    hash_ids: tuple[int, ...] = ()  # Mooncake: the prompt's shared blocks
+
+
+@dataclass(frozen=True)
 class RequestSpec:
     index: int
     arrival_s: float  # seconds after the run starts
@@ -99,9 +110,8 @@ def poisson_arrivals(rate: float, count: int, rng: random.Random, burstiness: fl
     return times
 
 
-def build_requests(
+def plan_requests(
     count: int,
-    vocab_size: int,
     seed: int = 0,
     rate: float | None = None,
     burstiness: float = 1.0,
@@ -111,8 +121,10 @@ def build_requests(
     output_len: int | None = None,
     length_scale: float = 1.0,
     duration_s: float | None = None,
-) -> list[RequestSpec]:
-    """The run's requests: lengths from fixed values or the trace, arrivals from a rate or the trace.
+) -> list[RequestShape]:
+    """The run's requests without their prompts: lengths from fixed values or the trace, arrivals from a
+    rate or the trace. `build_requests` with the same arguments sends exactly these (the simulator of
+    `pdserve tune` predicts from them).
 
     Args:
         rate: requests/s (Poisson or gamma); None replays the trace's timestamps divided by `speed`.
@@ -129,17 +141,45 @@ def build_requests(
     else:
         start = rows[0].timestamp_s
         arrivals = [(r.timestamp_s - start) / speed for r in rows]
-    block_tokens = max(1, round(MOONCAKE_BLOCK_TOKENS * length_scale))
-    requests = []
+    shapes = []
     for index, (row, arrival) in enumerate(zip(rows, arrivals, strict=True)):
         if duration_s is not None and arrival > duration_s:
             break
         n_in = input_len if input_len is not None else max(1, round(row.input_len * length_scale))
         n_out = output_len if output_len is not None else max(1, round(row.output_len * length_scale))
+        shapes.append(RequestShape(index, arrival, n_in, n_out, row.hash_ids))
+    return shapes
+
+
+def build_requests(
+    count: int,
+    vocab_size: int,
+    seed: int = 0,
+    rate: float | None = None,
+    burstiness: float = 1.0,
+    trace: list[TraceRow] | None = None,
+    speed: float = 1.0,
+    input_len: int | None = None,
+    output_len: int | None = None,
+    length_scale: float = 1.0,
+    duration_s: float | None = None,
+) -> list[RequestSpec]:
+    """The requests of plan_requests (same arguments), with prompts: random token ids below `vocab_size`,
+    and equal blocks wherever a Mooncake hash id recurs."""
+    shapes = plan_requests(count, seed, rate, burstiness, trace, speed, input_len, output_len, length_scale,
+                           duration_s)
+    # Prompt tokens continue the arrivals' random stream, as they always have (same seed, same prompts).
+    rng = random.Random(seed)
+    if rate is not None:
+        poisson_arrivals(rate, count, rng, burstiness)
+    block_tokens = max(1, round(MOONCAKE_BLOCK_TOKENS * length_scale))
+    requests = []
+    for shape in shapes:
         prompt: list[int] = []
-        for hash_id in row.hash_ids:  # shared blocks: the same tokens wherever the id recurs
+        for hash_id in shape.hash_ids:  # shared blocks: the same tokens wherever the id recurs
             block_rng = random.Random(hash_id * 7919 + seed)
             prompt += [block_rng.randrange(vocab_size) for _ in range(block_tokens)]
+        n_in = shape.input_len
         prompt = prompt[:n_in] + [rng.randrange(vocab_size) for _ in range(max(0, n_in - len(prompt)))]
-        requests.append(RequestSpec(index, arrival, tuple(prompt), n_out))
+        requests.append(RequestSpec(shape.index, shape.arrival_s, tuple(prompt), shape.output_len))
     return requests

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.loadgen.workload import RequestSpec
+from loadgen.workload import RequestSpec
 
 
 @dataclass

@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from benchmarks.loadgen.client import RequestRecord, send_one
-from benchmarks.loadgen.plots import plot_run
-from benchmarks.loadgen.sampler import Sample, sample_metrics
-from benchmarks.loadgen.summary import SLO, summarize
-from benchmarks.loadgen.workload import build_requests, read_trace
+from loadgen.client import RequestRecord, send_one
+from loadgen.plots import plot_run
+from loadgen.sampler import Sample, sample_metrics
+from loadgen.summary import SLO, summarize
+from loadgen.workload import build_requests, read_trace
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
-from benchmarks.loadgen.client import RequestRecord
-from benchmarks.loadgen.sampler import Sample
-from benchmarks.loadgen.summary import STAGES
+from loadgen.client import RequestRecord
+from loadgen.sampler import Sample
+from loadgen.summary import STAGES
 
 
 def _cdf(ax: plt.Axes, values: list[float], label: str) -> None:

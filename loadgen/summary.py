@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from benchmarks.loadgen.client import RequestRecord
+from loadgen.client import RequestRecord
 
 STAGES = ("gateway_queue_ms", "prefill_queue_ms", "prefill_ms", "transfer_ms", "decode_queue_ms", "decode_ms")
 QUANTILES = (50, 90, 99)
