@@ -26,11 +26,11 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.pd_vs_colocated import TRACE, start_server
+from benchmarks.ratiolib.report import write_report
 from loadgen.client import RequestRecord, send_one
 from loadgen.summary import SLO, percentile, summarize
 from loadgen.workload import RequestSpec, build_requests, poisson_arrivals, read_trace
-from benchmarks.pd_vs_colocated import TRACE, start_server
-from benchmarks.ratiolib.report import write_report
 
 SETUPS = {
     "1P+1D": ["--prefill", "1", "--decode", "1", "--backend", "nixl"],
