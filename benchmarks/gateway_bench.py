@@ -83,7 +83,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "UCX_NET_DEVICES": "lo"}
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir),
+    command = [sys.executable, "-m", "commands", "serve", "--model", str(model_dir),
                "--served-model-name", "tiny", "--backend", "nixl", "--port", str(port),
                "--kv-cache-mib", "64", "--max-waiting", "1024"]
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

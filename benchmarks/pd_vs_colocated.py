@@ -40,7 +40,7 @@ def start_server(flags: list[str], port: int) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
         "-m",
-        "gateway.cli",
+        "commands",
         "serve",
         "--port",
         str(port),

@@ -45,10 +45,10 @@ def test_roles_not_named_are_zero_unless_none_is() -> None:
 
 
 def test_cli_names_the_bad_flag() -> None:
-    result = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--decode", "0"],
+    result = subprocess.run([sys.executable, "-m", "commands", "serve", "--decode", "0"],
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert "--decode" in result.stderr
-    missing = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--model", "/no/such/dir"],
+    missing = subprocess.run([sys.executable, "-m", "commands", "serve", "--model", "/no/such/dir"],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "--model" in missing.stderr and "does not exist" in missing.stderr

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from commands.tune import add_tune_parser
 from tests.tune.conftest import profile, sim_config, step_model
-from tuner.cli import add_tune_parser
 
 
 def tune(argv: list[str]) -> int:

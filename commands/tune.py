@@ -1,6 +1,6 @@
-"""`pdserve tune {profile, plan, validate}`: the tuner's command line, registered by the main CLI with
-add_tune_parser(subparsers). Part of the command line (the composition root), so it alone in this package
-may read the gateway's serving defaults, which the simulator must mirror and must not copy.
+"""`pdserve tune {profile, plan, validate}`: the tuner's command line (the tuner/ package does the work).
+Part of the command line, the composition root, so it may read the gateway's serving defaults, which the
+simulator must mirror and must not copy.
 
     profile  --model DIR → profile.json + profile.png
     plan     --profile P (--trace T | --input-len/--output-len) (--rate R | --rates a,b,c) --workers N

@@ -1,0 +1,7 @@
+"""`python -m commands ...` is `pdserve ...`."""
+
+import sys
+
+from commands.main import main
+
+sys.exit(main())

@@ -1,0 +1,86 @@
+"""`pdserve serve`: the gateway and its pools, from flags or a YAML file (gateway/config.py ServeConfig)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+# Flags of `serve` that map one-to-one onto ServeConfig fields (dest name = field name).
+_SERVE_FLAGS: list[tuple[str, type, str]] = [
+    ("--model", str, "Hugging Face model directory (default: SmolLM2-135M-Instruct, prepared on first use)"),
+    ("--served-model-name", str, "model name clients send (default: the directory's name)"),
+    ("--prefill", int, "prefill workers (default: 1 when no role is given, else 0)"),
+    ("--decode", int, "decode workers (default: 1 when no role is given, else 0)"),
+    ("--mixed", int, "workers that prefill and decode their own requests (the colocated layout; default 0)"),
+    ("--colocated", int, "the old name of --mixed"),
+    ("--backend", str, "KV transfer backend: auto, nixl, torch or local (default auto)"),
+    ("--ratio", str, "fixed (default) or auto: a controller moves workers between roles by load"),
+    ("--ttft-slo-s", float, "the ratio controller's time-to-first-token target, s"),
+    ("--itl-slo-s", float, "the ratio controller's inter-token latency target, s"),
+    ("--dtype", str, "float32 or bfloat16"),
+    ("--device", str, "cpu or cuda"),
+    ("--block-size", int, "tokens per KV block"),
+    ("--kv-cache-mib", int, "KV cache budget per worker, MiB"),
+    ("--max-num-batched-tokens", int, "tokens per forward (prefill chunk budget)"),
+    ("--host", str, "address to bind (default 127.0.0.1)"),
+    ("--port", int, "port (default 8000)"),
+    ("--api-key", str, "require this Bearer key on /v1 routes and /metrics (or PDSERVE_API_KEY)"),
+    ("--admin-key", str, "require this Bearer key on /admin routes (or PDSERVE_ADMIN_KEY)"),
+    ("--address", str, "join this Ray cluster instead of starting a local one"),
+    ("--max-waiting", int, "requests that may wait for decode KV capacity before 429"),
+    ("--max-waiting-tokens", int, "tokens (prompt + max_tokens) that may wait before 429 (default: the KV)"),
+    ("--queue-timeout-s", float, "seconds a request may wait for capacity before 429"),
+    ("--deadline-slack-s", float, "request deadlines: slack per stage, s (defaults: gateway/deadlines.py)"),
+    ("--deadline-prefill-s-per-token", float, "request deadlines: seconds per prompt token"),
+    ("--deadline-decode-s-per-token", float, "request deadlines: seconds per output token"),
+    ("--local-prefill-max-tokens", int, "decode workers prefill prompts with at most this many uncached "
+                                        "tokens themselves (off unless set)"),
+    ("--local-prefill-queue-tokens", int, "... or any prompt while every prefill worker has this many "
+                                          "tokens queued (off unless set)"),
+    ("--default-max-tokens", int, "max_tokens of chat requests that give none"),
+]
+
+
+
+def add_serve_parser(commands: Any) -> None:
+    serve = commands.add_parser("serve", help="serve a model through a prefill pool and a decode pool")
+    serve.add_argument("--config", default=None, help="YAML file of the same settings (flags override it)")
+    for flag, kind, text in _SERVE_FLAGS:
+        serve.add_argument(flag, type=kind, default=None, help=text)
+    serve.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from gateway.app import create_app
+    from gateway.config import ServeConfig
+
+    overrides = {
+        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in _SERVE_FLAGS
+    }
+    overrides["ray_address"] = overrides.pop("address")
+    overrides["api_key"] = overrides["api_key"] or os.environ.get("PDSERVE_API_KEY")
+    overrides["admin_key"] = overrides["admin_key"] or os.environ.get("PDSERVE_ADMIN_KEY")
+    try:
+        if args.config:
+            config = ServeConfig.from_yaml(args.config, **overrides)
+        else:
+            config = ServeConfig.model_validate({k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        if not first["loc"]:  # a check across fields: its message names the flags
+            message = str(first["msg"]).removeprefix("Value error, ")
+            print(f"pdserve serve: error: {message}", file=sys.stderr)
+            return 2
+        field = str(first["loc"][0])
+        flag = "--address" if field == "ray_address" else "--" + field.replace("_", "-")
+        print(f"pdserve serve: error: {flag}: {first['msg']}", file=sys.stderr)
+        return 2
+    uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop", log_level="info")
+    return 0
+
+
