@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,63 +24,13 @@ from fastapi import FastAPI
 from gateway.config import ServeConfig
 from gateway.deadlines import DeadlinePolicy
 from tests.conftest import hf_greedy, random_prompts
+from tests.gateway import actor_faults as faults
 from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
 
 pytestmark = pytest.mark.slow
 VOCAB = 49152
 
 
-# Functions run inside the worker actors (pickled by value: the workers do not import the tests).
-def _slow_steps(actor: Any, seconds: float) -> None:
-    runner = actor.worker.engine.runner
-    execute = type(runner).execute
-
-    def slowed(batch: Any) -> Any:
-        time.sleep(seconds)
-        return execute(runner, batch)
-
-    runner.execute = slowed
-
-
-def _raise_in_next_step(actor: Any) -> None:
-    def broken(batch: Any) -> Any:
-        raise RuntimeError("injected fault: the forward failed")
-
-    actor.worker.engine.runner.execute = broken
-
-
-def _fail_pulls(actor: Any) -> None:
-    actor.worker.receiver._start = lambda pull, peer: pull.fail("injected fault: the transfer was dropped")
-
-
-def _stall_pulls(actor: Any) -> None:
-    from kv_transfer import TransferState
-
-    def stalled(pull: Any, peer: Any) -> None:
-        pull.state = TransferState.TRANSFERRING  # posted, and never heard of again
-
-    actor.worker.receiver._start = stalled
-    actor.worker.receiver._advance = lambda pull: None
-
-
-def _lose_releases_and_shorten_leases(actor: Any) -> None:
-    import dataclasses
-
-    actor.worker.release = lambda transfer_id, why: None  # explicit releases never arrive
-    sender = actor.worker.sender
-    sender.config = dataclasses.replace(sender.config, lease_s=1.0)
-
-
-def _heal(actor: Any) -> None:
-    actor.worker.engine.runner.__dict__.pop("execute", None)
-    actor.worker.__dict__.pop("release", None)
-    receiver = getattr(actor.worker, "receiver", None)
-    if receiver is not None:
-        receiver.__dict__.pop("_advance", None)
-        receiver.__dict__.pop("_start", None)
-
-
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +52,7 @@ def client(fault_server: tuple[str, FastAPI]) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=url, timeout=120) as c:
         yield c
         for worker in active_workers(c):
-            with_actor(worker, _heal)
+            with_actor(worker, faults.heal)
         wait_for_health(c, "ok", timeout_s=90)
         assert wait_until_no_blocks_used(c, timeout_s=20) == 0
         assert app.state.service.admission.reserved_tokens == 0
@@ -176,7 +125,7 @@ def stream_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
 def test_prefill_worker_killed_mid_prefill_is_retried_on_its_replacement(
         client: httpx.Client, tiny_chat_model_dir: Path) -> None:
     [prefill] = active_workers(client, "prefill")
-    with_actor(prefill, _slow_steps, 0.05)
+    with_actor(prefill, faults.slow_steps, 0.05)
     prompt = random_prompts([400], VOCAB, seed=11)[0]  # 13 chunks of 32 tokens: ~0.7 s of prefill
     join = in_thread(lambda: complete(client, prompt, 8))
     wait_for(lambda: worker_load(client, prefill).get("running_requests", 0) > 0)
@@ -192,7 +141,7 @@ def test_prefill_worker_killed_mid_prefill_is_retried_on_its_replacement(
 def test_decode_worker_killed_mid_stream_migrates_without_losing_a_token(
         client: httpx.Client, tiny_chat_model_dir: Path) -> None:
     for decode in active_workers(client, "decode"):
-        with_actor(decode, _slow_steps, 0.03)
+        with_actor(decode, faults.slow_steps, 0.03)
     prompt = random_prompts([30], VOCAB, seed=12)[0]
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0, "return_token_ids": True,
             "stream": True}
@@ -218,7 +167,7 @@ def test_decode_worker_killed_mid_stream_migrates_without_losing_a_token(
 def test_decode_step_loop_that_raises_fails_over_every_request(
         client: httpx.Client, tiny_chat_model_dir: Path) -> None:
     broken = active_workers(client, "decode")[0]
-    with_actor(broken, _raise_in_next_step)
+    with_actor(broken, faults.raise_in_next_step)
     prompts = random_prompts([12, 20, 28, 36], VOCAB, seed=13)
     joins = [in_thread(lambda p=p: complete(client, p, 10)) for p in prompts]  # type: ignore[misc]
     responses = [join() for join in joins]
@@ -231,7 +180,7 @@ def test_decode_step_loop_that_raises_fails_over_every_request(
 
 def test_prefill_step_loop_that_raises_is_retried(client: httpx.Client, tiny_chat_model_dir: Path) -> None:
     [prefill] = active_workers(client, "prefill")
-    with_actor(prefill, _raise_in_next_step)
+    with_actor(prefill, faults.raise_in_next_step)
     prompt = random_prompts([24], VOCAB, seed=14)[0]
     response = complete(client, prompt, 6)
     assert response.status_code == 200, response.text
@@ -243,7 +192,7 @@ def test_prefill_step_loop_that_raises_is_retried(client: httpx.Client, tiny_cha
 def test_dropped_transfer_recomputes_and_frees_the_prefill_blocks_at_once(
         client: httpx.Client, tiny_chat_model_dir: Path) -> None:
     for decode in active_workers(client, "decode"):
-        with_actor(decode, _fail_pulls)
+        with_actor(decode, faults.fail_pulls)
     prompt = random_prompts([50], VOCAB, seed=15)[0]
     response = complete(client, prompt, 6)
     assert response.status_code == 200, response.text
@@ -256,7 +205,7 @@ def test_dropped_transfer_recomputes_and_frees_the_prefill_blocks_at_once(
 
 def test_client_gone_while_prefilling_frees_everything(client: httpx.Client) -> None:
     [prefill] = active_workers(client, "prefill")
-    with_actor(prefill, _slow_steps, 0.05)
+    with_actor(prefill, faults.slow_steps, 0.05)
     body = {"model": MODEL, "prompt": random_prompts([400], VOCAB, seed=16)[0], "max_tokens": 8,
             "stream": True}
     with client.stream("POST", "/v1/completions", json=body):
@@ -267,7 +216,7 @@ def test_client_gone_while_prefilling_frees_everything(client: httpx.Client) -> 
 
 def test_client_gone_while_transferring_frees_everything(client: httpx.Client) -> None:
     for decode in active_workers(client, "decode"):
-        with_actor(decode, _stall_pulls)
+        with_actor(decode, faults.stall_pulls)
     body = {"model": MODEL, "prompt": random_prompts([50], VOCAB, seed=17)[0], "max_tokens": 8,
             "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as response:
@@ -295,9 +244,9 @@ def test_client_gone_right_after_the_first_token_frees_the_prefill_kv_at_once(cl
 
 def test_lease_ends_unpulled_kv_when_every_release_is_lost(client: httpx.Client) -> None:
     [prefill] = active_workers(client, "prefill")
-    with_actor(prefill, _lose_releases_and_shorten_leases)
+    with_actor(prefill, faults.lose_releases_and_shorten_leases)
     for decode in active_workers(client, "decode"):
-        with_actor(decode, _fail_pulls)  # nobody will pull: only the (1 s) lease can free the blocks
+        with_actor(decode, faults.fail_pulls)  # nobody will pull: only the (1 s) lease can free the blocks
     body = {"model": MODEL, "prompt": random_prompts([50], VOCAB, seed=23)[0], "max_tokens": 8,
             "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as response:
@@ -321,7 +270,7 @@ def _restore_leases(actor: Any) -> None:
 
 def test_client_gone_while_decoding_frees_everything(client: httpx.Client) -> None:
     for decode in active_workers(client, "decode"):
-        with_actor(decode, _slow_steps, 0.03)
+        with_actor(decode, faults.slow_steps, 0.03)
     body = {"model": MODEL, "prompt": random_prompts([40], VOCAB, seed=18)[0], "max_tokens": 200,
             "ignore_eos": True, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as response:
@@ -337,7 +286,7 @@ def test_client_gone_while_queued_for_admission_leaves_the_line(
         client: httpx.Client, fault_server: tuple[str, FastAPI]) -> None:
     admission = fault_server[1].state.service.admission
     for decode in active_workers(client, "decode"):
-        with_actor(decode, _slow_steps, 0.02)
+        with_actor(decode, faults.slow_steps, 0.02)
     big = {"model": MODEL, "prompt": random_prompts([30], VOCAB, seed=19)[0], "max_tokens": 900,
            "ignore_eos": True, "stream": True}
     url = fault_server[0]
@@ -392,7 +341,7 @@ def test_request_past_its_deadline_ends_with_a_clear_error(
         client: httpx.Client, fault_server: tuple[str, FastAPI]) -> None:
     service = fault_server[1].state.service
     for decode in active_workers(client, "decode"):
-        with_actor(decode, _slow_steps, 0.05)
+        with_actor(decode, faults.slow_steps, 0.05)
     service.deadline_policy = DeadlinePolicy(slack_s=0.5, prefill_s_per_token=0.0, decode_s_per_token=0.0)
     try:
         body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 100, "ignore_eos": True}

@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -19,6 +18,7 @@ from fastapi import FastAPI
 from gateway.config import ServeConfig
 from gateway.ratio_controller import ControllerPolicy
 from tests.conftest import hf_greedy, random_prompts
+from tests.gateway import actor_faults as faults
 from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
 
 pytestmark = pytest.mark.slow
@@ -34,18 +34,6 @@ def auto_server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[tuple[st
     with serving(config) as (url, app):
         app.state.controller.set_policy(FAST)
         yield url, app
-
-
-# Run inside the worker actors (as in test_faults.py): slower steps keep the streams running long enough.
-def _slow_steps(actor: Any, seconds: float) -> None:
-    runner = actor.worker.engine.runner
-    execute = type(runner).execute
-
-    def slowed(batch: Any) -> Any:
-        time.sleep(seconds)
-        return execute(runner, batch)
-
-    runner.execute = slowed
 
 
 def layout_of(client: httpx.Client) -> tuple[int, int, int]:
@@ -80,7 +68,7 @@ def test_auto_disaggregates_for_a_long_prompt_and_goes_back_when_calm(
         ids = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]]
         actors = [ray.get_actor(f"pdserve-{i}") for i in ids]
         before = {i: ray.get(a.info.remote()) for i, a in zip(ids, actors, strict=True)}
-        ray.get([a.__ray_call__.remote(_slow_steps, 0.01) for a in actors])
+        ray.get([a.__ray_call__.remote(faults.slow_steps, 0.01) for a in actors])
 
         stream_prompts = random_prompts([20, 24], VOCAB, seed=51)
         streamed: list[list[int]] = []

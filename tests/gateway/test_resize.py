@@ -21,6 +21,7 @@ from gateway.router import LocalPrefillPolicy, Router
 from llm_engine import EngineConfig
 from pool_worker import WorkerInfo
 from tests.conftest import hf_greedy, random_prompts
+from tests.gateway import actor_faults as faults
 from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
 
 pytestmark = pytest.mark.slow
@@ -139,27 +140,12 @@ def test_pools_grow_and_shrink_under_load_and_every_request_is_served(
     assert all(w["state"] == "active" for w in workers)
 
 
-# Run inside the worker actors (as in test_faults.py).
-def _slow_steps(actor: Any, seconds: float) -> None:
-    runner = actor.worker.engine.runner
-    execute = type(runner).execute
-
-    def slowed(batch: Any) -> Any:
-        time.sleep(seconds)
-        return execute(runner, batch)
-
-    runner.execute = slowed
-
-
-def _heal(actor: Any) -> None:
-    actor.worker.engine.runner.__dict__.pop("execute", None)
-
-
 def test_a_stream_moves_off_a_worker_that_changes_role_without_losing_a_token(
         client: httpx.Client, tiny_chat_model_dir: Path) -> None:
     change_layout(client, {"prefill": 0, "decode": 0, "mixed": 2})
     actors = [ray.get_actor(f"pdserve-{i}") for i in worker_infos(client)]
-    ray.get([a.__ray_call__.remote(_slow_steps, 0.02) for a in actors])  # the engine keeps it across roles
+    # The engine keeps the slowdown across role changes.
+    ray.get([a.__ray_call__.remote(faults.slow_steps, 0.02) for a in actors])
     try:
         [prompt] = random_prompts([20], VOCAB, seed=41)
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 80, "temperature": 0, "ignore_eos": True,
@@ -179,7 +165,7 @@ def test_a_stream_moves_off_a_worker_that_changes_role_without_losing_a_token(
                     change.append(client.put("/admin/pools", json=body_))
         assert change[0].status_code == 200 and change[0].json()["error"] == "", change[0].text
     finally:
-        ray.get([a.__ray_call__.remote(_heal) for a in actors])
+        ray.get([a.__ray_call__.remote(faults.heal) for a in actors])
     assert token_ids == hf_greedy(tiny_chat_model_dir, [prompt], 80, ignore_eos=True)[0]
     assert final["timings"]["num_moves"] == 1
     assert layout_of(client) == (1, 1, 0)

@@ -1,0 +1,63 @@
+"""Faults injected into real worker actors through Ray's `__ray_call__` (a function run on the actor
+instance): a step made slow or made to raise, a pull made to fail or to hang, explicit releases lost.
+Pickled by value: the workers do not import the tests. heal() undoes every one of them."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import ray
+
+
+def slow_steps(actor: Any, seconds: float) -> None:
+    runner = actor.worker.engine.runner
+    execute = type(runner).execute
+
+    def slowed(batch: Any) -> Any:
+        time.sleep(seconds)
+        return execute(runner, batch)
+
+    runner.execute = slowed
+
+
+def raise_in_next_step(actor: Any) -> None:
+    def broken(batch: Any) -> Any:
+        raise RuntimeError("injected fault: the forward failed")
+
+    actor.worker.engine.runner.execute = broken
+
+
+def fail_pulls(actor: Any) -> None:
+    actor.worker.receiver._start = lambda pull, peer: pull.fail("injected fault: the transfer was dropped")
+
+
+def stall_pulls(actor: Any) -> None:
+    from kv_transfer import TransferState
+
+    def stalled(pull: Any, peer: Any) -> None:
+        pull.state = TransferState.TRANSFERRING  # posted, and never heard of again
+
+    actor.worker.receiver._start = stalled
+    actor.worker.receiver._advance = lambda pull: None
+
+
+def lose_releases_and_shorten_leases(actor: Any) -> None:
+    import dataclasses
+
+    actor.worker.release = lambda transfer_id, why: None  # explicit releases never arrive
+    sender = actor.worker.sender
+    sender.config = dataclasses.replace(sender.config, lease_s=1.0)
+
+
+def heal(actor: Any) -> None:
+    actor.worker.engine.runner.__dict__.pop("execute", None)
+    actor.worker.__dict__.pop("release", None)
+    receiver = getattr(actor.worker, "receiver", None)
+    if receiver is not None:
+        receiver.__dict__.pop("_advance", None)
+        receiver.__dict__.pop("_start", None)
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
