@@ -1,7 +1,10 @@
 """The messages between a scheduler and the model runner: what one forward computes, and what it sampled.
 
 One forward carries any mix of prefill chunks and decode tokens (iteration-level batching); each entry
-says which new tokens a request computes, at which position they start, and where its KV blocks are.
+says which new tokens a request computes, at which position they start, and which KV blocks its table
+gained since its previous chunk. The model runner keeps every scheduled request's block table itself
+(persistent rows, see block_tables.py), so a step sends only the blocks that are new, not whole tables;
+`finished_request_ids` tells it which tables to forget.
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ class ScheduledChunk:
     request_id: str
     token_ids: tuple[int, ...]  # the tokens this forward computes (a prompt chunk, or the one latest token)
     start_position: int  # position of token_ids[0]: tokens before it already have KV in the blocks
-    block_ids: tuple[int, ...]  # the request's block table, covering start_position + len(token_ids)
+    # Blocks appended to the request's table since its previous chunk; together with the earlier chunks'
+    # they cover start_position + len(token_ids). num_prior_blocks == 0 starts a new table (first chunk,
+    # or the first after a preemption: the old table was freed).
+    new_block_ids: tuple[int, ...]
+    num_prior_blocks: int  # length of the table before new_block_ids (the runner already holds those)
     sampling: SamplingParams | None  # None: no token is sampled (a prompt chunk that is not the last)
     output_index: int = 0  # output tokens the request already has (seeds the per-token generator)
 
@@ -37,6 +44,9 @@ class ModelInput:
     """A whole forward: the scheduler's output, the model runner's input."""
 
     chunks: tuple[ScheduledChunk, ...]
+    # Requests whose block tables the runner may drop (finished, aborted or preempted since the last
+    # forward); dropped before this forward's chunks are read, so a re-admitted request starts afresh.
+    finished_request_ids: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -64,15 +64,22 @@ class KVCacheManager:
     def has(self, request_id: str) -> bool:
         return request_id in self._tables
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def find_cached_prefix(self, token_ids: Sequence[int],
+                           block_hashes: Sequence[bytes] | None = None) -> list[int]:
         """Block ids holding the longest cached prefix of `token_ids`.
 
         The last token is never served from cache: its forward produces the logits we sample from.
+
+        Args:
+            block_hashes: the chained hashes of the full blocks of `token_ids[:-1]` when the caller keeps them
+                (the scheduler does, per request), so that they are not computed again.
         """
         if not self.enable_prefix_caching:
             return []
+        if block_hashes is None:
+            block_hashes = prefix_hashes(token_ids[: len(token_ids) - 1], self.block_size)
         block_ids = []
-        for block_hash in prefix_hashes(token_ids[: len(token_ids) - 1], self.block_size):
+        for block_hash in block_hashes:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
@@ -85,12 +92,14 @@ class KVCacheManager:
         num_revived = sum(1 for b in cached if self.pool.blocks[b].ref_count == 0)
         return num_new + num_revived
 
-    def can_allocate(self, token_ids: Sequence[int], num_tokens: int, reserve_blocks: int = 0) -> bool:
+    def can_allocate(self, token_ids: Sequence[int], num_tokens: int, reserve_blocks: int = 0,
+                     block_hashes: Sequence[bytes] | None = None) -> bool:
         """Could a new request get slots for its first `num_tokens` tokens, leaving `reserve_blocks` free?"""
-        cached = self.find_cached_prefix(token_ids)
+        cached = self.find_cached_prefix(token_ids, block_hashes)
         return self.pool.can_allocate(self._num_free_needed(cached, num_tokens) + reserve_blocks)
 
-    def allocate(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> int:
+    def allocate(self, request_id: str, token_ids: Sequence[int], num_tokens: int,
+                 block_hashes: Sequence[bytes] | None = None) -> int:
         """Give a new request a table covering `num_tokens` positions, sharing its cached prefix.
 
         Returns:
@@ -98,7 +107,7 @@ class KVCacheManager:
         """
         if request_id in self._tables:
             raise RuntimeError(f"request {request_id} already holds blocks")
-        cached = self.find_cached_prefix(token_ids)
+        cached = self.find_cached_prefix(token_ids, block_hashes)
         num_tokens = max(num_tokens, len(cached) * self.block_size)
         if not self.pool.can_allocate(self._num_free_needed(cached, num_tokens)):
             raise RuntimeError(f"not enough free blocks for request {request_id}")

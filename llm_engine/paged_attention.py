@@ -4,8 +4,9 @@
 with `attn_implementation="pdserve_paged"` then calls `paged_attention_forward` in every layer, after its
 own projections and rotary embedding. The forward runs on a *packed* batch: all requests' new tokens in one
 row ([1, T]), with explicit position ids, and a `PagedAttentionMetadata` passed as a model kwarg that says
-where each token's KV goes and what each token may attend to. Per layer:
-    1. write the new K/V of all T tokens into their slots (block id, offset in block);
+where each token's KV goes and what each token may attend to (input_batch.py builds it once per forward).
+Per layer:
+    1. write the new K/V of all T tokens into their slots (block id, offset in block: one row each);
     2. prefill chunks: attend causally to (cached context + the chunk itself), one SDPA per chunk;
     3. decode tokens: gather all their block tables at once, one batched SDPA with a length mask.
 """
@@ -18,8 +19,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-
-from llm_engine.batch import ScheduledChunk
 
 ATTENTION_NAME = "pdserve_paged"
 
@@ -39,9 +38,10 @@ class PrefillSegment:
 class DecodeBatch:
     """All single-token rows of the batch, attended to in one padded SDPA."""
 
-    q_indices: torch.Tensor  # [B] rows of the packed batch
-    block_tables: torch.Tensor  # [B, max_blocks], padded with block 0
-    mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool; None when no row is padded
+    q_indices: torch.Tensor | slice  # [B] rows of the packed batch; a slice when they are consecutive
+    block_tables: torch.Tensor  # [B, num_blocks]; past a row's own table, any valid block id (masked out)
+    num_keys: int  # the longest context among the rows: keys past it are not attended to at all
+    mask: torch.Tensor | None  # [B, 1, 1, num_keys] additive (0 / -inf); None when all contexts are equal
 
 
 @dataclass(frozen=True)
@@ -49,62 +49,9 @@ class PagedAttentionMetadata:
     kv_cache: torch.Tensor  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
     slot_blocks: torch.Tensor  # [T] block id of each new token's slot
     slot_offsets: torch.Tensor  # [T] offset inside that block
+    slot_rows: torch.Tensor  # [T] row of each token's layer-0 K in the cache viewed as [-1, kvh * head_dim]
     prefills: tuple[PrefillSegment, ...]
     decode: DecodeBatch | None
-
-
-def build_metadata(chunks: tuple[ScheduledChunk, ...], kv_cache: torch.Tensor) -> PagedAttentionMetadata:
-    """Describe a packed batch for the attention: shared by every layer of one forward."""
-    device = kv_cache.device
-    block_size = kv_cache.shape[3]
-    slot_blocks: list[int] = []
-    slot_offsets: list[int] = []
-    prefills = []
-    decode_rows: list[int] = []
-    decode_tables: list[tuple[int, ...]] = []
-    decode_lens: list[int] = []
-    row = 0
-    for chunk in chunks:
-        for position in range(chunk.start_position, chunk.context_len):
-            slot_blocks.append(chunk.block_ids[position // block_size])
-            slot_offsets.append(position % block_size)
-        if chunk.num_tokens == 1 and chunk.start_position > 0:
-            decode_rows.append(row)
-            decode_tables.append(chunk.block_ids[: -(-chunk.context_len // block_size)])
-            decode_lens.append(chunk.context_len)
-        elif chunk.start_position == 0:
-            prefills.append(PrefillSegment(row, chunk.num_tokens, chunk.num_tokens, None, None))
-        else:
-            num_blocks = -(-chunk.context_len // block_size)
-            query_pos = torch.arange(chunk.start_position, chunk.context_len, device=device)
-            key_pos = torch.arange(chunk.context_len, device=device)
-            prefills.append(
-                PrefillSegment(
-                    q_start=row,
-                    q_len=chunk.num_tokens,
-                    context_len=chunk.context_len,
-                    block_ids=torch.tensor(chunk.block_ids[:num_blocks], device=device),
-                    mask=key_pos[None, :] <= query_pos[:, None],
-                )
-            )
-        row += chunk.num_tokens
-    decode = None
-    if decode_rows:
-        max_blocks = max(len(t) for t in decode_tables)
-        tables = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in decode_tables], device=device)
-        mask = None
-        if min(decode_lens) != max_blocks * block_size:
-            lens = torch.tensor(decode_lens, device=device)
-            key_pos = torch.arange(max_blocks * block_size, device=device)
-            mask = (key_pos[None, :] < lens[:, None])[:, None, None]
-        decode = DecodeBatch(torch.tensor(decode_rows, device=device), tables, mask)
-    return PagedAttentionMetadata(
-        kv_cache=kv_cache,
-        slot_blocks=torch.tensor(slot_blocks, device=device),
-        slot_offsets=torch.tensor(slot_offsets, device=device),
-        prefills=tuple(prefills),
-        decode=decode,
-    )
 
 
 def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
@@ -139,12 +86,21 @@ def paged_attention_forward(
     meta: PagedAttentionMetadata = kwargs["paged_metadata"]
     layer: int = module.layer_idx  # type: ignore[assignment]
     cache = meta.kv_cache
-    new_k = key[0].transpose(0, 1)  # [T, kv_heads, head_dim]
-    new_v = value[0].transpose(0, 1)
-    cache[meta.slot_blocks, layer, 0, meta.slot_offsets] = new_k
-    cache[meta.slot_blocks, layer, 1, meta.slot_offsets] = new_v
-
     num_tokens, num_heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
+    # One index_copy_ of whole rows into a 2-d view of the cache, not an index_put of (block, offset) pairs
+    # into the 6-d cache, which walks element by element. Layer l's K rows: layer 0's + l * 2 * block_size.
+    block_size = cache.shape[3]
+    flat = cache.view(-1, cache.shape[4] * cache.shape[5])  # [num_blocks * layers * 2 * block_size, kvh * D]
+    k_rows = meta.slot_rows + layer * 2 * block_size
+    flat.index_copy_(0, k_rows, key[0].transpose(0, 1).reshape(num_tokens, -1))
+    flat.index_copy_(0, k_rows + block_size, value[0].transpose(0, 1).reshape(num_tokens, -1))
+
+    d = meta.decode
+    is_all_decode = d is not None and isinstance(d.q_indices, slice) and d.q_indices.stop == num_tokens
+    if d is not None and is_all_decode and not meta.prefills:
+        # Every row is a decode row (the slice starts at 0 then): no output buffer to allocate and fill.
+        return _decode(query, cache, d, layer, key.shape[1], scaling).reshape(1, num_tokens, num_heads,
+                                                                               head_dim), None
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
@@ -158,18 +114,23 @@ def paged_attention_forward(
             q, k, v, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scaling, enable_gqa=True
         )  # [1, H, q_len, D]
         out[0, rows] = attn[0].transpose(0, 1)
-    if meta.decode is not None:
-        d = meta.decode
-        num_kv_heads = key.shape[1]
-        # The query heads sharing a KV head become that head's "query positions": one SDPA call with no
-        # repeated K/V (query head h reads KV head h // group, as transformers' repeat_kv does).
-        q = query[0, :, d.q_indices].transpose(0, 1)  # [B, H, D]
-        q = q.reshape(q.shape[0], num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, KVH, G, D]
-        k = _gather(cache, d.block_tables, layer, 0).transpose(1, 2)  # [B, KVH, L, D]
-        v = _gather(cache, d.block_tables, layer, 1).transpose(1, 2)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=scaling)  # [B, KVH, G, D]
-        out[0, d.q_indices] = attn.reshape(attn.shape[0], num_heads, head_dim)
+    if d is not None:
+        out[0, d.q_indices] = _decode(query, cache, d, layer, key.shape[1], scaling)
     return out, None
+
+
+def _decode(query: torch.Tensor, cache: torch.Tensor, d: DecodeBatch, layer: int, num_kv_heads: int,
+            scaling: float | None) -> torch.Tensor:
+    """The single-token rows' attention over their block tables: [B, H, D]."""
+    num_heads, head_dim = query.shape[1], query.shape[3]
+    # The query heads sharing a KV head become that head's "query positions": one SDPA call with no
+    # repeated K/V (query head h reads KV head h // group, as transformers' repeat_kv does).
+    q = query[0, :, d.q_indices].transpose(0, 1)  # [B, H, D]
+    q = q.reshape(q.shape[0], num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, KVH, G, D]
+    k = _gather(cache, d.block_tables, layer, 0)[:, : d.num_keys].transpose(1, 2)  # [B, KVH, L, D]
+    v = _gather(cache, d.block_tables, layer, 1)[:, : d.num_keys].transpose(1, 2)
+    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=scaling)  # [B, KVH, G, D]
+    return attn.reshape(attn.shape[0], num_heads, head_dim)
 
 
 def register() -> None:

@@ -26,7 +26,7 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: `in`/`remove` on queues must not compare token lists
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -40,6 +40,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
+    # Chained hashes of the leading full blocks, filled lazily by the scheduler's prefix-cache lookups: tokens
+    # only grow, so a hash stays valid, and a request waiting for blocks is not re-hashed at every step.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -3,6 +3,9 @@
 Seeded sampling is reproducible per request and independent of batch composition, of preemption and of
 which worker samples: the generator for output token i is seeded from (seed, i), so the prefill worker
 drawing token 0 and the decode worker drawing the rest give the same stream as one worker would.
+The common cases cost a few batched operations whatever the batch size: all-greedy rows are one argmax, and
+the random rows without a seed are filtered and drawn together; only seeded rows (each with its own
+generator) are sampled one by one.
 """
 
 from __future__ import annotations
@@ -70,6 +73,42 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def _filter_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`_filter_top_k_top_p` for many rows at once, each with its own k and p.
+
+    Args:
+        logits: [R, V]; top_k: [R] (0 keeps all); top_p: [R] (1 keeps all).
+    """
+    vocab = logits.shape[-1]
+    uses_k = (top_k > 0) & (top_k < vocab)
+    if bool(uses_k.any()):
+        sorted_logits = torch.sort(logits, dim=-1, descending=True).values
+        kth = sorted_logits.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])  # [R, 1]
+        logits = logits.masked_fill(uses_k[:, None] & (logits < kth), float("-inf"))
+    uses_p = top_p < 1.0
+    if bool(uses_p.any()):
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        drop_sorted[:, 0] = False  # even when top_p underflows to 0 in float32
+        drop_sorted &= uses_p[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _sample_unseeded(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """One token per row of [R, V] logits, drawn from the global generator; argmax where the filtered
+    distribution is not finite (a temperature so small that logits/temperature overflows)."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    top_k = torch.tensor([p.top_k for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+    probs = torch.softmax(_filter_rows(logits / temperature[:, None], top_k, top_p), dim=-1)
+    is_finite = torch.isfinite(probs).all(dim=-1)  # [R]
+    drawn = torch.multinomial(torch.where(is_finite[:, None], probs, 1.0), 1)[:, 0]
+    return torch.where(is_finite, drawn, logits.argmax(dim=-1))
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]
 ) -> tuple[list[int], list[float] | None]:
@@ -86,16 +125,19 @@ def sample(
     """
     logits = logits.float()
     token_ids = logits.argmax(dim=-1)  # [B]; greedy rows are done here, random rows overwritten below
+    unseeded = [row for row, p in enumerate(params) if not p.is_greedy and p.seed is None]
+    if unseeded:
+        rows = torch.tensor(unseeded, device=logits.device)
+        token_ids[rows] = _sample_unseeded(logits[rows], [params[row] for row in unseeded])
     for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
-        if p.is_greedy:
+        if p.is_greedy or p.seed is None:
             continue
+        # Seeded rows stay one by one, exactly as before: a row's token must not depend on its batch.
         row_logits = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
         probs = torch.softmax(row_logits, dim=-1)
         if not bool(torch.isfinite(probs).all()):
-            # A temperature so small that logits/temperature overflows: the distribution is the argmax.
             continue
-        generator = None if p.seed is None else _generator(p.seed, index, logits.device)
-        token_ids[row] = torch.multinomial(probs, 1, generator=generator)[0]
+        token_ids[row] = torch.multinomial(probs, 1, generator=_generator(p.seed, index, logits.device))[0]
     chosen = token_ids.tolist()
     if not any(p.logprobs for p in params):
         return chosen, None

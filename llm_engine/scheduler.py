@@ -12,7 +12,11 @@ at once preempt the running ones. Finished requests leave through release(), whi
 prefill worker overrides it: its blocks wait for the transfer). When nothing runs and the waiting requests
 do not fit, schedule() remembers that, and until a request comes or goes or blocks are freed it answers an
 empty batch at once, without looking for cached prefixes again (a worker polling for transfers would
-otherwise re-hash the head prompt every poll). Plain Python: no tensors, no model.
+otherwise re-hash the head prompt every poll); while others run, a waiting request's block hashes are kept
+on it (Request.block_hashes), so looking up its cached prefix again costs dict lookups, not hashing.
+Each chunk carries only the blocks its request's table gained since its previous chunk (the runner keeps
+the tables), and each forward names the requests that left since the last one, so the runner can drop
+their tables. Plain Python: no tensors, no model.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 
 from llm_engine.batch import ModelInput, ModelOutput, ScheduledChunk
-from llm_engine.kv_cache_manager import KVCacheManager
+from llm_engine.kv_cache_manager import KVCacheManager, hash_block
 from llm_engine.request import Request, RequestStatus
 
 
@@ -37,6 +41,10 @@ class Scheduler:
         # Requests ever added: with the pool's count of frees, tells whether anything changed.
         self._num_added = 0
         self._stalled_at: tuple[int, int, int] | None = None  # (added, requests, frees) at an empty batch
+        # Blocks of each request's current table already sent to the runner in its chunks.
+        self._num_sent_blocks: dict[str, int] = {}
+        # Requests with a table at the runner that left (finished, aborted, preempted) since the last forward.
+        self._left: list[str] = []
 
     @property
     def num_unfinished(self) -> int:
@@ -74,17 +82,42 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request_id)
+        self._forget(request_id)
         request.status = RequestStatus.FINISHED_ABORTED
         return request
+
+    def _forget(self, request_id: str) -> None:
+        """The request's current table is gone: the runner may drop its copy (told with the next forward)."""
+        if self._num_sent_blocks.pop(request_id, None) is not None:
+            self._left.append(request_id)
+
+    def _prefix_hashes(self, request: Request) -> list[bytes]:
+        """Chained hashes of the full blocks of all but the last token, each block hashed once per request."""
+        if not self.kv.enable_prefix_caching:
+            return []
+        block_size = self.kv.block_size
+        hashes = request.block_hashes
+        num_full = (request.num_tokens - 1) // block_size
+        if len(hashes) < num_full:
+            token_ids = request.all_token_ids
+            parent = hashes[-1] if hashes else None
+            for index in range(len(hashes), num_full):
+                parent = hash_block(parent, token_ids[index * block_size : (index + 1) * block_size])
+                hashes.append(parent)
+        return hashes[:num_full]
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         completes = start + num_new == request.num_tokens
+        table = self.kv.block_table(request.request_id)
+        num_sent = self._num_sent_blocks.get(request.request_id, 0)
+        self._num_sent_blocks[request.request_id] = len(table)
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=request.token_ids_between(start, start + num_new),
             start_position=start,
-            block_ids=tuple(self.kv.block_table(request.request_id)),
+            new_block_ids=tuple(table[num_sent:]),  # usually () for a decode token: no table copy per step
+            num_prior_blocks=num_sent,
             sampling=request.sampling if completes else None,
             output_index=request.num_output_tokens,
         )
@@ -92,6 +125,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id)
+        self._forget(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -103,6 +137,10 @@ class Scheduler:
             return ModelInput(())  # nothing changed since the waiting requests last failed to fit
         batch = self._schedule()
         self._stalled_at = None if batch.chunks else progress
+        if batch.chunks and self._left:
+            # Only a batch with chunks is run: an empty one would lose the news.
+            batch = ModelInput(batch.chunks, tuple(self._left))
+            self._left = []
         return batch
 
     def _schedule(self) -> ModelInput:
@@ -112,7 +150,7 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0:
                 break
-            if request not in self.running:
+            if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older request
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             total = request.num_computed_tokens + num_new
@@ -130,15 +168,17 @@ class Scheduler:
         # Admitting while preempting would thrash: the freed blocks belong to the re-queued requests.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
-            cached = len(self.kv.find_cached_prefix(request.all_token_ids)) * self.kv.block_size
+            token_ids = request.all_token_ids
+            hashes = self._prefix_hashes(request)
+            cached = len(self.kv.find_cached_prefix(token_ids, hashes)) * self.kv.block_size
             num_new = min(request.num_tokens - cached, budget)
             # With nothing running the reserve protects nobody: admit rather than wait forever.
             reserve = self.watermark_blocks if self.running else 0
-            if not self.kv.can_allocate(request.all_token_ids, cached + num_new, reserve):
+            if not self.kv.can_allocate(token_ids, cached + num_new, reserve, hashes):
                 break
             self.waiting.popleft()
-            request.num_computed_tokens = self.kv.allocate(request.request_id, request.all_token_ids,
-                                                           cached + num_new)
+            request.num_computed_tokens = self.kv.allocate(request.request_id, token_ids, cached + num_new,
+                                                           hashes)
             if not request.num_preemptions:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
@@ -173,5 +213,6 @@ class Scheduler:
             if request.is_finished:
                 self.running.remove(request)
                 del self.requests[request.request_id]
+                self._forget(request.request_id)
                 self.release(request)
         return advanced
