@@ -82,6 +82,8 @@ class LLMEngine:
                 f"the engine still holds work ({self.scheduler.num_unfinished} requests, "
                 f"{self.block_pool.num_used_blocks} blocks in use); drain it before changing its scheduler"
             )
+        # The old scheduler's last finished requests never reach the runner now: forget their tables here.
+        self.runner.inputs.forget_all()
         self.scheduler = self._make_scheduler(scheduler_cls, watermark)
 
     def check_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:

@@ -84,6 +84,10 @@ class InputBatch:
             self._table_lens[row] = 0
         return row
 
+    def forget_all(self) -> None:
+        """Give back every row (the engine is idle and its scheduler is being replaced)."""
+        self.forget(tuple(self._rows))
+
     def forget(self, request_ids: tuple[str, ...]) -> None:
         for request_id in request_ids:
             row = self._rows.pop(request_id, None)

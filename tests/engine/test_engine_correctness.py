@@ -14,6 +14,8 @@ import torch
 
 from llm_engine import EngineConfig, KVCacheSpec, LLMEngine, SamplingParams
 from llm_engine.model_loader import read_model_spec
+from llm_engine.scheduler import Scheduler
+from prefill_pool.scheduler import PrefillScheduler
 from tests.conftest import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -141,3 +143,23 @@ def test_abort_frees_blocks(model_dir: Path) -> None:
     while engine.has_unfinished():
         engine.step()
     assert engine.block_pool.is_whole()
+
+
+def test_a_new_scheduler_over_an_idle_engine_keeps_its_cache_and_serves_the_same(
+        tiny_llama_dir: Path) -> None:
+    """A worker changing role swaps its engine's scheduler: only an idle engine may, the prefix cache and
+    the weights stay, the runner forgets the old tables, and the output is the same as before."""
+    engine = make_engine(tiny_llama_dir)
+    prompts = random_prompts([40, 23], engine.spec.vocab_size, seed=7)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    first = engine.generate(prompts, greedy)
+    engine.add_request(prompts[0], greedy, request_id="busy")
+    with pytest.raises(RuntimeError, match="drain it"):
+        engine.use_scheduler(PrefillScheduler)
+    engine.abort("busy")
+    engine.step()  # the abort reaches the scheduler; its blocks come back
+    cached = engine.block_pool.num_cached_blocks
+    engine.use_scheduler(Scheduler, watermark=0.1)
+    assert engine.runner.inputs.num_rows_in_use == 0 and engine.block_pool.num_cached_blocks == cached > 0
+    assert [c.output_token_ids for c in engine.generate(prompts, greedy)] == [
+        c.output_token_ids for c in first]
