@@ -1,0 +1,96 @@
+"""How good is `pdserve tune`'s prediction on this machine? (not a test)
+
+Runs the CLI end to end on SmolLM2: profile one worker; plan 2 workers (1P+1D, 2 mixed) and 1 worker (1 mixed)
+for the Azure conversation trace at a quarter of its lengths, at three rates from light to saturated; then
+`tune validate` on a live server for those layouts, predicted against measured. Also plans a larger cluster
+(N = 8 and 16) from the same profile for a prefill-heavy and a decode-heavy synthetic trace at one rate.
+Writes everything under --out and the summary to benchmarks/results/tune.md.
+
+    .venv/bin/python benchmarks/tune_accuracy.py [--rates 0.3,0.7,1.1] [--num-requests 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+from benchmarks.pd_vs_colocated import TRACE, start_server
+
+
+def pdserve(*args: str) -> str:
+    """Run `pdserve ...` (the CLI as installed), echo and return its output; stop on failure."""
+    command = [sys.executable, "-m", "commands", *args]
+    print("$ pdserve", " ".join(args), flush=True)
+    done = subprocess.run(command, capture_output=True, text=True)
+    print(done.stdout[-4000:], done.stderr[-2000:] if done.returncode else "", flush=True)
+    if done.returncode:
+        raise SystemExit(f"pdserve {args[0]} {args[1]} failed ({done.returncode})")
+    return done.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", default="0.3,0.7,1.1")
+    parser.add_argument("--num-requests", type=int, default=30, help="requests per measured run")
+    parser.add_argument("--out", default="benchmarks/results/tune")
+    args = parser.parse_args()
+    out = Path(args.out)
+    slo = ["--ttft-slo", "3", "--itl-slo", "0.2"]
+    trace = ["--trace", str(TRACE), "--length-scale", "0.25"]
+    sections: list[str] = []
+
+    pdserve("tune", "profile", "--out", str(out / "profile"), "--no-progress")
+    profile = str(out / "profile" / "profile.json")
+    for workers in ("2", "1"):
+        sections.append(pdserve("tune", "plan", "--profile", profile, *trace, "--rates", args.rates,
+                                "--num-requests", str(args.num_requests), "--workers", workers, *slo,
+                                "--out", str(out / f"plan{workers}"), "--no-progress"))
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = start_server(["--prefill", "1", "--decode", "1", "--backend", "nixl"], port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        validated = [pdserve("tune", "validate", "--url", url, "--plan", str(out / "plan2" / "plan.json"),
+                             "--layouts", "1P+1D,2M", "--out", str(out / "validate2"), "--no-progress"),
+                     pdserve("tune", "validate", "--url", url, "--plan", str(out / "plan1" / "plan.json"),
+                             "--layouts", "1M", "--out", str(out / "validate1"), "--no-progress")]
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(120)
+
+    larger = []
+    for name, lengths in (("prefill-heavy", ("2000", "50")), ("decode-heavy", ("200", "500"))):
+        for workers, rate in (("8", "1.5"), ("16", "3")):
+            printed = pdserve("tune", "plan", "--profile", profile, "--input-len", lengths[0], "--output-len",
+                              lengths[1], "--rate", rate, "--num-requests", "200", "--workers", workers, *slo,
+                              "--out", str(out / f"{name}-{workers}"), "--no-progress")
+            larger.append(f"### {name} (input {lengths[0]}, output {lengths[1]}), N = {workers}, {rate} req/s"
+                          f"\n\n```\n{printed}```\n")
+    plans = sorted(out.glob("*/plan.json"))
+    recommended = {p.parent.name: json.loads(p.read_text())["recommended"] for p in plans}
+    lines = [
+        f"# `pdserve tune` against measurement ({datetime.now(UTC):%Y-%m-%d})", "",
+        "SmolLM2-135M fp32, 2 CPU cores, one torch thread per worker, nixl. Load: the Azure conversation "
+        f"trace, lengths × 0.25, Poisson at {args.rates} req/s, {args.num_requests} requests per run; SLO "
+        "TTFT ≤ 3 s, TPOT ≤ 0.2 s.", "Command: `.venv/bin/python benchmarks/tune_accuracy.py`", "",
+        "## Predicted against measured (tune validate)", "",
+        "```", *validated, "```", "",
+        "## The plans", "", "```", *sections, "```", "",
+        "## A larger cluster from the same profile", "", *larger,
+        "Recommended layouts: " + json.dumps(recommended), "",
+    ]
+    Path("benchmarks/results/tune.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
