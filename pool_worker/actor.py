@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+import ray
+
 from decode_pool.messages import DecodeOutput, DecodeRequest
 from decode_pool.role import DecodeRole
 from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord
@@ -44,6 +46,7 @@ class WorkerInfo:
 
     worker_id: str
     role: Role
+    actor_id: str  # Ray's id of this actor: the same after any number of role changes
     pid: int
     num_model_loads: int  # weight loads in this process: 1 however often the role changed
     num_role_changes: int
@@ -77,7 +80,9 @@ class WorkerActor:
         return self._front.worker
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, self.role, os.getpid(), num_model_loads(), self._num_role_changes)
+        actor_id = ray.get_runtime_context().get_actor_id() or ""
+        return WorkerInfo(self.worker_id, self.role, actor_id, os.getpid(), num_model_loads(),
+                          self._num_role_changes)
 
     async def set_role(self, role: str) -> WorkerInfo:
         """Serve as `role` from now on (see the lifecycle); raises RuntimeError if the worker still holds
