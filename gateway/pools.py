@@ -101,6 +101,7 @@ class PDDeployment:
             if unplaced:  # a process group forms only when every rank has joined
                 raise PlacementTimeout(describe_unplaced(unplaced, self.config, waited))
             await self._start_torch_group(workers)
+            await self._connect(workers)
         else:
             if not any(w.role.can_decode for w in placed):
                 raise PlacementTimeout(describe_unplaced(unplaced, self.config, waited))
@@ -150,7 +151,8 @@ class PDDeployment:
 
     async def _connect(self, new: list[Worker]) -> None:
         """Tell every decode or mixed worker about every prefill worker, where either is in `new`."""
-        alive = [w for w in self.workers.values() if w.state is not WorkerState.FAILED]
+        # A pending worker is not connected now: it connects itself once placed and started (_bring_up).
+        alive = [w for w in self.workers.values() if w.state not in (WorkerState.FAILED, WorkerState.PENDING)]
         prefills = [w for w in alive if w.role is Role.PREFILL]
         decodes = [w for w in alive if w.role.can_decode]
         pairs = [(d, p) for d in decodes for p in prefills if d in new or p in new]
