@@ -57,6 +57,7 @@ __all__ = ["DeploymentConfig", "PDDeployment"]
 
 # A worker that does not answer a load query for this long is taken for dead (a dead actor fails at once).
 LOAD_TIMEOUT_S = 30.0
+SHUTDOWN_TIMEOUT_S = 30.0  # workers that have not closed their fronts by then are killed anyway
 
 
 class PDDeployment:
@@ -381,7 +382,11 @@ class PDDeployment:
         for task in [*(task for _, task in self._replacements.values()), *self._late_starts]:
             task.cancel()
         workers = list(self.workers.values())
-        await asyncio.gather(*(w.actor.shutdown.remote() for w in workers), return_exceptions=True)
+        # A pending actor would answer only once placed, maybe never: it is just killed.
+        started = [w for w in workers if w.state is not WorkerState.PENDING]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(w.actor.shutdown.remote() for w in started),
+                                                  return_exceptions=True), SHUTDOWN_TIMEOUT_S)
         for worker in workers:
             ray.kill(worker.actor)
         self.workers.clear()
