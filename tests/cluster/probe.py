@@ -31,7 +31,7 @@ def main(argv: list[str]) -> None:
     workers: dict[str, object] = {}
     for worker_id in rest:
         actor = ray.get_actor(f"pdserve-{worker_id}")
-        records = ray.get(actor.transfer_records.remote())
+        records: list[Any] = ray.get(actor.transfer_records.remote())
         workers[worker_id] = {
             "module_file": ray.get(actor.__ray_call__.remote(_module_file)),
             "records": [{"role": r.role, "backend": str(r.backend.value), "source": r.source_worker_id,

@@ -16,8 +16,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import httpx
@@ -48,7 +49,9 @@ def cluster() -> Iterator[LocalRayCluster]:
 
 
 @contextlib.contextmanager
-def pdserve(cluster: LocalRayCluster, model_dir: Path, *args: str) -> Iterator[str]:
+def pdserve(cluster: LocalRayCluster, model_dir: Path, *args: str,
+            is_ready: Callable[[dict[str, Any]], bool] = lambda health: health["status"] == "ok",
+            ) -> Iterator[str]:
     """`pdserve serve --address` joining the cluster, as its own process (a driver on the head's machine)."""
     port = free_port()
     command = [sys.executable, "-m", "commands", "serve", "--address", cluster.address, "--model",
@@ -61,7 +64,7 @@ def pdserve(cluster: LocalRayCluster, model_dir: Path, *args: str) -> Iterator[s
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
-        while not _is_ok(url):
+        while not _health_is(url, is_ready):
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"pdserve serve did not come up: {log.read_text()[-4000:]}")
             time.sleep(0.5)
@@ -75,27 +78,31 @@ def pdserve(cluster: LocalRayCluster, model_dir: Path, *args: str) -> Iterator[s
             server.wait()
 
 
-def _is_ok(url: str) -> bool:
+def _health_is(url: str, check: Callable[[dict[str, Any]], bool]) -> bool:
     try:
-        return bool(httpx.get(f"{url}/health", timeout=5).json().get("status") == "ok")
+        return check(httpx.get(f"{url}/health", timeout=5).json())
     except (httpx.HTTPError, ValueError):
         return False
 
 
-def probe(cluster: LocalRayCluster, *args: str) -> dict[str, dict]:  # type: ignore[type-arg]
+def _is_ok(url: str) -> bool:
+    return _health_is(url, lambda health: health["status"] == "ok")
+
+
+def probe(cluster: LocalRayCluster, *args: str) -> dict[str, Any]:
     """Ask the cluster about its nodes and the workers (tests/cluster/probe.py, a second driver)."""
     done = subprocess.run([sys.executable, "-m", "tests.cluster.probe", cluster.address, *args],
                           env=cluster.env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def workers_by_role(url: str) -> dict[str, dict]:  # type: ignore[type-arg]
+def workers_by_role(url: str) -> dict[str, dict[str, Any]]:
     pools = httpx.get(f"{url}/admin/pools", timeout=30).json()
     return {w["role"]: w for w in pools["workers"] if w["state"] == "active"}
 
 
-def node_offering(nodes: list[dict], resource: str) -> set[str]:  # type: ignore[type-arg]
+def node_offering(nodes: list[dict[str, Any]], resource: str) -> set[str]:
     return {n["node_id"] for n in nodes if n["alive"] and resource in n["resources"]}
 
 
@@ -119,7 +126,7 @@ def greedy_over_http(url: str, prompt: list[int], max_tokens: int) -> list[int]:
             "return_token_ids": True}
     answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
-    return answer.json()["choices"][0]["token_ids"]  # type: ignore[no-any-return]
+    return answer.json()["choices"][0]["token_ids"]
 
 
 def test_torch_group_meets_at_the_first_rank_node_ip(cluster: LocalRayCluster,
@@ -207,3 +214,26 @@ def test_nixl_across_nodes_then_the_decode_node_dies_and_a_new_one_restores_serv
         assert [greedy_over_http(url, p, 8) for p in prompts] == expected
         check_placed_by_role_and_crossed_nodes(cluster, url, "nixl")
         del new_node
+
+
+def test_a_worker_without_a_node_at_start_is_pending_until_one_joins(cluster: LocalRayCluster,
+                                                                     tiny_chat_model_dir: Path) -> None:
+    pytest.importorskip("nixl")
+    prompts = random_prompts([33], VOCAB, seed=74)
+    expected = hf_greedy(tiny_chat_model_dir, prompts, 8, ignore_eos=True)
+    # Two decode workers, one node that offers pdserve_decode: start-up serves with one after its wait (which
+    # includes starting worker processes: seconds on a busy 2-core machine).
+    with pdserve(cluster, tiny_chat_model_dir, "--backend", "nixl", "--decode", "2", "--placement-timeout-s",
+                 "30", is_ready=lambda health: health["status"] == "degraded") as url:
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        assert (health["active_workers"]["decode"], health["pending"]) == (1, 1)
+        [pending] = [w for w in httpx.get(f"{url}/admin/pools", timeout=30).json()["workers"]
+                     if w["state"] == "pending"]
+        assert (pending["role"], pending["node_id"]) == ("decode", None)
+        assert [greedy_over_http(url, p, 8) for p in prompts] == expected
+        cluster.add_node(DECODE)
+        wait_for("/health ok with both decode workers", lambda: _is_ok(url), 180)
+        workers = httpx.get(f"{url}/admin/pools", timeout=30).json()["workers"]
+        decode_nodes = {w["node_id"] for w in workers if w["role"] == "decode" and w["state"] == "active"}
+        assert len(decode_nodes) == 2 and pending["worker_id"] in [w["worker_id"] for w in workers]
+        assert [greedy_over_http(url, p, 8) for p in prompts] == expected
