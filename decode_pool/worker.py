@@ -57,18 +57,22 @@ class _Entry:
 class DecodeWorker:
     def __init__(self, worker_id: str, engine: LLMEngine, receiver: KVReceiver,
                  deliver_pull: Callable[[PullRequest], None] | None = None,
-                 release_source: Callable[[KVHandle, str], None] | None = None) -> None:
+                 release_source: Callable[[KVHandle, str], None] | None = None,
+                 on_step_end: Callable[[], None] | None = None) -> None:
         """Args:
         deliver_pull: carries a PullRequest to its prefill worker (backends whose sender takes part);
             the reply comes back through on_pull_reply().
         release_source: tells a handle's prefill worker that nobody will pull it (with why), so that it
             frees the blocks now. Called on the loop thread; must not block.
+        on_step_end: called on the loop thread after each step (and after fail()) has handed out its
+            outputs, so that a caller can send one message per step instead of one per request.
         """
         self.worker_id = worker_id
         self.engine = engine
         self.receiver = receiver
         self.deliver_pull = deliver_pull
         self.release_source = release_source
+        self.on_step_end = on_step_end or (lambda: None)
         # Commands from other threads, run by the loop thread at the start of its next step.
         self._inbox: WorkerInbox[tuple[DecodeRequest, OutputCallback, float]] = WorkerInbox(
             f"decode worker {worker_id}")
@@ -119,10 +123,17 @@ class DecodeWorker:
                 self._release_unpulled(entry.request, "the decode worker failed")
             self._finish(request_id, "error", now, error=message)
         self._load = dataclasses.replace(self._load, failure=self.failure)
+        self.on_step_end()
 
     # Called only from the step loop's thread.
     def step(self) -> float | None:
         """Inbox → admission → transfers → one forward → stream; returns the wait before the next step."""
+        try:
+            return self._step()
+        finally:
+            self.on_step_end()
+
+    def _step(self) -> float | None:
         self._inbox.drain()
         self._admit()
         if self.deliver_pull is not None:
@@ -244,7 +255,8 @@ class DecodeWorker:
         output = DecodeOutput(request.request_id, (request.output_token_ids[-1],), logprobs, now, (now,))
         if request.is_finished:
             output = dataclasses.replace(output, finish_reason=request.status.value,
-                                         num_preemptions=request.num_preemptions)
+                                         num_preemptions=request.num_preemptions,
+                                         num_cached_tokens=request.num_cached_tokens)
             self._finish(request.request_id, request.status.value, now, output)
         else:
             entry.on_output(output)

@@ -3,7 +3,8 @@ once, then serves in a role (prefill, decode or mixed) and can change role witho
 
 Lifecycle:  WorkerActor(role) → the engine loads (weights + KV cache, once per process) → the role's front
     is built over it (PrefillRole: sender + prefill scheduler; DecodeRole: receiver + decode scheduler)
-    → serves → set_role(other):
+    → serves (decode and mixed roles send outputs through output_stream(), one per gateway)
+    → set_role(other):
         decode ⇄ mixed: the same DecodeRole; only the label changes (the gateway routes differently);
         prefill ⇄ decode/mixed: the worker must hold nothing (the gateway drained it, evacuating decode
             streams to other workers); the old front closes (step loop stopped, transfer endpoint
@@ -22,7 +23,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from decode_pool.messages import DecodeOutput, DecodeRequest
+from decode_pool.messages import DecodeOutputBatch, DecodeRequest
+from decode_pool.output_channels import OutputChannels
 from decode_pool.role import DecodeRole
 from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord
 from llm_engine import EngineConfig, LLMEngine
@@ -61,6 +63,8 @@ class WorkerActor:
         self._watermark = watermark
         self._num_threads = num_threads
         self._num_role_changes = 0
+        # Outlives the roles: a gateway's output stream stays open across role changes.
+        self._outputs = OutputChannels(abort=self.abort)
         self.role = Role(role)
         self._front: PrefillRole | DecodeRole = self._build_front(self.role)
 
@@ -68,7 +72,7 @@ class WorkerActor:
         if role is Role.PREFILL:
             return PrefillRole(self.worker_id, self.engine, self._backend, self._transfer_config,
                                self._num_threads)
-        return DecodeRole(self.worker_id, self.engine, self._backend, self._transfer_config,
+        return DecodeRole(self.worker_id, self.engine, self._backend, self._transfer_config, self._outputs,
                           self._watermark, self._num_threads)
 
     @property
@@ -142,10 +146,15 @@ class WorkerActor:
         if isinstance(self._front, DecodeRole):  # a prefill worker knows no peers: nothing to forget
             self._front.remove_prefill_peer(worker_id)
 
-    async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeOutput]:
-        """Stream the request's tokens; closing or cancelling the stream aborts the request."""
-        async for output in self._decode().generate(request):
-            yield output
+    async def output_stream(self, channel_id: str) -> AsyncIterator[DecodeOutputBatch]:
+        """The outputs of every request submitted with `channel_id`, one item per step (or several steps,
+        for a reader behind); held open by the gateway in any role. Closing it aborts those requests."""
+        async for batch in self._outputs.stream(channel_id):
+            yield batch
+
+    async def submit(self, request: DecodeRequest, channel_id: str) -> None:
+        """Start decoding the request; its outputs go to the output stream of `channel_id`."""
+        self._decode().submit(request, channel_id)
 
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate": the gateway continues them elsewhere."""
