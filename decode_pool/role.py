@@ -33,11 +33,13 @@ class DecodeRole:
         receiver = make_receiver(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
         self.outputs = outputs
         self.worker = DecodeWorker(worker_id, engine, receiver, deliver_pull=self._deliver_pull,
-                                   release_source=self._release_source, on_step_end=outputs.flush)
+                                   release_source=self._release_source, on_step_end=outputs.flush,
+                                   wake=lambda: self.loop.wake())
         self._prefill_actors: dict[str, Any] = {}  # prefill worker id → its actor handle
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.loop = StepLoop(f"decode-{worker_id}", self.worker.step, num_threads, on_error=self.worker.fail)
         self.loop.start()
+        self.worker.start_watching()
 
     async def add_prefill_peer(self, peer: PeerInfo, actor: Any = None) -> None:
         """Learn a prefill worker (once); `actor` is needed where the sender takes part in pulls."""
@@ -81,6 +83,7 @@ class DecodeRole:
 
     def close(self) -> None:
         self.loop.stop()
+        self.worker.stop_watching()
         self.worker.receiver.close()
 
     def _deliver_pull(self, pull: PullRequest) -> None:

@@ -34,7 +34,8 @@ from gateway.pools import PDDeployment
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Timings
 from gateway.recent import RecentLatencies
 from gateway.router import LocalPrefillPolicy, Router
-from gateway.timings import stage_timings, token_times
+from gateway.timings import stage_timings
+from gateway.timings import token_times as _token_times  # tests import it from here
 from llm_engine import ModelSpec, SamplingParams
 from llm_engine.kv_cache_manager import prefix_hashes
 from pool_worker import Role
@@ -246,7 +247,7 @@ class GatewayService:
                 prefilled_by = event.prefilled_by or prefilled_by
                 text = detokenizer.add(event.token_ids)
                 finish = "stop" if detokenizer.is_stopped else event.finish_reason
-                sent.extend(token_times(event, time.time()))
+                sent.extend(_token_times(event, time.time()))
                 if event.num_migrations and event.finish_reason is not None:
                     self.metrics.migrations.inc(event.num_migrations)
                 if finish is None:
