@@ -113,6 +113,7 @@ class GatewayService:
         self.deadline_policy = deadline_policy or DeadlinePolicy()
         self.recent = RecentLatencies()  # the ratio controller's view of TTFT and ITL
         self.ratio_controller: RatioController | None = None  # told of every prompt as it is routed
+        self._encode = _fast_encoder(tokenizer)
         # One thread: the tokenizer is not meant for concurrent use, and long prompts are rare.
         self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="prompt-prep")
 
@@ -127,7 +128,7 @@ class GatewayService:
         if isinstance(request.prompt, str):
             text = request.prompt
             prompt = await self._off_loop_if(len(text) > LONG_PROMPT_CHARS,
-                                             lambda: list(self.tokenizer.encode(text)))
+                                             lambda: self._encode(text))
         else:
             prompt = list(request.prompt)
             bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
@@ -286,3 +287,13 @@ class GatewayService:
         recompute capacity."""
         num_decoding = len(self.deployment.active(Role.DECODE, Role.MIXED))
         self.admission.set_capacity(self.max_request_tokens * num_decoding)
+
+
+def _fast_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int]]:
+    """tokenizer.encode, straight through the Rust tokenizer where that gives the same ids: transformers'
+    encode() spends most of its time in Python (padding and truncation strategies) before getting there."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    probe = "Hello, world! Héllo wörld 🦊\n\n  <|im_start|> x"
+    if backend is not None and backend.encode(probe).ids == list(tokenizer.encode(probe)):
+        return lambda text: list(backend.encode(text).ids)
+    return lambda text: list(tokenizer.encode(text))
