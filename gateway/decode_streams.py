@@ -13,6 +13,7 @@ request: the orchestrator does that, and closing a stream aborts what it carries
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -49,20 +50,25 @@ class RequestOutputs:
 @dataclass
 class _Reader:
     actor: object  # the worker's actor handle it reads (a replacement actor gets another reader)
+    # Names this reader's stream to the worker, and no other: a reader given up (forget()) may leave its
+    # stream open on the worker, and a new stream under the same name would share its outputs with it.
+    channel_id: str
     requests: dict[str, RequestOutputs] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
 
 
 class DecodeStreams:
     def __init__(self) -> None:
-        self.channel_id = f"gateway-{uuid.uuid4().hex[:12]}"  # names this gateway to every worker
+        self._gateway_id = f"gateway-{uuid.uuid4().hex[:12]}"  # names this gateway to every worker
+        self._num_readers = itertools.count()
         self._readers: dict[str, _Reader] = {}  # by worker id
 
     def subscribe(self, worker: Worker, request_id: str) -> RequestOutputs:
         """Where the request's outputs from `worker` will arrive (call before submitting it there)."""
         reader = self._readers.get(worker.worker_id)
         if reader is None or reader.actor is not worker.actor:
-            reader = self._readers[worker.worker_id] = _Reader(worker.actor)
+            channel_id = f"{self._gateway_id}-{next(self._num_readers)}"
+            reader = self._readers[worker.worker_id] = _Reader(worker.actor, channel_id)
             reader.task = asyncio.get_running_loop().create_task(self._read(worker.worker_id, reader),
                                                                  name=f"outputs-{worker.worker_id}")
         outputs = reader.requests[request_id] = RequestOutputs(request_id, reader)
@@ -85,7 +91,7 @@ class DecodeStreams:
             self.forget(worker_id)
 
     async def _read(self, worker_id: str, reader: _Reader) -> None:
-        stream = reader.actor.output_stream.remote(self.channel_id)  # type: ignore[attr-defined]
+        stream = reader.actor.output_stream.remote(reader.channel_id)  # type: ignore[attr-defined]
         error: BaseException
         try:
             async for ref in stream:
