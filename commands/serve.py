@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line (argparse names this function in its error)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 # Flags of `serve` that map one-to-one onto ServeConfig fields (dest name = field name).
-_SERVE_FLAGS: list[tuple[str, type, str]] = [
+_SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--model", str, "Hugging Face model directory (default: SmolLM2-135M-Instruct, prepared on first use)"),
     ("--served-model-name", str, "model name clients send (default: the directory's name)"),
     ("--prefill", int, "prefill workers (default: 1 when no role is given, else 0)"),
@@ -28,7 +39,20 @@ _SERVE_FLAGS: list[tuple[str, type, str]] = [
     ("--port", int, "port (default 8000)"),
     ("--api-key", str, "require this Bearer key on /v1 routes and /metrics (or PDSERVE_API_KEY)"),
     ("--admin-key", str, "require this Bearer key on /admin routes (or PDSERVE_ADMIN_KEY)"),
-    ("--address", str, "join this Ray cluster instead of starting a local one"),
+    ("--address", str, "join this Ray cluster instead of starting a local one ('auto': the cluster this "
+                       "node belongs to, e.g. on a Ray head)"),
+    ("--prefill-resources", json_object, "Ray custom resources each prefill worker asks for, as JSON, e.g. "
+                                         "'{\"pdserve_prefill\": 1}': only nodes offering them run prefill"),
+    ("--decode-resources", json_object, "the same for decode workers, e.g. '{\"pdserve_decode\": 1}'"),
+    ("--mixed-resources", json_object, "the same for mixed workers"),
+    ("--gpus-per-worker", float, "GPUs each worker asks Ray for (default: 1 with --device cuda, else 0; "
+                                 "fractions share a GPU)"),
+    ("--cpus-per-worker", float, "CPUs each worker asks Ray for (default 1)"),
+    ("--worker-env", json_object, "environment of every worker process as JSON, e.g. "
+                                  "'{\"UCX_NET_DEVICES\": \"mlx5_0:1\"}' (see deploy/README.md)"),
+    ("--placement-timeout-s", float, "how long start-up waits for Ray to place every worker before it serves "
+                                     "with those placed, or fails naming what no node offers (default: "
+                                     "gateway/deployment_config.py)"),
     ("--max-waiting", int, "requests that may wait for decode KV capacity before 429"),
     ("--max-waiting-tokens", int, "tokens (prompt + max_tokens) that may wait before 429 (default: the KV)"),
     ("--queue-timeout-s", float, "seconds a request may wait for capacity before 429"),

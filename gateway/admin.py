@@ -1,7 +1,7 @@
 """Admin routes (admin key, or loopback without one): read and set the pool layout.
 
-GET /admin/pools  each worker's role, state and load; the layout aimed at; a change in progress; the ratio
-                  controller's state and its recent decisions.
+GET /admin/pools  each worker's role, state, Ray node and load; the layout aimed at; a change in progress;
+                  the ratio controller's state and its recent decisions.
 PUT /admin/pools  {"prefill": N, "decode": M, "mixed": K} → checked (4xx before anything moves), then
                   applied one worker at a time (gateway/resize.py); answers the plan and what was done.
 """
@@ -38,7 +38,8 @@ async def get_pools(request: Request) -> dict[str, object]:
     workers: list[dict[str, object]] = []
     for worker in list(deployment.workers.values()):
         entry: dict[str, object] = {"worker_id": worker.worker_id, "role": worker.role.value,
-                                    "state": worker.state.value}
+                                    "state": worker.state.value,
+                                    "node_id": worker.node_id, "node_ip": worker.node_ip}  # None: pending
         if worker.next_role is not None:
             entry["next_role"] = worker.next_role.value
         load = loads.get(worker.worker_id)
@@ -56,6 +57,8 @@ async def get_pools(request: Request) -> dict[str, object]:
         "target": pools.target,
         "status": pools.status,
         "backend": deployment.backend.value,
+        "torch_rendezvous": deployment.torch_rendezvous,  # the torch group's init address (torch backend)
+        "pending": pools.num_pending,  # workers no node can take yet
         "change_in_progress": None if change is None else dataclasses.asdict(change),
         "auto": controller.is_on,
         "queued_prompt_tokens": controller.queued_prompt_tokens(),  # routed, not yet prefilled

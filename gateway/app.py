@@ -46,6 +46,7 @@ from pool_worker import Role
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+RAY_NAMESPACE = "pdserve"
 
 
 def resolve_model_dir(config: ServeConfig) -> str:
@@ -97,7 +98,10 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         started_ray = not ray.is_initialized()
         if started_ray:
-            ray.init(address=config.ray_address, include_dashboard=False, configure_logging=False)
+            # A fixed namespace, so that operators' tools find the workers: ray.get_actor("pdserve-worker-…",
+            # namespace="pdserve") (worker ids are unique per gateway, so gateways may share it).
+            ray.init(address=config.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
+                     configure_logging=False)
         model_dir = resolve_model_dir(config)
         deployment = PDDeployment(config.deployment_config(model_dir))
         await deployment.start()
@@ -197,13 +201,14 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @app.get("/health", responses={503: {"description": "unavailable: a role has no live worker"}})
     async def health(request: Request) -> JSONResponse:
-        """ok (200), degraded (200: serving, some workers being replaced), unavailable (503)."""
+        """ok (200), degraded (200: serving, some workers being replaced or not placed on a node yet),
+        unavailable (503)."""
         service: GatewayService = request.app.state.service
         await service.deployment.loads()  # notices a worker that died since the last watch
         pools = service.deployment.health()
         body = {"status": pools.status,
                 "active_workers": pools.active, "target_workers": pools.target,
-                "replacing": pools.num_replacing}
+                "replacing": pools.num_replacing, "pending": pools.num_pending}
         return JSONResponse(body, status_code=503 if pools.status == "unavailable" else 200)
 
     @app.get("/metrics", dependencies=[Depends(require_api_key)], responses=documented(401),

@@ -17,6 +17,8 @@ from gateway.ratio_controller import ControllerPolicy
 from gateway.router import LocalPrefillPolicy
 from kv_transfer import TransferConfig
 from llm_engine import EngineConfig
+from llm_engine.model_source import ModelSource
+from pool_worker import Role
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -45,7 +47,17 @@ class ServeConfig(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535)
     api_key: str | None = None  # required as a Bearer token on /v1 routes and /metrics when set
     admin_key: str | None = None  # required on /admin routes; without it they answer on loopback only
-    ray_address: str | None = None  # join this Ray cluster; None: start a local one
+    ray_address: str | None = None  # join this Ray cluster ("auto": the one on this node); None: a local one
+    # Placement (gateway/placement.py): Ray custom resources each role's workers ask for, so that only nodes
+    # started with them (ray start --resources '{"pdserve_decode": 1}') take that role.
+    prefill_resources: dict[str, float] | None = None
+    decode_resources: dict[str, float] | None = None
+    mixed_resources: dict[str, float] | None = None
+    gpus_per_worker: float | None = Field(default=None, ge=0)  # default: 1 with a CUDA device, else 0
+    cpus_per_worker: float | None = Field(default=None, ge=0)
+    # Environment of every worker process, e.g. {"UCX_NET_DEVICES": "mlx5_0:1"} (deploy/README.md).
+    worker_env: dict[str, str] | None = None
+    placement_timeout_s: float | None = Field(default=None, gt=0)  # start-up's wait for Ray to place workers
     max_waiting: int = Field(default=256, ge=0)  # requests that may wait for decode KV capacity
     max_waiting_tokens: int | None = Field(default=None, ge=0)  # tokens that may wait; default: the capacity
     queue_timeout_s: float = Field(default=60.0, gt=0)
@@ -121,8 +133,19 @@ class ServeConfig(BaseModel):
         }
         chosen = {k: v for k, v in engine_overrides.items() if v is not None}
         engine = EngineConfig(model_dir, **chosen)  # type: ignore[arg-type]
-        gpus = 1.0 if engine.device.startswith("cuda") else 0.0
+        chosen_resources = {Role.PREFILL: self.prefill_resources, Role.DECODE: self.decode_resources,
+                            Role.MIXED: self.mixed_resources}
+        placement: dict[str, object] = {
+            "num_gpus_per_worker": self.gpus_per_worker, "num_cpus_per_worker": self.cpus_per_worker,
+            "placement_timeout_s": self.placement_timeout_s,
+        }
+        if self.gpus_per_worker is None and engine.device.startswith("cuda"):
+            placement["num_gpus_per_worker"] = 1.0
         return DeploymentConfig(engine, num_prefill=self.prefill or 0, num_decode=self.decode or 0,
                                 num_mixed=self.mixed or 0, backend=self.backend, transfer=TransferConfig(),
-                                num_gpus_per_worker=gpus)
+                                role_resources={r: x for r, x in chosen_resources.items() if x},
+                                worker_env=dict(self.worker_env or {}),
+                                # Each worker finds the model on its own node (llm_engine/model_source.py).
+                                model_source=ModelSource(self.model),
+                                **{k: v for k, v in placement.items() if v is not None})  # type: ignore[arg-type]
 

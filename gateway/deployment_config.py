@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kv_transfer import BackendName, TransferConfig
 from kv_transfer.registry import resolve
 from llm_engine import EngineConfig
+from llm_engine.model_source import ModelSource
 from pool_worker import Role
 
 logger = logging.getLogger(__name__)
@@ -23,9 +24,19 @@ class DeploymentConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     watermark: float = 0.05  # fraction of decode blocks kept free when admitting
     num_cpus_per_worker: float = 1.0  # Ray resource request of each actor
-    num_gpus_per_worker: float = 0.0
+    num_gpus_per_worker: float = 0.0  # fractions share a GPU between workers
+    # Ray custom resources each role's workers ask for, e.g. {Role.DECODE: {"pdserve_decode": 1}}: only
+    # nodes started with those resources take that role (gateway/placement.py).
+    role_resources: dict[Role, dict[str, float]] = field(default_factory=dict)
+    # Environment of every worker process: UCX_NET_DEVICES, UCX_TLS, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME...
+    worker_env: dict[str, str] = field(default_factory=dict)
+    # What each worker loads, resolved on its own node; None: engine.model_dir as it is on every node.
+    model_source: ModelSource | None = None
     num_threads: int = 1  # torch threads per worker
-    start_timeout_s: float = 300.0  # a worker that has not loaded its model by then is given up and retried
+    # How long start-up waits for Ray to place every worker; then it serves with those placed if they can
+    # serve (the rest stay pending), else fails naming what no node offers. Autoscaled nodes take minutes.
+    placement_timeout_s: float = 300.0
+    start_timeout_s: float = 300.0  # a placed worker that has not loaded its model by then is given up
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_mixed) < 0:
@@ -36,6 +47,13 @@ class DeploymentConfig:
                              f"{self.layout()}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        for role, resources in self.role_resources.items():
+            # Ray refuses these names as custom resources: they have their own options.
+            if {"CPU", "GPU"} & set(resources):
+                raise ValueError(f"{role.value} resources: use the CPU/GPU per worker settings, not "
+                                 f"{sorted({'CPU', 'GPU'} & set(resources))}")
+            if any(amount <= 0 for amount in resources.values()):
+                raise ValueError(f"{role.value} resources must be positive amounts, got {resources}")
 
     def layout(self) -> dict[Role, int]:
         return {Role.PREFILL: self.num_prefill, Role.DECODE: self.num_decode, Role.MIXED: self.num_mixed}

@@ -130,16 +130,14 @@ class RequestRun:
         if self.local_prefill_reason:
             # Prompt tokens sent to a decode or mixed worker and not yet prefilled (the ratio controller's
             # view of prompt work on workers that also decode).
-            pending = len(self.prompt_token_ids)
-            self.router.local_prefill_tokens[decode.worker_id] += pending
+            self.router.start_local_prefill(decode.worker_id, self.request_id, len(self.prompt_token_ids))
             try:
                 async for event in self._decode(decode, DecodeRequest(self.request_id, self.prompt_token_ids,
                                                                       self.sampling)):
-                    self.router.local_prefill_tokens[decode.worker_id] -= pending
-                    pending = 0
+                    self.router.end_local_prefill(decode.worker_id, self.request_id)  # its first token came
                     yield event
             finally:
-                self.router.local_prefill_tokens[decode.worker_id] -= pending
+                self.router.end_local_prefill(decode.worker_id, self.request_id)
             return
         prefill, result = await self._prefill()
         handle = result.kv_handle

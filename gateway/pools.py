@@ -2,7 +2,8 @@
 
 Every worker is the same kind of actor (pool_worker.WorkerActor) serving in a role: prefill, decode or
 mixed. Lifecycle of a worker (WorkerState):
-    add() → STARTING (actor constructor: model load, KV cache, transfer endpoint)
+    add() → PENDING (created; Ray places it on a node that offers its role's resources: gateway/placement.py)
+    → STARTING (placed, node known; start(): model found on its node and loaded, KV cache, transfer endpoint)
     → ACTIVE (routable; every decode or mixed worker knows every prefill worker's PeerInfo)
     → change_role(): decode ⇄ mixed at once (same front, routed differently); to or from prefill the worker
       is CHANGING_ROLE: not routable, its decode streams evacuated to other workers (they continue from the
@@ -15,8 +16,12 @@ mixed. Lifecycle of a worker (WorkerState):
     (retried with backoff until it comes up), so the pools return to their target size by themselves.
 Failures are noticed two ways: the orchestrator reports a worker whose call failed (mark_failed), and
 watch() polls every worker's load once a second. health() says ok / degraded / unavailable from the states.
-The torch transfer backend binds its peers up front (one process group), so its pools cannot grow, shrink,
-change roles or replace a worker after start; nixl pools can.
+start() waits up to placement_timeout_s for Ray to place every worker, then serves with those placed if
+they can serve; the others stay PENDING and join when a node takes them. A worker on a node that dies is
+FAILED like any other (Ray reports its actor dead); its replacement stays PENDING until capacity returns.
+The torch transfer backend binds its peers up front (one process group, meeting on the first rank's node),
+so its pools cannot grow, shrink, change roles or replace a worker after start, nor start with one missing;
+nixl pools can.
 """
 
 from __future__ import annotations
@@ -25,13 +30,20 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import socket
 import uuid
 from collections.abc import Callable
 
 import ray
 
 from gateway.deployment_config import DeploymentConfig
+from gateway.placement import (
+    PlacementTimeout,
+    actor_options,
+    describe_unplaced,
+    torch_rendezvous,
+    wait_all_placed,
+    wait_placed,
+)
 from gateway.workers import PoolHealth, Worker, WorkerState
 from kv_transfer import capabilities
 from llm_engine.load import WorkerLoad
@@ -43,14 +55,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["DeploymentConfig", "PDDeployment"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # A worker that does not answer a load query for this long is taken for dead (a dead actor fails at once).
 LOAD_TIMEOUT_S = 30.0
+SHUTDOWN_TIMEOUT_S = 30.0  # workers that have not closed their fronts by then are killed anyway
 
 
 class PDDeployment:
@@ -63,12 +70,13 @@ class PDDeployment:
         # Worker ids (and so Ray actor names) are unique in the cluster: several gateways may share one.
         self._tag = uuid.uuid4().hex[:6]
         self._ids = itertools.count()
-        self._torch_groups: dict[str, TorchGroupSpec] = {}
+        self.torch_rendezvous: str | None = None  # the torch group's init address, once it is chosen
         self.target: dict[Role, int] = config.layout()
         self.on_change: list[Callable[[], None]] = []  # called when the set of active workers changes
         self.on_remove: list[Callable[[str], None]] = []  # called with the id of a worker gone from its role
         # Failed worker id → (that worker, the task starting its replacement).
         self._replacements: dict[str, tuple[Worker, asyncio.Task[None]]] = {}
+        self._late_starts: list[asyncio.Task[None]] = []  # workers still pending when start() went on
         self._is_closing = False
         self.last_loads: list[WorkerLoad] = []  # from the latest loads() (watch() refreshes it every second)
 
@@ -78,50 +86,74 @@ class PDDeployment:
         return not capabilities(self.backend).needs_peer_bound_up_front
 
     async def start(self) -> None:
-        """Create every worker and connect every decode or mixed worker to every prefill worker."""
-        roles = [role for role, count in self.config.layout().items() for _ in range(count)]
-        if not self.can_change:
-            from kv_transfer.backends.torch_dist import p2p_backend
+        """Create every worker, wait for Ray to place them, start them and connect every decode or mixed
+        worker to every prefill worker.
 
-            init = f"tcp://127.0.0.1:{_free_port()}"
-            group_backend = p2p_backend(self.config.engine.device)  # NCCL for a CUDA KV cache, else gloo
-            for rank in range(len(roles)):
-                spec = TorchGroupSpec(init, rank, len(roles), group_backend)
-                self._torch_groups[self._worker_id(rank)] = spec
-        for role in roles:
-            self._create(role)
-        # Constructors run concurrently (a torch group forms only when every rank has joined).
-        await asyncio.gather(*(w.actor.load.remote() for w in self.workers.values()))
-        await self._connect(list(self.workers.values()))
-        for worker in self.workers.values():
-            worker.state = WorkerState.ACTIVE
+        Raises:
+            PlacementTimeout: after placement_timeout_s, the placed workers cannot serve (or a torch
+                group lacks a rank); the message says what no node offers.
+        """
+        roles = [role for role, count in self.config.layout().items() for _ in range(count)]
+        workers = [self._create(role) for role in roles]
+        waited = await wait_all_placed(workers, self.config.placement_timeout_s)
+        placed = [w for w in workers if w.state is WorkerState.STARTING]
+        unplaced = [w for w in workers if w.state is WorkerState.PENDING]
+        if not self.can_change:
+            if unplaced:  # a process group forms only when every rank has joined
+                raise PlacementTimeout(describe_unplaced(unplaced, self.config, waited))
+            await self._start_torch_group(workers)
+            await self._connect(workers)
+        else:
+            if not any(w.role.can_decode for w in placed):
+                raise PlacementTimeout(describe_unplaced(unplaced, self.config, waited))
+            if unplaced:
+                logger.warning("serving without %d worker(s) Ray has not placed yet: %s", len(unplaced),
+                               describe_unplaced(unplaced, self.config, waited))
+            await asyncio.gather(*(self._start_worker(w) for w in placed))
+            await self._connect(placed)
+            self._late_starts = [asyncio.create_task(self._start_until_up(w.role, "start-up", w))
+                                 for w in unplaced]
+        for worker in workers:
+            if worker.state is WorkerState.STARTING:
+                worker.state = WorkerState.ACTIVE
         self._changed()
+
+    async def _start_torch_group(self, workers: list[Worker]) -> None:
+        """Start every rank at once: each one's start() blocks until every rank has joined the group."""
+        from kv_transfer.backends.torch_dist import p2p_backend
+
+        self.torch_rendezvous = await torch_rendezvous(workers[0])
+        group_backend = p2p_backend(self.config.engine.device)  # NCCL for a CUDA KV cache, else gloo
+        logger.info("torch group (%s) meets at %s", group_backend, self.torch_rendezvous)
+        await asyncio.gather(*(
+            self._start_worker(w, TorchGroupSpec(self.torch_rendezvous, rank, len(workers), group_backend))
+            for rank, w in enumerate(workers)))
+
+    async def _start_worker(self, worker: Worker, torch_group: TorchGroupSpec | None = None) -> None:
+        await asyncio.wait_for(worker.actor.start.remote(torch_group), self.config.start_timeout_s)
 
     def _worker_id(self, number: int) -> str:
         return f"worker-{self._tag}-{number}"
 
     def _create(self, role: Role) -> Worker:
+        """A new actor in `role`, PENDING until Ray places it (placement.wait_placed)."""
         worker_id = self._worker_id(next(self._ids))
-        options = {
-            "num_cpus": self.config.num_cpus_per_worker,
-            "num_gpus": self.config.num_gpus_per_worker,
-            "name": f"pdserve-{worker_id}",
-            "max_concurrency": 1000,
-        }
+        options = actor_options(self.config, role, f"pdserve-{worker_id}")
         actor = (
             ray.remote(WorkerActor)
             .options(**options)
             .remote(worker_id, role.value, self.config.engine, self.backend.value, self.config.transfer,
                     watermark=self.config.watermark, num_threads=self.config.num_threads,
-                    torch_group=self._torch_groups.get(worker_id))
+                    model_source=self.config.model_source)
         )
-        worker = Worker(worker_id, role, actor)
+        worker = Worker(worker_id, role, actor, state=WorkerState.PENDING)
         self.workers[worker_id] = worker
         return worker
 
     async def _connect(self, new: list[Worker]) -> None:
         """Tell every decode or mixed worker about every prefill worker, where either is in `new`."""
-        alive = [w for w in self.workers.values() if w.state is not WorkerState.FAILED]
+        # A pending worker is not connected now: it connects itself once placed and started (_bring_up).
+        alive = [w for w in self.workers.values() if w.state not in (WorkerState.FAILED, WorkerState.PENDING)]
         prefills = [w for w in alive if w.role is Role.PREFILL]
         decodes = [w for w in alive if w.role.can_decode]
         pairs = [(d, p) for d in decodes for p in prefills if d in new or p in new]
@@ -145,10 +177,14 @@ class PDDeployment:
         self._check_can_change()
         worker = self._create(Role(role))
         self.target[role] += 1
-        await worker.actor.load.remote()
-        await self._connect([worker])
-        worker.state = WorkerState.ACTIVE
-        self._changed()
+        try:
+            await asyncio.wait_for(wait_placed(worker), self.config.placement_timeout_s)
+        except TimeoutError:
+            self.target[role] -= 1
+            self._forget(worker)
+            raise PlacementTimeout(describe_unplaced([worker], self.config,
+                                                     self.config.placement_timeout_s)) from None
+        await self._bring_up(worker)
         return worker.worker_id
 
     async def change_role(self, worker_id: str, role: Role, in_flight: Callable[[str], int] | None = None,
@@ -195,7 +231,7 @@ class PDDeployment:
     def mark_failed(self, worker_id: str, why: str) -> None:
         """Take a worker out of routing at once and start its replacement (idempotent)."""
         worker = self.workers.get(worker_id)
-        if worker is None or worker.state in (WorkerState.FAILED, WorkerState.STARTING):
+        if worker is None or worker.state in (WorkerState.FAILED, WorkerState.PENDING, WorkerState.STARTING):
             return
         logger.error("worker %s failed: %s", worker_id, why)
         was_draining = worker.state is WorkerState.DRAINING
@@ -216,27 +252,39 @@ class PDDeployment:
         """Whether a worker in any of `roles` is being started in place of a failed one."""
         return any((w.next_role or w.role) in roles for w, _ in self._replacements.values())
 
-    async def _replace(self, failed: Worker, first_retry_s: float = 1.0) -> None:
+    async def _replace(self, failed: Worker) -> None:
         self._forget(failed)
         role = failed.next_role or failed.role  # a worker that failed while changing role: its new role
+        await self._start_until_up(role, failed.worker_id)
+        self._replacements.pop(failed.worker_id, None)
+
+    async def _start_until_up(self, role: Role, instead_of: str, worker: Worker | None = None,
+                              first_retry_s: float = 1.0) -> None:
+        """Bring a worker in `role` up, retrying with backoff until one is; it may stay PENDING for as long
+        as no node can take it (a lost node's replacement waits for capacity to return)."""
         retry_s = first_retry_s
         while not self._is_closing:
-            worker = self._create(role)
+            worker = worker or self._create(role)
             try:
-                await asyncio.wait_for(worker.actor.load.remote(), self.config.start_timeout_s)
-                await self._connect([worker])
+                await self._bring_up(worker)
             except Exception as error:
-                logger.error("replacement %s for %s did not start (%s); retrying in %.0f s",
-                             worker.worker_id, failed.worker_id, type(error).__name__, retry_s)
+                logger.error("worker %s (for %s) did not start (%s: %s); retrying in %.0f s",
+                             worker.worker_id, instead_of, type(error).__name__, error, retry_s)
                 self._forget(worker)
+                worker = None
                 await asyncio.sleep(retry_s)
                 retry_s = min(2 * retry_s, 30.0)
                 continue
-            worker.state = WorkerState.ACTIVE
-            logger.warning("worker %s replaces the failed %s", worker.worker_id, failed.worker_id)
-            self._changed()
+            logger.warning("worker %s is up (for %s) on %s", worker.worker_id, instead_of, worker.node_ip)
             break
-        self._replacements.pop(failed.worker_id, None)
+
+    async def _bring_up(self, worker: Worker) -> None:
+        """PENDING → placed (however long that takes) → started → connected → ACTIVE."""
+        await wait_placed(worker)
+        await self._start_worker(worker)
+        await self._connect([worker])
+        worker.state = WorkerState.ACTIVE
+        self._changed()
 
     def _forget(self, worker: Worker) -> None:
         with contextlib.suppress(Exception):  # already gone
@@ -331,10 +379,14 @@ class PDDeployment:
 
     async def shutdown(self) -> None:
         self._is_closing = True
-        for _, task in self._replacements.values():
+        for task in [*(task for _, task in self._replacements.values()), *self._late_starts]:
             task.cancel()
         workers = list(self.workers.values())
-        await asyncio.gather(*(w.actor.shutdown.remote() for w in workers), return_exceptions=True)
+        # A pending actor would answer only once placed, maybe never: it is just killed.
+        started = [w for w in workers if w.state is not WorkerState.PENDING]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(w.actor.shutdown.remote() for w in started),
+                                                  return_exceptions=True), SHUTDOWN_TIMEOUT_S)
         for worker in workers:
             ray.kill(worker.actor)
         self.workers.clear()

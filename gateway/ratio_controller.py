@@ -7,9 +7,10 @@ decode workers (running streams are protected from long prompts).
     tick (every interval_s, or at once when a long prompt arrives) → Signals (from what the gateway
     already knows: prompt tokens queued on each worker and on their way, decode batch sizes, KV occupancy,
     recent TTFT and ITL against the SLOs) → decide():
-      0 → 1   a long prompt (≥ long_prompt_tokens) arrived while streams decode, or the ITL tail is over
-              its SLO while prompts queue and the median is not (prefill chunks cause the tail; a slow
-              median means decoding itself is short of cores, which disaggregation would make worse).
+      0 → 1   a long prompt (≥ long_prompt_tokens) is being prefilled by a worker while streams decode, or
+              the requests' TPOT p90 is over the ITL SLO while prompts queue and the median gap is not
+              (prefill chunks cause the tail; a slow median means decoding itself is short of cores,
+              which disaggregation would make worse).
               The worker holding the most prompt work becomes the prefill worker (its streams move to the
               others, losing no token).
       k → k+1 TTFT p90 over its SLO with prompt work piling up on every prefill worker (≥ 1 decode stays).
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ControllerPolicy:
     interval_s: float = 1.0  # how often it looks (a long prompt wakes it at once)
-    min_dwell_s: float = 5.0  # no change sooner than this after the last one
+    min_dwell_s: float = 2.0  # no change sooner than this after the last one (calm_s guards the way back)
     calm_s: float = 10.0  # prefill idle this long before a prefill worker goes back
     long_prompt_tokens: int = 1024  # a prompt this long interferes with decoding on a mixed worker
     ttft_slo_s: float = 3.0
@@ -69,9 +70,10 @@ class Signals:
     num_decoding: int  # requests running on decode and mixed workers
     kv_occupancy: float  # the fullest decode or mixed worker
     ttft_p90_s: float | None  # over the recent window; None without enough requests
-    itl_p99_s: float | None
-    itl_p50_s: float | None
-    seconds_since_long_prompt: float
+    tpot_p90_s: float | None  # over requests: each one's mean gap between tokens (goodput's ITL check)
+    itl_p50_s: float | None  # over tokens
+    longest_pending_prompt: int  # tokens of the longest prompt a decode or mixed worker is prefilling now
+    seconds_since_long_prompt: float  # since one arrived (before it is routed, it is pending nowhere yet)
 
 
 @dataclass(frozen=True)
@@ -101,22 +103,24 @@ class Ladder:
     def decide(self, s: Signals, now: float) -> Decision | None:
         """The move the signals call for, if any (pure: no side effect but the calm timer)."""
         p = self.policy
-        is_long_prompt_recent = s.seconds_since_long_prompt < max(p.interval_s, 1.0) * 2
-        is_calm = s.queued_prompt_tokens < p.long_prompt_tokens // 4 and not is_long_prompt_recent
+        # A long prompt interferes for as long as a worker that decodes is prefilling it.
+        is_long_prompt_here = (s.longest_pending_prompt >= p.long_prompt_tokens
+                               or s.seconds_since_long_prompt < max(p.interval_s, 1.0))
+        is_calm = s.queued_prompt_tokens < p.long_prompt_tokens // 4 and not is_long_prompt_here
         self._calm_since = (self._calm_since or now) if is_calm else None
         if now - self._last_change < p.min_dwell_s:
             return None
         level, n = s.level, s.num_workers
         if level == 0 and n >= 2:
-            if is_long_prompt_recent and s.num_decoding:
+            if is_long_prompt_here and s.num_decoding:
                 return self._decision(s, 1, "long_prompt", f"a prompt of >= {p.long_prompt_tokens} tokens "
-                                      f"arrived while {s.num_decoding} streams decode")
+                                      f"is being prefilled while {s.num_decoding} streams decode")
             # Only a tail that prefill chunks cause: with the median over the SLO too, decoding itself is
             # the bottleneck, and giving a decoding core to prefill would make it worse.
-            if s.itl_p99_s is not None and s.itl_p50_s is not None and s.itl_p99_s > p.itl_slo_s \
+            if s.tpot_p90_s is not None and s.itl_p50_s is not None and s.tpot_p90_s > p.itl_slo_s \
                     and s.itl_p50_s <= p.itl_slo_s and s.queued_prompt_tokens:
-                return self._decision(s, 1, "itl_slo", f"ITL p99 {s.itl_p99_s * 1000:.0f} ms > SLO "
-                                      f"{p.itl_slo_s * 1000:.0f} ms (median {s.itl_p50_s * 1000:.0f} ms) "
+                return self._decision(s, 1, "itl_slo", f"TPOT p90 {s.tpot_p90_s * 1000:.0f} ms > SLO "
+                                      f"{p.itl_slo_s * 1000:.0f} ms (median ITL {s.itl_p50_s * 1000:.0f} ms) "
                                       f"with {s.queued_prompt_tokens} prompt tokens queued")
             return None
         if level >= 1 and level + 1 < n and s.ttft_p90_s is not None and s.ttft_p90_s > p.ttft_slo_s \
@@ -205,8 +209,9 @@ class RatioController:
             kv_occupancy=max((x.kv_occupancy for x in decoding), default=0.0),
             # Only requests that finished since the last change: the layout before it says nothing now.
             ttft_p90_s=self.recent.ttft_quantile(0.9, since=self._changed_at),
-            itl_p99_s=self.recent.itl_quantile(0.99, since=self._changed_at),
+            tpot_p90_s=self.recent.tpot_quantile(0.9, since=self._changed_at),
             itl_p50_s=self.recent.itl_quantile(0.5, since=self._changed_at),
+            longest_pending_prompt=self.router.longest_local_prefill(),
             seconds_since_long_prompt=now - self._last_long_prompt,
         )
 

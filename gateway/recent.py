@@ -33,12 +33,24 @@ class RecentLatencies:
             return None
         return _quantile([ttft for _, ttft, _ in window], q)
 
+    def tpot_quantile(self, q: float, since: float = float("-inf")) -> float | None:
+        """The q-quantile over requests of their mean gap between tokens (TPOT: what goodput's SLO checks)."""
+        window = [x for x in self._window() if x[0] >= since]
+        tpots = [t for _, _, gaps in window if (t := _tpot(gaps)) is not None]
+        if len(window) < self.min_requests or not tpots:
+            return None
+        return _quantile(tpots, q)
+
     def itl_quantile(self, q: float, since: float = float("-inf")) -> float | None:
         window = [x for x in self._window() if x[0] >= since]
         gaps = [gap for _, _, request_gaps in window for gap in request_gaps]
         if len(window) < self.min_requests or not gaps:
             return None
         return _quantile(gaps, q)
+
+
+def _tpot(gaps: list[float]) -> float | None:
+    return sum(gaps) / len(gaps) if gaps else None
 
 
 def _quantile(values: list[float], q: float) -> float:

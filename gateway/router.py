@@ -47,8 +47,10 @@ class Router:
         deployment.on_remove.append(self.forget)
         self.prefill_tokens: defaultdict[str, int] = defaultdict(int)  # prompt tokens sent, not yet prefilled
         self.decode_tokens: defaultdict[str, int] = defaultdict(int)  # tokens of requests decoding there
-        # Prompt tokens a decode or mixed worker was sent to prefill itself, not yet prefilled.
+        # Prompts a decode or mixed worker was sent to prefill itself, not yet prefilled: tokens per worker,
+        # and each prompt's length (the ratio controller looks for long ones).
         self.local_prefill_tokens: defaultdict[str, int] = defaultdict(int)
+        self.local_prefill_prompts: dict[str, int] = {}  # request id → prompt tokens
         self._cached: defaultdict[str, OrderedDict[bytes, None]] = defaultdict(OrderedDict)
         # The decode workers' output streams live with the per-worker books: both follow the workers the
         # deployment has, and every request run reaches them through the router.
@@ -64,6 +66,19 @@ class Router:
             self.decode_tokens.pop(worker_id, None)
         if not self.local_prefill_tokens.get(worker_id):
             self.local_prefill_tokens.pop(worker_id, None)
+
+    def start_local_prefill(self, worker_id: str, request_id: str, num_tokens: int) -> None:
+        self.local_prefill_tokens[worker_id] += num_tokens
+        self.local_prefill_prompts[request_id] = num_tokens
+
+    def end_local_prefill(self, worker_id: str, request_id: str) -> None:
+        """The prompt was prefilled (or the request left); idempotent."""
+        num_tokens = self.local_prefill_prompts.pop(request_id, 0)
+        self.local_prefill_tokens[worker_id] -= num_tokens
+
+    def longest_local_prefill(self) -> int:
+        """The longest prompt a decode or mixed worker is prefilling for itself now (0: none)."""
+        return max(self.local_prefill_prompts.values(), default=0)
 
     def in_flight(self, worker_id: str) -> int:
         """Tokens of requests sent to the worker and not yet back (0: nothing on its way there)."""

@@ -1,6 +1,7 @@
 """A worker as the gateway sees it (its role, its actor, its state) and what /health reports of the pools.
 
-States (WorkerState): STARTING → ACTIVE → DRAINING → removed;  ACTIVE → CHANGING_ROLE → ACTIVE (in its new
+States (WorkerState): PENDING (Ray has not placed it: no node offers its resources yet) → STARTING (placed on
+a node, loading the model) → ACTIVE → DRAINING → removed;  ACTIVE → CHANGING_ROLE → ACTIVE (in its new
 role);  ACTIVE | DRAINING | CHANGING_ROLE → FAILED → replaced. Only ACTIVE workers are routed to.
 """
 
@@ -14,6 +15,7 @@ from pool_worker import Role
 
 
 class WorkerState(enum.Enum):
+    PENDING = "pending"  # created, waiting for a node with the resources its role asks for
     STARTING = "starting"
     ACTIVE = "active"
     DRAINING = "draining"  # leaving the deployment once it holds nothing
@@ -28,6 +30,8 @@ class Worker:
     actor: Any  # Ray actor handle (pool_worker.WorkerActor)
     state: WorkerState = WorkerState.STARTING
     next_role: Role | None = None  # while CHANGING_ROLE
+    node_id: str | None = None  # Ray node the worker was placed on (None while PENDING)
+    node_ip: str | None = None  # that node's address
 
     @property
     def is_active(self) -> bool:
@@ -44,6 +48,7 @@ class PoolHealth:
     active: dict[str, int]  # role → active workers
     target: dict[str, int]  # role → workers the deployment should have
     num_replacing: int  # failed workers whose replacement is starting
+    num_pending: int  # workers no node can take yet (not enough nodes with their role's resources)
 
     @staticmethod
     def of(workers: list[Worker], target: dict[Role, int], num_replacing: int) -> PoolHealth:
@@ -51,6 +56,7 @@ class PoolHealth:
         for worker in workers:
             if worker.is_active:
                 active[worker.role.value] += 1
+        num_pending = sum(w.state is WorkerState.PENDING for w in workers)
         # Any worker that decodes can serve alone: with no prefill worker left, decode workers prefill for
         # themselves. A worker changing role is missing from its old role and not yet in its new one:
         # degraded, as is a missing or replaced one. With no worker to decode, requests wait for a
@@ -58,9 +64,10 @@ class PoolHealth:
         can_decode = active[Role.DECODE] + active[Role.MIXED]
         is_changing = any(w.state is WorkerState.CHANGING_ROLE for w in workers)
         if not can_decode:
-            status = "degraded" if num_replacing or is_changing else "unavailable"
+            status = "degraded" if num_replacing or num_pending or is_changing else "unavailable"
         elif is_changing or any(active[role.value] < target[role] for role in Role):
             status = "degraded"
         else:
             status = "ok"
-        return PoolHealth(status, active, {role.value: n for role, n in target.items()}, num_replacing)
+        return PoolHealth(status, active, {role.value: n for role, n in target.items()}, num_replacing,
+                          num_pending)

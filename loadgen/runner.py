@@ -42,6 +42,7 @@ class BenchConfig:
     itl_slo_s: float = 0.2
     vocab_size: int = 32000
     seed: int = 0
+    prompt_seed: int | None = None  # other prompts with the same lengths and arrivals (see build_requests)
     api_key: str | None = None
     metrics_interval_s: float = 0.5
     show_progress: bool = True
@@ -62,6 +63,7 @@ async def _run(config: BenchConfig) -> tuple[list[RequestRecord], list[Sample]]:
         config.output_len,
         config.length_scale,
         config.duration_s,
+        config.prompt_seed,
     )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=config.url, headers=headers, timeout=None, limits=limits) as client:

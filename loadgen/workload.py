@@ -163,14 +163,22 @@ def build_requests(
     output_len: int | None = None,
     length_scale: float = 1.0,
     duration_s: float | None = None,
+    prompt_seed: int | None = None,
 ) -> list[RequestSpec]:
     """The requests of plan_requests (same arguments), with prompts: random token ids below `vocab_size`,
-    and equal blocks wherever a Mooncake hash id recurs."""
+    and equal blocks wherever a Mooncake hash id recurs.
+
+    Args:
+        prompt_seed: draw the prompts' (unshared) tokens from this seed instead: the same lengths and
+            arrivals with other prompts, so that runs replaying one plan do not hit each other's prefix
+            cache (None: prompts continue the arrivals' stream, as they always have).
+    """
     shapes = plan_requests(count, seed, rate, burstiness, trace, speed, input_len, output_len, length_scale,
                            duration_s)
-    # Prompt tokens continue the arrivals' random stream, as they always have (same seed, same prompts).
     rng = random.Random(seed)
-    if rate is not None:
+    if prompt_seed is not None:
+        rng = random.Random(f"prompts-{prompt_seed}")
+    elif rate is not None:
         poisson_arrivals(rate, count, rng, burstiness)
     block_tokens = max(1, round(MOONCAKE_BLOCK_TOKENS * length_scale))
     requests = []

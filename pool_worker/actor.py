@@ -1,9 +1,12 @@
 """WorkerActor: the one Ray actor class every pool worker runs. It loads the model and sizes the KV cache
 once, then serves in a role (prefill, decode or mixed) and can change role without reloading anything.
 
-Lifecycle:  WorkerActor(role) → the engine loads (weights + KV cache, once per process) → the role's front
-    is built over it (PrefillRole: sender + prefill scheduler; DecodeRole: receiver + decode scheduler)
-    → serves (decode and mixed roles send outputs through output_stream(), one per gateway)
+Lifecycle:  WorkerActor(role): cheap, so that the gateway learns at once that Ray placed it and on which node
+    (placement(); the torch group's first rank also offers a free port on its node: free_port())
+    → start(torch_group): the model is found on this node (ModelSource), the engine loads (weights + KV
+    cache, once per process), the torch group (if any) is joined → the role's front is built over it
+    (PrefillRole: sender + prefill scheduler; DecodeRole: receiver + decode scheduler)
+    → serves (decode and mixed roles send outputs through output_stream(), one per gateway reader)
     → set_role(other):
         decode ⇄ mixed: the same DecodeRole; only the label changes (the gateway routes differently);
         prefill ⇄ decode/mixed: the worker must hold nothing (the gateway drained it, evacuating decode
@@ -19,9 +22,12 @@ Wrapped with ray.remote(...) by the pool, which sets its resources and name.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
+
+import ray
 
 from decode_pool.messages import DecodeOutputBatch, DecodeRequest
 from decode_pool.output_channels import OutputChannels
@@ -30,6 +36,7 @@ from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, Transf
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.load import WorkerLoad
 from llm_engine.model_loader import num_model_loads
+from llm_engine.model_source import ModelSource
 from llm_engine.worker_setup import TorchGroupSpec, setup_worker_process
 from pool_worker.roles import Role
 from prefill_pool.messages import PrefillRequest, PrefillResult
@@ -46,18 +53,30 @@ class WorkerInfo:
 
     worker_id: str
     role: Role
+    actor_id: str  # Ray's id of this actor: the same after any number of role changes
     pid: int
     num_model_loads: int  # weight loads in this process: 1 however often the role changed
     num_role_changes: int
 
 
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """Where Ray placed the worker: answered by the constructor's process before any model loads."""
+
+    node_id: str  # Ray's node id (hex)
+    node_ip: str  # the node's address as Ray knows it: what peers on other nodes connect to
+    pid: int
+
+
 class WorkerActor:
     def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, backend: str,
                  transfer_config: TransferConfig, watermark: float = 0.05, num_threads: int = 1,
-                 torch_group: TorchGroupSpec | None = None) -> None:
-        setup_worker_process(num_threads, torch_group)
+                 model_source: ModelSource | None = None) -> None:
+        import ray
+
         self.worker_id = worker_id
-        self.engine = LLMEngine(engine_config)
+        self._engine_config = engine_config
+        self._model_source = model_source or ModelSource(engine_config.model_dir)
         self._backend = backend
         self._transfer_config = transfer_config
         self._watermark = watermark
@@ -66,7 +85,31 @@ class WorkerActor:
         # Outlives the roles: a gateway's output stream stays open across role changes.
         self._outputs = OutputChannels(abort=self.abort)
         self.role = Role(role)
-        self._front: PrefillRole | DecodeRole = self._build_front(self.role)
+        self._placement = WorkerPlacement(ray.get_runtime_context().get_node_id(),
+                                          ray.util.get_node_ip_address(), os.getpid())
+        self._front: PrefillRole | DecodeRole | None = None  # built by start()
+
+    def placement(self) -> WorkerPlacement:
+        return self._placement
+
+    def free_port(self) -> int:
+        """A port free on this node's address now: the torch group's first rank listens there."""
+        with socket.socket() as s:
+            s.bind((self._placement.node_ip, 0))
+            return int(s.getsockname()[1])
+
+    def start(self, torch_group: TorchGroupSpec | None = None) -> WorkerInfo:
+        """Load the model found on this node, join the torch group (if any), and serve in the role.
+
+        Raises:
+            FileNotFoundError: the model is not on this node (the message names the node).
+        """
+        node = f"{self._placement.node_ip} (node id {self._placement.node_id[:12]})"
+        model_dir = self._model_source.resolve_here(node)  # before the group: a rank without it fails alone
+        setup_worker_process(self._num_threads, torch_group)
+        self.engine = LLMEngine(replace(self._engine_config, model_dir=model_dir))
+        self._front = self._build_front(self.role)
+        return self.info()
 
     def _build_front(self, role: Role) -> PrefillRole | DecodeRole:
         if role is Role.PREFILL:
@@ -78,10 +121,12 @@ class WorkerActor:
     @property
     def worker(self) -> Any:
         """The current role's worker (PrefillWorker or DecodeWorker); tests reach the engine through it."""
-        return self._front.worker
+        return self._started().worker
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, self.role, os.getpid(), num_model_loads(), self._num_role_changes)
+        actor_id = ray.get_runtime_context().get_actor_id() or ""
+        return WorkerInfo(self.worker_id, self.role, actor_id, os.getpid(), num_model_loads(),
+                          self._num_role_changes)
 
     async def set_role(self, role: str) -> WorkerInfo:
         """Serve as `role` from now on (see the lifecycle); raises RuntimeError if the worker still holds
@@ -92,13 +137,13 @@ class WorkerActor:
         if new.can_decode and self.role.can_decode:  # decode ⇄ mixed: the same front
             self.role = new
         else:
-            load = self._front.load()
+            load = self._started().load()
             if load.num_requests or not self.engine.block_pool.is_whole():
                 raise RuntimeError(
                     f"{self.worker_id} still holds {load.num_requests} requests and "
                     f"{self.engine.block_pool.num_used_blocks} KV blocks; drain it before it changes role"
                 )
-            self._front.close()
+            self._started().close()
             self._front = self._build_front(new)
             self.role = new
         self._num_role_changes += 1
@@ -106,21 +151,22 @@ class WorkerActor:
 
     # Both roles.
     def abort(self, request_id: str) -> None:
-        self._front.abort(request_id)
+        self._started().abort(request_id)
 
     def load(self) -> WorkerLoad:
         """The worker's latest load; `failure` is set once its step loop has died."""
-        return replace(self._front.load(), role=self.role.value)
+        return replace(self._started().load(), role=self.role.value)
 
     def is_whole(self) -> bool:
         """No block held: for tests and drains."""
         return self.engine.block_pool.is_whole()
 
     def transfer_records(self) -> list[TransferRecord]:
-        return self._front.transfer_records()
+        return self._started().transfer_records()
 
     def shutdown(self) -> None:
-        self._front.close()
+        if self._front is not None:
+            self._front.close()
 
     # Prefill role.
     def peer_info(self) -> PeerInfo:
@@ -160,6 +206,11 @@ class WorkerActor:
         """End every request here with finish_reason "migrate": the gateway continues them elsewhere."""
         if isinstance(self._front, DecodeRole):
             self._front.evacuate()
+
+    def _started(self) -> PrefillRole | DecodeRole:
+        if self._front is None:
+            raise RuntimeError(f"{self.worker_id} has not started (start() loads the model)")
+        return self._front
 
     def _prefill(self) -> PrefillRole:
         if not isinstance(self._front, PrefillRole):

@@ -45,8 +45,10 @@ class Comparison:
 
 
 def _bench_config(plan: dict[str, Any], rate: float | None, out_dir: Path, access: ServerAccess,
-                  show_progress: bool) -> BenchConfig:
-    """The bench of the plan's load at `rate`: the arguments the planner gave plan_requests."""
+                  show_progress: bool, prompt_seed: int) -> BenchConfig:
+    """The bench of the plan's load at `rate`: the arguments the planner gave plan_requests, with prompts
+    of their own (`prompt_seed`): the simulator models no prefix-cache hit, and the runs before this one
+    left their prompts in the workers' caches."""
     workload, slo = plan["workload"], plan["slo"]
     return BenchConfig(
         url=access.url, out_dir=out_dir, rate=rate, burstiness=float(workload["burstiness"]),
@@ -55,7 +57,7 @@ def _bench_config(plan: dict[str, Any], rate: float | None, out_dir: Path, acces
         trace=Path(workload["trace"]) if workload["trace"] else None,
         length_scale=float(workload["length_scale"]), ttft_slo_s=float(slo["ttft_s"]),
         itl_slo_s=float(slo["itl_s"]), vocab_size=int(plan["vocab_size"]), seed=int(workload["seed"]),
-        api_key=access.api_key, show_progress=show_progress,
+        prompt_seed=prompt_seed, api_key=access.api_key, show_progress=show_progress,
     )
 
 
@@ -81,7 +83,7 @@ def validate(plan: dict[str, Any], access: ServerAccess, out_dir: Path, labels: 
     if unknown:
         raise ValueError(f"layouts {', '.join(unknown)} are not in the plan; it has {', '.join(known)}")
     original = current_layout(access)
-    comparisons = []
+    comparisons: list[Comparison] = []
     try:
         for label in labels:
             rows = [row for row in table if row["label"] == label]
@@ -89,7 +91,8 @@ def validate(plan: dict[str, Any], access: ServerAccess, out_dir: Path, labels: 
             for row in rows:
                 rate = row["rate"]
                 out = out_dir / f"{label}-{'trace' if rate is None else f'{rate:g}'}"
-                summary: dict[str, Any] = run_bench(_bench_config(plan, rate, out, access, show_progress))
+                config = _bench_config(plan, rate, out, access, show_progress, prompt_seed=len(comparisons))
+                summary: dict[str, Any] = run_bench(config)
                 predicted = {name: float(row[key]) for name, key, _, _ in FIGURES}
                 predicted["goodput"] = float(row["goodput"])
                 measured = {name: float(summary[section][q]) for name, _, section, q in FIGURES}

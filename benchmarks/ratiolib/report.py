@@ -67,9 +67,10 @@ def plot_timeline(phased: dict[str, Any], args: argparse.Namespace, path: Path) 
     timeline = phased["timeline"]
     t = [p["t"] for p in timeline]
     fig, (roles, queue) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
-    for role in ("prefill", "decode", "mixed"):
-        roles.step(t, [p[role] for p in timeline], where="post", label=role)
-    roles.set(ylabel="active workers", title="--ratio auto: roles over time (phased load)")
+    # Stacked: at 1P+1D the prefill and decode counts are equal, and lines would hide one another.
+    roles.stackplot(t, *([p[role] for p in timeline] for role in ("prefill", "decode", "mixed")),
+                    labels=("prefill", "decode", "mixed"), step="post", alpha=0.8)
+    roles.set(ylabel="active workers (stacked)", title="--ratio auto: roles over time (phased load)")
     queue.plot(t, [p["queued_prompt_tokens"] for p in timeline], color="tab:red")
     queue.set(xlabel="seconds", ylabel="prompt tokens routed, not yet prefilled")
     for ax in (roles, queue):

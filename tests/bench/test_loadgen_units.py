@@ -115,3 +115,12 @@ def test_metrics_sample_parsing() -> None:
     sample = parse_sample(text, 1.5)
     assert sample.queued_prompt_tokens == {"prefill": 120.0}
     assert sample.kv_occupancy == {"decode-1": 0.25} and sample.running_requests == {"decode-1": 3.0}
+
+
+def test_a_prompt_seed_changes_the_prompts_and_nothing_else() -> None:
+    base = build_requests(20, 1000, seed=3, rate=2.0, input_len=50, output_len=8)
+    other = build_requests(20, 1000, seed=3, rate=2.0, input_len=50, output_len=8, prompt_seed=1)
+    assert [(r.arrival_s, len(r.prompt_token_ids), r.output_len) for r in base] == [
+        (r.arrival_s, len(r.prompt_token_ids), r.output_len) for r in other]
+    assert all(a.prompt_token_ids != b.prompt_token_ids for a, b in zip(base, other, strict=True))
+    assert build_requests(20, 1000, seed=3, rate=2.0, input_len=50, output_len=8) == base  # unchanged default

@@ -99,6 +99,6 @@ def test_auto_disaggregates_for_a_long_prompt_and_goes_back_when_calm(
     assert sorted(streamed) == sorted(expected)
     assert answer.json()["choices"][0]["token_ids"] == hf_greedy(tiny_chat_model_dir, [long_prompt], 6)[0]
     # The same two processes throughout, the weights loaded once in each, and they did change role.
-    assert {i: (x.pid, x.num_model_loads) for i, x in after.items()} == {
-        i: (x.pid, 1) for i, x in before.items()}
+    assert {i: (x.actor_id, x.pid, x.num_model_loads) for i, x in after.items()} == {
+        i: (x.actor_id, x.pid, 1) for i, x in before.items()}
     assert sum(x.num_role_changes for x in after.values()) >= 4

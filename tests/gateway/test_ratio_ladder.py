@@ -14,7 +14,8 @@ from pool_worker import Role
 POLICY = ControllerPolicy(interval_s=1.0, min_dwell_s=5.0, calm_s=10.0, long_prompt_tokens=1000,
                           ttft_slo_s=2.0, itl_slo_s=0.2)
 QUIET = Signals(level=0, num_workers=2, queued_prompt_tokens=0, num_decoding=4, kv_occupancy=0.1,
-                ttft_p90_s=0.5, itl_p99_s=0.05, itl_p50_s=0.04, seconds_since_long_prompt=float("inf"))
+                ttft_p90_s=0.5, tpot_p90_s=0.05, itl_p50_s=0.04, longest_pending_prompt=0,
+                seconds_since_long_prompt=float("inf"))
 
 
 def test_a_long_prompt_among_decoding_streams_disaggregates_at_once() -> None:
@@ -26,14 +27,27 @@ def test_a_long_prompt_among_decoding_streams_disaggregates_at_once() -> None:
     assert decision.reason == "long_prompt"
 
 
+def test_a_long_prompt_still_being_prefilled_disaggregates_once_the_dwell_time_passed() -> None:
+    ladder = Ladder(POLICY)
+    ladder.note_change(100.0)  # just came back to all mixed
+    prefilling = dataclasses.replace(QUIET, longest_pending_prompt=1500, queued_prompt_tokens=1500,
+                                     seconds_since_long_prompt=3.0)
+    assert ladder.decide(prefilling, now=103.0) is None
+    decision = ladder.decide(prefilling, now=105.5)
+    assert decision is not None and decision.reason == "long_prompt"
+    # Many short prompts are not a long one, however many tokens they add up to.
+    assert Ladder(POLICY).decide(dataclasses.replace(QUIET, longest_pending_prompt=256,
+                                                     queued_prompt_tokens=4096), now=200.0) is None
+
+
 def test_a_long_prompt_with_nothing_decoding_changes_nothing() -> None:
     signals = dataclasses.replace(QUIET, seconds_since_long_prompt=0.1, num_decoding=0,
                                   queued_prompt_tokens=1500)
     assert Ladder(POLICY).decide(signals, now=100.0) is None
 
 
-def test_itl_over_its_slo_while_prompts_queue_disaggregates() -> None:
-    slow = dataclasses.replace(QUIET, itl_p99_s=0.5, queued_prompt_tokens=300)
+def test_tpot_over_the_itl_slo_while_prompts_queue_disaggregates() -> None:
+    slow = dataclasses.replace(QUIET, tpot_p90_s=0.5, queued_prompt_tokens=300)
     decision = Ladder(POLICY).decide(slow, now=100.0)
     assert decision is not None and decision.reason == "itl_slo" and decision.to_level == 1
     # Slow decoding with no prompt work, or slow decoding all the time (the median over the SLO too: short of

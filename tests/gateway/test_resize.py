@@ -118,8 +118,8 @@ def test_roles_change_in_place_under_load_and_every_request_is_served(
     assert [m["action"] for m in to_mixed["moves"] + back["moves"]] == ["change"] * 4
     after = worker_infos(client)
     assert set(before) == set(mixed) == set(after)
-    assert {i: (x.pid, x.num_model_loads) for i, x in after.items()} == {
-        i: (x.pid, 1) for i, x in before.items()}
+    assert {i: (x.actor_id, x.pid, x.num_model_loads) for i, x in after.items()} == {
+        i: (x.actor_id, x.pid, 1) for i, x in before.items()}
     assert {x.role.value for x in mixed.values()} == {"mixed"}
     assert sorted(x.role.value for x in after.values()) == ["decode", "prefill"]
     assert wait_until_no_blocks_used(client) == 0

@@ -34,7 +34,7 @@ def test_dead_only_decode_worker_is_replaced_and_requests_wait_for_it(client: ht
         time.sleep(0.1)
     assert client.get("/health").json() == {
         "status": "ok", "active_workers": {"prefill": 1, "decode": 1, "mixed": 0},
-        "target_workers": {"prefill": 1, "decode": 1, "mixed": 0}, "replacing": 0,
+        "target_workers": {"prefill": 1, "decode": 1, "mixed": 0}, "replacing": 0, "pending": 0,
     }
     workers = client.get("/admin/pools").json()["workers"]
     assert decode not in [w["worker_id"] for w in workers]

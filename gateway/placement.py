@@ -1,0 +1,100 @@
+"""Where each worker runs: the Ray options that pin a role to nodes, and the wait until Ray has placed it.
+
+    actor_options(role) → the actor is created, PENDING → Ray places it on a node that offers the role's
+    resources (CPUs, GPUs, custom resources such as {"pdserve_decode": 1}) → its constructor answers
+    placement() (node id, node IP) → STARTING: it loads the model on that node → ACTIVE (gateway/pools.py).
+A worker no node can take stays PENDING as long as that lasts (Ray keeps it queued and places it when a node
+with the resources joins); /health and /admin/pools report it. The torch group meets on its first rank's
+node: that node's IP as Ray knows it, and a port free there (never the gateway's loopback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import Any
+
+import ray
+
+from gateway.deployment_config import DeploymentConfig
+from gateway.workers import Worker, WorkerState
+from pool_worker import Role
+
+# Ray's own bookkeeping resources: not what an operator gives a node, so not worth listing in an error.
+_BOOKKEEPING_PREFIXES = ("node:", "memory", "object_store_memory", "accelerator_type:")
+
+
+class PlacementTimeout(RuntimeError):
+    """Start-up waited its time and the workers Ray placed cannot serve (or a torch group lacks a rank)."""
+
+
+def actor_options(config: DeploymentConfig, role: Role, name: str) -> dict[str, Any]:
+    """Ray options of one worker actor in `role`."""
+    options: dict[str, Any] = {
+        "num_cpus": config.num_cpus_per_worker,
+        "num_gpus": config.num_gpus_per_worker,
+        "name": name,
+        "max_concurrency": 1000,
+    }
+    resources = config.role_resources.get(role)
+    if resources:
+        options["resources"] = dict(resources)
+    if config.worker_env:
+        # Ray merges these into the job's environment; a worker with its own env gets its own process.
+        options["runtime_env"] = {"env_vars": dict(config.worker_env)}
+    return options
+
+
+async def wait_placed(worker: Worker) -> None:
+    """Wait, however long, until Ray has placed `worker`; then it is STARTING on a known node."""
+    placement = await worker.actor.placement.remote()
+    worker.node_id, worker.node_ip = placement.node_id, placement.node_ip
+    if worker.state is WorkerState.PENDING:
+        worker.state = WorkerState.STARTING
+
+
+async def wait_all_placed(workers: list[Worker], timeout_s: float) -> float:
+    """Wait until Ray has placed every worker or `timeout_s` has passed; returns the seconds waited.
+
+    Raises:
+        Exception: an actor Ray could not create at all (its constructor failed).
+    """
+    started = time.monotonic()
+    placing = [asyncio.ensure_future(wait_placed(w)) for w in workers]
+    await asyncio.wait(placing, timeout=timeout_s)
+    for future in placing:
+        if future.done():
+            future.result()
+        else:
+            future.cancel()  # the actor stays queued in Ray; only this wait ends
+    return time.monotonic() - started
+
+
+async def torch_rendezvous(first_rank: Worker) -> str:
+    """The torch group's init address: the first rank's node IP and a port free on that node."""
+    port = await first_rank.actor.free_port.remote()
+    host = f"[{first_rank.node_ip}]" if ":" in str(first_rank.node_ip) else first_rank.node_ip  # IPv6
+    return f"tcp://{host}:{port}"
+
+
+def describe_unplaced(unplaced: list[Worker], config: DeploymentConfig, waited_s: float) -> str:
+    """A message for the operator: what could not be placed, what it asks for, what the cluster offers."""
+    counts = Counter(w.role for w in unplaced)
+    asks = []
+    for role, count in counts.items():
+        request: dict[str, float] = {"CPU": config.num_cpus_per_worker, **config.role_resources.get(role, {})}
+        if config.num_gpus_per_worker:
+            request["GPU"] = config.num_gpus_per_worker
+        asks.append(f"{count} {role.value} worker(s), each asking for {request}")
+    offers = []
+    for node in ray.nodes():
+        if node.get("Alive"):
+            offered = {k: v for k, v in node.get("Resources", {}).items()
+                       if not k.startswith(_BOOKKEEPING_PREFIXES)}
+            offers.append(f"{node.get('NodeManagerAddress')} {offered}")
+    return (f"no node took {'; '.join(asks)} within {waited_s:.0f} s. Live nodes and their resources "
+            f"(total, not free): {'; '.join(offers) or 'none'}. Start nodes that offer them "
+            "(ray start --resources '{\"pdserve_decode\": 1}' ...), lower the worker counts, or change "
+            "--prefill-resources / --decode-resources / --mixed-resources (a longer wait: "
+            "--placement-timeout-s).")

@@ -1,0 +1,126 @@
+"""A multi-node Ray cluster on this one machine: a head and worker nodes, each its own `ray start` process.
+
+Every node is a separate raylet with its own resources (e.g. {"pdserve_decode": 1}), so placement, node ids,
+cross-node transfers and node loss behave as on separate machines, except that the nodes share one IP and
+one disk. Everything runs in this worktree's code (PYTHONPATH), under its own auth token (no ~/.ray file is
+written or read), and is stopped by pid: never `ray stop` on a shared machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def node_address() -> tuple[str, str]:
+    """(IP, interface) of this machine's first non-loopback IPv4 interface; loopback if it has none."""
+    for name, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family == socket.AF_INET and not address.address.startswith("127."):
+                return address.address, name
+    return "127.0.0.1", "lo"
+
+
+@dataclass
+class RayNode:
+    process: subprocess.Popen[bytes]  # `ray start --block`: parent of the node's raylet and its workers
+    resources: dict[str, float]
+    log: Path
+
+
+class LocalRayCluster:
+    def __init__(self, work_dir: Path) -> None:
+        self.work_dir = work_dir  # short path: Ray's socket paths must stay short
+        self.ip, self.interface = node_address()
+        self.port = free_port()
+        self.address = f"{self.ip}:{self.port}"
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),  # workers import this worktree, not an installed copy
+            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex,
+            # The head declares a node dead ~1.5 s after its raylet stops answering (default ~15 s+).
+            "RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
+            "RAY_health_check_failure_threshold": "3",
+            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+        }
+        self.nodes: list[RayNode] = []
+        self.head: RayNode | None = None
+
+    def _start(self, args: list[str], resources: dict[str, float], name: str) -> RayNode:
+        ports = {flag: str(free_port()) for flag in (
+            "--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+            "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")}
+        # Worker ports away from Ray's default range, which other Ray instances on this machine use.
+        first_worker_port = random.Random().randrange(30000, 40000, 100)
+        command = [str(BIN / "ray"), "start", "--block", "--node-ip-address", self.ip,
+                   "--disable-usage-stats", "--object-store-memory", str(128 << 20),
+                   "--min-worker-port", str(first_worker_port),
+                   "--max-worker-port", str(first_worker_port + 99),
+                   "--resources", json.dumps(resources), *args, *[x for item in ports.items() for x in item]]
+        log = self.work_dir / f"{name}.log"
+        process = subprocess.Popen(command, env=self.env, cwd=REPO, stdout=log.open("wb"),
+                                   stderr=subprocess.STDOUT)
+        return RayNode(process, resources, log)
+
+    def start_head(self) -> None:
+        """A head with no CPU: the gateway (a driver) runs there, no worker does."""
+        self.head = self._start(["--head", "--port", str(self.port), "--num-cpus", "0",
+                                 "--temp-dir", str(self.work_dir / "ray"), "--include-dashboard=false"],
+                                {}, "head")
+        self._wait_started(self.head, "the Ray head")
+
+    def add_node(self, resources: dict[str, float], num_cpus: int = 1) -> RayNode:
+        node = self._start(["--address", self.address, "--num-cpus", str(num_cpus)], resources,
+                           f"node{len(self.nodes)}")
+        self.nodes.append(node)
+        self._wait_started(node, f"the Ray node {resources}")
+        return node
+
+    def kill_node(self, node: RayNode) -> None:
+        """The node dies at once: its raylet, its agents and its workers get SIGKILL (a machine lost)."""
+        kill_tree(node.process.pid)
+        node.process.wait(30)
+
+    def stop(self) -> None:
+        for node in [*self.nodes, *([self.head] if self.head else [])]:
+            kill_tree(node.process.pid)
+            node.process.wait(30)
+
+    def _wait_started(self, node: RayNode, what: str, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "Ray runtime started." not in node.log.read_text():  # `ray start` prints it once registered
+            if node.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start; see {node.log}: {node.log.read_text()[-2000:]}")
+            time.sleep(0.3)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant, children first seen before the parent dies."""
+    try:
+        root = psutil.Process(pid)
+        processes = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
