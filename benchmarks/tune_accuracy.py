@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from benchmarks.pd_vs_colocated import TRACE, start_server
+from tuner.validate import Comparison, report
 
 
 def pdserve(*args: str) -> str:
@@ -40,14 +41,16 @@ def main() -> None:
     parser.add_argument("--rates", default="0.3,0.7,1.1")
     parser.add_argument("--num-requests", type=int, default=30, help="requests per measured run")
     parser.add_argument("--out", default="benchmarks/results/tune")
+    parser.add_argument("--fresh", action="store_true", help="measure again what an earlier run left")
     args = parser.parse_args()
     out = Path(args.out)
     slo = ["--ttft-slo", "3", "--itl-slo", "0.2"]
     trace = ["--trace", str(TRACE), "--length-scale", "0.25"]
     sections: list[str] = []
 
-    pdserve("tune", "profile", "--out", str(out / "profile"), "--no-progress")
     profile = str(out / "profile" / "profile.json")
+    if not Path(profile).exists() or args.fresh:  # a rerun keeps what an interrupted one measured
+        pdserve("tune", "profile", "--out", str(out / "profile"), "--no-progress")
     for workers in ("2", "1"):
         sections.append(pdserve("tune", "plan", "--profile", profile, *trace, "--rates", args.rates,
                                 "--num-requests", str(args.num_requests), "--workers", workers, *slo,
@@ -58,11 +61,17 @@ def main() -> None:
         port = s.getsockname()[1]
     server = start_server(["--prefill", "1", "--decode", "1", "--backend", "nixl"], port)
     url = f"http://127.0.0.1:{port}"
+    validated = []
     try:
-        validated = [pdserve("tune", "validate", "--url", url, "--plan", str(out / "plan2" / "plan.json"),
-                             "--layouts", "1P+1D,2M", "--out", str(out / "validate2"), "--no-progress"),
-                     pdserve("tune", "validate", "--url", url, "--plan", str(out / "plan1" / "plan.json"),
-                             "--layouts", "1M", "--out", str(out / "validate1"), "--no-progress")]
+        for workers, layouts in (("2", "1P+1D,2M"), ("1", "1M")):
+            done = out / f"validate{workers}" / "validation.json"
+            if done.exists() and not args.fresh:
+                validated.append(report([Comparison(c["label"], c["rate"], c["predicted"], c["measured"])
+                                         for c in json.loads(done.read_text())]) + "\n")
+                continue
+            validated.append(pdserve("tune", "validate", "--url", url, "--plan",
+                                     str(out / f"plan{workers}" / "plan.json"), "--layouts", layouts, "--out",
+                                     str(out / f"validate{workers}"), "--no-progress"))
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(120)
