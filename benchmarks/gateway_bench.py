@@ -1,11 +1,14 @@
 """Gateway overhead (not a test): end-to-end time at the client minus the time the workers report for
-themselves (prefill queue + prefill + transfer + decode queue + decode), at 1 and at 64 concurrent streams.
+themselves (prefill queue + prefill + transfer + decode queue + decode), at 1, 64 and 256 concurrent streams.
 
 Starts a real server (`pdserve serve` in its own process: local Ray, 1 prefill + 1 decode, nixl) on the tiny
 random Llama with SmolLM2's tokenizer, so that worker time is small and the gateway's own share is visible.
-The client runs in this process.
+The client runs in this process. With --base DIR (a checkout of an earlier commit, e.g. a `git worktree`),
+the same rows run against a server started from DIR too, alternating servers for --repeats rounds, so that
+before and after are measured side by side on the same machine under the same load.
 
-    .venv/bin/python benchmarks/gateway_bench.py [--requests 128] [--out benchmarks/results/gateway.md]
+    .venv/bin/python benchmarks/gateway_bench.py [--requests 128] [--base /tmp/stream-base] [--repeats 2]
+        [--out benchmarks/results/gateway.md]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import platform
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +48,7 @@ async def one(client: httpx.AsyncClient, max_tokens: int) -> tuple[float, float]
     start = time.perf_counter()
     timings = None
     async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
@@ -54,7 +59,8 @@ async def one(client: httpx.AsyncClient, max_tokens: int) -> tuple[float, float]
     return e2e_ms, e2e_ms - worker_ms
 
 
-async def run(url: str, concurrency: int, num_requests: int, max_tokens: int) -> list[tuple[float, float]]:
+async def run(url: str, concurrency: int, num_requests: int, max_tokens: int
+              ) -> list[tuple[float, float] | BaseException]:
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         semaphore = asyncio.Semaphore(concurrency)
@@ -63,14 +69,62 @@ async def run(url: str, concurrency: int, num_requests: int, max_tokens: int) ->
             async with semaphore:
                 return await one(client, max_tokens)
 
-        return list(await asyncio.gather(*(bounded() for _ in range(num_requests))))
+        # A failed request is counted, not fatal: the 256-stream row must say whether any failed.
+        return list(await asyncio.gather(*(bounded() for _ in range(num_requests)), return_exceptions=True))
+
+
+def start_server(model_dir: Path, code_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`pdserve serve` from the checkout in `code_dir` (its actors import from there too), once healthy."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(code_dir)}
+    command = [sys.executable, "-m", "commands", "serve", "--model", str(model_dir),
+               "--served-model-name", "tiny", "--backend", "nixl", "--port", str(port),
+               "--kv-cache-mib", "64", "--max-waiting", "1024"]
+    server = subprocess.Popen(command, env=env, cwd=code_dir, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return server, f"http://127.0.0.1:{port}"
+        except httpx.TransportError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"pdserve serve from {code_dir} did not come up")
+        time.sleep(0.5)
+
+
+def measure(model_dir: Path, code_dir: Path, streams: list[int], num_requests: int, max_tokens: int
+            ) -> dict[int, tuple[float, float, float, float, int]]:
+    """Per concurrency: e2e p50, e2e p99, overhead p50, overhead p99 (ms), and failed requests."""
+    server, url = start_server(model_dir, code_dir)
+    rows: dict[int, tuple[float, float, float, float, int]] = {}
+    try:
+        asyncio.run(run(url, 4, 8, max_tokens))  # warm-up
+        for concurrency in streams:
+            outcomes = asyncio.run(run(url, concurrency, max(num_requests, concurrency), max_tokens))
+            results = [r for r in outcomes if isinstance(r, tuple)]
+            e2e = [r[0] for r in results]
+            overhead = [r[1] for r in results]
+            rows[concurrency] = (percentile(e2e, 50), percentile(e2e, 99), percentile(overhead, 50),
+                                 percentile(overhead, 99), len(outcomes) - len(results))
+            print(code_dir, concurrency, rows[concurrency], flush=True)
+    finally:
+        server.send_signal(signal.SIGINT)  # the server's Ctrl-C path: shuts its actors and Ray down
+        server.wait(120)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=128, help="per row (at least one per stream)")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--streams", default="1,64,256", help="concurrent streams, one row each")
+    parser.add_argument("--base", type=Path, help="a checkout of the commit to compare against")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds (alternating servers)")
     parser.add_argument("--out", default="benchmarks/results/gateway.md")
     args = parser.parse_args()
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -79,49 +133,38 @@ def main() -> None:
     smol = prepare_default_model()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy2(smol / name, model_dir / name)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
-    command = [sys.executable, "-m", "commands", "serve", "--model", str(model_dir),
-               "--served-model-name", "tiny", "--backend", "nixl", "--port", str(port),
-               "--kv-cache-mib", "64", "--max-waiting", "1024"]
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit("pdserve serve did not come up")
-        time.sleep(0.5)
-    url = f"http://127.0.0.1:{port}"
+    streams = [int(n) for n in args.streams.split(",")]
+    here = Path(__file__).resolve().parents[1]
+    sides = {"before": args.base.resolve(), "after": here} if args.base else {"now": here}
+    runs: dict[str, list[dict[int, tuple[float, float, float, float, int]]]] = {side: [] for side in sides}
+    for _ in range(args.repeats):
+        for side, code_dir in sides.items():
+            runs[side].append(measure(model_dir, code_dir, streams, args.requests, args.max_tokens))
     lines = [
-        f"# Gateway overhead ({datetime.now(UTC):%Y-%m-%d}, {platform.node()})",
+        f"# Gateway overhead ({datetime.now(UTC):%Y-%m-%d}, {platform.node()}, {os.cpu_count()} cores)",
         "",
         f"Tiny random Llama (4 layers) with SmolLM2's tokenizer, 1 prefill + 1 decode (nixl), streaming "
-        f"completions of {args.max_tokens} tokens, {args.requests} requests per row. Overhead = client "
-        "end-to-end minus the workers' own stages (prefill queue + prefill + transfer + decode queue + "
-        "decode).",
-        "Command: `.venv/bin/python benchmarks/gateway_bench.py`",
+        f"completions of {args.max_tokens} tokens, max({args.requests}, streams) requests per row. "
+        "Overhead = client end-to-end minus the workers' own stages (prefill queue + prefill + transfer + "
+        f"decode queue + decode). Medians over {args.repeats} round(s), the servers alternating; [min–max] "
+        "across rounds.",
+        f"Command: `.venv/bin/python benchmarks/gateway_bench.py --streams {args.streams} --repeats "
+        f"{args.repeats}{' --base ' + str(args.base) if args.base else ''}`",
         "",
-        "| concurrent streams | e2e p50 ms | e2e p99 ms | overhead p50 ms | overhead p99 ms |",
-        "|---:|---:|---:|---:|---:|",
+        "| code | streams | e2e p50 ms | e2e p99 ms | overhead p50 ms | overhead p99 ms | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    try:
-        asyncio.run(run(url, 4, 8, args.max_tokens))  # warm-up
-        for concurrency in (1, 64):
-            results = asyncio.run(run(url, concurrency, args.requests, args.max_tokens))
-            e2e = [r[0] for r in results]
-            overhead = [r[1] for r in results]
-            lines.append(f"| {concurrency} | {percentile(e2e, 50):.1f} | {percentile(e2e, 99):.1f} | "
-                         f"{percentile(overhead, 50):.1f} | {percentile(overhead, 99):.1f} |")
-            print(lines[-1], flush=True)
-    finally:
-        server.send_signal(signal.SIGINT)  # the server's Ctrl-C path: shuts its actors and Ray down
-        server.wait(120)
+    for concurrency in streams:
+        for side in sides:
+            rows = [r[concurrency] for r in runs[side]]
+
+            def cell(i: int, rows: list[tuple[float, float, float, float, int]] = rows) -> str:
+                values = [r[i] for r in rows]
+                spread = f" [{min(values):.1f}–{max(values):.1f}]" if len(values) > 1 else ""
+                return f"{statistics.median(values):.1f}{spread}"
+
+            cells = " | ".join(cell(i) for i in range(4))
+            lines.append(f"| {side} | {concurrency} | {cells} | {sum(r[4] for r in rows)} |")
     print("\n".join(lines))
     Path(args.out).write_text("\n".join(lines) + "\n")
 

@@ -48,7 +48,16 @@ class DecodeOutput:
     times: DecodeTimes | None = None  # on the final output
     transfer_bytes: int = 0  # KV bytes pulled for this request (final output)
     num_preemptions: int = 0  # times recomputed after losing its blocks (final output)
+    num_cached_tokens: int = 0  # prompt tokens this worker found in its prefix cache (final output)
     error: str = ""  # why, when finish_reason is "error"
+
+
+@dataclass(frozen=True)
+class DecodeOutputBatch:
+    """What one output stream carries per item: the outputs of one or more steps, in order, for the
+    requests of one subscriber (several outputs of one request when its reader fell behind)."""
+
+    outputs: tuple[DecodeOutput, ...]
 
 
 def coalesce(outputs: list[DecodeOutput]) -> DecodeOutput:

@@ -1,10 +1,12 @@
 """The decode role of a worker process (also the mixed role: a decode worker that is sent prompts without
-a KV handle prefills them itself). Tokens stream back through the actor's Ray streaming generator; the
-DecodeWorker's step loop runs on its own thread.
+a KV handle prefills them itself). Tokens go back through the worker actor's OutputChannels: each step's
+outputs leave in one message per gateway, not one per request; the DecodeWorker's step loop runs on its own
+thread.
 
-Lifecycle:  DecodeRole(engine) — the engine's scheduler becomes the decode scheduler (with the admission
-    watermark), a KV receiver is built and registered over the engine's KV cache, the step loop starts
-    → add_prefill_peer() / generate() / evacuate() → close(): the loop stops, the receiver deregisters.
+Lifecycle:  DecodeRole(engine, outputs) — the engine's scheduler becomes the decode scheduler (with the
+    admission watermark), a KV receiver is built and registered over the engine's KV cache, the step loop
+    starts → add_prefill_peer() / submit() / abort() / evacuate() → close(): the loop stops, the receiver
+    deregisters.
     The engine (weights, KV cache) outlives the role: the worker actor (pool_worker) builds another role
     over it when the worker changes role.
 """
@@ -12,10 +14,10 @@ Lifecycle:  DecodeRole(engine) — the engine's scheduler becomes the decode sch
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
-from decode_pool.messages import DecodeOutput, DecodeRequest, coalesce
+from decode_pool.messages import DecodeRequest
+from decode_pool.output_channels import OutputChannels
 from decode_pool.worker import DecodeWorker
 from kv_transfer import KVHandle, PeerInfo, PullRequest, TransferConfig, TransferRecord, make_receiver
 from llm_engine import LLMEngine
@@ -26,15 +28,18 @@ from llm_engine.step_loop import StepLoop
 
 class DecodeRole:
     def __init__(self, worker_id: str, engine: LLMEngine, backend: str, transfer_config: TransferConfig,
-                 watermark: float = 0.05, num_threads: int = 1) -> None:
+                 outputs: OutputChannels, watermark: float = 0.05, num_threads: int = 1) -> None:
         engine.use_scheduler(Scheduler, watermark)
         receiver = make_receiver(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
+        self.outputs = outputs
         self.worker = DecodeWorker(worker_id, engine, receiver, deliver_pull=self._deliver_pull,
-                                   release_source=self._release_source)
+                                   release_source=self._release_source, on_step_end=outputs.flush,
+                                   wake=lambda: self.loop.wake())
         self._prefill_actors: dict[str, Any] = {}  # prefill worker id → its actor handle
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.loop = StepLoop(f"decode-{worker_id}", self.worker.step, num_threads, on_error=self.worker.fail)
         self.loop.start()
+        self.worker.start_watching()
 
     async def add_prefill_peer(self, peer: PeerInfo, actor: Any = None) -> None:
         """Learn a prefill worker (once); `actor` is needed where the sender takes part in pulls."""
@@ -49,30 +54,17 @@ class DecodeRole:
         self.worker.remove_peer(worker_id)
         self.loop.wake()
 
-    async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeOutput]:
-        """Stream the request's tokens; closing or cancelling the stream aborts the request."""
-        event_loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[DecodeOutput] = asyncio.Queue()
-
-        def deliver(output: DecodeOutput) -> None:
-            event_loop.call_soon_threadsafe(queue.put_nowait, output)
-
-        self.worker.submit(request, deliver)
-        self.loop.wake()
-        is_finished = False
+    def submit(self, request: DecodeRequest, channel_id: str) -> None:
+        """Start the request; its outputs go to the output channel `channel_id`. Raises ValueError (it can
+        never be served here) or WorkerFailed (the step loop died)."""
+        self._event_loop = asyncio.get_running_loop()
+        self.outputs.subscribe(request.request_id, channel_id)
         try:
-            while not is_finished:
-                # Everything already queued goes out as one item: each Ray stream item has a fixed cost,
-                # and a reader that fell behind should catch up, not fall further behind.
-                outputs = [await queue.get()]
-                while not queue.empty():
-                    outputs.append(queue.get_nowait())
-                output = coalesce(outputs)
-                is_finished = output.finish_reason is not None
-                yield output
-        finally:
-            if not is_finished:
-                self.abort(request.request_id)
+            self.worker.submit(request, self.outputs.collect)
+        except BaseException:
+            self.outputs.unsubscribe(request.request_id)
+            raise
+        self.loop.wake()
 
     def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
@@ -91,6 +83,7 @@ class DecodeRole:
 
     def close(self) -> None:
         self.loop.stop()
+        self.worker.stop_watching()
         self.worker.receiver.close()
 
     def _deliver_pull(self, pull: PullRequest) -> None:

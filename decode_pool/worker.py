@@ -2,7 +2,8 @@
 
 Lifecycle of a request on this worker:
     submit() → INBOX → AWAITING_BLOCKS (admission: prompt blocks + the watermark reserve must be free)
-      → TRANSFERRING (blocks allocated, pull started; polled every step, never awaited)
+      → TRANSFERRING (blocks allocated, pull started; polled by the PullWatcher's thread as it runs and at
+        every step, never awaited: its end is stamped when seen and wakes the loop)
       → RUNNING (joins the engine's running batch at the next step: iteration-level batching)
       → FINISHED (stop, length, abort); blocks freed.
     A request without a handle is prefilled here (colocated mode, or a request migrated from a failed worker
@@ -16,8 +17,9 @@ Lifecycle of a request on this worker:
     prefill side at once, so its blocks do not wait for the lease to end.
     fail() (the step loop died) ends every request here with finish_reason "error"; later submissions raise
     WorkerFailed, and the gateway migrates the streams to another decode worker.
-Only the step loop's thread touches the engine and the receiver; other threads use the inbox, and load()
-returns the snapshot the loop thread published after its last step.
+Only the step loop's thread touches the engine; the receiver is shared with the PullWatcher's thread under
+its lock; other threads use the inbox, and load() returns the snapshot the loop thread published after its
+last step.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 from collections.abc import Callable
 
 from decode_pool.messages import DecodeOutput, DecodeRequest, DecodeTimes
+from decode_pool.pull_watcher import PullWatcher
 from kv_transfer import KVHandle, KVReceiver, PeerInfo, PullReply, PullRequest, TransferState
 from llm_engine import LLMEngine
 from llm_engine.inbox import WorkerInbox
@@ -38,7 +41,7 @@ from llm_engine.request import Request
 
 logger = logging.getLogger(__name__)
 OutputCallback = Callable[[DecodeOutput], None]
-TRANSFER_POLL_S = 0.001
+TRANSFER_POLL_S = 0.001  # the idle loop's poll while pulls run, when no PullWatcher thread wakes it
 
 
 @dataclasses.dataclass
@@ -57,18 +60,27 @@ class _Entry:
 class DecodeWorker:
     def __init__(self, worker_id: str, engine: LLMEngine, receiver: KVReceiver,
                  deliver_pull: Callable[[PullRequest], None] | None = None,
-                 release_source: Callable[[KVHandle, str], None] | None = None) -> None:
+                 release_source: Callable[[KVHandle, str], None] | None = None,
+                 on_step_end: Callable[[], None] | None = None,
+                 wake: Callable[[], None] | None = None) -> None:
         """Args:
         deliver_pull: carries a PullRequest to its prefill worker (backends whose sender takes part);
             the reply comes back through on_pull_reply().
         release_source: tells a handle's prefill worker that nobody will pull it (with why), so that it
             frees the blocks now. Called on the loop thread; must not block.
+        on_step_end: called on the loop thread after each step (and after fail()) has handed out its
+            outputs, so that a caller can send one message per step instead of one per request.
+        wake: wakes the step loop; given, a PullWatcher thread watches the pulls and wakes the loop when one
+            ends (start it with start_watching()); without it, pulls are polled at each step only.
         """
         self.worker_id = worker_id
         self.engine = engine
         self.receiver = receiver
         self.deliver_pull = deliver_pull
         self.release_source = release_source
+        self.on_step_end = on_step_end or (lambda: None)
+        self._pulls = PullWatcher(receiver, wake or (lambda: None), deliver_pull, f"pulls-{worker_id}")
+        self._is_watching = False
         # Commands from other threads, run by the loop thread at the start of its next step.
         self._inbox: WorkerInbox[tuple[DecodeRequest, OutputCallback, float]] = WorkerInbox(
             f"decode worker {worker_id}")
@@ -88,18 +100,30 @@ class DecodeWorker:
     def abort(self, request_id: str) -> None:
         self._inbox.post(lambda: self._abort(request_id))
 
+    def start_watching(self) -> None:
+        """Watch pulls on a thread of their own (see the PullWatcher); stop_watching() before closing."""
+        self._pulls.start()
+        self._is_watching = True
+
+    def stop_watching(self) -> None:
+        self._pulls.stop()
+
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate", freeing its blocks (see the lifecycle)."""
         self._inbox.post(self._evacuate)
 
     def add_peer(self, peer: PeerInfo) -> None:
-        self._inbox.post(lambda: self.receiver.add_peer(peer))
+        self._inbox.post(lambda: self._with_receiver(lambda: self.receiver.add_peer(peer)))
 
     def remove_peer(self, worker_id: str) -> None:
-        self._inbox.post(lambda: self.receiver.remove_peer(worker_id))
+        self._inbox.post(lambda: self._with_receiver(lambda: self.receiver.remove_peer(worker_id)))
 
     def on_pull_reply(self, reply: PullReply) -> None:
-        self._inbox.post(lambda: self.receiver.on_pull_reply(reply))
+        self._inbox.post(lambda: self._with_receiver(lambda: self.receiver.on_pull_reply(reply)))
+
+    def _with_receiver(self, call: Callable[[], None]) -> None:
+        with self._pulls.lock:
+            call()
 
     @property
     def failure(self) -> str:
@@ -119,17 +143,22 @@ class DecodeWorker:
                 self._release_unpulled(entry.request, "the decode worker failed")
             self._finish(request_id, "error", now, error=message)
         self._load = dataclasses.replace(self._load, failure=self.failure)
+        self.on_step_end()
 
     # Called only from the step loop's thread.
     def step(self) -> float | None:
         """Inbox → admission → transfers → one forward → stream; returns the wait before the next step."""
+        try:
+            return self._step()
+        finally:
+            self.on_step_end()
+
+    def _step(self) -> float | None:
         self._inbox.drain()
         self._admit()
-        if self.deliver_pull is not None:
-            for pull in self.receiver.take_pull_requests():
-                self.deliver_pull(pull)
-        for result in self.receiver.poll():
-            self._on_transfer_result(result.source_worker_id, result.transfer_id, result.state, result.reason)
+        for result, finished_at in self._pulls.take():
+            self._on_transfer_result(result.source_worker_id, result.transfer_id, result.state, result.reason,
+                                     finished_at=finished_at)
         scheduler = self.engine.scheduler
         batch = scheduler.schedule() if scheduler.num_unfinished else None
         if batch is not None and batch.chunks:
@@ -141,8 +170,9 @@ class DecodeWorker:
             return 0.0
         self._load = self._snapshot()
         # Nothing to compute (idle, or every waiting request needs blocks): sleep until woken (a submission,
-        # an abort), polling the receiver while pulls run, since their end is what frees or fills blocks.
-        return TRANSFER_POLL_S if self._transferring else None
+        # an abort, the end of a pull), since a pull's end is what frees or fills blocks; without a watcher
+        # thread, poll the receiver while pulls run.
+        return TRANSFER_POLL_S if self._transferring and not self._is_watching else None
 
     def load(self) -> WorkerLoad:
         """The loop thread's latest snapshot (never reads the scheduler from another thread)."""
@@ -188,7 +218,9 @@ class DecodeWorker:
             entry.transfer_started = time.time()
             entry.transfer_bytes = len(dst) * self.engine.runner.cache_spec.block_bytes
             try:
-                self.receiver.start_pull(handle, dst)
+                with self._pulls.lock:
+                    self.receiver.start_pull(handle, dst)
+                    self._pulls.watch()
             except (KeyError, ValueError) as error:
                 logger.warning("pull for %s refused (%s); recomputing the prompt here", request_id, error)
                 self._on_transfer_result(handle.source_worker_id, handle.transfer_id, TransferState.FAILED,
@@ -197,12 +229,12 @@ class DecodeWorker:
             self._transferring[(handle.source_worker_id, handle.transfer_id)] = request_id
 
     def _on_transfer_result(self, source: str, transfer_id: int, state: TransferState, reason: str,
-                            request_id: str | None = None) -> None:
+                            request_id: str | None = None, finished_at: float | None = None) -> None:
         request_id = request_id or self._transferring.pop((source, transfer_id), None)
         if request_id is None:
             return
         entry = self._entries[request_id]
-        entry.transfer_finished = time.time()
+        entry.transfer_finished = finished_at or time.time()
         if state is not TransferState.DONE:
             self._release_unpulled(entry.request, "aborted during the pull" if entry.is_aborted else reason)
         if entry.is_aborted:
@@ -244,7 +276,8 @@ class DecodeWorker:
         output = DecodeOutput(request.request_id, (request.output_token_ids[-1],), logprobs, now, (now,))
         if request.is_finished:
             output = dataclasses.replace(output, finish_reason=request.status.value,
-                                         num_preemptions=request.num_preemptions)
+                                         num_preemptions=request.num_preemptions,
+                                         num_cached_tokens=request.num_cached_tokens)
             self._finish(request.request_id, request.status.value, now, output)
         else:
             entry.on_output(output)

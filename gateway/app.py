@@ -184,13 +184,13 @@ def create_app(config: ServeConfig) -> FastAPI:
               responses={200: {"model": CompletionResponse, "content": _SSE}, **_GENERATE})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
-        return await respond(service, body, service.prepare_completion(body), request)
+        return await respond(service, body, await service.prepare_completion(body), request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)],
               responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_GENERATE})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
-        return await respond(service, body, service.prepare_chat(body), request)
+        return await respond(service, body, await service.prepare_chat(body), request)
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)], responses=documented(401))
     async def models(request: Request) -> dict[str, object]:

@@ -55,6 +55,16 @@ class Metrics:
             "pdserve_ratio_changes", "Workers moved between roles by the ratio controller",
             ["from", "to", "reason"], registry=r,
         )
+        # Per prefilling worker: a prefill worker, or a decode or mixed worker that prefilled for itself.
+        self.prefix_cache_prompt_tokens = Counter(
+            "pdserve_prefix_cache_prompt_tokens", "Prompt tokens prefilled", ["worker"], registry=r)
+        self.prefix_cache_hit_tokens = Counter(
+            "pdserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", ["worker"],
+            registry=r)
+        self.prefix_cache_hit_rate = Gauge(
+            "pdserve_prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache so far",
+            ["worker"], registry=r)
+        self._prefix_totals: dict[str, tuple[int, int]] = {}  # worker → (prompt tokens, cached tokens)
         self.admission_reserved = Gauge(
             "pdserve_admission_reserved_tokens", "Decode KV tokens reserved", registry=r
         )
@@ -70,6 +80,14 @@ class Metrics:
         self.prompt_tokens.inc(num_prompt)
         self.output_tokens.inc(num_output)
         self.transfer_bytes.inc(timings.transfer_bytes)
+
+    def observe_prefix_cache(self, worker_id: str, num_prompt: int, num_cached: int) -> None:
+        self.prefix_cache_prompt_tokens.labels(worker_id).inc(num_prompt)
+        self.prefix_cache_hit_tokens.labels(worker_id).inc(num_cached)
+        total_prompt, total_cached = self._prefix_totals.get(worker_id, (0, 0))
+        total_prompt, total_cached = total_prompt + num_prompt, total_cached + num_cached
+        self._prefix_totals[worker_id] = (total_prompt, total_cached)
+        self.prefix_cache_hit_rate.labels(worker_id).set(total_cached / max(1, total_prompt))
 
     def set_loads(self, loads: list[WorkerLoad]) -> None:
         for pool in ("prefill", "decode", "mixed"):

@@ -1,7 +1,8 @@
 """One request's way through both stages, as a stream of typed events, surviving worker failures.
 
     pick decode worker → pick prefill worker → PREFILL (first token + KVHandle) → event #1 at once
-      → DECODE stream (the decode worker pulls the KV, then generates) → events → final event with times.
+      → DECODE (submitted to the decode worker, which pulls the KV, then generates; its outputs arrive on
+        the worker's one output stream to this gateway, gateway/decode_streams.py) → events → final event.
 Failures (a worker's actor died, its step loop died, or it answered with finish_reason "error"):
     PREFILL: the worker is marked failed and the request retried once on another prefill worker.
     DECODE:  the worker is marked failed; the request migrates to another decode worker with the tokens the
@@ -20,8 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -34,6 +36,7 @@ from llm_engine.step_loop import WorkerFailed
 from pool_worker import Role
 from prefill_pool.messages import PrefillRequest, PrefillResult
 
+T = TypeVar("T")
 MAX_PREFILL_ATTEMPTS = 2  # the first try and one retry on another worker
 MAX_MIGRATIONS = 3  # decode workers a request may move across before it ends with an error
 WORKER_POLL_S = 0.1  # while waiting for a replacement worker
@@ -73,6 +76,9 @@ class StreamEvent:
     num_migrations: int = 0  # decode workers left behind because they failed (final event)
     num_moves: int = 0  # decode workers left because they changed role or left the pools (final event)
     local_prefill_reason: str = ""  # why the decode worker prefilled the prompt itself (final event)
+    # The worker that prefilled the prompt: a prefill worker (first event) or the decode worker itself
+    # (final event), for the prefix-cache metrics.
+    prefilled_by: str = ""
 
 
 def _is_worker_loss(error: BaseException) -> bool:
@@ -85,8 +91,10 @@ class RequestRun:
     """Drives one request; `events()` is its stream."""
 
     def __init__(self, router: Router, request_id: str, prompt_token_ids: tuple[int, ...],
-                 sampling: SamplingParams, deadlines: RequestDeadlines) -> None:
+                 sampling: SamplingParams, deadlines: RequestDeadlines,
+                 block_hashes: list[bytes] | None = None) -> None:
         self.router = router
+        self.block_hashes = block_hashes  # the prompt's prefix hashes, when the gateway computed them
         self.deployment = router.deployment
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -117,7 +125,7 @@ class RequestRun:
         self.local_prefill_reason = (
             "mixed worker" if decode.role is Role.MIXED else
             "no prefill worker" if not has_prefill_pool else
-            self.router.local_prefill_reason(self.prompt_token_ids)
+            self.router.local_prefill_reason(self.prompt_token_ids, self.block_hashes)
         )
         if self.local_prefill_reason:
             # Prompt tokens sent to a decode or mixed worker and not yet prefilled (the ratio controller's
@@ -142,7 +150,7 @@ class RequestRun:
             logprobs = () if result.first_logprob is None or not self.sampling.logprobs else (
                 result.first_logprob,)
             yield StreamEvent(self.request_id, (result.first_token_id,), logprobs, (result.times.finished,),
-                              result.finish_reason, prefill=result)
+                              result.finish_reason, prefill=result, prefilled_by=prefill.worker_id)
             if result.finish_reason is not None:
                 return
             request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
@@ -216,10 +224,13 @@ class RequestRun:
     async def _decode_once(self, decode: Worker, request: DecodeRequest) -> AsyncGenerator[StreamEvent, None]:
         reserved = len(self.prompt_token_ids) + self.sampling.max_tokens
         self.router.decode_tokens[decode.worker_id] += reserved
-        stream = decode.actor.generate.remote(request)
+        streams = self.router.decode_streams
+        outputs = streams.subscribe(decode, self.request_id)  # before submitting: no output goes unheard
         is_finished = False
         try:
-            async for output in self._outputs(stream):
+            await self._call_worker(decode.actor.submit.remote(request, outputs.reader.channel_id))
+            while not is_finished:
+                output = await self._call_worker(outputs.next())
                 if output.finish_reason == "error":
                     raise _WorkerLost(output.error or "decode worker failed")
                 is_evacuated = output.finish_reason == "migrate"
@@ -233,30 +244,30 @@ class RequestRun:
                 yield StreamEvent(self.request_id, output.token_ids, output.logprobs, output.token_times,
                                   output.finish_reason, decode=output if is_finished else None,
                                   num_migrations=self.num_migrations, num_moves=self.num_moves,
-                                  local_prefill_reason=self.local_prefill_reason if is_finished else "")
+                                  local_prefill_reason=self.local_prefill_reason if is_finished else "",
+                                  prefilled_by=decode.worker_id
+                                  if is_finished and self.local_prefill_reason else "")
         finally:
+            streams.unsubscribe(outputs)
             self.router.decode_tokens[decode.worker_id] -= reserved
             if not is_finished:
                 # Client gone, deadline, or worker lost: stop the work there (abort is idempotent).
                 decode.actor.abort.remote(self.request_id)
 
-    async def _outputs(self, stream: AsyncIterator[object]) -> AsyncGenerator[DecodeOutput, None]:
-        """The decode actor's Ray stream as DecodeOutputs, each awaited within the request's deadline."""
-        while True:
-            try:
-                async with asyncio.timeout(self._left(self.deadlines.finish_by)):
-                    ref = await anext(stream)
-                    output: DecodeOutput = await ref  # type: ignore[misc]
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                raise RequestFailed(self._late("decode", self.deadlines.finish_by), "deadline_exceeded"
-                                    ) from None
-            except (RayActorError, RayTaskError) as error:
-                if not _is_worker_loss(error):
-                    raise
-                raise _WorkerLost(f"decode stream failed: {type(error).__name__}") from None
-            yield output
+    async def _call_worker(self, work: Awaitable[T]) -> T:
+        """Await a decode worker's answer within the request's deadline; a lost worker is _WorkerLost."""
+        try:
+            async with asyncio.timeout(self._left(self.deadlines.finish_by)):
+                return await work
+        except TimeoutError:
+            raise RequestFailed(self._late("decode", self.deadlines.finish_by), "deadline_exceeded"
+                                ) from None
+        except ConnectionError as error:  # the worker's output stream ended under the request
+            raise _WorkerLost(str(error)) from None
+        except (RayActorError, RayTaskError) as error:
+            if not _is_worker_loss(error):
+                raise
+            raise _WorkerLost(f"decode worker call failed: {type(error).__name__}") from None
 
     async def _wait_for_worker(self, role: str, deadline: float, exclude: set[str] | None = None) -> Worker:
         """The router's pick among live workers not in `exclude`; waits for a replacement until `deadline`."""
@@ -265,7 +276,7 @@ class RequestRun:
             candidates = [w for w in self.deployment.active(*roles) if w.worker_id not in (exclude or ())]
             if candidates:
                 return (self.router.pick_decode(candidates) if role == "decode"
-                        else self.router.pick_prefill(self.prompt_token_ids, candidates))
+                        else self.router.pick_prefill(self.prompt_token_ids, candidates, self.block_hashes))
             if not (self.deployment.is_replacing(*roles) or self._is_role_coming(roles)):
                 raise RequestFailed(f"no {role} worker is alive and none is starting", "no_worker")
             if self._left(deadline) <= 0:
@@ -290,8 +301,10 @@ class RequestRun:
 
 
 def run_request(router: Router, request_id: str, prompt_token_ids: tuple[int, ...], sampling: SamplingParams,
-                deadlines: RequestDeadlines | None = None) -> AsyncGenerator[StreamEvent, None]:
-    """The request's events; deadlines default to DeadlinePolicy()'s for a request arriving now."""
+                deadlines: RequestDeadlines | None = None, block_hashes: list[bytes] | None = None
+                ) -> AsyncGenerator[StreamEvent, None]:
+    """The request's events; deadlines default to DeadlinePolicy()'s for a request arriving now;
+    `block_hashes`: the prompt's prefix hashes, if computed already (the router computes them otherwise)."""
     if deadlines is None:
         deadlines = DeadlinePolicy().for_request(time.time(), len(prompt_token_ids), sampling.max_tokens)
-    return RequestRun(router, request_id, prompt_token_ids, sampling, deadlines).events()
+    return RequestRun(router, request_id, prompt_token_ids, sampling, deadlines, block_hashes).events()

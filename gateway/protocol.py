@@ -104,10 +104,15 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=0)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from a prefix cache (not recomputed)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # present when some prompt tokens were cached
 
 
 class Timings(BaseModel):
@@ -116,6 +121,7 @@ class Timings(BaseModel):
     gateway_queue_ms: float  # waiting for admission (decode KV capacity)
     prefill_queue_ms: float  # on the prefill worker, before its first chunk ran
     prefill_ms: float  # first chunk to first token on the prefill worker
+    cached_tokens: int = 0  # prompt tokens the prefilling worker found in its prefix cache
     transfer_ms: float  # pulling the prompt's KV into the decode worker
     transfer_bytes: int
     decode_queue_ms: float  # on the decode worker, waiting for blocks or for the next step

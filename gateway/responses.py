@@ -2,11 +2,16 @@
 
 A stream that fails after its headers went out (no worker could finish it, a deadline passed) ends with an
 OpenAI-shaped error event, `data: {"error": {...}}`, then `data: [DONE]`: never a silent cut.
+The chunks of a token (text only: no logprobs, no token ids, not the last one) are framed by _TextFrames
+without a pydantic model: they are most of a stream and each costs one json.dumps of its text. Every other
+chunk goes through the pydantic models; both spell the same JSON.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from gateway.orchestrator import RequestFailed
@@ -20,6 +25,7 @@ from gateway.protocol import (
     CompletionResponse,
     ErrorBody,
     ErrorResponse,
+    PromptTokensDetails,
     Usage,
 )
 from gateway.service import GatewayService, PreparedRequest, TextDelta
@@ -27,13 +33,32 @@ from gateway.service import GatewayService, PreparedRequest, TextDelta
 logger = logging.getLogger(__name__)
 
 
-def _usage(prepared: PreparedRequest, num_output: int) -> Usage:
+def _usage(prepared: PreparedRequest, last: TextDelta) -> Usage:
     num_prompt = len(prepared.prompt_token_ids)
-    return Usage(prompt_tokens=num_prompt, completion_tokens=num_output, total_tokens=num_prompt + num_output)
+    num_output = last.num_output_tokens
+    # Only when the prefix cache served part of the prompt (as vLLM, which leaves it out unless asked).
+    details = PromptTokensDetails(cached_tokens=last.num_cached_tokens) if last.num_cached_tokens else None
+    return Usage(prompt_tokens=num_prompt, completion_tokens=num_output, total_tokens=num_prompt + num_output,
+                 prompt_tokens_details=details)
 
 
 def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
+
+
+class _TextFrames:
+    """One stream's text-only chunks: the JSON around the text is rendered once per stream."""
+
+    def __init__(self, first: ChatCompletionResponse | CompletionResponse, text_field: str) -> None:
+        # The chunk of a marker text, cut around the marker's JSON: what comes before and after any text.
+        marker = "\x00"
+        rendered = _sse(first.model_dump_json(exclude_none=True))
+        head, tail = rendered.split(json.dumps(marker))
+        assert f'"{text_field}":' in head[-len(text_field) - 3 :], "the text is the chunk's last field"
+        self._head, self._tail = head, tail
+
+    def frame(self, text: str) -> str:
+        return f"{self._head}{json.dumps(text, ensure_ascii=False)}{self._tail}"
 
 
 async def _guarded(deltas: AsyncIterator[TextDelta], errors: list[str]) -> AsyncIterator[TextDelta]:
@@ -88,29 +113,37 @@ async def completion_response(service: GatewayService, body: CompletionRequest, 
         token_ids=token_ids if body.return_token_ids else None,
     )
     return CompletionResponse(id=prepared.request_id, model=service.model_name, choices=[choice],
-                              usage=_usage(prepared, last.num_output_tokens), timings=last.timings)
+                              usage=_usage(prepared, last), timings=last.timings)
 
 
 async def completion_stream(service: GatewayService, body: CompletionRequest, prepared: PreparedRequest,
                             deltas: AsyncIterator[TextDelta], include_usage: bool) -> AsyncIterator[str]:
     last: TextDelta | None = None
     errors: list[str] = []
+    created = int(time.time())
+    frames = _TextFrames(CompletionResponse(
+        id=prepared.request_id, model=service.model_name, created=created,
+        choices=[CompletionChoice(text="\x00", finish_reason=None)]), "text")
+    is_text_only = body.logprobs is None and not body.return_token_ids
     async for delta in _guarded(deltas, errors):
         last = delta
+        if is_text_only and delta.finish_reason is None:
+            yield frames.frame(delta.text)
+            continue
         choice = CompletionChoice(
             text=delta.text, finish_reason=delta.finish_reason,
             logprobs=_completion_logprobs(service, list(delta.token_ids), list(delta.logprobs))
             if body.logprobs is not None else None,
             token_ids=list(delta.token_ids) if body.return_token_ids else None,
         )
-        chunk = CompletionResponse(id=prepared.request_id, model=service.model_name, choices=[choice],
-                                   timings=delta.timings)
+        chunk = CompletionResponse(id=prepared.request_id, model=service.model_name, created=created,
+                                   choices=[choice], timings=delta.timings)
         yield _sse(chunk.model_dump_json(exclude_none=True))
     for event in errors:
         yield event
     if include_usage and last is not None:
-        usage = CompletionResponse(id=prepared.request_id, model=service.model_name, choices=[],
-                                   usage=_usage(prepared, last.num_output_tokens))
+        usage = CompletionResponse(id=prepared.request_id, model=service.model_name, created=created,
+                                   choices=[], usage=_usage(prepared, last))
         yield _sse(usage.model_dump_json(exclude_none=True))
     yield _sse("[DONE]")
 
@@ -124,22 +157,31 @@ async def chat_response(service: GatewayService, body: ChatCompletionRequest, pr
         token_ids=token_ids if body.return_token_ids else None,
     )
     return ChatCompletionResponse(id=prepared.request_id, model=service.model_name, choices=[choice],
-                                  usage=_usage(prepared, last.num_output_tokens), timings=last.timings)
+                                  usage=_usage(prepared, last), timings=last.timings)
 
 
 async def chat_stream(service: GatewayService, body: ChatCompletionRequest, prepared: PreparedRequest,
                       deltas: AsyncIterator[TextDelta], include_usage: bool) -> AsyncIterator[str]:
-    def chunk(choice: ChatChoice | None, **extra: object) -> str:
-        response = ChatCompletionResponse(id=prepared.request_id, object="chat.completion.chunk",
-                                          model=service.model_name, choices=[choice] if choice else [],
-                                          **extra)  # type: ignore[arg-type]
-        return _sse(response.model_dump_json(exclude_none=True))
+    created = int(time.time())
 
+    def response(choice: ChatChoice | None, **extra: object) -> ChatCompletionResponse:
+        return ChatCompletionResponse(id=prepared.request_id, object="chat.completion.chunk", created=created,
+                                      model=service.model_name, choices=[choice] if choice else [],
+                                      **extra)  # type: ignore[arg-type]
+
+    def chunk(choice: ChatChoice | None, **extra: object) -> str:
+        return _sse(response(choice, **extra).model_dump_json(exclude_none=True))
+
+    frames = _TextFrames(response(ChatChoice(delta=ChatDelta(content="\x00"), finish_reason=None)), "content")
+    is_text_only = not body.logprobs and not body.return_token_ids
     yield chunk(ChatChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None))
     last: TextDelta | None = None
     errors: list[str] = []
     async for delta in _guarded(deltas, errors):
         last = delta
+        if is_text_only and delta.finish_reason is None:
+            yield frames.frame(delta.text)
+            continue
         choice = ChatChoice(
             delta=ChatDelta(content=delta.text), finish_reason=delta.finish_reason,
             logprobs=_chat_logprobs(service, list(delta.token_ids), list(delta.logprobs))
@@ -150,5 +192,5 @@ async def chat_stream(service: GatewayService, body: ChatCompletionRequest, prep
     for event in errors:
         yield event
     if include_usage and last is not None:
-        yield chunk(None, usage=_usage(prepared, last.num_output_tokens))
+        yield chunk(None, usage=_usage(prepared, last))
     yield _sse("[DONE]")

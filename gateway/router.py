@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
+from gateway.decode_streams import DecodeStreams
 from gateway.pools import PDDeployment
 from gateway.workers import Worker
 from llm_engine.kv_cache_manager import prefix_hashes
@@ -51,9 +52,13 @@ class Router:
         self.local_prefill_tokens: defaultdict[str, int] = defaultdict(int)
         self.local_prefill_prompts: dict[str, int] = {}  # request id → prompt tokens
         self._cached: defaultdict[str, OrderedDict[bytes, None]] = defaultdict(OrderedDict)
+        # The decode workers' output streams live with the per-worker books: both follow the workers the
+        # deployment has, and every request run reaches them through the router.
+        self.decode_streams = DecodeStreams()
 
     def forget(self, worker_id: str) -> None:
         """A worker left the deployment: drop what the router remembers of it."""
+        self.decode_streams.forget(worker_id)
         self._cached.pop(worker_id, None)
         if not self.prefill_tokens.get(worker_id):
             self.prefill_tokens.pop(worker_id, None)
@@ -79,14 +84,16 @@ class Router:
         """Tokens of requests sent to the worker and not yet back (0: nothing on its way there)."""
         return self.prefill_tokens.get(worker_id, 0) + self.decode_tokens.get(worker_id, 0)
 
-    def local_prefill_reason(self, prompt_token_ids: tuple[int, ...]) -> str:
+    def local_prefill_reason(self, prompt_token_ids: tuple[int, ...], hashes: list[bytes] | None = None
+                             ) -> str:
         """Why the decode worker should prefill this prompt itself; empty: send it to the prefill pool.
-        Only prompt tokens that no prefill worker is believed to hold count as prompt work."""
+        Only prompt tokens that no prefill worker is believed to hold count as prompt work. `hashes`: the
+        prompt's prefix_hashes, if the caller has them already."""
         policy = self.local_prefill
         prefills = self.deployment.active(Role.PREFILL)
         if not prefills or not (policy.max_uncached_tokens or policy.min_prefill_queue_tokens):
             return ""
-        hashes = prefix_hashes(prompt_token_ids, self.block_size)
+        hashes = prefix_hashes(prompt_token_ids, self.block_size) if hashes is None else hashes
         uncached = len(prompt_token_ids) - max(self.cached_tokens(w, hashes) for w in prefills)
         if policy.max_uncached_tokens and uncached <= policy.max_uncached_tokens:
             return f"short prompt: {uncached} uncached tokens <= {policy.max_uncached_tokens}"
@@ -102,12 +109,14 @@ class Router:
             raise RuntimeError("no active decode worker")
         return min(workers, key=lambda w: self.decode_tokens[w.worker_id])
 
-    def pick_prefill(self, prompt_token_ids: tuple[int, ...], workers: list[Worker] | None = None) -> Worker:
-        """The best of `workers` (default: every active prefill worker) for this prompt."""
+    def pick_prefill(self, prompt_token_ids: tuple[int, ...], workers: list[Worker] | None = None,
+                     hashes: list[bytes] | None = None) -> Worker:
+        """The best of `workers` (default: every active prefill worker) for this prompt (whose
+        prefix_hashes are `hashes`, if the caller has them already)."""
         workers = self.deployment.active(Role.PREFILL) if workers is None else workers
         if not workers:
             raise RuntimeError("no active prefill worker")
-        hashes = prefix_hashes(prompt_token_ids, self.block_size)
+        hashes = prefix_hashes(prompt_token_ids, self.block_size) if hashes is None else hashes
         chosen = min(workers, key=lambda w: self.prefill_tokens[w.worker_id] - self.cached_tokens(w, hashes))
         remembered = self._cached[chosen.worker_id]
         for block_hash in hashes:

@@ -1,24 +1,26 @@
 """The gateway's request path, independent of HTTP framing.
 
-prepare_*(): validate against the model (name, vocabulary, context) and tokenize once → PreparedRequest
+prepare_*(): validate against the model (name, vocabulary, context), tokenize once and hash the prompt's
+             blocks once (a long prompt in a worker thread, so the event loop keeps streaming)
+             → PreparedRequest
 admit():     reserve decode KV capacity for prompt + max_tokens (bounded wait, else Overloaded → 429)
 stream():    route through both pools (within the request's deadlines; worker failures are retried or
              migrated by the orchestrator) → incremental detokenization, stop strings → TextDelta events;
              the last one carries finish_reason, usage counts and the stage Timings (also exported to
              Prometheus). Leaving the stream early (client gone, stop string) aborts both workers. A request
              that cannot finish raises RequestFailed (HTTP 503, or an error event mid-stream).
-Tokens are counted one by one (a worker may send several in one event); each gets its own time: the
-worker's spacing between them, anchored at the moment the gateway received the event.
+Tokens are counted one by one, each with its own time (gateway/timings.py).
 """
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TypeVar
 
 from jinja2 import TemplateError
 
@@ -27,12 +29,15 @@ from gateway.admission import Admission, Reservation
 from gateway.deadlines import DeadlinePolicy
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import Metrics
-from gateway.orchestrator import RequestFailed, StreamEvent, run_request
+from gateway.orchestrator import RequestFailed, run_request
 from gateway.pools import PDDeployment
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Timings
 from gateway.recent import RecentLatencies
 from gateway.router import LocalPrefillPolicy, Router
+from gateway.timings import stage_timings
+from gateway.timings import token_times as _token_times  # tests import it from here
 from llm_engine import ModelSpec, SamplingParams
+from llm_engine.kv_cache_manager import prefix_hashes
 from pool_worker import Role
 from prefill_pool.messages import PrefillResult
 
@@ -46,6 +51,12 @@ if TYPE_CHECKING:
 # token. Either way the probabilities are NaN, and that stops the worker's step loop.
 MIN_TEMPERATURE = 1e-5  # as vLLM
 MIN_TOP_P = 1e-6
+# Prompts longer than these are tokenized / hashed in a worker thread: on the event loop they would stall
+# every open stream for milliseconds (a 100k-character prompt takes tens), while a short one costs less than
+# the hop to a thread.
+LONG_PROMPT_CHARS = 4000
+LONG_PROMPT_TOKENS = 1024
+T = TypeVar("T")
 
 
 class BadRequest(Exception):
@@ -63,6 +74,7 @@ class PreparedRequest:
     sampling: SamplingParams
     stop_strings: list[str]
     arrival: float  # time.time() when the gateway received it
+    block_hashes: list[bytes] | None = None  # prefix_hashes of the prompt (the router's cache matching)
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,7 @@ class TextDelta:
     finish_reason: str | None = None
     num_output_tokens: int = 0  # tokens generated so far
     timings: Timings | None = None  # on the last delta
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (on the last delta)
 
 
 class GatewayService:
@@ -100,12 +113,22 @@ class GatewayService:
         self.deadline_policy = deadline_policy or DeadlinePolicy()
         self.recent = RecentLatencies()  # the ratio controller's view of TTFT and ITL
         self.ratio_controller: RatioController | None = None  # told of every prompt as it is routed
+        self._encode = _fast_encoder(tokenizer)
+        # One thread: the tokenizer is not meant for concurrent use, and long prompts are rare.
+        self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="prompt-prep")
+
+    async def _off_loop_if(self, is_long: bool, work: Callable[[], T]) -> T:
+        if not is_long:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_thread, work)
 
     # Validation and tokenization.
-    def prepare_completion(self, request: CompletionRequest) -> PreparedRequest:
+    async def prepare_completion(self, request: CompletionRequest) -> PreparedRequest:
         self._check_model(request.model)
         if isinstance(request.prompt, str):
-            prompt = list(self.tokenizer.encode(request.prompt))
+            text = request.prompt
+            prompt = await self._off_loop_if(len(text) > LONG_PROMPT_CHARS,
+                                             lambda: self._encode(text))
         else:
             prompt = list(request.prompt)
             bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
@@ -116,15 +139,18 @@ class GatewayService:
                 )
         if not prompt:
             raise BadRequest("the prompt is empty", param="prompt")
-        return self._prepare(request, prompt, request.max_tokens or 16, request.logprobs is not None)
+        return await self._hashed(self._prepare(request, prompt, request.max_tokens or 16,
+                                                request.logprobs is not None))
 
-    def prepare_chat(self, request: ChatCompletionRequest) -> PreparedRequest:
+    async def prepare_chat(self, request: ChatCompletionRequest) -> PreparedRequest:
         self._check_model(request.model)
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest(f"model {self.model_name} has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": m.text} for m in request.messages]
+        is_long = sum(len(m["content"]) for m in messages) > LONG_PROMPT_CHARS
         try:
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            encoded = await self._off_loop_if(is_long, lambda: self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True))
         except TemplateError as exc:  # the template refuses the conversation (e.g. roles that must alternate)
             raise BadRequest(f"the model's chat template refuses these messages: {exc.message}",
                              param="messages") from None
@@ -133,7 +159,14 @@ class GatewayService:
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(self.default_max_tokens, self.spec.max_model_len - len(prompt)))
-        return self._prepare(request, prompt, max_tokens, request.logprobs)
+        return await self._hashed(self._prepare(request, prompt, max_tokens, request.logprobs))
+
+    async def _hashed(self, prepared: PreparedRequest) -> PreparedRequest:
+        """With the prompt's block hashes, which the router needs for every prefill pick."""
+        prompt = prepared.prompt_token_ids
+        hashes = await self._off_loop_if(len(prompt) > LONG_PROMPT_TOKENS,
+                                         lambda: prefix_hashes(prompt, self.router.block_size))
+        return replace(prepared, block_hashes=hashes)
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -199,19 +232,20 @@ class GatewayService:
         sent: list[float] = []
         prefill: PrefillResult | None = None
         decode: DecodeOutput | None = None
+        prefilled_by = ""
         outcome = "abort"
         deadlines = self.deadline_policy.for_request(
             prepared.arrival, len(prepared.prompt_token_ids), prepared.sampling.max_tokens
         )
         if self.ratio_controller is not None:
             self.ratio_controller.note_prompt(len(prepared.prompt_token_ids))
-        events = run_request(
-            self.router, prepared.request_id, prepared.prompt_token_ids, prepared.sampling, deadlines
-        )
+        events = run_request(self.router, prepared.request_id, prepared.prompt_token_ids, prepared.sampling,
+                             deadlines, prepared.block_hashes)
         try:
             async for event in events:
                 prefill = event.prefill or prefill
                 decode = event.decode or decode
+                prefilled_by = event.prefilled_by or prefilled_by
                 text = detokenizer.add(event.token_ids)
                 finish = "stop" if detokenizer.is_stopped else event.finish_reason
                 sent.extend(_token_times(event, time.time()))
@@ -221,14 +255,21 @@ class GatewayService:
                     yield TextDelta(text, event.token_ids, event.logprobs, None, len(sent))
                     continue
                 text += detokenizer.flush()
-                timings = self._timings(prepared.arrival, admitted, sent, prefill, decode)
+                timings = stage_timings(prepared.arrival, admitted, sent, prefill, decode)
                 if event.local_prefill_reason:
                     timings.prefill_on, timings.local_prefill_reason = "decode", event.local_prefill_reason
                 timings.num_moves = event.num_migrations + event.num_moves
+                num_prompt = len(prepared.prompt_token_ids)
+                # The prefilling worker's count: the prefill pool's, or the decode worker's own prefill.
+                cached = prefill.num_cached_tokens if prefill else decode.num_cached_tokens if decode else 0
+                timings.cached_tokens = min(cached, num_prompt)
                 outcome = finish
-                self.metrics.observe_request(timings, finish, len(prepared.prompt_token_ids), len(sent))
+                self.metrics.observe_request(timings, finish, num_prompt, len(sent))
+                if prefilled_by:
+                    self.metrics.observe_prefix_cache(prefilled_by, num_prompt, timings.cached_tokens)
                 self.recent.add(timings)
-                yield TextDelta(text, event.token_ids, event.logprobs, finish, len(sent), timings)
+                yield TextDelta(text, event.token_ids, event.logprobs, finish, len(sent), timings,
+                                timings.cached_tokens)
                 return
         except RequestFailed as failed:
             outcome = "error"
@@ -247,56 +288,12 @@ class GatewayService:
         num_decoding = len(self.deployment.active(Role.DECODE, Role.MIXED))
         self.admission.set_capacity(self.max_request_tokens * num_decoding)
 
-    @staticmethod
-    def _timings(
-        arrival: float,
-        admitted: float,
-        sent: list[float],
-        prefill: PrefillResult | None,
-        decode: DecodeOutput | None,
-    ) -> Timings:
-        def ms(start: float | None, end: float | None) -> float:
-            return 0.0 if start is None or end is None else max(0.0, 1000 * (end - start))
 
-        p = prefill.times if prefill is not None else None
-        d = decode.times if decode is not None else None
-        if p is None and d is not None and d.transfer_started is None:
-            # Colocated: one worker queued, prefilled and decoded; its prefill span runs from arrival on
-            # the worker to the first token (queueing included), the rest is decode.
-            return Timings(
-                gateway_queue_ms=ms(arrival, admitted),
-                prefill_queue_ms=0.0,
-                prefill_ms=ms(d.queued, d.admitted),
-                transfer_ms=0.0,
-                transfer_bytes=0,
-                decode_queue_ms=0.0,
-                decode_ms=ms(d.admitted, d.finished),
-                ttft_ms=ms(arrival, sent[0] if sent else None),
-                e2e_ms=ms(arrival, sent[-1] if sent else time.time()),
-                token_gaps_ms=[ms(a, b) for a, b in itertools.pairwise(sent)],
-            )
-        return Timings(
-            gateway_queue_ms=ms(arrival, admitted),
-            prefill_queue_ms=ms(p.queued, p.started) if p else 0.0,
-            prefill_ms=ms(p.started, p.finished) if p else 0.0,
-            transfer_ms=ms(d.transfer_started, d.transfer_finished) if d else 0.0,
-            transfer_bytes=decode.transfer_bytes if decode is not None else 0,
-            decode_queue_ms=(ms(d.queued, d.transfer_started) + ms(d.transfer_finished, d.admitted))
-            if d
-            else 0.0,
-            decode_ms=ms(d.admitted, d.finished) if d else 0.0,
-            ttft_ms=ms(arrival, sent[0] if sent else None),
-            e2e_ms=ms(arrival, sent[-1] if sent else time.time()),
-            token_gaps_ms=[ms(a, b) for a, b in itertools.pairwise(sent)],
-        )
-
-
-def _token_times(event: StreamEvent, received: float) -> list[float]:
-    """One gateway-clock time per token of the event: the worker's spacing, ending when it arrived here."""
-    num = len(event.token_ids)
-    if not num:
-        return []
-    if len(event.token_times) != num:
-        return [received] * num
-    last = event.token_times[-1]
-    return [received - (last - t) for t in event.token_times]
+def _fast_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int]]:
+    """tokenizer.encode, straight through the Rust tokenizer where that gives the same ids: transformers'
+    encode() spends most of its time in Python (padding and truncation strategies) before getting there."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    probe = "Hello, world! Héllo wörld 🦊\n\n  <|im_start|> x"
+    if backend is not None and backend.encode(probe).ids == list(tokenizer.encode(probe)):
+        return lambda text: list(backend.encode(text).ids)
+    return lambda text: list(tokenizer.encode(text))

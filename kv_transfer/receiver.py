@@ -141,6 +141,11 @@ class KVReceiver(TransferEndpoint, ABC):
             self._start(pull, peer)
         return pull.state
 
+    @property
+    def num_pulls(self) -> int:
+        """Pulls started and not yet returned by poll()."""
+        return len(self._pulls)
+
     def state(self, source_worker_id: str, transfer_id: int) -> TransferState | None:
         """State of a pull not yet returned by poll(), or None."""
         pull = self._pulls.get((source_worker_id, transfer_id))

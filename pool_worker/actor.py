@@ -6,7 +6,8 @@ Lifecycle:  WorkerActor(role): cheap, so that the gateway learns at once that Ra
     → start(torch_group): the model is found on this node (ModelSource), the engine loads (weights + KV
     cache, once per process), the torch group (if any) is joined → the role's front is built over it
     (PrefillRole: sender + prefill scheduler; DecodeRole: receiver + decode scheduler)
-    → serves → set_role(other):
+    → serves (decode and mixed roles send outputs through output_stream(), one per gateway reader)
+    → set_role(other):
         decode ⇄ mixed: the same DecodeRole; only the label changes (the gateway routes differently);
         prefill ⇄ decode/mixed: the worker must hold nothing (the gateway drained it, evacuating decode
             streams to other workers); the old front closes (step loop stopped, transfer endpoint
@@ -28,7 +29,8 @@ from typing import Any
 
 import ray
 
-from decode_pool.messages import DecodeOutput, DecodeRequest
+from decode_pool.messages import DecodeOutputBatch, DecodeRequest
+from decode_pool.output_channels import OutputChannels
 from decode_pool.role import DecodeRole
 from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord
 from llm_engine import EngineConfig, LLMEngine
@@ -80,6 +82,8 @@ class WorkerActor:
         self._watermark = watermark
         self._num_threads = num_threads
         self._num_role_changes = 0
+        # Outlives the roles: a gateway's output stream stays open across role changes.
+        self._outputs = OutputChannels(abort=self.abort)
         self.role = Role(role)
         self._placement = WorkerPlacement(ray.get_runtime_context().get_node_id(),
                                           ray.util.get_node_ip_address(), os.getpid())
@@ -111,7 +115,7 @@ class WorkerActor:
         if role is Role.PREFILL:
             return PrefillRole(self.worker_id, self.engine, self._backend, self._transfer_config,
                                self._num_threads)
-        return DecodeRole(self.worker_id, self.engine, self._backend, self._transfer_config,
+        return DecodeRole(self.worker_id, self.engine, self._backend, self._transfer_config, self._outputs,
                           self._watermark, self._num_threads)
 
     @property
@@ -188,10 +192,15 @@ class WorkerActor:
         if isinstance(self._front, DecodeRole):  # a prefill worker knows no peers: nothing to forget
             self._front.remove_prefill_peer(worker_id)
 
-    async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeOutput]:
-        """Stream the request's tokens; closing or cancelling the stream aborts the request."""
-        async for output in self._decode().generate(request):
-            yield output
+    async def output_stream(self, channel_id: str) -> AsyncIterator[DecodeOutputBatch]:
+        """The outputs of every request submitted with `channel_id`, one item per step (or several steps,
+        for a reader behind); held open by the gateway in any role. Closing it aborts those requests."""
+        async for batch in self._outputs.stream(channel_id):
+            yield batch
+
+    async def submit(self, request: DecodeRequest, channel_id: str) -> None:
+        """Start decoding the request; its outputs go to the output stream of `channel_id`."""
+        self._decode().submit(request, channel_id)
 
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate": the gateway continues them elsewhere."""

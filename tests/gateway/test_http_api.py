@@ -246,3 +246,26 @@ def test_429_carries_retry_after(server: str, client: httpx.Client) -> None:
     assert rejected and int(rejected[0].headers["retry-after"]) >= 1
     assert rejected[0].json()["error"]["type"] == "rate_limit_error"
     assert wait_until_no_blocks_used(client) == 0
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(client: httpx.Client, server: str) -> None:
+    prompt = list(range(3000, 3050))  # 50 tokens no other test sends: 3 full blocks of 16 can be cached
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    first = client.post("/v1/completions", json=body).json()
+    assert "prompt_tokens_details" not in first["usage"] and first["timings"]["cached_tokens"] == 0
+    before = metric_samples(client)
+    second = client.post("/v1/completions", json=body).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == 48 and second["timings"]["cached_tokens"] == cached
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]  # the cache changes no token
+    after = metric_samples(client)
+    hits = {dict(labels)["worker"]: value - before.get((name, labels), 0.0)
+            for (name, labels), value in after.items() if name == "pdserve_prefix_cache_hit_tokens_total"}
+    assert sorted(hits.values())[-1] == 48  # on the prefill worker that served it
+    # The openai SDK reads OpenAI's field, from a stream's usage chunk too.
+    sdk = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY)
+    chunks = list(sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 48

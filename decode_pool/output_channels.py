@@ -1,0 +1,100 @@
+"""A worker's output channels: one long-lived stream per subscriber (a gateway), one message per step.
+
+    gateway:          stream(channel_id) (a Ray streaming call, held open);
+                      subscribe(request_id, channel_id) before each request is submitted (no output unheard)
+    step loop thread: collect(output) for every output of the step → flush() once at the step's end:
+                      the step's outputs cross to the actor's event loop in one call_soon_threadsafe
+    event loop:       _publish(batch) sorts them by channel → each open stream yields everything queued for
+                      it as one DecodeOutputBatch (a reader that fell behind catches up in one item)
+    stream closed:    (the gateway left or cancelled it) every request it was carrying is aborted
+The step loop never waits on a reader: flush() only schedules a callback, and a channel's queue grows until
+its stream takes it. The channels belong to the worker actor, not to a role, so a gateway's stream stays open
+across role changes (a prefill worker's stream just stays quiet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+
+from decode_pool.messages import DecodeOutput, DecodeOutputBatch
+
+
+@dataclasses.dataclass
+class _Channel:
+    pending: list[DecodeOutput] = dataclasses.field(default_factory=list)  # not yet taken by its stream
+    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    request_ids: set[str] = dataclasses.field(default_factory=set)  # requests it carries, unfinished
+
+
+class OutputChannels:
+    def __init__(self, abort: Callable[[str], None]) -> None:
+        """Args:
+        abort: ends a request on the worker (when the stream carrying it closes).
+        """
+        self._channels: dict[str, _Channel] = {}
+        self._channel_of: dict[str, str] = {}  # request id → channel id, until the request finishes
+        self._step_outputs: list[DecodeOutput] = []  # this step's outputs (step loop thread only)
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self.abort = abort
+
+    # The actor's event loop.
+    def subscribe(self, request_id: str, channel_id: str) -> None:
+        """Route the request's outputs to `channel_id` (call before submitting it to the worker)."""
+        self._event_loop = asyncio.get_running_loop()
+        self._channel(channel_id).request_ids.add(request_id)
+        self._channel_of[request_id] = channel_id
+
+    def unsubscribe(self, request_id: str) -> None:
+        """The request never reached the worker (its submission was refused)."""
+        channel = self._channels.get(self._channel_of.pop(request_id, ""))
+        if channel is not None:
+            channel.request_ids.discard(request_id)
+
+    async def stream(self, channel_id: str) -> AsyncIterator[DecodeOutputBatch]:
+        """Everything routed to the channel, in order, as batches; runs until the caller closes it."""
+        self._event_loop = asyncio.get_running_loop()
+        channel = self._channel(channel_id)
+        try:
+            while True:
+                await channel.ready.wait()
+                channel.ready.clear()
+                outputs, channel.pending = channel.pending, []
+                yield DecodeOutputBatch(tuple(outputs))
+        finally:
+            # The gateway is gone (or gave this stream up): nobody will read these requests' tokens.
+            self._channels.pop(channel_id, None)
+            for request_id in channel.request_ids:
+                self._channel_of.pop(request_id, None)
+                self.abort(request_id)
+
+    # The step loop's thread.
+    def collect(self, output: DecodeOutput) -> None:
+        self._step_outputs.append(output)
+
+    def flush(self) -> None:
+        """Hand the step's outputs to the event loop in one call (never waits for a reader)."""
+        if not self._step_outputs:
+            return
+        batch, self._step_outputs = self._step_outputs, []
+        assert self._event_loop is not None, "a request was subscribed before it produced output"
+        self._event_loop.call_soon_threadsafe(self._publish, batch)
+
+    def _publish(self, batch: list[DecodeOutput]) -> None:
+        for output in batch:
+            channel_id = self._channel_of.get(output.request_id)
+            channel = self._channels.get(channel_id) if channel_id is not None else None
+            if channel is None:
+                continue  # its stream closed: the request was aborted, this is its last word
+            if output.finish_reason is not None:
+                del self._channel_of[output.request_id]
+                channel.request_ids.discard(output.request_id)
+            channel.pending.append(output)
+            channel.ready.set()
+
+    def _channel(self, channel_id: str) -> _Channel:
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            channel = self._channels[channel_id] = _Channel()
+        return channel
