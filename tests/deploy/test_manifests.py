@@ -5,6 +5,7 @@ the serving YAML they name loads, and every node group offers the custom resourc
 
 from __future__ import annotations
 
+import gzip
 import json
 import shlex
 from pathlib import Path
@@ -22,7 +23,8 @@ from pool_worker import Role
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-CRDS = REPO.parent / "shared" / "kuberay-crds"
+SHARED_CRDS = REPO.parent / "shared" / "kuberay-crds"  # the shared copy, where it lies beside the checkout
+VENDORED_CRDS = Path(__file__).parent / "kuberay_crds"  # the same files, gzipped, for any other machine
 # Where the manifests find the checkout: ray up copies it to ~/pdserve, the image holds it at /app.
 CHECKOUT_PREFIXES = ("~/pdserve/", "/app/")
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -54,8 +56,14 @@ def test_ray_cluster_yaml_matches_rays_own_schema_and_offers_each_roles_resource
     assert not head["resources"] and any("--num-cpus=0" in c for c in cluster["head_start_ray_commands"])
 
 
+def _crd_text(name: str) -> str:
+    if (SHARED_CRDS / name).is_file():
+        return (SHARED_CRDS / name).read_text()
+    return gzip.decompress((VENDORED_CRDS / f"{name}.gz").read_bytes()).decode()
+
+
 def _crd_schema(name: str, api_version: str) -> dict[str, Any]:
-    crd = yaml.safe_load((CRDS / name).read_text())
+    crd = yaml.safe_load(_crd_text(name))
     version = api_version.split("/")[1]
     [entry] = [v for v in crd["spec"]["versions"] if v["name"] == version and v["served"]]
     return entry["schema"]["openAPIV3Schema"]
@@ -83,8 +91,6 @@ def unknown_fields(instance: Any, schema: dict[str, Any], at: str = "") -> list[
 @pytest.mark.parametrize(("manifest", "crd"), [("kuberay/raycluster.yaml", "ray.io_rayclusters.yaml"),
                                                ("kuberay/rayjob.yaml", "ray.io_rayjobs.yaml")])
 def test_kuberay_manifests_match_the_crd_schemas(manifest: str, crd: str) -> None:
-    if not CRDS.is_dir():
-        pytest.skip(f"the KubeRay CRDs are not at {CRDS}")
     resource = load(manifest)
     schema = _crd_schema(crd, resource["apiVersion"])
     jsonschema.Draft4Validator(schema).validate(resource)
