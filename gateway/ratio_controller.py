@@ -16,6 +16,8 @@ decode workers (running streams are protected from long prompts).
       k → k+1 TTFT p90 over its SLO with prompt work piling up on every prefill worker (≥ 1 decode stays).
       k → k-1 prefill has been idle (little queued, no long prompt) for calm_s; at k = 1 that means the
               prompts that needed protection are gone, and N mixed workers serve light traffic faster.
+      1 → 0   calm_s after a move for the ITL SLO the requests' TPOT is no better: back, and that rule
+              stays off for a while (decoding was short of cores, not troubled by prefill).
     → moves applied through the PoolResizer (one change at a time, shared with PUT /admin/pools).
 Hysteresis: up on a high mark, down only after calm_s below a low mark; and no change within min_dwell_s
 of the last. Every decision is logged with its reason, counted in pdserve_ratio_changes_total{from,to,
@@ -41,6 +43,9 @@ from llm_engine.load import WorkerLoad
 from pool_worker import Role
 
 logger = logging.getLogger(__name__)
+
+NO_GAIN = 0.1  # a move for the ITL SLO must cut the requests' TPOT p90 by this fraction to stay
+ITL_RULE_BACKOFF = 10  # calm periods the ITL rule stays off after a move that did not help
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,7 @@ class Decision:
     at: float  # time.time()
     from_level: int
     to_level: int
-    reason: str  # "long_prompt", "itl_slo", "ttft_slo" or "prefill_idle"
+    reason: str  # "long_prompt", "itl_slo", "ttft_slo", "prefill_idle" or "no_gain"
     detail: str
     signals: Signals
 
@@ -94,11 +99,17 @@ class Ladder:
         self.policy = policy
         self._last_change = float("-inf")
         self._calm_since: float | None = None
+        # After a move for the ITL SLO: the TPOT p90 that caused it, until the new layout has been judged.
+        self._tpot_before_itl_move: float | None = None
+        self._itl_rule_off_until = float("-inf")  # a move for the ITL SLO that did not help is not retried
 
-    def note_change(self, now: float) -> None:
-        """A change was made (or ended) at `now`: the dwell time and the calm timer start again."""
+    def note_change(self, now: float, decision: Decision | None = None) -> None:
+        """A change was made (with the decision that made it) or ended at `now`: the dwell time and the calm
+        timer start again."""
         self._last_change = now
         self._calm_since = None
+        if decision is not None:
+            self._tpot_before_itl_move = decision.signals.tpot_p90_s if decision.reason == "itl_slo" else None
 
     def decide(self, s: Signals, now: float) -> Decision | None:
         """The move the signals call for, if any (pure: no side effect but the calm timer)."""
@@ -117,12 +128,17 @@ class Ladder:
                                       f"is being prefilled while {s.num_decoding} streams decode")
             # Only a tail that prefill chunks cause: with the median over the SLO too, decoding itself is
             # the bottleneck, and giving a decoding core to prefill would make it worse.
-            if s.tpot_p90_s is not None and s.itl_p50_s is not None and s.tpot_p90_s > p.itl_slo_s \
-                    and s.itl_p50_s <= p.itl_slo_s and s.queued_prompt_tokens:
+            is_tail = (s.tpot_p90_s is not None and s.itl_p50_s is not None and s.tpot_p90_s > p.itl_slo_s
+                       and s.itl_p50_s <= p.itl_slo_s)
+            if is_tail and s.queued_prompt_tokens and now >= self._itl_rule_off_until:
+                assert s.tpot_p90_s is not None and s.itl_p50_s is not None
                 return self._decision(s, 1, "itl_slo", f"TPOT p90 {s.tpot_p90_s * 1000:.0f} ms > SLO "
                                       f"{p.itl_slo_s * 1000:.0f} ms (median ITL {s.itl_p50_s * 1000:.0f} ms) "
                                       f"with {s.queued_prompt_tokens} prompt tokens queued")
             return None
+        judged = self._judge_itl_move(s, now)
+        if judged is not None:
+            return judged
         if level >= 1 and level + 1 < n and s.ttft_p90_s is not None and s.ttft_p90_s > p.ttft_slo_s \
                 and s.queued_prompt_tokens >= level * p.long_prompt_tokens:
             return self._decision(s, level + 1, "ttft_slo", f"TTFT p90 {s.ttft_p90_s:.2f} s > SLO "
@@ -131,6 +147,22 @@ class Ladder:
             return self._decision(s, level - 1, "prefill_idle", f"under {p.long_prompt_tokens // 4} prompt "
                                   f"tokens queued and no long prompt for {p.calm_s:.0f} s")
         return None
+
+    def _judge_itl_move(self, s: Signals, now: float) -> Decision | None:
+        """calm_s after a move for the ITL SLO, did the requests' TPOT get better? If not by a tenth, the
+        move cost a decoding core for nothing (decoding itself, not prefill interference, was short): go
+        back, and leave the ITL rule off for ITL_RULE_BACKOFF calm periods."""
+        before = self._tpot_before_itl_move
+        if before is None or s.level != 1 or s.tpot_p90_s is None:
+            return None
+        if now - self._last_change < self.policy.calm_s:
+            return None
+        self._tpot_before_itl_move = None  # judged, whatever the verdict
+        if s.tpot_p90_s < (1.0 - NO_GAIN) * before:
+            return None
+        self._itl_rule_off_until = now + ITL_RULE_BACKOFF * self.policy.calm_s
+        return self._decision(s, 0, "no_gain", f"TPOT p90 {s.tpot_p90_s * 1000:.0f} ms after disaggregating, "
+                              f"{before * 1000:.0f} ms before: no better")
 
     @staticmethod
     def _decision(s: Signals, to_level: int, reason: str, detail: str) -> Decision:
@@ -230,7 +262,7 @@ class RatioController:
         moves = self._with_chosen_workers(plan_moves(self.deployment.target, target))
         logger.warning("ratio controller: level %d → %d (%s: %s)", decision.from_level, decision.to_level,
                        decision.reason, decision.detail)
-        self.ladder.note_change(time.monotonic())
+        self.ladder.note_change(time.monotonic(), decision)
         self.decisions.append(decision)
         result = await self.resizer.apply(moves, grace_s=self.policy.grace_s)
         for move in moves[:len(result.done)]:

@@ -115,3 +115,31 @@ def test_a_pools_body_is_a_layout_or_auto() -> None:
         PoolLayout.model_validate({"auto": True, "prefill": 1})
     with pytest.raises(ValidationError, match="worker counts"):
         PoolLayout.model_validate({"drain_grace_s": 3})
+
+
+def test_a_move_for_the_itl_slo_that_does_not_help_is_undone_and_not_retried_for_a_while() -> None:
+    ladder = Ladder(POLICY)
+    slow = dataclasses.replace(QUIET, tpot_p90_s=0.25, queued_prompt_tokens=300)
+    decision = ladder.decide(slow, now=100.0)
+    assert decision is not None and decision.reason == "itl_slo"
+    ladder.note_change(100.0, decision)
+    ladder.note_change(101.0)  # the change ended
+    still_slow = dataclasses.replace(slow, level=1, tpot_p90_s=0.24)  # 4% better: no real gain
+    assert ladder.decide(still_slow, now=105.0) is None  # judged only calm_s after the change
+    undo = ladder.decide(still_slow, now=111.5)
+    assert undo is not None and (undo.to_level, undo.reason) == (0, "no_gain")
+    ladder.note_change(111.5, undo)
+    ladder.note_change(112.0)
+    assert ladder.decide(slow, now=150.0) is None  # the ITL rule is off for 10 calm periods
+    assert ladder.decide(slow, now=213.0) is not None
+
+
+def test_a_move_for_the_itl_slo_that_helps_stays() -> None:
+    ladder = Ladder(POLICY)
+    slow = dataclasses.replace(QUIET, tpot_p90_s=0.25, queued_prompt_tokens=2000)
+    decision = ladder.decide(slow, now=100.0)
+    assert decision is not None
+    ladder.note_change(100.0, decision)
+    better = dataclasses.replace(slow, level=1, tpot_p90_s=0.12)
+    assert ladder.decide(better, now=111.0) is None
+    assert ladder.decide(better, now=130.0) is None  # judged once; prompts still queue, so no calm either
