@@ -19,8 +19,9 @@ class DecodeRequest:
     first_token_id: int | None = None
     first_logprob: float | None = None
     kv_handle: KVHandle | None = None
-    # Tokens the client already has from an earlier worker that failed mid-stream (migration): this worker
-    # recomputes the KV of prompt + these and continues after them. Empty for a new request.
+    # Tokens the client already has from an earlier worker (migration): this worker continues after them.
+    # With kv_handle (the earlier worker evacuated the stream and offers its KV), the KV of prompt + all
+    # but the last of these is pulled; without, recomputed (the earlier worker failed). Empty when new.
     generated_token_ids: tuple[int, ...] = ()
 
 
@@ -44,12 +45,15 @@ class DecodeOutput:
     logprobs: tuple[float, ...]  # their log-probabilities, when asked for
     emitted_at: float  # wall clock when the step produced the last of them
     token_times: tuple[float, ...] = ()  # wall clock when each token was produced (several once coalesced)
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or "migrate" (handed back)
     times: DecodeTimes | None = None  # on the final output
     transfer_bytes: int = 0  # KV bytes pulled for this request (final output)
     num_preemptions: int = 0  # times recomputed after losing its blocks (final output)
     num_cached_tokens: int = 0  # prompt tokens this worker found in its prefix cache (final output)
     error: str = ""  # why, when finish_reason is "error"
+    # finish_reason "migrate": the stream's KV (prompt + tokens so far but the last), offered by this worker
+    # for the next one to pull; None: the next worker recomputes it.
+    kv_handle: KVHandle | None = None
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,12 @@ outputs leave in one message per gateway, not one per request; the DecodeWorker'
 thread.
 
 Lifecycle:  DecodeRole(engine, outputs) — the engine's scheduler becomes the decode scheduler (with the
-    admission watermark), a KV receiver is built and registered over the engine's KV cache, the step loop
-    starts → add_prefill_peer() / submit() / abort() / evacuate() → close(): the loop stops, the receiver
-    deregisters.
+    admission watermark), a KV receiver is built and registered over the engine's KV cache (and, where the
+    backend allows, a KV sender too, to offer evacuated streams' KV: decode_pool.migration), the step loop
+    starts → add_peer() / submit() / abort() / evacuate() / release_kv() → close(): the loop stops, the
+    receiver and sender deregister.
+    Peers are the workers this one may pull KV from: every prefill worker, and every other decode or mixed
+    worker where migration is possible.
     The engine (weights, KV cache) outlives the role: the worker actor (pool_worker) builds another role
     over it when the worker changes role.
 """
@@ -17,9 +20,19 @@ import asyncio
 from typing import Any
 
 from decode_pool.messages import DecodeRequest
+from decode_pool.migration import MigrationOffers
 from decode_pool.output_channels import OutputChannels
 from decode_pool.worker import DecodeWorker
-from kv_transfer import KVHandle, PeerInfo, PullRequest, TransferConfig, TransferRecord, make_receiver
+from kv_transfer import (
+    KVHandle,
+    PeerInfo,
+    PullRequest,
+    TransferConfig,
+    TransferRecord,
+    can_move_kv_between_decode_workers,
+    make_receiver,
+    make_sender,
+)
 from llm_engine import LLMEngine
 from llm_engine.load import WorkerLoad
 from llm_engine.scheduler import Scheduler
@@ -31,26 +44,31 @@ class DecodeRole:
                  outputs: OutputChannels, watermark: float = 0.05, num_threads: int = 1) -> None:
         engine.use_scheduler(Scheduler, watermark)
         receiver = make_receiver(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
+        migration = None
+        if can_move_kv_between_decode_workers(backend):
+            migration = MigrationOffers(make_sender(backend, worker_id, engine.runner.kv_cache,
+                                                    config=transfer_config), engine.kv)
         self.outputs = outputs
         self.worker = DecodeWorker(worker_id, engine, receiver, deliver_pull=self._deliver_pull,
                                    release_source=self._release_source, on_step_end=outputs.flush,
-                                   wake=lambda: self.loop.wake())
-        self._prefill_actors: dict[str, Any] = {}  # prefill worker id → its actor handle
+                                   wake=lambda: self.loop.wake(), migration=migration)
+        self._peer_actors: dict[str, Any] = {}  # id of a worker this one pulls from → its actor handle
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.loop = StepLoop(f"decode-{worker_id}", self.worker.step, num_threads, on_error=self.worker.fail)
         self.loop.start()
         self.worker.start_watching()
 
-    async def add_prefill_peer(self, peer: PeerInfo, actor: Any = None) -> None:
-        """Learn a prefill worker (once); `actor` is needed where the sender takes part in pulls."""
+    async def add_peer(self, peer: PeerInfo, actor: Any = None) -> None:
+        """Learn a worker to pull from (once); `actor` is told about handles nobody will pull, and carries
+        pulls where the sender takes part."""
         self._event_loop = asyncio.get_running_loop()
-        self._prefill_actors[peer.worker_id] = actor
+        self._peer_actors[peer.worker_id] = actor
         self.worker.add_peer(peer)
         self.loop.wake()
 
-    def remove_prefill_peer(self, worker_id: str) -> None:
-        """A prefill worker left the deployment: forget it."""
-        self._prefill_actors.pop(worker_id, None)
+    def remove_peer(self, worker_id: str) -> None:
+        """A worker left its role or the deployment: forget its endpoint."""
+        self._peer_actors.pop(worker_id, None)
         self.worker.remove_peer(worker_id)
         self.loop.wake()
 
@@ -75,6 +93,17 @@ class DecodeRole:
         self.worker.evacuate()
         self.loop.wake()
 
+    def peer_info(self) -> PeerInfo:
+        """What other decode workers need to pull evacuated streams' KV from this one."""
+        if self.worker.migration is None:
+            raise RuntimeError("this transfer backend cannot move KV between decode workers")
+        return self.worker.migration.peer_info()
+
+    def release_kv(self, transfer_id: int, why: str) -> None:
+        """Nobody will pull this evacuated stream's KV: free its blocks now."""
+        self.worker.release(transfer_id, why)
+        self.loop.wake()
+
     def load(self) -> WorkerLoad:
         return self.worker.load()
 
@@ -85,6 +114,8 @@ class DecodeRole:
         self.loop.stop()
         self.worker.stop_watching()
         self.worker.receiver.close()
+        if self.worker.migration is not None:
+            self.worker.migration.close()
 
     def _deliver_pull(self, pull: PullRequest) -> None:
         # Called on the step loop thread: hop to the actor's event loop to make the actor call.
@@ -92,12 +123,12 @@ class DecodeRole:
         asyncio.run_coroutine_threadsafe(self._carry_pull(pull), self._event_loop)
 
     def _release_source(self, handle: KVHandle, why: str) -> None:
-        # Called on the step loop thread; fire and forget (if the prefill worker is gone, so are its blocks).
-        actor = self._prefill_actors.get(handle.source_worker_id)
+        # Called on the step loop thread; fire and forget (if the source worker is gone, so are its blocks).
+        actor = self._peer_actors.get(handle.source_worker_id)
         if actor is not None and self._event_loop is not None:
             self._event_loop.call_soon_threadsafe(actor.release_kv.remote, handle.transfer_id, why)
 
     async def _carry_pull(self, pull: PullRequest) -> None:
-        reply = await self._prefill_actors[pull.source_worker_id].accept_pull.remote(pull)
+        reply = await self._peer_actors[pull.source_worker_id].accept_pull.remote(pull)
         self.worker.on_pull_reply(reply)
         self.loop.wake()

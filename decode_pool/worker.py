@@ -7,12 +7,17 @@ Lifecycle of a request on this worker:
       → RUNNING (joins the engine's running batch at the next step: iteration-level batching)
       → FINISHED (stop, length, abort); blocks freed.
     A request without a handle is prefilled here (colocated mode, or a request migrated from a failed worker
-    with the tokens it already generated) and joins the engine's WAITING queue.
+    with the tokens it already generated) and joins the engine's WAITING queue. A request moved from a
+    worker that evacuated it comes with the tokens so far and a handle to their KV: it is pulled like a
+    prefill worker's (and recomputed here if that fails).
     A FAILED pull is not fatal: the blocks are freed and the prompt recomputed here.
     Preemption (blocks ran short) is the engine's: recompute, tokens kept, nothing lost.
     abort() works in every state; an aborted TRANSFERRING request frees its blocks when its pull ends.
     evacuate() ends every request here as abort() does, but with finish_reason "migrate": the gateway
     continues each on another worker from the tokens the client has (a worker changing role leaves now).
+    With a migration sender, a RUNNING stream's blocks are kept and offered instead (decode_pool.migration):
+    its last output carries the KVHandle, the next worker pulls it, and the blocks are freed when its lease
+    ends; the worker holds work (num_requests) until then.
     Whenever a handle will not be pulled (aborted before its pull, pull FAILED), release_source() tells the
     prefill side at once, so its blocks do not wait for the lease to end.
     fail() (the step loop died) ends every request here with finish_reason "error"; later submissions raise
@@ -31,6 +36,7 @@ import time
 from collections.abc import Callable
 
 from decode_pool.messages import DecodeOutput, DecodeRequest, DecodeTimes
+from decode_pool.migration import MigrationOffers
 from decode_pool.pull_watcher import PullWatcher
 from kv_transfer import KVHandle, KVReceiver, PeerInfo, PullReply, PullRequest, TransferState
 from llm_engine import LLMEngine
@@ -62,7 +68,7 @@ class DecodeWorker:
                  deliver_pull: Callable[[PullRequest], None] | None = None,
                  release_source: Callable[[KVHandle, str], None] | None = None,
                  on_step_end: Callable[[], None] | None = None,
-                 wake: Callable[[], None] | None = None) -> None:
+                 wake: Callable[[], None] | None = None, migration: MigrationOffers | None = None) -> None:
         """Args:
         deliver_pull: carries a PullRequest to its prefill worker (backends whose sender takes part);
             the reply comes back through on_pull_reply().
@@ -72,6 +78,8 @@ class DecodeWorker:
             outputs, so that a caller can send one message per step instead of one per request.
         wake: wakes the step loop; given, a PullWatcher thread watches the pulls and wakes the loop when one
             ends (start it with start_watching()); without it, pulls are polled at each step only.
+        migration: offers evacuated streams' KV to the worker that continues them; None: they are
+            recomputed there.
         """
         self.worker_id = worker_id
         self.engine = engine
@@ -79,6 +87,7 @@ class DecodeWorker:
         self.deliver_pull = deliver_pull
         self.release_source = release_source
         self.on_step_end = on_step_end or (lambda: None)
+        self.migration = migration
         self._pulls = PullWatcher(receiver, wake or (lambda: None), deliver_pull, f"pulls-{worker_id}")
         self._is_watching = False
         # Commands from other threads, run by the loop thread at the start of its next step.
@@ -111,6 +120,12 @@ class DecodeWorker:
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate", freeing its blocks (see the lifecycle)."""
         self._inbox.post(self._evacuate)
+
+    def release(self, transfer_id: int, why: str) -> None:
+        """Nobody will pull this migrating stream's KV: free its blocks now rather than at the lease's end."""
+        if self.migration is not None:
+            migration = self.migration
+            self._inbox.post(lambda: migration.release(transfer_id, why))
 
     def add_peer(self, peer: PeerInfo) -> None:
         self._inbox.post(lambda: self._with_receiver(lambda: self.receiver.add_peer(peer)))
@@ -155,6 +170,8 @@ class DecodeWorker:
 
     def _step(self) -> float | None:
         self._inbox.drain()
+        if self.migration is not None:
+            self.migration.poll()
         self._admit()
         for result, finished_at in self._pulls.take():
             self._on_transfer_result(result.source_worker_id, result.transfer_id, result.state, result.reason,
@@ -172,7 +189,13 @@ class DecodeWorker:
         # Nothing to compute (idle, or every waiting request needs blocks): sleep until woken (a submission,
         # an abort, the end of a pull), since a pull's end is what frees or fills blocks; without a watcher
         # thread, poll the receiver while pulls run.
-        return TRANSFER_POLL_S if self._transferring and not self._is_watching else None
+        # The migration sender answers pulls from this loop: poll it while its leases are out.
+        is_polling = (self._transferring and not self._is_watching) or self._num_offered
+        return TRANSFER_POLL_S if is_polling else None
+
+    @property
+    def _num_offered(self) -> int:
+        return self.migration.num_outstanding if self.migration is not None else 0
 
     def load(self) -> WorkerLoad:
         """The loop thread's latest snapshot (never reads the scheduler from another thread)."""
@@ -190,13 +213,21 @@ class DecodeWorker:
             num_free_blocks=self.engine.block_pool.num_free_blocks,
             num_total_blocks=self.engine.block_pool.num_blocks,
             num_outstanding_tokens=sum(e.request.sampling.max_tokens for e in entries),
-            failure=self.failure, num_requests=len(self._entries),
+            failure=self.failure, num_requests=len(self._entries) + self._num_offered,
         )
 
     def _accept(self, request: DecodeRequest, on_output: OutputCallback, queued: float) -> None:
         self._inbox.take(request.request_id)
         self._entries[request.request_id] = _Entry(request, on_output, queued)
-        if request.kv_handle is None:
+        handle = request.kv_handle
+        if handle is not None and request.generated_token_ids and (
+                handle.num_tokens != len(request.prompt_token_ids) + len(request.generated_token_ids) - 1):
+            # A moved stream's KV must cover everything but its last token; anything else is recomputed.
+            logger.warning("migrated KV of %s covers %d tokens, not prompt + tokens so far - 1; recomputing",
+                           request.request_id, handle.num_tokens)
+            self._release_unpulled(request, "the KV does not match the tokens so far")
+            self._start_local(request.request_id)
+        elif handle is None:
             self._start_local(request.request_id)
         else:
             self._awaiting_blocks.append(request.request_id)
@@ -242,11 +273,17 @@ class DecodeWorker:
             self._finish(request_id, entry.abort_reason, entry.transfer_finished)
             return
         request = entry.request
-        assert request.first_token_id is not None and request.kv_handle is not None
+        assert request.kv_handle is not None
+        if request.generated_token_ids:  # a stream moved here from a worker that evacuated it
+            output_token_ids, output_logprobs = list(request.generated_token_ids), []
+        else:
+            assert request.first_token_id is not None
+            output_token_ids = [request.first_token_id]
+            output_logprobs = [] if request.first_logprob is None else [request.first_logprob]
         engine_request = Request(
             request_id, list(request.prompt_token_ids), request.sampling,
-            frozenset(self.engine.spec.eos_token_ids), output_token_ids=[request.first_token_id],
-            output_logprobs=[] if request.first_logprob is None else [request.first_logprob],
+            frozenset(self.engine.spec.eos_token_ids), output_token_ids=output_token_ids,
+            output_logprobs=output_logprobs,
         )
         if state is TransferState.DONE:
             engine_request.num_computed_tokens = request.kv_handle.num_tokens
@@ -284,7 +321,23 @@ class DecodeWorker:
 
     def _evacuate(self) -> None:
         for request_id in list(self._entries):
-            self._abort(request_id, "migrate")
+            if not self._offer_for_migration(request_id):
+                self._abort(request_id, "migrate")
+
+    def _offer_for_migration(self, request_id: str) -> bool:
+        """Hand a running stream back with its KV offered (see the lifecycle); False: not possible here."""
+        scheduler = self.engine.scheduler
+        request = scheduler.requests.get(request_id)
+        if (self.migration is None or request is None or not request.num_output_tokens
+                or request.num_computed_tokens != request.num_tokens - 1):
+            return False  # no sender, not running, or mid-prefill: evacuated without KV
+        if scheduler.detach(request_id) is None:
+            return False
+        handle = self.migration.offer(request)
+        now = time.time()
+        self._finish(request_id, "migrate", now,
+                     DecodeOutput(request_id, (), (), now, finish_reason="migrate", kv_handle=handle))
+        return True
 
     def _abort(self, request_id: str, reason: str = "abort") -> None:
         entry = self._entries.get(request_id)

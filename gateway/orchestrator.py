@@ -11,8 +11,10 @@ Failures (a worker's actor died, its step loop died, or it answered with finish_
     With no live worker of the role needed (1P+1D), it waits for the replacement the pool starts, until the
     stage's deadline; then, and whenever a deadline passes, it raises RequestFailed (a clear error).
 Evacuation (a decode or mixed worker changing role or leaving hands its requests back, finish "migrate"):
-    the stream moves the same way, without marking the worker failed; a request with no token yet is
-    routed again from the start (to the prefill pool, if the new layout has one).
+    the stream moves the same way, without marking the worker failed, and where the worker offers the
+    stream's KV (kv_handle on its last output, nixl) the next worker pulls it instead of recomputing it;
+    a request with no token yet is routed again from the start (to the prefill pool, if the new layout has
+    one).
 Leaving the stream early (client gone, error) aborts the request on whichever workers hold it, and tells the
 prefill worker to free a KV handle nobody will pull.
 """
@@ -31,6 +33,7 @@ from decode_pool.messages import DecodeOutput, DecodeRequest
 from gateway.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.router import Router
 from gateway.workers import Worker
+from kv_transfer import KVHandle
 from llm_engine import SamplingParams
 from llm_engine.step_loop import WorkerFailed
 from pool_worker import Role
@@ -57,6 +60,10 @@ class _WorkerLost(Exception):
 class _Evacuated(Exception):
     """The decode worker is changing role or leaving and handed the request back (internal: it migrates,
     and the worker is not marked failed)."""
+
+    def __init__(self, kv_handle: KVHandle | None) -> None:
+        super().__init__("evacuated")
+        self.kv_handle = kv_handle  # the stream's KV, offered by the worker it left; None: recompute it
 
 
 class _Requeued(Exception):
@@ -202,6 +209,7 @@ class RequestRun:
 
     async def _decode(self, decode: Worker, request: DecodeRequest) -> AsyncGenerator[StreamEvent, None]:
         while True:
+            handle: KVHandle | None = None
             try:
                 async for event in self._decode_once(decode, request):
                     yield event
@@ -212,14 +220,22 @@ class RequestRun:
                     raise RequestFailed(f"generation stopped: {self.num_migrations + 1} decode workers "
                                         "failed while serving this request", "worker_failed") from None
                 self.num_migrations += 1
-            except _Evacuated:
+            except _Evacuated as evacuated:
                 if not self.generated:  # it was still prefilling there: the whole route starts again
                     raise _Requeued from None
                 self.num_moves += 1
-            # Continue elsewhere from what the client has: the new worker recomputes prompt + those tokens.
-            decode = await self._wait_for_worker("decode", self.deadlines.finish_by, {decode.worker_id})
+                handle = evacuated.kv_handle
+            # Continue elsewhere from what the client has: the new worker pulls the KV of prompt + those
+            # tokens from the evacuated worker, or recomputes it (no handle: that worker failed).
+            left = decode
+            try:
+                decode = await self._wait_for_worker("decode", self.deadlines.finish_by, {decode.worker_id})
+            except BaseException:
+                if handle is not None:  # nobody will pull it: the evacuated worker may free it now
+                    left.actor.release_kv.remote(handle.transfer_id, "the request found no worker to move to")
+                raise
             request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
-                                    generated_token_ids=tuple(self.generated))
+                                    generated_token_ids=tuple(self.generated), kv_handle=handle)
 
     async def _decode_once(self, decode: Worker, request: DecodeRequest) -> AsyncGenerator[StreamEvent, None]:
         reserved = len(self.prompt_token_ids) + self.sampling.max_tokens
@@ -240,7 +256,7 @@ class RequestRun:
                     if output.token_ids:
                         yield StreamEvent(self.request_id, output.token_ids, output.logprobs,
                                           output.token_times)
-                    raise _Evacuated
+                    raise _Evacuated(output.kv_handle)
                 yield StreamEvent(self.request_id, output.token_ids, output.logprobs, output.token_times,
                                   output.finish_reason, decode=output if is_finished else None,
                                   num_migrations=self.num_migrations, num_moves=self.num_moves,

@@ -4,11 +4,13 @@ Every worker is the same kind of actor (pool_worker.WorkerActor) serving in a ro
 mixed. Lifecycle of a worker (WorkerState):
     add() → PENDING (created; Ray places it on a node that offers its role's resources: gateway/placement.py)
     → STARTING (placed, node known; start(): model found on its node and loaded, KV cache, transfer endpoint)
-    → ACTIVE (routable; every decode or mixed worker knows every prefill worker's PeerInfo)
+    → ACTIVE (routable; every decode or mixed worker knows the PeerInfo of every worker it may pull KV from:
+      the prefill workers, and with nixl the other decode and mixed workers too)
     → change_role(): decode ⇄ mixed at once (same front, routed differently); to or from prefill the worker
       is CHANGING_ROLE: not routable, its decode streams evacuated to other workers (they continue from the
-      tokens the client has), and once it holds nothing its front is rebuilt in the new role over the same
-      weights and KV cache; peers are rewired → ACTIVE in the new role
+      tokens the client has, pulling the KV the evacuated worker offers them), and once it holds nothing
+      (every such offer pulled or ended) its front is rebuilt in the new role over the same weights and KV
+      cache; peers are rewired → ACTIVE in the new role
     → drain_worker(): DRAINING (not routable; finishes what it holds, or after a grace period evacuates it)
       → removed (shutdown, actor killed).
     ACTIVE | DRAINING | CHANGING_ROLE → FAILED (its actor died, its step loop died, or it stopped
@@ -45,7 +47,7 @@ from gateway.placement import (
     wait_placed,
 )
 from gateway.workers import PoolHealth, Worker, WorkerState
-from kv_transfer import capabilities
+from kv_transfer import can_move_kv_between_decode_workers, capabilities
 from llm_engine.load import WorkerLoad
 from llm_engine.worker_setup import TorchGroupSpec
 from pool_worker import Role, WorkerActor
@@ -151,17 +153,19 @@ class PDDeployment:
         return worker
 
     async def _connect(self, new: list[Worker]) -> None:
-        """Tell every decode or mixed worker about every prefill worker, where either is in `new`."""
+        """Tell every decode or mixed worker about every worker it may pull KV from, where either is in
+        `new`: every prefill worker, and (where the backend can move KV between decode workers, so that an
+        evacuated stream's KV is pulled rather than recomputed) every other decode or mixed worker."""
         # A pending worker is not connected now: it connects itself once placed and started (_bring_up).
         alive = [w for w in self.workers.values() if w.state not in (WorkerState.FAILED, WorkerState.PENDING)]
-        prefills = [w for w in alive if w.role is Role.PREFILL]
+        can_migrate = can_move_kv_between_decode_workers(self.backend)
+        sources = [w for w in alive if w.role is Role.PREFILL or (can_migrate and w.role.can_decode)]
         decodes = [w for w in alive if w.role.can_decode]
-        pairs = [(d, p) for d in decodes for p in prefills if d in new or p in new]
-        needed = {p.worker_id: p for _, p in pairs}
-        infos = await asyncio.gather(*(p.actor.peer_info.remote() for p in needed.values()))
+        pairs = [(d, s) for d in decodes for s in sources if s is not d and (d in new or s in new)]
+        needed = {s.worker_id: s for _, s in pairs}
+        infos = await asyncio.gather(*(s.actor.peer_info.remote() for s in needed.values()))
         peers = dict(zip(needed, infos, strict=True))
-        await asyncio.gather(*(d.actor.add_prefill_peer.remote(peers[p.worker_id], p.actor)
-                               for d, p in pairs))
+        await asyncio.gather(*(d.actor.add_peer.remote(peers[s.worker_id], s.actor) for d, s in pairs))
 
     def active(self, *roles: Role) -> list[Worker]:
         """Routable workers in any of `roles`."""
@@ -213,8 +217,7 @@ class PDDeployment:
         worker.state, worker.next_role = WorkerState.CHANGING_ROLE, role
         self._changed()
         await self._wait_until_empty(worker, in_flight, grace_s, timeout_s)
-        if old is Role.PREFILL:
-            self._unwire_prefill(worker)
+        self._unwire(worker)  # its endpoint closes with its old front
         await worker.actor.set_role.remote(role.value)
         worker.role = role
         await self._connect([worker])
@@ -290,19 +293,16 @@ class PDDeployment:
         with contextlib.suppress(Exception):  # already gone
             ray.kill(worker.actor, no_restart=True)
         self.workers.pop(worker.worker_id, None)
-        if worker.role is Role.PREFILL:
-            self._unwire_prefill(worker)
-        else:
-            for callback in self.on_remove:
-                callback(worker.worker_id)
+        self._unwire(worker)
 
-    def _unwire_prefill(self, worker: Worker) -> None:
-        """A prefill worker leaves its role: the router and every decode or mixed worker forget it."""
+    def _unwire(self, worker: Worker) -> None:
+        """The worker's endpoint goes away (it leaves, or its role changes to or from prefill): the router
+        and every decode or mixed worker forget it."""
         for callback in self.on_remove:
             callback(worker.worker_id)
         for decode in self.workers.values():
-            if decode.role.can_decode and decode.state is not WorkerState.FAILED:
-                decode.actor.remove_prefill_peer.remote(worker.worker_id)
+            if decode is not worker and decode.role.can_decode and decode.state is not WorkerState.FAILED:
+                decode.actor.remove_peer.remote(worker.worker_id)
 
     def _changed(self) -> None:
         for callback in self.on_change:

@@ -119,6 +119,13 @@ def capabilities(name: str | BackendName) -> BackendCapabilities:
     return resolve(name).capabilities
 
 
+def can_move_kv_between_decode_workers(name: str | BackendName) -> bool:
+    """Whether a decode worker that hands a running stream back can offer its KV to another decode worker
+    (KV migration): the backend must cross processes and accept peers added at any time."""
+    caps = capabilities(name)
+    return caps.crosses_processes and not caps.needs_peer_bound_up_front and not caps.sender_takes_part
+
+
 @dataclass(frozen=True)
 class BackendChoice:
     """The backend picked for a sender/receiver pair, and why (for the log)."""

@@ -86,6 +86,19 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_ABORTED
         return request
 
+    def detach(self, request_id: str) -> Request | None:
+        """Take a RUNNING request out of the schedule but leave its blocks to the caller (who frees them
+        with kv.free once done with them: a migrating stream's KV is read by another worker first).
+        Returns it, or None if it is not running (waiting requests have no KV worth keeping)."""
+        request = self.requests.get(request_id)
+        if request is None or request not in self.running:
+            return None
+        del self.requests[request_id]
+        self.running.remove(request)
+        self._forget(request_id)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return request
+
     def _forget(self, request_id: str) -> None:
         """The request's current table is gone: the runner may drop its copy (told with the next forward)."""
         if self._num_sent_blocks.pop(request_id, None) is not None:

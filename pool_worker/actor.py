@@ -6,7 +6,9 @@ Lifecycle:  WorkerActor(role): cheap, so that the gateway learns at once that Ra
     → start(torch_group): the model is found on this node (ModelSource), the engine loads (weights + KV
     cache, once per process), the torch group (if any) is joined → the role's front is built over it
     (PrefillRole: sender + prefill scheduler; DecodeRole: receiver + decode scheduler)
-    → serves (decode and mixed roles send outputs through output_stream(), one per gateway reader)
+    → serves (decode and mixed roles send outputs through output_stream(), one per gateway reader; every
+      role offers KV through peer_info()'s endpoint: prefill its prompts, decode and mixed their evacuated
+      streams where the backend allows)
     → set_role(other):
         decode ⇄ mixed: the same DecodeRole; only the label changes (the gateway routes differently);
         prefill ⇄ decode/mixed: the worker must hold nothing (the gateway drained it, evacuating decode
@@ -168,29 +170,32 @@ class WorkerActor:
         if self._front is not None:
             self._front.close()
 
-    # Prefill role.
     def peer_info(self) -> PeerInfo:
-        return self._prefill().peer_info()
+        """The endpoint other workers pull KV from: a prefill worker's prompts, or a decode or mixed
+        worker's evacuated streams (where the backend can move KV between decode workers)."""
+        return self._started().peer_info()
+
+    def release_kv(self, transfer_id: int, why: str) -> None:
+        """Nobody will pull this transfer: free its blocks now. A late release after a role change finds
+        nothing (the change waited until every lease had ended; each sender starts its ids at random)."""
+        self._started().release_kv(transfer_id, why)
+
+    # Prefill role.
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         return await self._prefill().prefill(request)
-
-    def release_kv(self, transfer_id: int, why: str) -> None:
-        """Nobody will pull this transfer: free its blocks now. After a role change there is nothing to free
-        (the change waited until every lease had ended), so a late release is ignored."""
-        if isinstance(self._front, PrefillRole):
-            self._front.release_kv(transfer_id, why)
 
     def accept_pull(self, pull: PullRequest) -> PullReply:
         return self._prefill().accept_pull(pull)
 
     # Decode and mixed roles.
-    async def add_prefill_peer(self, peer: PeerInfo, actor: Any = None) -> None:
-        await self._decode().add_prefill_peer(peer, actor)
+    async def add_peer(self, peer: PeerInfo, actor: Any = None) -> None:
+        """Learn a worker to pull KV from (its peer_info() and actor)."""
+        await self._decode().add_peer(peer, actor)
 
-    def remove_prefill_peer(self, worker_id: str) -> None:
+    def remove_peer(self, worker_id: str) -> None:
         if isinstance(self._front, DecodeRole):  # a prefill worker knows no peers: nothing to forget
-            self._front.remove_prefill_peer(worker_id)
+            self._front.remove_peer(worker_id)
 
     async def output_stream(self, channel_id: str) -> AsyncIterator[DecodeOutputBatch]:
         """The outputs of every request submitted with `channel_id`, one item per step (or several steps,

@@ -140,7 +140,7 @@ def test_pools_grow_and_shrink_under_load_and_every_request_is_served(
     assert all(w["state"] == "active" for w in workers)
 
 
-def test_a_stream_moves_off_a_worker_that_changes_role_without_losing_a_token(
+def test_a_stream_moves_off_a_worker_that_changes_role_with_its_kv_without_losing_a_token(
         client: httpx.Client, tiny_chat_model_dir: Path) -> None:
     change_layout(client, {"prefill": 0, "decode": 0, "mixed": 2})
     actors = [ray.get_actor(f"pdserve-{i}") for i in worker_infos(client)]
@@ -168,6 +168,8 @@ def test_a_stream_moves_off_a_worker_that_changes_role_without_losing_a_token(
         ray.get([a.__ray_call__.remote(faults.heal) for a in actors])
     assert token_ids == hf_greedy(tiny_chat_model_dir, [prompt], 80, ignore_eos=True)[0]
     assert final["timings"]["num_moves"] == 1
+    # The worker it moved to pulled the stream's KV from the one it left (nixl), rather than recomputing it.
+    assert final["timings"]["transfer_bytes"] > 0
     assert layout_of(client) == (1, 1, 0)
     assert wait_until_no_blocks_used(client) == 0
 

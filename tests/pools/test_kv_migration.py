@@ -1,0 +1,115 @@
+"""KV migration between two decode workers in one process (real engines, real NIXL agents over UCX, stepped by
+hand): a stream evacuated from one worker continues on the other from the pulled KV, token-equal to
+transformers, and both workers end whole."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from decode_pool.messages import DecodeOutput, DecodeRequest
+from decode_pool.migration import MigrationOffers
+from decode_pool.worker import DecodeWorker
+from kv_transfer import TransferConfig, make_receiver, make_sender
+from llm_engine import EngineConfig, LLMEngine, SamplingParams
+from tests.conftest import hf_greedy, random_prompts
+
+pytest.importorskip("nixl._bindings")
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+_names = itertools.count()
+
+
+def make_decode_worker(model_dir: Path, name: str) -> DecodeWorker:
+    """A decode worker as DecodeRole builds it with nixl: receiver and migration sender over one KV cache."""
+    engine = LLMEngine(EngineConfig(str(model_dir), kv_cache_bytes=8 << 20), watermark=0.05)
+    config = TransferConfig(lease_s=30.0)
+    kv_cache = engine.runner.kv_cache
+    receiver = make_receiver("nixl", name, kv_cache, config=config)
+    migration = MigrationOffers(make_sender("nixl", name, kv_cache, config=config), engine.kv)
+    return DecodeWorker(name, engine, receiver, migration=migration)
+
+
+class Outputs:
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.final: dict[str, DecodeOutput] = {}
+
+    def __call__(self, output: DecodeOutput) -> None:
+        self.tokens.setdefault(output.request_id, []).extend(output.token_ids)
+        if output.finish_reason:
+            self.final[output.request_id] = output
+
+
+def step_until(workers: list[DecodeWorker], done: object, limit: int = 2000) -> None:
+    for _ in range(limit):
+        for worker in workers:
+            worker.step()
+        if callable(done) and done():
+            return
+    raise AssertionError("the workers did not get there")
+
+
+def pair(model_dir: Path) -> tuple[DecodeWorker, DecodeWorker]:
+    n = next(_names)
+    first, second = make_decode_worker(model_dir, f"dA{n}"), make_decode_worker(model_dir, f"dB{n}")
+    assert first.migration is not None and second.migration is not None
+    second.add_peer(first.migration.peer_info())
+    first.add_peer(second.migration.peer_info())
+    return first, second
+
+
+def test_an_evacuated_stream_continues_from_pulled_kv(tiny_llama_dir: Path) -> None:
+    prompts = random_prompts([5, 40, 70], 1000, seed=7)
+    first, second = pair(tiny_llama_dir)
+    seen = Outputs()
+    for index, prompt in enumerate(prompts):
+        first.submit(DecodeRequest(f"r{index}", tuple(prompt), GREEDY), seen)
+    # A few tokens each (block boundaries differ per prompt), then the worker hands the streams back.
+    step_until([first], lambda: all(len(seen.tokens.get(f"r{i}", ())) >= 5 for i in range(len(prompts))))
+    first.evacuate()
+    step_until([first], lambda: len(seen.final) == len(prompts))
+    handles = {rid: out.kv_handle for rid, out in seen.final.items()}
+    assert all(out.finish_reason == "migrate" for out in seen.final.values())
+    assert all(h is not None for h in handles.values())
+    assert first.load().num_requests == len(prompts)  # the offers hold their blocks: not drained yet
+
+    moved = Outputs()
+    for index, prompt in enumerate(prompts):
+        rid = f"r{index}"
+        moved.tokens[rid] = list(seen.tokens[rid])
+        second.submit(DecodeRequest(rid, tuple(prompt), GREEDY, generated_token_ids=tuple(seen.tokens[rid]),
+                                    kv_handle=handles[rid]), moved)
+    step_until([first, second], lambda: len(moved.final) == len(prompts) and first.load().num_requests == 0)
+
+    expected = hf_greedy(tiny_llama_dir, prompts, GREEDY.max_tokens)
+    assert [moved.tokens[f"r{i}"] for i in range(len(prompts))] == expected
+    assert all(out.transfer_bytes > 0 for out in moved.final.values())  # pulled, not recomputed
+    assert first.engine.block_pool.is_whole() and second.engine.block_pool.is_whole()
+
+
+def test_a_refused_migration_is_recomputed_and_frees_the_source(tiny_llama_dir: Path) -> None:
+    """The next worker does not know the evacuated one (no peer): it recomputes, and the source's blocks
+    come back through release() at once, not at the lease's end."""
+    prompt = random_prompts([33], 1000, seed=3)[0]
+    first, _ = pair(tiny_llama_dir)
+    stranger = make_decode_worker(tiny_llama_dir, f"dC{next(_names)}")
+    seen = Outputs()
+    first.submit(DecodeRequest("r", tuple(prompt), GREEDY), seen)
+    step_until([first], lambda: len(seen.tokens.get("r", ())) >= 3)
+    first.evacuate()
+    step_until([first], lambda: "r" in seen.final)
+    handle = seen.final["r"].kv_handle
+    assert handle is not None
+
+    moved = Outputs()
+    moved.tokens["r"] = list(seen.tokens["r"])
+    stranger.release_source = lambda h, why: first.release(h.transfer_id, why)
+    stranger.submit(DecodeRequest("r", tuple(prompt), GREEDY, generated_token_ids=tuple(seen.tokens["r"]),
+                                  kv_handle=handle), moved)
+    step_until([first, stranger], lambda: "r" in moved.final and first.load().num_requests == 0)
+    assert moved.tokens["r"] == hf_greedy(tiny_llama_dir, [prompt], GREEDY.max_tokens)[0]
+    assert moved.final["r"].transfer_bytes == 0
+    assert first.engine.block_pool.is_whole() and stranger.engine.block_pool.is_whole()
