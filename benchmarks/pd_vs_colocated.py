@@ -36,7 +36,9 @@ SETUPS = {
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
 
 
-def start_server(flags: list[str], port: int) -> subprocess.Popen[bytes]:
+def start_server(flags: list[str], port: int, code_dir: Path | None = None) -> subprocess.Popen[bytes]:
+    """`pdserve serve` with `flags`, once healthy; from the checkout in `code_dir` (an earlier commit's
+    worktree: its actors import from there too) when given."""
     command = [
         sys.executable,
         "-m",
@@ -56,7 +58,8 @@ def start_server(flags: list[str], port: int) -> subprocess.Popen[bytes]:
     ]
     server = subprocess.Popen(
         command,
-        env={**os.environ, "UCX_NET_DEVICES": "lo"},
+        env={**os.environ, "UCX_NET_DEVICES": "lo", **({"PYTHONPATH": str(code_dir)} if code_dir else {})},
+        cwd=code_dir,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

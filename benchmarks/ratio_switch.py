@@ -7,9 +7,11 @@ On this 2-core machine with SmolLM2-135M (one torch thread per worker), each set
            auto, a timeline of roles against queued prompt tokens (timeline.png) and its decisions.
   closed16 16 clients, each sending 256-token prompts for 64 tokens, back to back: output tokens/s.
   burst    4 streams (256 prompt, 128 out) decoding when two 1500-token prompts arrive: the streams' ITL p99.
+With --base DIR (a worktree of an earlier commit), "auto @base" runs `--ratio auto` from that checkout too,
+so that a change to the controller or to role changes is measured side by side.
 Writes results.json, table.md and the plots under --out.
 
-    .venv/bin/python benchmarks/ratio_switch.py [--phase-s 40] [--out benchmarks/results/ratio_switch]
+    .venv/bin/python benchmarks/ratio_switch.py [--phase-s 40] [--base /tmp/base] [--out DIR]
 """
 
 from __future__ import annotations
@@ -118,14 +120,15 @@ async def wait_for_layout(url: str, layout: tuple[int, int, int], timeout_s: flo
     raise SystemExit(f"{url} did not return to {layout}")
 
 
-def run_setup(name: str, flags: list[str], args: argparse.Namespace) -> dict[str, object]:
+def run_setup(name: str, flags: list[str], args: argparse.Namespace, code_dir: Path | None = None
+              ) -> dict[str, object]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     start_layout = (1, 1, 0) if name == "1P+1D" else (0, 0, 2)
     slo_flags = ["--ttft-slo-s", str(args.ttft_slo), "--itl-slo-s", str(args.itl_slo)]
-    server = start_server([*flags, *slo_flags], port)
+    server = start_server([*flags, *slo_flags], port, code_dir)
     slo = SLO(args.ttft_slo, args.itl_slo)
     result: dict[str, object] = {}
     try:
@@ -167,11 +170,14 @@ def main() -> None:
     parser.add_argument("--ttft-slo", type=float, default=3.0)
     parser.add_argument("--itl-slo", type=float, default=0.2)
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument("--base", type=Path, help="also run auto from this checkout (an earlier commit)")
     parser.add_argument("--out", default="benchmarks/results/ratio_switch")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {name: run_setup(name, SETUPS[name], args) for name in args.setups}
+    if args.base:
+        results["auto @base"] = run_setup("auto @base", SETUPS["auto"], args, args.base.resolve())
     (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     write_report(results, args, out)
 

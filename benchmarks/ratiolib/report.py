@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,13 @@ def _row(name: str, phase: str, s: dict[str, Any]) -> str:
             f"{s['goodput']:.3f} |")
 
 
+def _commit(checkout: Path) -> str:
+    """The checkout's commit, for the table's header."""
+    done = subprocess.run(["git", "-C", str(checkout), "log", "-1", "--format=%h (%s)"],
+                          capture_output=True, text=True)
+    return done.stdout.strip()[:100] or str(checkout)
+
+
 def write_report(results: dict[str, Any], args: argparse.Namespace, out: Path) -> None:
     lines = [
         f"# Fixed layouts against the ratio controller ({datetime.now(UTC):%Y-%m-%d})",
@@ -31,7 +39,9 @@ def write_report(results: dict[str, Any], args: argparse.Namespace, out: Path) -
         f"{args.long_rate} req/s. Goodput SLO: "
         f"TTFT ≤ {args.ttft_slo} s and TPOT ≤ {args.itl_slo} s. Each setup is its own server, run one after "
         "another in one invocation.",
-        "Command: `.venv/bin/python benchmarks/ratio_switch.py`",
+        "Command: `.venv/bin/python benchmarks/ratio_switch.py"
+        + (f" --base {args.base}`; \"auto @base\" is `--ratio auto` from {_commit(args.base)}"
+           if getattr(args, "base", None) else "`"),
         "",
         "| phase | setup | ok/requests | ITL p99 ms | TTFT p90 ms | goodput req/s |",
         "|---|---|---:|---:|---:|---:|",
