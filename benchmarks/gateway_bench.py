@@ -42,7 +42,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def one(client: httpx.AsyncClient, max_tokens: int) -> tuple[float, float]:
+# Where the overhead goes: the gateway's hops between processes (from the response's timings, where the
+# server reports them) and the client's own share (its e2e minus the gateway's).
+PARTS = ("gateway_queue_ms", "to_prefill_ms", "handoff_ms", "delivery_ms", "client_ms")
+
+
+async def one(client: httpx.AsyncClient, max_tokens: int) -> tuple[float, float, dict[str, float]]:
     body = {"model": "tiny", "prompt": "Tell me a story about a fox", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
     start = time.perf_counter()
@@ -56,16 +61,18 @@ async def one(client: httpx.AsyncClient, max_tokens: int) -> tuple[float, float]
     e2e_ms = 1000 * (time.perf_counter() - start)
     assert timings is not None
     worker_ms = sum(timings[s] for s in WORKER_STAGES)
-    return e2e_ms, e2e_ms - worker_ms
+    parts = {part: timings.get(part, float("nan")) for part in PARTS[:-1]}
+    parts["client_ms"] = e2e_ms - timings["e2e_ms"]
+    return e2e_ms, e2e_ms - worker_ms, parts
 
 
 async def run(url: str, concurrency: int, num_requests: int, max_tokens: int
-              ) -> list[tuple[float, float] | BaseException]:
+              ) -> list[tuple[float, float, dict[str, float]] | BaseException]:
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         semaphore = asyncio.Semaphore(concurrency)
 
-        async def bounded() -> tuple[float, float]:
+        async def bounded() -> tuple[float, float, dict[str, float]]:
             async with semaphore:
                 return await one(client, max_tokens)
 
@@ -96,11 +103,15 @@ def start_server(model_dir: Path, code_dir: Path) -> tuple[subprocess.Popen[byte
         time.sleep(0.5)
 
 
+Row = tuple[float, float, float, float, int, dict[str, float]]
+
+
 def measure(model_dir: Path, code_dir: Path, streams: list[int], num_requests: int, max_tokens: int
-            ) -> dict[int, tuple[float, float, float, float, int]]:
-    """Per concurrency: e2e p50, e2e p99, overhead p50, overhead p99 (ms), and failed requests."""
+            ) -> dict[int, Row]:
+    """Per concurrency: e2e p50, e2e p99, overhead p50, overhead p99 (ms), failed requests, and the p50 of
+    each part of the overhead."""
     server, url = start_server(model_dir, code_dir)
-    rows: dict[int, tuple[float, float, float, float, int]] = {}
+    rows: dict[int, Row] = {}
     try:
         asyncio.run(run(url, 4, 8, max_tokens))  # warm-up
         for concurrency in streams:
@@ -108,8 +119,9 @@ def measure(model_dir: Path, code_dir: Path, streams: list[int], num_requests: i
             results = [r for r in outcomes if isinstance(r, tuple)]
             e2e = [r[0] for r in results]
             overhead = [r[1] for r in results]
+            parts = {part: percentile([r[2][part] for r in results], 50) for part in PARTS}
             rows[concurrency] = (percentile(e2e, 50), percentile(e2e, 99), percentile(overhead, 50),
-                                 percentile(overhead, 99), len(outcomes) - len(results))
+                                 percentile(overhead, 99), len(outcomes) - len(results), parts)
             print(code_dir, concurrency, rows[concurrency], flush=True)
     finally:
         server.send_signal(signal.SIGINT)  # the server's Ctrl-C path: shuts its actors and Ray down
@@ -136,7 +148,7 @@ def main() -> None:
     streams = [int(n) for n in args.streams.split(",")]
     here = Path(__file__).resolve().parents[1]
     sides = {"before": args.base.resolve(), "after": here} if args.base else {"now": here}
-    runs: dict[str, list[dict[int, tuple[float, float, float, float, int]]]] = {side: [] for side in sides}
+    runs: dict[str, list[dict[int, Row]]] = {side: [] for side in sides}
     for _ in range(args.repeats):
         for side, code_dir in sides.items():
             runs[side].append(measure(model_dir, code_dir, streams, args.requests, args.max_tokens))
@@ -158,13 +170,21 @@ def main() -> None:
         for side in sides:
             rows = [r[concurrency] for r in runs[side]]
 
-            def cell(i: int, rows: list[tuple[float, float, float, float, int]] = rows) -> str:
+            def cell(i: int, rows: list[Row] = rows) -> str:
                 values = [r[i] for r in rows]
                 spread = f" [{min(values):.1f}–{max(values):.1f}]" if len(values) > 1 else ""
                 return f"{statistics.median(values):.1f}{spread}"
 
             cells = " | ".join(cell(i) for i in range(4))
             lines.append(f"| {side} | {concurrency} | {cells} | {sum(r[4] for r in rows)} |")
+    lines += ["", "Where the overhead goes (p50 ms of each part, median over rounds; nan: not reported by "
+              "that code). Hops from the response's timings; client = client e2e − the gateway's e2e.", "",
+              "| code | streams | " + " | ".join(p.removesuffix("_ms") for p in PARTS) + " |",
+              "|---|---:|" + "---:|" * len(PARTS)]
+    for concurrency in streams:
+        for side in sides:
+            medians = [statistics.median(r[concurrency][5][part] for r in runs[side]) for part in PARTS]
+            lines.append(f"| {side} | {concurrency} | " + " | ".join(f"{m:.1f}" for m in medians) + " |")
     print("\n".join(lines))
     Path(args.out).write_text("\n".join(lines) + "\n")
 

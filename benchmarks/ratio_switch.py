@@ -178,7 +178,8 @@ def main() -> None:
     results = {name: run_setup(name, SETUPS[name], args) for name in args.setups}
     if args.base:
         results["auto @base"] = run_setup("auto @base", SETUPS["auto"], args, args.base.resolve())
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    report = {"args": vars(args), "results": results}
+    (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
     write_report(results, args, out)
 
 

@@ -131,9 +131,15 @@ class Timings(BaseModel):
     token_gaps_ms: list[float]  # gaps between consecutive tokens leaving the gateway
     prefill_on: str = "prefill"  # the worker kind that prefilled: "prefill" (the pool) or "decode" (itself)
     local_prefill_reason: str | None = None  # why the decode or mixed worker prefilled the prompt itself
-    # Times the stream moved to another worker, which recomputed what the client had: its worker failed,
-    # changed role or left the pools.
+    # Times the stream moved to another worker, which pulled or recomputed the KV of what the client had:
+    # its worker failed, changed role or left the pools.
     num_moves: int = 0
+    # The hops between processes that no stage above covers (the gateway's own share of e2e_ms):
+    to_prefill_ms: float = 0.0  # admitted here → the prefilling worker has the request
+    # First token on the prefill worker → the decode worker has the request (for a moved stream, the
+    # worker it ended on: the time on the workers it left is in here too).
+    handoff_ms: float = 0.0
+    delivery_ms: float = 0.0  # last token made on the decode worker → it left the gateway
 
 
 class CompletionChoice(BaseModel):

@@ -19,6 +19,10 @@ decode workers (running streams are protected from long prompts).
       1 → 0   calm_s after a move for the ITL SLO the requests' TPOT is no better: back, and that rule
               stays off for a while (decoding was short of cores, not troubled by prefill).
     → moves applied through the PoolResizer (one change at a time, shared with PUT /admin/pools).
+While it is on (and the operator set no queue rule of their own), the router also prefills a prompt shorter
+than long_prompt_tokens on a decode worker when every prefill worker has long_prompt_tokens queued: a
+prefill pool split off for long prompts must not make short ones wait behind them (at level 0 no prefill
+worker exists, and the rule does nothing).
 Hysteresis: up on a high mark, down only after calm_s below a low mark; and no change within min_dwell_s
 of the last. Every decision is logged with its reason, counted in pdserve_ratio_changes_total{from,to,
 reason}, and kept (the last 200) for GET /admin/pools.
@@ -31,7 +35,7 @@ import collections
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.metrics import Metrics
 from gateway.pools import PDDeployment
@@ -186,6 +190,7 @@ class RatioController:
         self.ladder = Ladder(self.policy)
         self._changed_at = float("-inf")  # time.monotonic() when the last change ended
         self._last_long_prompt = float("-inf")  # time.monotonic() of the latest long prompt
+        self._operator_local_prefill = self.router.local_prefill  # what the router had before auto
 
     @property
     def is_on(self) -> bool:
@@ -194,15 +199,29 @@ class RatioController:
     def start(self) -> None:
         if not self.is_on:
             self._task = asyncio.create_task(self._run())
+            self._operator_local_prefill = self.router.local_prefill
+            self._set_local_prefill()
 
     def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+            self.router.local_prefill = self._operator_local_prefill
 
     def set_policy(self, policy: ControllerPolicy) -> None:
         self.policy = policy
         self.ladder = Ladder(policy)
+        if self.is_on:
+            self._set_local_prefill()
+
+    def _set_local_prefill(self) -> None:
+        """Short prompts are not left behind long ones in the prefill pool (see the module docstring),
+        unless the operator chose a queue rule."""
+        operator = self._operator_local_prefill
+        if not operator.min_prefill_queue_tokens:
+            long = self.policy.long_prompt_tokens
+            self.router.local_prefill = replace(operator, min_prefill_queue_tokens=long,
+                                                queue_rule_below_tokens=long)
 
     def note_prompt(self, num_uncached_tokens: int) -> None:
         """Called as each request is routed: a long prompt wakes the controller at once."""

@@ -33,9 +33,13 @@ class LocalPrefillPolicy:
 
     max_uncached_tokens: int = 0  # prompts with at most this many tokens not in any prefill cache
     min_prefill_queue_tokens: int = 0  # ... or any size, while every prefill worker has this many queued
+    # The queue rule only for prompts with fewer uncached tokens than this (0: any size). The ratio
+    # controller sets it to its long-prompt size: long prompts still go to the prefill pool, while a short
+    # one is not left waiting behind them.
+    queue_rule_below_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_uncached_tokens < 0 or self.min_prefill_queue_tokens < 0:
+        if min(self.max_uncached_tokens, self.min_prefill_queue_tokens, self.queue_rule_below_tokens) < 0:
             raise ValueError(f"local prefill thresholds must be >= 0, got {self}")
 
 
@@ -98,7 +102,8 @@ class Router:
         if policy.max_uncached_tokens and uncached <= policy.max_uncached_tokens:
             return f"short prompt: {uncached} uncached tokens <= {policy.max_uncached_tokens}"
         queued = min(self.prefill_tokens[w.worker_id] for w in prefills)
-        if policy.min_prefill_queue_tokens and queued >= policy.min_prefill_queue_tokens:
+        is_small_enough = not policy.queue_rule_below_tokens or uncached < policy.queue_rule_below_tokens
+        if policy.min_prefill_queue_tokens and queued >= policy.min_prefill_queue_tokens and is_small_enough:
             return f"prefill queue: {queued} tokens >= {policy.min_prefill_queue_tokens} on every worker"
         return ""
 

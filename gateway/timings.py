@@ -1,4 +1,7 @@
-"""A request's stage Timings, from the times the workers report and the times its tokens left the gateway.
+"""A request's stage Timings, from the times the workers report and the times its tokens left the gateway;
+the hops between processes (to the prefill worker, prefill → decode, decode → out of the gateway) are what
+the stages leave out, so that the gateway's own share of a request's time is visible per request. Worker
+and gateway clocks are compared: on several hosts, the hops include their clock skew.
 
 Tokens are counted one by one (a worker may send several in one event); each gets its own time: the
 worker's spacing between them, anchored at the moment the gateway received the event.
@@ -41,6 +44,8 @@ def stage_timings(
             ttft_ms=ms(arrival, sent[0] if sent else None),
             e2e_ms=ms(arrival, sent[-1] if sent else time.time()),
             token_gaps_ms=[ms(a, b) for a, b in itertools.pairwise(sent)],
+            to_prefill_ms=ms(admitted, d.queued),
+            delivery_ms=ms(d.finished, sent[-1] if sent else None),
         )
     return Timings(
         gateway_queue_ms=ms(arrival, admitted),
@@ -55,6 +60,9 @@ def stage_timings(
         ttft_ms=ms(arrival, sent[0] if sent else None),
         e2e_ms=ms(arrival, sent[-1] if sent else time.time()),
         token_gaps_ms=[ms(a, b) for a, b in itertools.pairwise(sent)],
+        to_prefill_ms=ms(admitted, p.queued) if p else 0.0,
+        handoff_ms=ms(p.finished, d.queued) if p and d else 0.0,
+        delivery_ms=ms(d.finished, sent[-1] if sent else None) if d else 0.0,
     )
 
 def token_times(event: StreamEvent, received: float) -> list[float]:

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from loadgen.client import RequestRecord
 
-STAGES = ("gateway_queue_ms", "prefill_queue_ms", "prefill_ms", "transfer_ms", "decode_queue_ms", "decode_ms")
+# A request's stages and, between them, the hops between processes: together they add up to its e2e_ms.
+STAGES = ("gateway_queue_ms", "to_prefill_ms", "prefill_queue_ms", "prefill_ms", "handoff_ms", "transfer_ms",
+          "decode_queue_ms", "decode_ms", "delivery_ms")
 QUANTILES = (50, 90, 99)
 
 

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from gateway.config import ServeConfig
 from gateway.ratio_controller import ControllerPolicy
+from gateway.router import LocalPrefillPolicy
 from tests.conftest import hf_greedy, random_prompts
 from tests.gateway import actor_faults as faults
 from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
@@ -102,3 +103,19 @@ def test_auto_disaggregates_for_a_long_prompt_and_goes_back_when_calm(
     assert {i: (x.actor_id, x.pid, x.num_model_loads) for i, x in after.items()} == {
         i: (x.actor_id, x.pid, 1) for i, x in before.items()}
     assert sum(x.num_role_changes for x in after.values()) >= 4
+
+
+def test_auto_keeps_short_prompts_from_waiting_behind_long_ones(auto_server: tuple[str, FastAPI]) -> None:
+    """While auto is on, the router prefills a short prompt on a decode worker when the prefill pool is
+    busy with long ones; turned off, the operator's policy (here: always disaggregate) is back."""
+    url, app = auto_server
+    router = app.state.service.router
+    assert router.local_prefill == LocalPrefillPolicy(min_prefill_queue_tokens=FAST.long_prompt_tokens,
+                                                      queue_rule_below_tokens=FAST.long_prompt_tokens)
+    with httpx.Client(base_url=url, timeout=60) as client:
+        try:
+            assert client.put("/admin/pools", json={"auto": False}).status_code == 200
+            assert router.local_prefill == LocalPrefillPolicy()
+        finally:
+            assert client.put("/admin/pools", json={"auto": True}).status_code == 200
+    assert router.local_prefill.queue_rule_below_tokens == FAST.long_prompt_tokens

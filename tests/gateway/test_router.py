@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.pools import DeploymentConfig
-from gateway.router import Router
+from gateway.router import LocalPrefillPolicy, Router
 from gateway.workers import Worker, WorkerState
 from llm_engine import EngineConfig
 from pool_worker import Role
@@ -56,3 +56,18 @@ def test_draining_workers_are_not_chosen() -> None:
     router.decode_tokens["decode-2"] = 10**6
     assert router.pick_decode().worker_id == "decode-2"
 
+
+
+def test_the_queue_rule_keeps_long_prompts_in_the_prefill_pool_when_bounded() -> None:
+    """As the ratio controller sets it: a short prompt behind a long queue is prefilled locally, a long one
+    still goes to the prefill pool; unbounded, any size goes local."""
+    router = make_router()
+    router.prefill_tokens.update({"prefill-0": 1500, "prefill-1": 1200})
+    short, long = tuple(range(200)), tuple(range(1000, 2500))
+    router.local_prefill = LocalPrefillPolicy(min_prefill_queue_tokens=1024, queue_rule_below_tokens=1024)
+    assert "prefill queue: 1200 tokens" in router.local_prefill_reason(short)
+    assert router.local_prefill_reason(long) == ""
+    router.local_prefill = LocalPrefillPolicy(min_prefill_queue_tokens=1024)
+    assert router.local_prefill_reason(long) != ""
+    router.prefill_tokens["prefill-1"] = 1000  # one worker has room: nothing goes local
+    assert router.local_prefill_reason(short) == ""
