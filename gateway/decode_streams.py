@@ -74,6 +74,11 @@ class DecodeStreams:
         outputs = reader.requests[request_id] = RequestOutputs(request_id, reader)
         return outputs
 
+    def request_ids(self, worker_id: str) -> list[str]:
+        """The requests whose outputs this gateway awaits from the worker."""
+        reader = self._readers.get(worker_id)
+        return list(reader.requests) if reader is not None else []
+
     @staticmethod
     def unsubscribe(outputs: RequestOutputs) -> None:
         outputs.reader.requests.pop(outputs.request_id, None)

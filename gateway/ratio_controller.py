@@ -7,7 +7,9 @@ decode workers (running streams are protected from long prompts).
     tick (every interval_s, or at once when a long prompt arrives) → Signals (from what the gateway
     already knows: prompt tokens queued on each worker and on their way, decode batch sizes, KV occupancy,
     recent TTFT and ITL against the SLOs) → decide():
-      0 → 1   a long prompt (≥ long_prompt_tokens) is being prefilled by a worker while streams decode, or
+      0 → 1   a long prompt (≥ long_prompt_tokens) is being prefilled by a worker that also decodes other
+              streams (one that prefills it with nothing else to decode stalls no one: light traffic keeps
+              both workers prefilling long prompts, which halves their wait), or
               the requests' TPOT p90 is over the ITL SLO while prompts queue and the median gap is not
               (prefill chunks cause the tail; a slow median means decoding itself is short of cores,
               which disaggregation would make worse).
@@ -82,6 +84,7 @@ class Signals:
     tpot_p90_s: float | None  # over requests: each one's mean gap between tokens (goodput's ITL check)
     itl_p50_s: float | None  # over tokens
     longest_pending_prompt: int  # tokens of the longest prompt a decode or mixed worker is prefilling now
+    longest_prompt_beside_streams: int  # ... on a worker that decodes other requests meanwhile
     seconds_since_long_prompt: float  # since one arrived (before it is routed, it is pending nowhere yet)
 
 
@@ -127,9 +130,10 @@ class Ladder:
             return None
         level, n = s.level, s.num_workers
         if level == 0 and n >= 2:
-            if is_long_prompt_here and s.num_decoding:
-                return self._decision(s, 1, "long_prompt", f"a prompt of >= {p.long_prompt_tokens} tokens "
-                                      f"is being prefilled while {s.num_decoding} streams decode")
+            if s.longest_prompt_beside_streams >= p.long_prompt_tokens:
+                return self._decision(s, 1, "long_prompt", f"a prompt of {s.longest_prompt_beside_streams} "
+                                      f"tokens is being prefilled beside decoding streams ({s.num_decoding} "
+                                      "decode)")
             # Only a tail that prefill chunks cause: with the median over the SLO too, decoding itself is
             # the bottleneck, and giving a decoding core to prefill would make it worse.
             is_tail = (s.tpot_p90_s is not None and s.itl_p50_s is not None and s.tpot_p90_s > p.itl_slo_s
@@ -191,6 +195,7 @@ class RatioController:
         self._changed_at = float("-inf")  # time.monotonic() when the last change ended
         self._last_long_prompt = float("-inf")  # time.monotonic() of the latest long prompt
         self._operator_local_prefill = self.router.local_prefill  # what the router had before auto
+        self.router.on_local_prefill.append(self.note_prompt)  # a long prompt placed beside streams: look now
 
     @property
     def is_on(self) -> bool:
@@ -224,7 +229,8 @@ class RatioController:
                                                 queue_rule_below_tokens=long)
 
     def note_prompt(self, num_uncached_tokens: int) -> None:
-        """Called as each request is routed: a long prompt wakes the controller at once."""
+        """Called as each request arrives, and as a worker that decodes starts prefilling one for itself: a
+        long prompt wakes the controller at once."""
         if num_uncached_tokens >= self.policy.long_prompt_tokens:
             self._last_long_prompt = time.monotonic()
             self._wake.set()
@@ -263,6 +269,7 @@ class RatioController:
             tpot_p90_s=self.recent.tpot_quantile(0.9, since=self._changed_at),
             itl_p50_s=self.recent.itl_quantile(0.5, since=self._changed_at),
             longest_pending_prompt=self.router.longest_local_prefill(),
+            longest_prompt_beside_streams=self.router.longest_prefill_beside_streams(),
             seconds_since_long_prompt=now - self._last_long_prompt,
         )
 

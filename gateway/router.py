@@ -12,6 +12,7 @@ bounded LRU per worker, as its belief of what each prefix cache holds.
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.decode_streams import DecodeStreams
@@ -54,7 +55,8 @@ class Router:
         # Prompts a decode or mixed worker was sent to prefill itself, not yet prefilled: tokens per worker,
         # and each prompt's length (the ratio controller looks for long ones).
         self.local_prefill_tokens: defaultdict[str, int] = defaultdict(int)
-        self.local_prefill_prompts: dict[str, int] = {}  # request id → prompt tokens
+        self.local_prefill_prompts: dict[str, tuple[str, int]] = {}  # request id → (worker id, prompt tokens)
+        self.on_local_prefill: list[Callable[[int], None]] = []  # called with its tokens as one starts
         self._cached: defaultdict[str, OrderedDict[bytes, None]] = defaultdict(OrderedDict)
         # The decode workers' output streams live with the per-worker books: both follow the workers the
         # deployment has, and every request run reaches them through the router.
@@ -73,16 +75,28 @@ class Router:
 
     def start_local_prefill(self, worker_id: str, request_id: str, num_tokens: int) -> None:
         self.local_prefill_tokens[worker_id] += num_tokens
-        self.local_prefill_prompts[request_id] = num_tokens
+        self.local_prefill_prompts[request_id] = (worker_id, num_tokens)
+        for listener in self.on_local_prefill:
+            listener(num_tokens)
 
     def end_local_prefill(self, worker_id: str, request_id: str) -> None:
         """The prompt was prefilled (or the request left); idempotent."""
-        num_tokens = self.local_prefill_prompts.pop(request_id, 0)
+        _, num_tokens = self.local_prefill_prompts.pop(request_id, (worker_id, 0))
         self.local_prefill_tokens[worker_id] -= num_tokens
 
     def longest_local_prefill(self) -> int:
         """The longest prompt a decode or mixed worker is prefilling for itself now (0: none)."""
-        return max(self.local_prefill_prompts.values(), default=0)
+        return max((num_tokens for _, num_tokens in self.local_prefill_prompts.values()), default=0)
+
+    def longest_prefill_beside_streams(self) -> int:
+        """The longest prompt a decode or mixed worker is prefilling for itself while it decodes other
+        requests (0: none): the prompt's chunks stall those streams. A long prompt on a worker with nothing
+        else to decode stalls no one."""
+        is_decoding = {worker_id: any(r not in self.local_prefill_prompts
+                                      for r in self.decode_streams.request_ids(worker_id))
+                       for worker_id, _ in self.local_prefill_prompts.values()}
+        return max((num_tokens for worker_id, num_tokens in self.local_prefill_prompts.values()
+                    if is_decoding[worker_id]), default=0)
 
     def in_flight(self, worker_id: str) -> int:
         """Tokens of requests sent to the worker and not yet back (0: nothing on its way there)."""

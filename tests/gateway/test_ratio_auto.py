@@ -61,6 +61,28 @@ def stream_tokens(url: str, prompt: list[int], max_tokens: int, out: list[list[i
     out.append(tokens)
 
 
+def test_auto_leaves_a_long_prompt_alone_on_a_worker_with_nothing_else_to_decode(
+        auto_server: tuple[str, FastAPI]) -> None:
+    """Light traffic: one stream decodes on one worker, the long prompt goes to the other, which stalls no
+    one by prefilling it; both workers stay mixed."""
+    url, _ = auto_server
+    with httpx.Client(base_url=url, timeout=120) as client:
+        assert layout_of(client) == (0, 0, 2)
+        num_decisions = len(client.get("/admin/pools").json()["ratio_decisions"])
+        streamed: list[list[int]] = []
+        thread = threading.Thread(target=stream_tokens, args=(url, random_prompts([20], VOCAB, seed=53)[0],
+                                                               60, streamed))
+        thread.start()
+        time.sleep(0.3)  # decoding
+        [long_prompt] = random_prompts([300], VOCAB, seed=54)
+        body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 6, "temperature": 0}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        thread.join(120)
+        assert len(streamed) == 1 and len(streamed[0]) == 60
+        assert layout_of(client) == (0, 0, 2)
+        assert len(client.get("/admin/pools").json()["ratio_decisions"]) == num_decisions
+
+
 def test_auto_disaggregates_for_a_long_prompt_and_goes_back_when_calm(
         auto_server: tuple[str, FastAPI], tiny_chat_model_dir: Path) -> None:
     url, _ = auto_server

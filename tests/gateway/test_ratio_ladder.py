@@ -15,14 +15,15 @@ POLICY = ControllerPolicy(interval_s=1.0, min_dwell_s=5.0, calm_s=10.0, long_pro
                           ttft_slo_s=2.0, itl_slo_s=0.2)
 QUIET = Signals(level=0, num_workers=2, queued_prompt_tokens=0, num_decoding=4, kv_occupancy=0.1,
                 ttft_p90_s=0.5, tpot_p90_s=0.05, itl_p50_s=0.04, longest_pending_prompt=0,
-                seconds_since_long_prompt=float("inf"))
+                longest_prompt_beside_streams=0, seconds_since_long_prompt=float("inf"))
+BESIDE_STREAMS = dict(seconds_since_long_prompt=0.1, queued_prompt_tokens=1500, longest_pending_prompt=1500,
+                      longest_prompt_beside_streams=1500)
 
 
 def test_a_long_prompt_among_decoding_streams_disaggregates_at_once() -> None:
     ladder = Ladder(POLICY)
     assert ladder.decide(QUIET, now=100.0) is None
-    decision = ladder.decide(dataclasses.replace(QUIET, seconds_since_long_prompt=0.1,
-                                                 queued_prompt_tokens=1500), now=101.0)
+    decision = ladder.decide(dataclasses.replace(QUIET, **BESIDE_STREAMS), now=101.0)
     assert decision is not None and (decision.from_level, decision.to_level) == (0, 1)
     assert decision.reason == "long_prompt"
 
@@ -30,8 +31,7 @@ def test_a_long_prompt_among_decoding_streams_disaggregates_at_once() -> None:
 def test_a_long_prompt_still_being_prefilled_disaggregates_once_the_dwell_time_passed() -> None:
     ladder = Ladder(POLICY)
     ladder.note_change(100.0)  # just came back to all mixed
-    prefilling = dataclasses.replace(QUIET, longest_pending_prompt=1500, queued_prompt_tokens=1500,
-                                     seconds_since_long_prompt=3.0)
+    prefilling = dataclasses.replace(QUIET, **{**BESIDE_STREAMS, "seconds_since_long_prompt": 3.0})
     assert ladder.decide(prefilling, now=103.0) is None
     decision = ladder.decide(prefilling, now=105.5)
     assert decision is not None and decision.reason == "long_prompt"
@@ -40,10 +40,12 @@ def test_a_long_prompt_still_being_prefilled_disaggregates_once_the_dwell_time_p
                                                      queued_prompt_tokens=4096), now=200.0) is None
 
 
-def test_a_long_prompt_with_nothing_decoding_changes_nothing() -> None:
-    signals = dataclasses.replace(QUIET, seconds_since_long_prompt=0.1, num_decoding=0,
-                                  queued_prompt_tokens=1500)
+def test_a_long_prompt_on_a_worker_with_nothing_else_to_decode_changes_nothing() -> None:
+    # Light traffic: the prompt went to the worker that decodes nothing; the other one's streams run on.
+    signals = dataclasses.replace(QUIET, **{**BESIDE_STREAMS, "longest_prompt_beside_streams": 0})
     assert Ladder(POLICY).decide(signals, now=100.0) is None
+    nothing_decoding = dataclasses.replace(signals, num_decoding=0)
+    assert Ladder(POLICY).decide(nothing_decoding, now=100.0) is None
 
 
 def test_tpot_over_the_itl_slo_while_prompts_queue_disaggregates() -> None:
@@ -59,7 +61,7 @@ def test_tpot_over_the_itl_slo_while_prompts_queue_disaggregates() -> None:
 def test_no_change_within_the_dwell_time_of_the_last() -> None:
     ladder = Ladder(POLICY)
     ladder.note_change(100.0)
-    urgent = dataclasses.replace(QUIET, seconds_since_long_prompt=0.1, queued_prompt_tokens=1500)
+    urgent = dataclasses.replace(QUIET, **BESIDE_STREAMS)
     assert ladder.decide(urgent, now=104.0) is None
     assert ladder.decide(urgent, now=105.5) is not None
 
