@@ -42,9 +42,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-# Where the overhead goes: the gateway's hops between processes (from the response's timings, where the
-# server reports them) and the client's own share (its e2e minus the gateway's).
-PARTS = ("gateway_queue_ms", "to_prefill_ms", "handoff_ms", "delivery_ms", "client_ms")
+# Where the time goes, in the request's order: the gateway's hops between processes and the workers' stages
+# (from the response's timings, where the server reports them), then the client's own share (its e2e minus
+# the gateway's). The overhead is the hops plus the client's share.
+PARTS = ("gateway_queue_ms", "to_prefill_ms", "prefill_queue_ms", "prefill_ms", "handoff_ms",
+         "decode_queue_ms", "transfer_ms", "decode_ms", "delivery_ms", "client_ms")
 
 
 async def one(client: httpx.AsyncClient, max_tokens: int) -> tuple[float, float, dict[str, float]]:
@@ -177,8 +179,9 @@ def main() -> None:
 
             cells = " | ".join(cell(i) for i in range(4))
             lines.append(f"| {side} | {concurrency} | {cells} | {sum(r[4] for r in rows)} |")
-    lines += ["", "Where the overhead goes (p50 ms of each part, median over rounds; nan: not reported by "
-              "that code). Hops from the response's timings; client = client e2e − the gateway's e2e.", "",
+    lines += ["", "Where the time goes (p50 ms of each part, median over rounds; nan: not reported by that "
+              "code). Hops and stages from the response's timings; client = client e2e − the gateway's e2e.",
+              "",
               "| code | streams | " + " | ".join(p.removesuffix("_ms") for p in PARTS) + " |",
               "|---|---:|" + "---:|" * len(PARTS)]
     for concurrency in streams:

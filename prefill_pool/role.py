@@ -10,6 +10,7 @@ Lifecycle:  PrefillRole(engine) — the engine's scheduler becomes PrefillSchedu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord, make_sender
 from llm_engine import LLMEngine
@@ -19,7 +20,7 @@ from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.scheduler import PrefillScheduler
 from prefill_pool.worker import TRANSFER_POLL_S, PrefillWorker
 
-IDLE_POLL_S = 0.05  # with no KV offered the poller only checks now and then whether some is
+IDLE_POLL_S = 0.05  # with no KV offered, the poller waits this long for news that some is (a safety net)
 
 
 class PrefillRole:
@@ -33,12 +34,20 @@ class PrefillRole:
         self.loop = StepLoop(f"prefill-{worker_id}", self.worker.step, num_threads, on_error=self.worker.fail)
         self.loop.start()
         self._transfer_poller: asyncio.Task[None] | None = None
+        # Set (on the event loop) as each result is delivered, its KV offered: the idle poller starts polling
+        # at once, so the decode side's claim is answered within TRANSFER_POLL_S, not an idle sleep later.
+        self._kv_offered = asyncio.Event()
 
     async def _poll_transfers(self) -> None:
         """Answer pulls from the actor's event loop while a forward runs on the loop thread (a NIXL claim
         would otherwise wait for the forward to end: up to a second for a long chunk on a CPU)."""
         while True:
-            await asyncio.sleep(TRANSFER_POLL_S if self.worker.has_transfers else IDLE_POLL_S)
+            if self.worker.has_transfers:
+                await asyncio.sleep(TRANSFER_POLL_S)
+            else:
+                self._kv_offered.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._kv_offered.wait(), IDLE_POLL_S)
             if self.worker.has_transfers and self.worker.poll_transfers():
                 self.loop.wake()
 
@@ -53,6 +62,8 @@ class PrefillRole:
         future: asyncio.Future[PrefillResult] = event_loop.create_future()
 
         def resolve(result: PrefillResult) -> None:
+            if result.kv_handle is not None:
+                self._kv_offered.set()
             if not future.done():  # the caller may have cancelled meanwhile
                 future.set_result(result)
 
