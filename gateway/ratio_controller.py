@@ -121,7 +121,7 @@ class Ladder:
     def decide(self, s: Signals, now: float) -> Decision | None:
         """The move the signals call for, if any (pure: no side effect but the calm timer)."""
         p = self.policy
-        # A long prompt interferes for as long as a worker that decodes is prefilling it.
+        # Prefill is not calm while a long prompt arrives or a worker that decodes is prefilling one.
         is_long_prompt_here = (s.longest_pending_prompt >= p.long_prompt_tokens
                                or s.seconds_since_long_prompt < max(p.interval_s, 1.0))
         is_calm = s.queued_prompt_tokens < p.long_prompt_tokens // 4 and not is_long_prompt_here
