@@ -244,7 +244,8 @@ class RequestRun:
         outputs = streams.subscribe(decode, self.request_id)  # before submitting: no output goes unheard
         is_finished = False
         try:
-            await self._call_worker(decode.actor.submit.remote(request, outputs.reader.channel_id))
+            await self._call_worker(self.router.decode_submissions.submit(decode, request,
+                                                                          outputs.reader.channel_id))
             while not is_finished:
                 output = await self._call_worker(outputs.next())
                 if output.finish_reason == "error":

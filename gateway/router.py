@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.decode_streams import DecodeStreams
+from gateway.decode_submissions import DecodeSubmissions
 from gateway.pools import PDDeployment
 from gateway.workers import Worker
 from llm_engine.kv_cache_manager import prefix_hashes
@@ -61,6 +62,7 @@ class Router:
         # The decode workers' output streams live with the per-worker books: both follow the workers the
         # deployment has, and every request run reaches them through the router.
         self.decode_streams = DecodeStreams()
+        self.decode_submissions = DecodeSubmissions()
 
     def forget(self, worker_id: str) -> None:
         """A worker left the deployment: drop what the router remembers of it."""

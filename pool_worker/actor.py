@@ -203,9 +203,20 @@ class WorkerActor:
         async for batch in self._outputs.stream(channel_id):
             yield batch
 
-    async def submit(self, request: DecodeRequest, channel_id: str) -> None:
-        """Start decoding the request; its outputs go to the output stream of `channel_id`."""
-        self._decode().submit(request, channel_id)
+    async def submit_many(self, requests: list[DecodeRequest], channel_id: str) -> list[str]:
+        """Start decoding each request, in order, its outputs going to the output stream of `channel_id`
+        (the gateway batches the handoffs of one event-loop turn: gateway/decode_submissions.py). Returns,
+        per request, why it was refused ("" if it started); WorkerFailed (the step loop died) is raised for
+        the whole batch."""
+        decode = self._decode()
+        refusals = []
+        for request in requests:
+            try:
+                decode.submit(request, channel_id)
+                refusals.append("")
+            except ValueError as error:
+                refusals.append(str(error))
+        return refusals
 
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate": the gateway continues them elsewhere."""
