@@ -56,14 +56,6 @@ class DecodeOutput:
     kv_handle: KVHandle | None = None
 
 
-@dataclass(frozen=True)
-class DecodeOutputBatch:
-    """What one output stream carries per item: the outputs of one or more steps, in order, for the
-    requests of one subscriber (several outputs of one request when its reader fell behind)."""
-
-    outputs: tuple[DecodeOutput, ...]
-
-
 def coalesce(outputs: list[DecodeOutput]) -> DecodeOutput:
     """Several queued outputs of one request as one (a slow reader gets them in one stream item)."""
     if len(outputs) == 1:

@@ -21,7 +21,6 @@ from typing import Any
 
 from decode_pool.messages import DecodeRequest
 from decode_pool.migration import MigrationOffers
-from decode_pool.output_channels import OutputChannels
 from decode_pool.worker import DecodeWorker
 from kv_transfer import (
     KVHandle,
@@ -35,6 +34,7 @@ from kv_transfer import (
 )
 from llm_engine import LLMEngine
 from llm_engine.load import WorkerLoad
+from llm_engine.output_channels import OutputChannels
 from llm_engine.scheduler import Scheduler
 from llm_engine.step_loop import StepLoop
 

@@ -1,8 +1,10 @@
 """One request's way through both stages, as a stream of typed events, surviving worker failures.
 
-    pick decode worker → pick prefill worker → PREFILL (first token + KVHandle) → event #1 at once
-      → DECODE (submitted to the decode worker, which pulls the KV, then generates; its outputs arrive on
-        the worker's one output stream to this gateway, gateway/decode_streams.py) → events → final event.
+    pick decode worker → pick prefill worker → PREFILL (submitted to the prefill worker, batched with the
+        others of this event-loop turn, gateway/submissions.py; its result, the first token + KVHandle,
+        arrives on that worker's one output stream to this gateway, gateway/output_streams.py) → event #1
+      → DECODE (submitted to the decode worker the same way; it pulls the KV, then generates; its outputs
+        arrive on its output stream) → events → final event.
 Failures (a worker's actor died, its step loop died, or it answered with finish_reason "error"):
     PREFILL: the worker is marked failed and the request retried once on another prefill worker.
     DECODE:  the worker is marked failed; the request migrates to another decode worker with the tokens the
@@ -179,15 +181,21 @@ class RequestRun:
             prefill = await self._wait_for_worker("prefill", self.deadlines.prefill_by, tried)
             tried.add(prefill.worker_id)
             self.router.prefill_tokens[prefill.worker_id] += num_prompt
-            ref = prefill.actor.prefill.remote(PrefillRequest(self.request_id, self.prompt_token_ids,
-                                                              self.sampling))
+            streams = self.router.output_streams
+            outputs = streams.subscribe(prefill, self.request_id)  # before submitting: no result unheard
             try:
                 async with asyncio.timeout(self._left(self.deadlines.prefill_by)):
-                    result: PrefillResult = await ref
+                    await self.router.submissions.submit(
+                        prefill, "submit_prefills", PrefillRequest(self.request_id, self.prompt_token_ids,
+                                                                   self.sampling), outputs.reader.channel_id)
+                    result = await outputs.prefill_result()
             except TimeoutError:
                 prefill.actor.abort.remote(self.request_id)
                 raise RequestFailed(self._late("prefill", self.deadlines.prefill_by), "deadline_exceeded"
                                     ) from None
+            except ConnectionError as error:  # the worker's output stream ended: its actor is gone
+                self.deployment.mark_failed(prefill.worker_id, f"prefill worker lost: {error}")
+                continue
             except (RayActorError, RayTaskError) as error:
                 if not _is_worker_loss(error):
                     raise
@@ -197,6 +205,7 @@ class RequestRun:
                 prefill.actor.abort.remote(self.request_id)
                 raise
             finally:
+                streams.unsubscribe(outputs)
                 self.router.prefill_tokens[prefill.worker_id] -= num_prompt
             if result.finish_reason == "error":
                 self.deployment.mark_failed(prefill.worker_id, result.error)
@@ -240,12 +249,12 @@ class RequestRun:
     async def _decode_once(self, decode: Worker, request: DecodeRequest) -> AsyncGenerator[StreamEvent, None]:
         reserved = len(self.prompt_token_ids) + self.sampling.max_tokens
         self.router.decode_tokens[decode.worker_id] += reserved
-        streams = self.router.decode_streams
+        streams = self.router.output_streams
         outputs = streams.subscribe(decode, self.request_id)  # before submitting: no output goes unheard
         is_finished = False
         try:
-            await self._call_worker(self.router.decode_submissions.submit(decode, request,
-                                                                          outputs.reader.channel_id))
+            await self._call_worker(self.router.submissions.submit(decode, "submit_decodes", request,
+                                                                   outputs.reader.channel_id))
             while not is_finished:
                 output = await self._call_worker(outputs.next())
                 if output.finish_reason == "error":

@@ -15,9 +15,9 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.decode_streams import DecodeStreams
-from gateway.decode_submissions import DecodeSubmissions
+from gateway.output_streams import OutputStreams
 from gateway.pools import PDDeployment
+from gateway.submissions import Submissions
 from gateway.workers import Worker
 from llm_engine.kv_cache_manager import prefix_hashes
 from pool_worker import Role
@@ -59,14 +59,14 @@ class Router:
         self.local_prefill_prompts: dict[str, tuple[str, int]] = {}  # request id → (worker id, prompt tokens)
         self.on_local_prefill: list[Callable[[int], None]] = []  # called with its tokens as one starts
         self._cached: defaultdict[str, OrderedDict[bytes, None]] = defaultdict(OrderedDict)
-        # The decode workers' output streams live with the per-worker books: both follow the workers the
-        # deployment has, and every request run reaches them through the router.
-        self.decode_streams = DecodeStreams()
-        self.decode_submissions = DecodeSubmissions()
+        # The workers' output streams and submissions live with the per-worker books: they follow the workers
+        # the deployment has, and every request run reaches them through the router.
+        self.output_streams = OutputStreams()
+        self.submissions = Submissions()
 
     def forget(self, worker_id: str) -> None:
         """A worker left the deployment: drop what the router remembers of it."""
-        self.decode_streams.forget(worker_id)
+        self.output_streams.forget(worker_id)
         self._cached.pop(worker_id, None)
         if not self.prefill_tokens.get(worker_id):
             self.prefill_tokens.pop(worker_id, None)
@@ -95,7 +95,7 @@ class Router:
         requests (0: none): the prompt's chunks stall those streams. A long prompt on a worker with nothing
         else to decode stalls no one."""
         is_decoding = {worker_id: any(r not in self.local_prefill_prompts
-                                      for r in self.decode_streams.request_ids(worker_id))
+                                      for r in self.output_streams.request_ids(worker_id))
                        for worker_id, _ in self.local_prefill_prompts.values()}
         return max((num_tokens for worker_id, num_tokens in self.local_prefill_prompts.values()
                     if is_decoding[worker_id]), default=0)

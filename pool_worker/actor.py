@@ -6,7 +6,8 @@ Lifecycle:  WorkerActor(role): cheap, so that the gateway learns at once that Ra
     → start(torch_group): the model is found on this node (ModelSource), the engine loads (weights + KV
     cache, once per process), the torch group (if any) is joined → the role's front is built over it
     (PrefillRole: sender + prefill scheduler; DecodeRole: receiver + decode scheduler)
-    → serves (decode and mixed roles send outputs through output_stream(), one per gateway reader; every
+    → serves (every role sends its outputs through output_stream(), one per gateway reader: prefill results,
+      decode tokens; every
       role offers KV through peer_info()'s endpoint: prefill its prompts, decode and mixed their evacuated
       streams where the backend allows)
     → set_role(other):
@@ -25,24 +26,41 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
 
-from decode_pool.messages import DecodeOutputBatch, DecodeRequest
-from decode_pool.output_channels import OutputChannels
+from decode_pool.messages import DecodeOutput, DecodeRequest
 from decode_pool.role import DecodeRole
 from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.load import WorkerLoad
 from llm_engine.model_loader import num_model_loads
 from llm_engine.model_source import ModelSource
+from llm_engine.output_channels import OutputBatch, OutputChannels
 from llm_engine.worker_setup import TorchGroupSpec, setup_worker_process
 from pool_worker.roles import Role
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.role import PrefillRole
+
+
+def _is_final(output: PrefillResult | DecodeOutput) -> bool:
+    """A prompt's result is its only output on a prefill worker; a decode output is final when finished."""
+    return isinstance(output, PrefillResult) or output.finish_reason is not None
+
+
+def _each(requests: list[Any], submit: Callable[[Any], None]) -> list[str]:
+    """submit() each request; per request, why it was refused (its ValueError's message) or ""."""
+    refusals = []
+    for request in requests:
+        try:
+            submit(request)
+            refusals.append("")
+        except ValueError as error:
+            refusals.append(str(error))
+    return refusals
 
 
 class WrongRole(RuntimeError):
@@ -85,7 +103,7 @@ class WorkerActor:
         self._num_threads = num_threads
         self._num_role_changes = 0
         # Outlives the roles: a gateway's output stream stays open across role changes.
-        self._outputs = OutputChannels(abort=self.abort)
+        self._outputs = OutputChannels(abort=self.abort, is_final=_is_final)
         self.role = Role(role)
         self._placement = WorkerPlacement(ray.get_runtime_context().get_node_id(),
                                           ray.util.get_node_ip_address(), os.getpid())
@@ -116,7 +134,7 @@ class WorkerActor:
     def _build_front(self, role: Role) -> PrefillRole | DecodeRole:
         if role is Role.PREFILL:
             return PrefillRole(self.worker_id, self.engine, self._backend, self._transfer_config,
-                               self._num_threads)
+                               self._outputs, self._num_threads)
         return DecodeRole(self.worker_id, self.engine, self._backend, self._transfer_config, self._outputs,
                           self._watermark, self._num_threads)
 
@@ -182,8 +200,13 @@ class WorkerActor:
 
     # Prefill role.
 
-    async def prefill(self, request: PrefillRequest) -> PrefillResult:
-        return await self._prefill().prefill(request)
+    async def submit_prefills(self, requests: list[PrefillRequest], channel_id: str) -> list[str]:
+        """Start prefilling each prompt, in order; each PrefillResult goes to the output stream of
+        `channel_id` (the gateway batches what it submits in one event-loop turn: gateway/submissions.py).
+        Returns, per request, why it was refused ("" if it started); WorkerFailed (the step loop died) is
+        raised for the whole batch."""
+        prefill = self._prefill()
+        return _each(requests, lambda request: prefill.submit(request, channel_id))
 
     def accept_pull(self, pull: PullRequest) -> PullReply:
         return self._prefill().accept_pull(pull)
@@ -197,26 +220,20 @@ class WorkerActor:
         if isinstance(self._front, DecodeRole):  # a prefill worker knows no peers: nothing to forget
             self._front.remove_peer(worker_id)
 
-    async def output_stream(self, channel_id: str) -> AsyncIterator[DecodeOutputBatch]:
-        """The outputs of every request submitted with `channel_id`, one item per step (or several steps,
-        for a reader behind); held open by the gateway in any role. Closing it aborts those requests."""
+    async def output_stream(self, channel_id: str) -> AsyncIterator[OutputBatch]:
+        """The outputs of every request submitted with `channel_id` (prefill results, decode outputs), one
+        item per step (or several steps, for a reader behind); held open by the gateway in any role.
+        Closing it aborts those requests."""
         async for batch in self._outputs.stream(channel_id):
             yield batch
 
-    async def submit_many(self, requests: list[DecodeRequest], channel_id: str) -> list[str]:
-        """Start decoding each request, in order, its outputs going to the output stream of `channel_id`
-        (the gateway batches the handoffs of one event-loop turn: gateway/decode_submissions.py). Returns,
-        per request, why it was refused ("" if it started); WorkerFailed (the step loop died) is raised for
-        the whole batch."""
+    async def submit_decodes(self, requests: list[DecodeRequest], channel_id: str) -> list[str]:
+        """Start decoding each request, in order; its outputs go to the output stream of `channel_id` (the
+        gateway batches what it submits in one event-loop turn: gateway/submissions.py). Returns, per
+        request, why it was refused ("" if it started); WorkerFailed (the step loop died) is raised for the
+        whole batch."""
         decode = self._decode()
-        refusals = []
-        for request in requests:
-            try:
-                decode.submit(request, channel_id)
-                refusals.append("")
-            except ValueError as error:
-                refusals.append(str(error))
-        return refusals
+        return _each(requests, lambda request: decode.submit(request, channel_id))
 
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate": the gateway continues them elsewhere."""

@@ -1,10 +1,13 @@
 """The prefill role of a worker process: an async front (submissions never wait behind a forward) over a
-PrefillWorker whose step loop runs on its own thread.
+PrefillWorker whose step loop runs on its own thread. Results go back through the worker actor's
+OutputChannels, like a decode worker's tokens: each step's results leave in one message per gateway, not one
+actor reply per prompt.
 
-Lifecycle:  PrefillRole(engine) — the engine's scheduler becomes PrefillScheduler, a KV sender is built and
-    registered over the engine's KV cache, the step loop starts → prefill() / release_kv() / accept_pull()
-    → close(): the loop stops, the sender deregisters. The engine (weights, KV cache) outlives the role:
-    the worker actor (pool_worker) builds another role over it when the worker changes role.
+Lifecycle:  PrefillRole(engine, outputs) — the engine's scheduler becomes PrefillScheduler, a KV sender is
+    built and registered over the engine's KV cache, the step loop starts → submit() / abort() /
+    release_kv() / accept_pull() → close(): the loop stops, the sender deregisters. The engine (weights, KV
+    cache) outlives the role: the worker actor (pool_worker) builds another role over it when the worker
+    changes role.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord, make_sender
 from llm_engine import LLMEngine
 from llm_engine.load import WorkerLoad
+from llm_engine.output_channels import OutputChannels
 from llm_engine.step_loop import StepLoop
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.scheduler import PrefillScheduler
@@ -25,18 +29,55 @@ IDLE_POLL_S = 0.05  # with no KV offered, the poller waits this long for news th
 
 class PrefillRole:
     def __init__(self, worker_id: str, engine: LLMEngine, backend: str, transfer_config: TransferConfig,
-                 num_threads: int = 1) -> None:
+                 outputs: OutputChannels, num_threads: int = 1) -> None:
         engine.use_scheduler(PrefillScheduler)
         sender = make_sender(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
         # The role polls the sender from the actor's event loop (_poll_transfers): the loop thread sleeps
         # when idle.
         self.worker = PrefillWorker(worker_id, engine, sender, is_sender_polled_elsewhere=True)
-        self.loop = StepLoop(f"prefill-{worker_id}", self.worker.step, num_threads, on_error=self.worker.fail)
-        self.loop.start()
+        self.outputs = outputs
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self._transfer_poller: asyncio.Task[None] | None = None
-        # Set (on the event loop) as each result is delivered, its KV offered: the idle poller starts polling
-        # at once, so the decode side's claim is answered within TRANSFER_POLL_S, not an idle sleep later.
+        # Set as a step's results, their KV offered, are handed out: the idle poller starts polling at once,
+        # so the decode side's claim is answered within TRANSFER_POLL_S, not an idle sleep later.
         self._kv_offered = asyncio.Event()
+        self._has_offered = False  # this step handed out a result with KV (loop thread only)
+        self.loop = StepLoop(f"prefill-{worker_id}", self._step, num_threads, on_error=self._fail)
+        self.loop.start()
+
+    def submit(self, request: PrefillRequest, channel_id: str) -> None:
+        """Start prefilling the prompt; its PrefillResult goes to the output channel `channel_id`. Raises
+        ValueError (it can never be served here) or WorkerFailed (the step loop died)."""
+        self._event_loop = asyncio.get_running_loop()
+        if self._transfer_poller is None:
+            self._transfer_poller = asyncio.create_task(self._poll_transfers())
+        self.outputs.subscribe(request.request_id, channel_id)
+        try:
+            self.worker.submit(request, self._collect)
+        except BaseException:
+            self.outputs.unsubscribe(request.request_id)
+            raise
+        self.loop.wake()
+
+    # The loop thread: results are collected during a step and leave together at its end.
+    def _collect(self, result: PrefillResult) -> None:
+        self._has_offered = self._has_offered or result.kv_handle is not None
+        self.outputs.collect(result)
+
+    def _step(self) -> float | None:
+        wait = self.worker.step()
+        self._flush()
+        return wait
+
+    def _fail(self, error: BaseException) -> None:
+        self.worker.fail(error)
+        self._flush()
+
+    def _flush(self) -> None:
+        self.outputs.flush()
+        if self._has_offered and self._event_loop is not None:
+            self._has_offered = False
+            self._event_loop.call_soon_threadsafe(self._kv_offered.set)
 
     async def _poll_transfers(self) -> None:
         """Answer pulls from the actor's event loop while a forward runs on the loop thread (a NIXL claim
@@ -53,30 +94,6 @@ class PrefillRole:
 
     def peer_info(self) -> PeerInfo:
         return self.worker.sender.peer_info()
-
-    async def prefill(self, request: PrefillRequest) -> PrefillResult:
-        """Prefill one prompt; returns its first token and KV handle. Cancelling the call aborts it."""
-        if self._transfer_poller is None:
-            self._transfer_poller = asyncio.create_task(self._poll_transfers())
-        event_loop = asyncio.get_running_loop()
-        future: asyncio.Future[PrefillResult] = event_loop.create_future()
-
-        def resolve(result: PrefillResult) -> None:
-            if result.kv_handle is not None:
-                self._kv_offered.set()
-            if not future.done():  # the caller may have cancelled meanwhile
-                future.set_result(result)
-
-        def deliver(result: PrefillResult) -> None:
-            event_loop.call_soon_threadsafe(resolve, result)
-
-        self.worker.submit(request, deliver)  # ValueError reaches the caller
-        self.loop.wake()
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self.abort(request.request_id)
-            raise
 
     def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)

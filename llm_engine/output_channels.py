@@ -5,11 +5,13 @@
     step loop thread: collect(output) for every output of the step → flush() once at the step's end:
                       the step's outputs cross to the actor's event loop in one call_soon_threadsafe
     event loop:       _publish(batch) sorts them by channel → each open stream yields everything queued for
-                      it as one DecodeOutputBatch (a reader that fell behind catches up in one item)
+                      it as one OutputBatch (a reader that fell behind catches up in one item)
     stream closed:    (the gateway left or cancelled it) every request it was carrying is aborted
 The step loop never waits on a reader: flush() only schedules a callback, and a channel's queue grows until
 its stream takes it. The channels belong to the worker actor, not to a role, so a gateway's stream stays open
-across role changes (a prefill worker's stream just stays quiet).
+across role changes: a prefill worker sends each prompt's result on it, a decode or mixed worker each
+step's tokens. The outputs are the roles' own messages; all the channels need is each one's request_id and
+whether it is a request's last (`is_final`).
 """
 
 from __future__ import annotations
@@ -17,27 +19,41 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
-from decode_pool.messages import DecodeOutput, DecodeOutputBatch
+
+class Output(Protocol):
+    @property
+    def request_id(self) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputBatch:
+    """What one output stream carries per item: the outputs of one or more steps, in order, for the
+    requests of one subscriber (several outputs of one request when its reader fell behind)."""
+
+    outputs: tuple[Any, ...]  # the roles' messages (PrefillResult, DecodeOutput)
 
 
 @dataclasses.dataclass
 class _Channel:
-    pending: list[DecodeOutput] = dataclasses.field(default_factory=list)  # not yet taken by its stream
+    pending: list[Output] = dataclasses.field(default_factory=list)  # not yet taken by its stream
     ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     request_ids: set[str] = dataclasses.field(default_factory=set)  # requests it carries, unfinished
 
 
 class OutputChannels:
-    def __init__(self, abort: Callable[[str], None]) -> None:
+    def __init__(self, abort: Callable[[str], None], is_final: Callable[[Any], bool]) -> None:
         """Args:
         abort: ends a request on the worker (when the stream carrying it closes).
+        is_final: whether an output is its request's last (the request then leaves its channel).
         """
         self._channels: dict[str, _Channel] = {}
         self._channel_of: dict[str, str] = {}  # request id → channel id, until the request finishes
-        self._step_outputs: list[DecodeOutput] = []  # this step's outputs (step loop thread only)
+        self._step_outputs: list[Output] = []  # this step's outputs (step loop thread only)
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.abort = abort
+        self.is_final = is_final
 
     # The actor's event loop.
     def subscribe(self, request_id: str, channel_id: str) -> None:
@@ -52,7 +68,7 @@ class OutputChannels:
         if channel is not None:
             channel.request_ids.discard(request_id)
 
-    async def stream(self, channel_id: str) -> AsyncIterator[DecodeOutputBatch]:
+    async def stream(self, channel_id: str) -> AsyncIterator[OutputBatch]:
         """Everything routed to the channel, in order, as batches; runs until the caller closes it."""
         self._event_loop = asyncio.get_running_loop()
         channel = self._channel(channel_id)
@@ -61,7 +77,7 @@ class OutputChannels:
                 await channel.ready.wait()
                 channel.ready.clear()
                 outputs, channel.pending = channel.pending, []
-                yield DecodeOutputBatch(tuple(outputs))
+                yield OutputBatch(tuple(outputs))
         finally:
             # The gateway is gone (or gave this stream up): nobody will read these requests' tokens.
             self._channels.pop(channel_id, None)
@@ -70,7 +86,7 @@ class OutputChannels:
                 self.abort(request_id)
 
     # The step loop's thread.
-    def collect(self, output: DecodeOutput) -> None:
+    def collect(self, output: Output) -> None:
         self._step_outputs.append(output)
 
     def flush(self) -> None:
@@ -81,13 +97,13 @@ class OutputChannels:
         assert self._event_loop is not None, "a request was subscribed before it produced output"
         self._event_loop.call_soon_threadsafe(self._publish, batch)
 
-    def _publish(self, batch: list[DecodeOutput]) -> None:
+    def _publish(self, batch: list[Output]) -> None:
         for output in batch:
             channel_id = self._channel_of.get(output.request_id)
             channel = self._channels.get(channel_id) if channel_id is not None else None
             if channel is None:
                 continue  # its stream closed: the request was aborted, this is its last word
-            if output.finish_reason is not None:
+            if self.is_final(output):
                 del self._channel_of[output.request_id]
                 channel.request_ids.discard(output.request_id)
             channel.pending.append(output)

@@ -1,5 +1,5 @@
-"""The gateway's batched decode submissions (gateway/decode_submissions.py) against a small real Ray actor
-that answers submit_many as a decode worker does: one call per worker per event-loop turn, refusals per
+"""The gateway's batched decode submissions (gateway/submissions.py) against a small real Ray actor
+that answers submit_decodes as a decode worker does: one call per worker per event-loop turn, refusals per
 request, a lost worker reaches everyone."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from decode_pool.messages import DecodeRequest
-from gateway.decode_submissions import DecodeSubmissions
+from gateway.submissions import Submissions
 from gateway.workers import Worker
 from llm_engine import SamplingParams
 from pool_worker import Role
@@ -23,7 +23,7 @@ class RecordingDecodeActor:
     def __init__(self) -> None:
         self.calls: list[list[str]] = []
 
-    async def submit_many(self, requests: list[DecodeRequest], channel_id: str) -> list[str]:
+    async def submit_decodes(self, requests: list[DecodeRequest], channel_id: str) -> list[str]:
         self.calls.append([r.request_id for r in requests])
         return ["" if r.prompt_token_ids else "an empty prompt cannot be served" for r in requests]
 
@@ -35,18 +35,22 @@ def request(request_id: str, prompt: tuple[int, ...] = (1, 2, 3)) -> DecodeReque
     return DecodeRequest(request_id, prompt, SamplingParams(max_tokens=4))
 
 
+async def submit(submissions: Submissions, worker: Worker, decode_request: DecodeRequest) -> None:
+    await submissions.submit(worker, "submit_decodes", decode_request, "ch")
+
+
 def test_one_call_per_turn_with_refusals(ray_local: None) -> None:
     actor = RecordingDecodeActor.remote()  # type: ignore[attr-defined]
     worker = Worker("decode-0", Role.DECODE, actor)
 
     async def scenario() -> None:
-        submissions = DecodeSubmissions()
-        started = [asyncio.create_task(submissions.submit(worker, request(f"r{i}"), "ch")) for i in range(3)]
-        refused = asyncio.create_task(submissions.submit(worker, request("empty", ()), "ch"))
+        submissions = Submissions()
+        started = [asyncio.create_task(submit(submissions, worker, request(f"r{i}"))) for i in range(3)]
+        refused = asyncio.create_task(submit(submissions, worker, request("empty", ())))
         await asyncio.gather(*started)
         with pytest.raises(ValueError, match="empty prompt"):
             await refused
-        await submissions.submit(worker, request("later"), "ch")  # a later turn: a call of its own
+        await submit(submissions, worker, request("later"))  # a later turn: a call of its own
 
     asyncio.run(scenario())
     assert ray.get(actor.calls_seen.remote()) == [["r0", "r1", "r2", "empty"], ["later"]]
@@ -58,8 +62,8 @@ def test_a_lost_worker_fails_every_request_of_the_batch(ray_local: None) -> None
     worker = Worker("decode-0", Role.DECODE, actor)
 
     async def scenario() -> list[BaseException | None]:
-        submissions = DecodeSubmissions()
-        return await asyncio.gather(*(submissions.submit(worker, request(f"r{i}"), "ch") for i in range(2)),
+        submissions = Submissions()
+        return await asyncio.gather(*(submit(submissions, worker, request(f"r{i}")) for i in range(2)),
                                     return_exceptions=True)
 
     outcomes = asyncio.run(scenario())

@@ -1,10 +1,10 @@
-"""The gateway's end of the decode workers' output channels: one Ray stream per worker, fanned out.
+"""The gateway's end of the workers' output channels: one Ray stream per worker, fanned out to requests.
 
     subscribe(worker, request_id) → a RequestOutputs (its queue), before the request is submitted
       → the worker's reader task (started with its first subscriber, kept while the worker lives) reads the
-        worker's output_stream(channel_id): one item per step with every request's new tokens, and puts
-        each output into its request's queue
-      → unsubscribe() when the request's stream ends (finished, moved, or the client left).
+        worker's output_stream(channel_id): one item per step with every request's outputs (a prefill
+        worker's PrefillResults, a decode worker's new tokens), and puts each output into its request's queue
+      → unsubscribe() when the request is done with that worker (prefilled, finished, moved, client left).
 A reader whose stream fails (the worker's actor died) hands the error to every request it carries, which
 the orchestrator treats as a lost worker; the next subscriber starts a fresh reader. Nothing here aborts a
 request: the orchestrator does that, and closing a stream aborts what it carries on the worker's side.
@@ -18,33 +18,44 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
-from decode_pool.messages import DecodeOutput, DecodeOutputBatch, coalesce
+from decode_pool.messages import DecodeOutput, coalesce
 from gateway.workers import Worker
+from llm_engine.output_channels import OutputBatch
+from prefill_pool.messages import PrefillResult
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class RequestOutputs:
-    """One request's outputs from one decode worker, in order; an exception if the worker's stream failed."""
+    """One request's outputs from one worker, in order; an exception if the worker's stream failed."""
 
     request_id: str
     reader: _Reader  # the stream it arrives on
-    queue: asyncio.Queue[DecodeOutput | BaseException] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[DecodeOutput | PrefillResult | BaseException] = field(default_factory=asyncio.Queue)
 
     async def next(self) -> DecodeOutput:
-        """The next output, with everything queued behind it merged in (a reader behind catches up)."""
+        """The next decode output, with everything queued behind it merged in (a reader behind catches up)."""
         first = await self.queue.get()
         if isinstance(first, BaseException):
             raise first
+        assert isinstance(first, DecodeOutput), f"a decode request got {type(first).__name__}"
         outputs = [first]
         while not self.queue.empty() and outputs[-1].finish_reason is None:
             item = self.queue.get_nowait()
-            if isinstance(item, BaseException):
+            if not isinstance(item, DecodeOutput):
                 self.queue.put_nowait(item)  # after the outputs that came before it
                 break
             outputs.append(item)
         return coalesce(outputs)
+
+    async def prefill_result(self) -> PrefillResult:
+        """The prompt's result from a prefill worker."""
+        result = await self.queue.get()
+        if isinstance(result, BaseException):
+            raise result
+        assert isinstance(result, PrefillResult), f"a prefill request got {type(result).__name__}"
+        return result
 
 
 @dataclass
@@ -57,7 +68,7 @@ class _Reader:
     task: asyncio.Task[None] | None = None
 
 
-class DecodeStreams:
+class OutputStreams:
     def __init__(self) -> None:
         self._gateway_id = f"gateway-{uuid.uuid4().hex[:12]}"  # names this gateway to every worker
         self._num_readers = itertools.count()
@@ -100,7 +111,7 @@ class DecodeStreams:
         error: BaseException
         try:
             async for ref in stream:
-                batch: DecodeOutputBatch = await ref
+                batch: OutputBatch = await ref
                 for output in batch.outputs:
                     outputs = reader.requests.get(output.request_id)
                     if outputs is not None:
