@@ -19,18 +19,20 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Literal
 
 from decode_pool.messages import DecodeRequest
 from gateway.workers import Worker
 from prefill_pool.messages import PrefillRequest
 
 SubmittedRequest = PrefillRequest | DecodeRequest
+SubmitMethod = Literal["submit_prefills", "submit_decodes"]  # WorkerActor's batch methods
 
 
 @dataclass
 class _Batch:
     actor: object
-    method: str
+    method: SubmitMethod
     channel_id: str
     entries: list[tuple[SubmittedRequest, asyncio.Future[None]]] = field(default_factory=list)
 
@@ -38,10 +40,11 @@ class _Batch:
 class Submissions:
     def __init__(self) -> None:
         # (worker id, method, channel id) → the batch still filling
-        self._open: dict[tuple[str, str, str], _Batch] = {}
+        self._open: dict[tuple[str, SubmitMethod, str], _Batch] = {}
         self._answering: set[asyncio.Task[None]] = set()  # the sent batches' answer tasks (kept referenced)
 
-    async def submit(self, worker: Worker, method: str, request: SubmittedRequest, channel_id: str) -> None:
+    async def submit(self, worker: Worker, method: SubmitMethod, request: SubmittedRequest, channel_id: str
+                     ) -> None:
         """Hand `request` to `worker` through its actor method `method`, outputs going to `channel_id`;
         returns once the worker took it."""
         key = (worker.worker_id, method, channel_id)
@@ -53,7 +56,7 @@ class Submissions:
         batch.entries.append((request, future))
         await future
 
-    def _send(self, key: tuple[str, str, str], batch: _Batch) -> None:
+    def _send(self, key: tuple[str, SubmitMethod, str], batch: _Batch) -> None:
         if self._open.get(key) is batch:
             del self._open[key]
         requests = [request for request, _ in batch.entries]

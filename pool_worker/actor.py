@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
@@ -45,13 +45,15 @@ from pool_worker.roles import Role
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.role import PrefillRole
 
+RequestT = TypeVar("RequestT", PrefillRequest, DecodeRequest)
+
 
 def _is_final(output: PrefillResult | DecodeOutput) -> bool:
     """A prompt's result is its only output on a prefill worker; a decode output is final when finished."""
     return isinstance(output, PrefillResult) or output.finish_reason is not None
 
 
-def _each(requests: list[Any], submit: Callable[[Any], None]) -> list[str]:
+def _each(requests: Sequence[RequestT], submit: Callable[[RequestT], None]) -> list[str]:
     """submit() each request; per request, why it was refused (its ValueError's message) or ""."""
     refusals = []
     for request in requests:
