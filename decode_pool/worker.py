@@ -12,7 +12,8 @@ Lifecycle of a request on this worker:
     prefill worker's (and recomputed here if that fails).
     A FAILED pull is not fatal: the blocks are freed and the prompt recomputed here.
     Preemption (blocks ran short) is the engine's: recompute, tokens kept, nothing lost.
-    abort() works in every state; an aborted TRANSFERRING request frees its blocks when its pull ends.
+    abort() works in every state; an aborted TRANSFERRING request's pull is cancelled where it can be, and its
+    blocks are freed when the pull ends (at the next step when cancelled).
     evacuate() ends every request here as abort() does, but with finish_reason "migrate": the gateway
     continues each on another worker from the tokens the client has (a worker changing role leaves now).
     With a migration sender, a RUNNING stream's blocks are kept and offered instead (decode_pool.migration):
@@ -48,6 +49,7 @@ from llm_engine.request import Request
 logger = logging.getLogger(__name__)
 OutputCallback = Callable[[DecodeOutput], None]
 TRANSFER_POLL_S = 0.001  # the idle loop's poll while pulls run, when no PullWatcher thread wakes it
+WITHDRAWN_CLAIM_POLL_S = 0.05  # the idle loop's poll while only claims for withdrawn KV may still come
 
 
 @dataclasses.dataclass
@@ -191,7 +193,11 @@ class DecodeWorker:
         # thread, poll the receiver while pulls run.
         # The migration sender answers pulls from this loop: poll it while its leases are out.
         is_polling = (self._transferring and not self._is_watching) or self._num_offered
-        return TRANSFER_POLL_S if is_polling else None
+        if is_polling:
+            return TRANSFER_POLL_S
+        # A claim for withdrawn migration KV may still come: refuse it soon, whoever waits for it.
+        is_claimable = self.migration is not None and self.migration.sender.expects_claims
+        return WITHDRAWN_CLAIM_POLL_S if is_claimable else None
 
     @property
     def _num_offered(self) -> int:
@@ -348,7 +354,13 @@ class DecodeWorker:
             self._awaiting_blocks.remove(request_id)
             self._release_unpulled(entry.request, "aborted before its pull")
         elif request_id in self._transferring.values():
-            entry.is_aborted = True  # the pull may still write into the blocks: free them when it ends
+            # The pull may still write into the blocks: free them when it ends, now if it can be stopped
+            # (before its READ, or a READ NIXL cancels), else at its end or deadline.
+            entry.is_aborted = True
+            handle = entry.request.kv_handle
+            assert handle is not None
+            with self._pulls.lock:
+                self.receiver.cancel(handle.source_worker_id, handle.transfer_id, "the request was aborted")
             return
         else:
             self.engine.scheduler.abort(request_id)

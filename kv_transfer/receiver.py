@@ -5,9 +5,10 @@ Lifecycle of one pull (TransferState), keyed by (source_worker_id, transfer_id):
                   -> TRANSFERRING  bytes moving (torch: after the sender's PullReply; nixl: after its grant)
     poll()        -> DONE          destination blocks hold the source bytes
                   -> FAILED        refused, lease over, deadline passed, or backend error
-Every pull has a deadline (config.transfer_timeout_s after start_pull), so nothing hangs; a pull whose backend
-cannot stop it at the deadline is reported only once it has stopped, so no byte lands in destination blocks
-the owner was told are free. poll() returns each finished pull once, as a TransferResult.
+Every pull has a deadline (config.transfer_timeout_s after start_pull), so nothing hangs; cancel() ends one
+early (its request was aborted). A pull whose backend cannot stop it (at the deadline, or cancelled) is
+reported only once it has stopped, so no byte lands in destination blocks the owner was told are free.
+poll() returns each finished pull once, as a TransferResult.
 The sender decides whether a lease is still valid, by its own clock (it refuses late pulls): the check of
 handle.lease_deadline against this host's clock is only an early-out, never what keeps a pull safe.
 """
@@ -141,6 +142,19 @@ class KVReceiver(TransferEndpoint, ABC):
             self._start(pull, peer)
         return pull.state
 
+    def cancel(self, source_worker_id: str, transfer_id: int, why: str) -> bool:
+        """Stop a pull nobody wants any more (its request was aborted), without waiting for its deadline.
+
+        Returns:
+            True if it is now FAILED (reported by the next poll(): its destination blocks may be freed then);
+            False if there is no such unfinished pull, or the backend cannot stop it yet (it ends as usual).
+        """
+        pull = self._pulls.get((source_worker_id, transfer_id))
+        if pull is None or pull.is_finished or not self._abort(pull):
+            return False
+        pull.fail(why)
+        return True
+
     @property
     def num_pulls(self) -> int:
         """Pulls started and not yet returned by poll()."""
@@ -216,7 +230,7 @@ class KVReceiver(TransferEndpoint, ABC):
         """Check progress without blocking; set DONE or FAILED when finished."""
 
     def _abort(self, pull: Pull) -> bool:
-        """The deadline passed: stop the pull.
+        """The deadline passed, or the pull was cancelled: stop it.
 
         Returns:
             True once nothing of this pull can write its destination blocks any more; False to be asked again

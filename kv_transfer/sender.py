@@ -4,7 +4,9 @@ Lifecycle of an offered transfer on this side:
     offer() -> KVHandle           lease starts; the owner must keep the blocks
     [torch: accept_pull()]        the sender posts its send leg (claim)
     [nixl: poll()]                the sender grants the receiver's claim notification (claim), or refuses it
-    withdraw()                    nobody will pull: an unclaimed lease ends at once (WITHDRAWN)
+    withdraw()                    nobody will pull: an unclaimed lease ends at once (WITHDRAWN); a claim
+                                  may still be on its way, so the owner keeps polling (expects_claims)
+                                  until the lease would have ended, and the claim is refused at once
     poll() -> ReleasedBlocks      PULLED (receiver has its copy) | EXPIRED (lease ended) | FAILED (send leg)
 A lease's validity is decided only here, by this host's clock: a pull that comes after the lease ended (or
 after a withdraw) is refused. Nothing blocks: poll() is cheap and meant to be called every engine step.
@@ -38,6 +40,9 @@ class KVSender(TransferEndpoint, ABC):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._leases = LeaseTable()
+        # Until then a claim for a withdrawn lease may still arrive (its receiver had the handle): it must be
+        # refused at once, or that receiver waits for its pull's deadline with its blocks allocated.
+        self._claims_possible_until = 0.0
 
     @property
     def capabilities(self) -> BackendCapabilities:
@@ -50,6 +55,12 @@ class KVSender(TransferEndpoint, ABC):
     def num_outstanding(self) -> int:
         """Transfers offered and not yet released."""
         return len(self._leases)
+
+    @property
+    def expects_claims(self) -> bool:
+        """Whether poll() may have a receiver to answer: leases are out, or one was withdrawn before its
+        deadline (the owner that polls only while leases are out must also poll while this holds)."""
+        return bool(self._leases) or time.time() < self._claims_possible_until
 
     def peer_info(self) -> PeerInfo:
         """The handshake message a receiver needs once before pulling from this sender."""
@@ -120,6 +131,7 @@ class KVSender(TransferEndpoint, ABC):
         if lease is None or lease.is_claimed:
             return None
         self._leases.release(transfer_id)
+        self._claims_possible_until = max(self._claims_possible_until, lease.deadline)
         return self._release(lease, ReleaseReason.WITHDRAWN, why)
 
     def accept_pull(self, request: PullRequest) -> PullReply:

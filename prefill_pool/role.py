@@ -89,7 +89,9 @@ class PrefillRole:
                 self._kv_offered.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._kv_offered.wait(), IDLE_POLL_S)
-            if self.worker.has_transfers and self.worker.poll_transfers():
+            # Also polled with nothing offered while a claim for withdrawn KV may still come: its puller
+            # must hear the refusal now, not at the pull's deadline.
+            if self.worker.expects_claims and self.worker.poll_transfers():
                 self.loop.wake()
 
     def peer_info(self) -> PeerInfo:

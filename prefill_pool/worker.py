@@ -116,6 +116,12 @@ class PrefillWorker:
         """Whether any offered KV waits for its pull (safe from any thread)."""
         return self.sender.num_outstanding > 0
 
+    @property
+    def expects_claims(self) -> bool:
+        """Whether a receiver may still claim something here: KV is offered, or was withdrawn recently (its
+        claim must be refused at once). Safe from any thread."""
+        return self.sender.expects_claims
+
     def step(self) -> float | None:
         """Run the inbox, release pulled/expired leases, run one forward; returns the wait before the next."""
         self._inbox.drain()

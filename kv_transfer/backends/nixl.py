@@ -256,8 +256,14 @@ class NixlReceiver(KVReceiver):
 
     def _abort(self, pull: Pull) -> bool:
         read: _Read | None = pull.backend_state
-        if read is None or read.xfer is None:
-            return True  # no READ posted; a grant that still comes gets a DROP
+        if read is None:
+            return True  # no claim sent
+        if read.xfer is None:
+            # No READ posted. The claim may have been granted (or will be): tell the sender now, so that it
+            # frees its blocks at once even if this receiver stops polling (a grant that still comes while
+            # it polls gets another DROP, which the sender ignores).
+            self._drop(read.agent_name, pull.handle.transfer_id, "the pull was stopped before its READ")
+            return True
         if not self.agent.release(read.xfer):  # still in flight and NIXL could not cancel it
             if not read.is_release_refused:
                 logger.warning("NIXL could not cancel the READ of transfer %d at its deadline; retrying at "

@@ -41,6 +41,8 @@ def stall_pulls(actor: Any) -> None:
 
     actor.worker.receiver._start = stalled
     actor.worker.receiver._advance = lambda pull: None
+    # Like a READ NIXL cannot cancel: an abort does not stop it; only its deadline does.
+    actor.worker.receiver._abort = lambda pull: time.monotonic() > pull.deadline
 
 
 def lose_releases_and_shorten_leases(actor: Any) -> None:
@@ -58,6 +60,7 @@ def heal(actor: Any) -> None:
     if receiver is not None:
         receiver.__dict__.pop("_advance", None)
         receiver.__dict__.pop("_start", None)
+        receiver.__dict__.pop("_abort", None)
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

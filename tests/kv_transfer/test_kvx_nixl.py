@@ -236,3 +236,42 @@ def test_a_foreign_notification_is_ignored(pair):
     results = _drive(sender, receiver, {}, lambda res, rel: res)
 
     assert results[handle.transfer_id].state == TransferState.DONE
+
+
+def test_a_pull_cancelled_after_its_claim_frees_both_sides_at_once(pair):
+    sender, receiver, binding = pair
+    handle = sender.offer([3], num_tokens=16)
+    receiver.start_pull(handle, [6])
+    _wait_claimed(sender, handle.transfer_id)  # granted; the grant has not been read yet
+
+    assert receiver.cancel(handle.source_worker_id, handle.transfer_id, "the request was aborted")
+    (result,) = receiver.poll()  # reported at once, not at the deadline (10 s)
+    released: dict[int, ReleaseReason] = {}
+    _drive(sender, receiver, released, lambda res, rel: rel, timeout=1.0)  # the DROP ends the grant
+
+    assert result.state == TransferState.FAILED and "aborted" in result.reason
+    assert released == {handle.transfer_id: ReleaseReason.FAILED}
+    assert binding.made == []  # no READ was posted
+    assert sender.num_outstanding == 0
+
+
+def test_a_claim_for_withdrawn_kv_is_still_expected_and_refused(pair):
+    sender, receiver, _binding = pair
+    handle = sender.offer([2], num_tokens=16)
+    assert sender.expects_claims
+    sender.withdraw(handle.transfer_id, "the client left")
+
+    # Nothing is offered, but the receiver had the handle: the owner must keep polling to refuse it.
+    assert sender.num_outstanding == 0 and sender.expects_claims
+    receiver.start_pull(handle, [1])
+    results = _drive(sender, receiver, {}, lambda res, rel: res, timeout=1.0)
+    assert results[handle.transfer_id].state == TransferState.FAILED
+    assert "refused" in results[handle.transfer_id].reason
+
+
+def test_a_lease_withdrawn_is_expected_to_be_claimed_only_until_its_deadline(pair):
+    sender, _receiver, _binding = pair
+    handle = sender.offer([2], num_tokens=16, lease_s=0.05)
+    sender.withdraw(handle.transfer_id, "the client left")
+    time.sleep(0.1)
+    assert not sender.expects_claims

@@ -19,7 +19,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
 def make_pair(model_dir: Path, decode_blocks: int = 256, lease_s: float = 30.0,
-              budget: int = 64, prefill_blocks: int | None = None) -> tuple[PrefillWorker, DecodeWorker]:
+              budget: int = 64, prefill_blocks: int | None = None, backend: str = "local"
+              ) -> tuple[PrefillWorker, DecodeWorker]:
     prefill_config = EngineConfig(str(model_dir), kv_cache_bytes=8 << 20, max_num_batched_tokens=budget)
     if prefill_blocks is not None:
         block_bytes = LLMEngine(prefill_config).runner.cache_spec.block_bytes
@@ -30,8 +31,8 @@ def make_pair(model_dir: Path, decode_blocks: int = 256, lease_s: float = 30.0,
     decode_engine = LLMEngine(EngineConfig(str(model_dir), kv_cache_bytes=decode_blocks * block_bytes),
                               watermark=0.05)
     config = TransferConfig(lease_s=lease_s)
-    sender = make_sender("local", "p0", prefill_engine.runner.kv_cache, config=config)
-    receiver = make_receiver("local", "d0", decode_engine.runner.kv_cache, config=config)
+    sender = make_sender(backend, "p0", prefill_engine.runner.kv_cache, config=config)
+    receiver = make_receiver(backend, "d0", decode_engine.runner.kv_cache, config=config)
     prefill = PrefillWorker("p0", prefill_engine, sender)
     decode = DecodeWorker("d0", decode_engine, receiver)
     decode.add_peer(sender.peer_info())
@@ -130,6 +131,37 @@ def test_abort_at_each_stage_frees_both_pools(tiny_llama_dir: Path, stage: str) 
     assert (results[0].finish_reason == "abort") == (stage in ("queued", "prefilling"))
     assert prefill.engine.block_pool.is_whole()
     assert decode.engine.block_pool.is_whole()
+
+
+def test_abort_while_the_claim_waits_frees_the_decode_blocks_without_the_sender(tiny_llama_dir: Path) -> None:
+    """NIXL: the decode worker has claimed the KV and the prefill side has not answered (it is busy, or it
+    withdrew the lease and is not polling); an abort frees the decode blocks at the next step, not at the
+    pull's deadline, and the prefill side frees its own blocks once it hears of it."""
+    pytest.importorskip("nixl._bindings")
+    prefill, decode = make_pair(tiny_llama_dir, backend="nixl")
+    prompt = random_prompts([60], 1000)[0]
+    results: list[PrefillResult] = []
+    outputs: list[DecodeOutput] = []
+    prefill.submit(PrefillRequest("r", tuple(prompt), GREEDY), results.append)
+    while not results:
+        prefill.step()
+    result = results[0]
+    decode.submit(DecodeRequest("r", tuple(prompt), GREEDY, result.first_token_id, None, result.kv_handle),
+                  outputs.append)
+    decode.step()  # the pull starts: its claim is sent, and nobody answers it
+    assert decode.load().num_transferring == 1
+
+    decode.abort("r")
+    decode.step()
+
+    assert outputs[-1].finish_reason == "abort"
+    assert decode.engine.block_pool.is_whole()
+    prefill.release(result.kv_handle.transfer_id, "the client left")  # what the gateway sends
+    for _ in range(1000):
+        prefill.step()
+        if prefill.engine.block_pool.is_whole():
+            break
+    assert prefill.engine.block_pool.is_whole()
 
 
 def test_decode_admission_keeps_the_watermark(tiny_llama_dir: Path) -> None:
