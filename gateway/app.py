@@ -42,6 +42,7 @@ from gateway.resize import PoolResizer
 from gateway.responses import chat_response, chat_stream, completion_response, completion_stream
 from gateway.service import GatewayService, PreparedRequest
 from llm_engine.model_loader import load_tokenizer, read_model_spec
+from llm_engine.process_heap import freeze_startup_heap
 from pool_worker import Role
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                                      f"{deployment.backend} backend fixes them at start (use --backend nixl)")
                 app.state.controller.start()
             watch = asyncio.create_task(deployment.watch())
+            freeze_startup_heap()  # a full collection over the imported libraries would stall every stream
             app.state.started = time.time()
             layout = (f"{config.prefill or 0} prefill + {config.decode or 0} decode + {config.mixed or 0} "
                       f"mixed workers (KV transfer: {deployment.backend.value}; ratio {config.ratio})")

@@ -40,6 +40,7 @@ from llm_engine.load import WorkerLoad
 from llm_engine.model_loader import num_model_loads
 from llm_engine.model_source import ModelSource
 from llm_engine.output_channels import OutputBatch, OutputChannels
+from llm_engine.process_heap import freeze_startup_heap
 from llm_engine.worker_setup import TorchGroupSpec, setup_worker_process
 from pool_worker.roles import Role
 from prefill_pool.messages import PrefillRequest, PrefillResult
@@ -131,6 +132,7 @@ class WorkerActor:
         setup_worker_process(self._num_threads, torch_group)
         self.engine = LLMEngine(replace(self._engine_config, model_dir=model_dir))
         self._front = self._build_front(self.role)
+        freeze_startup_heap()  # a full collection over the model's heap would stall the step loop
         return self.info()
 
     def _build_front(self, role: Role) -> PrefillRole | DecodeRole:
