@@ -44,15 +44,22 @@ class Admission:
         self.capacity_tokens = capacity_tokens
         self._wake()
 
+    def try_acquire(self, num_tokens: int) -> Reservation | None:
+        """Reserve `num_tokens` if that needs no wait (nobody in line, room now); None otherwise."""
+        if not self._waiting and self.reserved_tokens + num_tokens <= self.capacity_tokens:
+            self.reserved_tokens += num_tokens
+            return Reservation(self, num_tokens)
+        return None
+
     async def acquire(self, num_tokens: int) -> Reservation:
         """Reserve `num_tokens` of decode capacity, waiting in line if needed.
 
         Raises:
             Overloaded: the line is full, or the wait passed the timeout.
         """
-        if not self._waiting and self.reserved_tokens + num_tokens <= self.capacity_tokens:
-            self.reserved_tokens += num_tokens
-            return Reservation(self, num_tokens)
+        reservation = self.try_acquire(num_tokens)
+        if reservation is not None:
+            return reservation
         if len(self._waiting) >= self.max_waiting:
             raise Overloaded(f"server busy: {len(self._waiting)} requests already wait for KV capacity", 1)
         if self._waiting and self.waiting_tokens + num_tokens > self.max_waiting_tokens:
@@ -109,3 +116,7 @@ class Reservation:
         if not self._is_released:
             self._is_released = True
             self._admission._release(self.num_tokens)
+
+    async def release_at_stream_end(self) -> None:
+        """release(), as a coroutine: Starlette runs a synchronous background task in a worker thread."""
+        self.release()

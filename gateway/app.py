@@ -166,7 +166,10 @@ def create_app(config: ServeConfig) -> FastAPI:
         response's generation is aborted); once an SSE stream runs, Starlette notices it and closes the
         stream, which aborts the request on both workers.
         """
-        reservation = await unless_client_leaves(request, service.admit(prepared))
+        # Watching for the client's disconnect costs two tasks: only worth it when the request must wait.
+        reservation = service.try_admit(prepared)
+        if reservation is None:
+            reservation = await unless_client_leaves(request, service.admit(prepared))
         deltas = service.stream(prepared, reservation)
         is_chat = isinstance(body, ChatCompletionRequest)
         if body.stream:
@@ -174,7 +177,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             framing = chat_stream if is_chat else completion_stream
             stream = framing(service, body, prepared, deltas, include_usage)  # type: ignore[arg-type]
             return StreamingResponse(stream, media_type="text/event-stream",
-                                     background=BackgroundTask(reservation.release))
+                                     background=BackgroundTask(reservation.release_at_stream_end))
         whole = chat_response if is_chat else completion_response
         try:
             response = await unless_client_leaves(request, whole(service, body, prepared, deltas))  # type: ignore[arg-type]

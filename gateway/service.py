@@ -216,6 +216,10 @@ class GatewayService:
         )
 
     # Admission and generation.
+    def try_admit(self, prepared: PreparedRequest) -> Reservation | None:
+        """The request's reservation when it needs no wait in line (the common case); None otherwise."""
+        return self.admission.try_acquire(len(prepared.prompt_token_ids) + prepared.sampling.max_tokens)
+
     async def admit(self, prepared: PreparedRequest) -> Reservation:
         reservation = await self.admission.acquire(
             len(prepared.prompt_token_ids) + prepared.sampling.max_tokens

@@ -69,3 +69,19 @@ def test_a_wait_past_the_timeout_or_a_cancelled_wait_leaves_the_line() -> None:
         assert admission.reserved_tokens == 0
 
     asyncio.run(scenario())
+
+
+def test_try_acquire_never_jumps_the_line() -> None:
+    async def scenario() -> None:
+        admission = Admission(capacity_tokens=100, max_waiting=3, timeout_s=30)
+        held = admission.try_acquire(60)
+        assert held is not None and admission.reserved_tokens == 60
+        assert admission.try_acquire(50) is None  # no room: the caller must wait in line
+        waiting = asyncio.create_task(admission.acquire(50))
+        await asyncio.sleep(0)
+        assert admission.try_acquire(10) is None  # room for 10, but someone waits first
+        await held.release_at_stream_end()
+        (await waiting).release()
+        assert admission.reserved_tokens == 0 and admission.num_waiting == 0
+
+    asyncio.run(scenario())
