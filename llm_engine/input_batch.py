@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from llm_engine.batch import ModelInput
-from llm_engine.paged_attention import DecodeBatch, PagedAttentionMetadata, PrefillSegment
+from llm_engine.paged_attention import DecodeBatch, PagedAttentionMetadata, PrefillSegment, cache_views
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class InputBatch:
         self.device = kv_cache.device
         self.block_size = kv_cache.shape[3]
         self._block_rows = kv_cache.shape[1] * 2 * self.block_size  # rows of one block in [-1, kvh * D]
+        self.cache_views = cache_views(kv_cache)
         self.tables = np.zeros((num_rows, max_blocks_per_seq), dtype=np.int64)  # [rows, max_blocks]
         self._table_lens = np.zeros(num_rows, dtype=np.int64)  # blocks held in each row
         self._rows: dict[str, int] = {}
@@ -129,11 +130,14 @@ class InputBatch:
         slot_blocks = self.tables[token_rows, block_indices]  # [T]
         slot_offsets = positions % self.block_size  # [T]
         sample_ends = (q_starts + counts - 1)[samples]
+        slot_rows = self._tensor(slot_blocks * self._block_rows + slot_offsets)
         metadata = PagedAttentionMetadata(
             kv_cache=self.kv_cache,
+            views=self.cache_views,
             slot_blocks=self._tensor(slot_blocks),
             slot_offsets=self._tensor(slot_offsets),
-            slot_rows=self._tensor(slot_blocks * self._block_rows + slot_offsets),
+            slot_rows=slot_rows,
+            layer_slot_rows=(slot_rows[None] + self.cache_views.row_offsets[:, None]).unbind(0),
             prefills=self._prefills(rows, starts, counts, q_starts),
             decode=self._decode(rows, starts, counts, q_starts),
         )
@@ -189,4 +193,6 @@ class InputBatch:
         first, count = int(q_rows[0]), len(q_rows)
         contiguous = int(q_rows[-1]) - first == count - 1  # then a slice: no index/index_put per layer
         q_indices = slice(first, first + count) if contiguous else self._tensor(q_rows)
-        return DecodeBatch(q_indices, self._tensor(tables), max_len, mask)
+        _, _, _, block_size, kv_heads, head_dim = self.kv_cache.shape
+        gathered_shape = (count, num_blocks * block_size, kv_heads, head_dim)
+        return DecodeBatch(q_indices, self._tensor(tables.reshape(-1)), gathered_shape, max_len, mask)

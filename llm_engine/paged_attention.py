@@ -5,6 +5,9 @@ with `attn_implementation="pdserve_paged"` then calls `paged_attention_forward` 
 own projections and rotary embedding. The forward runs on a *packed* batch: all requests' new tokens in one
 row ([1, T]), with explicit position ids, and a `PagedAttentionMetadata` passed as a model kwarg that says
 where each token's KV goes and what each token may attend to (input_batch.py builds it once per forward).
+Views of the cache (a 2-d view of every token row, each layer's K and V as rows of whole blocks) are made
+once per cache (CacheViews), and the slot rows of every layer once per forward: made per layer, their
+dispatches were a few percent of a batch-1 decode step on a CPU.
 Per layer:
     1. write the new K/V of all T tokens into their slots (block id, offset in block: one row each);
     2. prefill chunks: attend causally to (cached context + the chunk itself), one SDPA per chunk;
@@ -39,29 +42,50 @@ class DecodeBatch:
     """All single-token rows of the batch, attended to in one padded SDPA."""
 
     q_indices: torch.Tensor | slice  # [B] rows of the packed batch; a slice when they are consecutive
-    block_tables: torch.Tensor  # [B, num_blocks]; past a row's own table, any valid block id (masked out)
+    block_tables: torch.Tensor  # [B * num_blocks], row by row; past a row's own table, any valid block id
+    gathered_shape: tuple[int, int, int, int]  # [B, num_blocks * block_size, kv_heads, head_dim]
     num_keys: int  # the longest context among the rows: keys past it are not attended to at all
     mask: torch.Tensor | None  # [B, 1, 1, num_keys] additive (0 / -inf); None when all contexts are equal
 
 
 @dataclass(frozen=True)
+class CacheViews:
+    """Views of one KV cache, made once (see the module docstring)."""
+
+    flat: torch.Tensor  # [num_blocks * layers * 2 * block_size, kvh * head_dim]: one token's K or V per row
+    blocks: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer: K, V as [num_blocks, block elements]
+    row_offsets: torch.Tensor  # [layers * 2]: rows from a block's first row to layer l's K (2l) and V (2l+1)
+
+
+def cache_views(kv_cache: torch.Tensor) -> CacheViews:
+    """kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]."""
+    num_layers, block_size = kv_cache.shape[1], kv_cache.shape[3]
+    return CacheViews(
+        flat=kv_cache.view(-1, kv_cache.shape[4] * kv_cache.shape[5]),
+        blocks=tuple((kv_cache[:, layer, 0].flatten(1), kv_cache[:, layer, 1].flatten(1))
+                     for layer in range(num_layers)),
+        row_offsets=torch.arange(num_layers * 2, device=kv_cache.device) * block_size,
+    )
+
+
+@dataclass(frozen=True)
 class PagedAttentionMetadata:
     kv_cache: torch.Tensor  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    views: CacheViews  # of kv_cache
     slot_blocks: torch.Tensor  # [T] block id of each new token's slot
     slot_offsets: torch.Tensor  # [T] offset inside that block
-    slot_rows: torch.Tensor  # [T] row of each token's layer-0 K in the cache viewed as [-1, kvh * head_dim]
+    slot_rows: torch.Tensor  # [T] row of each token's layer-0 K in views.flat
+    # [T] rows of each token's K (2l) and V (2l + 1) of layer l in views.flat
+    layer_slot_rows: tuple[torch.Tensor, ...]
     prefills: tuple[PrefillSegment, ...]
     decode: DecodeBatch | None
 
 
-def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
-    # block_ids: [..., nb] → [..., nb * block_size, kv_heads, head_dim], one contiguous copy.
-    # index_select over a [num_blocks, block elements] view copies whole rows; it is ~9× faster on CPU
-    # than advanced indexing of the 6-d cache, which walks element by element.
-    _, _, _, block_size, kv_heads, head_dim = kv_cache.shape
-    rows = kv_cache[:, layer, kv].flatten(1)  # [num_blocks, block_size * kv_heads * head_dim], a view
-    gathered = rows.index_select(0, block_ids.flatten())
-    return gathered.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, head_dim)
+def _gather(blocks: torch.Tensor, block_ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    # blocks: one layer's K or V as [num_blocks, block elements]; block_ids: flat → `shape`, one contiguous
+    # copy. index_select of whole rows is ~9× faster on CPU than advanced indexing of the 6-d cache, which
+    # walks element by element.
+    return blocks.index_select(0, block_ids).view(shape)
 
 
 def paged_attention_forward(
@@ -85,21 +109,19 @@ def paged_attention_forward(
     """
     meta: PagedAttentionMetadata = kwargs["paged_metadata"]
     layer: int = module.layer_idx  # type: ignore[assignment]
-    cache = meta.kv_cache
     num_tokens, num_heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
     # One index_copy_ of whole rows into a 2-d view of the cache, not an index_put of (block, offset) pairs
-    # into the 6-d cache, which walks element by element. Layer l's K rows: layer 0's + l * 2 * block_size.
-    block_size = cache.shape[3]
-    flat = cache.view(-1, cache.shape[4] * cache.shape[5])  # [num_blocks * layers * 2 * block_size, kvh * D]
-    k_rows = meta.slot_rows + layer * 2 * block_size
-    flat.index_copy_(0, k_rows, key[0].transpose(0, 1).reshape(num_tokens, -1))
-    flat.index_copy_(0, k_rows + block_size, value[0].transpose(0, 1).reshape(num_tokens, -1))
+    # into the 6-d cache, which walks element by element.
+    flat = meta.views.flat
+    flat.index_copy_(0, meta.layer_slot_rows[2 * layer], key[0].transpose(0, 1).reshape(num_tokens, -1))
+    flat.index_copy_(0, meta.layer_slot_rows[2 * layer + 1], value[0].transpose(0, 1).reshape(num_tokens, -1))
 
     d = meta.decode
+    layer_blocks = meta.views.blocks[layer]
     is_all_decode = d is not None and isinstance(d.q_indices, slice) and d.q_indices.stop == num_tokens
     if d is not None and is_all_decode and not meta.prefills:
         # Every row is a decode row (the slice starts at 0 then): no output buffer to allocate and fill.
-        return _decode(query, cache, d, layer, key.shape[1], scaling).reshape(1, num_tokens, num_heads,
+        return _decode(query, layer_blocks, d, key.shape[1], scaling).reshape(1, num_tokens, num_heads,
                                                                                head_dim), None
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
     for seg in meta.prefills:
@@ -108,27 +130,30 @@ def paged_attention_forward(
         if seg.block_ids is None:
             k, v = key[:, :, rows], value[:, :, rows]  # [1, KVH, q_len, D]
         else:
-            k = _gather(cache, seg.block_ids, layer, 0)[: seg.context_len].transpose(0, 1)[None]
-            v = _gather(cache, seg.block_ids, layer, 1)[: seg.context_len].transpose(0, 1)[None]
+            _, _, _, block_size, kv_heads, _ = meta.kv_cache.shape
+            shape = (len(seg.block_ids) * block_size, kv_heads, head_dim)
+            k = _gather(layer_blocks[0], seg.block_ids, shape)[: seg.context_len].transpose(0, 1)[None]
+            v = _gather(layer_blocks[1], seg.block_ids, shape)[: seg.context_len].transpose(0, 1)[None]
         attn = F.scaled_dot_product_attention(
             q, k, v, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scaling, enable_gqa=True
         )  # [1, H, q_len, D]
         out[0, rows] = attn[0].transpose(0, 1)
     if d is not None:
-        out[0, d.q_indices] = _decode(query, cache, d, layer, key.shape[1], scaling)
+        out[0, d.q_indices] = _decode(query, layer_blocks, d, key.shape[1], scaling)
     return out, None
 
 
-def _decode(query: torch.Tensor, cache: torch.Tensor, d: DecodeBatch, layer: int, num_kv_heads: int,
-            scaling: float | None) -> torch.Tensor:
+def _decode(query: torch.Tensor, layer_blocks: tuple[torch.Tensor, torch.Tensor], d: DecodeBatch,
+            num_kv_heads: int, scaling: float | None) -> torch.Tensor:
     """The single-token rows' attention over their block tables: [B, H, D]."""
     num_heads, head_dim = query.shape[1], query.shape[3]
     # The query heads sharing a KV head become that head's "query positions": one SDPA call with no
     # repeated K/V (query head h reads KV head h // group, as transformers' repeat_kv does).
     q = query[0, :, d.q_indices].transpose(0, 1)  # [B, H, D]
     q = q.reshape(q.shape[0], num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, KVH, G, D]
-    k = _gather(cache, d.block_tables, layer, 0)[:, : d.num_keys].transpose(1, 2)  # [B, KVH, L, D]
-    v = _gather(cache, d.block_tables, layer, 1)[:, : d.num_keys].transpose(1, 2)
+    # [B, KVH, L, D]
+    k = _gather(layer_blocks[0], d.block_tables, d.gathered_shape)[:, : d.num_keys].transpose(1, 2)
+    v = _gather(layer_blocks[1], d.block_tables, d.gathered_shape)[:, : d.num_keys].transpose(1, 2)
     attn = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=scaling)  # [B, KVH, G, D]
     return attn.reshape(attn.shape[0], num_heads, head_dim)
 

@@ -46,12 +46,16 @@ def test_metadata_matches_a_per_token_reference() -> None:
     offsets = [p % BLOCK for p in positions]
     assert meta.slot_rows.tolist() == [b * 2 * BLOCK + o for b, o in zip(blocks, offsets, strict=True)]
     assert meta.slot_offsets.tolist() == [p % BLOCK for p in positions]
+    k_rows, v_rows = meta.layer_slot_rows  # one layer: its K rows, then its V rows (a block's K, then V)
+    assert k_rows.tolist() == meta.slot_rows.tolist()
+    assert v_rows.tolist() == [row + BLOCK for row in meta.slot_rows.tolist()]
     [segment] = meta.prefills
     assert (segment.q_start, segment.q_len, segment.context_len) == (1, 6, 10)
     assert segment.block_ids is not None and segment.block_ids.tolist() == tables["b"]
     decode = meta.decode
     assert decode is not None and decode.q_indices.tolist() == [0, 7]  # type: ignore[union-attr]
-    assert decode.num_keys == 7 and decode.block_tables[:, :2].tolist() == [[3, 5], [11, 12]]
+    assert decode.num_keys == 7 and decode.block_tables.view(2, -1)[:, :2].tolist() == [[3, 5], [11, 12]]
+    assert decode.gathered_shape[:2] == (2, decode.block_tables.numel() // 2 * BLOCK)
     assert decode.mask is not None  # contexts 7 and 6: the shorter row's last key is masked
     assert decode.mask[:, 0, 0].isinf().tolist() == [[False] * 7, [False] * 6 + [True]]
     assert prepared.sample_rows is not None and prepared.sample_rows.tolist() == [0, 6, 7]
