@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_engine.model_loader import load_tokenizer
@@ -272,3 +274,17 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client: httpx.Client, serve
     usage = chunks[-1].usage
     assert usage is not None and usage.prompt_tokens_details is not None
     assert usage.prompt_tokens_details.cached_tokens == 48
+
+
+def _freeze_count(_actor: object) -> int:
+    import gc  # run on the worker's actor: pickled by value
+
+    return gc.get_freeze_count()
+
+
+def test_the_gateway_and_every_worker_froze_their_startup_heap(client: httpx.Client) -> None:
+    """A full collection over the startup heap (torch, transformers, Ray) stalled every stream for ~200 ms."""
+    assert gc.get_freeze_count() > 0  # the gateway runs in this process
+    for worker in client.get("/admin/pools").json()["workers"]:
+        actor = ray.get_actor(f"pdserve-{worker['worker_id']}")
+        assert ray.get(actor.__ray_call__.remote(_freeze_count)) > 0
