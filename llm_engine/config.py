@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from llm_engine.hardware import DTYPES, resolve_dtype
+from llm_engine.linear_kernels import LinearKernel
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MiB = 1 << 20
 
 
@@ -16,20 +18,30 @@ class EngineConfig:
     """Everything one worker's engine needs; checked once, here."""
 
     model_dir: str  # a local Hugging Face model directory
-    dtype: str = "float32"  # weights and KV cache: "float32" or "bfloat16"
+    # Weights and KV cache: "auto" (bfloat16 where the hardware runs it natively, else float32: resolved
+    # here, so the config that reaches a worker names a concrete dtype), "float32", "bfloat16", "float16"
+    # (CUDA only).
+    dtype: str = "auto"
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int = 512 * MiB  # memory budget of the paged KV cache
     max_num_batched_tokens: int = 512  # tokens one forward may carry (prefill chunking budget)
     max_num_seqs: int = 64  # requests one forward may carry
     enable_prefix_caching: bool = True  # share full blocks of identical prefixes between requests
+    linear_kernel: str = "auto"  # GEMM kernel of every linear layer (llm_engine/linear_kernels.py)
 
     def __post_init__(self) -> None:
         problems = []
-        if self.dtype not in DTYPES:
-            problems.append(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             problems.append(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        else:
+            try:
+                object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
+            except ValueError as error:
+                problems.append(str(error))
+        if self.linear_kernel not in tuple(LinearKernel):
+            problems.append(f"linear_kernel must be one of {', '.join(LinearKernel)}, "
+                            f"got {self.linear_kernel!r}")
         if self.block_size < 1:
             problems.append(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_bytes < 1:

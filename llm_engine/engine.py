@@ -9,19 +9,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from llm_engine.block_pool import BlockPool
 from llm_engine.config import EngineConfig, ModelSpec
 from llm_engine.kv_cache_manager import KVCacheManager, blocks_for
-from llm_engine.model_loader import load_model
+from llm_engine.model_loader import LoadedModel, load_model
 from llm_engine.model_runner import ModelRunner
 from llm_engine.request import Request
 from llm_engine.sampling import SamplingParams
 from llm_engine.scheduler import Scheduler
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -51,20 +47,19 @@ class Completion:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: PreTrainedModel | None = None,
-                 spec: ModelSpec | None = None, scheduler_cls: type[Scheduler] = Scheduler,
-                 watermark: float = 0.0) -> None:
-        """Load the model (or adopt an already loaded one with its spec) and size the KV cache.
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 scheduler_cls: type[Scheduler] = Scheduler, watermark: float = 0.0) -> None:
+        """Load the model (or adopt one load_model returned) and size the KV cache.
 
         Args:
             scheduler_cls: the scheduler policy (a prefill worker keeps finished requests' blocks).
             watermark: fraction of blocks kept free when admitting waiting requests.
         """
-        if model is None or spec is None:
-            model, spec = load_model(config)
+        loaded = loaded or load_model(config)
         self.config = config
-        self.spec = spec
-        self.runner = ModelRunner(model, spec, config)
+        self.spec: ModelSpec = loaded.spec
+        self.linear_kernel = loaded.linear_kernel
+        self.runner = ModelRunner(loaded.model, loaded.spec, config)
         self.block_pool = BlockPool(self.runner.num_blocks)
         self.kv = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = self._make_scheduler(scheduler_cls, watermark)

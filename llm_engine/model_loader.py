@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ import torch
 
 from llm_engine import paged_attention
 from llm_engine.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelSpec
+from llm_engine.linear_kernels import LinearKernelReport, apply_linear_kernel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -69,8 +71,18 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
     )
 
 
-def load_model(config: EngineConfig) -> tuple[PreTrainedModel, ModelSpec]:
-    """Load weights with the paged attention plugged in, in eval mode, on the configured device and dtype."""
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for the runner: weights on the device, paged attention in, linears on their kernel."""
+
+    model: PreTrainedModel
+    spec: ModelSpec
+    linear_kernel: LinearKernelReport  # which GEMM kernel its linear layers run on, and why
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Load weights with the paged attention plugged in, in eval mode, on the configured device and dtype,
+    and put every linear layer on the fastest kernel (llm_engine/linear_kernels.py)."""
     from transformers import AutoModelForCausalLM
 
     global _num_loads
@@ -85,11 +97,13 @@ def load_model(config: EngineConfig) -> tuple[PreTrainedModel, ModelSpec]:
     )
     model.to(torch.device(config.device))  # type: ignore[arg-type]
     model.eval()
+    kernel = apply_linear_kernel(model, config.linear_kernel, config.torch_dtype, torch.device(config.device))
     logger.info(
-        "loaded %s (%d layers, %d kv heads) as %s on %s",
-        config.model_dir, spec.num_layers, spec.num_kv_heads, config.dtype, config.device,
+        "loaded %s (%d layers, %d kv heads) as %s on %s; linears on %s (%s)",
+        config.model_dir, spec.num_layers, spec.num_kv_heads, config.dtype, config.device, kernel.kernel,
+        kernel.reason,
     )
-    return model, spec
+    return LoadedModel(model, spec, kernel)
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:

@@ -146,16 +146,31 @@ def paged_attention_forward(
 def _decode(query: torch.Tensor, layer_blocks: tuple[torch.Tensor, torch.Tensor], d: DecodeBatch,
             num_kv_heads: int, scaling: float | None) -> torch.Tensor:
     """The single-token rows' attention over their block tables: [B, H, D]."""
-    num_heads, head_dim = query.shape[1], query.shape[3]
-    # The query heads sharing a KV head become that head's "query positions": one SDPA call with no
-    # repeated K/V (query head h reads KV head h // group, as transformers' repeat_kv does).
+    num_batch, num_heads, head_dim = len_of(d.q_indices, query), query.shape[1], query.shape[3]
     q = query[0, :, d.q_indices].transpose(0, 1)  # [B, H, D]
-    q = q.reshape(q.shape[0], num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, KVH, G, D]
     # [B, KVH, L, D]
     k = _gather(layer_blocks[0], d.block_tables, d.gathered_shape)[:, : d.num_keys].transpose(1, 2)
     v = _gather(layer_blocks[1], d.block_tables, d.gathered_shape)[:, : d.num_keys].transpose(1, 2)
-    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=scaling)  # [B, KVH, G, D]
-    return attn.reshape(attn.shape[0], num_heads, head_dim)
+    if query.dtype == torch.float32:
+        # The query heads sharing a KV head become that head's "query positions": one SDPA call with no
+        # repeated K/V (query head h reads KV head h // group, as transformers' repeat_kv does). In fp32 this
+        # is ~25% faster than SDPA's own GQA and gives transformers' greedy tokens.
+        q = q.reshape(num_batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, KVH, G, D]
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=scaling)  # [B, KVH, G, D]
+    else:
+        # In bf16/fp16 the grouped form rounds differently from transformers' own call (one query row per
+        # head, enable_gqa), which flips greedy tokens within 24 steps on SmolLM2; this form is bit-identical
+        # to it and measured 10-20% faster than the grouped one in bf16.
+        attn = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=d.mask, scale=scaling,
+                                              enable_gqa=True)  # [B, H, 1, D]
+    return attn.reshape(num_batch, num_heads, head_dim)
+
+
+def len_of(rows: torch.Tensor | slice, query: torch.Tensor) -> int:
+    """Rows selected by a DecodeBatch's q_indices."""
+    if isinstance(rows, slice):
+        return len(range(*rows.indices(query.shape[2])))
+    return int(rows.shape[0])
 
 
 def register() -> None:

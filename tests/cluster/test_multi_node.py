@@ -57,7 +57,8 @@ def pdserve(cluster: LocalRayCluster, model_dir: Path, *args: str,
     command = [sys.executable, "-m", "commands", "serve", "--address", cluster.address, "--model",
                str(model_dir), "--served-model-name", MODEL, "--port", str(port), "--prefill", "1",
                "--decode", "1", "--prefill-resources", json.dumps(PREFILL), "--decode-resources",
-               json.dumps(DECODE), "--kv-cache-mib", "2", "--max-num-batched-tokens", "256", *args]
+               json.dumps(DECODE), "--kv-cache-mib", "2", "--max-num-batched-tokens", "256",
+               "--dtype", "float32", *args]
     log = cluster.work_dir / f"serve-{port}.log"
     server = subprocess.Popen(command, env=cluster.env, cwd=REPO, stdout=log.open("wb"),
                               stderr=subprocess.STDOUT)

@@ -23,7 +23,7 @@ from tests.gateway.conftest import API_KEY, MODEL, serve_config, serving
 
 
 def test_role_resources_gpus_and_worker_env_reach_the_deployment(tiny_llama_dir: Path) -> None:
-    config = ServeConfig(model=str(tiny_llama_dir), prefill_resources={"pdserve_prefill": 1},
+    config = ServeConfig(dtype="float32", model=str(tiny_llama_dir), prefill_resources={"pdserve_prefill": 1},
                          decode_resources={"pdserve_decode": 0.5}, gpus_per_worker=0.5,
                          worker_env={"UCX_NET_DEVICES": "mlx5_0:1"}, placement_timeout_s=7)
     deployment = config.deployment_config(str(tiny_llama_dir))

@@ -17,7 +17,8 @@ def test_greedy_matches_transformers_on_cuda(tiny_llama_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     prompts = random_prompts([5, 40, 130], 1000)
-    engine = LLMEngine(EngineConfig(str(tiny_llama_dir), device="cuda", kv_cache_bytes=16 << 20,
+    engine = LLMEngine(EngineConfig(str(tiny_llama_dir), dtype="float32",
+                                    device="cuda", kv_cache_bytes=16 << 20,
                                     max_num_batched_tokens=64))
     assert engine.runner.kv_cache.is_cuda
     completions = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))

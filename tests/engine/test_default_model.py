@@ -32,7 +32,7 @@ def test_prepare_model_cli_writes_a_plain_hf_directory(smollm2_dir: Path, tmp_pa
 
 
 def test_chat_answer_is_sensible(smollm2_dir: Path) -> None:
-    engine = LLMEngine(EngineConfig(str(smollm2_dir), kv_cache_bytes=64 << 20))
+    engine = LLMEngine(EngineConfig(str(smollm2_dir), dtype="float32", kv_cache_bytes=64 << 20))
     tokenizer = load_tokenizer(smollm2_dir)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,

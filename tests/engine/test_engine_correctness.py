@@ -30,7 +30,8 @@ def make_engine(model_dir: Path, num_blocks: int = 256, **overrides: object) -> 
     spec = read_model_spec(model_dir)
     cache_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, 16, torch.float32)
     block_bytes = cache_spec.block_bytes
-    settings: dict[str, object] = {"kv_cache_bytes": num_blocks * block_bytes}
+    # float32 unless a test names another: the reference is transformers in float32.
+    settings: dict[str, object] = {"dtype": "float32", "kv_cache_bytes": num_blocks * block_bytes}
     settings.update(overrides)
     return LLMEngine(EngineConfig(str(model_dir), **settings))  # type: ignore[arg-type]
 

@@ -50,7 +50,9 @@ def serving(config: ServeConfig) -> Iterator[tuple[str, FastAPI]]:
 def serve_config(model_dir: Path, **overrides: object) -> ServeConfig:
     settings: dict[str, object] = {
         # nixl where it imports, else the torch backend: the HTTP suite runs either way.
-        "model": str(model_dir), "served_model_name": MODEL, "backend": "auto", "port": free_port(),
+        # float32 on every CPU kind: the reference tokens are transformers' in float32.
+        "model": str(model_dir), "dtype": "float32", "served_model_name": MODEL, "backend": "auto",
+        "port": free_port(),
         "kv_cache_mib": 2,  # 64 blocks of 16 tokens per worker: small enough to overload on purpose
         "max_num_batched_tokens": 256, "api_key": API_KEY, "max_waiting": 1, "queue_timeout_s": 30,
     }

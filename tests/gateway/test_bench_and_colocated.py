@@ -77,8 +77,7 @@ def test_bench_flag_errors_name_the_flag() -> None:
 
 @pytest.fixture(scope="module")
 def colocated_server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
-    config = ServeConfig(
-        model=str(tiny_chat_model_dir),
+    config = ServeConfig(dtype="float32", model=str(tiny_chat_model_dir),
         served_model_name=MODEL,
         colocated=2,
         port=free_port(),

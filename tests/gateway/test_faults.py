@@ -36,7 +36,8 @@ VOCAB = 49152
 @pytest.fixture(scope="module")
 def fault_server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[tuple[str, FastAPI]]:
     config = ServeConfig(
-        model=str(tiny_chat_model_dir), served_model_name=MODEL, prefill=1, decode=2, port=free_port(),
+        dtype="float32", model=str(tiny_chat_model_dir), served_model_name=MODEL, prefill=1, decode=2,
+        port=free_port(),
         kv_cache_mib=2,  # 64 blocks of 16 tokens per worker
         max_num_batched_tokens=32,  # long prompts take many prefill steps: time to hit them mid-prefill
         max_waiting=8, queue_timeout_s=30,

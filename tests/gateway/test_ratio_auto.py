@@ -30,7 +30,8 @@ FAST = ControllerPolicy(interval_s=0.2, min_dwell_s=0.5, calm_s=1.5, long_prompt
 @pytest.fixture(scope="module")
 def auto_server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[tuple[str, FastAPI]]:
     pytest.importorskip("nixl")
-    config = ServeConfig(model=str(tiny_chat_model_dir), served_model_name=MODEL, backend="nixl", mixed=2,
+    config = ServeConfig(dtype="float32",
+                         model=str(tiny_chat_model_dir), served_model_name=MODEL, backend="nixl", mixed=2,
                          ratio="auto", port=free_port(), kv_cache_mib=2, max_num_batched_tokens=64)
     with serving(config) as (url, app):
         app.state.controller.set_policy(FAST)

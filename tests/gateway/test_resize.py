@@ -31,7 +31,8 @@ VOCAB = 49152
 @pytest.fixture(scope="module")
 def running(tiny_chat_model_dir: Path, ray_local: None) -> Any:
     pytest.importorskip("nixl")
-    config = ServeConfig(model=str(tiny_chat_model_dir), served_model_name=MODEL, backend="nixl",
+    config = ServeConfig(dtype="float32",
+                         model=str(tiny_chat_model_dir), served_model_name=MODEL, backend="nixl",
                          port=free_port(), kv_cache_mib=2, max_num_batched_tokens=64)
     with serving(config) as served:
         yield served
@@ -211,7 +212,8 @@ def test_a_second_change_while_one_applies_is_a_conflict(client: httpx.Client) -
 
 
 def test_the_torch_backend_cannot_resize(tiny_llama_dir: Path) -> None:
-    deployment = PDDeployment(DeploymentConfig(EngineConfig(str(tiny_llama_dir)), backend="torch"))
+    engine = EngineConfig(str(tiny_llama_dir), dtype="float32")
+    deployment = PDDeployment(DeploymentConfig(engine, backend="torch"))
     resizer = PoolResizer(deployment, Router(deployment))
     with pytest.raises(ResizeConflict, match="fixes its workers"):
         resizer.check(PoolLayout(prefill=1, decode=2))

@@ -24,7 +24,7 @@ _names = itertools.count()
 
 def make_decode_worker(model_dir: Path, name: str) -> DecodeWorker:
     """A decode worker as DecodeRole builds it with nixl: receiver and migration sender over one KV cache."""
-    engine = LLMEngine(EngineConfig(str(model_dir), kv_cache_bytes=8 << 20), watermark=0.05)
+    engine = LLMEngine(EngineConfig(str(model_dir), dtype="float32", kv_cache_bytes=8 << 20), watermark=0.05)
     config = TransferConfig(lease_s=30.0)
     kv_cache = engine.runner.kv_cache
     receiver = make_receiver("nixl", name, kv_cache, config=config)

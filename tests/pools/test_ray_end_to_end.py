@@ -41,7 +41,7 @@ def test_sixteen_concurrent_requests_match_transformers(tiny_llama_dir: Path, ba
         pytest.importorskip("nixl")
     prompts = random_prompts([3, 9, 17, 25, 33, 40, 48, 57, 64, 80, 96, 100, 128, 150, 200, 250], 1000)
     sampling = SamplingParams(max_tokens=16, temperature=0.0)
-    config = DeploymentConfig(EngineConfig(str(tiny_llama_dir), kv_cache_bytes=16 << 20,
+    config = DeploymentConfig(EngineConfig(str(tiny_llama_dir), dtype="float32", kv_cache_bytes=16 << 20,
                                            max_num_batched_tokens=256), backend=backend)
     tokens, events, whole = asyncio.run(serve_all(config, prompts, sampling))
     assert tokens == hf_greedy(tiny_llama_dir, prompts, 16)
@@ -61,7 +61,8 @@ def test_smollm2_through_nixl(smollm2_dir: Path) -> None:
     pytest.importorskip("nixl")
     prompts = random_prompts([12, 70, 130], 49152)
     sampling = SamplingParams(max_tokens=12, temperature=0.0)
-    config = DeploymentConfig(EngineConfig(str(smollm2_dir), kv_cache_bytes=64 << 20), backend="nixl")
+    config = DeploymentConfig(EngineConfig(str(smollm2_dir), dtype="float32",
+                                           kv_cache_bytes=64 << 20), backend="nixl")
     tokens, _, whole = asyncio.run(serve_all(config, prompts, sampling))
     assert tokens == hf_greedy(smollm2_dir, prompts, 12)
     assert all(whole.values()), whole

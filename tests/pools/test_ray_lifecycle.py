@@ -19,7 +19,8 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 def config_for(model_dir: Path) -> DeploymentConfig:
     pytest.importorskip("nixl")
-    return DeploymentConfig(EngineConfig(str(model_dir), kv_cache_bytes=16 << 20), backend="nixl")
+    return DeploymentConfig(EngineConfig(str(model_dir), dtype="float32",
+                                         kv_cache_bytes=16 << 20), backend="nixl")
 
 
 async def wait_whole(deployment: PDDeployment, timeout_s: float = 10.0) -> dict[str, bool]:
