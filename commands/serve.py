@@ -30,8 +30,14 @@ _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--ratio", str, "fixed (default) or auto: a controller moves workers between roles by load"),
     ("--ttft-slo-s", float, "the ratio controller's time-to-first-token target, s"),
     ("--itl-slo-s", float, "the ratio controller's inter-token latency target, s"),
-    ("--dtype", str, "float32 or bfloat16"),
+    ("--dtype", str, "auto (default: bfloat16 where the hardware runs it natively: AVX512_BF16 or AMX on a "
+                     "CPU, any CUDA GPU; else float32), float32, bfloat16, or float16 (CUDA only)"),
     ("--device", str, "cpu or cuda"),
+    ("--linear-kernel", str, "GEMM kernel of the linear layers: auto (default: probed at load, per weight "
+                             "shape), torch (F.linear) or onednn-packed (CPU: weights prepacked once)"),
+    ("--threads-per-worker", int, "torch threads per worker (default: this machine's cores split over the "
+                                  "workers; on a cluster, --cpus-per-worker); each worker is pinned to its "
+                                  "own cores"),
     ("--block-size", int, "tokens per KV block"),
     ("--kv-cache-mib", int, "KV cache budget per worker, MiB"),
     ("--max-num-batched-tokens", int, "tokens per forward (prefill chunk budget)"),
@@ -73,6 +79,9 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--config", default=None, help="YAML file of the same settings (flags override it)")
     for flag, kind, text in _SERVE_FLAGS:
         serve.add_argument(flag, type=kind, default=None, help=text)
+    serve.add_argument("--no-pin-cpus", dest="pin_cpus", action="store_false", default=None,
+                       help="let the OS place the workers' threads, instead of pinning each worker to its "
+                            "own cores")
     serve.set_defaults(handler=run_serve)
 
 
@@ -87,6 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
         flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in _SERVE_FLAGS
     }
     overrides["ray_address"] = overrides.pop("address")
+    overrides["pin_cpus"] = args.pin_cpus
     overrides["api_key"] = overrides["api_key"] or os.environ.get("PDSERVE_API_KEY")
     overrides["admin_key"] = overrides["admin_key"] or os.environ.get("PDSERVE_ADMIN_KEY")
     try:

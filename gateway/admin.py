@@ -42,6 +42,8 @@ async def get_pools(request: Request) -> dict[str, object]:
                                     "node_id": worker.node_id, "node_ip": worker.node_ip}  # None: pending
         if worker.next_role is not None:
             entry["next_role"] = worker.next_role.value
+        if worker.runtime is not None:  # dtype, GEMM kernel, threads, cores, KV bytes per token
+            entry["runtime"] = dataclasses.asdict(worker.runtime)
         load = loads.get(worker.worker_id)
         if load is not None:
             entry |= {"requests": load.num_requests, "running_requests": load.num_running,

@@ -41,6 +41,7 @@ from gateway.ratio_controller import RatioController
 from gateway.resize import PoolResizer
 from gateway.responses import chat_response, chat_stream, completion_response, completion_stream
 from gateway.service import GatewayService, PreparedRequest
+from gateway.workers import WorkerState
 from llm_engine.model_loader import load_tokenizer, read_model_spec
 from llm_engine.process_heap import freeze_startup_heap
 from pool_worker import Role
@@ -221,6 +222,9 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def metrics(request: Request) -> Response:
         service: GatewayService = request.app.state.service
         service.metrics.set_loads(await service.deployment.loads())
+        workers = list(service.deployment.workers.values())
+        service.metrics.set_runtimes({w.worker_id: w.runtime for w in workers
+                                      if w.runtime is not None and w.state is not WorkerState.FAILED})
         for role, count in service.deployment.health().active.items():
             service.metrics.workers.labels(role).set(count)
         service.metrics.admission_waiting.set(service.admission.num_waiting)

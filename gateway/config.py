@@ -5,6 +5,7 @@ Engine and transfer defaults are not repeated here: a field left unset takes the
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -17,6 +18,7 @@ from gateway.ratio_controller import ControllerPolicy
 from gateway.router import LocalPrefillPolicy
 from kv_transfer import TransferConfig
 from llm_engine import EngineConfig
+from llm_engine.hardware import resolve_dtype
 from llm_engine.model_source import ModelSource
 from pool_worker import Role
 
@@ -28,8 +30,14 @@ class ServeConfig(BaseModel):
 
     model: str | None = None  # HF model directory; None: the default model (prepared on first use)
     served_model_name: str | None = None  # the name clients send; default: the directory's name
-    dtype: Literal["float32", "bfloat16"] | None = None
+    # None: the engine's default, "auto" (bfloat16 where the hardware runs it natively, else float32).
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     device: str | None = None
+    linear_kernel: Literal["auto", "torch", "onednn-packed"] | None = None  # None: the engine's ("auto")
+    # Torch threads per worker; None: this machine's cores split over the starting layout's workers (on a
+    # cluster: the CPUs each worker asks Ray for).
+    threads_per_worker: int | None = Field(default=None, ge=1)
+    pin_cpus: bool = True  # each worker on its own cores (False: the OS places their threads)
     # Workers per role. None: 1 prefill + 1 decode when no role is named, else 0 of an unnamed role.
     prefill: int | None = Field(default=None, ge=0)
     decode: int | None = Field(default=None, ge=0)
@@ -91,6 +99,10 @@ class ServeConfig(BaseModel):
             raise ValueError("--ratio auto moves workers between roles, which the torch backend's fixed "
                              "process group cannot: use --backend nixl")
         prefill, decode, mixed = self.prefill or 0, self.decode or 0, self.mixed or 0
+        try:
+            resolve_dtype(self.dtype or "auto", self.device or "cpu")
+        except ValueError as error:
+            raise ValueError(f"--dtype {self.dtype}: {error}") from None
         if prefill + mixed < 1 or decode + mixed < 1:
             raise ValueError(f"--prefill/--decode/--mixed: {prefill} prefill + {decode} decode + {mixed} "
                              "mixed cannot serve: "
@@ -121,6 +133,16 @@ class ServeConfig(BaseModel):
                   "decode_s_per_token": self.deadline_decode_s_per_token}
         return DeadlinePolicy(**{k: v for k, v in chosen.items() if v is not None})
 
+    def default_threads_per_worker(self) -> int:
+        """--threads-per-worker, else this machine's cores split over the layout's workers (a cluster's
+        nodes are not this machine: there, the CPUs each worker asks Ray for)."""
+        if self.threads_per_worker is not None:
+            return self.threads_per_worker
+        if self.ray_address is not None:
+            return max(1, int(self.cpus_per_worker or 1))
+        num_workers = (self.prefill or 0) + (self.decode or 0) + (self.mixed or 0)
+        return max(1, len(os.sched_getaffinity(0)) // max(1, num_workers))
+
     @property
     def is_loopback(self) -> bool:
         return self.host in LOOPBACK_HOSTS
@@ -129,7 +151,7 @@ class ServeConfig(BaseModel):
         engine_overrides: dict[str, object] = {
             "dtype": self.dtype, "device": self.device, "block_size": self.block_size,
             "kv_cache_bytes": None if self.kv_cache_mib is None else self.kv_cache_mib << 20,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_batched_tokens": self.max_num_batched_tokens, "linear_kernel": self.linear_kernel,
         }
         chosen = {k: v for k, v in engine_overrides.items() if v is not None}
         engine = EngineConfig(model_dir, **chosen)  # type: ignore[arg-type]
@@ -147,5 +169,6 @@ class ServeConfig(BaseModel):
                                 worker_env=dict(self.worker_env or {}),
                                 # Each worker finds the model on its own node (llm_engine/model_source.py).
                                 model_source=ModelSource(self.model),
+                                num_threads=self.default_threads_per_worker(), pin_cpus=self.pin_cpus,
                                 **{k: v for k, v in placement.items() if v is not None})  # type: ignore[arg-type]
 

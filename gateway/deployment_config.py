@@ -32,7 +32,8 @@ class DeploymentConfig:
     worker_env: dict[str, str] = field(default_factory=dict)
     # What each worker loads, resolved on its own node; None: engine.model_dir as it is on every node.
     model_source: ModelSource | None = None
-    num_threads: int = 1  # torch threads per worker
+    num_threads: int = 1  # torch threads per worker (ServeConfig: the node's cores split over its workers)
+    pin_cpus: bool = True  # each worker pins its process to its own cores (llm_engine/worker_setup.py)
     # How long start-up waits for Ray to place every worker; then it serves with those placed if they can
     # serve (the rest stay pending), else fails naming what no node offers. Autoscaled nodes take minutes.
     placement_timeout_s: float = 300.0
@@ -45,6 +46,8 @@ class DeploymentConfig:
             raise ValueError("the layout cannot serve: it needs at least one worker that can prefill "
                              "(prefill or mixed) and one that can decode (decode or mixed), got "
                              f"{self.layout()}")
+        if self.num_threads < 1:
+            raise ValueError(f"threads per worker must be >= 1, got {self.num_threads}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         for role, resources in self.role_resources.items():

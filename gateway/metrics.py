@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from gateway.protocol import Timings
 from llm_engine.load import WorkerLoad
+from pool_worker import WorkerRuntime
 
 # Latency buckets from 5 ms to 2 min: CPU decode steps are tens of ms, long CPU prefills tens of seconds.
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 120)
@@ -72,6 +73,13 @@ class Metrics:
         self.admission_reserved = Gauge(
             "pdserve_admission_reserved_tokens", "Decode KV tokens reserved", registry=r
         )
+        # How each worker computes (1 per live worker; the labels carry the facts, Prometheus' info idiom).
+        self.worker_runtime = Gauge(
+            "pdserve_worker_runtime_info", "A worker's dtype, GEMM kernel and torch threads",
+            ["worker", "dtype", "linear_kernel", "threads"], registry=r)
+        self.linear_kernel_speedup = Gauge(
+            "pdserve_linear_kernel_speedup", "Load-time probe: F.linear time over the chosen GEMM kernels'",
+            ["worker"], registry=r)
 
     def observe_request(self, timings: Timings, outcome: str, num_prompt: int, num_output: int) -> None:
         self.requests.labels(outcome).inc()
@@ -101,6 +109,16 @@ class Metrics:
         for load in loads:
             self.running.labels(load.worker_id, load.role).set(load.num_running)
             self.kv_occupancy.labels(load.worker_id, load.role).set(load.kv_occupancy)
+
+    def set_runtimes(self, runtimes: dict[str, WorkerRuntime]) -> None:
+        """One series per live worker: a departed worker's series leave with it."""
+        self.worker_runtime.clear()
+        self.linear_kernel_speedup.clear()
+        for worker_id, runtime in runtimes.items():
+            self.worker_runtime.labels(worker_id, runtime.dtype, runtime.linear_kernel,
+                                       str(runtime.num_threads)).set(1)
+            if runtime.linear_kernel_speedup is not None:
+                self.linear_kernel_speedup.labels(worker_id).set(runtime.linear_kernel_speedup)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -132,7 +132,16 @@ class PDDeployment:
             for rank, w in enumerate(workers)))
 
     async def _start_worker(self, worker: Worker, torch_group: TorchGroupSpec | None = None) -> None:
-        await asyncio.wait_for(worker.actor.start.remote(torch_group), self.config.start_timeout_s)
+        worker.cpu_slot = self._free_cpu_slot(worker) if self.config.pin_cpus else None
+        info = await asyncio.wait_for(worker.actor.start.remote(torch_group, worker.cpu_slot),
+                                      self.config.start_timeout_s)
+        worker.runtime = info.runtime
+
+    def _free_cpu_slot(self, worker: Worker) -> int:
+        """The lowest slot no other live worker on the same node holds (a failed one's cores are free)."""
+        taken = {w.cpu_slot for w in self.workers.values() if w is not worker and w.node_id == worker.node_id
+                 and w.state is not WorkerState.FAILED}
+        return next(slot for slot in itertools.count() if slot not in taken)
 
     def _worker_id(self, number: int) -> str:
         return f"worker-{self._tag}-{number}"

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from pool_worker import Role
+from pool_worker import Role, WorkerRuntime
 
 
 class WorkerState(enum.Enum):
@@ -32,6 +32,8 @@ class Worker:
     next_role: Role | None = None  # while CHANGING_ROLE
     node_id: str | None = None  # Ray node the worker was placed on (None while PENDING)
     node_ip: str | None = None  # that node's address
+    cpu_slot: int | None = None  # its slot among the live workers of its node: which cores it pins to
+    runtime: WorkerRuntime | None = None  # dtype, GEMM kernel, threads and cores, as start() reported them
 
     @property
     def is_active(self) -> bool:

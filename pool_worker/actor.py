@@ -80,6 +80,21 @@ class WorkerInfo:
     pid: int
     num_model_loads: int  # weight loads in this process: 1 however often the role changed
     num_role_changes: int
+    runtime: WorkerRuntime | None = None  # what the engine runs on; None until start()
+
+
+@dataclass(frozen=True)
+class WorkerRuntime:
+    """How the worker computes: its dtype, GEMM kernel and cores (in /admin/pools and the metrics)."""
+
+    dtype: str  # of weights and KV cache, "auto" resolved
+    linear_kernel: str  # "torch" or "onednn-packed" (llm_engine/linear_kernels.py)
+    linear_kernel_reason: str  # the probe's verdict, or why there was none
+    linear_kernel_speedup: float | None  # probe: F.linear time over the chosen kernels' (None: no probe)
+    num_threads: int  # torch threads of the step loop
+    cpu_ids: tuple[int, ...]  # cores the process is pinned to (all it may use when not pinned)
+    kv_bytes_per_token: int  # KV bytes one token holds and moves between workers
+    num_kv_blocks: int
 
 
 @dataclass(frozen=True)
@@ -105,6 +120,7 @@ class WorkerActor:
         self._watermark = watermark
         self._num_threads = num_threads
         self._num_role_changes = 0
+        self._cpu_ids: tuple[int, ...] = ()
         # Outlives the roles: a gateway's output stream stays open across role changes.
         self._outputs = OutputChannels(abort=self.abort, is_final=_is_final)
         self.role = Role(role)
@@ -121,15 +137,19 @@ class WorkerActor:
             s.bind((self._placement.node_ip, 0))
             return int(s.getsockname()[1])
 
-    def start(self, torch_group: TorchGroupSpec | None = None) -> WorkerInfo:
+    def start(self, torch_group: TorchGroupSpec | None = None, cpu_slot: int | None = None) -> WorkerInfo:
         """Load the model found on this node, join the torch group (if any), and serve in the role.
+
+        Args:
+            cpu_slot: this worker's slot among the live workers of its node: it pins itself to that slot's
+                cores (llm_engine/worker_setup.py); None: not pinned.
 
         Raises:
             FileNotFoundError: the model is not on this node (the message names the node).
         """
         node = f"{self._placement.node_ip} (node id {self._placement.node_id[:12]})"
         model_dir = self._model_source.resolve_here(node)  # before the group: a rank without it fails alone
-        setup_worker_process(self._num_threads, torch_group)
+        self._cpu_ids = setup_worker_process(self._num_threads, torch_group, cpu_slot)
         self.engine = LLMEngine(replace(self._engine_config, model_dir=model_dir))
         self._front = self._build_front(self.role)
         freeze_startup_heap()  # a full collection over the model's heap would stall the step loop
@@ -150,7 +170,16 @@ class WorkerActor:
     def info(self) -> WorkerInfo:
         actor_id = ray.get_runtime_context().get_actor_id() or ""
         return WorkerInfo(self.worker_id, self.role, actor_id, os.getpid(), num_model_loads(),
-                          self._num_role_changes)
+                          self._num_role_changes, self._runtime())
+
+    def _runtime(self) -> WorkerRuntime | None:
+        engine: LLMEngine | None = getattr(self, "engine", None)
+        if engine is None:
+            return None
+        kernel = engine.linear_kernel
+        return WorkerRuntime(engine.config.dtype, kernel.kernel.value, kernel.reason, kernel.speedup,
+                             self._num_threads, self._cpu_ids, engine.runner.cache_spec.bytes_per_token,
+                             engine.runner.num_blocks)
 
     async def set_role(self, role: str) -> WorkerInfo:
         """Serve as `role` from now on (see the lifecycle); raises RuntimeError if the worker still holds

@@ -17,6 +17,7 @@ from llm_engine import EngineConfig, KVCacheSpec, LLMEngine, SamplingParams
 from llm_engine.hardware import resolve_dtype
 from llm_engine.linear_kernels import LinearKernel, PackedLinear, onednn_unavailable_reason
 from llm_engine.model_loader import read_model_spec
+from llm_engine.worker_setup import cores_for_slot
 from tests.conftest import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -69,7 +70,8 @@ def test_auto_kernel_probes_and_says_why(tiny_llama_dir: Path) -> None:
     assert report.num_linears == 4 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the lm_head
 
 
-def test_probe_falls_back_to_torch_without_onednn(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_probe_falls_back_to_torch_without_onednn(tiny_llama_dir: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     engine = engine_for(tiny_llama_dir, "float32", "auto")
     assert engine.linear_kernel.kernel is LinearKernel.TORCH
@@ -118,3 +120,15 @@ def test_the_kv_cache_follows_the_dtype(tiny_llama_dir: Path) -> None:
                  for d in ("float32", "bfloat16")}
     assert per_dtype["bfloat16"] * 2 == per_dtype["float32"]
     assert EngineConfig(str(tiny_llama_dir)).dtype in ("float32", "bfloat16")  # "auto" resolved at once
+
+
+@pytest.mark.parametrize(("allowed", "slot", "threads", "expected"), [
+    ([0, 1], 0, 1, (0,)), ([0, 1], 1, 1, (1,)),
+    ([0, 1], 2, 1, (0,)),  # a third worker on 2 cores shares the first one's core
+    ([0, 1], 1, 2, (0, 1)),  # two threads each on 2 cores: both share both
+    ([0, 1, 2, 3], 1, 2, (2, 3)),
+    ([4, 6], 1, 1, (6,)),  # the cores the process may use, not 0..n
+])
+def test_a_worker_slot_maps_to_its_own_cores(allowed: list[int], slot: int, threads: int,
+                                             expected: tuple[int, ...]) -> None:
+    assert cores_for_slot(slot, threads, allowed) == expected

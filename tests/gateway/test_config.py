@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,25 @@ def test_cli_names_the_bad_flag() -> None:
     missing = subprocess.run([sys.executable, "-m", "commands", "serve", "--model", "/no/such/dir"],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "--model" in missing.stderr and "does not exist" in missing.stderr
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--threads-per-worker", "0"], "--threads-per-worker: Input should be greater than or equal to 1"),
+    (["--dtype", "float16"], "--dtype float16: dtype float16 runs on CUDA only"),
+    (["--dtype", "float64"], "--dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"),
+    (["--linear-kernel", "mkl"], "--linear-kernel: Input should be 'auto', 'torch' or 'onednn-packed'"),
+])
+def test_cli_refuses_bad_engine_settings_naming_the_flag(flags: list[str], needle: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "commands", "serve", *flags], capture_output=True,
+                            text=True)
+    assert result.returncode == 2
+    assert needle in result.stderr
+
+
+def test_threads_default_to_the_cores_split_over_the_workers() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert ServeConfig().deployment_config("m").num_threads == max(1, cores // 2)  # 1 prefill + 1 decode
+    assert ServeConfig(mixed=1).deployment_config("m").num_threads == cores
+    assert ServeConfig(threads_per_worker=3).deployment_config("m").num_threads == 3
+    assert ServeConfig(ray_address="auto", cpus_per_worker=4).deployment_config("m").num_threads == 4
+    assert ServeConfig(pin_cpus=False).deployment_config("m").pin_cpus is False

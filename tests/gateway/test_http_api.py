@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -185,6 +186,25 @@ def test_admin_pools_shows_both_pools_and_the_blocks_a_request_holds(client: htt
     assert wait_until_no_blocks_used(client) == 0
     for worker in client.get("/admin/pools").json()["workers"]:
         assert (worker["free_kv_blocks"], worker["used_kv_blocks"], worker["running_requests"]) == (64, 0, 0)
+
+
+def test_each_worker_reports_how_it_computes_on_its_own_cores(client: httpx.Client) -> None:
+    """dtype, GEMM kernel, threads and pinned cores in /admin/pools, and the same facts in /metrics."""
+    workers = client.get("/admin/pools").json()["workers"]
+    runtimes = [w["runtime"] for w in workers]
+    assert {r["dtype"] for r in runtimes} == {"float32"}  # what the test server asked for
+    assert all(r["linear_kernel"] in ("torch", "onednn-packed") and r["linear_kernel_reason"]
+               for r in runtimes)
+    # K and V × 4 layers × 2 KV heads × head dim 32 × 4 bytes (fp32)
+    assert all(r["kv_bytes_per_token"] == 2 * 4 * 2 * 32 * 4 for r in runtimes)
+    cores = [tuple(r["cpu_ids"]) for r in runtimes]
+    if len(os.sched_getaffinity(0)) >= 2:  # two workers, one thread each: never the same core
+        assert all(len(c) == 1 for c in cores) and cores[0] != cores[1]
+    text = client.get("/metrics").text
+    for worker in workers:
+        runtime = worker["runtime"]
+        assert (f'pdserve_worker_runtime_info{{dtype="float32",linear_kernel="{runtime["linear_kernel"]}",'
+                f'threads="{runtime["num_threads"]}",worker="{worker["worker_id"]}"}} 1.0') in text
 
 
 @pytest.mark.parametrize(
