@@ -1,18 +1,22 @@
-"""Engine step time against the bare transformers forward, side by side in one run, 1 torch thread (no test).
+"""Engine step time beside the bare transformers forward and vLLM's CPU engine, side by side in one run (no test).
 
-1. Decode step time (ms) at each batch: one engine step() (schedule, attention metadata, paged attention,
-   sampling, output objects) against one bare forward over transformers' DynamicCache with SDPA (argmax only),
-   the two alternating step by step over the same prompts, so drift in the machine's load hits both alike.
-2. Where the engine's decode step goes: the model body and lm_head are timed by wrapping their forwards;
-   the rest of the step (scheduler, metadata, sampler, outputs) is "outside the forward".
-3. Prefill of one fresh prompt of each --prefill-lens length: one engine step against one bare forward
-   (logits of the last position only, as `generate` does).
-4. --mixed: 16 mixed-length requests of the Azure trace, engine continuous batching vs HF generate.
+For each --dtypes × --threads setting, every tree (this one, and --against an earlier one) runs in a subprocess
+whose PYTHONPATH is that tree, rounds alternating which goes first, and vLLM's engine runs in its own venv
+(benchmarks/vllm_engine_steps.py; --no-vllm to skip). Rows:
+- prefill of one fresh prompt of each --prefill-lens length: one engine step, one bare forward (logits of the
+  last position only, as `generate` does), vLLM's time to first token of a max_tokens=1 request;
+- decode step at each --decode batch@context: one engine step() (schedule, metadata, paged attention,
+  sampling, outputs) against one bare forward over transformers' DynamicCache with SDPA (argmax only), the
+  two alternating step by step, so drift in the machine's load hits both alike.
+Beside the times, what the hardware allows:
+- prefill rows are GEMM-bound: "GEMM share" = the same linears (the engine's own modules, on the kernel it
+  chose) run standalone on [tokens, in] inputs / the engine's whole step. 1.0 would be a step that is only
+  its GEMMs at their standalone speed;
+- decode rows are memory-bound: "of bandwidth" = (weight bytes + KV bytes the step reads) / step time, over
+  the machine's copy bandwidth at the same thread count (a torch copy of 512 MiB: read + write).
 
---against TREE compares engines: each repeat runs 1-3 once per tree, in a subprocess whose PYTHONPATH is that
-tree (e.g. `git archive <commit> llm_engine | tar -x -C /tmp/engine-base`), alternating which tree goes first.
-
-    .venv/bin/python benchmarks/engine_bench.py [--against /tmp/engine-base] [--batches 1,16] [--out FILE]
+    .venv/bin/python benchmarks/engine_bench.py [--against /tmp/engine-base] [--dtypes float32,bfloat16]
+        [--threads 1,2] [--repeats 3] [--out benchmarks/results/engine_step.md]
 """
 
 from __future__ import annotations
@@ -48,8 +52,7 @@ def _timed(module: torch.nn.Module, sink: list[float]) -> None:
     module.forward = wrapper
 
 
-def decode_steps(engine: Any, bare: Any, prompts: torch.Tensor, steps: int,
-                 body: list[float], head: list[float]) -> dict[str, list[float]]:
+def decode_steps(engine: Any, bare: Any, prompts: torch.Tensor, steps: int) -> dict[str, list[float]]:
     """Per-step seconds of the bare forward and the engine step, alternating; prefill excluded."""
     from transformers import DynamicCache
 
@@ -61,26 +64,35 @@ def decode_steps(engine: Any, bare: Any, prompts: torch.Tensor, steps: int,
         engine.add_request(row, params)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()
-    result: dict[str, list[float]] = {"bare": [], "engine": [], "body": [], "head": []}
+    result: dict[str, list[float]] = {"bare": [], "engine": []}
     with torch.inference_mode():
         cache = DynamicCache(config=bare.config)
-        out = bare(input_ids=prompts, cache=cache, use_cache=True, logits_to_keep=1)
-        next_ids = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+        next_ids = None
+        for start in range(0, batch, 16):  # the bare prefill in slices of 16 rows: bounded memory
+            out = bare(input_ids=prompts[start:start + 16], use_cache=True, logits_to_keep=1)
+            rows = out.logits[:, -1].argmax(-1, keepdim=True)
+            next_ids = rows if next_ids is None else torch.cat([next_ids, rows])
+            if start == 0:
+                cache = out.cache
+            else:
+                for layer, (k, v) in enumerate(_layers_kv(out.cache)):
+                    cache.layers[layer].keys = torch.cat([cache.layers[layer].keys, k])
+                    cache.layers[layer].values = torch.cat([cache.layers[layer].values, v])
         for step in range(steps):
-            start = time.perf_counter()
+            start_s = time.perf_counter()
             positions = torch.full((batch, 1), length + step)
             out = bare(input_ids=next_ids, cache=cache, use_cache=True, position_ids=positions)
             next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
             middle = time.perf_counter()
-            body.clear()
-            head.clear()
             engine.step()
             result["engine"].append(time.perf_counter() - middle)
-            result["bare"].append(middle - start)
-            result["body"].append(sum(body))
-            result["head"].append(sum(head))
+            result["bare"].append(middle - start_s)
     assert not engine.has_unfinished() and engine.block_pool.is_whole()
     return result
+
+
+def _layers_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 def prefill_once(engine: Any, bare: Any, prompt: list[int]) -> dict[str, float]:
@@ -99,155 +111,157 @@ def prefill_once(engine: Any, bare: Any, prompt: list[int]) -> dict[str, float]:
     return {"bare": bare_s, "engine": engine_s}
 
 
+def standalone_linears(model: torch.nn.Module, num_tokens: int, dtype: torch.dtype) -> float:
+    """Seconds of one pass of the model's own linear layers (as the engine runs them) over num_tokens rows;
+    the lm_head once, for the sampled row."""
+    head = getattr(model, "lm_head", None)
+    layers = [m for m in model.modules() if hasattr(m, "in_features") and m is not head
+              and not list(m.children())]
+    inputs = {n: torch.randn(num_tokens, n, dtype=dtype) for n in {m.in_features for m in layers}}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(3):
+            start = time.perf_counter()
+            for layer in layers:
+                layer(inputs[layer.in_features])
+            if head is not None:
+                head(inputs[head.in_features][:1])
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads of the weights: every parameter but the embedding table (a row lookup)."""
+    embedding = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+    if model.get_output_embeddings().weight is embedding:  # a tied lm_head reads the whole matrix
+        total += embedding.numel() * embedding.element_size()
+    return total
+
+
 def measure(args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """One round of 1-3 against whichever llm_engine is importable; returns seconds, per step."""
+    """One round against whichever llm_engine is importable; returns seconds."""
     from transformers import AutoModelForCausalLM
 
     import llm_engine
     from llm_engine import EngineConfig, LLMEngine
-    from llm_engine.config import DTYPES
 
-    torch.set_num_threads(1)
-    config = EngineConfig(args.model, dtype=args.dtype, device="cpu", kv_cache_bytes=1 << 30,
-                          max_num_batched_tokens=max(2048, *args.prefill_lens), max_num_seqs=64)
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    decode_shapes = [tuple(map(int, x.split("@"))) for x in args.decode]
+    tokens_needed = max(b * (c + args.steps + args.warmup + 16) for b, c in decode_shapes)
+    bare = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+    config_cls: Any = EngineConfig
+    spec_bytes = 2 * bare.config.num_hidden_layers * bare.config.num_key_value_heads * (
+        bare.config.hidden_size // bare.config.num_attention_heads) * dtype.itemsize
+    config = config_cls(args.model, dtype=args.dtype, device="cpu",
+                        kv_cache_bytes=max(1 << 30, tokens_needed * spec_bytes * 11 // 10),
+                        max_num_batched_tokens=max(2048, *args.prefill_lens), max_num_seqs=64)
     engine = LLMEngine(config)
-    body: list[float] = []
-    head: list[float] = []
-    _timed(engine.runner.model.model, body)
-    _timed(engine.runner.model.lm_head, head)
-    bare = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype]).eval()
+    kernel = getattr(engine, "linear_kernel", None)
     vocab = engine.spec.vocab_size
     generator = torch.Generator().manual_seed(seed)
-    result: dict[str, Any] = {"engine_file": llm_engine.__file__, "decode": {}, "prefill": {}}
-    for batch in args.batches:
-        prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=generator)
-        steps = decode_steps(engine, bare, prompts, args.steps + args.warmup, body, head)
-        result["decode"][batch] = {k: v[args.warmup:] for k, v in steps.items()}
+    result: dict[str, Any] = {
+        "engine_file": llm_engine.__file__, "decode": {}, "prefill": {}, "gemm": {},
+        "kernel": None if kernel is None else f"{kernel.kernel.value} ({kernel.reason})",
+        "weight_bytes": weight_bytes(bare), "kv_bytes_per_token": spec_bytes,
+    }
+    for batch, context in decode_shapes:
+        prompts = torch.randint(0, vocab, (batch, context), generator=generator)
+        steps = decode_steps(engine, bare, prompts, args.steps + args.warmup)
+        result["decode"][f"{batch}@{context}"] = {k: v[args.warmup:] for k, v in steps.items()}
     for length in args.prefill_lens:
         prompt = torch.randint(0, vocab, (length,), generator=generator).tolist()  # fresh: no cache hit
-        result["prefill"][length] = prefill_once(engine, bare, prompt)
+        prefill_once(engine, bare, prompt)  # warm-up: the first forward of a length builds kernels
+        prompt = torch.randint(0, vocab, (length,), generator=generator).tolist()
+        result["prefill"][str(length)] = prefill_once(engine, bare, prompt)
+        result["gemm"][str(length)] = standalone_linears(engine.runner.model, length, dtype)
     return result
 
 
-def run_child(tree: Path, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+def copy_bandwidth(threads: int) -> float:
+    """Bytes per second a torch copy of 512 MiB moves (read + write), at `threads` threads."""
+    torch.set_num_threads(threads)
+    src = torch.ones(128 << 20, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best
+
+
+def run_child(tree: Path, args: argparse.Namespace, dtype: str, threads: int, seed: int) -> dict[str, Any]:
     command = [sys.executable, str(HERE), "--child", "--seed", str(seed), "--model", args.model,
-               "--dtype", args.dtype, "--batches", ",".join(map(str, args.batches)),
-               "--prefill-lens", ",".join(map(str, args.prefill_lens)), "--prompt-len", str(args.prompt_len),
+               "--dtypes", dtype, "--threads", str(threads), "--decode", ",".join(args.decode),
+               "--prefill-lens", ",".join(map(str, args.prefill_lens)),
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{tree} ({dtype}, {threads} threads) failed:\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     if not result["engine_file"].startswith(str(tree)):
         raise SystemExit(f"{tree}: imported {result['engine_file']} instead")
     return result
 
 
-def _ms(values: list[float]) -> float:
-    return statistics.median(values) * 1e3
+def _med(values: list[float]) -> float:
+    return statistics.median(values)
 
 
-def _spread(per_round: list[float]) -> str:
-    """min–max over the rounds' medians, in ms: how noisy the figure is."""
-    return f"{min(per_round) * 1e3:.1f}–{max(per_round) * 1e3:.1f}"
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}" if seconds < 1 else f"{seconds * 1e3:.0f}"
 
 
-def _decode(rounds: list[dict[str, Any]], batch: int, field: str) -> list[float]:
-    """Every timed step of every round."""
-    return [x for r in rounds for x in r["decode"][str(batch)][field]]
+def _spread(values: list[float]) -> str:
+    return f"{min(values) * 1e3:.1f}–{max(values) * 1e3:.1f}"
 
 
-def _decode_rounds(rounds: list[dict[str, Any]], batch: int, field: str) -> list[float]:
-    """One median per round."""
-    return [statistics.median(r["decode"][str(batch)][field]) for r in rounds]
-
-
-def _prefill(rounds: list[dict[str, Any]], length: int, field: str) -> list[float]:
-    return [r["prefill"][str(length)][field] for r in rounds]
-
-
-def report(rounds: dict[str, list[dict[str, Any]]]) -> list[str]:
+def report(rounds: dict[str, list[dict[str, Any]]], vllm: dict[str, Any] | None, bandwidth: float,
+           ) -> list[str]:
+    """One table: rows prefill and decode; per tree its median (min–max of rounds), vLLM's, the ratios."""
     names = list(rounds)
-    first = rounds[names[0]][0]
-    lines = [
-        "Decode step, ms: median (min–max of the rounds' medians); engine / bare: median of the rounds' "
-        "ratios (min–max); body / lm_head / outside: medians over steps, outside = step − body − lm_head.",
-        "",
-        "| batch | bare forward | " + " | ".join(f"engine {n}" for n in names) + " | "
-        + " | ".join(f"{n} / bare" for n in names) + " | "
-        + " | ".join(f"{n}: body / lm_head / outside (share)" for n in names) + " |",
-        "|---:" * (2 + 3 * len(names)) + "|",
-    ]
-    for batch in first["decode"]:
-        bare = [x for n in names for x in _decode(rounds[n], batch, "bare")]
-        bare_rounds = [x for n in names for x in _decode_rounds(rounds[n], batch, "bare")]
-        cells = [f"{batch}", f"{_ms(bare):.1f} ({_spread(bare_rounds)})"]
-        ratios, parts = [], []
-        for n in names:
-            engine, body, head = (_decode(rounds[n], batch, f) for f in ("engine", "body", "head"))
-            outside = [e - b - h for e, b, h in zip(engine, body, head, strict=True)]
-            cells.append(f"{_ms(engine):.1f} ({_spread(_decode_rounds(rounds[n], batch, 'engine'))})")
-            # Each round's engine over the same round's bare forward: a pair shares the machine's load.
-            pairs = [e / b for e, b in zip(_decode_rounds(rounds[n], batch, "engine"),
-                                           _decode_rounds(rounds[n], batch, "bare"), strict=True)]
-            ratios.append(f"{statistics.median(pairs):.3f} ({min(pairs):.3f}–{max(pairs):.3f})")
-            parts.append(f"{_ms(body):.1f} / {_ms(head):.1f} / {_ms(outside):.2f} "
-                         f"({statistics.median(outside) / statistics.median(engine) * 100:.1f}%)")
-        lines.append("| " + " | ".join(cells + ratios + parts) + " |")
-    lines += ["", "Prefill of one fresh prompt, ms: median (min–max over rounds).", "",
-              "| prompt tokens | bare forward | " + " | ".join(f"engine {n}" for n in names) + " |",
-              "|---:" * (2 + len(names)) + "|"]
+    ours = names[-1]
+    first = rounds[ours][0]
+    head = ["row", "bare forward", *(f"engine {n}" for n in names)]
+    head += ["vLLM", f"{ours} / vLLM"] if vllm else []
+    head += [f"{ours} / bare", "GEMM share (prefill) · of bandwidth (decode)"]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+
+    def cells(kind: str, key: str, per_round: dict[str, list[float]], bare: list[float],
+              vllm_values: list[float] | None, extra: str) -> None:
+        row = [f"{kind} {key}", f"{_ms(_med(bare))} ({_spread(bare)})"]
+        row += [f"{_ms(_med(per_round[n]))} ({_spread(per_round[n])})" for n in names]
+        if vllm:
+            row += [f"{_ms(_med(vllm_values))} ({_spread(vllm_values)})" if vllm_values else "–",
+                    f"{_med(per_round[ours]) / _med(vllm_values):.2f}" if vllm_values else "–"]
+        row += [f"{_med(per_round[ours]) / _med(bare):.2f}", extra]
+        lines.append("| " + " | ".join(row) + " |")
+
     for length in first["prefill"]:
-        bare = [x for n in names for x in _prefill(rounds[n], length, "bare")]
-        cells = [f"{length}", f"{_ms(bare):.0f} ({_spread(bare)})"]
-        for n in names:
-            engine = _prefill(rounds[n], length, "engine")
-            cells.append(f"{_ms(engine):.0f} ({_spread(engine)})")
-        lines.append("| " + " | ".join(cells) + " |")
+        per_round = {n: [r["prefill"][length]["engine"] for r in rounds[n]] for n in names}
+        bare = [r["prefill"][length]["bare"] for n in names for r in rounds[n]]
+        gemm = _med([r["gemm"][length] for r in rounds[ours]])
+        share = f"{gemm / _med(per_round[ours]):.2f}"
+        cells("prefill", length, per_round, bare, (vllm or {}).get("prefill", {}).get(length), share)
+    for key in first["decode"]:
+        batch, context = map(int, key.split("@"))
+        per_round = {n: [_med(r["decode"][key]["engine"]) for r in rounds[n]] for n in names}
+        bare = [_med(r["decode"][key]["bare"]) for n in names for r in rounds[n]]
+        read = first["weight_bytes"] + batch * context * first["kv_bytes_per_token"]
+        share = f"{read / _med(per_round[ours]) / bandwidth:.2f}"
+        cells("decode", key, per_round, bare, (vllm or {}).get("decode", {}).get(key), share)
     return lines
-
-
-def mixed_table(args: argparse.Namespace) -> list[str]:
-    """16 requests of the Azure conversation trace: engine continuous batching vs HF generate."""
-    import csv
-    import itertools
-
-    from transformers import AutoModelForCausalLM
-
-    from llm_engine import EngineConfig, LLMEngine, SamplingParams
-
-    torch.set_num_threads(1)
-    if not args.trace.is_file():
-        raise SystemExit(f"--trace: {args.trace} not found (the Azure conversation trace, shared/traces/)")
-    with args.trace.open() as f:
-        rows = list(itertools.islice(csv.DictReader(f), 16))
-    engine = LLMEngine(EngineConfig(args.model, dtype=args.dtype, kv_cache_bytes=1 << 30,
-                                    max_num_batched_tokens=2048, max_num_seqs=64))
-    bare = AutoModelForCausalLM.from_pretrained(args.model, dtype=engine.config.torch_dtype).eval()
-    generator = torch.Generator().manual_seed(0)
-    scale = args.length_scale
-    output_lens = [max(1, round(int(r["GeneratedTokens"]) * scale)) for r in rows]
-    prompts = [torch.randint(0, engine.spec.vocab_size, (max(1, round(int(r["ContextTokens"]) * scale)),),
-                             generator=generator).tolist() for r in rows]
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for prompt, n in zip(prompts, output_lens, strict=True):
-            bare.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    sequential = sum(output_lens) / (time.perf_counter() - start)
-    start = time.perf_counter()
-    done = engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-                                     for n in output_lens])
-    ours = sum(output_lens) / (time.perf_counter() - start)
-    assert [len(c.output_token_ids) for c in done] == output_lens
-    return [
-        f"16 mixed requests (the first 16 of the Azure conversation trace, lengths × {scale}: prompts "
-        f"{sum(map(len, prompts))} tokens, outputs {sum(output_lens)} tokens), output tokens/s:", "",
-        "| HF generate, one at a time | engine | engine / HF |", "|---:|---:|---:|",
-        f"| {sequential:.1f} | {ours:.1f} | {ours / sequential:.2f} |",
-    ]
 
 
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def words(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
 
 
 def cpu_name() -> str:
@@ -261,53 +275,74 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--batches", type=ints, default=[1, 16])
-    parser.add_argument("--prefill-lens", type=ints, default=[256, 1024])
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=24, help="decode steps timed per batch and round")
+    parser.add_argument("--dtypes", type=words, default=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=ints, default=[1, 2])
+    parser.add_argument("--decode", type=words, default=["1@256", "16@256", "64@256", "1@2048", "16@2048",
+                                                         "64@2048"],
+                        help="decode rows, batch@context")
+    parser.add_argument("--prefill-lens", type=ints, default=[256, 1024, 2048])
+    parser.add_argument("--steps", type=int, default=12, help="decode steps timed per row and round")
     parser.add_argument("--warmup", type=int, default=2, help="decode steps run first and not counted")
     parser.add_argument("--repeats", type=int, default=3, help="rounds (per tree)")
     parser.add_argument("--against", type=Path, default=None, help="a tree holding an earlier llm_engine/")
-    parser.add_argument("--mixed", action="store_true", help="also 4. (this tree only)")
-    parser.add_argument("--trace", type=Path, default=THIS_TREE.parent / "shared/traces/azure_conv_2023.csv")
-    parser.add_argument("--length-scale", type=float, default=0.25)
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's column")
+    parser.add_argument("--vllm-venv", type=Path, default=Path("/work/vllm-venv"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="benchmarks/results/engine_step.md")
     args = parser.parse_args()
     if not args.child:
-        sys.path.insert(0, str(THIS_TREE))  # the parent (and --mixed) use this tree's engine
+        sys.path.insert(0, str(THIS_TREE))
     if args.model is None:
         from llm_engine.default_model import prepare_default_model
 
         args.model = str(prepare_default_model())
     if args.child:
+        args.dtype, args.threads = args.dtypes[0], args.threads[0]
         print(json.dumps(measure(args, args.seed)))
         return
+    from benchmarks.vllm_baseline import measure_vllm_engine
+    from llm_engine.hardware import cpu_flags
+
     trees = {"before": args.against.resolve()} if args.against else {}
     trees["after" if args.against else "this"] = THIS_TREE
-    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
-    for index in range(args.repeats):
-        order = list(trees) if index % 2 == 0 else list(reversed(trees))  # neither tree always goes first
-        for name in order:
-            rounds[name].append(run_child(trees[name], args, seed=index))
-            print(f"round {index + 1}/{args.repeats} {name}: done", file=sys.stderr, flush=True)
-    trees_text = ", ".join(f"{n} = `{p}`" for n, p in trees.items())
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
     lines = [
-        f"# Engine step time ({datetime.now(UTC):%Y-%m-%d}, {platform.node()}, {cpu_name()}, 1 torch thread)",
-        "",
-        f"Model `{Path(args.model).name}`, {args.dtype}, cpu. Trees: {trees_text}. {args.repeats} rounds per "
-        f"tree, alternating; decode: prompt {args.prompt_len} tokens, {args.steps} steps per round after "
-        f"{args.warmup} warm-up steps, median over all steps (min–max of the rounds' medians).",
+        f"# Engine step time ({datetime.now(UTC):%Y-%m-%d}, {platform.node()}, {cpu_name()})", "",
+        f"CPU flags (vector/matrix): {' '.join(flags)}.",
+        f"Model `{Path(args.model).name}`, cpu. Trees: {', '.join(f'{n} = `{p}`' for n, p in trees.items())}. "
+        f"{args.repeats} rounds per tree, alternating which goes first; decode: {args.steps} steps per round "
+        f"after {args.warmup} warm-up steps, median of each round (figures: median of the rounds' medians, "
+        "min–max in brackets); prefill: one step per round after a warm-up prompt of the same length.",
         f"Command: `.venv/bin/python benchmarks/engine_bench.py {' '.join(sys.argv[1:])}`", "",
-        *report(rounds),
     ]
-    if args.mixed:
-        lines += ["", *mixed_table(args)]
+    results: dict[str, Any] = {}
+    for dtype in args.dtypes:
+        for threads in args.threads:
+            rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+            for index in range(args.repeats):
+                order = list(trees) if index % 2 == 0 else list(reversed(trees))
+                for name in order:
+                    rounds[name].append(run_child(trees[name], args, dtype, threads, seed=index))
+                    print(f"{dtype} {threads}t round {index + 1}/{args.repeats} {name}: done", file=sys.stderr,
+                          flush=True)
+            vllm = None
+            if not args.no_vllm:
+                vllm = measure_vllm_engine(Path(args.model), dtype, threads, args.repeats, venv=args.vllm_venv,
+                                           extra_args=["--decode", ",".join(args.decode), "--prefill-lens",
+                                                       ",".join(map(str, args.prefill_lens))])
+            bandwidth = copy_bandwidth(threads)
+            ours = rounds[list(trees)[-1]][0]
+            lines += [f"## {dtype}, {threads} thread{'s' if threads > 1 else ''}", "",
+                      f"Our linears: {ours['kernel']}. Copy bandwidth at {threads} thread(s): "
+                      f"{bandwidth / 1e9:.1f} GB/s." + (f" vLLM {vllm.get('vllm_version', '?')}: "
+                                                       f"{vllm.get('notes', '')}" if vllm else ""), "",
+                      *report(rounds, vllm, bandwidth), ""]
+            results[f"{dtype}/{threads}"] = {"rounds": rounds, "vllm": vllm, "bandwidth": bandwidth}
     print("\n".join(lines))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
+    Path(args.out).with_suffix(".json").write_text(json.dumps(results))
     print(f"\nwritten to {args.out}", file=sys.stderr)
 
 

@@ -1,13 +1,14 @@
 """Every linear layer on the fastest GEMM kernel the device has, chosen by a short probe at load.
 
-    choose_linear_kernel(model, config) → LinearKernelReport → (if oneDNN wins) every nn.Linear swapped
-    for a PackedLinear whose weight oneDNN reordered once into its blocked layout.
+    apply_linear_kernel(model, config) → probe each distinct weight shape at 1, 16 and 256 rows with both
+    kernels → each shape runs, in each band of row counts, on the kernel that won there → LinearKernelReport.
 Why: on a CPU, `F.linear` sends fp32 GEMMs to MKL, whose path is slow on some CPUs (AMD: 105 GFLOP/s per
 core against 268 through oneDNN with prepacked weights); bf16 `F.linear` goes to oneDNN but reorders the
-weight on every call. Which kernel wins depends on the CPU, the dtype and the shapes, so a worker times both
-on its own weights at the batch sizes it will see and keeps the faster; the choice and the timings go into
-the worker's info and its metrics. On CUDA the kernel is cuBLAS through `F.linear` (no probe).
-The lm_head is swapped too (it is a fifth of SmolLM2's weights); its tied embedding keeps its own weight.
+weight on every call. Which kernel wins depends on the CPU, the dtype, the shape and the row count (on an
+Intel with AMX, fp32 MKL wins a batch-1 decode's GEMV and loses at 16 rows), so a worker times both on its own
+weights and dispatches by row count: a layer whose bands disagree keeps both copies of its weight. The
+choice and the timings go into the worker's info and its metrics. On CUDA: cuBLAS through `F.linear`.
+The lm_head is included (a fifth of SmolLM2's weights); its tied embedding keeps its own weight.
 """
 
 from __future__ import annotations
@@ -26,14 +27,21 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# Rows per GEMM the probe times: a decode step at batch 1 and 16, a prefill chunk. The lm_head sees only
-# sampling rows (one per request), so it is timed at the decode sizes alone.
-BODY_PROBE_ROWS = (1, 16, 256)
+# Rows per GEMM the probe times: a decode step at batch 1 and 16, a prefill chunk. Each stands for a band of
+# row counts (bounds at the geometric midpoints). The lm_head sees only sampling rows (one per request),
+# so its 256-row band takes the 16-row verdict.
+PROBE_ROWS = (1, 16, 256)
+BAND_UPPER_ROWS = (4, 64)  # rows ≤ 4: band 0; ≤ 64: band 1; more: band 2
 HEAD_PROBE_ROWS = (1, 16)
 PROBE_REPEATS = 3
-# The batch size oneDNN's reorder is tuned for: a prefill chunk and a decode batch both run on one layout,
-# and this one measured within a few percent of the best at every row count (benchmarks/results/).
+# The batch size oneDNN's reorder is tuned for: one layout serves every row count, and 16 measured within a
+# few percent of the best layout at 1, 16 and 256 rows on an AMX Intel (a 1-row layout lost up to 30% at 256).
 PACK_BATCH_HINT = 16
+
+
+def row_band(num_rows: int) -> int:
+    """Which probed row count (index into PROBE_ROWS) a GEMM of num_rows rows is dispatched by."""
+    return 0 if num_rows <= BAND_UPPER_ROWS[0] else 1 if num_rows <= BAND_UPPER_ROWS[1] else 2
 
 
 class LinearKernel(StrEnum):
@@ -56,20 +64,27 @@ def onednn_unavailable_reason(dtype: torch.dtype, device: torch.device) -> str |
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear whose weight oneDNN reordered once; the same function, one reorder fewer per call."""
+    """An nn.Linear whose weight oneDNN reordered once, dispatching each call by its row count: bands where
+    the probe found F.linear faster keep using the plain weight."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, packed_bands: tuple[bool, bool, bool] = (True, True, True)) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_bands = packed_bands
         # A plain attribute, not a parameter: an opaque oneDNN tensor has no strides for state_dict or .to().
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_BATCH_HINT)
+        # The plain weight only where some band runs on F.linear: otherwise it is freed with the nn.Linear.
+        self.weight = None if all(packed_bands) else linear.weight
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features] → [..., out_features]
+        if self.weight is not None and not self.packed_bands[row_band(x.numel() // self.in_features)]:
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kernel=onednn-packed"
+        bands = "/".join("packed" if b else "torch" for b in self.packed_bands)
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows 1/16/256: {bands}"
 
 
 @dataclass(frozen=True)
@@ -100,7 +115,7 @@ def _geomean(values: list[float]) -> float:
 
 @dataclass
 class _ShapeProbe:
-    """One distinct weight shape: its first layer, how many layers share it, and seconds per row count."""
+    """One distinct weight shape: its first layer, how many layers share it, and seconds per probed rows."""
 
     layer: nn.Linear
     count: int
@@ -108,9 +123,13 @@ class _ShapeProbe:
     torch_s: dict[int, float] = field(default_factory=dict)
     packed_s: dict[int, float] = field(default_factory=dict)
 
-    @property
-    def packed_wins(self) -> bool:
-        return _geomean([self.torch_s[m] / self.packed_s[m] for m in self.torch_s]) > 1.0
+    def packed_bands(self) -> tuple[bool, bool, bool]:
+        """Per band of row counts: does the packed kernel win? (The head's top band: its 16-row verdict.)"""
+        wins = {rows: self.packed_s[rows] < self.torch_s[rows] for rows in self.torch_s}
+        return (wins[1], wins[16], wins.get(256, wins[16]))
+
+    def chosen_s(self, rows: int) -> float:
+        return min(self.packed_s[rows], self.torch_s[rows])
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -134,23 +153,25 @@ def _probe(shapes: dict[tuple[int, int], _ShapeProbe], dtype: torch.dtype, devic
     with torch.inference_mode():
         for probe in shapes.values():
             layer, packed = probe.layer, PackedLinear(probe.layer)
-            for rows in HEAD_PROBE_ROWS if probe.is_head else BODY_PROBE_ROWS:
+            for rows in HEAD_PROBE_ROWS if probe.is_head else PROBE_ROWS:
                 x = torch.randn(rows, layer.in_features, dtype=dtype, device=device)
                 probe.torch_s[rows] = _best_of(partial(F.linear, x, layer.weight, layer.bias))
                 probe.packed_s[rows] = _best_of(partial(packed, x))
 
 
-def _pass_ms(shapes: dict[tuple[int, int], _ShapeProbe], pick: Callable[[_ShapeProbe], dict[int, float]]
+def _pass_ms(shapes: dict[tuple[int, int], _ShapeProbe], seconds: Callable[[_ShapeProbe, int], float]
              ) -> dict[int, float]:
-    """ms of one pass over every layer (each shape × its count) at each body row count."""
-    return {rows: 1e3 * sum(p.count * pick(p)[rows] for p in shapes.values() if rows in pick(p))
-            for rows in BODY_PROBE_ROWS}
+    """ms of one pass over every layer (each shape × its count) at each probed row count; the head at most
+    at 16 rows (it projects sampling rows only)."""
+    return {rows: 1e3 * sum(p.count * seconds(p, min(rows, 16) if p.is_head else rows)
+                            for p in shapes.values())
+            for rows in PROBE_ROWS}
 
 
 def apply_linear_kernel(model: nn.Module, requested: LinearKernel | str, dtype: torch.dtype,
                         device: torch.device) -> LinearKernelReport:
     """Put the linear layers of `model` on the kernel `requested` names. "auto": each distinct weight
-    shape on whichever kernel the probe found faster for it (geometric mean over the probed row counts).
+    shape, in each band of row counts, on whichever kernel the probe found faster there.
 
     Raises:
         ValueError: `requested` is ONEDNN_PACKED and oneDNN cannot run here (the message says why).
@@ -168,7 +189,7 @@ def apply_linear_kernel(model: nn.Module, requested: LinearKernel | str, dtype: 
     for _, _, layer in layers:
         key = (layer.out_features, layer.in_features)
         shapes.setdefault(key, _ShapeProbe(layer, 0, layer is head)).count += 1
-    to_pack = set(shapes)
+    bands = dict.fromkeys(shapes, (True, True, True))
     torch_ms: dict[int, float] = {}
     chosen_ms: dict[int, float] = {}
     reason = "asked for"
@@ -179,16 +200,18 @@ def apply_linear_kernel(model: nn.Module, requested: LinearKernel | str, dtype: 
             logger.warning("oneDNN probe failed, linears stay on F.linear: %s", error)
             return LinearKernelReport(LinearKernel.TORCH, requested, f"oneDNN probe failed: {error}", 0,
                                       len(layers))
-        to_pack = {key for key, p in shapes.items() if p.packed_wins}
-        torch_ms = _pass_ms(shapes, lambda p: p.torch_s)
-        chosen_ms = _pass_ms(shapes, lambda p: p.packed_s if p.packed_wins else p.torch_s)
-        speedup = _geomean([torch_ms[m] / chosen_ms[m] for m in torch_ms])
-        reason = (f"probe: {len(to_pack)} of {len(shapes)} weight shapes faster packed, "
-                  f"{speedup:.2f}× F.linear over a pass at rows {'/'.join(map(str, BODY_PROBE_ROWS))}")
+        bands = {key: p.packed_bands() for key, p in shapes.items()}
+        torch_ms = _pass_ms(shapes, lambda p, rows: p.torch_s[rows])
+        chosen_ms = _pass_ms(shapes, _ShapeProbe.chosen_s)
+        packed_at = ", ".join(f"{rows}: {sum(b[i] for b in bands.values())}/{len(shapes)}"
+                              for i, rows in enumerate(PROBE_ROWS))
+        reason = (f"probe: shapes faster packed at rows {packed_at}; a pass "
+                  + "/".join(f"{torch_ms[r] / chosen_ms[r]:.2f}" for r in PROBE_ROWS) + "× F.linear's")
     num_swapped = 0
     for parent, name, layer in layers:
-        if (layer.out_features, layer.in_features) in to_pack:
-            setattr(parent, name, PackedLinear(layer))
+        layer_bands = bands[(layer.out_features, layer.in_features)]
+        if any(layer_bands):
+            setattr(parent, name, PackedLinear(layer, layer_bands))
             num_swapped += 1
     kernel = LinearKernel.ONEDNN_PACKED if num_swapped else LinearKernel.TORCH
     logger.info("linear kernel %s (%d of %d layers packed): %s", kernel, num_swapped, len(layers), reason)
