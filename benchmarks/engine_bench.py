@@ -1,8 +1,8 @@
-"""Engine step time beside the bare transformers forward and vLLM's CPU engine, side by side in one run (no test).
+"""Engine step time beside the bare transformers forward and vLLM's CPU engine, side by side in one run.
 
-For each --dtypes × --threads setting, every tree (this one, and --against an earlier one) runs in a subprocess
-whose PYTHONPATH is that tree, rounds alternating which goes first, and vLLM's engine runs in its own venv
-(benchmarks/vllm_engine_steps.py; --no-vllm to skip). Rows:
+For each --dtypes × --threads setting, every tree (this one, and --against an earlier one) runs in a
+subprocess whose PYTHONPATH is that tree, rounds alternating which goes first, and vLLM's engine runs in its
+own venv (benchmarks/vllm_engine_steps.py; --no-vllm to skip). Rows:
 - prefill of one fresh prompt of each --prefill-lens length: one engine step, one bare forward (logits of the
   last position only, as `generate` does), vLLM's time to first token of a max_tokens=1 request;
 - decode step at each --decode batch@context: one engine step() (schedule, metadata, paged attention,
@@ -310,7 +310,8 @@ def main() -> None:
     lines = [
         f"# Engine step time ({datetime.now(UTC):%Y-%m-%d}, {platform.node()}, {cpu_name()})", "",
         f"CPU flags (vector/matrix): {' '.join(flags)}.",
-        f"Model `{Path(args.model).name}`, cpu. Trees: {', '.join(f'{n} = `{p}`' for n, p in trees.items())}. "
+        f"Model `{Path(args.model).name}`, cpu. "
+        f"Trees: {', '.join(f'{n} = `{p}`' for n, p in trees.items())}. "
         f"{args.repeats} rounds per tree, alternating which goes first; decode: {args.steps} steps per round "
         f"after {args.warmup} warm-up steps, median of each round (figures: median of the rounds' medians, "
         "min–max in brackets); prefill: one step per round after a warm-up prompt of the same length.",
@@ -324,11 +325,12 @@ def main() -> None:
                 order = list(trees) if index % 2 == 0 else list(reversed(trees))
                 for name in order:
                     rounds[name].append(run_child(trees[name], args, dtype, threads, seed=index))
-                    print(f"{dtype} {threads}t round {index + 1}/{args.repeats} {name}: done", file=sys.stderr,
-                          flush=True)
+                    print(f"{dtype} {threads}t round {index + 1}/{args.repeats} {name}: done",
+                          file=sys.stderr, flush=True)
             vllm = None
             if not args.no_vllm:
-                vllm = measure_vllm_engine(Path(args.model), dtype, threads, args.repeats, venv=args.vllm_venv,
+                vllm = measure_vllm_engine(Path(args.model), dtype, threads, args.repeats,
+                                           venv=args.vllm_venv,
                                            extra_args=["--decode", ",".join(args.decode), "--prefill-lens",
                                                        ",".join(map(str, args.prefill_lens))])
             bandwidth = copy_bandwidth(threads)
