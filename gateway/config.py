@@ -34,6 +34,7 @@ class ServeConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     device: str | None = None
     linear_kernel: Literal["auto", "torch", "onednn-packed"] | None = None  # None: the engine's ("auto")
+    decode_attention: Literal["auto", "sdpa", "paged-kernel"] | None = None  # None: the engine's ("auto")
     # Torch threads per worker; None: this machine's cores split over the starting layout's workers (on a
     # cluster: the CPUs each worker asks Ray for).
     threads_per_worker: int | None = Field(default=None, ge=1)
@@ -152,6 +153,7 @@ class ServeConfig(BaseModel):
             "dtype": self.dtype, "device": self.device, "block_size": self.block_size,
             "kv_cache_bytes": None if self.kv_cache_mib is None else self.kv_cache_mib << 20,
             "max_num_batched_tokens": self.max_num_batched_tokens, "linear_kernel": self.linear_kernel,
+            "decode_attention": self.decode_attention,
         }
         chosen = {k: v for k, v in engine_overrides.items() if v is not None}
         engine = EngineConfig(model_dir, **chosen)  # type: ignore[arg-type]

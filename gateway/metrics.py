@@ -75,8 +75,8 @@ class Metrics:
         )
         # How each worker computes (1 per live worker; the labels carry the facts, Prometheus' info idiom).
         self.worker_runtime = Gauge(
-            "pdserve_worker_runtime_info", "A worker's dtype, GEMM kernel and torch threads",
-            ["worker", "dtype", "linear_kernel", "threads"], registry=r)
+            "pdserve_worker_runtime_info", "A worker's dtype, GEMM kernel, decode attention, torch threads",
+            ["worker", "dtype", "linear_kernel", "decode_attention", "threads"], registry=r)
         self.linear_kernel_speedup = Gauge(
             "pdserve_linear_kernel_speedup", "Load-time probe: F.linear time over the chosen GEMM kernels'",
             ["worker"], registry=r)
@@ -116,7 +116,7 @@ class Metrics:
         self.linear_kernel_speedup.clear()
         for worker_id, runtime in runtimes.items():
             self.worker_runtime.labels(worker_id, runtime.dtype, runtime.linear_kernel,
-                                       str(runtime.num_threads)).set(1)
+                                       runtime.decode_attention, str(runtime.num_threads)).set(1)
             if runtime.linear_kernel_speedup is not None:
                 self.linear_kernel_speedup.labels(worker_id).set(runtime.linear_kernel_speedup)
 

@@ -10,6 +10,7 @@ from llm_engine.hardware import DTYPES, resolve_dtype
 from llm_engine.linear_kernels import LinearKernel
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DECODE_ATTENTION_CHOICES = ("auto", "sdpa", "paged-kernel")
 MiB = 1 << 20
 
 
@@ -29,6 +30,10 @@ class EngineConfig:
     max_num_seqs: int = 64  # requests one forward may carry
     enable_prefix_caching: bool = True  # share full blocks of identical prefixes between requests
     linear_kernel: str = "auto"  # GEMM kernel of every linear layer (llm_engine/linear_kernels.py)
+    # Decode attention: "auto" (pdserve's C++ kernel for fp32 on a CPU where it builds, else SDPA), "sdpa"
+    # (gather each sequence's KV, torch SDPA) or "paged-kernel" (llm_engine/csrc/, reads the blocks in place;
+    # CPU only; in bf16 faster than SDPA but not bit-identical to transformers: model_runner.py).
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -39,6 +44,11 @@ class EngineConfig:
                 object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
             except ValueError as error:
                 problems.append(str(error))
+        if self.decode_attention not in DECODE_ATTENTION_CHOICES:
+            problems.append(f"decode_attention must be one of {', '.join(DECODE_ATTENTION_CHOICES)}, "
+                            f"got {self.decode_attention!r}")
+        elif self.decode_attention == "paged-kernel" and self.device != "cpu":
+            problems.append("decode_attention 'paged-kernel' is a CPU kernel; on CUDA use auto or sdpa")
         if self.linear_kernel not in tuple(LinearKernel):
             problems.append(f"linear_kernel must be one of {', '.join(LinearKernel)}, "
                             f"got {self.linear_kernel!r}")

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from llm_engine.batch import ModelInput
+from llm_engine.native_kernels import DecodeKernel
 from llm_engine.paged_attention import DecodeBatch, PagedAttentionMetadata, PrefillSegment, cache_views
 
 
@@ -33,14 +34,16 @@ class PreparedInput:
 
 class InputBatch:
     def __init__(self, kv_cache: torch.Tensor, max_blocks_per_seq: int, max_num_tokens: int,
-                 num_rows: int = 64) -> None:
+                 num_rows: int = 64, decode_kernel: DecodeKernel | None = None) -> None:
         """Args:
         kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; metadata points at it.
+        decode_kernel: the C++ paged decode attention, passed to every layer; None: gather + SDPA.
         max_blocks_per_seq: the longest table a request can have (the model's context in blocks).
         max_num_tokens: tokens one forward may carry; larger batches grow the buffers.
         num_rows: initial number of table rows; doubled when more requests hold tables at once.
         """
         self.kv_cache = kv_cache
+        self.decode_kernel = decode_kernel
         self.device = kv_cache.device
         self.block_size = kv_cache.shape[3]
         self._block_rows = kv_cache.shape[1] * 2 * self.block_size  # rows of one block in [-1, kvh * D]
@@ -140,6 +143,7 @@ class InputBatch:
             layer_slot_rows=(slot_rows[None] + self.cache_views.row_offsets[:, None]).unbind(0),
             prefills=self._prefills(rows, starts, counts, q_starts),
             decode=self._decode(rows, starts, counts, q_starts),
+            decode_kernel=self.decode_kernel,
         )
         return PreparedInput(
             input_ids=self._tensor(input_ids)[None],
@@ -185,7 +189,7 @@ class InputBatch:
         # Columns past a row's own table hold stale (valid) block ids: their keys are masked out below.
         tables = self.tables[rows[is_decode], :num_blocks]  # [B, num_blocks]
         mask = None
-        if int(context_lens.min()) != max_len:
+        if int(context_lens.min()) != max_len and self.decode_kernel is None:  # the kernel reads lengths
             # Additive, in the model's dtype, once per step: a bool mask is converted again in every layer.
             visible = torch.arange(max_len)[None, :] < torch.from_numpy(context_lens)[:, None]  # [B, max_len]
             mask = torch.zeros(visible.shape, dtype=self.kv_cache.dtype).masked_fill_(~visible, float("-inf"))
@@ -195,4 +199,5 @@ class InputBatch:
         q_indices = slice(first, first + count) if contiguous else self._tensor(q_rows)
         _, _, _, block_size, kv_heads, head_dim = self.kv_cache.shape
         gathered_shape = (count, num_blocks * block_size, kv_heads, head_dim)
-        return DecodeBatch(q_indices, self._tensor(tables.reshape(-1)), gathered_shape, max_len, mask)
+        return DecodeBatch(q_indices, self._tensor(tables.reshape(-1)), gathered_shape, max_len, mask,
+                           tables=self._tensor(tables), context_lens=self._tensor(context_lens))

@@ -17,10 +17,29 @@ from llm_engine.config import EngineConfig, ModelSpec
 from llm_engine.input_batch import InputBatch
 from llm_engine.kv_cache import KVCacheSpec
 from llm_engine.kv_cache_manager import blocks_for
+from llm_engine.native_kernels import DecodeKernel, paged_decode_attention
 from llm_engine.sampling import sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+
+def choose_decode_attention(config: EngineConfig) -> tuple[str, DecodeKernel | None]:
+    """("paged-kernel", the kernel) or ("sdpa", None), as the config asks and the machine allows.
+
+    Raises:
+        RuntimeError: "paged-kernel" was asked for and does not build here.
+    """
+    # "auto" takes the kernel in fp32 only: there it is 1.7× gather + SDPA and its rounding (1e-7) keeps
+    # transformers' greedy tokens; in bf16 it is 1.2-1.4× but rounds the output's last bit differently from
+    # SDPA in ~40% of elements, which flips greedy tokens, so bf16 keeps SDPA's bit-identical path.
+    is_auto_sdpa = config.decode_attention == "auto" and config.torch_dtype != torch.float32
+    if config.decode_attention == "sdpa" or config.device != "cpu" or is_auto_sdpa:
+        return "sdpa", None
+    kernel = paged_decode_attention()
+    if kernel is None and config.decode_attention == "paged-kernel":
+        raise RuntimeError("decode_attention 'paged-kernel': the kernel did not build here (see the log)")
+    return ("paged-kernel", kernel) if kernel is not None else ("sdpa", None)
 
 
 class ModelRunner:
@@ -37,8 +56,9 @@ class ModelRunner:
         self.kv_cache = self.cache_spec.allocate(self.num_blocks, self.device)
         # A table never covers more than the model's context (check_request) nor more blocks than exist.
         max_blocks = min(blocks_for(spec.max_model_len, config.block_size), self.num_blocks)
+        self.decode_attention, kernel = choose_decode_attention(config)
         self.inputs = InputBatch(self.kv_cache, max_blocks, config.max_num_batched_tokens,
-                                 num_rows=config.max_num_seqs)
+                                 num_rows=config.max_num_seqs, decode_kernel=kernel)
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> ModelOutput:

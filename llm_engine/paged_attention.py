@@ -11,7 +11,8 @@ dispatches were a few percent of a batch-1 decode step on a CPU.
 Per layer:
     1. write the new K/V of all T tokens into their slots (block id, offset in block: one row each);
     2. prefill chunks: attend causally to (cached context + the chunk itself), one SDPA per chunk;
-    3. decode tokens: gather all their block tables at once, one batched SDPA with a length mask.
+    3. decode tokens: with pdserve's C++ kernel (llm_engine/csrc/, CPU), one call reading every sequence's
+       blocks in place; else gather all their block tables at once, one batched SDPA with a length mask.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from llm_engine.native_kernels import DecodeKernel
 
 ATTENTION_NAME = "pdserve_paged"
 
@@ -45,7 +48,9 @@ class DecodeBatch:
     block_tables: torch.Tensor  # [B * num_blocks], row by row; past a row's own table, any valid block id
     gathered_shape: tuple[int, int, int, int]  # [B, num_blocks * block_size, kv_heads, head_dim]
     num_keys: int  # the longest context among the rows: keys past it are not attended to at all
-    mask: torch.Tensor | None  # [B, 1, 1, num_keys] additive (0 / -inf); None when all contexts are equal
+    mask: torch.Tensor | None  # [B, 1, 1, num_keys] additive (0 / -inf); None when all equal or a kernel runs
+    tables: torch.Tensor  # [B, num_blocks] int64: block_tables as rows (the kernel's view)
+    context_lens: torch.Tensor  # [B] int64: keys each row attends to, its own included
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class CacheViews:
     flat: torch.Tensor  # [num_blocks * layers * 2 * block_size, kvh * head_dim]: one token's K or V per row
     blocks: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer: K, V as [num_blocks, block elements]
     row_offsets: torch.Tensor  # [layers * 2]: rows from a block's first row to layer l's K (2l) and V (2l+1)
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer: K, V as [num_blocks, block, KVH, D]
 
 
 def cache_views(kv_cache: torch.Tensor) -> CacheViews:
@@ -65,6 +71,7 @@ def cache_views(kv_cache: torch.Tensor) -> CacheViews:
         blocks=tuple((kv_cache[:, layer, 0].flatten(1), kv_cache[:, layer, 1].flatten(1))
                      for layer in range(num_layers)),
         row_offsets=torch.arange(num_layers * 2, device=kv_cache.device) * block_size,
+        layers=tuple((kv_cache[:, layer, 0], kv_cache[:, layer, 1]) for layer in range(num_layers)),
     )
 
 
@@ -79,6 +86,7 @@ class PagedAttentionMetadata:
     layer_slot_rows: tuple[torch.Tensor, ...]
     prefills: tuple[PrefillSegment, ...]
     decode: DecodeBatch | None
+    decode_kernel: DecodeKernel | None  # the C++ paged decode attention; None: gather + SDPA
 
 
 def _gather(blocks: torch.Tensor, block_ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -121,8 +129,8 @@ def paged_attention_forward(
     is_all_decode = d is not None and isinstance(d.q_indices, slice) and d.q_indices.stop == num_tokens
     if d is not None and is_all_decode and not meta.prefills:
         # Every row is a decode row (the slice starts at 0 then): no output buffer to allocate and fill.
-        return _decode(query, layer_blocks, d, key.shape[1], scaling).reshape(1, num_tokens, num_heads,
-                                                                               head_dim), None
+        return _decode(query, meta, layer, d, key.shape[1], scaling).reshape(1, num_tokens, num_heads,
+                                                                             head_dim), None
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
@@ -139,15 +147,20 @@ def paged_attention_forward(
         )  # [1, H, q_len, D]
         out[0, rows] = attn[0].transpose(0, 1)
     if d is not None:
-        out[0, d.q_indices] = _decode(query, layer_blocks, d, key.shape[1], scaling)
+        out[0, d.q_indices] = _decode(query, meta, layer, d, key.shape[1], scaling)
     return out, None
 
 
-def _decode(query: torch.Tensor, layer_blocks: tuple[torch.Tensor, torch.Tensor], d: DecodeBatch,
+def _decode(query: torch.Tensor, meta: PagedAttentionMetadata, layer: int, d: DecodeBatch,
             num_kv_heads: int, scaling: float | None) -> torch.Tensor:
     """The single-token rows' attention over their block tables: [B, H, D]."""
     num_batch, num_heads, head_dim = len_of(d.q_indices, query), query.shape[1], query.shape[3]
     q = query[0, :, d.q_indices].transpose(0, 1)  # [B, H, D]
+    if meta.decode_kernel is not None:
+        keys, values = meta.views.layers[layer]  # [num_blocks, block, KVH, D], read in place
+        scale = head_dim ** -0.5 if scaling is None else scaling
+        return meta.decode_kernel(q.contiguous(), keys, values, d.tables, d.context_lens, scale)
+    layer_blocks = meta.views.blocks[layer]
     # [B, KVH, L, D]
     k = _gather(layer_blocks[0], d.block_tables, d.gathered_shape)[:, : d.num_keys].transpose(1, 2)
     v = _gather(layer_blocks[1], d.block_tables, d.gathered_shape)[:, : d.num_keys].transpose(1, 2)

@@ -91,6 +91,7 @@ class WorkerRuntime:
     linear_kernel: str  # "torch" or "onednn-packed" (llm_engine/linear_kernels.py)
     linear_kernel_reason: str  # the probe's verdict, or why there was none
     linear_kernel_speedup: float | None  # probe: F.linear time over the chosen kernels' (None: no probe)
+    decode_attention: str  # "paged-kernel" (pdserve's C++ kernel) or "sdpa" (gather + torch SDPA)
     num_threads: int  # torch threads of the step loop
     cpu_ids: tuple[int, ...]  # cores the process is pinned to (all it may use when not pinned)
     kv_bytes_per_token: int  # KV bytes one token holds and moves between workers
@@ -178,8 +179,8 @@ class WorkerActor:
             return None
         kernel = engine.linear_kernel
         return WorkerRuntime(engine.config.dtype, kernel.kernel.value, kernel.reason, kernel.speedup,
-                             self._num_threads, self._cpu_ids, engine.runner.cache_spec.bytes_per_token,
-                             engine.runner.num_blocks)
+                             engine.runner.decode_attention, self._num_threads, self._cpu_ids,
+                             engine.runner.cache_spec.bytes_per_token, engine.runner.num_blocks)
 
     async def set_role(self, role: str) -> WorkerInfo:
         """Serve as `role` from now on (see the lifecycle); raises RuntimeError if the worker still holds

@@ -17,6 +17,7 @@ from llm_engine import EngineConfig, KVCacheSpec, LLMEngine, SamplingParams
 from llm_engine.hardware import resolve_dtype
 from llm_engine.linear_kernels import LinearKernel, PackedLinear, onednn_unavailable_reason
 from llm_engine.model_loader import read_model_spec
+from llm_engine.native_kernels import paged_decode_attention
 from llm_engine.worker_setup import cores_for_slot
 from tests.conftest import hf_greedy, random_prompts
 
@@ -30,14 +31,18 @@ def model_dir(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue("tiny_llama_dir" if request.param == "tiny" else "smollm2_dir")
 
 
-def engine_for(model_dir: Path, dtype: str, kernel: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(str(model_dir), dtype=dtype, linear_kernel=kernel, kv_cache_bytes=32 << 20))
+def engine_for(model_dir: Path, dtype: str, kernel: str, attention: str = "auto") -> LLMEngine:
+    return LLMEngine(EngineConfig(str(model_dir), dtype=dtype, linear_kernel=kernel,
+                                  decode_attention=attention, kv_cache_bytes=32 << 20))
 
 
+@pytest.mark.parametrize("attention", ["sdpa", pytest.param("paged-kernel", marks=pytest.mark.skipif(
+    paged_decode_attention() is None, reason="the C++ kernel does not build here"))])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_float32_batch_is_token_identical_on_each_kernel(model_dir: Path, kernel: str) -> None:
-    engine = engine_for(model_dir, "float32", kernel)
-    assert engine.linear_kernel.kernel == kernel
+def test_float32_batch_is_token_identical_on_each_kernel(model_dir: Path, kernel: str,
+                                                         attention: str) -> None:
+    engine = engine_for(model_dir, "float32", kernel, attention)
+    assert engine.linear_kernel.kernel == kernel and engine.runner.decode_attention == attention
     is_packed = [isinstance(m, PackedLinear) for m in engine.runner.model.modules()]
     assert sum(is_packed) == (engine.linear_kernel.num_linears if kernel == "onednn-packed" else 0)
     prompts = random_prompts([5, 17, 40, 90], engine.spec.vocab_size, seed=3)
@@ -52,6 +57,7 @@ def test_float32_batch_is_token_identical_on_each_kernel(model_dir: Path, kernel
 def test_bfloat16_request_alone_is_token_identical_on_each_kernel(model_dir: Path, kernel: str) -> None:
     engine = engine_for(model_dir, "bfloat16", kernel)
     assert engine.runner.kv_cache.dtype == torch.bfloat16
+    assert engine.runner.decode_attention == "sdpa"  # "auto" in bf16: SDPA, bit-identical to transformers
     prompts = random_prompts([7, 33, 100], engine.spec.vocab_size, seed=4)
     expected = hf_greedy(model_dir, prompts, 20, dtype=torch.bfloat16, ignore_eos=True)
     for prompt, tokens in zip(prompts, expected, strict=True):

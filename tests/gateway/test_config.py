@@ -60,6 +60,7 @@ def test_cli_names_the_bad_flag() -> None:
     (["--dtype", "float16"], "--dtype float16: dtype float16 runs on CUDA only"),
     (["--dtype", "float64"], "--dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"),
     (["--linear-kernel", "mkl"], "--linear-kernel: Input should be 'auto', 'torch' or 'onednn-packed'"),
+    (["--decode-attention", "flash"], "--decode-attention: Input should be 'auto', 'sdpa' or 'paged-kernel'"),
 ])
 def test_cli_refuses_bad_engine_settings_naming_the_flag(flags: list[str], needle: str) -> None:
     result = subprocess.run([sys.executable, "-m", "commands", "serve", *flags], capture_output=True,

@@ -1,0 +1,49 @@
+"""pdserve's own C++ kernels (llm_engine/csrc/), built for this machine's CPU on first use and cached.
+
+    paged_decode_attention() → the kernel, or None where it cannot be built (no compiler, no headers): the
+    engine then keeps the gather + SDPA path, and says which one it runs in the worker's info.
+The build (about 25 s, once per machine and torch version) goes to torch's extension cache
+(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); processes that start together wait on its lock.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).with_name("csrc")
+# -march=native: the cache is per machine, so the build may use every instruction this CPU has (AVX-512).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+                        torch.Tensor]
+
+
+@functools.cache
+def paged_decode_attention() -> DecodeKernel | None:
+    """The C++ paged decode attention (see its source for the contract), or None if it does not build."""
+    # torch runs `ninja` from PATH; the one pip installed sits beside this interpreter, which a worker
+    # started as `.venv/bin/python` (venv not activated) does not have on its PATH.
+    venv_bin = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=venv_bin) is not None:
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load("pdserve_paged_attention", [str(SOURCES / "paged_decode_attention.cpp")],
+                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # a missing compiler or header is a slower engine, not a dead one
+        logger.warning("pdserve's paged decode attention kernel did not build (%s: %s); decode attention "
+                       "gathers each sequence's KV and runs SDPA instead", type(error).__name__, error)
+        return None
+    kernel: DecodeKernel = module.paged_decode_attention
+    return kernel
