@@ -217,12 +217,15 @@ def add_tune_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     profile = commands.add_parser("profile", help="time the engine's forwards and KV transfers; fit them")
     profile.add_argument("--model", default=None, help="model directory (default: the default model)")
-    profile.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the engine's)")
+    profile.add_argument("--dtype", default=None,
+                         help="auto, float32, bfloat16 or float16 (default: auto, as `serve`)")
     profile.add_argument("--device", default=None, help="cpu or cuda (default: the engine's)")
     profile.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     profile.add_argument("--kv-cache-mib", type=int, default=None, help="KV cache per worker, MiB")
     profile.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per forward")
-    profile.add_argument("--threads", type=int, default=1, help="torch threads (a worker's default: 1)")
+    profile.add_argument("--threads", type=int, default=1,
+                         help="torch threads, as --threads-per-worker of the servers planned for (default 1: "
+                              "a 2-core machine's cores split over 2 workers)")
     profile.add_argument("--quick", action="store_true", help="a small grid (seconds; for smoke tests)")
     profile.add_argument("--repeats", type=int, default=None, help="timings per point (median kept)")
     profile.add_argument("--out", default=".", help="directory for profile.json and profile.png")
