@@ -51,7 +51,9 @@ PDSERVE_LAYOUTS = {
     "pd": ("pdserve 1P+1D", ("--prefill", "1", "--decode", "1")),
     "mixed": ("pdserve 2 mixed, ratio auto", ("--mixed", "2", "--ratio", "auto")),
 }
-SERVER_NAMES = ("vllm", *PDSERVE_LAYOUTS)
+# A "-2t" variant runs the same server with two threads per engine (pdserve: --threads-per-worker 2, so both
+# workers share both cores; vLLM: its worker bound to cores 0-1), to compare against one thread each.
+SERVER_NAMES = ("vllm", *PDSERVE_LAYOUTS, "vllm-2t", *(f"{name}-2t" for name in PDSERVE_LAYOUTS))
 CPU_FLAGS_SHOWN = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni",
                    "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
 MIN_TOKEN_ID = 100  # random prompts skip the low ids, where SmolLM2 keeps its special tokens
@@ -295,18 +297,22 @@ def main() -> None:
     for name in args.servers:
         port = free_port()
         log_path = args.log_dir / f"{name}.log"
-        if name == "vllm":
+        base, two_threads = name.removesuffix("-2t"), name.endswith("-2t")
+        if base == "vllm":
             config = VllmServerConfig(
-                model_dir, port, dtype=args.vllm_dtype, threads=args.vllm_threads,
+                model_dir, port, dtype=args.vllm_dtype, threads=2 if two_threads else args.vllm_threads,
                 served_model_name=model_dir.name, extra_args=tuple(shlex.split(args.vllm_args)),
                 venv=args.vllm_venv, log_path=log_path,
             )
             label, settings, server = "vLLM CPU server", config.describe(), vllm_server(config)
+            label += f" ({config.threads} thread{'s' if config.threads > 1 else ''})"
         else:
-            label, layout = PDSERVE_LAYOUTS[name]
+            label, layout = PDSERVE_LAYOUTS[base]
+            threads = ("--threads-per-worker", "2") if two_threads else ()
+            label += " (2 threads per worker)" if two_threads else ""
             command = [
-                str(PDSERVE), "serve", "--model", str(model_dir), *layout, *shlex.split(args.pdserve_args),
-                "--port", str(port),
+                str(PDSERVE), "serve", "--model", str(model_dir), *layout, *threads,
+                *shlex.split(args.pdserve_args), "--port", str(port),
             ]
             settings, server = " ".join(command), pdserve_server(command, log_path)
         print(f"{label}: starting ({settings})", flush=True)
