@@ -3,12 +3,15 @@
     paged_decode_attention() → the kernel, or None where it cannot be built (no compiler, no headers): the
     engine then keeps the gather + SDPA path, and says which one it runs in the worker's info.
 The build (about 25 s, once per machine and torch version) goes to torch's extension cache
-(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); processes that start together wait on its lock.
+(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); processes that start together wait on its lock. The
+build uses every instruction this CPU has (-march=native), so its name carries a digest of the CPU's flags:
+a home directory shared by nodes of different CPUs never hands one a binary built for another.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -18,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from llm_engine.hardware import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("csrc")
@@ -26,6 +31,11 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                         torch.Tensor]
+
+
+def _cpu_digest() -> str:
+    """8 hex digits naming this CPU's instruction set (its /proc/cpuinfo flags)."""
+    return hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
 
 
 @functools.cache
@@ -39,7 +49,8 @@ def paged_decode_attention() -> DecodeKernel | None:
     try:
         from torch.utils.cpp_extension import load
 
-        module = load("pdserve_paged_attention", [str(SOURCES / "paged_decode_attention.cpp")],
+        module = load(f"pdserve_paged_attention_{_cpu_digest()}",
+                      [str(SOURCES / "paged_decode_attention.cpp")],
                       extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # a missing compiler or header is a slower engine, not a dead one
         logger.warning("pdserve's paged decode attention kernel did not build (%s: %s); decode attention "
