@@ -35,9 +35,9 @@ _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--device", str, "cpu or cuda"),
     ("--linear-kernel", str, "GEMM kernel of the linear layers: auto (default: probed at load, per weight "
                              "shape), torch (F.linear) or onednn-packed (CPU: weights prepacked once)"),
-    ("--decode-attention", str, "auto (default: pdserve's C++ paged kernel in float32 on a CPU, else SDPA), "
-                                "sdpa (bit-identical to transformers) or paged-kernel (CPU; in bf16 faster, "
-                                "rounds differently)"),
+    ("--decode-attention", str, "auto (default: sdpa), sdpa (gather + torch SDPA, bit-identical to "
+                                "transformers) or paged-kernel (pdserve's C++ kernel, CPU only, "
+                                "experimental: no faster in whole steps yet)"),
     ("--threads-per-worker", int, "torch threads per worker (default: this machine's cores split over the "
                                   "workers; on a cluster, --cpus-per-worker); each worker is pinned to its "
                                   "own cores"),

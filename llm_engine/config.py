@@ -30,9 +30,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # requests one forward may carry
     enable_prefix_caching: bool = True  # share full blocks of identical prefixes between requests
     linear_kernel: str = "auto"  # GEMM kernel of every linear layer (llm_engine/linear_kernels.py)
-    # Decode attention: "auto" (pdserve's C++ kernel for fp32 on a CPU where it builds, else SDPA), "sdpa"
-    # (gather each sequence's KV, torch SDPA) or "paged-kernel" (llm_engine/csrc/, reads the blocks in place;
-    # CPU only; in bf16 faster than SDPA but not bit-identical to transformers: model_runner.py).
+    # Decode attention: "auto" (today: SDPA, model_runner.py says why), "sdpa" (gather each sequence's KV,
+    # torch SDPA) or "paged-kernel" (pdserve's C++ kernel, llm_engine/csrc/: reads the blocks in place; CPU
+    # only; in bf16 not bit-identical to transformers).
     decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
