@@ -151,12 +151,12 @@ def measure(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     decode_shapes = [tuple(map(int, x.split("@"))) for x in args.decode]
     tokens_needed = max(b * (c + args.steps + args.warmup + 16) for b, c in decode_shapes)
     bare = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
-    config_cls: Any = EngineConfig
+    # KV bytes per token from the checkpoint's shape: an older tree's engine is measured by the same script.
     spec_bytes = 2 * bare.config.num_hidden_layers * bare.config.num_key_value_heads * (
         bare.config.hidden_size // bare.config.num_attention_heads) * dtype.itemsize
-    config = config_cls(args.model, dtype=args.dtype, device="cpu",
-                        kv_cache_bytes=max(1 << 30, tokens_needed * spec_bytes * 11 // 10),
-                        max_num_batched_tokens=max(2048, *args.prefill_lens), max_num_seqs=64)
+    config = EngineConfig(args.model, dtype=args.dtype, device="cpu",
+                          kv_cache_bytes=max(1 << 30, tokens_needed * spec_bytes * 11 // 10),
+                          max_num_batched_tokens=max(2048, *args.prefill_lens), max_num_seqs=64)
     engine = LLMEngine(config)
     kernel = getattr(engine, "linear_kernel", None)
     vocab = engine.spec.vocab_size

@@ -200,4 +200,5 @@ class InputBatch:
         _, _, _, block_size, kv_heads, head_dim = self.kv_cache.shape
         gathered_shape = (count, num_blocks * block_size, kv_heads, head_dim)
         return DecodeBatch(q_indices, self._tensor(tables.reshape(-1)), gathered_shape, max_len, mask,
-                           tables=self._tensor(tables), context_lens=self._tensor(context_lens))
+                           tables=None if self.decode_kernel is None else self._tensor(tables),
+                           context_lens=None if self.decode_kernel is None else self._tensor(context_lens))

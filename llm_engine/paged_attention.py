@@ -49,8 +49,9 @@ class DecodeBatch:
     gathered_shape: tuple[int, int, int, int]  # [B, num_blocks * block_size, kv_heads, head_dim]
     num_keys: int  # the longest context among the rows: keys past it are not attended to at all
     mask: torch.Tensor | None  # [B, 1, 1, num_keys] additive (0 / -inf); None when all equal or a kernel runs
-    tables: torch.Tensor  # [B, num_blocks] int64: block_tables as rows (the kernel's view)
-    context_lens: torch.Tensor  # [B] int64: keys each row attends to, its own included
+    # For the C++ kernel only (None on the SDPA path):
+    tables: torch.Tensor | None  # [B, num_blocks] int64: block_tables as rows
+    context_lens: torch.Tensor | None  # [B] int64: keys each row attends to, its own included
 
 
 @dataclass(frozen=True)
@@ -154,11 +155,12 @@ def paged_attention_forward(
 def _decode(query: torch.Tensor, meta: PagedAttentionMetadata, layer: int, d: DecodeBatch,
             num_kv_heads: int, scaling: float | None) -> torch.Tensor:
     """The single-token rows' attention over their block tables: [B, H, D]."""
-    num_batch, num_heads, head_dim = len_of(d.q_indices, query), query.shape[1], query.shape[3]
     q = query[0, :, d.q_indices].transpose(0, 1)  # [B, H, D]
+    num_batch, num_heads, head_dim = q.shape
     if meta.decode_kernel is not None:
         keys, values = meta.views.layers[layer]  # [num_blocks, block, KVH, D], read in place
         scale = head_dim ** -0.5 if scaling is None else scaling
+        assert d.tables is not None and d.context_lens is not None  # built whenever the kernel is set
         return meta.decode_kernel(q.contiguous(), keys, values, d.tables, d.context_lens, scale)
     layer_blocks = meta.views.blocks[layer]
     # [B, KVH, L, D]
@@ -177,13 +179,6 @@ def _decode(query: torch.Tensor, meta: PagedAttentionMetadata, layer: int, d: De
         attn = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=d.mask, scale=scaling,
                                               enable_gqa=True)  # [B, H, 1, D]
     return attn.reshape(num_batch, num_heads, head_dim)
-
-
-def len_of(rows: torch.Tensor | slice, query: torch.Tensor) -> int:
-    """Rows selected by a DecodeBatch's q_indices."""
-    if isinstance(rows, slice):
-        return len(range(*rows.indices(query.shape[2])))
-    return int(rows.shape[0])
 
 
 def register() -> None:
