@@ -27,9 +27,9 @@ import ray
 import torch
 
 from decode_pool.messages import DecodeRequest
-from gateway.orchestrator import run_request
-from gateway.pools import DeploymentConfig, PDDeployment
-from gateway.router import Router
+from gateway.fleet.deployment import DeploymentConfig, PDDeployment
+from gateway.requests.orchestrator import run_request
+from gateway.requests.router import Router
 from llm_engine import EngineConfig, SamplingParams
 from llm_engine.default_model import prepare_default_model
 from pool_worker import Role

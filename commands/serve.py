@@ -61,11 +61,12 @@ _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
                                   "'{\"UCX_NET_DEVICES\": \"mlx5_0:1\"}' (see deploy/README.md)"),
     ("--placement-timeout-s", float, "how long start-up waits for Ray to place every worker before it serves "
                                      "with those placed, or fails naming what no node offers (default: "
-                                     "gateway/deployment_config.py)"),
+                                     "gateway/fleet/config.py)"),
     ("--max-waiting", int, "requests that may wait for decode KV capacity before 429"),
     ("--max-waiting-tokens", int, "tokens (prompt + max_tokens) that may wait before 429 (default: the KV)"),
     ("--queue-timeout-s", float, "seconds a request may wait for capacity before 429"),
-    ("--deadline-slack-s", float, "request deadlines: slack per stage, s (defaults: gateway/deadlines.py)"),
+    ("--deadline-slack-s", float, "request deadlines: slack per stage, s (defaults: "
+                                  "gateway/requests/deadlines.py)"),
     ("--deadline-prefill-s-per-token", float, "request deadlines: seconds per prompt token"),
     ("--deadline-decode-s-per-token", float, "request deadlines: seconds per output token"),
     ("--local-prefill-max-tokens", int, "decode workers prefill prompts with at most this many uncached "

@@ -29,7 +29,7 @@ def _fail(args: argparse.Namespace, message: str) -> None:
 def _serving_defaults() -> dict[str, float]:
     """The gateway's own defaults of what the simulator mirrors (one place for each, theirs)."""
     from gateway.config import ServeConfig
-    from gateway.pools import DeploymentConfig
+    from gateway.fleet.deployment import DeploymentConfig
 
     return {"watermark": DeploymentConfig.watermark,
             "max_waiting": ServeConfig.model_fields["max_waiting"].default,

@@ -33,10 +33,10 @@ from kv_transfer import (
     make_sender,
 )
 from llm_engine import LLMEngine
-from llm_engine.load import WorkerLoad
-from llm_engine.output_channels import OutputChannels
 from llm_engine.scheduler import Scheduler
-from llm_engine.step_loop import StepLoop
+from pool_worker.runtime.load import WorkerLoad
+from pool_worker.runtime.output_channels import OutputChannels
+from pool_worker.runtime.step_loop import StepLoop
 
 
 class DecodeRole:

@@ -41,10 +41,10 @@ from decode_pool.migration import MigrationOffers
 from decode_pool.pull_watcher import PullWatcher
 from kv_transfer import KVHandle, KVReceiver, PeerInfo, PullReply, PullRequest, TransferState
 from llm_engine import LLMEngine
-from llm_engine.inbox import WorkerInbox
 from llm_engine.kv_cache_manager import blocks_for
-from llm_engine.load import WorkerLoad
 from llm_engine.request import Request
+from pool_worker.runtime.inbox import WorkerInbox
+from pool_worker.runtime.load import WorkerLoad
 
 logger = logging.getLogger(__name__)
 OutputCallback = Callable[[DecodeOutput], None]

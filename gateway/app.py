@@ -4,7 +4,7 @@
               capacity from the decode workers' KV → pool watch (failed workers are replaced; capacity
               follows the live decode workers) → serve → shutdown of every actor (and of Ray if ours).
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics,
-GET and PUT /admin/pools (gateway/admin.py). Errors use OpenAI's shape; a client that disconnects aborts
+GET and PUT /admin/pools (gateway/api/admin.py). Errors use OpenAI's shape; a client that disconnects aborts
 its request on both workers.
 """
 
@@ -24,27 +24,28 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from gateway.admin import router as admin_routes
-from gateway.admission import Admission
-from gateway.auth import require_api_key
-from gateway.body_guard import BodyGuard
-from gateway.config import ServeConfig
-from gateway.errors import documented, install_error_handlers, without_validation_422
-from gateway.pools import PDDeployment
-from gateway.protocol import (
+from gateway.api.admin import router as admin_routes
+from gateway.api.auth import require_api_key
+from gateway.api.body_guard import BodyGuard
+from gateway.api.errors import documented, install_error_handlers, without_validation_422
+from gateway.api.prepare import Preparer
+from gateway.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
 )
-from gateway.ratio_controller import RatioController
-from gateway.resize import PoolResizer
-from gateway.responses import chat_response, chat_stream, completion_response, completion_stream
-from gateway.service import GatewayService, PreparedRequest
-from gateway.workers import WorkerState
+from gateway.api.responses import chat_response, chat_stream, completion_response, completion_stream
+from gateway.config import ServeConfig
+from gateway.fleet.deployment import PDDeployment
+from gateway.fleet.workers import WorkerState
+from gateway.ratio.controller import RatioController
+from gateway.ratio.resize import PoolResizer
+from gateway.requests.admission import Admission
+from gateway.requests.service import GatewayService, PreparedRequest
 from llm_engine.model_loader import load_tokenizer, read_model_spec
-from llm_engine.process_heap import freeze_startup_heap
 from pool_worker import Role
+from pool_worker.runtime.process_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -112,12 +113,15 @@ def create_app(config: ServeConfig) -> FastAPI:
             block_size = deployment.config.engine.block_size
             usable = 1.0 - deployment.config.watermark
             per_worker = [int(x.num_total_blocks * block_size * usable) for x in decode_loads]
+            tokenizer = load_tokenizer(model_dir)
+            model_name = config.served_model_name or Path(model_dir).name
+            app.state.preparer = Preparer(tokenizer, read_model_spec(model_dir), model_name, min(per_worker),
+                                          config.default_max_tokens, block_size)
             app.state.service = GatewayService(
-                tokenizer=load_tokenizer(model_dir), spec=read_model_spec(model_dir),
-                model_name=config.served_model_name or Path(model_dir).name, deployment=deployment,
+                tokenizer=tokenizer, model_name=model_name, deployment=deployment,
                 admission=Admission(sum(per_worker), config.max_waiting, config.queue_timeout_s,
                                     config.max_waiting_tokens),
-                max_request_tokens=min(per_worker), default_max_tokens=config.default_max_tokens,
+                max_request_tokens=min(per_worker),
                 deadline_policy=config.deadline_policy(), local_prefill=config.local_prefill_policy(),
             )
             deployment.on_change.append(app.state.service.on_pool_change)
@@ -125,7 +129,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             app.state.controller = RatioController(
                 deployment, app.state.service.router, app.state.resizer, app.state.service.metrics,
                 app.state.service.recent, config.controller_policy())
-            app.state.service.ratio_controller = app.state.controller
+            app.state.service.on_prompt.append(app.state.controller.note_prompt)
             if config.ratio == "auto":
                 if not deployment.can_change:
                     raise ValueError(f"--ratio auto needs workers that can change role; the "
@@ -190,20 +194,21 @@ def create_app(config: ServeConfig) -> FastAPI:
               responses={200: {"model": CompletionResponse, "content": _SSE}, **_GENERATE})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
-        return await respond(service, body, await service.prepare_completion(body), request)
+        return await respond(service, body, await request.app.state.preparer.prepare_completion(body),
+        request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)],
               responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_GENERATE})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
-        return await respond(service, body, await service.prepare_chat(body), request)
+        return await respond(service, body, await request.app.state.preparer.prepare_chat(body), request)
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)], responses=documented(401))
     async def models(request: Request) -> dict[str, object]:
         service: GatewayService = request.app.state.service
         return {"object": "list", "data": [{"id": service.model_name, "object": "model",
                                             "created": int(request.app.state.started), "owned_by": "pdserve",
-                                            "max_model_len": service.spec.max_model_len}]}
+                                            "max_model_len": request.app.state.preparer.spec.max_model_len}]}
 
     @app.get("/health", responses={503: {"description": "unavailable: a role has no live worker"}})
     async def health(request: Request) -> JSONResponse:

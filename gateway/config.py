@@ -12,15 +12,15 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.deadlines import DeadlinePolicy
-from gateway.deployment_config import DeploymentConfig
-from gateway.ratio_controller import ControllerPolicy
-from gateway.router import LocalPrefillPolicy
+from gateway.fleet.config import DeploymentConfig
+from gateway.ratio.controller import ControllerPolicy
+from gateway.requests.deadlines import DeadlinePolicy
+from gateway.requests.router import LocalPrefillPolicy
 from kv_transfer import TransferConfig
 from llm_engine import EngineConfig
 from llm_engine.hardware import resolve_dtype
-from llm_engine.model_source import ModelSource
 from pool_worker import Role
+from pool_worker.runtime.model_source import ModelSource
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -45,7 +45,7 @@ class ServeConfig(BaseModel):
     mixed: int | None = Field(default=None, ge=0)  # workers that prefill and decode their own requests
     colocated: int | None = Field(default=None, ge=0)  # the old name of `mixed`
     backend: Literal["auto", "nixl", "torch", "local"] = "auto"
-    # The ratio controller (gateway/ratio_controller.py): "auto" moves workers between roles by load.
+    # The ratio controller (gateway/ratio/controller.py): "auto" moves workers between roles by load.
     ratio: Literal["fixed", "auto"] = "fixed"
     ttft_slo_s: float | None = Field(default=None, gt=0)  # the controller's targets
     itl_slo_s: float | None = Field(default=None, gt=0)
@@ -57,7 +57,8 @@ class ServeConfig(BaseModel):
     api_key: str | None = None  # required as a Bearer token on /v1 routes and /metrics when set
     admin_key: str | None = None  # required on /admin routes; without it they answer on loopback only
     ray_address: str | None = None  # join this Ray cluster ("auto": the one on this node); None: a local one
-    # Placement (gateway/placement.py): Ray custom resources each role's workers ask for, so that only nodes
+    # Placement (gateway/fleet/placement.py): Ray custom resources each role's workers ask for, so that only
+    # nodes
     # started with them (ray start --resources '{"pdserve_decode": 1}') take that role.
     prefill_resources: dict[str, float] | None = None
     decode_resources: dict[str, float] | None = None
@@ -70,11 +71,13 @@ class ServeConfig(BaseModel):
     max_waiting: int = Field(default=256, ge=0)  # requests that may wait for decode KV capacity
     max_waiting_tokens: int | None = Field(default=None, ge=0)  # tokens that may wait; default: the capacity
     queue_timeout_s: float = Field(default=60.0, gt=0)
-    # Request deadlines (gateway/deadlines.py): slack per stage, and seconds per prompt / output token.
+    # Request deadlines (gateway/requests/deadlines.py): slack per stage, and seconds per prompt / output
+    # token.
     deadline_slack_s: float | None = Field(default=None, gt=0)
     deadline_prefill_s_per_token: float | None = Field(default=None, ge=0)
     deadline_decode_s_per_token: float | None = Field(default=None, ge=0)
-    # Conditional disaggregation (gateway/router.py LocalPrefillPolicy): a decode worker prefills a prompt
+    # Conditional disaggregation (gateway/requests/router.py LocalPrefillPolicy): a decode worker prefills a
+    # prompt
     # itself when at most this many of its tokens are uncached, or while every prefill worker has this
     # many prompt tokens queued.
     local_prefill_max_tokens: int | None = Field(default=None, ge=0)
@@ -169,7 +172,8 @@ class ServeConfig(BaseModel):
                                 num_mixed=self.mixed or 0, backend=self.backend, transfer=TransferConfig(),
                                 role_resources={r: x for r, x in chosen_resources.items() if x},
                                 worker_env=dict(self.worker_env or {}),
-                                # Each worker finds the model on its own node (llm_engine/model_source.py).
+                                # Each worker finds the model on its own node
+                                # (pool_worker/runtime/model_source.py).
                                 model_source=ModelSource(self.model),
                                 num_threads=self.default_threads_per_worker(), pin_cpus=self.pin_cpus,
                                 **{k: v for k, v in placement.items() if v is not None})  # type: ignore[arg-type]

@@ -36,13 +36,13 @@ from decode_pool.messages import DecodeOutput, DecodeRequest
 from decode_pool.role import DecodeRole
 from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord
 from llm_engine import EngineConfig, LLMEngine
-from llm_engine.load import WorkerLoad
 from llm_engine.model_loader import num_model_loads
-from llm_engine.model_source import ModelSource
-from llm_engine.output_channels import OutputBatch, OutputChannels
-from llm_engine.process_heap import freeze_startup_heap
-from llm_engine.worker_setup import TorchGroupSpec, setup_worker_process
 from pool_worker.roles import Role
+from pool_worker.runtime.load import WorkerLoad
+from pool_worker.runtime.model_source import ModelSource
+from pool_worker.runtime.output_channels import OutputBatch, OutputChannels
+from pool_worker.runtime.process_heap import freeze_startup_heap
+from pool_worker.runtime.worker_setup import TorchGroupSpec, setup_worker_process
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.role import PrefillRole
 
@@ -143,7 +143,7 @@ class WorkerActor:
 
         Args:
             cpu_slot: this worker's slot among the live workers of its node: it pins itself to that slot's
-                cores (llm_engine/worker_setup.py); None: not pinned.
+                cores (pool_worker/runtime/worker_setup.py); None: not pinned.
 
         Raises:
             FileNotFoundError: the model is not on this node (the message names the node).
@@ -236,7 +236,8 @@ class WorkerActor:
 
     async def submit_prefills(self, requests: list[PrefillRequest], channel_id: str) -> list[str]:
         """Start prefilling each prompt, in order; each PrefillResult goes to the output stream of
-        `channel_id` (the gateway batches what it submits in one event-loop turn: gateway/submissions.py).
+        `channel_id` (the gateway batches what it submits in one event-loop turn:
+        gateway/fleet/submissions.py).
         Returns, per request, why it was refused ("" if it started); WorkerFailed (the step loop died) is
         raised for the whole batch."""
         prefill = self._prefill()
@@ -263,7 +264,7 @@ class WorkerActor:
 
     async def submit_decodes(self, requests: list[DecodeRequest], channel_id: str) -> list[str]:
         """Start decoding each request, in order; its outputs go to the output stream of `channel_id` (the
-        gateway batches what it submits in one event-loop turn: gateway/submissions.py). Returns, per
+        gateway batches what it submits in one event-loop turn: gateway/fleet/submissions.py). Returns, per
         request, why it was refused ("" if it started); WorkerFailed (the step loop died) is raised for the
         whole batch."""
         decode = self._decode()

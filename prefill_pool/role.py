@@ -17,9 +17,9 @@ import contextlib
 
 from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord, make_sender
 from llm_engine import LLMEngine
-from llm_engine.load import WorkerLoad
-from llm_engine.output_channels import OutputChannels
-from llm_engine.step_loop import StepLoop
+from pool_worker.runtime.load import WorkerLoad
+from pool_worker.runtime.output_channels import OutputChannels
+from pool_worker.runtime.step_loop import StepLoop
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.scheduler import PrefillScheduler
 from prefill_pool.worker import TRANSFER_POLL_S, PrefillWorker

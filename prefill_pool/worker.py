@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 from kv_transfer import KVHandle, KVSender, PullReply, PullRequest, ReleasedBlocks
 from llm_engine import LLMEngine
-from llm_engine.inbox import WorkerInbox
-from llm_engine.load import WorkerLoad
 from llm_engine.request import Request, RequestStatus
+from pool_worker.runtime.inbox import WorkerInbox
+from pool_worker.runtime.load import WorkerLoad
 from prefill_pool.messages import PrefillRequest, PrefillResult, PrefillTimes
 from prefill_pool.scheduler import PrefillScheduler
 

@@ -1,7 +1,7 @@
 """`pdserve tune plan --apply URL`: set a layout on a live gateway through its admin API (HTTP only).
 
     check_model: GET /v1/models (API key) — a plan made from another model's profile is refused here
-    apply_layout: PUT /admin/pools {"prefill", "decode", "mixed"} (admin key, gateway/admin.py) — the
+    apply_layout: PUT /admin/pools {"prefill", "decode", "mixed"} (admin key, gateway/api/admin.py) — the
       gateway flips and adds/drains workers one at a time and answers when done, or with 4xx before any move
 """
 

@@ -1,8 +1,10 @@
 """A discrete-event simulation of this system's policies over a trace, for one layout of workers.
 
-A request's way (the gateway's, gateway/service.py and gateway/orchestrator.py):
-    ARRIVE → admission (gateway/admission.py: reserve prompt + max_tokens of decode KV, FIFO line bounded in
-      requests and tokens, a timeout; an oversize request is refused) → route (gateway/router.py: the decode
+A request's way (the gateway's, gateway/requests/service.py and gateway/requests/orchestrator.py):
+    ARRIVE → admission (gateway/requests/admission.py: reserve prompt + max_tokens of decode KV, FIFO line
+    bounded in
+      requests and tokens, a timeout; an oversize request is refused) → route (gateway/requests/router.py:
+      the decode
       or mixed worker with the fewest tokens of requests decoding there; then, unless that worker is mixed
       or no prefill worker exists, the prefill worker with the fewest prompt tokens in flight)
     → prefill worker (one hop) → first token → gateway (one hop; the client sees it) → decode worker (one
@@ -63,7 +65,7 @@ class SimConfig:
     """The serving settings the simulation mirrors; the gateway's own defaults are passed in, not copied."""
 
     shape: WorkerShape  # each worker's engine (from the profile)
-    watermark: float  # fraction of decode blocks kept free when admitting (gateway/pools.py)
+    watermark: float  # fraction of decode blocks kept free when admitting (gateway/fleet/deployment.py)
     max_waiting: int  # requests that may wait for decode KV capacity (gateway/config.py)
     queue_timeout_s: float  # how long one may wait before a 429
     hop_s: float = DEFAULT_HOP_S

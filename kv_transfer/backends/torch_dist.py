@@ -60,7 +60,8 @@ def p2p_backend(device: str | torch.device) -> str:
         device: the KV cache's device ("cpu", "cuda", "cuda:1" or a torch.device).
 
     Returns:
-        "nccl" or "gloo", to pass to init_process_group (llm_engine.worker_setup.TorchGroupSpec.backend).
+        "nccl" or "gloo", to pass to init_process_group
+        (pool_worker.runtime.worker_setup.TorchGroupSpec.backend).
     """
     device_type = torch.device(device).type
     if device_type == "cuda":

@@ -15,10 +15,10 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.config import ServeConfig
-from gateway.placement import PlacementTimeout
-from gateway.pools import PDDeployment
-from llm_engine.model_source import ModelSource
+from gateway.fleet.deployment import PDDeployment
+from gateway.fleet.placement import PlacementTimeout
 from pool_worker import Role
+from pool_worker.runtime.model_source import ModelSource
 from tests.gateway.conftest import API_KEY, MODEL, serve_config, serving
 
 

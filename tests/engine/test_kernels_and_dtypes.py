@@ -18,7 +18,7 @@ from llm_engine.hardware import resolve_dtype
 from llm_engine.linear_kernels import LinearKernel, PackedLinear, onednn_unavailable_reason
 from llm_engine.model_loader import read_model_spec
 from llm_engine.native_kernels import paged_decode_attention
-from llm_engine.worker_setup import cores_for_slot
+from pool_worker.runtime.worker_setup import cores_for_slot
 from tests.conftest import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

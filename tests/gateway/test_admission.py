@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gateway.admission import Admission, Overloaded
+from gateway.requests.admission import Admission, Overloaded
 
 
 def test_line_is_bounded_in_requests_and_in_tokens() -> None:

@@ -7,11 +7,11 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from ray.exceptions import RayError
 
-from gateway.admission import Overloaded
-from gateway.body_guard import BodyGuard
-from gateway.errors import install_error_handlers
-from gateway.protocol import CompletionRequest
-from gateway.service import BadRequest
+from gateway.api.body_guard import BodyGuard
+from gateway.api.errors import install_error_handlers
+from gateway.api.prepare import BadRequest
+from gateway.api.protocol import CompletionRequest
+from gateway.requests.admission import Overloaded
 
 SECRET_DETAIL = "actor 5f1d9c0e2b7a died on node 10.1.2.3:6379 in namespace pdserve-ns; Traceback (most"
 

@@ -22,7 +22,7 @@ import ray
 from fastapi import FastAPI
 
 from gateway.config import ServeConfig
-from gateway.deadlines import DeadlinePolicy
+from gateway.requests.deadlines import DeadlinePolicy
 from tests.conftest import hf_greedy, random_prompts
 from tests.gateway import actor_faults as faults
 from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used

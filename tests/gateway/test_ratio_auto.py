@@ -16,8 +16,8 @@ import ray
 from fastapi import FastAPI
 
 from gateway.config import ServeConfig
-from gateway.ratio_controller import ControllerPolicy
-from gateway.router import LocalPrefillPolicy
+from gateway.ratio.controller import ControllerPolicy
+from gateway.requests.router import LocalPrefillPolicy
 from tests.conftest import hf_greedy, random_prompts
 from tests.gateway import actor_faults as faults
 from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 from pydantic import ValidationError
 
-from gateway.ratio_controller import ControllerPolicy, Ladder, Signals
-from gateway.resize import Move, PoolLayout, plan_moves
+from gateway.ratio.controller import ControllerPolicy, Ladder, Signals
+from gateway.ratio.resize import Move, PoolLayout, plan_moves
 from pool_worker import Role
 
 POLICY = ControllerPolicy(interval_s=1.0, min_dwell_s=5.0, calm_s=10.0, long_prompt_tokens=1000,

@@ -15,9 +15,9 @@ import ray
 from fastapi import FastAPI
 
 from gateway.config import ServeConfig
-from gateway.pools import DeploymentConfig, PDDeployment
-from gateway.resize import PoolLayout, PoolResizer, ResizeConflict
-from gateway.router import LocalPrefillPolicy, Router
+from gateway.fleet.deployment import DeploymentConfig, PDDeployment
+from gateway.ratio.resize import PoolLayout, PoolResizer, ResizeConflict
+from gateway.requests.router import LocalPrefillPolicy, Router
 from llm_engine import EngineConfig
 from pool_worker import WorkerInfo
 from tests.conftest import hf_greedy, random_prompts

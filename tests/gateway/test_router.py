@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.pools import DeploymentConfig
-from gateway.router import LocalPrefillPolicy, Router
-from gateway.workers import Worker, WorkerState
+from gateway.fleet.deployment import DeploymentConfig
+from gateway.fleet.workers import Worker, WorkerState
+from gateway.requests.router import LocalPrefillPolicy, Router
 from llm_engine import EngineConfig
 from pool_worker import Role
 

@@ -1,4 +1,4 @@
-"""The gateway's batched decode submissions (gateway/submissions.py) against a small real Ray actor
+"""The gateway's batched decode submissions (gateway/fleet/submissions.py) against a small real Ray actor
 that answers submit_decodes as a decode worker does: one call per worker per event-loop turn, refusals per
 request, a lost worker reaches everyone."""
 
@@ -10,8 +10,8 @@ import pytest
 import ray
 
 from decode_pool.messages import DecodeRequest
-from gateway.submissions import Submissions
-from gateway.workers import Worker
+from gateway.fleet.submissions import Submissions
+from gateway.fleet.workers import Worker
 from llm_engine import SamplingParams
 from pool_worker import Role
 

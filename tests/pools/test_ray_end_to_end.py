@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.orchestrator import StreamEvent, run_request
-from gateway.pools import DeploymentConfig, PDDeployment
-from gateway.router import Router
+from gateway.fleet.deployment import DeploymentConfig, PDDeployment
+from gateway.requests.orchestrator import StreamEvent, run_request
+from gateway.requests.router import Router
 from llm_engine import EngineConfig, SamplingParams
 from tests.conftest import hf_greedy, random_prompts
 

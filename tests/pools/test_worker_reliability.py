@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
-from gateway.orchestrator import StreamEvent
-from gateway.service import _token_times
+from gateway.requests.orchestrator import StreamEvent
+from gateway.requests.stage_timings import token_times
 from kv_transfer import KVHandle
 from llm_engine import SamplingParams
-from llm_engine.step_loop import StepLoop, WorkerFailed
+from pool_worker.runtime.step_loop import StepLoop, WorkerFailed
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.worker import PrefillWorker
 from tests.conftest import hf_greedy, random_prompts
@@ -208,6 +208,6 @@ def test_load_is_safe_to_read_while_the_loop_runs(tiny_llama_dir: Path) -> None:
 
 def test_each_token_of_a_merged_event_gets_its_own_time() -> None:
     event = StreamEvent("r", (1, 2, 3), (), (10.0, 10.5, 11.0))
-    assert _token_times(event, received=100.0) == [99.0, 99.5, 100.0]
-    assert _token_times(StreamEvent("r", (4, 5), (), ()), received=7.0) == [7.0, 7.0]
-    assert _token_times(StreamEvent("r", (), (), ()), received=7.0) == []
+    assert token_times(event, received=100.0) == [99.0, 99.5, 100.0]
+    assert token_times(StreamEvent("r", (4, 5), (), ()), received=7.0) == [7.0, 7.0]
+    assert token_times(StreamEvent("r", (), (), ()), received=7.0) == []

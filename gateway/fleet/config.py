@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from kv_transfer import BackendName, TransferConfig
 from kv_transfer.registry import resolve
 from llm_engine import EngineConfig
-from llm_engine.model_source import ModelSource
 from pool_worker import Role
+from pool_worker.runtime.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -26,14 +26,15 @@ class DeploymentConfig:
     num_cpus_per_worker: float = 1.0  # Ray resource request of each actor
     num_gpus_per_worker: float = 0.0  # fractions share a GPU between workers
     # Ray custom resources each role's workers ask for, e.g. {Role.DECODE: {"pdserve_decode": 1}}: only
-    # nodes started with those resources take that role (gateway/placement.py).
+    # nodes started with those resources take that role (gateway/fleet/placement.py).
     role_resources: dict[Role, dict[str, float]] = field(default_factory=dict)
     # Environment of every worker process: UCX_NET_DEVICES, UCX_TLS, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME...
     worker_env: dict[str, str] = field(default_factory=dict)
     # What each worker loads, resolved on its own node; None: engine.model_dir as it is on every node.
     model_source: ModelSource | None = None
     num_threads: int = 1  # torch threads per worker (ServeConfig: the node's cores split over its workers)
-    pin_cpus: bool = True  # each worker pins its process to its own cores (llm_engine/worker_setup.py)
+    pin_cpus: bool = True  # each worker pins its process to its own cores
+                           # (pool_worker/runtime/worker_setup.py)
     # How long start-up waits for Ray to place every worker; then it serves with those placed if they can
     # serve (the rest stay pending), else fails naming what no node offers. Autoscaled nodes take minutes.
     placement_timeout_s: float = 300.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import time
 
-from gateway.protocol import Timings
+from gateway.telemetry.timings import Timings
 
 
 class RecentLatencies:

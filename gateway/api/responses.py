@@ -14,8 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from gateway.orchestrator import RequestFailed
-from gateway.protocol import (
+from gateway.api.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -28,7 +27,8 @@ from gateway.protocol import (
     PromptTokensDetails,
     Usage,
 )
-from gateway.service import GatewayService, PreparedRequest, TextDelta
+from gateway.requests.orchestrator import RequestFailed
+from gateway.requests.service import GatewayService, PreparedRequest, TextDelta
 
 logger = logging.getLogger(__name__)
 

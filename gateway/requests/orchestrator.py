@@ -1,8 +1,9 @@
 """One request's way through both stages, as a stream of typed events, surviving worker failures.
 
     pick decode worker → pick prefill worker → PREFILL (submitted to the prefill worker, batched with the
-        others of this event-loop turn, gateway/submissions.py; its result, the first token + KVHandle,
-        arrives on that worker's one output stream to this gateway, gateway/output_streams.py) → event #1
+        others of this event-loop turn, gateway/fleet/submissions.py; its result, the first token + KVHandle,
+        arrives on that worker's one output stream to this gateway, gateway/fleet/output_streams.py) → event
+        #1
       → DECODE (submitted to the decode worker the same way; it pulls the KV, then generates; its outputs
         arrive on its output stream) → events → final event.
 Failures (a worker's actor died, its step loop died, or it answered with finish_reason "error"):
@@ -32,13 +33,13 @@ from typing import TypeVar
 from ray.exceptions import RayActorError, RayTaskError
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
-from gateway.deadlines import DeadlinePolicy, RequestDeadlines
-from gateway.router import Router
-from gateway.workers import Worker
+from gateway.fleet.workers import Worker
+from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
+from gateway.requests.router import Router
 from kv_transfer import KVHandle
 from llm_engine import SamplingParams
-from llm_engine.step_loop import WorkerFailed
 from pool_worker import Role
+from pool_worker.runtime.step_loop import WorkerFailed
 from prefill_pool.messages import PrefillRequest, PrefillResult
 
 T = TypeVar("T")

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from llm_engine.step_loop import WorkerFailed
+from pool_worker.runtime.step_loop import WorkerFailed
 
 Submission = TypeVar("Submission")
 

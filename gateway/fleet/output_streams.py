@@ -19,8 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from decode_pool.messages import DecodeOutput, coalesce
-from gateway.workers import Worker
-from llm_engine.output_channels import OutputBatch
+from gateway.fleet.workers import Worker
+from pool_worker.runtime.output_channels import OutputBatch
 from prefill_pool.messages import PrefillResult
 
 logger = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.output_streams import OutputStreams
-from gateway.pools import PDDeployment
-from gateway.submissions import Submissions
-from gateway.workers import Worker
+from gateway.fleet.deployment import PDDeployment
+from gateway.fleet.output_streams import OutputStreams
+from gateway.fleet.submissions import Submissions
+from gateway.fleet.workers import Worker
 from llm_engine.kv_cache_manager import prefix_hashes
 from pool_worker import Role
 

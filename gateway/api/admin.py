@@ -3,7 +3,7 @@
 GET /admin/pools  each worker's role, state, Ray node and load; the layout aimed at; a change in progress;
                   the ratio controller's state and its recent decisions.
 PUT /admin/pools  {"prefill": N, "decode": M, "mixed": K} → checked (4xx before anything moves), then
-                  applied one worker at a time (gateway/resize.py); answers the plan and what was done.
+                  applied one worker at a time (gateway/ratio/resize.py); answers the plan and what was done.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import dataclasses
 
 from fastapi import APIRouter, Depends, Request
 
-from gateway.auth import require_admin
-from gateway.errors import documented
-from gateway.ratio_controller import Decision, RatioController
-from gateway.resize import PoolLayout, PoolResizer
-from gateway.service import GatewayService
+from gateway.api.auth import require_admin
+from gateway.api.errors import documented
+from gateway.ratio.controller import Decision, RatioController
+from gateway.ratio.resize import PoolLayout, PoolResizer
+from gateway.requests.service import GatewayService
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 

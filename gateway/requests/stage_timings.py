@@ -13,8 +13,8 @@ import itertools
 import time
 
 from decode_pool.messages import DecodeOutput
-from gateway.orchestrator import StreamEvent
-from gateway.protocol import Timings
+from gateway.requests.orchestrator import StreamEvent
+from gateway.telemetry.timings import Timings
 from prefill_pool.messages import PrefillResult
 
 

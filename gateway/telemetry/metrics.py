@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from gateway.protocol import Timings
-from llm_engine.load import WorkerLoad
+from gateway.telemetry.timings import Timings
 from pool_worker import WorkerRuntime
+from pool_worker.runtime.load import WorkerLoad
 
 # Latency buckets from 5 ms to 2 min: CPU decode steps are tens of ms, long CPU prefills tens of seconds.
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 120)
-# A request's stages, and the hops between processes the stages leave out (see gateway/timings.py).
+# A request's stages, and the hops between processes the stages leave out (see
+# gateway/requests/stage_timings.py).
 STAGES = ("gateway_queue", "prefill_queue", "prefill", "transfer", "decode_queue", "decode",
           "to_prefill", "handoff", "delivery")
 

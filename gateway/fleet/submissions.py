@@ -7,7 +7,7 @@ travel in one actor call.
       request "" (started) or why it was refused
       → each submitter resumes, or raises ValueError (refused) or the call's error (the worker is lost:
         RayActorError, or RayTaskError from WorkerFailed) for every request of the batch
-The results come back on the worker's output stream (gateway/output_streams.py), not in the answer.
+The results come back on the worker's output stream (gateway/fleet/output_streams.py), not in the answer.
 Requests arrive together (a burst of clients; a prefill step finishing many prompts, whose handoffs follow
 at once): one call per batch costs the gateway and the busy worker process one message instead of one per
 request. A submitter cancelled meanwhile (its client left) still has its request sent: the batch leaves
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from decode_pool.messages import DecodeRequest
-from gateway.workers import Worker
+from gateway.fleet.workers import Worker
 from prefill_pool.messages import PrefillRequest
 
 SubmittedRequest = PrefillRequest | DecodeRequest

@@ -2,7 +2,8 @@
 
     actor_options(role) → the actor is created, PENDING → Ray places it on a node that offers the role's
     resources (CPUs, GPUs, custom resources such as {"pdserve_decode": 1}) → its constructor answers
-    placement() (node id, node IP) → STARTING: it loads the model on that node → ACTIVE (gateway/pools.py).
+    placement() (node id, node IP) → STARTING: it loads the model on that node → ACTIVE
+    (gateway/fleet/deployment.py).
 A worker no node can take stays PENDING as long as that lasts (Ray keeps it queued and places it when a node
 with the resources joins); /health and /admin/pools report it. The torch group meets on its first rank's
 node: that node's IP as Ray knows it, and a port free there (never the gateway's loopback).
@@ -17,8 +18,8 @@ from typing import Any
 
 import ray
 
-from gateway.deployment_config import DeploymentConfig
-from gateway.workers import Worker, WorkerState
+from gateway.fleet.config import DeploymentConfig
+from gateway.fleet.workers import Worker, WorkerState
 from pool_worker import Role
 
 # Ray's own bookkeeping resources: not what an operator gives a node, so not worth listing in an error.

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.pools import PDDeployment
-from gateway.router import Router
+from gateway.fleet.deployment import PDDeployment
+from gateway.requests.router import Router
 from pool_worker import Role
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,8 @@
 
 Every worker is the same kind of actor (pool_worker.WorkerActor) serving in a role: prefill, decode or
 mixed. Lifecycle of a worker (WorkerState):
-    add() → PENDING (created; Ray places it on a node that offers its role's resources: gateway/placement.py)
+    add() → PENDING (created; Ray places it on a node that offers its role's resources:
+    gateway/fleet/placement.py)
     → STARTING (placed, node known; start(): model found on its node and loaded, KV cache, transfer endpoint)
     → ACTIVE (routable; every decode or mixed worker knows the PeerInfo of every worker it may pull KV from:
       the prefill workers, and with nixl the other decode and mixed workers too)
@@ -37,8 +38,8 @@ from collections.abc import Callable
 
 import ray
 
-from gateway.deployment_config import DeploymentConfig
-from gateway.placement import (
+from gateway.fleet.config import DeploymentConfig
+from gateway.fleet.placement import (
     PlacementTimeout,
     actor_options,
     describe_unplaced,
@@ -46,11 +47,11 @@ from gateway.placement import (
     wait_all_placed,
     wait_placed,
 )
-from gateway.workers import PoolHealth, Worker, WorkerState
+from gateway.fleet.workers import PoolHealth, Worker, WorkerState
 from kv_transfer import can_move_kv_between_decode_workers, capabilities
-from llm_engine.load import WorkerLoad
-from llm_engine.worker_setup import TorchGroupSpec
 from pool_worker import Role, WorkerActor
+from pool_worker.runtime.load import WorkerLoad
+from pool_worker.runtime.worker_setup import TorchGroupSpec
 
 logger = logging.getLogger(__name__)
 

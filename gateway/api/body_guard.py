@@ -11,7 +11,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import error
+from gateway.api.errors import error
 
 # A prompt of 128K token ids is under 1 MiB of JSON; 4 MiB leaves room for long chat histories.
 MAX_BODY_BYTES = 4 << 20

@@ -39,14 +39,14 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
-from gateway.metrics import Metrics
-from gateway.pools import PDDeployment
-from gateway.recent import RecentLatencies
-from gateway.resize import Move, PoolResizer, plan_moves
-from gateway.router import Router
-from gateway.workers import WorkerState
-from llm_engine.load import WorkerLoad
+from gateway.fleet.deployment import PDDeployment
+from gateway.fleet.workers import WorkerState
+from gateway.ratio.resize import Move, PoolResizer, plan_moves
+from gateway.requests.router import Router
+from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.recent import RecentLatencies
 from pool_worker import Role
+from pool_worker.runtime.load import WorkerLoad
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,8 @@ from fastapi.responses import JSONResponse
 from ray.exceptions import RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.admission import Overloaded
-from gateway.orchestrator import RequestFailed
-from gateway.protocol import (
+from gateway.api.prepare import BadRequest
+from gateway.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -29,8 +28,9 @@ from gateway.protocol import (
     StreamOptions,
     TextPart,
 )
-from gateway.resize import PoolLayout, ResizeConflict, ResizeRefused
-from gateway.service import BadRequest
+from gateway.ratio.resize import PoolLayout, ResizeConflict, ResizeRefused
+from gateway.requests.admission import Overloaded
+from gateway.requests.orchestrator import RequestFailed
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,172 @@
+"""Turns an OpenAI request into the request path's PreparedRequest.
+
+prepare_completion() / prepare_chat():
+    1. check the model name, the prompt's token ids against the vocabulary, and the sampling values;
+    2. tokenize once (or render the chat template), in a worker thread when the prompt or the conversation
+       is long, so the event loop keeps streaming;
+    3. check the context (prompt + max_tokens) against the model and against one decode worker's KV;
+    4. hash the prompt's full blocks once (the router matches them against each worker's prefix cache).
+Bad input raises BadRequest (HTTP 4xx with the parameter named).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import TYPE_CHECKING, TypeVar
+
+from jinja2 import TemplateError
+
+from gateway.api.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.requests.service import PreparedRequest
+from llm_engine import ModelSpec, SamplingParams
+from llm_engine.kv_cache_manager import prefix_hashes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Below these, sampling is greedy in all but name, and the sampler cannot take them: logits divided by a
+# tiny temperature overflow to inf, and a top_p under float32's smallest value rounds to 0 and drops every
+# token. Either way the probabilities are NaN, and that stops the worker's step loop.
+MIN_TEMPERATURE = 1e-5  # as vLLM
+MIN_TOP_P = 1e-6
+# Prompts longer than these are tokenized / hashed in a worker thread: on the event loop they would stall
+# every open stream for milliseconds (a 100k-character prompt takes tens), while a short one costs less than
+# the hop to a thread.
+LONG_PROMPT_CHARS = 4000
+LONG_PROMPT_TOKENS = 1024
+T = TypeVar("T")
+
+
+class BadRequest(Exception):
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+class Preparer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: ModelSpec, model_name: str,
+                 max_request_tokens: int, default_max_tokens: int, block_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.model_name = model_name
+        self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
+        self.default_max_tokens = default_max_tokens
+        self.block_size = block_size  # of the workers' KV cache: the prefix hashes are per block
+        self._encode = _fast_encoder(tokenizer)
+        # One thread: the tokenizer is not meant for concurrent use, and long prompts are rare.
+        self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="prompt-prep")
+
+    async def _off_loop_if(self, is_long: bool, work: Callable[[], T]) -> T:
+        if not is_long:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_thread, work)
+
+    # Validation and tokenization.
+    async def prepare_completion(self, request: CompletionRequest) -> PreparedRequest:
+        self._check_model(request.model)
+        if isinstance(request.prompt, str):
+            text = request.prompt
+            prompt = await self._off_loop_if(len(text) > LONG_PROMPT_CHARS,
+                                             lambda: self._encode(text))
+        else:
+            prompt = list(request.prompt)
+            bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
+            if bad:
+                raise BadRequest(
+                    f"prompt token ids outside the vocabulary [0, {self.spec.vocab_size}): {bad[:5]}",
+                    param="prompt",
+                )
+        if not prompt:
+            raise BadRequest("the prompt is empty", param="prompt")
+        return await self._hashed(self._prepare(request, prompt, request.max_tokens or 16,
+                                                request.logprobs is not None))
+
+    async def prepare_chat(self, request: ChatCompletionRequest) -> PreparedRequest:
+        self._check_model(request.model)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest(f"model {self.model_name} has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.text} for m in request.messages]
+        is_long = sum(len(m["content"]) for m in messages) > LONG_PROMPT_CHARS
+        try:
+            encoded = await self._off_loop_if(is_long, lambda: self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True))
+        except TemplateError as exc:  # the template refuses the conversation (e.g. roles that must alternate)
+            raise BadRequest(f"the model's chat template refuses these messages: {exc.message}",
+                             param="messages") from None
+        # transformers 5 returns a BatchEncoding here; older versions a plain list.
+        prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)  # type: ignore[call-overload,index]
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, min(self.default_max_tokens, self.spec.max_model_len - len(prompt)))
+        return await self._hashed(self._prepare(request, prompt, max_tokens, request.logprobs))
+
+    async def _hashed(self, prepared: PreparedRequest) -> PreparedRequest:
+        """With the prompt's block hashes, which the router needs for every prefill pick."""
+        prompt = prepared.prompt_token_ids
+        hashes = await self._off_loop_if(len(prompt) > LONG_PROMPT_TOKENS,
+                                         lambda: prefix_hashes(prompt, self.block_size))
+        return replace(prepared, block_hashes=hashes)
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise BadRequest(
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def _prepare(
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        prompt: list[int],
+        max_tokens: int,
+        logprobs: bool,
+    ) -> PreparedRequest:
+        total = len(prompt) + max_tokens
+        if total > self.spec.max_model_len:
+            raise BadRequest(
+                f"this model's maximum context length is {self.spec.max_model_len} tokens; the "
+                f"request asks for {total} ({len(prompt)} in the prompt, {max_tokens} to generate)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        if total > self.max_request_tokens:
+            raise BadRequest(
+                f"the request needs KV for {total} tokens; one decode worker holds at most "
+                f"{self.max_request_tokens}",
+                param="max_tokens",
+            )
+        is_greedy = request.temperature < MIN_TEMPERATURE or request.top_p < MIN_TOP_P
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=0.0 if is_greedy else request.temperature,
+                top_p=request.top_p,
+                top_k=max(0, request.top_k),
+                seed=request.seed,
+                ignore_eos=request.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as error:
+            raise BadRequest(str(error)) from None
+        return PreparedRequest(
+            f"req-{uuid.uuid4().hex}", tuple(prompt), sampling, request.stop_strings, time.time()
+        )
+
+
+def _fast_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int]]:
+    """tokenizer.encode, straight through the Rust tokenizer where that gives the same ids: transformers'
+    encode() spends most of its time in Python (padding and truncation strategies) before getting there."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    probe = "Hello, world! Héllo wörld 🦊\n\n  <|im_start|> x"
+    if backend is not None and backend.encode(probe).ids == list(tokenizer.encode(probe)):
+        return lambda text: list(backend.encode(text).ids)
+    return lambda text: list(tokenizer.encode(text))

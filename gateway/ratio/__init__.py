@@ -1,0 +1,1 @@
+"""Layout control: resizing the pools and the ratio controller that decides when."""

@@ -1,0 +1,159 @@
+"""The gateway's request path, independent of HTTP framing.
+
+(gateway/api/prepare.py turns an OpenAI request into the PreparedRequest that starts here.)
+admit():     reserve decode KV capacity for prompt + max_tokens (bounded wait, else Overloaded → 429)
+stream():    route through both pools (within the request's deadlines; worker failures are retried or
+             migrated by the orchestrator) → incremental detokenization, stop strings → TextDelta events;
+             the last one carries finish_reason, usage counts and the stage Timings (also exported to
+             Prometheus). Leaving the stream early (client gone, stop string) aborts both workers. A request
+             that cannot finish raises RequestFailed (HTTP 503, or an error event mid-stream).
+Tokens are counted one by one, each with its own time (gateway/requests/stage_timings.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from decode_pool.messages import DecodeOutput
+from gateway.fleet.deployment import PDDeployment
+from gateway.requests.admission import Admission, Reservation
+from gateway.requests.deadlines import DeadlinePolicy
+from gateway.requests.detokenizer import IncrementalDetokenizer
+from gateway.requests.orchestrator import RequestFailed, run_request
+from gateway.requests.router import LocalPrefillPolicy, Router
+from gateway.requests.stage_timings import stage_timings, token_times
+from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.recent import RecentLatencies
+from gateway.telemetry.timings import Timings
+from llm_engine import SamplingParams
+from pool_worker import Role
+from prefill_pool.messages import PrefillResult
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stop_strings: list[str]
+    arrival: float  # time.time() when the gateway received it
+    block_hashes: list[bytes] | None = None  # prefix_hashes of the prompt (the router's cache matching)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str | None = None
+    num_output_tokens: int = 0  # tokens generated so far
+    timings: Timings | None = None  # on the last delta
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (on the last delta)
+
+
+class GatewayService:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        model_name: str,
+        deployment: PDDeployment,
+        admission: Admission,
+        max_request_tokens: int,
+        deadline_policy: DeadlinePolicy | None = None,
+        local_prefill: LocalPrefillPolicy | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.deployment = deployment
+        self.router = Router(deployment, local_prefill)
+        self.admission = admission
+        self.metrics = Metrics()
+        self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
+        self.deadline_policy = deadline_policy or DeadlinePolicy()
+        self.recent = RecentLatencies()  # the ratio controller's view of TTFT and ITL
+        # Told of every prompt's length as it is routed (the ratio controller's long-prompt rule).
+        self.on_prompt: list[Callable[[int], None]] = []
+
+    # Admission and generation.
+    def try_admit(self, prepared: PreparedRequest) -> Reservation | None:
+        """The request's reservation when it needs no wait in line (the common case); None otherwise."""
+        return self.admission.try_acquire(len(prepared.prompt_token_ids) + prepared.sampling.max_tokens)
+
+    async def admit(self, prepared: PreparedRequest) -> Reservation:
+        reservation = await self.admission.acquire(
+            len(prepared.prompt_token_ids) + prepared.sampling.max_tokens
+        )
+        self.metrics.admission_waiting.set(self.admission.num_waiting)
+        self.metrics.admission_reserved.set(self.admission.reserved_tokens)
+        return reservation
+
+    async def stream(
+        self, prepared: PreparedRequest, reservation: Reservation
+    ) -> AsyncGenerator[TextDelta, None]:
+        admitted = time.time()
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prepared.stop_strings)
+        sent: list[float] = []
+        prefill: PrefillResult | None = None
+        decode: DecodeOutput | None = None
+        prefilled_by = ""
+        outcome = "abort"
+        deadlines = self.deadline_policy.for_request(
+            prepared.arrival, len(prepared.prompt_token_ids), prepared.sampling.max_tokens
+        )
+        for hook in self.on_prompt:
+            hook(len(prepared.prompt_token_ids))
+        events = run_request(self.router, prepared.request_id, prepared.prompt_token_ids, prepared.sampling,
+                             deadlines, prepared.block_hashes)
+        try:
+            async for event in events:
+                prefill = event.prefill or prefill
+                decode = event.decode or decode
+                prefilled_by = event.prefilled_by or prefilled_by
+                text = detokenizer.add(event.token_ids)
+                finish = "stop" if detokenizer.is_stopped else event.finish_reason
+                sent.extend(token_times(event, time.time()))
+                if event.num_migrations and event.finish_reason is not None:
+                    self.metrics.migrations.inc(event.num_migrations)
+                if finish is None:
+                    yield TextDelta(text, event.token_ids, event.logprobs, None, len(sent))
+                    continue
+                text += detokenizer.flush()
+                timings = stage_timings(prepared.arrival, admitted, sent, prefill, decode)
+                if event.local_prefill_reason:
+                    timings.prefill_on, timings.local_prefill_reason = "decode", event.local_prefill_reason
+                timings.num_moves = event.num_migrations + event.num_moves
+                num_prompt = len(prepared.prompt_token_ids)
+                # The prefilling worker's count: the prefill pool's, or the decode worker's own prefill.
+                cached = prefill.num_cached_tokens if prefill else decode.num_cached_tokens if decode else 0
+                timings.cached_tokens = min(cached, num_prompt)
+                outcome = finish
+                self.metrics.observe_request(timings, finish, num_prompt, len(sent))
+                if prefilled_by:
+                    self.metrics.observe_prefix_cache(prefilled_by, num_prompt, timings.cached_tokens)
+                self.recent.add(timings)
+                yield TextDelta(text, event.token_ids, event.logprobs, finish, len(sent), timings,
+                                timings.cached_tokens)
+                return
+        except RequestFailed as failed:
+            outcome = "error"
+            self.metrics.requests.labels("error").inc()
+            self.metrics.request_errors.labels(failed.code).inc()
+            raise
+        finally:
+            await events.aclose()  # aborts both workers unless the request finished there
+            reservation.release()
+            if outcome == "abort":
+                self.metrics.requests.labels("abort").inc()
+
+    def on_pool_change(self) -> None:
+        """The set of active decode or mixed workers changed (failure, replacement, resize, role change):
+        recompute capacity."""
+        num_decoding = len(self.deployment.active(Role.DECODE, Role.MIXED))
+        self.admission.set_capacity(self.max_request_tokens * num_decoding)

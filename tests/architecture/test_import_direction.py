@@ -1,0 +1,112 @@
+"""Dependencies flow one way (README, "Where the code lives"): a small AST pass over every product module
+fails when a package, or a wing of the gateway, imports against the allowed direction.
+
+Imports inside `if TYPE_CHECKING:` count too: a type-only import upward is still a wrong-way dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Each unit may import the units listed for it (and itself); anything else in this table is forbidden.
+ALLOWED: dict[str, set[str]] = {
+    "commands": {"gateway", "gateway.api", "gateway.ratio", "gateway.requests", "gateway.fleet",
+                 "gateway.telemetry", "pool_worker.actor", "pool_worker.runtime", "pool_worker.roles",
+                 "kv_transfer", "llm_engine", "loadgen", "tuner"},
+    # app.py and config.py: the composition root of the server
+    "gateway": {"gateway.api", "gateway.ratio", "gateway.requests", "gateway.fleet", "gateway.telemetry",
+                "pool_worker.actor", "pool_worker.runtime", "pool_worker.roles", "kv_transfer", "llm_engine"},
+    "gateway.api": {"gateway.ratio", "gateway.requests", "gateway.fleet", "gateway.telemetry",
+                    "pool_worker.roles", "llm_engine"},
+    "gateway.ratio": {"gateway.requests", "gateway.fleet", "gateway.telemetry", "pool_worker.roles",
+                      "pool_worker.runtime"},
+    "gateway.requests": {"gateway.fleet", "gateway.telemetry", "pool_worker.roles", "pool_worker.runtime",
+                         "prefill_pool.messages", "decode_pool.messages", "kv_transfer", "llm_engine"},
+    "gateway.fleet": {"pool_worker.actor", "pool_worker.roles", "pool_worker.runtime",
+                      "prefill_pool.messages", "decode_pool.messages", "kv_transfer", "llm_engine"},
+    "gateway.telemetry": {"pool_worker.actor", "pool_worker.runtime", "pool_worker.roles"},
+    "pool_worker.actor": {"prefill_pool", "decode_pool", "prefill_pool.messages", "decode_pool.messages",
+                          "pool_worker.runtime", "pool_worker.roles", "kv_transfer", "llm_engine"},
+    "prefill_pool": {"prefill_pool.messages", "pool_worker.runtime", "pool_worker.roles", "kv_transfer",
+                     "llm_engine"},
+    "prefill_pool.messages": {"kv_transfer", "llm_engine"},
+    "decode_pool": {"decode_pool.messages", "prefill_pool.messages", "pool_worker.runtime",
+                    "pool_worker.roles", "kv_transfer", "llm_engine"},
+    "decode_pool.messages": {"kv_transfer", "llm_engine"},
+    "pool_worker.runtime": {"pool_worker.roles", "kv_transfer", "llm_engine"},
+    "pool_worker.roles": set(),
+    "kv_transfer": set(),
+    "llm_engine": set(),
+}
+# Longest prefix first: a module belongs to the most specific unit that names it.
+UNITS = sorted(ALLOWED, key=len, reverse=True)
+PACKAGES = {unit.split(".")[0] for unit in ALLOWED}
+
+
+def unit_of(module: str) -> str | None:
+    if module in ("pool_worker", "pool_worker.__init__"):
+        return "pool_worker.roles"  # the package itself re-exports Role and imports the actor lazily
+    for unit in UNITS:
+        if module == unit or module.startswith(unit + "."):
+            return unit
+    if module.startswith("pool_worker."):
+        return "pool_worker.actor"
+    return None
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:  # `from gateway import api` imports the module gateway.api
+                name = f"{node.module}.{alias.name}"
+                where = ROOT / name.replace(".", "/")
+                is_module = where.is_dir() or where.with_suffix(".py").exists()
+                found.append((node.lineno, name if is_module else node.module))
+    return found
+
+
+def wrong_way_imports() -> list[str]:
+    problems = []
+    for package in sorted(PACKAGES):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path == ROOT / "pool_worker" / "__init__.py":
+                continue  # it imports the actor lazily, on first use of pool_worker.WorkerActor
+            source = unit_of(module_name(path))
+            assert source is not None, path
+            for line, target_module in imported_modules(path):
+                target = unit_of(target_module)
+                if target is None or target == source:
+                    continue
+                if target not in ALLOWED[source]:
+                    problems.append(f"{path.relative_to(ROOT)}:{line}: {source} imports {target_module} "
+                                    f"({target})")
+    return problems
+
+
+def test_every_import_goes_the_allowed_way() -> None:
+    assert wrong_way_imports() == []
+
+
+def test_the_pass_sees_a_wrong_way_import(tmp_path: Path) -> None:
+    # The checker itself: an engine module that imports the gateway is reported.
+    assert "gateway" not in ALLOWED["llm_engine"]
+    assert unit_of("gateway.requests.router") == "gateway.requests"
+    assert unit_of("pool_worker.actor") == "pool_worker.actor"
+    assert unit_of("pool_worker.runtime.step_loop") == "pool_worker.runtime"
+    bad = tmp_path / "bad.py"
+    bad.write_text("from gateway.fleet.deployment import PDDeployment\nimport llm_engine\n")
+    assert sorted({m for _, m in imported_modules(bad)}) == ["gateway.fleet.deployment", "llm_engine"]
