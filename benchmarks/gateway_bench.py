@@ -111,25 +111,33 @@ def start_server(model_dir: Path, code_dir: Path) -> tuple[subprocess.Popen[byte
         time.sleep(0.5)
 
 
-Row = tuple[float, float, float, float, int, dict[str, float]]
+Row = tuple[float, float, float, float, int, dict[str, float], float]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (all its threads: the event loop, Ray's core worker)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def measure(model_dir: Path, code_dir: Path, streams: list[int], num_requests: int, max_tokens: int
             ) -> dict[int, Row]:
-    """Per concurrency: e2e p50, e2e p99, overhead p50, overhead p99 (ms), failed requests, and the p50 of
-    each part of the overhead."""
+    """Per concurrency: e2e p50, e2e p99, overhead p50, overhead p99 (ms), failed requests, the p50 of
+    each part of the overhead, and the gateway process's CPU ms per request."""
     server, url = start_server(model_dir, code_dir)
     rows: dict[int, Row] = {}
     try:
         asyncio.run(run(url, 4, 8, max_tokens))  # warm-up
         for concurrency in streams:
+            cpu_before = cpu_seconds(server.pid)
             outcomes = asyncio.run(run(url, concurrency, max(num_requests, concurrency), max_tokens))
+            cpu_ms = 1000 * (cpu_seconds(server.pid) - cpu_before) / len(outcomes)
             results = [r for r in outcomes if isinstance(r, tuple)]
             e2e = [r[0] for r in results]
             overhead = [r[1] for r in results]
             parts = {part: percentile([r[2][part] for r in results], 50) for part in PARTS}
             rows[concurrency] = (percentile(e2e, 50), percentile(e2e, 99), percentile(overhead, 50),
-                                 percentile(overhead, 99), len(outcomes) - len(results), parts)
+                                 percentile(overhead, 99), len(outcomes) - len(results), parts, cpu_ms)
             print(code_dir, concurrency, rows[concurrency], flush=True)
     finally:
         server.send_signal(signal.SIGINT)  # the server's Ctrl-C path: shuts its actors and Ray down
@@ -174,8 +182,11 @@ def main() -> None:
         f"Command: `.venv/bin/python benchmarks/gateway_bench.py --streams {args.streams} --repeats "
         f"{args.repeats}{' --base ' + str(args.base) if args.base else ''}`",
         "",
-        "| code | streams | e2e p50 ms | e2e p99 ms | overhead p50 ms | overhead p99 ms | failed |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "Gateway CPU = user + system CPU time of the gateway process (/proc) over the row / its requests.",
+        "",
+        "| code | streams | e2e p50 ms | e2e p99 ms | overhead p50 ms | overhead p99 ms | gateway CPU ms per "
+        "request | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for concurrency in streams:
         for side in sides:
@@ -186,7 +197,7 @@ def main() -> None:
                 spread = f" [{min(values):.1f}–{max(values):.1f}]" if len(values) > 1 else ""
                 return f"{statistics.median(values):.1f}{spread}"
 
-            cells = " | ".join(cell(i) for i in range(4))
+            cells = " | ".join(cell(i) for i in (0, 1, 2, 3, 6))
             lines.append(f"| {side} | {concurrency} | {cells} | {sum(r[4] for r in rows)} |")
     lines += ["", "Where the time goes (p50 ms of each part, median over rounds; nan: not reported by that "
               "code). Hops and stages from the response's timings; client = client e2e − the gateway's e2e.",
