@@ -166,6 +166,24 @@ def test_a_decode_worker_that_changes_role_after_the_pick_sends_the_request_else
     assert result["failed"] == []  # a worker in another role is not a failed worker
 
 
+def test_a_worker_in_another_role_than_the_gateway_believes_is_passed_over(tiny_llama_dir: Path) -> None:
+    """H2: the gateway's view of a worker's role is behind the worker's own (the race the re-pick before
+    submitting cannot close): the worker answers WrongRole, and the request goes on to another decode worker;
+    no 503, and the worker is not taken for failed."""
+    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+        stale, other = deployment.active(Role.DECODE)
+        router.book_decode(other.worker_id, 10**6)  # the pick goes to `stale`
+        prompt = random_prompts([16], 1000, seed=11)[0]
+        reference = tokens(await events_of(router, "reference", prompt, GREEDY))
+        await stale.client.set_role(Role.PREFILL)  # behind the deployment's back: it still says decode
+        events = await events_of(router, "passed-over", prompt, GREEDY)
+        return {"reference": reference, "events": events, "state": stale.state}
+
+    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=2)
+    assert tokens(result["events"]) == result["reference"]
+    assert result["state"] is WorkerState.ACTIVE
+
+
 def test_a_cancelled_role_change_or_drain_puts_the_worker_back(tiny_llama_dir: Path) -> None:
     """H1: a change or drain waiting for a worker's stream is cancelled (auto turned off, the request
     handler gone): the worker is ACTIVE in its old role again, the target as it was, and it serves on."""
