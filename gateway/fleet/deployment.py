@@ -253,6 +253,8 @@ class PDDeployment:
             is_unwired = is_sent = True
             await worker.client.set_role(role)
         except BaseException as error:
+            if worker.state is not WorkerState.CHANGING_ROLE:  # it failed meanwhile: being replaced
+                raise
             if is_sent:  # the actor may be in either role, or without a front: replace it
                 self.mark_failed(worker_id, f"its change to {role.value} failed: {type(error).__name__}")
             else:
@@ -263,16 +265,26 @@ class PDDeployment:
                 self._finish_role_change(worker, is_unwired)
             raise
         worker.role = role
-        self._finish_role_change(worker, is_unwired=True)
+        try:
+            await self._connect([worker])
+        except BaseException as error:
+            if isinstance(error, Exception):
+                self.mark_failed(worker_id, f"its peers could not be told of it: {type(error).__name__}")
+            else:  # cancelled: the wiring finishes in the background
+                self._finish_role_change(worker, is_unwired=True)
+            raise
+        self._finish_role_change(worker, is_unwired=False)
 
     def _move_target(self, old: Role, new: Role) -> None:
         self.target[old] -= 1
         self.target[new] += 1
 
     def _finish_role_change(self, worker: Worker, is_unwired: bool) -> None:
-        """Back to ACTIVE in worker.role: at once if its peers still know it, else once they are told again
-        (in the background, so that a cancelled change still ends; a worker that cannot be wired is
-        FAILED). next_role stays set until then: requests waiting for a worker in that role wait for it."""
+        """ACTIVE in worker.role: at once if its peers know its endpoint, else once they are told it (in the
+        background: the change was cancelled or stopped; a worker that cannot be wired is FAILED).
+        next_role stays set until then: requests waiting for a worker in that role wait for it."""
+        if worker.state is not WorkerState.CHANGING_ROLE:  # it failed meanwhile: being replaced
+            return
         if not is_unwired:
             transition(worker, WorkerState.ACTIVE)
             worker.next_role = None
@@ -295,11 +307,6 @@ class PDDeployment:
         self._rewiring.add(task)
         task.add_done_callback(self._rewiring.discard)
         self._changed()
-
-    async def wait_rewired(self) -> None:
-        """Until every role change finishing in the background has (for tests and shutdown)."""
-        while self._rewiring:
-            await asyncio.gather(*self._rewiring, return_exceptions=True)
 
     def _check_others_can_decode(self, leaving: Worker, new_role: Role | None = None) -> None:
         others = [w for w in self.workers.values() if w.is_active and w is not leaving]

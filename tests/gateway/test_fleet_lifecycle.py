@@ -37,15 +37,19 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 LONG = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
 
 
-def config_for(model_dir: Path, max_num_batched_tokens: int = 512, **layout: int) -> DeploymentConfig:
+def config_for(model_dir: Path, max_num_batched_tokens: int = 512,
+               role_resources: dict[Role, dict[str, float]] | None = None, **layout: int) -> DeploymentConfig:
     pytest.importorskip("nixl")
     engine = EngineConfig(str(model_dir), dtype="float32", kv_cache_bytes=16 << 20,
                           max_num_batched_tokens=max_num_batched_tokens)
-    return DeploymentConfig(engine, backend="nixl", **layout)
+    # A role no node offers resources for stays PENDING: start-up goes on without it after a short wait.
+    return DeploymentConfig(engine, backend="nixl", role_resources=role_resources or {},
+                            placement_timeout_s=20.0 if role_resources else 300.0,
+                            **layout)  # type: ignore[arg-type]
 
 
 def with_deployment(model_dir: Path, scenario: Callable[[PDDeployment, Router], Awaitable[Any]],
-                    **layout: int) -> Any:
+                    **layout: Any) -> Any:
     async def run() -> Any:
         deployment = PDDeployment(config_for(model_dir, **layout))
         await deployment.start()
@@ -249,7 +253,6 @@ def test_role_changes_keep_the_output_stream_and_leaving_cancels_it(tiny_llama_d
                 counts.append(await call_on(moving, num_channels))
                 await deployment.change_role(moving.worker_id, Role.PREFILL if role is Role.DECODE
                                              else Role.DECODE, router.in_flight)
-                await deployment.wait_rewired()
         moving.client.close()
         closed = -1
         for _ in range(500):
@@ -267,9 +270,11 @@ def test_role_changes_keep_the_output_stream_and_leaving_cancels_it(tiny_llama_d
 def test_turning_auto_off_mid_change_strands_no_worker(tiny_llama_dir: Path) -> None:
     """H1: the controller moves a mixed worker that holds a stream to prefill (it waits for the stream);
     auto is turned off meanwhile. The worker is ACTIVE again, the target matches the roles, the resizer is
-    free, and requests are served."""
+    free, and requests are served. M3: a decode worker no node can take (PENDING) does not keep the
+    controller from acting."""
     async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
-        workers = list(deployment.workers.values())
+        [pending] = [w for w in deployment.workers.values() if w.state is WorkerState.PENDING]
+        workers = deployment.active(Role.MIXED)
         await asyncio.gather(*(call_on(w, faults.slow_steps, 0.1) for w in workers))
         resizer = PoolResizer(deployment, router)
         controller = RatioController(deployment, router, resizer, Metrics(), RecentLatencies(),
@@ -286,16 +291,17 @@ def test_turning_auto_off_mid_change_strands_no_worker(tiny_llama_dir: Path) -> 
         await controller.stop()
         states = {w.worker_id: (w.state, w.role, w.next_role) for w in workers}
         target = {role: n for role, n in deployment.target.items() if n}
-        roles = collections.Counter(w.role for w in workers)
+        roles = collections.Counter(w.role for w in [*workers, pending])
         await asyncio.gather(*(call_on(w, faults.heal) for w in workers))
         served = await asyncio.gather(long, *streams)
         after = await events_of(router, "after", random_prompts([10], 1000, seed=4)[0], GREEDY)
         return {"states": states, "target": target, "roles": dict(roles), "busy": resizer.is_busy,
+                "pending": pending.state,
                 "decisions": len(controller.decisions), "served": served, "after": after}
 
-    result = with_deployment(tiny_llama_dir, scenario, num_prefill=0, num_decode=0, num_mixed=2,
-                             max_num_batched_tokens=32)
-    assert result["decisions"] == 1
+    result = with_deployment(tiny_llama_dir, scenario, num_prefill=0, num_decode=1, num_mixed=2,
+                             max_num_batched_tokens=32, role_resources={Role.DECODE: {"pdserve_nowhere": 1}})
+    assert result["decisions"] == 1 and result["pending"] is WorkerState.PENDING
     assert all(state is WorkerState.ACTIVE and next_role is None
                for state, _, next_role in result["states"].values()), result["states"]
     assert result["target"] == result["roles"]
