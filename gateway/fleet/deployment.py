@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, cast
 import ray
 
 from gateway.fleet.config import DeploymentConfig
+from gateway.fleet.drain import check_grace, wait_until_empty
 from gateway.fleet.placement import (
     PlacementTimeout,
     actor_options,
@@ -228,7 +229,7 @@ class PDDeployment:
             grace_s: how long its decode streams may run on before they are evacuated to other workers.
         """
         self._check_can_change()
-        _check_grace(grace_s, timeout_s)
+        check_grace(grace_s, timeout_s)
         worker, role = self.workers[worker_id], Role(role)
         old = worker.role
         if not worker.is_active:
@@ -248,7 +249,7 @@ class PDDeployment:
         self._changed()
         is_unwired = is_sent = False
         try:
-            await self._wait_until_empty(worker, in_flight, grace_s, timeout_s)
+            await wait_until_empty(worker, in_flight, grace_s, timeout_s)
             self._unwire(worker)  # its endpoint closes with its old front
             is_unwired = is_sent = True
             await worker.client.set_role(role)
@@ -420,14 +421,14 @@ class PDDeployment:
             grace_s: how long its decode streams may run on before they are evacuated to other workers.
         """
         self._check_can_change()
-        _check_grace(grace_s, timeout_s)
+        check_grace(grace_s, timeout_s)
         worker = self.workers[worker_id]
         self._check_others_can_decode(worker)
         transition(worker, WorkerState.DRAINING)
         self.target[worker.role] -= 1
         self._changed()
         try:
-            await self._wait_until_empty(worker, in_flight, grace_s, timeout_s)
+            await wait_until_empty(worker, in_flight, grace_s, timeout_s)
         except BaseException as error:
             if worker.state is WorkerState.DRAINING:  # not failed meanwhile: it serves on
                 logger.warning("%s: the drain stopped (%s); it stays", worker_id, type(error).__name__)
@@ -439,25 +440,6 @@ class PDDeployment:
             await worker.client.shutdown()
         finally:  # it holds nothing: whatever the shutdown call did, it goes
             self._forget(worker)
-
-    async def _wait_until_empty(self, worker: Worker, in_flight: Callable[[str], int] | None, grace_s: float,
-                                timeout_s: float, poll_s: float = 0.05) -> None:
-        """Until the worker holds no request in any state and nothing is on its way to it; after `grace_s`
-        its decode streams are evacuated (again whenever one arrives late)."""
-        event_loop = asyncio.get_running_loop()
-        started = event_loop.time()
-        num_idle = 0
-        while num_idle < 2:  # twice in a row: a request between the two reads shows in one of them
-            waited = event_loop.time() - started
-            if waited >= grace_s and worker.role.can_decode:
-                await worker.client.evacuate()
-            load = await worker.client.load()
-            is_idle = load.num_requests == 0 and load.num_free_blocks == load.num_total_blocks
-            num_idle = num_idle + 1 if is_idle and not (in_flight and in_flight(worker.worker_id)) else 0
-            if waited > timeout_s:
-                raise TimeoutError(f"{worker.worker_id} still holds {load.num_requests} requests after "
-                                   f"{timeout_s:.0f} s")
-            await asyncio.sleep(poll_s)
 
     async def loads(self) -> list[WorkerLoad]:
         """Loads of the live workers; a worker that is dead or reports a failure is marked failed."""
@@ -491,8 +473,3 @@ class PDDeployment:
         for worker in workers:
             worker.client.kill()
         self.workers.clear()
-
-
-def _check_grace(grace_s: float, timeout_s: float) -> None:
-    if grace_s >= timeout_s:  # the drain would time out before its streams were ever moved
-        raise ValueError(f"drain grace {grace_s:g} s must be below the drain timeout {timeout_s:g} s")
