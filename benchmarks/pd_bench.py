@@ -42,7 +42,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def measure(args: argparse.Namespace, deployment: PDDeployment, colocated: bool) -> dict[str, float]:
     router = Router(deployment)
-    decode_actor = deployment.active(Role.DECODE, Role.MIXED)[0].actor
+    decode_actor = deployment.active(Role.DECODE, Role.MIXED)[0].client.handle
     generator = torch.Generator().manual_seed(0)
     long_sampling = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
     one_token = SamplingParams(max_tokens=1, temperature=0.0)

@@ -143,7 +143,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             print(f"pdserve: serving {app.state.service.model_name} on http://{config.host}:{config.port} "
                   f"with {layout}", flush=True)
             yield
-            app.state.controller.stop()
+            await app.state.controller.stop()
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch

@@ -75,7 +75,8 @@ class KVReceiver(TransferEndpoint, ABC):
         return capabilities(self.backend)
 
     def add_peer(self, peer: PeerInfo) -> None:
-        """Learn a sender once (idempotent); refuses an incompatible layout before any byte moves.
+        """Learn a sender (idempotent; a new endpoint under a known worker id replaces the old one); refuses
+        an incompatible layout before any byte moves.
 
         Args:
             peer: the sender's peer_info().
@@ -87,9 +88,13 @@ class KVReceiver(TransferEndpoint, ABC):
         if peer.backend != self.backend:
             raise ValueError(f"peer {peer.worker_id} uses backend {peer.backend}, receiver {self.backend}")
         check_compatible(peer.layout, self.layout)
-        if peer.worker_id not in self.peers:
-            self._on_add_peer(peer)
-            self.peers[peer.worker_id] = peer
+        known = self.peers.get(peer.worker_id)
+        if known == peer:
+            return
+        if known is not None:  # the worker came back with a new endpoint (a role change): the old is stale
+            self.remove_peer(peer.worker_id)
+        self._on_add_peer(peer)
+        self.peers[peer.worker_id] = peer
 
     def remove_peer(self, worker_id: str) -> None:
         """Forget a sender that left (a drained worker); later handles from it are refused (KeyError).

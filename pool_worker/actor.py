@@ -17,8 +17,10 @@ Lifecycle:  WorkerActor(role): cheap, so that the gateway learns at once that Ra
             deregistered), the new one is built over the same engine: free blocks and their cached
             prefixes stay, the model is not touched
     → shutdown().
-Calls meant for another role (prefill() on a decode worker, ...) raise WrongRole: the gateway routes by
-role and drains before a change, so one means a routing bug, and it must be loud.
+Calls meant for another role (submit_prefills on a decode worker, ...) raise WrongRole: the gateway picks
+another worker (this one changed role since it was picked).
+Aborts are sticky: an abort that overtakes its submission (Ray does not order an async actor's calls) is
+remembered, and the submission is refused when it comes (runtime/aborted.py).
 Wrapped with ray.remote(...) by the pool, which sets its resources and name.
 """
 
@@ -38,6 +40,7 @@ from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, Transf
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.model_loader import num_model_loads
 from pool_worker.roles import Role
+from pool_worker.runtime.aborted import AbortedIds
 from pool_worker.runtime.load import WorkerLoad
 from pool_worker.runtime.model_source import ModelSource
 from pool_worker.runtime.output_channels import OutputBatch, OutputChannels
@@ -54,10 +57,14 @@ def _is_final(output: PrefillResult | DecodeOutput) -> bool:
     return isinstance(output, PrefillResult) or output.finish_reason is not None
 
 
-def _each(requests: Sequence[RequestT], submit: Callable[[RequestT], None]) -> list[str]:
-    """submit() each request; per request, why it was refused (its ValueError's message) or ""."""
+def _each(requests: Sequence[RequestT], submit: Callable[[RequestT], None], aborted: AbortedIds) -> list[str]:
+    """submit() each request; per request, why it was refused (its ValueError's message, or an abort that
+    came first) or ""."""
     refusals = []
     for request in requests:
+        if aborted.take(request.request_id):
+            refusals.append(f"{request.request_id} was aborted before it arrived")
+            continue
         try:
             submit(request)
             refusals.append("")
@@ -124,6 +131,7 @@ class WorkerActor:
         self._cpu_ids: tuple[int, ...] = ()
         # Outlives the roles: a gateway's output stream stays open across role changes.
         self._outputs = OutputChannels(abort=self.abort, is_final=_is_final)
+        self._aborted = AbortedIds()  # aborts of requests perhaps not here yet
         self.role = Role(role)
         self._placement = WorkerPlacement(ray.get_runtime_context().get_node_id(),
                                           ray.util.get_node_ip_address(), os.getpid())
@@ -205,6 +213,8 @@ class WorkerActor:
 
     # Both roles.
     def abort(self, request_id: str) -> None:
+        """End the request; if it has not arrived yet, refuse it when it does."""
+        self._aborted.remember(request_id)
         self._started().abort(request_id)
 
     def load(self) -> WorkerLoad:
@@ -241,7 +251,7 @@ class WorkerActor:
         Returns, per request, why it was refused ("" if it started); WorkerFailed (the step loop died) is
         raised for the whole batch."""
         prefill = self._prefill()
-        return _each(requests, lambda request: prefill.submit(request, channel_id))
+        return _each(requests, lambda request: prefill.submit(request, channel_id), self._aborted)
 
     def accept_pull(self, pull: PullRequest) -> PullReply:
         return self._prefill().accept_pull(pull)
@@ -268,7 +278,7 @@ class WorkerActor:
         request, why it was refused ("" if it started); WorkerFailed (the step loop died) is raised for the
         whole batch."""
         decode = self._decode()
-        return _each(requests, lambda request: decode.submit(request, channel_id))
+        return _each(requests, lambda request: decode.submit(request, channel_id), self._aborted)
 
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate": the gateway continues them elsewhere."""

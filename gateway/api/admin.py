@@ -79,10 +79,10 @@ async def put_pools(layout: PoolLayout, request: Request) -> dict[str, object]:
         if layout.auto:
             controller.start()
         else:
-            controller.stop()
+            await controller.stop()  # a change it was applying is rolled back first
         return {"auto": controller.is_on}
     moves = resizer.check(layout)  # ResizeRefused (400) / ResizeConflict (409) before anything moves
-    controller.stop()  # a layout set by hand stays until the operator turns auto back on
+    await controller.stop()  # a layout set by hand stays until the operator turns auto back on
     result = await resizer.apply(moves, layout.drain_grace_s)
     return {"layout": {role.value: n for role, n in layout.by_role().items()}, **dataclasses.asdict(result),
             "moves": [m.describe() for m in result.moves]}

@@ -13,7 +13,12 @@ mixed. Lifecycle of a worker (WorkerState):
       (every such offer pulled or ended) its front is rebuilt in the new role over the same weights and KV
       cache; peers are rewired → ACTIVE in the new role
     → drain_worker(): DRAINING (not routable; finishes what it holds, or after a grace period evacuates it)
-      → removed (shutdown, actor killed).
+      → STOPPED (shutdown, actor killed, forgotten).
+    Every operation that takes a worker out of ACTIVE puts it back on any exception or cancellation (state,
+    next_role, target and peer wiring as they were), or, where the worker's own state is unknown (its
+    set_role call failed or was cut off), marks it FAILED so that it is replaced; add_worker's bring-up
+    that fails kills the new actor, forgets it and takes its target back. The states and their allowed
+    moves: gateway/fleet/workers.py (TRANSITIONS).
     ACTIVE | DRAINING | CHANGING_ROLE → FAILED (its actor died, its step loop died, or it stopped
     answering): not routable; the actor is killed and a new worker of the same role is started in its place
     (retried with backoff until it comes up), so the pools return to their target size by themselves.
@@ -35,10 +40,12 @@ import itertools
 import logging
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import ray
 
 from gateway.fleet.config import DeploymentConfig
+from gateway.fleet.drain import check_grace, wait_until_empty
 from gateway.fleet.placement import (
     PlacementTimeout,
     actor_options,
@@ -47,11 +54,15 @@ from gateway.fleet.placement import (
     wait_all_placed,
     wait_placed,
 )
-from gateway.fleet.workers import PoolHealth, Worker, WorkerState
+from gateway.fleet.worker_client import WorkerClient
+from gateway.fleet.workers import PoolHealth, Worker, WorkerState, can_transition, transition
 from kv_transfer import can_move_kv_between_decode_workers, capabilities
 from pool_worker import Role, WorkerActor
 from pool_worker.runtime.load import WorkerLoad
 from pool_worker.runtime.worker_setup import TorchGroupSpec
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +84,8 @@ class PDDeployment:
         # Worker ids (and so Ray actor names) are unique in the cluster: several gateways may share one.
         self._tag = uuid.uuid4().hex[:6]
         self._ids = itertools.count()
+        self._gateway_id = f"gateway-{uuid.uuid4().hex[:12]}"  # names this gateway to every worker
+        self._rewiring: set[asyncio.Task[None]] = set()  # role changes finishing in the background
         self.torch_rendezvous: str | None = None  # the torch group's init address, once it is chosen
         self.target: dict[Role, int] = config.layout()
         self.on_change: list[Callable[[], None]] = []  # called when the set of active workers changes
@@ -118,7 +131,7 @@ class PDDeployment:
                                  for w in unplaced]
         for worker in workers:
             if worker.state is WorkerState.STARTING:
-                worker.state = WorkerState.ACTIVE
+                transition(worker, WorkerState.ACTIVE)
         self._changed()
 
     async def _start_torch_group(self, workers: list[Worker]) -> None:
@@ -134,7 +147,7 @@ class PDDeployment:
 
     async def _start_worker(self, worker: Worker, torch_group: TorchGroupSpec | None = None) -> None:
         worker.cpu_slot = self._free_cpu_slot(worker) if self.config.pin_cpus else None
-        info = await asyncio.wait_for(worker.actor.start.remote(torch_group, worker.cpu_slot),
+        info = await asyncio.wait_for(worker.client.start(torch_group, worker.cpu_slot),
                                       self.config.start_timeout_s)
         worker.runtime = info.runtime
 
@@ -151,14 +164,14 @@ class PDDeployment:
         """A new actor in `role`, PENDING until Ray places it (placement.wait_placed)."""
         worker_id = self._worker_id(next(self._ids))
         options = actor_options(self.config, role, f"pdserve-{worker_id}")
-        actor = (
+        handle: ActorHandle[WorkerActor] = cast("ActorHandle[WorkerActor]",
             ray.remote(WorkerActor)
             .options(**options)
             .remote(worker_id, role.value, self.config.engine, self.backend.value, self.config.transfer,
                     watermark=self.config.watermark, num_threads=self.config.num_threads,
-                    model_source=self.config.model_source)
-        )
-        worker = Worker(worker_id, role, actor, state=WorkerState.PENDING)
+                    model_source=self.config.model_source))
+        worker = Worker(worker_id, role, WorkerClient(worker_id, handle, self._gateway_id),
+                        state=WorkerState.PENDING)
         self.workers[worker_id] = worker
         return worker
 
@@ -173,9 +186,9 @@ class PDDeployment:
         decodes = [w for w in alive if w.role.can_decode]
         pairs = [(d, s) for d in decodes for s in sources if s is not d and (d in new or s in new)]
         needed = {s.worker_id: s for _, s in pairs}
-        infos = await asyncio.gather(*(s.actor.peer_info.remote() for s in needed.values()))
+        infos = await asyncio.gather(*(s.client.peer_info() for s in needed.values()))
         peers = dict(zip(needed, infos, strict=True))
-        await asyncio.gather(*(d.actor.add_peer.remote(peers[s.worker_id], s.actor) for d, s in pairs))
+        await asyncio.gather(*(d.client.add_peer(peers[s.worker_id], s.client) for d, s in pairs))
 
     def active(self, *roles: Role) -> list[Worker]:
         """Routable workers in any of `roles`."""
@@ -187,18 +200,24 @@ class PDDeployment:
                                "change the pools")
 
     async def add_worker(self, role: Role) -> str:
-        """Start one more worker in `role` and connect it; returns its id."""
+        """Start one more worker in `role` and connect it; returns its id. If it does not come up (not
+        placed in time, start() failed, cancelled), its actor is killed, it is forgotten and the target is
+        what it was."""
         self._check_can_change()
         worker = self._create(Role(role))
         self.target[role] += 1
         try:
-            await asyncio.wait_for(wait_placed(worker), self.config.placement_timeout_s)
-        except TimeoutError:
+            try:
+                await asyncio.wait_for(wait_placed(worker), self.config.placement_timeout_s)
+            except TimeoutError:
+                raise PlacementTimeout(describe_unplaced([worker], self.config,
+                                                         self.config.placement_timeout_s)) from None
+            await self._bring_up(worker)
+        except BaseException:
             self.target[role] -= 1
             self._forget(worker)
-            raise PlacementTimeout(describe_unplaced([worker], self.config,
-                                                     self.config.placement_timeout_s)) from None
-        await self._bring_up(worker)
+            self._changed()
+            raise
         return worker.worker_id
 
     async def change_role(self, worker_id: str, role: Role, in_flight: Callable[[str], int] | None = None,
@@ -210,6 +229,7 @@ class PDDeployment:
             grace_s: how long its decode streams may run on before they are evacuated to other workers.
         """
         self._check_can_change()
+        check_grace(grace_s, timeout_s)
         worker, role = self.workers[worker_id], Role(role)
         old = worker.role
         if not worker.is_active:
@@ -217,22 +237,76 @@ class PDDeployment:
         if role is old:
             return
         self._check_others_can_decode(worker, role)
-        self.target[old] -= 1
-        self.target[role] += 1
         if old.can_decode and role.can_decode:  # decode ⇄ mixed: only the routing changes
-            await worker.actor.set_role.remote(role.value)
+            await worker.client.set_role(role)
             worker.role = role
+            self._move_target(old, role)
             self._changed()
             return
-        worker.state, worker.next_role = WorkerState.CHANGING_ROLE, role
+        transition(worker, WorkerState.CHANGING_ROLE)
+        worker.next_role = role
+        self._move_target(old, role)
         self._changed()
-        await self._wait_until_empty(worker, in_flight, grace_s, timeout_s)
-        self._unwire(worker)  # its endpoint closes with its old front
-        await worker.actor.set_role.remote(role.value)
+        is_unwired = is_sent = False
+        try:
+            await wait_until_empty(worker, in_flight, grace_s, timeout_s)
+            self._unwire(worker)  # its endpoint closes with its old front
+            is_unwired = is_sent = True
+            await worker.client.set_role(role)
+        except BaseException as error:
+            if worker.state is not WorkerState.CHANGING_ROLE:  # it failed meanwhile: being replaced
+                raise
+            if is_sent:  # the actor may be in either role, or without a front: replace it
+                self.mark_failed(worker_id, f"its change to {role.value} failed: {type(error).__name__}")
+            else:
+                logger.warning("%s: the change to %s stopped (%s); it stays %s", worker_id, role.value,
+                               type(error).__name__, old.value)
+                self._move_target(role, old)
+                worker.next_role = old if is_unwired else None
+                self._finish_role_change(worker, is_unwired)
+            raise
         worker.role = role
-        await self._connect([worker])
-        # next_role stays set until now: requests waiting for a worker in that role keep waiting for it.
-        worker.state, worker.next_role = WorkerState.ACTIVE, None
+        try:
+            await self._connect([worker])
+        except BaseException as error:
+            if isinstance(error, Exception):
+                self.mark_failed(worker_id, f"its peers could not be told of it: {type(error).__name__}")
+            else:  # cancelled: the wiring finishes in the background
+                self._finish_role_change(worker, is_unwired=True)
+            raise
+        self._finish_role_change(worker, is_unwired=False)
+
+    def _move_target(self, old: Role, new: Role) -> None:
+        self.target[old] -= 1
+        self.target[new] += 1
+
+    def _finish_role_change(self, worker: Worker, is_unwired: bool) -> None:
+        """ACTIVE in worker.role: at once if its peers know its endpoint, else once they are told it (in the
+        background: the change was cancelled or stopped; a worker that cannot be wired is FAILED).
+        next_role stays set until then: requests waiting for a worker in that role wait for it."""
+        if worker.state is not WorkerState.CHANGING_ROLE:  # it failed meanwhile: being replaced
+            return
+        if not is_unwired:
+            transition(worker, WorkerState.ACTIVE)
+            worker.next_role = None
+            self._changed()
+            return
+
+        async def rewire() -> None:
+            try:
+                await self._connect([worker])
+            except Exception as error:
+                why = f"its peers could not be told of it: {type(error).__name__}"
+                self.mark_failed(worker.worker_id, why)
+                return
+            if worker.state is WorkerState.CHANGING_ROLE:
+                transition(worker, WorkerState.ACTIVE)
+                worker.next_role = None
+                self._changed()
+
+        task = asyncio.get_running_loop().create_task(rewire())
+        self._rewiring.add(task)
+        task.add_done_callback(self._rewiring.discard)
         self._changed()
 
     def _check_others_can_decode(self, leaving: Worker, new_role: Role | None = None) -> None:
@@ -244,11 +318,13 @@ class PDDeployment:
     def mark_failed(self, worker_id: str, why: str) -> None:
         """Take a worker out of routing at once and start its replacement (idempotent)."""
         worker = self.workers.get(worker_id)
-        if worker is None or worker.state in (WorkerState.FAILED, WorkerState.PENDING, WorkerState.STARTING):
+        # PENDING and STARTING workers are their bring-up's to clean up; FAILED and STOPPED ones are done.
+        if worker is None or worker.state in (WorkerState.FAILED, WorkerState.PENDING, WorkerState.STARTING,
+                                              WorkerState.STOPPED):
             return
         logger.error("worker %s failed: %s", worker_id, why)
         was_draining = worker.state is WorkerState.DRAINING
-        worker.state = WorkerState.FAILED
+        transition(worker, WorkerState.FAILED)
         self._changed()
         if self._is_closing:
             return
@@ -280,7 +356,10 @@ class PDDeployment:
             worker = worker or self._create(role)
             try:
                 await self._bring_up(worker)
-            except Exception as error:
+            except BaseException as error:
+                if not isinstance(error, Exception):  # cancelled (shutdown): nothing half started stays
+                    self._forget(worker)
+                    raise
                 logger.error("worker %s (for %s) did not start (%s: %s); retrying in %.0f s",
                              worker.worker_id, instead_of, type(error).__name__, error, retry_s)
                 self._forget(worker)
@@ -296,12 +375,14 @@ class PDDeployment:
         await wait_placed(worker)
         await self._start_worker(worker)
         await self._connect([worker])
-        worker.state = WorkerState.ACTIVE
+        transition(worker, WorkerState.ACTIVE)
         self._changed()
 
     def _forget(self, worker: Worker) -> None:
-        with contextlib.suppress(Exception):  # already gone
-            ray.kill(worker.actor, no_restart=True)
+        """The worker leaves the deployment: its actor killed, its output stream closed, its peers told."""
+        worker.client.kill()
+        if can_transition(worker, WorkerState.STOPPED):
+            transition(worker, WorkerState.STOPPED)
         self.workers.pop(worker.worker_id, None)
         self._unwire(worker)
 
@@ -312,7 +393,7 @@ class PDDeployment:
             callback(worker.worker_id)
         for decode in self.workers.values():
             if decode is not worker and decode.role.can_decode and decode.state is not WorkerState.FAILED:
-                decode.actor.remove_peer.remote(worker.worker_id)
+                decode.client.remove_peer(worker.worker_id)
 
     def _changed(self) -> None:
         for callback in self.on_change:
@@ -340,40 +421,32 @@ class PDDeployment:
             grace_s: how long its decode streams may run on before they are evacuated to other workers.
         """
         self._check_can_change()
+        check_grace(grace_s, timeout_s)
         worker = self.workers[worker_id]
         self._check_others_can_decode(worker)
-        worker.state = WorkerState.DRAINING
+        transition(worker, WorkerState.DRAINING)
         self.target[worker.role] -= 1
         self._changed()
-        await self._wait_until_empty(worker, in_flight, grace_s, timeout_s)
-        await worker.actor.shutdown.remote()
-        self._forget(worker)
-
-    async def _wait_until_empty(self, worker: Worker, in_flight: Callable[[str], int] | None, grace_s: float,
-                                timeout_s: float, poll_s: float = 0.05) -> None:
-        """Until the worker holds no request in any state and nothing is on its way to it; after `grace_s`
-        its decode streams are evacuated (again whenever one arrives late)."""
-        event_loop = asyncio.get_running_loop()
-        started = event_loop.time()
-        num_idle = 0
-        while num_idle < 2:  # twice in a row: a request between the two reads shows in one of them
-            waited = event_loop.time() - started
-            if waited >= grace_s and worker.role.can_decode:
-                await worker.actor.evacuate.remote()
-            load = await worker.actor.load.remote()
-            is_idle = load.num_requests == 0 and load.num_free_blocks == load.num_total_blocks
-            num_idle = num_idle + 1 if is_idle and not (in_flight and in_flight(worker.worker_id)) else 0
-            if waited > timeout_s:
-                raise TimeoutError(f"{worker.worker_id} still holds {load.num_requests} requests after "
-                                   f"{timeout_s:.0f} s")
-            await asyncio.sleep(poll_s)
+        try:
+            await wait_until_empty(worker, in_flight, grace_s, timeout_s)
+        except BaseException as error:
+            if worker.state is WorkerState.DRAINING:  # not failed meanwhile: it serves on
+                logger.warning("%s: the drain stopped (%s); it stays", worker_id, type(error).__name__)
+                transition(worker, WorkerState.ACTIVE)
+                self.target[worker.role] += 1
+                self._changed()
+            raise
+        try:
+            await worker.client.shutdown()
+        finally:  # it holds nothing: whatever the shutdown call did, it goes
+            self._forget(worker)
 
     async def loads(self) -> list[WorkerLoad]:
         """Loads of the live workers; a worker that is dead or reports a failure is marked failed."""
         live = (WorkerState.ACTIVE, WorkerState.DRAINING, WorkerState.CHANGING_ROLE)
         workers = [w for w in self.workers.values() if w.state in live]
         answers = await asyncio.gather(
-            *(asyncio.wait_for(w.actor.load.remote(), LOAD_TIMEOUT_S) for w in workers),
+            *(asyncio.wait_for(w.client.load(), LOAD_TIMEOUT_S) for w in workers),
             return_exceptions=True,
         )
         loads = []
@@ -389,14 +462,14 @@ class PDDeployment:
 
     async def shutdown(self) -> None:
         self._is_closing = True
-        for task in [*(task for _, task in self._replacements.values()), *self._late_starts]:
+        for task in [*(task for _, task in self._replacements.values()), *self._late_starts, *self._rewiring]:
             task.cancel()
         workers = list(self.workers.values())
         # A pending actor would answer only once placed, maybe never: it is just killed.
         started = [w for w in workers if w.state is not WorkerState.PENDING]
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*(w.actor.shutdown.remote() for w in started),
+            await asyncio.wait_for(asyncio.gather(*(w.client.shutdown() for w in started),
                                                   return_exceptions=True), SHUTDOWN_TIMEOUT_S)
         for worker in workers:
-            ray.kill(worker.actor)
+            worker.client.kill()
         self.workers.clear()

@@ -1,25 +1,31 @@
-"""The gateway's end of the workers' output channels: one Ray stream per worker, fanned out to requests.
+"""The gateway's end of one worker's output channel: one Ray stream per worker, fanned out to requests.
 
-    subscribe(worker, request_id) → a RequestOutputs (its queue), before the request is submitted
-      → the worker's reader task (started with its first subscriber, kept while the worker lives) reads the
-        worker's output_stream(channel_id): one item per step with every request's outputs (a prefill
-        worker's PrefillResults, a decode worker's new tokens), and puts each output into its request's queue
-      → unsubscribe() when the request is done with that worker (prefilled, finished, moved, client left).
-A reader whose stream fails (the worker's actor died) hands the error to every request it carries, which
-the orchestrator treats as a lost worker; the next subscriber starts a fresh reader. Nothing here aborts a
-request: the orchestrator does that, and closing a stream aborts what it carries on the worker's side.
+    subscribe(request_id) → a RequestOutputs (its queue), before the request is submitted
+      → the reader task (started with the first subscriber, kept while the worker lives, across its role
+        changes: the worker's channels outlive its roles) reads the worker's output_stream(channel_id): one
+        item per step with every request's outputs (a prefill worker's PrefillResults, a decode worker's
+        new tokens), and puts each output into its request's queue
+      → unsubscribe() when the request is done with that worker (prefilled, finished, moved, client left)
+      → close() when the worker leaves the deployment: the reader stops and the remote stream is cancelled
+        (ray.cancel), so that no generator stays parked on the worker.
+A reader whose stream fails (the worker's actor died) hands WorkerLost to every request it carries; the next
+subscriber starts a fresh reader under a new channel id. Nothing here aborts a request: the orchestrator
+does that, and closing a stream aborts what it carries on the worker's side.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import ray
+
 from decode_pool.messages import DecodeOutput, coalesce
-from gateway.fleet.workers import Worker
+from gateway.fleet.worker_errors import WorkerLost
 from pool_worker.runtime.output_channels import OutputBatch
 from prefill_pool.messages import PrefillResult
 
@@ -28,10 +34,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutputs:
-    """One request's outputs from one worker, in order; an exception if the worker's stream failed."""
+    """One request's outputs from one worker, in order; WorkerLost if the worker's stream failed."""
 
     request_id: str
-    reader: _Reader  # the stream it arrives on
+    channel_id: str  # the stream they arrive on
     queue: asyncio.Queue[DecodeOutput | PrefillResult | BaseException] = field(default_factory=asyncio.Queue)
 
     async def next(self) -> DecodeOutput:
@@ -60,69 +66,80 @@ class RequestOutputs:
 
 @dataclass
 class _Reader:
-    actor: object  # the worker's actor handle it reads (a replacement actor gets another reader)
-    # Names this reader's stream to the worker, and no other: a reader given up (forget()) may leave its
-    # stream open on the worker, and a new stream under the same name would share its outputs with it.
+    # Names this reader's stream to the worker, and no other: a new stream under the name of one that has
+    # not closed yet would share its outputs with it.
     channel_id: str
     requests: dict[str, RequestOutputs] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
+    stream: ray.ObjectRefGenerator | None = None  # the remote generator, once the call is made
 
 
-class OutputStreams:
-    def __init__(self) -> None:
-        self._gateway_id = f"gateway-{uuid.uuid4().hex[:12]}"  # names this gateway to every worker
+class OutputStream:
+    def __init__(self, worker_id: str, gateway_id: str,
+                 open_stream: Callable[[str], ray.ObjectRefGenerator]) -> None:
+        """Args:
+        gateway_id: names this gateway to the worker (part of every channel id).
+        open_stream: the worker's output_stream(channel_id) call.
+        """
+        self.worker_id = worker_id
+        self._gateway_id = gateway_id
+        self._open_stream = open_stream
         self._num_readers = itertools.count()
-        self._readers: dict[str, _Reader] = {}  # by worker id
+        self._reader: _Reader | None = None
+        self._is_closed = False
 
-    def subscribe(self, worker: Worker, request_id: str) -> RequestOutputs:
-        """Where the request's outputs from `worker` will arrive (call before submitting it there)."""
-        reader = self._readers.get(worker.worker_id)
-        if reader is None or reader.actor is not worker.actor:
-            channel_id = f"{self._gateway_id}-{next(self._num_readers)}"
-            reader = self._readers[worker.worker_id] = _Reader(worker.actor, channel_id)
-            reader.task = asyncio.get_running_loop().create_task(self._read(worker.worker_id, reader),
-                                                                 name=f"outputs-{worker.worker_id}")
-        outputs = reader.requests[request_id] = RequestOutputs(request_id, reader)
+    def subscribe(self, request_id: str) -> RequestOutputs:
+        """Where the request's outputs will arrive (call before submitting it there)."""
+        if self._is_closed:
+            raise WorkerLost(f"{self.worker_id} left the deployment")
+        reader = self._reader
+        if reader is None:
+            reader = self._reader = _Reader(f"{self._gateway_id}-{self.worker_id}-{next(self._num_readers)}")
+            reader.task = asyncio.get_running_loop().create_task(self._read(reader),
+                                                                 name=f"outputs-{self.worker_id}")
+        outputs = reader.requests[request_id] = RequestOutputs(request_id, reader.channel_id)
         return outputs
 
-    def request_ids(self, worker_id: str) -> list[str]:
+    def unsubscribe(self, outputs: RequestOutputs) -> None:
+        if self._reader is not None and self._reader.channel_id == outputs.channel_id:
+            self._reader.requests.pop(outputs.request_id, None)
+
+    def request_ids(self) -> list[str]:
         """The requests whose outputs this gateway awaits from the worker."""
-        reader = self._readers.get(worker_id)
-        return list(reader.requests) if reader is not None else []
-
-    @staticmethod
-    def unsubscribe(outputs: RequestOutputs) -> None:
-        outputs.reader.requests.pop(outputs.request_id, None)
-
-    def forget(self, worker_id: str) -> None:
-        """The worker left the deployment: stop reading it."""
-        reader = self._readers.pop(worker_id, None)
-        if reader is not None and reader.task is not None:
-            reader.task.cancel()
-            for outputs in reader.requests.values():  # normally none: a worker leaves once drained
-                outputs.queue.put_nowait(ConnectionError(f"{worker_id} left the deployment"))
+        return list(self._reader.requests) if self._reader is not None else []
 
     def close(self) -> None:
-        for worker_id in list(self._readers):
-            self.forget(worker_id)
+        """The worker left the deployment: stop reading it, and end the stream on the worker's side."""
+        self._is_closed = True
+        reader, self._reader = self._reader, None
+        if reader is None:
+            return
+        if reader.task is not None:
+            reader.task.cancel()
+        if reader.stream is not None:
+            # Dropping the generator would leave the worker's side parked, holding a concurrency slot.
+            with contextlib.suppress(Exception):
+                ray.cancel(reader.stream)
+        for outputs in reader.requests.values():  # normally none: a worker leaves once drained
+            outputs.queue.put_nowait(WorkerLost(f"{self.worker_id} left the deployment"))
 
-    async def _read(self, worker_id: str, reader: _Reader) -> None:
-        stream = reader.actor.output_stream.remote(reader.channel_id)  # type: ignore[attr-defined]
+    async def _read(self, reader: _Reader) -> None:
+        reader.stream = self._open_stream(reader.channel_id)
         error: BaseException
         try:
-            async for ref in stream:
+            async for ref in reader.stream:
                 batch: OutputBatch = await ref
                 for output in batch.outputs:
                     outputs = reader.requests.get(output.request_id)
                     if outputs is not None:
                         outputs.queue.put_nowait(output)
-            error = ConnectionError(f"the output stream of {worker_id} ended")
+            error = WorkerLost(f"the output stream of {self.worker_id} ended")
         except asyncio.CancelledError:
             raise
         except Exception as failure:  # the actor died (RayActorError), or its call failed
-            error = failure
-        logger.info("the output stream of %s ended: %s", worker_id, type(error).__name__)
-        if self._readers.get(worker_id) is reader:
-            del self._readers[worker_id]  # the next subscriber starts a fresh stream
+            error = WorkerLost(f"the output stream of {self.worker_id} failed: {type(failure).__name__}")
+        logger.info("the output stream of %s ended: %s", self.worker_id, error)
+        if self._reader is reader:
+            self._reader = None  # the next subscriber starts a fresh stream
         for outputs in reader.requests.values():
             outputs.queue.put_nowait(error)

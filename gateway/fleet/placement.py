@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from gateway.fleet.config import DeploymentConfig
-from gateway.fleet.workers import Worker, WorkerState
+from gateway.fleet.workers import Worker, WorkerState, transition
 from pool_worker import Role
 
 # Ray's own bookkeeping resources: not what an operator gives a node, so not worth listing in an error.
@@ -49,10 +49,10 @@ def actor_options(config: DeploymentConfig, role: Role, name: str) -> dict[str, 
 
 async def wait_placed(worker: Worker) -> None:
     """Wait, however long, until Ray has placed `worker`; then it is STARTING on a known node."""
-    placement = await worker.actor.placement.remote()
+    placement = await worker.client.placement()
     worker.node_id, worker.node_ip = placement.node_id, placement.node_ip
     if worker.state is WorkerState.PENDING:
-        worker.state = WorkerState.STARTING
+        transition(worker, WorkerState.STARTING)
 
 
 async def wait_all_placed(workers: list[Worker], timeout_s: float) -> float:
@@ -74,7 +74,7 @@ async def wait_all_placed(workers: list[Worker], timeout_s: float) -> float:
 
 async def torch_rendezvous(first_rank: Worker) -> str:
     """The torch group's init address: the first rank's node IP and a port free on that node."""
-    port = await first_rank.actor.free_port.remote()
+    port = await first_rank.client.free_port()
     host = f"[{first_rank.node_ip}]" if ":" in str(first_rank.node_ip) else first_rank.node_ip  # IPv6
     return f"tcp://{host}:{port}"
 

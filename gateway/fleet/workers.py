@@ -1,16 +1,19 @@
-"""A worker as the gateway sees it (its role, its actor, its state) and what /health reports of the pools.
+"""A worker as the gateway sees it (its role, its client, its state) and what /health reports of the pools.
 
-States (WorkerState): PENDING (Ray has not placed it: no node offers its resources yet) → STARTING (placed on
-a node, loading the model) → ACTIVE → DRAINING → removed;  ACTIVE → CHANGING_ROLE → ACTIVE (in its new
-role);  ACTIVE | DRAINING | CHANGING_ROLE → FAILED → replaced. Only ACTIVE workers are routed to.
+States (WorkerState), every allowed move in TRANSITIONS, made only through transition():
+    PENDING (Ray has not placed it: no node offers its resources yet) → STARTING (placed, loading the model)
+    → ACTIVE → DRAINING → STOPPED;  ACTIVE → CHANGING_ROLE → ACTIVE (in its new role);
+    DRAINING | CHANGING_ROLE → ACTIVE again when the operation is cancelled or fails part way (rolled back);
+    any live state → FAILED → STOPPED (replaced);  PENDING | STARTING → STOPPED (a bring-up given up).
+Only ACTIVE workers are routed to.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
+from gateway.fleet.worker_client import WorkerClient
 from pool_worker import Role, WorkerRuntime
 
 
@@ -20,14 +23,43 @@ class WorkerState(enum.Enum):
     ACTIVE = "active"
     DRAINING = "draining"  # leaving the deployment once it holds nothing
     CHANGING_ROLE = "changing_role"  # drained, then serves in another role (same process, same weights)
-    FAILED = "failed"
+    FAILED = "failed"  # not routable; killed and replaced
+    STOPPED = "stopped"  # out of the deployment (drained, replaced, or its bring-up given up)
+
+
+_S = WorkerState
+TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    _S.PENDING: frozenset({_S.STARTING, _S.FAILED, _S.STOPPED}),
+    _S.STARTING: frozenset({_S.ACTIVE, _S.FAILED, _S.STOPPED}),
+    _S.ACTIVE: frozenset({_S.DRAINING, _S.CHANGING_ROLE, _S.FAILED, _S.STOPPED}),
+    _S.DRAINING: frozenset({_S.STOPPED, _S.FAILED, _S.ACTIVE}),
+    _S.CHANGING_ROLE: frozenset({_S.ACTIVE, _S.FAILED, _S.STOPPED}),
+    _S.FAILED: frozenset({_S.STOPPED}),
+    _S.STOPPED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A state change the lifecycle does not allow."""
+
+
+def can_transition(worker: Worker, new_state: WorkerState) -> bool:
+    return new_state in TRANSITIONS[worker.state]
+
+
+def transition(worker: Worker, new_state: WorkerState) -> None:
+    """Move `worker` to `new_state`, or raise IllegalTransition (the state is left as it was)."""
+    if not can_transition(worker, new_state):
+        raise IllegalTransition(f"{worker.worker_id}: {worker.state.value} → {new_state.value} is not "
+                                "allowed")
+    worker.state = new_state
 
 
 @dataclass
 class Worker:
     worker_id: str
     role: Role
-    actor: Any  # Ray actor handle (pool_worker.WorkerActor)
+    client: WorkerClient  # every call to its actor goes through it
     state: WorkerState = WorkerState.STARTING
     next_role: Role | None = None  # while CHANGING_ROLE
     node_id: str | None = None  # Ray node the worker was placed on (None while PENDING)

@@ -207,11 +207,16 @@ class RatioController:
             self._operator_local_prefill = self.router.local_prefill
             self._set_local_prefill()
 
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
-            self.router.local_prefill = self._operator_local_prefill
+    async def stop(self) -> None:
+        """Turn auto off. A change it is applying is cancelled and returns once the deployment has rolled the
+        moving worker back to where it was (or marked it failed, to be replaced): nothing stays half moved."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        self.router.local_prefill = self._operator_local_prefill
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     def set_policy(self, policy: ControllerPolicy) -> None:
         self.policy = policy
@@ -246,9 +251,11 @@ class RatioController:
                 logger.exception("ratio controller tick failed")
 
     async def tick(self) -> Decision | None:
-        workers = self.deployment.workers.values()
-        if self.resizer.is_busy or any(w.state is not WorkerState.ACTIVE for w in workers):
-            return None  # a change (ours or an operator's) or a replacement is under way
+        # A worker still PENDING (no node for it yet) may stay so for long; the controller moves only active
+        # workers, so it does not wait for it.
+        settled = (WorkerState.ACTIVE, WorkerState.PENDING)
+        if self.resizer.is_busy or any(w.state not in settled for w in self.deployment.workers.values()):
+            return None  # a change (ours or an operator's), a start or a replacement is under way
         signals = self.signals(await self.deployment.loads())
         decision = self.ladder.decide(signals, time.monotonic())
         if decision is not None:

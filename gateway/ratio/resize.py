@@ -131,6 +131,9 @@ class PoolResizer:
                                  "server starts; serve with --backend nixl to change the pools at runtime")
         if self.is_busy:
             raise ResizeConflict("another change of the pools is being applied; try again when it is done")
+        if layout.drain_grace_s >= self.drain_timeout_s:  # every drain would time out before it evacuates
+            raise ResizeRefused(f"drain_grace_s ({layout.drain_grace_s:g} s) must be below the drain timeout "
+                                f"({self.drain_timeout_s:g} s)")
         target = layout.by_role()
         if target[Role.PREFILL] + target[Role.MIXED] < 1 or target[Role.DECODE] + target[Role.MIXED] < 1:
             raise ResizeRefused("the layout cannot serve: it needs at least one worker that can prefill "
@@ -164,9 +167,13 @@ class PoolResizer:
                     result.done.append(await self._apply_one(move, grace_s))
                     logger.info("pools: %s", result.done[-1])
             except Exception as error:
-                result.error = f"{type(error).__name__}: {error}"
-                logger.error("pools: the change stopped after %d of %d moves: %s", len(result.done),
-                             len(moves), result.error)
+                # The answer names the move and the kind of failure only: a Ray error's text carries remote
+                # tracebacks, actor ids and addresses (the log has it all).
+                failed = moves[len(result.done)].describe()
+                result.error = (f"the move {len(result.done) + 1} of {len(moves)} ({failed['action']} "
+                                f"{failed['role']}) failed: {type(error).__name__}")
+                logger.exception("pools: the change stopped after %d of %d moves", len(result.done),
+                                 len(moves))
             finally:
                 result.seconds = time.monotonic() - started
                 self.current_plan = None

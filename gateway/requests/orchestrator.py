@@ -1,11 +1,12 @@
 """One request's way through both stages, as a stream of typed events, surviving worker failures.
 
-    pick decode worker → pick prefill worker → PREFILL (submitted to the prefill worker, batched with the
-        others of this event-loop turn, gateway/fleet/submissions.py; its result, the first token + KVHandle,
-        arrives on that worker's one output stream to this gateway, gateway/fleet/output_streams.py) → event
-        #1
+    pick decode worker (its tokens booked there at once, moved with the request, released when it ends)
+      → pick prefill worker → PREFILL (through the worker's client, gateway/fleet/worker_client.py:
+        submitted batched with the others of this event-loop turn; its result, the first token + KVHandle,
+        arrives on that worker's one output stream to this gateway) → event #1
       → DECODE (submitted to the decode worker the same way; it pulls the KV, then generates; its outputs
         arrive on its output stream) → events → final event.
+A worker that changed role under the request (WrongRoleError) is not a failure: another one is picked.
 Failures (a worker's actor died, its step loop died, or it answered with finish_reason "error"):
     PREFILL: the worker is marked failed and the request retried once on another prefill worker.
     DECODE:  the worker is marked failed; the request migrates to another decode worker with the tokens the
@@ -30,16 +31,14 @@ from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ray.exceptions import RayActorError, RayTaskError
-
 from decode_pool.messages import DecodeOutput, DecodeRequest
+from gateway.fleet.worker_errors import WorkerLost, WrongRoleError
 from gateway.fleet.workers import Worker
 from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.requests.router import Router
 from kv_transfer import KVHandle
 from llm_engine import SamplingParams
 from pool_worker import Role
-from pool_worker.runtime.step_loop import WorkerFailed
 from prefill_pool.messages import PrefillRequest, PrefillResult
 
 T = TypeVar("T")
@@ -69,6 +68,10 @@ class _Evacuated(Exception):
         self.kv_handle = kv_handle  # the stream's KV, offered by the worker it left; None: recompute it
 
 
+class _Misrouted(Exception):
+    """The decode worker no longer decodes (it changed role after it was picked): pick another (internal)."""
+
+
 class _Requeued(Exception):
     """A request handed back before its first token (internal: it is routed again from the start, so a
     long prompt goes to the prefill pool rather than to whichever decode worker takes the stream)."""
@@ -91,12 +94,6 @@ class StreamEvent:
     prefilled_by: str = ""
 
 
-def _is_worker_loss(error: BaseException) -> bool:
-    if isinstance(error, RayActorError):
-        return True
-    return isinstance(error, RayTaskError) and isinstance(error.cause, WorkerFailed)
-
-
 class RequestRun:
     """Drives one request; `events()` is its stream."""
 
@@ -114,19 +111,40 @@ class RequestRun:
         self.num_migrations = 0  # moves forced by failed decode workers
         self.num_moves = 0  # moves because a decode worker changed role or left (not failures)
         self.local_prefill_reason = ""  # why the decode worker prefilled the prompt; empty: the prefill pool
+        self.num_reserved = len(prompt_token_ids) + sampling.max_tokens  # booked on its decode worker
+        self._booked: str | None = None  # the decode worker holding that booking
 
     async def events(self) -> AsyncGenerator[StreamEvent, None]:
-        while True:
-            try:
-                async for event in self._route():
-                    yield event
-                return
-            except _Requeued:  # handed back before its first token: route it again, as if it just came
-                self.num_moves += 1
-                self.local_prefill_reason = ""
+        try:
+            while True:
+                try:
+                    async for event in self._route():
+                        yield event
+                    return
+                except _Requeued:  # handed back before its first token: route it again, as if it just came
+                    self.num_moves += 1
+                    self.local_prefill_reason = ""
+        finally:
+            self._book(None)
+
+    def _book(self, decode: Worker | None) -> None:
+        """Move the request's decode booking to `decode` (None: release it)."""
+        worker_id = decode.worker_id if decode is not None else None
+        if worker_id == self._booked:
+            return
+        if self._booked is not None:
+            self.router.unbook_decode(self._booked, self.num_reserved)
+        if worker_id is not None:
+            self.router.book_decode(worker_id, self.num_reserved)
+        self._booked = worker_id
+
+    async def _pick_decode(self, deadline: float, exclude: set[str] | None = None) -> Worker:
+        decode = await self._wait_for_worker("decode", deadline, exclude)
+        self._book(decode)
+        return decode
 
     async def _route(self) -> AsyncGenerator[StreamEvent, None]:
-        decode = await self._wait_for_worker("decode", self.deadlines.prefill_by)
+        decode = await self._pick_decode(self.deadlines.prefill_by)
         has_prefill_pool = (self.deployment.active(Role.PREFILL) or self.deployment.is_replacing(Role.PREFILL)
                             or self._is_prefill_coming())
         # A mixed worker prefills its own requests; so does a decode worker when no prefill worker is left
@@ -173,7 +191,7 @@ class RequestRun:
                 # The client left, or the decode worker failed, perhaps before it pulled: free the prefill
                 # blocks now rather than at the lease's end. A lease already released, or being pulled
                 # (claimed), is left alone by the sender, so this is safe whatever the decode side did.
-                prefill.actor.release_kv.remote(handle.transfer_id, "the request ended or moved on")
+                prefill.client.release_kv(handle.transfer_id, "the request ended or moved on")
 
     async def _prefill(self) -> tuple[Worker, PrefillResult]:
         tried: set[str] = set()
@@ -182,31 +200,30 @@ class RequestRun:
             prefill = await self._wait_for_worker("prefill", self.deadlines.prefill_by, tried)
             tried.add(prefill.worker_id)
             self.router.prefill_tokens[prefill.worker_id] += num_prompt
-            streams = self.router.output_streams
-            outputs = streams.subscribe(prefill, self.request_id)  # before submitting: no result unheard
+            client = prefill.client
+            try:
+                outputs = client.subscribe(self.request_id)  # before submitting: no result unheard
+            except WorkerLost:
+                continue  # it left the deployment since it was picked
             try:
                 async with asyncio.timeout(self._left(self.deadlines.prefill_by)):
-                    await self.router.submissions.submit(
-                        prefill, "submit_prefills", PrefillRequest(self.request_id, self.prompt_token_ids,
-                                                                   self.sampling), outputs.reader.channel_id)
+                    await client.submit_prefill(PrefillRequest(self.request_id, self.prompt_token_ids,
+                                                               self.sampling), outputs)
                     result = await outputs.prefill_result()
             except TimeoutError:
-                prefill.actor.abort.remote(self.request_id)
+                client.abort(self.request_id)
                 raise RequestFailed(self._late("prefill", self.deadlines.prefill_by), "deadline_exceeded"
                                     ) from None
-            except ConnectionError as error:  # the worker's output stream ended: its actor is gone
+            except WorkerLost as error:  # its actor or step loop died, or its output stream ended
                 self.deployment.mark_failed(prefill.worker_id, f"prefill worker lost: {error}")
                 continue
-            except (RayActorError, RayTaskError) as error:
-                if not _is_worker_loss(error):
-                    raise
-                self.deployment.mark_failed(prefill.worker_id, f"prefill call failed: {type(error).__name__}")
+            except WrongRoleError:  # it changed role since it was picked: another one
                 continue
             except asyncio.CancelledError:  # the client went away: stop the prefill (and free its KV)
-                prefill.actor.abort.remote(self.request_id)
+                client.abort(self.request_id)
                 raise
             finally:
-                streams.unsubscribe(outputs)
+                client.unsubscribe(outputs)
                 self.router.prefill_tokens[prefill.worker_id] -= num_prompt
             if result.finish_reason == "error":
                 self.deployment.mark_failed(prefill.worker_id, result.error)
@@ -220,10 +237,15 @@ class RequestRun:
     async def _decode(self, decode: Worker, request: DecodeRequest) -> AsyncGenerator[StreamEvent, None]:
         while True:
             handle: KVHandle | None = None
+            if not (decode.is_active and decode.role.can_decode):  # it left or changed role since the pick
+                decode = await self._pick_decode(self.deadlines.finish_by)
             try:
                 async for event in self._decode_once(decode, request):
                     yield event
                 return
+            except _Misrouted:  # the same request (its prefill KV included) goes to another decode worker
+                decode = await self._pick_decode(self.deadlines.finish_by, {decode.worker_id})
+                continue
             except _WorkerLost as lost:
                 self.deployment.mark_failed(decode.worker_id, str(lost))
                 if self.num_migrations >= MAX_MIGRATIONS:
@@ -239,23 +261,27 @@ class RequestRun:
             # tokens from the evacuated worker, or recomputes it (no handle: that worker failed).
             left = decode
             try:
-                decode = await self._wait_for_worker("decode", self.deadlines.finish_by, {decode.worker_id})
+                decode = await self._pick_decode(self.deadlines.finish_by, {decode.worker_id})
             except BaseException:
                 if handle is not None:  # nobody will pull it: the evacuated worker may free it now
-                    left.actor.release_kv.remote(handle.transfer_id, "the request found no worker to move to")
+                    left.client.release_kv(handle.transfer_id, "the request found no worker to move to")
                 raise
             request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
                                     generated_token_ids=tuple(self.generated), kv_handle=handle)
 
     async def _decode_once(self, decode: Worker, request: DecodeRequest) -> AsyncGenerator[StreamEvent, None]:
-        reserved = len(self.prompt_token_ids) + self.sampling.max_tokens
-        self.router.decode_tokens[decode.worker_id] += reserved
-        streams = self.router.output_streams
-        outputs = streams.subscribe(decode, self.request_id)  # before submitting: no output goes unheard
+        client = decode.client
+        try:
+            outputs = client.subscribe(self.request_id)  # before submitting: no output goes unheard
+        except WorkerLost as error:
+            raise _WorkerLost(str(error)) from None
         is_finished = False
         try:
-            await self._call_worker(self.router.submissions.submit(decode, "submit_decodes", request,
-                                                                   outputs.reader.channel_id))
+            try:
+                await self._call_worker(client.submit_decode(request, outputs))
+            except WrongRoleError:
+                is_finished = True  # it never took the request: nothing to abort there
+                raise _Misrouted from None
             while not is_finished:
                 output = await self._call_worker(outputs.next())
                 if output.finish_reason == "error":
@@ -275,11 +301,10 @@ class RequestRun:
                                   prefilled_by=decode.worker_id
                                   if is_finished and self.local_prefill_reason else "")
         finally:
-            streams.unsubscribe(outputs)
-            self.router.decode_tokens[decode.worker_id] -= reserved
+            client.unsubscribe(outputs)
             if not is_finished:
                 # Client gone, deadline, or worker lost: stop the work there (abort is idempotent).
-                decode.actor.abort.remote(self.request_id)
+                client.abort(self.request_id)
 
     async def _call_worker(self, work: Awaitable[T]) -> T:
         """Await a decode worker's answer within the request's deadline; a lost worker is _WorkerLost."""
@@ -289,12 +314,8 @@ class RequestRun:
         except TimeoutError:
             raise RequestFailed(self._late("decode", self.deadlines.finish_by), "deadline_exceeded"
                                 ) from None
-        except ConnectionError as error:  # the worker's output stream ended under the request
+        except WorkerLost as error:  # its actor or step loop died, or its output stream ended
             raise _WorkerLost(str(error)) from None
-        except (RayActorError, RayTaskError) as error:
-            if not _is_worker_loss(error):
-                raise
-            raise _WorkerLost(f"decode worker call failed: {type(error).__name__}") from None
 
     async def _wait_for_worker(self, role: str, deadline: float, exclude: set[str] | None = None) -> Worker:
         """The router's pick among live workers not in `exclude`; waits for a replacement until `deadline`."""

@@ -1,6 +1,9 @@
 """Picks the workers for a request: decode first (it must have room), then prefill.
 
-Decode: the worker with the fewest tokens reserved for requests running there (its KV use to come).
+Decode: the worker with the fewest tokens reserved for requests bound for it or running there (its KV use
+to come). A request's reservation is booked the moment it picks its decode worker, before its prefill, and
+moves with it if it moves: a burst of arrivals spreads across decode workers, and a drain or role change
+of that worker waits for it (in_flight).
 Prefill: the fewest prompt tokens queued, minus the prompt tokens it probably holds in its prefix cache;
 or none, when the LocalPrefillPolicy says the decode worker should prefill the prompt itself.
 The router counts what it has sent and not yet seen finish, per worker, so a burst of arrivals spreads out
@@ -16,8 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.fleet.deployment import PDDeployment
-from gateway.fleet.output_streams import OutputStreams
-from gateway.fleet.submissions import Submissions
 from gateway.fleet.workers import Worker
 from llm_engine.kv_cache_manager import prefix_hashes
 from pool_worker import Role
@@ -52,21 +53,18 @@ class Router:
         self.block_size = deployment.config.engine.block_size
         deployment.on_remove.append(self.forget)
         self.prefill_tokens: defaultdict[str, int] = defaultdict(int)  # prompt tokens sent, not yet prefilled
-        self.decode_tokens: defaultdict[str, int] = defaultdict(int)  # tokens of requests decoding there
+        # Tokens (prompt + max_tokens) of requests bound for the worker (picked, maybe still prefilling) or
+        # decoding there.
+        self.decode_tokens: defaultdict[str, int] = defaultdict(int)
         # Prompts a decode or mixed worker was sent to prefill itself, not yet prefilled: tokens per worker,
         # and each prompt's length (the ratio controller looks for long ones).
         self.local_prefill_tokens: defaultdict[str, int] = defaultdict(int)
         self.local_prefill_prompts: dict[str, tuple[str, int]] = {}  # request id → (worker id, prompt tokens)
         self.on_local_prefill: list[Callable[[int], None]] = []  # called with its tokens as one starts
         self._cached: defaultdict[str, OrderedDict[bytes, None]] = defaultdict(OrderedDict)
-        # The workers' output streams and submissions live with the per-worker books: they follow the workers
-        # the deployment has, and every request run reaches them through the router.
-        self.output_streams = OutputStreams()
-        self.submissions = Submissions()
 
     def forget(self, worker_id: str) -> None:
-        """A worker left the deployment: drop what the router remembers of it."""
-        self.output_streams.forget(worker_id)
+        """A worker left the deployment or its role: drop what the router remembers of it."""
         self._cached.pop(worker_id, None)
         if not self.prefill_tokens.get(worker_id):
             self.prefill_tokens.pop(worker_id, None)
@@ -95,10 +93,21 @@ class Router:
         requests (0: none): the prompt's chunks stall those streams. A long prompt on a worker with nothing
         else to decode stalls no one."""
         is_decoding = {worker_id: any(r not in self.local_prefill_prompts
-                                      for r in self.output_streams.request_ids(worker_id))
+                                      for r in self._request_ids(worker_id))
                        for worker_id, _ in self.local_prefill_prompts.values()}
         return max((num_tokens for worker_id, num_tokens in self.local_prefill_prompts.values()
                     if is_decoding[worker_id]), default=0)
+
+    def _request_ids(self, worker_id: str) -> list[str]:
+        worker = self.deployment.workers.get(worker_id)
+        return worker.client.request_ids() if worker is not None else []
+
+    def book_decode(self, worker_id: str, num_tokens: int) -> None:
+        """A request picked this decode worker: its tokens count there from now until unbook_decode."""
+        self.decode_tokens[worker_id] += num_tokens
+
+    def unbook_decode(self, worker_id: str, num_tokens: int) -> None:
+        self.decode_tokens[worker_id] -= num_tokens
 
     def in_flight(self, worker_id: str) -> int:
         """Tokens of requests sent to the worker and not yet back (0: nothing on its way there)."""

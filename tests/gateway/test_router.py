@@ -26,7 +26,7 @@ class FakeDeployment:
 
 
 def make_router() -> Router:
-    workers = [Worker(name, Role(name.split("-")[0]), None, WorkerState.ACTIVE)
+    workers = [Worker(name, Role(name.split("-")[0]), None, WorkerState.ACTIVE)  # type: ignore[arg-type]
                for name in ("prefill-0", "prefill-1", "decode-2", "decode-3")]
     return Router(FakeDeployment(workers))  # type: ignore[arg-type]
 

@@ -1,6 +1,6 @@
-"""The gateway's batched decode submissions (gateway/fleet/submissions.py) against a small real Ray actor
-that answers submit_decodes as a decode worker does: one call per worker per event-loop turn, refusals per
-request, a lost worker reaches everyone."""
+"""The gateway's batched decode submissions (gateway/fleet/submissions.py, through the worker client)
+against a small real Ray actor that answers submit_decodes as a decode worker does: one call per worker per
+event-loop turn, refusals per request, a lost worker reaches everyone (as WorkerLost)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import ray
 
 from decode_pool.messages import DecodeRequest
-from gateway.fleet.submissions import Submissions
-from gateway.fleet.workers import Worker
+from gateway.fleet.output_streams import RequestOutputs
+from gateway.fleet.worker_client import WorkerClient
+from gateway.fleet.worker_errors import SubmissionRefused, WorkerLost
 from llm_engine import SamplingParams
-from pool_worker import Role
 
 
 @ray.remote
@@ -35,22 +35,21 @@ def request(request_id: str, prompt: tuple[int, ...] = (1, 2, 3)) -> DecodeReque
     return DecodeRequest(request_id, prompt, SamplingParams(max_tokens=4))
 
 
-async def submit(submissions: Submissions, worker: Worker, decode_request: DecodeRequest) -> None:
-    await submissions.submit(worker, "submit_decodes", decode_request, "ch")
+async def submit(client: WorkerClient, decode_request: DecodeRequest) -> None:
+    await client.submit_decode(decode_request, RequestOutputs(decode_request.request_id, "ch"))
 
 
 def test_one_call_per_turn_with_refusals(ray_local: None) -> None:
     actor = RecordingDecodeActor.remote()  # type: ignore[attr-defined]
-    worker = Worker("decode-0", Role.DECODE, actor)
 
     async def scenario() -> None:
-        submissions = Submissions()
-        started = [asyncio.create_task(submit(submissions, worker, request(f"r{i}"))) for i in range(3)]
-        refused = asyncio.create_task(submit(submissions, worker, request("empty", ())))
+        client = WorkerClient("decode-0", actor, "gateway-test")
+        started = [asyncio.create_task(submit(client, request(f"r{i}"))) for i in range(3)]
+        refused = asyncio.create_task(submit(client, request("empty", ())))
         await asyncio.gather(*started)
-        with pytest.raises(ValueError, match="empty prompt"):
+        with pytest.raises(SubmissionRefused, match="empty prompt"):
             await refused
-        await submit(submissions, worker, request("later"))  # a later turn: a call of its own
+        await submit(client, request("later"))  # a later turn: a call of its own
 
     asyncio.run(scenario())
     assert ray.get(actor.calls_seen.remote()) == [["r0", "r1", "r2", "empty"], ["later"]]
@@ -59,12 +58,11 @@ def test_one_call_per_turn_with_refusals(ray_local: None) -> None:
 def test_a_lost_worker_fails_every_request_of_the_batch(ray_local: None) -> None:
     actor = RecordingDecodeActor.remote()  # type: ignore[attr-defined]
     ray.kill(actor)
-    worker = Worker("decode-0", Role.DECODE, actor)
 
     async def scenario() -> list[BaseException | None]:
-        submissions = Submissions()
-        return await asyncio.gather(*(submit(submissions, worker, request(f"r{i}")) for i in range(2)),
+        client = WorkerClient("decode-0", actor, "gateway-test")
+        return await asyncio.gather(*(submit(client, request(f"r{i}")) for i in range(2)),
                                     return_exceptions=True)
 
     outcomes = asyncio.run(scenario())
-    assert all(isinstance(o, ray.exceptions.RayActorError) for o in outcomes), outcomes
+    assert all(isinstance(o, WorkerLost) for o in outcomes), outcomes

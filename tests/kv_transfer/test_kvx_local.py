@@ -155,3 +155,18 @@ def test_a_pull_that_never_finishes_fails_at_its_deadline(pair):
 
     assert result.state == TransferState.FAILED and "deadline" in result.reason
     assert receiver.aborted == [handle.transfer_id]
+
+
+def test_a_peer_added_again_with_a_new_endpoint_replaces_the_stale_one(pair):
+    """L8: a worker that changed role and came back offers from a new endpoint (here a larger KV cache under
+    the same worker id); add_peer learns it in place of the stale one, so its handles are pulled, not
+    refused against the old layout."""
+    _, receiver = pair
+    new = make_sender("local", "prefill-0", _cache(20, seed=2))
+    try:
+        receiver.add_peer(new.peer_info())
+        handle = new.offer([15, 19], num_tokens=20)
+        assert receiver.start_pull(handle, [0, 1]) == TransferState.DONE
+        assert torch.equal(receiver.kv_cache[[0, 1]], new.kv_cache[[15, 19]])
+    finally:
+        new.close()

@@ -28,7 +28,7 @@ async def serve_all(config: DeploymentConfig, prompts: list[list[int]], sampling
     try:
         events = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         await asyncio.sleep(0.2)  # the prefill side sees the last pull notifications and frees
-        whole = {w.worker_id: await w.actor.is_whole.remote() for w in deployment.workers.values()}
+        whole = {w.worker_id: await w.client.is_whole() for w in deployment.workers.values()}
     finally:
         await deployment.shutdown()
     tokens = [[t for e in stream for t in e.token_ids] for stream in events]

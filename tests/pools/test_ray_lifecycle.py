@@ -26,7 +26,7 @@ def config_for(model_dir: Path) -> DeploymentConfig:
 async def wait_whole(deployment: PDDeployment, timeout_s: float = 10.0) -> dict[str, bool]:
     whole: dict[str, bool] = {}
     for _ in range(int(timeout_s / 0.05)):
-        whole = {w.worker_id: await w.actor.is_whole.remote() for w in deployment.workers.values()}
+        whole = {w.worker_id: await w.client.is_whole() for w in deployment.workers.values()}
         if all(whole.values()):
             break
         await asyncio.sleep(0.05)
@@ -83,14 +83,14 @@ def test_add_and_drain_workers(tiny_llama_dir: Path) -> None:
             short = SamplingParams(max_tokens=5, temperature=0.0)
             served = await events_of(router, "r0", random_prompts([10], 1000)[0], short)
             handle = served[0].prefill.kv_handle if served[0].prefill is not None else None
-            pulled = await deployment.workers[new_decode].actor.transfer_records.remote()
+            pulled = await deployment.workers[new_decode].client.transfer_records()
 
             # A long request on the new decode worker; drain that worker once it is decoding.
             long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
             prompt = random_prompts([20], 1000, seed=2)[0]
             stream = run_request(router, "r1", tuple(prompt), long)
             events = [await anext(stream), await anext(stream)]  # the prefill's token, then a decode step
-            is_busy_at_drain = not await deployment.workers[new_decode].actor.is_whole.remote()
+            is_busy_at_drain = not await deployment.workers[new_decode].client.is_whole()
             drain = asyncio.ensure_future(deployment.drain_worker(new_decode))
             await asyncio.sleep(0)
             routed_while_draining = router.pick_decode().worker_id

@@ -1,0 +1,39 @@
+"""Emptying a worker before it leaves or changes role: the wait, and the limits it runs under.
+
+    wait_until_empty(): polls the worker's load until it holds no request in any state and the gateway has
+    nothing on its way to it (in_flight), twice in a row; after grace_s its decode streams are evacuated to
+    other workers (again whenever one arrives late); past timeout_s, TimeoutError (the caller rolls back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from gateway.fleet.workers import Worker
+
+
+def check_grace(grace_s: float, timeout_s: float) -> None:
+    """A grace at or past the timeout would time every busy drain out before its streams ever moved."""
+    if grace_s >= timeout_s:
+        raise ValueError(f"drain grace {grace_s:g} s must be below the drain timeout {timeout_s:g} s")
+
+
+async def wait_until_empty(worker: Worker, in_flight: Callable[[str], int] | None, grace_s: float,
+                           timeout_s: float, poll_s: float = 0.05) -> None:
+    """Until the worker holds no request in any state and nothing is on its way to it; after `grace_s`
+    its decode streams are evacuated (again whenever one arrives late)."""
+    event_loop = asyncio.get_running_loop()
+    started = event_loop.time()
+    num_idle = 0
+    while num_idle < 2:  # twice in a row: a request between the two reads shows in one of them
+        waited = event_loop.time() - started
+        if waited >= grace_s and worker.role.can_decode:
+            await worker.client.evacuate()
+        load = await worker.client.load()
+        is_idle = load.num_requests == 0 and load.num_free_blocks == load.num_total_blocks
+        num_idle = num_idle + 1 if is_idle and not (in_flight and in_flight(worker.worker_id)) else 0
+        if waited > timeout_s:
+            raise TimeoutError(f"{worker.worker_id} still holds {load.num_requests} requests after "
+                               f"{timeout_s:.0f} s")
+        await asyncio.sleep(poll_s)

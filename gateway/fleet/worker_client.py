@@ -1,0 +1,157 @@
+"""WorkerClient: the gateway's one typed link to one worker actor. Every call to a worker goes through it:
+its methods (typed with the roles' own messages), its errors (worker_errors: WorkerLost, WrongRoleError,
+SubmissionRefused; never a RayTaskError above the fleet), its output stream and its batched submissions.
+
+    control (the deployment):  placement → start → peer_info / add_peer / remove_peer → set_role → evacuate
+                               → load → shutdown → kill
+    requests (the orchestrator): subscribe(request_id) → submit_prefill | submit_decode → outputs arrive on
+                               the one output stream (output_streams.py) → unsubscribe; abort, release_kv
+The client lives as long as the worker is in the deployment (across its role changes, like the worker's
+output channels); close() when it leaves cancels the remote stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from decode_pool.messages import DecodeRequest
+from gateway.fleet.output_streams import OutputStream, RequestOutputs
+from gateway.fleet.submissions import Submissions
+from gateway.fleet.worker_errors import WorkerLost, WrongRoleError
+from kv_transfer import PeerInfo, TransferRecord
+from pool_worker import Role
+from pool_worker.actor import WrongRole
+from pool_worker.runtime.load import WorkerLoad
+from pool_worker.runtime.step_loop import WorkerFailed
+from pool_worker.runtime.worker_setup import TorchGroupSpec
+from prefill_pool.messages import PrefillRequest
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from pool_worker.actor import WorkerActor, WorkerInfo, WorkerPlacement
+
+T = TypeVar("T")
+
+
+class WorkerClient:
+    def __init__(self, worker_id: str, handle: ActorHandle[WorkerActor], gateway_id: str) -> None:
+        """Args:
+        handle: the Ray actor (pool_worker.WorkerActor).
+        gateway_id: names this gateway to the worker (its output channel ids start with it).
+        """
+        self.worker_id = worker_id
+        self.handle = handle
+        self.outputs = OutputStream(worker_id, gateway_id, self._output_stream)
+        self._prefills: Submissions[PrefillRequest] = Submissions(self._submit_prefills)
+        self._decodes: Submissions[DecodeRequest] = Submissions(self._submit_decodes)
+
+    # Requests.
+    def subscribe(self, request_id: str) -> RequestOutputs:
+        """Where the request's outputs will arrive: call before submitting it (no output goes unheard)."""
+        return self.outputs.subscribe(request_id)
+
+    def unsubscribe(self, outputs: RequestOutputs) -> None:
+        self.outputs.unsubscribe(outputs)
+
+    def request_ids(self) -> list[str]:
+        """The requests whose outputs this gateway awaits from the worker."""
+        return self.outputs.request_ids()
+
+    async def submit_prefill(self, request: PrefillRequest, outputs: RequestOutputs) -> None:
+        """Start prefilling; its PrefillResult arrives on `outputs`.
+
+        Raises:
+            SubmissionRefused, WrongRoleError, WorkerLost.
+        """
+        await self._prefills.submit(request, outputs.channel_id)
+
+    async def submit_decode(self, request: DecodeRequest, outputs: RequestOutputs) -> None:
+        """Start decoding; its outputs arrive on `outputs` (raises as submit_prefill)."""
+        await self._decodes.submit(request, outputs.channel_id)
+
+    def abort(self, request_id: str) -> None:
+        """End the request there (idempotent; sticky: an abort that overtakes its submission still holds)."""
+        self.handle.abort.remote(request_id)
+
+    def release_kv(self, transfer_id: int, why: str) -> None:
+        """Nobody will pull this KV offer: the worker may free its blocks now (fire and forget)."""
+        self.handle.release_kv.remote(transfer_id, why)
+
+    # Control.
+    async def placement(self) -> WorkerPlacement:
+        return await self._call(self.handle.placement.remote())
+
+    async def free_port(self) -> int:
+        return await self._call(self.handle.free_port.remote())
+
+    async def start(self, torch_group: TorchGroupSpec | None, cpu_slot: int | None) -> WorkerInfo:
+        return await self._call(self.handle.start.remote(torch_group, cpu_slot))
+
+    async def peer_info(self) -> PeerInfo:
+        return await self._call(self.handle.peer_info.remote())
+
+    async def add_peer(self, peer: PeerInfo, source: WorkerClient) -> None:
+        """Learn `source` as a worker to pull KV from (replacing what was known of it)."""
+        await self._call(self.handle.add_peer.remote(peer, source.handle))
+
+    def remove_peer(self, worker_id: str) -> None:
+        self.handle.remove_peer.remote(worker_id)
+
+    async def set_role(self, role: Role) -> WorkerInfo:
+        return await self._call(self.handle.set_role.remote(role.value))
+
+    async def evacuate(self) -> None:
+        await self._call(self.handle.evacuate.remote())
+
+    async def load(self) -> WorkerLoad:
+        return await self._call(self.handle.load.remote())
+
+    async def info(self) -> WorkerInfo:
+        return await self._call(self.handle.info.remote())
+
+    async def is_whole(self) -> bool:
+        return await self._call(self.handle.is_whole.remote())
+
+    async def transfer_records(self) -> list[TransferRecord]:
+        return await self._call(self.handle.transfer_records.remote())
+
+    async def shutdown(self) -> None:
+        await self._call(self.handle.shutdown.remote())
+
+    def close(self) -> None:
+        """The worker left the deployment: stop reading its outputs (the remote stream is cancelled)."""
+        self.outputs.close()
+
+    def kill(self) -> None:
+        self.close()
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(self.handle, no_restart=True)
+
+    # The wire.
+    def _output_stream(self, channel_id: str) -> ray.ObjectRefGenerator:
+        return self.handle.output_stream.remote(channel_id)
+
+    def _submit_prefills(self, requests: list[PrefillRequest], channel_id: str) -> Any:
+        return self._call(self.handle.submit_prefills.remote(requests, channel_id))
+
+    def _submit_decodes(self, requests: list[DecodeRequest], channel_id: str) -> Any:
+        return self._call(self.handle.submit_decodes.remote(requests, channel_id))
+
+    async def _call(self, ref: Any) -> Any:
+        """Await an actor call, its Ray errors translated (others raise as they are)."""
+        try:
+            return await ref
+        except RayActorError as error:
+            raise WorkerLost(f"{self.worker_id} is gone: {type(error).__name__}") from error
+        except RayTaskError as error:
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, WorkerFailed):
+                raise WorkerLost(f"{self.worker_id} failed: {cause}") from error
+            if isinstance(cause, WrongRole):
+                raise WrongRoleError(str(cause)) from error
+            raise

@@ -1,0 +1,17 @@
+"""What a call to a worker can end in, as the request path sees it (the worker client translates Ray's
+errors into these: nothing above the fleet inspects a RayTaskError)."""
+
+from __future__ import annotations
+
+
+class WorkerLost(ConnectionError):
+    """The worker is gone: its actor died, its step loop died, or its output stream ended."""
+
+
+class WrongRoleError(RuntimeError):
+    """The worker no longer serves the role the call was meant for (it changed role meanwhile): pick
+    another worker; the worker itself is fine."""
+
+
+class SubmissionRefused(ValueError):
+    """The worker refused the request (it can never be served there, or it was aborted before it came)."""

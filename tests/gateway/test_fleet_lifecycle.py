@@ -1,0 +1,310 @@
+"""The fleet's lifecycle on real worker actors (local Ray, tiny Llama, nixl): sticky aborts, the decode
+reservation booked at pick time, role changes and drains that are cancelled roll back, an add that fails
+leaves nothing behind, the output stream is kept across role changes and cancelled when the worker leaves,
+and turning auto off mid-change strands no worker."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from decode_pool.messages import DecodeRequest
+from gateway.fleet.deployment import DeploymentConfig, PDDeployment
+from gateway.fleet.worker_errors import SubmissionRefused
+from gateway.fleet.workers import Worker, WorkerState
+from gateway.ratio.controller import ControllerPolicy, RatioController
+from gateway.ratio.resize import Move, PoolResizer
+from gateway.requests.orchestrator import StreamEvent, run_request
+from gateway.requests.router import Router
+from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.recent import RecentLatencies
+from llm_engine import EngineConfig, SamplingParams
+from pool_worker import Role
+from pool_worker.runtime.model_source import ModelSource
+from prefill_pool.messages import PrefillRequest
+from tests.conftest import random_prompts
+from tests.gateway import actor_faults as faults
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+LONG = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+
+
+def config_for(model_dir: Path, max_num_batched_tokens: int = 512,
+               role_resources: dict[Role, dict[str, float]] | None = None, **layout: int) -> DeploymentConfig:
+    pytest.importorskip("nixl")
+    engine = EngineConfig(str(model_dir), dtype="float32", kv_cache_bytes=16 << 20,
+                          max_num_batched_tokens=max_num_batched_tokens)
+    # A role no node offers resources for stays PENDING: start-up goes on without it after a short wait.
+    return DeploymentConfig(engine, backend="nixl", role_resources=role_resources or {},
+                            placement_timeout_s=20.0 if role_resources else 300.0,
+                            **layout)  # type: ignore[arg-type]
+
+
+def with_deployment(model_dir: Path, scenario: Callable[[PDDeployment, Router], Awaitable[Any]],
+                    **layout: Any) -> Any:
+    async def run() -> Any:
+        deployment = PDDeployment(config_for(model_dir, **layout))
+        await deployment.start()
+        try:
+            return await scenario(deployment, Router(deployment))
+        finally:
+            await deployment.shutdown()
+
+    return asyncio.run(run())
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the condition never held")
+
+
+async def call_on(worker: Worker, fn: Callable[..., Any], *args: Any) -> Any:
+    return await worker.client.handle.__ray_call__.remote(fn, *args)
+
+
+def num_channels(actor: Any) -> int:
+    return len(actor._outputs._channels)
+
+
+async def events_of(router: Router, request_id: str, prompt: list[int], sampling: SamplingParams
+                    ) -> list[StreamEvent]:
+    return [e async for e in run_request(router, request_id, tuple(prompt), sampling)]
+
+
+def tokens(events: list[StreamEvent]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+def test_an_abort_that_overtakes_its_submission_still_holds(tiny_llama_dir: Path) -> None:
+    """M1: Ray may run an async actor's abort before the submission sent ahead of it. The worker remembers
+    the abort and refuses the submission when it comes; it holds nothing for it."""
+    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+        [prefill], [decode] = deployment.active(Role.PREFILL), deployment.active(Role.DECODE)
+        prompt = tuple(random_prompts([30], 1000)[0])
+        refusals = {}
+        for worker, submit, request in (
+                (decode, decode.client.submit_decode, DecodeRequest("gone-1", prompt, LONG)),
+                (prefill, prefill.client.submit_prefill, PrefillRequest("gone-2", prompt, LONG))):
+            worker.client.abort(request.request_id)
+            await worker.client.is_whole()  # the abort has run on the worker
+            outputs = worker.client.subscribe(request.request_id)
+            try:
+                await submit(request, outputs)  # type: ignore[operator]
+            except SubmissionRefused as refusal:
+                refusals[worker.role] = str(refusal)
+            finally:
+                worker.client.unsubscribe(outputs)
+        loads = {w.role: await w.client.load() for w in (prefill, decode)}
+        whole = {w.role: await w.client.is_whole() for w in (prefill, decode)}
+        served = await events_of(router, "after", list(prompt), GREEDY)  # the workers serve on
+        return {"refusals": refusals, "loads": loads, "whole": whole, "served": served}
+
+    result = with_deployment(tiny_llama_dir, scenario)
+    assert set(result["refusals"]) == {Role.PREFILL, Role.DECODE}
+    assert all("aborted before it arrived" in r for r in result["refusals"].values())
+    assert all(load.num_requests == 0 for load in result["loads"].values())
+    assert all(result["whole"].values())
+    assert len(tokens(result["served"])) == 6
+
+
+def test_a_burst_books_its_decode_workers_at_pick_time_and_spreads(tiny_llama_dir: Path) -> None:
+    """H2: requests that arrive while others prefill see those requests' decode reservations, so a burst
+    spreads across the decode workers instead of all picking the one that looked idle."""
+    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+        [prefill] = deployment.active(Role.PREFILL)
+        await call_on(prefill, faults.slow_steps, 0.2)
+        prompts = random_prompts([24] * 8, 1000, seed=5)
+        runs = [asyncio.ensure_future(events_of(router, f"burst-{i}", p, GREEDY))
+                for i, p in enumerate(prompts)]
+        await until(lambda: sum(router.prefill_tokens.values()) == 24 * 8)  # all 8 picked, none prefilled
+        booked = {w: n for w, n in router.decode_tokens.items() if n > 0}
+        in_flight = {w.worker_id: router.in_flight(w.worker_id) for w in deployment.active(Role.DECODE)}
+        await call_on(prefill, faults.heal)
+        served = await asyncio.gather(*runs)
+        return {"booked": booked, "in_flight": in_flight, "served": served,
+                "after": dict(router.decode_tokens)}
+
+    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=2)
+    assert len(result["booked"]) == 2, result["booked"]  # both decode workers carry part of the burst
+    assert sum(result["booked"].values()) == 8 * (24 + 6)
+    assert all(n > 0 for n in result["in_flight"].values())  # a drain or role change would wait for them
+    assert all(len(tokens(events)) == 6 for events in result["served"])
+    assert not any(result["after"].values())  # every booking released
+
+
+def test_a_decode_worker_that_changes_role_after_the_pick_sends_the_request_elsewhere(
+        tiny_llama_dir: Path) -> None:
+    """H2: the picked decode worker becomes prefill while the request prefills; its decode submission meets
+    WrongRole, and the request goes on to the other decode worker (no error, the same tokens)."""
+    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+        [prefill] = deployment.active(Role.PREFILL)
+        prompt = random_prompts([40], 1000, seed=7)[0]
+        reference = tokens(await events_of(router, "reference", prompt, GREEDY))
+        await call_on(prefill, faults.slow_steps, 0.3)
+        run = asyncio.ensure_future(events_of(router, "moved", prompt, GREEDY))
+        await until(lambda: sum(router.prefill_tokens.values()) > 0)
+        [picked] = [w for w, n in router.decode_tokens.items() if n > 0]
+        # As an operator's change would without the gateway's in-flight count: it does not wait.
+        await deployment.change_role(picked, Role.PREFILL)
+        await call_on(prefill, faults.heal)
+        events = await run
+        return {"reference": reference, "events": events, "picked": picked,
+                "role": deployment.workers[picked].role, "failed": [
+                    w.worker_id for w in deployment.workers.values() if w.state is not WorkerState.ACTIVE]}
+
+    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=2)
+    assert result["role"] is Role.PREFILL
+    assert tokens(result["events"]) == result["reference"]
+    assert result["events"][-1].finish_reason == "length"
+    assert result["failed"] == []  # a worker in another role is not a failed worker
+
+
+def test_a_worker_in_another_role_than_the_gateway_believes_is_passed_over(tiny_llama_dir: Path) -> None:
+    """H2: the gateway's view of a worker's role is behind the worker's own (the race the re-pick before
+    submitting cannot close): the worker answers WrongRole, and the request goes on to another decode worker;
+    no 503, and the worker is not taken for failed."""
+    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+        stale, other = deployment.active(Role.DECODE)
+        router.book_decode(other.worker_id, 10**6)  # the pick goes to `stale`
+        prompt = random_prompts([16], 1000, seed=11)[0]
+        reference = tokens(await events_of(router, "reference", prompt, GREEDY))
+        await stale.client.set_role(Role.PREFILL)  # behind the deployment's back: it still says decode
+        events = await events_of(router, "passed-over", prompt, GREEDY)
+        return {"reference": reference, "events": events, "state": stale.state}
+
+    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=2)
+    assert tokens(result["events"]) == result["reference"]
+    assert result["state"] is WorkerState.ACTIVE
+
+
+def test_a_cancelled_role_change_or_drain_puts_the_worker_back(tiny_llama_dir: Path) -> None:
+    """H1: a change or drain waiting for a worker's stream is cancelled (auto turned off, the request
+    handler gone): the worker is ACTIVE in its old role again, the target as it was, and it serves on."""
+    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+        decodes = deployment.active(Role.DECODE)
+        await asyncio.gather(*(call_on(w, faults.slow_steps, 0.05) for w in decodes))
+        target = dict(deployment.target)
+        stream = asyncio.ensure_future(events_of(router, "held", random_prompts([20], 1000)[0], LONG))
+        await until(lambda: any(router.decode_tokens.values()))
+        [held] = [deployment.workers[w] for w, n in router.decode_tokens.items() if n > 0]
+        seen = []
+        for leave in (lambda: deployment.change_role(held.worker_id, Role.PREFILL, router.in_flight,
+                                                     grace_s=200),
+                      lambda: deployment.drain_worker(held.worker_id, router.in_flight, grace_s=200)):
+            task = asyncio.ensure_future(leave())
+            await until(lambda: held.state is not WorkerState.ACTIVE)
+            seen.append(held.state)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
+        events = await stream
+        await asyncio.gather(*(call_on(w, faults.heal) for w in decodes))
+        return {"seen": seen, "events": events, "in": held.worker_id in deployment.workers}
+
+    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=2)
+    back = (WorkerState.ACTIVE, Role.DECODE, None, True)
+    assert result["seen"] == [WorkerState.CHANGING_ROLE, back, WorkerState.DRAINING, back]
+    assert result["in"] and len(tokens(result["events"])) == 120
+
+
+def test_an_add_that_fails_to_start_leaves_nothing_behind(tiny_llama_dir: Path) -> None:
+    """M3, L3: the new worker's model is missing on its node: its actor is killed (its CPU free again), it is
+    forgotten, the target is as before; the resizer's answer names the move, not the remote traceback."""
+    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+        before = (set(deployment.workers), dict(deployment.target))
+        cpus = ray.available_resources().get("CPU", 0.0)
+        deployment.config = dataclasses.replace(deployment.config,
+                                                model_source=ModelSource("/nonexistent/pdserve-model"))
+        result = await PoolResizer(deployment, router).apply([Move("add", Role.DECODE)])
+        await until(lambda: ray.available_resources().get("CPU", 0.0) == cpus)
+        return {"before": before, "after": (set(deployment.workers), dict(deployment.target)),
+                "error": result.error, "health": deployment.health().status}
+
+    result = with_deployment(tiny_llama_dir, scenario)
+    assert result["after"] == result["before"]
+    assert result["health"] == "ok"
+    assert result["error"].startswith("the move 1 of 1 (add decode) failed")
+    assert "nonexistent" not in result["error"] and "Traceback" not in result["error"]
+
+
+def test_role_changes_keep_the_output_stream_and_leaving_cancels_it(tiny_llama_dir: Path) -> None:
+    """M5: the gateway's one stream to a worker outlives its role changes (no parked generator per change);
+    a worker that leaves has its stream cancelled on the worker's side."""
+    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+        [prefill], [moving, other] = deployment.active(Role.PREFILL), deployment.active(Role.DECODE)
+        router.book_decode(other.worker_id, 10**6)  # requests decode on `moving` while it decodes
+        router.prefill_tokens[prefill.worker_id] += 10**6  # ... and prefill there while it prefills
+        prompt = random_prompts([12], 1000, seed=9)[0]
+        counts = []
+        for index in range(3):
+            for role in (Role.DECODE, Role.PREFILL):  # the role it serves in now
+                await events_of(router, f"r{index}-{role.value}", prompt, GREEDY)
+                counts.append(await call_on(moving, num_channels))
+                await deployment.change_role(moving.worker_id, Role.PREFILL if role is Role.DECODE
+                                             else Role.DECODE, router.in_flight)
+        moving.client.close()
+        closed = -1
+        for _ in range(500):
+            closed = await call_on(moving, num_channels)
+            if closed == 0:
+                break
+            await asyncio.sleep(0.02)
+        return {"counts": counts, "closed": closed}
+
+    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=2)
+    assert result["counts"] == [1] * 6
+    assert result["closed"] == 0
+
+
+def test_turning_auto_off_mid_change_strands_no_worker(tiny_llama_dir: Path) -> None:
+    """H1: the controller moves a mixed worker that holds a stream to prefill (it waits for the stream);
+    auto is turned off meanwhile. The worker is ACTIVE again, the target matches the roles, the resizer is
+    free, and requests are served. M3: a decode worker no node can take (PENDING) does not keep the
+    controller from acting."""
+    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+        [pending] = [w for w in deployment.workers.values() if w.state is WorkerState.PENDING]
+        workers = deployment.active(Role.MIXED)
+        await asyncio.gather(*(call_on(w, faults.slow_steps, 0.1) for w in workers))
+        resizer = PoolResizer(deployment, router)
+        controller = RatioController(deployment, router, resizer, Metrics(), RecentLatencies(),
+                                     ControllerPolicy(long_prompt_tokens=16, min_dwell_s=0.0, grace_s=200.0))
+        streams = [asyncio.ensure_future(events_of(router, f"s{i}", random_prompts([10], 1000, seed=i)[0],
+                                                    LONG)) for i in range(2)]
+        await until(lambda: all(router.decode_tokens.get(w.worker_id) for w in workers))
+        controller.start()
+        # Prefilled in chunks of 32 tokens beside the stream there: the controller sees it and moves that
+        # worker to prefill, which waits for the stream (grace 200 s).
+        long = asyncio.ensure_future(events_of(router, "long", random_prompts([320], 1000, seed=3)[0],
+                                               GREEDY))
+        await until(lambda: any(w.state is WorkerState.CHANGING_ROLE for w in workers))
+        await controller.stop()
+        states = {w.worker_id: (w.state, w.role, w.next_role) for w in workers}
+        target = {role: n for role, n in deployment.target.items() if n}
+        roles = collections.Counter(w.role for w in [*workers, pending])
+        await asyncio.gather(*(call_on(w, faults.heal) for w in workers))
+        served = await asyncio.gather(long, *streams)
+        after = await events_of(router, "after", random_prompts([10], 1000, seed=4)[0], GREEDY)
+        return {"states": states, "target": target, "roles": dict(roles), "busy": resizer.is_busy,
+                "pending": pending.state,
+                "decisions": len(controller.decisions), "served": served, "after": after}
+
+    result = with_deployment(tiny_llama_dir, scenario, num_prefill=0, num_decode=1, num_mixed=2,
+                             max_num_batched_tokens=32, role_resources={Role.DECODE: {"pdserve_nowhere": 1}})
+    assert result["decisions"] == 1 and result["pending"] is WorkerState.PENDING
+    assert all(state is WorkerState.ACTIVE and next_role is None
+               for state, _, next_role in result["states"].values()), result["states"]
+    assert result["target"] == result["roles"]
+    assert not result["busy"]
+    assert [len(tokens(e)) for e in result["served"]] == [6, 120, 120]
+    assert len(tokens(result["after"])) == 6
