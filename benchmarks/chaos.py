@@ -55,12 +55,15 @@ def parse_args() -> tuple[ChaosConfig, argparse.Namespace]:
     parser.add_argument("--settle-s", type=float, default=default.settle_s)
     parser.add_argument("--fault-min-s", type=float, default=default.fault_min_s)
     parser.add_argument("--fault-max-s", type=float, default=default.fault_max_s)
+    parser.add_argument("--skip-fault", action="append", default=[],
+                        help="a fault kind never drawn, repeatable: kill_busy, put_layout, auto_on, "
+                        "auto_off, auto_off_mid_move, grace_past_timeout")
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="extra `pdserve serve` flag, repeatable (e.g. --serve-arg=--kv-cache-mib=64)")
     a = parser.parse_args()
     config = ChaosConfig(duration_s=a.duration_s, seed=a.seed, rate=a.rate, max_workers=a.max_workers,
                          state_bound_s=a.state_bound_s, settle_s=a.settle_s, fault_min_s=a.fault_min_s,
-                         fault_max_s=a.fault_max_s)
+                         fault_max_s=a.fault_max_s, skip_faults=tuple(a.skip_fault))
     return config, a
 
 

@@ -30,6 +30,7 @@ from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
 from benchmarks.chaoslib.log import ChaosLog
 from benchmarks.chaoslib.watch import PoolWatch
 
+# Of the fault kinds; ChaosConfig.skip_faults leaves some out.
 WEIGHTS = {"kill_busy": 0.3, "put_layout": 0.25, "auto_on": 0.08, "auto_off": 0.07,
            "auto_off_mid_move": 0.2, "grace_past_timeout": 0.1}
 ROLES = ("prefill", "decode", "mixed")
@@ -63,7 +64,8 @@ class FaultDriver:
             await asyncio.sleep(self.rng.uniform(self.config.fault_min_s, self.config.fault_max_s))
             if self.log.now() >= until_s:
                 return
-            kind = self.rng.choices(list(WEIGHTS), list(WEIGHTS.values()))[0]
+            kinds = [k for k in WEIGHTS if k not in self.config.skip_faults]
+            kind = self.rng.choices(kinds, [WEIGHTS[k] for k in kinds])[0]
             try:
                 if kind == "kill_busy":
                     await self.kill_busy()
@@ -140,7 +142,7 @@ class FaultDriver:
             self.watch.extra_bound_s = max(self._graces, default=0.0)
         answer: dict[str, Any] = response.json() if response.headers.get("content-type", "").startswith(
             "application/json") else {}
-        layout = {role: body[role] for role in ROLES if role in body}
+        layout = {role: int(body.get(role, 0)) for role in ROLES} if set(ROLES) & set(body) else {}
         row = self.log.event("put", fault=kind, body=body, status=response.status_code,
                              seconds=round(self.log.now() - sent, 2), error=answer.get("error"),
                              done=answer.get("done"))
@@ -174,12 +176,14 @@ class FaultDriver:
             num_workers = max(2, min(num_workers, self.config.max_workers))
             await self._put({"prefill": 1, "decode": num_workers - 1, "drain_grace_s": 0.0},
                              "auto_off_mid_move(setup)")
+        already = {w["worker_id"] for w in pools.get("workers", []) if w["state"] != "active"}
         await self._put({"auto": True}, "auto_off_mid_move(on)")
         caught: list[dict[str, Any]] = []
-        for _ in range(int(30 / 0.1)):
+        for _ in range(int(30 / 0.1)):  # a move of the controller's own: not a worker stuck from before
             pools = await self.watch.fetch_pools()
-            caught = [w for w in pools.get("workers", []) if w["state"] in ("changing_role", "draining")]
-            if caught or pools.get("change_in_progress"):
+            caught = [w for w in pools.get("workers", []) if w["worker_id"] not in already
+                      and w["state"] in ("changing_role", "draining")]
+            if caught:
                 break
             await asyncio.sleep(0.1)
         await self._put({"auto": False}, "auto_off_mid_move(off)")

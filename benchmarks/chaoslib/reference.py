@@ -42,7 +42,6 @@ def greedy_reference(model_dir: Path, prompts: list[tuple[int, ...]], num_tokens
                 tokens.append(int(step.logits[0, -1].argmax()))
                 if len(tokens) == num_tokens:
                     break
-                step = model(torch.tensor([[tokens[-1]]]), past_key_values=step.past_key_values,
-                             use_cache=True)
+                step = model(torch.tensor([[tokens[-1]]]), cache=step.cache, use_cache=True)
             out.append(GreedyPrompt(prompt, tuple(tokens)))
     return out

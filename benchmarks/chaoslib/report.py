@@ -72,12 +72,17 @@ def _md(summary: dict[str, Any]) -> str:
     if summary["put_errors"]:
         lines += ["## PUTs that stopped part way", ""]
         lines += [f"- t={e['t_s']} s {e['body']}: {e['error']}" for e in summary["put_errors"]] + [""]
-    lines += ["## Violations", ""]
+    lines += ["## Violations", "", "Each with the driver's actions before it (those not listed above).", ""]
+    shown: set[str] = set()
     for v in summary["violations"]:
         context = {k: x for k, x in v.items() if k not in ("t_s", "invariant", "detail", "recent_actions",
                                                              "workers", "worker")}
         lines.append(f"- t={v['t_s']} s **{v['invariant']}**: {v['detail']} {json.dumps(context)}")
         for action in v.get("recent_actions") or ():
+            key = json.dumps(action, sort_keys=True, default=str)
+            if key in shown:
+                continue
+            shown.add(key)
             lines.append(f"    - t={action['t_s']} s {action['kind']}: "
                          f"{json.dumps({k: x for k, x in action.items() if k not in ('t_s', 'kind')})[:300]}")
     return "\n".join(lines) + "\n"
