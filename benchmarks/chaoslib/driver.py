@@ -192,13 +192,13 @@ class FaultDriver:
                        caught=[(w["worker_id"], w["role"], w["state"], w.get("next_role")) for w in caught])
 
     async def finish(self, final_layout: dict[str, int]) -> int | None:
-        """Let the PUTs in flight answer, turn auto off, wait (up to state_bound_s) until every worker is
-        active, then set `final_layout` (retried while a change applies): the layout the end check expects."""
+        """Let the PUTs in flight answer, turn auto off, wait (up to state_bound_s) until no worker is
+        starting, then set `final_layout` (retried while a change applies): what the end check expects."""
         await asyncio.gather(*self._puts, return_exceptions=True)
         await self._put({"auto": False}, "final")
         for _ in range(int(self.config.state_bound_s)):  # a starting replacement would fail it (F2)
             pools = await self.watch.fetch_pools()
-            if all(w["state"] == "active" for w in pools.get("workers", [])):
+            if not any(w["state"] in ("pending", "starting") for w in pools.get("workers", [])):
                 break
             await asyncio.sleep(1.0)
         status = None
