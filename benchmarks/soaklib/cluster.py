@@ -53,7 +53,8 @@ class SoakSystem:
         # Worker ports away from Ray's default 10002-19999, which other Ray instances on this machine use.
         first_worker_port = random.Random().randrange(20000, 29000, 200)
         command = [str(BIN / "ray"), "start", "--head", "--block", "--port", str(self.ray_port),
-                   "--num-cpus", str(self.config.num_prefill + self.config.num_decode + 1),
+                   "--num-cpus", str(self.config.num_ray_cpus
+                                     or self.config.num_prefill + self.config.num_decode + 1),
                    "--temp-dir", str(self.work_dir / "ray"), "--include-dashboard=false",
                    "--disable-usage-stats", "--object-store-memory", str(512 << 20),
                    "--min-worker-port", str(first_worker_port),

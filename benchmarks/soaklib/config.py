@@ -22,3 +22,4 @@ class SoakConfig:
     settle_s: float  # how long to wait at the end for used KV blocks to reach 0
     seed: int
     serve_args: tuple[str, ...]  # extra `pdserve serve` flags
+    num_ray_cpus: int = 0  # CPUs the Ray head offers; 0: one per starting worker + 1

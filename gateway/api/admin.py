@@ -39,7 +39,8 @@ async def get_pools(request: Request) -> dict[str, object]:
     for worker in list(deployment.workers.values()):
         entry: dict[str, object] = {"worker_id": worker.worker_id, "role": worker.role.value,
                                     "state": worker.state.value,
-                                    "node_id": worker.node_id, "node_ip": worker.node_ip}  # None: pending
+                                    "node_id": worker.node_id, "node_ip": worker.node_ip,  # None: pending
+                                    "pid": worker.pid}
         if worker.next_role is not None:
             entry["next_role"] = worker.next_role.value
         if worker.runtime is not None:  # dtype, GEMM kernel, threads, cores, KV bytes per token

@@ -50,7 +50,7 @@ def actor_options(config: DeploymentConfig, role: Role, name: str) -> dict[str, 
 async def wait_placed(worker: Worker) -> None:
     """Wait, however long, until Ray has placed `worker`; then it is STARTING on a known node."""
     placement = await worker.client.placement()
-    worker.node_id, worker.node_ip = placement.node_id, placement.node_ip
+    worker.node_id, worker.node_ip, worker.pid = placement.node_id, placement.node_ip, placement.pid
     if worker.state is WorkerState.PENDING:
         transition(worker, WorkerState.STARTING)
 

@@ -64,6 +64,7 @@ class Worker:
     next_role: Role | None = None  # while CHANGING_ROLE
     node_id: str | None = None  # Ray node the worker was placed on (None while PENDING)
     node_ip: str | None = None  # that node's address
+    pid: int | None = None  # the actor's process on that node (None while PENDING)
     cpu_slot: int | None = None  # its slot among the live workers of its node: which cores it pins to
     runtime: WorkerRuntime | None = None  # dtype, GEMM kernel, threads and cores, as start() reported them
 

@@ -1,0 +1,119 @@
+"""Chaos benchmark (issue 19's acceptance run): a real `pdserve serve` under mixed traffic while a driver
+changes layouts, toggles the ratio controller (also mid-move), SIGKILLs busy workers and sets a drain grace
+past the drain timeout; invariants are checked throughout and at the end.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/chaos.py --duration-s 300 --out benchmarks/results/chaos
+
+A run, in order:
+  1. starts its own Ray head and `pdserve serve --address` on it (benchmarks/soaklib/cluster.py: its own
+     ports and temp dir), 1 prefill + 1 decode, nixl, float32, serving a tiny random Llama with SmolLM2's
+     tokenizer (--model default: SmolLM2 itself; --model DIR);
+  2. computes the greedy reference with transformers on the same model in float32;
+  3. runs benchmarks/chaoslib/run.py: --duration-s of Poisson traffic (short and long prompts, streamed and
+     not, greedy / sampled / chat, client cancellations, clients that stop reading mid-stream) and faults;
+  4. checks the invariants (benchmarks/chaoslib/: every request ends within its deadline with all its
+     tokens, greedy-identical, or a clear error; no worker outside `active` past its bound; the last
+     accepted layout reached; 0 KV blocks used once idle; the gateway's RSS flat);
+  5. writes summary.md, summary.json, requests.jsonl, events.jsonl, server.log and ray_head.log under --out,
+     prints summary.md, and stops only the processes it started.
+Exit status 1 when an invariant was violated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
+from benchmarks.chaoslib.report import write_report
+from benchmarks.chaoslib.run import run_chaos
+from benchmarks.soaklib.cluster import SoakSystem, prepare_model
+from benchmarks.soaklib.config import SoakConfig
+
+
+def parse_args() -> tuple[ChaosConfig, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    default = ChaosConfig()
+    parser.add_argument("--duration-s", type=float, default=default.duration_s)
+    parser.add_argument("--out", default="benchmarks/results/chaos")
+    parser.add_argument("--model", default=None,
+                        help="model dir, or 'default' (SmolLM2); default: tiny Llama")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers at start")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers at start")
+    parser.add_argument("--max-workers", type=int, default=default.max_workers,
+                        help="workers in a random layout, at most")
+    parser.add_argument("--rate", type=float, default=default.rate, help="requests/s (Poisson)")
+    parser.add_argument("--seed", type=int, default=default.seed)
+    parser.add_argument("--state-bound-s", type=float, default=default.state_bound_s,
+                        help="how long a worker may stay outside active (plus its change's grace)")
+    parser.add_argument("--settle-s", type=float, default=default.settle_s)
+    parser.add_argument("--fault-min-s", type=float, default=default.fault_min_s)
+    parser.add_argument("--fault-max-s", type=float, default=default.fault_max_s)
+    parser.add_argument("--skip-fault", action="append", default=[],
+                        help="a fault kind never drawn, repeatable: kill_busy, put_layout, auto_on, "
+                        "auto_off, auto_off_mid_move, grace_past_timeout")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="extra `pdserve serve` flag, repeatable (e.g. --serve-arg=--kv-cache-mib=64)")
+    a = parser.parse_args()
+    config = ChaosConfig(duration_s=a.duration_s, seed=a.seed, rate=a.rate, max_workers=a.max_workers,
+                         state_bound_s=a.state_bound_s, settle_s=a.settle_s, fault_min_s=a.fault_min_s,
+                         fault_max_s=a.fault_max_s, skip_faults=tuple(a.skip_fault))
+    return config, a
+
+
+def serve_args(config: ChaosConfig, is_tiny: bool) -> list[str]:
+    """float32 (greedy parity with transformers in batches), nixl (layouts change at runtime), and the
+    deadline policy the clients' hang bounds are computed from."""
+    args = ["--dtype", "float32", "--backend", "nixl", "--deadline-slack-s", str(config.deadline_slack_s),
+            "--deadline-prefill-s-per-token", str(config.deadline_prefill_s_per_token),
+            "--deadline-decode-s-per-token", str(config.deadline_decode_s_per_token)]
+    if is_tiny:  # prompts take several steps: workers are busy long enough to be caught busy
+        args += ["--kv-cache-mib", "8", "--max-num-batched-tokens", "64"]
+    return args
+
+
+def main() -> None:
+    config, a = parse_args()
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(tempfile.mkdtemp(prefix="pdchaos-", dir="/tmp"))
+    soak = SoakConfig(config.duration_s, out_dir, a.model, a.prefill, a.decode, config.rate, 0.0, 0.0, 0.0,
+                      5.0, 600.0, config.settle_s, config.seed,
+                      (*serve_args(config, a.model is None), *a.serve_arg),
+                      num_ray_cpus=config.max_workers + 2)  # room for replacements beside a full layout
+    system = SoakSystem(soak, work_dir)
+    try:
+        model_dir = prepare_model(a.model, work_dir)  # step 1
+        system.start_ray()
+        system.start_server(model_dir)
+        assert system.server is not None
+        own = {p.pid for p in system.processes()}
+
+        def owns(pid: int) -> bool:
+            """A process under this run's server or Ray head, now (workers start after `own` was taken)."""
+            return pid in own or pid in {p.pid for p in system.processes()}
+
+        target = ChaosTarget(system.url, model_dir, system.server.pid, owns)
+        result = asyncio.run(run_chaos(config, target))  # steps 2 to 4
+    except BaseException:
+        print(f"the chaos run failed; Ray's logs are kept in {work_dir / 'ray'}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        system.stop()
+    _, text = write_report(result, out_dir)  # step 5
+    print(text, flush=True)
+    if result.violations:
+        print(f"Ray's logs of this run are kept in {work_dir / 'ray'}", flush=True)
+        sys.exit(1)
+    shutil.rmtree(work_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,53 @@
+"""ChaosConfig, the settings of one chaos run, and ChaosTarget, the server it runs against."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    duration_s: float = 300.0  # seconds of traffic and faults
+    seed: int = 0
+    rate: float = 3.0  # requests/s, Poisson
+    cancel_fraction: float = 0.15  # clients that leave (before the first token, after some, or give up)
+    stall_fraction: float = 0.1  # streaming clients that stop reading for a while (then resume or leave)
+    greedy_fraction: float = 0.4  # requests compared token for token with transformers' greedy output
+    long_fraction: float = 0.25  # prompts of 300-700 tokens (else 4-64)
+    max_greedy_tokens: int = 96  # the reference's length; a greedy request asks for at most this many
+    num_greedy_prompts: int = 12
+    # Faults: one every [fault_min_s, fault_max_s]; the first busy-worker kill at first_kill_s.
+    fault_min_s: float = 3.0
+    fault_max_s: float = 9.0
+    first_kill_s: float = 8.0
+    skip_faults: tuple[str, ...] = ()  # fault kinds never drawn (driver.WEIGHTS), e.g. a known bug's trigger
+    max_workers: int = 3  # a random layout has 2..max_workers workers
+    drain_timeout_s: float = 300.0  # the resizer's drain timeout (gateway/ratio/resize.py PoolResizer)
+    # Bounds: a worker may stay outside `active` this long (plus the grace of the change moving it).
+    state_bound_s: float = 60.0
+    settle_s: float = 60.0  # at the end: for the layout, /health and 0 used KV blocks
+    hang_grace_s: float = 30.0  # a request still open this long past its server deadline is hung
+    watch_every_s: float = 0.5
+    # The server's deadline policy, as it was started (gateway/requests/deadlines.py's defaults).
+    deadline_slack_s: float = 60.0
+    deadline_prefill_s_per_token: float = 0.02
+    deadline_decode_s_per_token: float = 1.0
+    rss_growth_limit_mib: float | None = 256.0  # gateway RSS growth first → last sample; None: not checked
+    api_key: str | None = None  # Bearer key of /v1 and /metrics, when the server has one
+
+    def deadline_s(self, num_prompt_tokens: int, max_tokens: int) -> float:
+        """The server's bound on a request's last token after its arrival, plus the hang grace."""
+        return (2 * self.deadline_slack_s + num_prompt_tokens * self.deadline_prefill_s_per_token
+                + max_tokens * self.deadline_decode_s_per_token + self.hang_grace_s)
+
+
+@dataclass(frozen=True)
+class ChaosTarget:
+    """The server under test and the processes the run may touch."""
+
+    url: str
+    model_dir: Path  # for the greedy reference
+    gateway_pid: int  # whose RSS is sampled
+    owns: Callable[[int], bool]  # whether a pid belongs to this run's server (only those are ever killed)

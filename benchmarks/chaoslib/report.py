@@ -1,0 +1,100 @@
+"""The report of one chaos run: summary.json, summary.md, requests.jsonl and events.jsonl under --out.
+
+Results are files (and the slow test's asserts), never a figure to tune against.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.chaoslib.run import ChaosResult
+from benchmarks.chaoslib.traffic import record_row
+
+
+def summarize(result: ChaosResult) -> dict[str, Any]:
+    records = result.records
+    rss = [mib for _, mib in result.rss_mib]
+    return {
+        "model": result.model,
+        "config": {k: v for k, v in asdict(result.config).items() if k != "api_key"},
+        "requests": {
+            "total": len(records),
+            "by_outcome": dict(Counter(r.outcome for r in records)),
+            "by_kind_and_outcome": dict(Counter(f"{r.kind}/{'stream' if r.is_stream else 'whole'}/"
+                                                f"{r.behaviour}: {r.outcome}" for r in records)),
+            "errors_by_code": dict(Counter(r.error_code for r in records if r.outcome == "error")),
+            "greedy_checked": sum(r.kind == "greedy" and r.outcome in ("ok", "cancelled", "error")
+                                  for r in records),
+        },
+        "faults": result.faults,
+        "num_busy_kills": result.num_busy_kills,
+        "migrations": {"pdserve_migrations_total": result.counters.get("pdserve_migrations_total", 0),
+                       "stream_moves_seen_by_clients": sum(r.num_moves or 0 for r in records),
+                       "layout_moves_done": len(result.layout_moves)},
+        "expected_layout": result.expected_layout,
+        "put_errors": result.put_errors,
+        "end": {"settle_s": result.end["settle_s"], "problems": result.end["problems"],
+                "layout": {k: result.end["pools"].get(k) for k in ("prefill", "decode", "mixed", "status")}},
+        "gateway_rss_mib": {"first": rss[0] if rss else None, "last": rss[-1] if rss else None,
+                            "max": max(rss) if rss else None, "samples": len(rss)},
+        "server_counters": result.counters,
+        "violations_by_invariant": dict(Counter(v["invariant"] for v in result.violations)),
+        "violations": result.violations,
+    }
+
+
+def _md(summary: dict[str, Any]) -> str:
+    req, rss = summary["requests"], summary["gateway_rss_mib"]
+    lines = [f"# Chaos run: {summary['model']}, {summary['config']['duration_s']:g} s", "",
+             f"**Invariant violations: {len(summary['violations'])}** "
+             f"({', '.join(f'{k}: {n}' for k, n in summary['violations_by_invariant'].items()) or 'none'})",
+             "", "## Requests", "", f"{req['total']} requests; by outcome: "
+             + ", ".join(f"{k} {n}" for k, n in sorted(req["by_outcome"].items())), ""]
+    if req["errors_by_code"]:
+        lines += ["Clear errors by code: " + ", ".join(f"`{k}` {n}" for k, n in sorted(
+            req["errors_by_code"].items())), ""]
+    lines += ["## Faults injected", "", "| fault:result | count |", "|---|---:|"]
+    lines += [f"| {k} | {n} |" for k, n in sorted(summary["faults"].items())]
+    mig = summary["migrations"]
+    lines += ["", "## Moves", "", f"- failure migrations (pdserve_migrations_total): "
+              f"{mig['pdserve_migrations_total']:g}",
+              f"- stream moves the clients saw (timings.num_moves): {mig['stream_moves_seen_by_clients']}",
+              f"- layout moves done by PUTs: {mig['layout_moves_done']}", "",
+              "## End state", "", f"- expected layout {summary['expected_layout']}, reached "
+              f"{summary['end']['layout']} after {summary['end']['settle_s']} s",
+              f"- gateway RSS MiB first / last / max: {rss['first']:.0f} / {rss['last']:.0f} / "
+              f"{rss['max']:.0f}"
+              if rss["first"] is not None else "- gateway RSS: not sampled", ""]
+    if summary["put_errors"]:
+        lines += ["## PUTs that stopped part way", ""]
+        lines += [f"- t={e['t_s']} s {e['body']}: {e['error']}" for e in summary["put_errors"]] + [""]
+    lines += ["## Violations", "", "Each with the driver's actions before it (those not listed above).", ""]
+    shown: set[str] = set()
+    for v in summary["violations"]:
+        context = {k: x for k, x in v.items() if k not in ("t_s", "invariant", "detail", "recent_actions",
+                                                             "workers", "worker")}
+        lines.append(f"- t={v['t_s']} s **{v['invariant']}**: {v['detail']} {json.dumps(context)}")
+        for action in v.get("recent_actions") or ():
+            key = json.dumps(action, sort_keys=True, default=str)
+            if key in shown:
+                continue
+            shown.add(key)
+            lines.append(f"    - t={action['t_s']} s {action['kind']}: "
+                         f"{json.dumps({k: x for k, x in action.items() if k not in ('t_s', 'kind')})[:300]}")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(result: ChaosResult, out_dir: Path) -> tuple[dict[str, Any], str]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(result)
+    text = _md(summary)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out_dir / "summary.md").write_text(text)
+    (out_dir / "requests.jsonl").write_text("".join(record_row(r) + "\n" for r in result.records))
+    events = "".join(json.dumps(e, default=str) + "\n" for e in result.log.events)
+    (out_dir / "events.jsonl").write_text(events)
+    return summary, text

@@ -1,0 +1,170 @@
+"""run_chaos(): the whole run against a server that is already up (benchmarks/chaos.py, the slow test).
+
+  1. the greedy reference (transformers, float32) and the request mix;
+  2. for duration_s: every request on its own client, the FaultDriver's faults, the PoolWatch's looks;
+  3. the driver's PUTs answer, auto goes off and the starting layout is set again (the last accepted
+     target); every request ends (each within its deadline + hang_grace_s);
+  4. end checks, for up to settle_s: the layout is the last accepted target, every worker active, /health
+     "ok", no change in progress, 0 KV blocks used and nothing running, waiting or moving on any worker;
+  5. the gateway's counters (/metrics) → ChaosResult.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
+from benchmarks.chaoslib.driver import ROLES, FaultDriver
+from benchmarks.chaoslib.log import ChaosLog
+from benchmarks.chaoslib.reference import greedy_prompts, greedy_reference
+from benchmarks.chaoslib.traffic import ChaosRecord, build_specs, send
+from benchmarks.chaoslib.watch import PoolWatch
+
+
+@dataclass
+class ChaosResult:
+    config: ChaosConfig
+    model: str
+    records: list[ChaosRecord]
+    log: ChaosLog  # events and violations
+    faults: dict[str, int]
+    put_errors: list[dict[str, Any]]  # PUTs answered 200 with an error: the plan stopped part way
+    expected_layout: dict[str, int] | None  # the last accepted target
+    end: dict[str, Any]  # the end checks: what /admin/pools showed, how long the settle took
+    rss_mib: list[tuple[float, float]]  # the gateway's (t_s, RSS)
+    counters: dict[str, float] = field(default_factory=dict)  # /metrics at the end
+
+    @property
+    def violations(self) -> list[dict[str, Any]]:
+        return self.log.violations
+
+    @property
+    def num_busy_kills(self) -> int:
+        return sum(n for kind, n in self.faults.items()
+                   if kind.startswith("kill_busy:") and "skipped" not in kind)
+
+    @property
+    def num_migrations(self) -> int:
+        """Streams moved off a decode worker: on failures (pdserve_migrations_total), or as the clients saw
+        them (timings.num_moves: failures, role changes and drains)."""
+        return max(int(self.counters.get("pdserve_migrations_total", 0)),
+                   sum(r.num_moves or 0 for r in self.records))
+
+    @property
+    def layout_moves(self) -> list[str]:
+        """What the PUTs' answers say was done: workers added, drained, changed role."""
+        return [done for e in self.log.events if e["kind"] == "put" for done in e.get("done") or ()]
+
+
+def _layout(pools: dict[str, Any]) -> dict[str, int]:
+    return {role: int(pools.get(role, 0)) for role in ROLES}
+
+
+async def end_checks(config: ChaosConfig, watch: PoolWatch, log: ChaosLog,
+                     expected: dict[str, int] | None) -> dict[str, Any]:
+    started = log.now()
+    problems: dict[str, str] = {}
+    pools: dict[str, Any] = {}
+    while True:
+        problems = {}
+        try:
+            pools = await watch.fetch_pools()
+            health = (await watch.client.get("/health", timeout=15)).json().get("status")
+        except (httpx.HTTPError, ValueError) as error:
+            problems["admin_answers"] = f"/admin/pools or /health: {type(error).__name__}: {error}"
+        else:
+            workers = pools.get("workers", [])
+            if expected is not None and _layout(pools) != expected:
+                problems["layout_reached"] = (f"active layout {_layout(pools)}, target "
+                                              f"{pools.get('target')}, last accepted {expected}")
+            if [w for w in workers if w["state"] != "active"]:
+                problems["worker_back_to_active"] = "; ".join(
+                    f"{w['worker_id']} {w['role']} {w['state']} (next {w.get('next_role')})"
+                    for w in workers if w["state"] != "active")
+            if health != "ok":
+                problems["health_ok"] = f"/health says {health!r}"
+            if pools.get("change_in_progress"):
+                problems["no_change_stuck"] = f"change in progress: {pools['change_in_progress']}"
+            held = [w for w in workers if w.get("used_kv_blocks") or w.get("running_requests")
+                    or w.get("waiting_requests") or w.get("transferring")]
+            if held:
+                problems["kv_freed"] = "; ".join(
+                    f"{w['worker_id']} used_kv_blocks={w.get('used_kv_blocks')} running="
+                    f"{w.get('running_requests')} waiting={w.get('waiting_requests')} transferring="
+                    f"{w.get('transferring')}" for w in held)
+        if not problems or log.now() - started > config.settle_s:
+            break
+        await asyncio.sleep(1.0)
+    for invariant, detail in problems.items():
+        log.violate(invariant, f"after {log.now() - started:.0f} s of settling: {detail}",
+                    pools_status=pools.get("status"), auto=pools.get("auto"), target=pools.get("target"),
+                    workers=pools.get("workers"), recent_actions=log.recent(120.0))
+    return {"settle_s": round(log.now() - started, 2), "pools": pools, "problems": problems}
+
+
+def server_counters(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = ("pdserve_requests_total", "pdserve_request_errors_total", "pdserve_migrations_total")
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                labels = ",".join(f"{k}={v}" for k, v in sample.labels.items())
+                counters[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return counters
+
+
+async def run_chaos(config: ChaosConfig, target: ChaosTarget) -> ChaosResult:
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=target.url, timeout=None, limits=limits, headers=headers) as client:
+        listed = (await client.get("/v1/models", timeout=30)).json()["data"][0]
+        model, max_model_len = listed["id"], int(listed.get("max_model_len") or 2048)
+        vocab_size = int(json.loads((target.model_dir / "config.json").read_text())["vocab_size"])
+        rng = random.Random(config.seed)
+        prompts = greedy_prompts(rng, vocab_size, config.num_greedy_prompts, config.long_fraction,
+                                 max_model_len - config.max_greedy_tokens - 8)
+        pool = await asyncio.to_thread(greedy_reference, target.model_dir, prompts, config.max_greedy_tokens)
+        specs = build_specs(config, pool, vocab_size, max_model_len)
+        log = ChaosLog()
+        watch = PoolWatch(config, target, client, log)
+        initial = _layout(await watch.fetch_pools())
+        driver = FaultDriver(config, target, client, log, watch, random.Random(config.seed + 1))
+        log.event("start", layout=initial, num_requests=len(specs))
+        watching = asyncio.create_task(watch.watch_forever())
+        in_flight = [0]
+        sending = [asyncio.create_task(send(client, s, model, log.start, config, in_flight)) for s in specs]
+        try:
+            await driver.drive(until_s=config.duration_s)
+        except Exception as error:  # report what the run saw rather than lose it
+            log.event("driver_failed", error=f"{type(error).__name__}: {error}")
+        log.event("faults_end", in_flight=in_flight[0])
+        await driver.finish(initial)
+        records = list(await asyncio.gather(*sending))
+        log.event("traffic_end")
+        end = await end_checks(config, watch, log, driver.last_accepted)
+        watching.cancel()
+        watch.sample_rss()
+        try:
+            counters = server_counters((await client.get("/metrics", timeout=30)).text)
+        except httpx.HTTPError:
+            counters = {}
+    for record in records:
+        for why in record.violations:
+            log.violate("request_ends_clean", why, request=record.index, kind=record.kind,
+                        stream=record.is_stream, behaviour=record.behaviour, sent_s=round(record.sent_s, 2),
+                        ended_s=round(record.ended_s, 2), error_code=record.error_code)
+    if config.rss_growth_limit_mib is not None and watch.rss_mib:
+        first, last = watch.rss_mib[0][1], watch.rss_mib[-1][1]
+        if last - first > config.rss_growth_limit_mib:
+            log.violate("gateway_rss_flat", f"gateway RSS {first:.0f} → {last:.0f} MiB "
+                        f"(> {config.rss_growth_limit_mib:g} MiB growth)")
+    return ChaosResult(config, model, records, log, dict(driver.faults), driver.put_errors,
+                       driver.last_accepted, end, watch.rss_mib, counters)

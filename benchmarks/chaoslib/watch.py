@@ -1,0 +1,113 @@
+"""PoolWatch: GET /admin/pools and /health every watch_every_s, the gateway's RSS every rss_every_s.
+
+Invariants it checks while the run goes on:
+  - no worker stays outside `active` (starting, pending, draining, changing_role, failed) longer than
+    state_bound_s plus the grace of the change that moved it (at most the drain timeout);
+  - /admin/pools answers (unreachable for longer than state_bound_s is a violation).
+It also keeps the latest /admin/pools body for the driver (which workers are busy, their pids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import psutil
+
+from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
+from benchmarks.chaoslib.log import ChaosLog
+
+
+@dataclass
+class PoolWatch:
+    config: ChaosConfig
+    target: ChaosTarget
+    client: httpx.AsyncClient
+    log: ChaosLog
+    pools: dict[str, Any] = field(default_factory=dict)  # the latest GET /admin/pools body
+    extra_bound_s: float = 0.0  # the grace of the layout change applying now (set by the driver)
+    rss_mib: list[tuple[float, float]] = field(default_factory=list)  # (t_s, gateway RSS)
+    health: str = ""
+    _outside: dict[str, dict[str, Any]] = field(default_factory=dict)  # worker id → its time outside active
+    _unreachable_since: float | None = None
+
+    async def fetch_pools(self) -> dict[str, Any]:
+        response = await self.client.get("/admin/pools", timeout=15)
+        response.raise_for_status()
+        self.pools = dict(response.json())
+        return self.pools
+
+    async def watch_forever(self, rss_every_s: float = 2.0) -> None:
+        next_rss = 0.0
+        while True:
+            if self.log.now() >= next_rss:
+                self.sample_rss()
+                next_rss = self.log.now() + rss_every_s
+            try:
+                await self.look()
+            except Exception as error:  # one missed look must not end the watch
+                self.log.event("watch_error", error=f"{type(error).__name__}: {error}")
+            await asyncio.sleep(self.config.watch_every_s)
+
+    def sample_rss(self) -> None:
+        try:
+            rss = psutil.Process(self.target.gateway_pid).memory_info().rss
+            self.rss_mib.append((self.log.now(), rss / 2**20))
+        except psutil.NoSuchProcess:
+            self.log.violate("gateway_alive", "the gateway process is gone")
+
+    async def look(self) -> None:
+        try:
+            pools = await self.fetch_pools()
+            status = (await self.client.get("/health", timeout=15)).json().get("status", "?")
+        except (httpx.HTTPError, ValueError) as error:
+            now = self.log.now()
+            self._unreachable_since = self._unreachable_since if self._unreachable_since is not None else now
+            if now - self._unreachable_since > self.config.state_bound_s:
+                self.log.violate("admin_answers", f"/admin/pools or /health unanswered for "
+                                 f"{now - self._unreachable_since:.0f} s: {type(error).__name__}")
+                self._unreachable_since = now
+            return
+        self._unreachable_since = None
+        if status != self.health:
+            self.log.event("health", status=status)
+            self.health = status
+        self.check_states(pools)
+
+    def check_states(self, pools: dict[str, Any]) -> None:
+        now, seen = self.log.now(), set()
+        bound_s = self.config.state_bound_s + min(self.extra_bound_s, self.config.drain_timeout_s)
+        for worker in pools.get("workers", []):
+            worker_id, state = worker["worker_id"], worker["state"]
+            seen.add(worker_id)
+            episode = self._outside.get(worker_id)
+            if state == "active":
+                if episode is not None:
+                    self.log.event("state", worker_id=worker_id, state="active",
+                                   after_s=round(now - episode["since"], 2), was=episode["states"])
+                    del self._outside[worker_id]
+                continue
+            if episode is None:
+                episode = self._outside[worker_id] = {"since": now, "states": [], "reported": False}
+            if not episode["states"] or episode["states"][-1] != state:
+                episode["states"].append(state)
+                self.log.event("state", worker_id=worker_id, state=state, role=worker.get("role"),
+                               next_role=worker.get("next_role"))
+            if not episode["reported"] and now - episode["since"] > bound_s:
+                episode["reported"] = True
+                self.log.violate(
+                    "worker_back_to_active",
+                    f"{worker_id} ({worker.get('role')}, next {worker.get('next_role')}) outside active "
+                    f"({' → '.join(episode['states'])}) for {now - episode['since']:.0f} s > {bound_s:.0f} s",
+                    worker=worker, since_s=round(episode["since"], 2), pools_status=pools.get("status"),
+                    change_in_progress=pools.get("change_in_progress"), auto=pools.get("auto"),
+                    recent_actions=self.log.recent(60.0))
+        for worker_id in set(self._outside) - seen:  # drained away or replaced: the episode ends
+            episode = self._outside.pop(worker_id)
+            self.log.event("state", worker_id=worker_id, state="gone",
+                           after_s=round(now - episode["since"], 2), was=episode["states"])
+
+    def stuck_now(self) -> list[str]:
+        return sorted(self._outside)
