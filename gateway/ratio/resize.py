@@ -142,6 +142,16 @@ class PoolResizer:
             raise ResizeConflict("this server was started with only mixed workers and no KV transfer "
                                  "backend; serve with --backend nixl to add prefill or decode workers")
         moves = plan_moves(self.deployment.target, target)
+        # The target counts workers still starting (a failed one's replacement, a PENDING one), but a role
+        # change or a drain needs an ACTIVE worker of the role it takes from: refuse now rather than stop
+        # part way through the plan.
+        for role in Role:
+            needed = sum((m.action == "drain" and m.role is role) or m.from_role is role for m in moves)
+            active = len(self.deployment.active(role))
+            if needed > active:
+                raise ResizeConflict(f"the layout moves {needed} {role.value} worker(s) but only {active} "
+                                     f"{'is' if active == 1 else 'are'} active (the others are starting or "
+                                     "being replaced); try again when GET /health says ok")
         num_added = sum(move.action == "add" for move in moves)
         cpus = num_added * self.deployment.config.num_cpus_per_worker
         available = ray.available_resources().get("CPU", 0.0)

@@ -20,7 +20,7 @@ from gateway.fleet.deployment import DeploymentConfig, PDDeployment
 from gateway.fleet.worker_errors import SubmissionRefused
 from gateway.fleet.workers import Worker, WorkerState
 from gateway.ratio.controller import ControllerPolicy, RatioController
-from gateway.ratio.resize import Move, PoolResizer
+from gateway.ratio.resize import Move, PoolLayout, PoolResizer, ResizeConflict
 from gateway.requests.orchestrator import StreamEvent, run_request
 from gateway.requests.router import Router
 from gateway.telemetry.metrics import Metrics
@@ -308,3 +308,22 @@ def test_turning_auto_off_mid_change_strands_no_worker(tiny_llama_dir: Path) -> 
     assert not result["busy"]
     assert [len(tokens(e)) for e in result["served"]] == [6, 120, 120]
     assert len(tokens(result["after"])) == 6
+
+
+def test_a_layout_that_moves_a_worker_still_starting_is_refused_before_anything_moves(
+        tiny_llama_dir: Path) -> None:
+    """The target counts a decode worker that is not placed yet (PENDING); a layout whose plan changes that
+    decode worker's role is refused (409) up front, instead of stopping part way with "no active decode
+    worker" after earlier moves ran."""
+    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+        resizer = PoolResizer(deployment, router)
+        before = dict(deployment.target)
+        with pytest.raises(ResizeConflict, match="decode worker"):
+            resizer.check(PoolLayout(prefill=2, mixed=1))
+        moves = resizer.check(PoolLayout(prefill=1, decode=1, mixed=2))  # adds only: fine
+        return {"before": before, "after": dict(deployment.target), "moves": [m.action for m in moves]}
+
+    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=1, num_mixed=1,
+                             role_resources={Role.DECODE: {"pdserve_nowhere": 1}})
+    assert result["before"] == result["after"]
+    assert result["moves"] == ["add"]
