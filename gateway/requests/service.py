@@ -105,7 +105,7 @@ class GatewayService:
         prefilled_by = ""
         outcome = "abort"
         deadlines = self.deadline_policy.for_request(
-            prepared.arrival, len(prepared.prompt_token_ids), prepared.sampling.max_tokens
+            prepared.arrival, len(prepared.prompt_token_ids), prepared.sampling.max_tokens, admitted
         )
         for hook in self.on_prompt:
             hook(len(prepared.prompt_token_ids))
