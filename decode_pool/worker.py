@@ -21,8 +21,9 @@ Lifecycle of a request on this worker:
     ends; the worker holds work (num_requests) until then.
     Whenever a handle will not be pulled (aborted before its pull, pull FAILED), release_source() tells the
     prefill side at once, so its blocks do not wait for the lease to end.
-    fail() (the step loop died) ends every request here with finish_reason "error"; later submissions raise
-    WorkerFailed, and the gateway migrates the streams to another decode worker.
+    fail() (the step loop died) ends every request here with finish_reason "error" (those in the batch of the
+    step that raised marked in_failed_step); later submissions raise WorkerFailed, and the gateway migrates
+    the streams to another decode worker.
 Only the step loop's thread touches the engine; the receiver is shared with the PullWatcher's thread under
 its lock; other threads use the inbox, and load() returns the snapshot the loop thread published after its
 last step.
@@ -98,6 +99,7 @@ class DecodeWorker:
         self._entries: dict[str, _Entry] = {}
         self._awaiting_blocks: collections.deque[str] = collections.deque()
         self._transferring: dict[tuple[str, int], str] = {}
+        self._in_step: tuple[str, ...] = ()  # the requests of the forward under way (suspects if it raises)
         self._load = self._snapshot()
 
     # Called from any thread.
@@ -155,10 +157,13 @@ class DecodeWorker:
         for request, on_output, _ in arriving:
             self._release_unpulled(request, "the decode worker failed")
             on_output(DecodeOutput(request.request_id, (), (), now, finish_reason="error", error=message))
+        suspects = set(self._in_step)
         for request_id, entry in list(self._entries.items()):
             if entry.transfer_finished is None:
                 self._release_unpulled(entry.request, "the decode worker failed")
-            self._finish(request_id, "error", now, error=message)
+            self._finish(request_id, "error", now, DecodeOutput(
+                request_id, (), (), now, finish_reason="error", error=message,
+                in_failed_step=request_id in suspects))
         self._load = dataclasses.replace(self._load, failure=self.failure)
         self.on_step_end()
 
@@ -181,10 +186,12 @@ class DecodeWorker:
         scheduler = self.engine.scheduler
         batch = scheduler.schedule() if scheduler.num_unfinished else None
         if batch is not None and batch.chunks:
+            self._in_step = tuple(chunk.request_id for chunk in batch.chunks)
             output = self.engine.runner.execute(batch)
             now = time.time()
             for request in scheduler.update(batch, output):
                 self._emit(request, now)
+            self._in_step = ()
             self._load = self._snapshot()
             return 0.0
         self._load = self._snapshot()

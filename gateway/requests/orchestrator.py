@@ -10,7 +10,8 @@ Failures (a worker's actor died, its step loop died, or it answered with finish_
     PREFILL: the worker is marked failed and the request retried once on another prefill worker.
     DECODE:  the worker is marked failed; the request migrates to another decode worker with the tokens the
              client already has (that worker recomputes prompt + those tokens), and the stream goes on
-             without a duplicate or missing token. Up to MAX_MIGRATIONS times.
+             without a duplicate or missing token. Up to MAX_MIGRATIONS times, and at most once after a
+             failed step that computed it (it may be what breaks the steps: MAX_FAILED_STEPS).
     With no live worker of the role needed (1P+1D), it waits for the replacement the pool starts, until the
     stage's deadline; then, and whenever a deadline passes, it raises RequestFailed (a clear error).
 Evacuation (a decode or mixed worker changing role or leaving hands its requests back, finish "migrate"):
@@ -45,6 +46,9 @@ from prefill_pool.messages import PrefillRequest, PrefillResult
 T = TypeVar("T")
 MAX_PREFILL_ATTEMPTS = 2  # the first try and one retry on another worker
 MAX_MIGRATIONS = 3  # decode workers a request may move across before it ends with an error
+# Workers a request may see fail in a step that computed it: a request that broke one worker's forward may
+# be what breaks every forward it is in (a "query of death"): it gets one more worker, then an error.
+MAX_FAILED_STEPS = 2
 WORKER_POLL_S = 0.1  # while waiting for a replacement worker
 
 
@@ -58,6 +62,10 @@ class RequestFailed(Exception):
 
 class _WorkerLost(Exception):
     """A worker failed while holding this request (internal: triggers a retry or a migration)."""
+
+    def __init__(self, message: str, in_failed_step: bool = False) -> None:
+        super().__init__(message)
+        self.in_failed_step = in_failed_step  # the request was in the batch whose step raised
 
 
 class _Evacuated(Exception):
@@ -113,6 +121,7 @@ class RequestRun:
         self.generated: list[int] = []  # every token the client has been sent
         self.num_migrations = 0  # moves forced by failed decode workers
         self.num_moves = 0  # moves because a decode worker changed role or left (not failures)
+        self.num_failed_steps = 0  # decode workers whose failing step had this request in its batch
         self.local_prefill_reason = ""  # why the decode worker prefilled the prompt; empty: the prefill pool
 
     async def events(self) -> AsyncGenerator[StreamEvent, None]:
@@ -226,6 +235,10 @@ class RequestRun:
                 return
             except _WorkerLost as lost:
                 self.deployment.mark_failed(decode.worker_id, str(lost))
+                self.num_failed_steps += lost.in_failed_step
+                if self.num_failed_steps >= MAX_FAILED_STEPS:
+                    raise RequestFailed(f"generation stopped: the step computing this request failed on "
+                                        f"{self.num_failed_steps} decode workers", "worker_failed") from None
                 if self.num_migrations >= MAX_MIGRATIONS:
                     raise RequestFailed(f"generation stopped: {self.num_migrations + 1} decode workers "
                                         "failed while serving this request", "worker_failed") from None
@@ -259,7 +272,7 @@ class RequestRun:
             while not is_finished:
                 output = await self._call_worker(outputs.next())
                 if output.finish_reason == "error":
-                    raise _WorkerLost(output.error or "decode worker failed")
+                    raise _WorkerLost(output.error or "decode worker failed", output.in_failed_step)
                 is_evacuated = output.finish_reason == "migrate"
                 is_finished = output.finish_reason is not None  # evacuated: the worker let go of it too
                 self.generated.extend(output.token_ids)

@@ -29,6 +29,19 @@ def raise_in_next_step(actor: Any) -> None:
     actor.worker.engine.runner.execute = broken
 
 
+def raise_in_steps_with_seed(actor: Any, seed: int) -> None:
+    """A query of death: every step whose batch holds a request sampled with `seed` raises."""
+    runner = actor.worker.engine.runner
+    execute = runner.execute  # slow_steps' wrapper, if installed first
+
+    def broken(batch: Any) -> Any:
+        if any(c.sampling is not None and c.sampling.seed == seed for c in batch.chunks):
+            raise RuntimeError("injected fault: this request breaks every forward it is in")
+        return execute(batch)
+
+    runner.execute = broken
+
+
 def fail_pulls(actor: Any) -> None:
     actor.worker.receiver._start = lambda pull, peer: pull.fail("injected fault: the transfer was dropped")
 

@@ -179,6 +179,31 @@ def test_decode_step_loop_that_raises_fails_over_every_request(
     assert broken not in active_workers(client)
 
 
+def test_a_query_of_death_costs_at_most_one_more_worker_and_other_streams_survive(
+        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    decodes = active_workers(client, "decode")
+    for decode in decodes:
+        with_actor(decode, faults.slow_steps, 0.03)
+        with_actor(decode, faults.raise_in_steps_with_seed, 4242)  # on every decode worker there is
+    prompt = random_prompts([30], VOCAB, seed=24)[0]
+    other = in_thread(lambda: complete(client, prompt, 60))
+    wait_for(lambda: any(worker_load(client, w)["running_requests"] for w in decodes))
+    # Picked for the idle decode worker: it breaks that one; moved to the other, it breaks it too (taking
+    # the other stream down with it); then it ends with an error instead of moving on to a third.
+    deadly = {"model": MODEL, "prompt": random_prompts([20], VOCAB, seed=25)[0], "max_tokens": 20,
+              "temperature": 0, "seed": 4242}
+    response = client.post("/v1/completions", json=deadly)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "worker_failed"
+    assert "failed on 2 decode workers" in response.json()["error"]["message"]
+    survivor = other()
+    assert survivor.status_code == 200, survivor.text
+    assert survivor.json()["choices"][0]["token_ids"] == hf_greedy(tiny_chat_model_dir, [prompt], 60)[0]
+    assert survivor.json()["timings"]["num_moves"] == 1  # moved once, to a replacement
+    wait_for_health(client, "ok", timeout_s=90)
+    assert not set(decodes) & set(active_workers(client))
+
+
 def test_prefill_step_loop_that_raises_is_retried(client: httpx.Client, tiny_chat_model_dir: Path) -> None:
     [prefill] = active_workers(client, "prefill")
     with_actor(prefill, faults.raise_in_next_step)
