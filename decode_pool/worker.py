@@ -16,6 +16,7 @@ Lifecycle of a request on this worker:
     blocks are freed when the pull ends (at the next step when cancelled).
     evacuate() ends every request here as abort() does, but with finish_reason "migrate": the gateway
     continues each on another worker from the tokens the client has (a worker changing role leaves now).
+    A request still AWAITING_BLOCKS goes back with its handle unused, so the next worker pulls its KV.
     With a migration sender, a RUNNING stream's blocks are kept and offered instead (decode_pool.migration):
     its last output carries the KVHandle, the next worker pulls it, and the blocks are freed when its lease
     ends; the worker holds work (num_requests) until then.
@@ -334,8 +335,20 @@ class DecodeWorker:
 
     def _evacuate(self) -> None:
         for request_id in list(self._entries):
-            if not self._offer_for_migration(request_id):
+            if not (self._hand_back_unpulled(request_id) or self._offer_for_migration(request_id)):
                 self._abort(request_id, "migrate")
+
+    def _hand_back_unpulled(self, request_id: str) -> bool:
+        """Hand a request whose pull has not started back with its handle, unused: the next worker pulls the
+        KV from where it is (the prefill worker) instead of recomputing it. False: its pull has started."""
+        if request_id not in self._awaiting_blocks:
+            return False
+        self._awaiting_blocks.remove(request_id)
+        handle = self._entries[request_id].request.kv_handle
+        now = time.time()
+        self._finish(request_id, "migrate", now,
+                     DecodeOutput(request_id, (), (), now, finish_reason="migrate", kv_handle=handle))
+        return True
 
     def _offer_for_migration(self, request_id: str) -> bool:
         """Hand a running stream back with its KV offered (see the lifecycle); False: not possible here."""

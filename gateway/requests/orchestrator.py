@@ -16,7 +16,8 @@ Failures (a worker's actor died, its step loop died, or it answered with finish_
     stage's deadline; then, and whenever a deadline passes, it raises RequestFailed (a clear error).
 Evacuation (a decode or mixed worker changing role or leaving hands its requests back, finish "migrate"):
     the stream moves the same way, without marking the worker failed, and where the worker offers the
-    stream's KV (kv_handle on its last output, nixl) the next worker pulls it instead of recomputing it;
+    stream's KV (kv_handle on its last output: its own, nixl, or the prefill worker's when the pull had not
+    started) the next worker pulls it instead of recomputing it;
     a request with no token yet is routed again from the start (to the prefill pool, if the new layout has
     one).
 Leaving the stream early (client gone, error) aborts the request on whichever workers hold it, and tells the
@@ -250,12 +251,15 @@ class RequestRun:
                 handle = evacuated.kv_handle
             # Continue elsewhere from what the client has: the new worker pulls the KV of prompt + those
             # tokens from the evacuated worker, or recomputes it (no handle: that worker failed).
-            left = decode
             try:
                 decode = await self._wait_for_worker("decode", self.deadlines.finish_by, {decode.worker_id})
             except BaseException:
-                if handle is not None:  # nobody will pull it: the evacuated worker may free it now
-                    left.actor.release_kv.remote(handle.transfer_id, "the request found no worker to move to")
+                if handle is not None:  # nobody will pull it: its holder may free it now
+                    # (the worker left, or the prefill worker when the handoff had not been pulled yet)
+                    holder = self.deployment.workers.get(handle.source_worker_id)
+                    if holder is not None:
+                        holder.actor.release_kv.remote(handle.transfer_id,
+                                                       "the request found no worker to move to")
                 raise
             request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
                                     generated_token_ids=tuple(self.generated), kv_handle=handle)

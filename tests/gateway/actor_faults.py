@@ -42,6 +42,28 @@ def raise_in_steps_with_seed(actor: Any, seed: int) -> None:
     runner.execute = broken
 
 
+def hold_steps(actor: Any) -> None:
+    """Every step waits at a gate until release_steps() (the step loop stops; commands queue in the inbox)."""
+    import threading
+
+    runner = actor.worker.engine.runner
+    execute = type(runner).execute
+    gate = actor.__dict__.setdefault("fault_gate", threading.Event())
+    gate.clear()
+
+    def held(batch: Any) -> Any:
+        gate.wait(60)
+        return execute(runner, batch)
+
+    runner.execute = held
+
+
+def release_steps(actor: Any) -> None:
+    gate = actor.__dict__.get("fault_gate")
+    if gate is not None:
+        gate.set()
+
+
 def fail_pulls(actor: Any) -> None:
     actor.worker.receiver._start = lambda pull, peer: pull.fail("injected fault: the transfer was dropped")
 
@@ -67,6 +89,7 @@ def lose_releases_and_shorten_leases(actor: Any) -> None:
 
 
 def heal(actor: Any) -> None:
+    release_steps(actor)
     actor.worker.engine.runner.__dict__.pop("execute", None)
     actor.worker.__dict__.pop("release", None)
     receiver = getattr(actor.worker, "receiver", None)

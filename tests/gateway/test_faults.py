@@ -204,6 +204,39 @@ def test_a_query_of_death_costs_at_most_one_more_worker_and_other_streams_surviv
     assert not set(decodes) & set(active_workers(client))
 
 
+def test_evacuation_hands_an_unpulled_handoff_on_to_be_pulled_not_recomputed(
+        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    decodes = active_workers(client, "decode")
+    streams = random_prompts([16, 18], VOCAB, seed=26)
+    # A stream on each decode worker, each held in a step: what reaches a worker now waits in its inbox.
+    for decode in decodes:
+        with_actor(decode, faults.hold_steps)
+    joins = []
+    for num_started, stream in enumerate(streams, 1):  # one after the other: each to the idle worker
+        joins.append(in_thread(lambda p=stream: complete(client, p, 8)))  # type: ignore[misc]
+        wait_for(lambda n=num_started: sum(worker_load(client, w)["requests"] for w in decodes) == n,
+                 state=lambda: client.get("/admin/pools").json())
+    assert all(worker_load(client, w)["requests"] == 1 for w in decodes)
+    prompt = random_prompts([50], VOCAB, seed=27)[0]
+    handed_off = in_thread(lambda: complete(client, prompt, 8))
+    wait_for(lambda: sum(worker_load(client, w)["requests"] for w in decodes) == 3,
+             state=lambda: client.get("/admin/pools").json())  # its handoff reached a decode worker
+    [holder] = [w for w in decodes if worker_load(client, w)["requests"] == 2]
+    evacuate = ray.get_actor(f"pdserve-{holder}").evacuate.remote()  # queued after the handoff
+    ray.get(evacuate)
+    for decode in decodes:
+        with_actor(decode, faults.release_steps)
+    response = handed_off()
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["choices"][0]["token_ids"] == hf_greedy(tiny_chat_model_dir, [prompt], 8)[0]
+    assert data["timings"]["num_moves"] == 1
+    assert data["timings"]["transfer_bytes"] > 0  # pulled from the prefill worker by the next decode worker
+    assert data["timings"]["prefill_on"] == "prefill"
+    expected = hf_greedy(tiny_chat_model_dir, streams, 8)
+    assert [join().json()["choices"][0]["token_ids"] for join in joins] == expected
+
+
 def test_prefill_step_loop_that_raises_is_retried(client: httpx.Client, tiny_chat_model_dir: Path) -> None:
     [prefill] = active_workers(client, "prefill")
     with_actor(prefill, faults.raise_in_next_step)
