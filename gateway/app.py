@@ -217,7 +217,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         """ok (200), degraded (200: serving, some workers being replaced or not placed on a node yet),
         unavailable (503)."""
         service: GatewayService = request.app.state.service
-        await service.deployment.loads()  # notices a worker that died since the last watch
+        # From the pool watch's latest round (a worker that died is noticed within its interval): this route
+        # is unauthenticated, so it must not cost an RPC per worker per call.
         pools = service.deployment.health()
         body = {"status": pools.status,
                 "active_workers": pools.active, "target_workers": pools.target,
@@ -228,7 +229,7 @@ def create_app(config: ServeConfig) -> FastAPI:
              response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         service: GatewayService = request.app.state.service
-        service.metrics.set_loads(await service.deployment.loads())
+        service.metrics.set_loads(service.deployment.last_loads)  # the pool watch's, at most a second old
         workers = list(service.deployment.workers.values())
         service.metrics.set_runtimes({w.worker_id: w.runtime for w in workers
                                       if w.runtime is not None and w.state is not WorkerState.FAILED})

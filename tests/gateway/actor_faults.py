@@ -64,6 +64,23 @@ def release_steps(actor: Any) -> None:
         gate.set()
 
 
+def count_loads(actor: Any) -> None:
+    """Count the load reports the worker gives from now on (read with num_loads)."""
+    worker = actor.worker
+    load = type(worker).load
+    actor.__dict__["num_loads"] = 0
+
+    def counted() -> Any:
+        actor.__dict__["num_loads"] += 1
+        return load(worker)
+
+    worker.load = counted
+
+
+def num_loads(actor: Any) -> int:
+    return int(actor.__dict__.get("num_loads", 0))
+
+
 def fail_pulls(actor: Any) -> None:
     actor.worker.receiver._start = lambda pull, peer: pull.fail("injected fault: the transfer was dropped")
 
@@ -92,6 +109,7 @@ def heal(actor: Any) -> None:
     release_steps(actor)
     actor.worker.engine.runner.__dict__.pop("execute", None)
     actor.worker.__dict__.pop("release", None)
+    actor.worker.__dict__.pop("load", None)
     receiver = getattr(actor.worker, "receiver", None)
     if receiver is not None:
         receiver.__dict__.pop("_advance", None)

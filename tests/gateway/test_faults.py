@@ -237,6 +237,15 @@ def test_evacuation_hands_an_unpulled_handoff_on_to_be_pulled_not_recomputed(
     assert [join().json()["choices"][0]["token_ids"] for join in joins] == expected
 
 
+def test_health_checks_cost_the_workers_nothing(client: httpx.Client) -> None:
+    actor = ray.get_actor(f"pdserve-{active_workers(client, 'decode')[0]}")
+    ray.get(actor.__ray_call__.remote(faults.count_loads))
+    for _ in range(40):
+        assert client.get("/health").json()["status"] == "ok"
+    # Only the pool watch's reports (one a second), not one per /health call.
+    assert ray.get(actor.__ray_call__.remote(faults.num_loads)) < 20
+
+
 def test_prefill_step_loop_that_raises_is_retried(client: httpx.Client, tiny_chat_model_dir: Path) -> None:
     [prefill] = active_workers(client, "prefill")
     with_actor(prefill, faults.raise_in_next_step)
