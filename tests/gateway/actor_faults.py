@@ -102,6 +102,7 @@ def lose_releases_and_shorten_leases(actor: Any) -> None:
 
     actor.worker.release = lambda transfer_id, why: None  # explicit releases never arrive
     sender = actor.worker.sender
+    actor.__dict__.setdefault("lease_s", sender.config.lease_s)  # heal() puts it back
     sender.config = dataclasses.replace(sender.config, lease_s=1.0)
 
 
@@ -110,6 +111,12 @@ def heal(actor: Any) -> None:
     actor.worker.engine.runner.__dict__.pop("execute", None)
     actor.worker.__dict__.pop("release", None)
     actor.worker.__dict__.pop("load", None)
+    sender = getattr(actor.worker, "sender", None)
+    lease_s = actor.__dict__.pop("lease_s", None)
+    if sender is not None and lease_s is not None:
+        import dataclasses
+
+        sender.config = dataclasses.replace(sender.config, lease_s=lease_s)
     receiver = getattr(actor.worker, "receiver", None)
     if receiver is not None:
         receiver.__dict__.pop("_advance", None)

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from gateway.config import ServeConfig
 from gateway.requests.deadlines import DeadlinePolicy
+from kv_transfer import TransferConfig
 from tests.conftest import hf_greedy, random_prompts
 from tests.gateway import actor_faults as faults
 from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
@@ -140,7 +141,9 @@ def test_prefill_worker_killed_mid_prefill_is_retried_on_its_replacement(
 
 
 def test_decode_worker_killed_mid_stream_migrates_without_losing_a_token(
-        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+        client: httpx.Client, fault_server: tuple[str, FastAPI], tiny_chat_model_dir: Path) -> None:
+    migrations = fault_server[1].state.service.metrics.migrations
+    num_migrations = migrations._value.get()
     for decode in active_workers(client, "decode"):
         with_actor(decode, faults.slow_steps, 0.03)
     prompt = random_prompts([30], VOCAB, seed=12)[0]
@@ -162,6 +165,9 @@ def test_decode_worker_killed_mid_stream_migrates_without_losing_a_token(
     assert events[-1] == {"done": True}
     assert killed, "the stream ended before a worker could be killed"
     assert token_ids == hf_greedy(tiny_chat_model_dir, [prompt], 40)[0]
+    [timings] = [e["timings"] for e in events if e.get("timings")]
+    assert timings["num_moves"] == 1  # one worker left behind, and counted:
+    assert migrations._value.get() == num_migrations + 1
     assert killed not in active_workers(client)
 
 
@@ -324,16 +330,26 @@ def test_lease_ends_unpulled_kv_when_every_release_is_lost(client: httpx.Client)
     assert wait_until_no_blocks_used(client, timeout_s=10) == 0
     records = ray.get(ray.get_actor(f"pdserve-{prefill}").transfer_records.remote())
     assert records[-1].outcome == "EXPIRED"
-    with_actor(prefill, _restore_leases)
+    with_actor(prefill, faults.heal)  # (the fixture heals too, whether or not the test got here)
+    lease_s = ray.get(ray.get_actor(f"pdserve-{prefill}").__ray_call__.remote(_lease_s))
+    assert lease_s == TransferConfig().lease_s
 
 
-def _restore_leases(actor: Any) -> None:
-    import dataclasses
+def _lease_s(actor: Any) -> float:
+    return float(actor.worker.sender.config.lease_s)
 
-    from kv_transfer import TransferConfig
 
-    sender = actor.worker.sender
-    sender.config = dataclasses.replace(sender.config, lease_s=TransferConfig().lease_s)
+def test_a_pull_that_hangs_past_its_timeout_is_recomputed_and_frees_the_prefill_blocks(
+        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    for decode in active_workers(client, "decode"):
+        with_actor(decode, faults.stall_pulls)  # posted, never heard of again: only its deadline ends it
+    prompt = random_prompts([50], VOCAB, seed=28)[0]
+    response = complete(client, prompt, 6)  # the client keeps waiting
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["choices"][0]["token_ids"] == hf_greedy(tiny_chat_model_dir, [prompt], 6)[0]
+    assert data["timings"]["transfer_bytes"] == 0  # recomputed on the decode worker
+    assert wait_until_no_blocks_used(client, timeout_s=5) == 0
 
 
 def test_client_gone_while_decoding_frees_everything(client: httpx.Client) -> None:
