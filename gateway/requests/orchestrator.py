@@ -299,13 +299,15 @@ class RequestRun:
                 decode.actor.abort.remote(self.request_id)
 
     async def _call_worker(self, work: Awaitable[T]) -> T:
-        """Await a decode worker's answer within the request's deadline; a lost worker is _WorkerLost."""
+        """Await a decode worker's answer within the request's deadline (prefill_by until the first token:
+        a worker that prefills the prompt itself keeps the TTFT bound); a lost worker is _WorkerLost."""
+        stage, deadline = (("decode", self.deadlines.finish_by) if self.generated else
+                           ("prefill", self.deadlines.prefill_by))
         try:
-            async with asyncio.timeout(self._left(self.deadlines.finish_by)):
+            async with asyncio.timeout(self._left(deadline)):
                 return await work
         except TimeoutError:
-            raise RequestFailed(self._late("decode", self.deadlines.finish_by), "deadline_exceeded"
-                                ) from None
+            raise RequestFailed(self._late(stage, deadline), "deadline_exceeded") from None
         except ConnectionError as error:  # the worker's output stream ended under the request
             raise _WorkerLost(str(error)) from None
         except (RayActorError, RayTaskError) as error:

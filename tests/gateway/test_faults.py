@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from gateway.config import ServeConfig
 from gateway.requests.deadlines import DeadlinePolicy
+from gateway.requests.router import LocalPrefillPolicy
 from kv_transfer import TransferConfig
 from tests.conftest import hf_greedy, random_prompts
 from tests.gateway import actor_faults as faults
@@ -439,3 +440,23 @@ def test_request_past_its_deadline_ends_with_a_clear_error(
     finally:
         service.deadline_policy = DeadlinePolicy()
     assert wait_until_no_blocks_used(client, timeout_s=5) == 0
+
+
+def test_a_prompt_prefilled_on_its_decode_worker_keeps_the_prefill_deadline(
+        client: httpx.Client, fault_server: tuple[str, FastAPI]) -> None:
+    service = fault_server[1].state.service
+    for decode in active_workers(client, "decode"):
+        with_actor(decode, faults.slow_steps, 0.3)
+    operators = service.router.local_prefill
+    service.router.local_prefill = LocalPrefillPolicy(max_uncached_tokens=1000)  # every prompt prefills there
+    # The first token is due 0.5 s after admission (5 chunks of 32 tokens take longer), the last much later.
+    service.deadline_policy = DeadlinePolicy(slack_s=0.5, prefill_s_per_token=0.0, decode_s_per_token=100.0)
+    try:
+        body = {"model": MODEL, "prompt": random_prompts([150], VOCAB, seed=29)[0], "max_tokens": 4}
+        response = client.post("/v1/completions", json=body)
+    finally:
+        service.deadline_policy = DeadlinePolicy()
+        service.router.local_prefill = operators
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "deadline_exceeded"
+    assert "prefill stage" in response.json()["error"]["message"]
