@@ -16,7 +16,6 @@ Tokens are counted one by one, each with its own time (gateway/requests/stage_ti
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -117,25 +116,26 @@ class GatewayService:
         """The request's deltas. The request runs in a task of its own, ahead of the reader: its end (the
         worker's final output) releases the reservation and the workers whether or not the client has read
         that far. Closing this generator early aborts the request."""
-        deltas: asyncio.Queue[TextDelta | Exception] = asyncio.Queue()  # at most max_tokens + 1 deltas
+        deltas: asyncio.Queue[TextDelta | Exception | None] = asyncio.Queue()  # ≤ max_tokens + 2 items
         run = asyncio.create_task(self._run(prepared, reservation, deltas))
         try:
-            while True:
-                delta = await deltas.get()
+            while (delta := await deltas.get()) is not None:
                 if isinstance(delta, Exception):
                     raise delta
                 yield delta
                 if delta.finish_reason is not None:
                     return
         finally:
-            reservation.release()
-            if not run.done():
-                run.cancel()  # its own cleanup aborts both workers
-                with contextlib.suppress(asyncio.CancelledError):
-                    await run
+            try:
+                if not run.done():
+                    run.cancel()  # its own cleanup aborts both workers
+                    await asyncio.wait({run})
+            finally:
+                reservation.release()
 
     async def _run(self, prepared: PreparedRequest, reservation: Reservation,
-                   deltas: asyncio.Queue[TextDelta | Exception]) -> None:
+                   deltas: asyncio.Queue[TextDelta | Exception | None]) -> None:
+        """The request, from routing to its final delta (or its error) in `deltas`; then None."""
         detokenizer = IncrementalDetokenizer(self.tokenizer, prepared.stop_strings)
         sent: list[float] = []
         prefill: PrefillResult | None = None
@@ -187,6 +187,7 @@ class GatewayService:
         finally:
             await events.aclose()  # aborts both workers unless the request finished there
             reservation.release()  # the request holds no worker now, read or not
+            deltas.put_nowait(None)  # the end, whatever ended it
             if outcome == "abort":
                 self.metrics.requests.labels("abort").inc()
 
