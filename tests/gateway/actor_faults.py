@@ -81,6 +81,15 @@ def num_loads(actor: Any) -> int:
     return int(actor.__dict__.get("num_loads", 0))
 
 
+def refuse_pull_calls(actor: Any) -> None:
+    """A prefill worker whose accept_pull raises (torch backend: the decode side's call fails)."""
+
+    def broken(pull: Any) -> Any:
+        raise RuntimeError("injected fault: accept_pull failed")
+
+    actor.worker.accept_pull = broken
+
+
 def fail_pulls(actor: Any) -> None:
     actor.worker.receiver._start = lambda pull, peer: pull.fail("injected fault: the transfer was dropped")
 
@@ -111,6 +120,7 @@ def heal(actor: Any) -> None:
     actor.worker.engine.runner.__dict__.pop("execute", None)
     actor.worker.__dict__.pop("release", None)
     actor.worker.__dict__.pop("load", None)
+    actor.worker.__dict__.pop("accept_pull", None)
     sender = getattr(actor.worker, "sender", None)
     lease_s = actor.__dict__.pop("lease_s", None)
     if sender is not None and lease_s is not None:
