@@ -1,7 +1,8 @@
 """Delivery of an SSE stream with a bound: a client that stops reading cannot hold the response forever.
 
-    stream_response: each send must complete by `send_by` (wall clock); one that does not (the client's
-    receive window stayed shut) ends the response: on_stalled() is told and the connection is closed.
+    stream_response: the response must be sent by `send_by` (wall clock: the request's finish_by + a grace);
+    one that is not (the client's receive window stayed shut) ends: on_stalled() is told and the connection
+    is closed.
     Whatever ends the response (done, stalled, client gone), the body iterator is closed explicitly, so that
     the request's cleanup (aborting both workers) does not wait for the garbage collector.
 """
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 import anyio
 from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
@@ -41,18 +42,14 @@ class BoundedStreamingResponse(StreamingResponse):
             self.on_stalled()
 
     async def stream_response(self, send: Send) -> None:
-        loop = asyncio.get_running_loop()
-        send_by = loop.time() + (self.send_by - time.time())
-
-        async def bounded(message: Message) -> None:
-            try:
-                async with asyncio.timeout_at(send_by):
-                    await send(message)
-            except TimeoutError:
-                raise DeliveryStalled() from None
-
+        # One timer for the whole response, not one per chunk: generation itself ends by finish_by (the
+        # orchestrator's deadline), so what runs past send_by is a send the client does not take.
+        send_by = asyncio.get_running_loop().time() + (self.send_by - time.time())
         try:
-            await super().stream_response(bounded)
+            async with asyncio.timeout_at(send_by):
+                await super().stream_response(send)
+        except TimeoutError:
+            raise DeliveryStalled() from None
         finally:
             # Shielded: on a disconnect this runs inside a cancelled scope.
             with anyio.CancelScope(shield=True):
