@@ -118,6 +118,12 @@ class GatewayService:
         that far. Closing this generator early aborts the request."""
         deltas: asyncio.Queue[TextDelta | Exception | None] = asyncio.Queue()  # ≤ max_tokens + 2 items
         run = asyncio.create_task(self._run(prepared, reservation, deltas))
+
+        def ended(task: asyncio.Task[None]) -> None:  # last in line, whatever ended the request
+            error = None if task.cancelled() else task.exception()
+            deltas.put_nowait(error if isinstance(error, Exception) else None)
+
+        run.add_done_callback(ended)
         try:
             while (delta := await deltas.get()) is not None:
                 if isinstance(delta, Exception):
@@ -135,7 +141,7 @@ class GatewayService:
 
     async def _run(self, prepared: PreparedRequest, reservation: Reservation,
                    deltas: asyncio.Queue[TextDelta | Exception | None]) -> None:
-        """The request, from routing to its final delta (or its error) in `deltas`; then None."""
+        """The request, from routing to its final delta in `deltas` (or raises RequestFailed)."""
         detokenizer = IncrementalDetokenizer(self.tokenizer, prepared.stop_strings)
         sent: list[float] = []
         prefill: PrefillResult | None = None
@@ -181,13 +187,10 @@ class GatewayService:
             outcome = "error"
             self.metrics.requests.labels("error").inc()
             self.metrics.request_errors.labels(failed.code).inc()
-            deltas.put_nowait(failed)
-        except Exception as error:  # the reader reports it (never a silent cut)
-            deltas.put_nowait(error)
+            raise
         finally:
             await events.aclose()  # aborts both workers unless the request finished there
             reservation.release()  # the request holds no worker now, read or not
-            deltas.put_nowait(None)  # the end, whatever ended it
             if outcome == "abort":
                 self.metrics.requests.labels("abort").inc()
 
