@@ -51,6 +51,9 @@ class DecodeOutput:
     num_preemptions: int = 0  # times recomputed after losing its blocks (final output)
     num_cached_tokens: int = 0  # prompt tokens this worker found in its prefix cache (final output)
     error: str = ""  # why, when finish_reason is "error"
+    # finish_reason "error": the request was in the batch whose step raised, so it may be what broke the
+    # worker (a "query of death"); the gateway gives such a request one more worker, not several.
+    in_failed_step: bool = False
     # finish_reason "migrate": the stream's KV (prompt + tokens so far but the last), offered by this worker
     # for the next one to pull; None: the next worker recomputes it.
     kv_handle: KVHandle | None = None

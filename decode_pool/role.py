@@ -17,6 +17,7 @@ Lifecycle:  DecodeRole(engine, outputs) — the engine's scheduler becomes the d
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from decode_pool.messages import DecodeRequest
@@ -25,6 +26,7 @@ from decode_pool.worker import DecodeWorker
 from kv_transfer import (
     KVHandle,
     PeerInfo,
+    PullReply,
     PullRequest,
     TransferConfig,
     TransferRecord,
@@ -37,6 +39,8 @@ from llm_engine.scheduler import Scheduler
 from pool_worker.runtime.load import WorkerLoad
 from pool_worker.runtime.output_channels import OutputChannels
 from pool_worker.runtime.step_loop import StepLoop
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeRole:
@@ -129,6 +133,15 @@ class DecodeRole:
             self._event_loop.call_soon_threadsafe(actor.release_kv.remote, handle.transfer_id, why)
 
     async def _carry_pull(self, pull: PullRequest) -> None:
-        reply = await self._peer_actors[pull.source_worker_id].accept_pull.remote(pull)
+        # Nobody reads this coroutine's future: an error must end the pull here (refused: the prompt is
+        # recomputed now), not vanish and leave the pull to wait for its deadline.
+        try:
+            reply = await self._peer_actors[pull.source_worker_id].accept_pull.remote(pull)
+        except Exception as error:
+            logger.warning("pull %s from %s could not be carried (%s); it is refused", pull.transfer_id,
+                           pull.source_worker_id, type(error).__name__)
+            reply = PullReply(pull.source_worker_id, pull.transfer_id, is_accepted=False,
+                              reason=f"the pull request failed: {type(error).__name__}", send_seq=-1,
+                              num_blocks=0)
         self.worker.on_pull_reply(reply)
         self.loop.wake()

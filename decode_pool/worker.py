@@ -16,13 +16,15 @@ Lifecycle of a request on this worker:
     blocks are freed when the pull ends (at the next step when cancelled).
     evacuate() ends every request here as abort() does, but with finish_reason "migrate": the gateway
     continues each on another worker from the tokens the client has (a worker changing role leaves now).
+    A request still AWAITING_BLOCKS goes back with its handle unused, so the next worker pulls its KV.
     With a migration sender, a RUNNING stream's blocks are kept and offered instead (decode_pool.migration):
     its last output carries the KVHandle, the next worker pulls it, and the blocks are freed when its lease
     ends; the worker holds work (num_requests) until then.
     Whenever a handle will not be pulled (aborted before its pull, pull FAILED), release_source() tells the
     prefill side at once, so its blocks do not wait for the lease to end.
-    fail() (the step loop died) ends every request here with finish_reason "error"; later submissions raise
-    WorkerFailed, and the gateway migrates the streams to another decode worker.
+    fail() (the step loop died) ends every request here with finish_reason "error" (those in the batch of the
+    step that raised marked in_failed_step); later submissions raise WorkerFailed, and the gateway migrates
+    the streams to another decode worker.
 Only the step loop's thread touches the engine; the receiver is shared with the PullWatcher's thread under
 its lock; other threads use the inbox, and load() returns the snapshot the loop thread published after its
 last step.
@@ -98,6 +100,7 @@ class DecodeWorker:
         self._entries: dict[str, _Entry] = {}
         self._awaiting_blocks: collections.deque[str] = collections.deque()
         self._transferring: dict[tuple[str, int], str] = {}
+        self._in_step: tuple[str, ...] = ()  # the requests of the forward under way (suspects if it raises)
         self._load = self._snapshot()
 
     # Called from any thread.
@@ -155,10 +158,13 @@ class DecodeWorker:
         for request, on_output, _ in arriving:
             self._release_unpulled(request, "the decode worker failed")
             on_output(DecodeOutput(request.request_id, (), (), now, finish_reason="error", error=message))
+        suspects = set(self._in_step)
         for request_id, entry in list(self._entries.items()):
             if entry.transfer_finished is None:
                 self._release_unpulled(entry.request, "the decode worker failed")
-            self._finish(request_id, "error", now, error=message)
+            self._finish(request_id, "error", now, DecodeOutput(
+                request_id, (), (), now, finish_reason="error", error=message,
+                in_failed_step=request_id in suspects))
         self._load = dataclasses.replace(self._load, failure=self.failure)
         self.on_step_end()
 
@@ -181,10 +187,12 @@ class DecodeWorker:
         scheduler = self.engine.scheduler
         batch = scheduler.schedule() if scheduler.num_unfinished else None
         if batch is not None and batch.chunks:
+            self._in_step = tuple(chunk.request_id for chunk in batch.chunks)
             output = self.engine.runner.execute(batch)
             now = time.time()
             for request in scheduler.update(batch, output):
                 self._emit(request, now)
+            self._in_step = ()
             self._load = self._snapshot()
             return 0.0
         self._load = self._snapshot()
@@ -327,8 +335,20 @@ class DecodeWorker:
 
     def _evacuate(self) -> None:
         for request_id in list(self._entries):
-            if not self._offer_for_migration(request_id):
+            if not (self._hand_back_unpulled(request_id) or self._offer_for_migration(request_id)):
                 self._abort(request_id, "migrate")
+
+    def _hand_back_unpulled(self, request_id: str) -> bool:
+        """Hand a request whose pull has not started back with its handle, unused: the next worker pulls the
+        KV from where it is (the prefill worker) instead of recomputing it. False: its pull has started."""
+        if request_id not in self._awaiting_blocks:
+            return False
+        self._awaiting_blocks.remove(request_id)
+        handle = self._entries[request_id].request.kv_handle
+        now = time.time()
+        self._finish(request_id, "migrate", now,
+                     DecodeOutput(request_id, (), (), now, finish_reason="migrate", kv_handle=handle))
+        return True
 
     def _offer_for_migration(self, request_id: str) -> bool:
         """Hand a running stream back with its KV offered (see the lifecycle); False: not possible here."""

@@ -21,12 +21,13 @@ from typing import TypeVar
 
 import ray
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.background import BackgroundTask
 
 from gateway.api.admin import router as admin_routes
 from gateway.api.auth import require_api_key
 from gateway.api.body_guard import BodyGuard
+from gateway.api.delivery import BoundedStreamingResponse
 from gateway.api.errors import documented, install_error_handlers, without_validation_422
 from gateway.api.prepare import Preparer
 from gateway.api.protocol import (
@@ -181,8 +182,9 @@ def create_app(config: ServeConfig) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             framing = chat_stream if is_chat else completion_stream
             stream = framing(service, body, prepared, deltas, include_usage)  # type: ignore[arg-type]
-            return StreamingResponse(stream, media_type="text/event-stream",
-                                     background=BackgroundTask(reservation.release_at_stream_end))
+            return BoundedStreamingResponse(
+                stream, service.send_by(prepared, reservation), service.metrics.stalled_streams.inc,
+                media_type="text/event-stream", background=BackgroundTask(reservation.release_at_stream_end))
         whole = chat_response if is_chat else completion_response
         try:
             response = await unless_client_leaves(request, whole(service, body, prepared, deltas))  # type: ignore[arg-type]
@@ -215,7 +217,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         """ok (200), degraded (200: serving, some workers being replaced or not placed on a node yet),
         unavailable (503)."""
         service: GatewayService = request.app.state.service
-        await service.deployment.loads()  # notices a worker that died since the last watch
+        # From the pool watch's latest round (a worker that died is noticed within its interval): this route
+        # is unauthenticated, so it must not cost an RPC per worker per call.
         pools = service.deployment.health()
         body = {"status": pools.status,
                 "active_workers": pools.active, "target_workers": pools.target,
@@ -226,7 +229,7 @@ def create_app(config: ServeConfig) -> FastAPI:
              response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         service: GatewayService = request.app.state.service
-        service.metrics.set_loads(await service.deployment.loads())
+        service.metrics.set_loads(service.deployment.last_loads)  # the pool watch's, at most a second old
         workers = list(service.deployment.workers.values())
         service.metrics.set_runtimes({w.worker_id: w.runtime for w in workers
                                       if w.runtime is not None and w.state is not WorkerState.FAILED})

@@ -39,6 +39,9 @@ MIN_TOP_P = 1e-6
 # the hop to a thread.
 LONG_PROMPT_CHARS = 4000
 LONG_PROMPT_TOKENS = 1024
+# A conversation of more messages than this is rendered in the worker thread whatever its length: the
+# template's cost grows with the messages (empty ones too), not only with the characters.
+LONG_CONVERSATION_MESSAGES = 32
 T = TypeVar("T")
 
 
@@ -93,7 +96,8 @@ class Preparer:
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest(f"model {self.model_name} has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": m.text} for m in request.messages]
-        is_long = sum(len(m["content"]) for m in messages) > LONG_PROMPT_CHARS
+        is_long = (len(messages) > LONG_CONVERSATION_MESSAGES
+                   or sum(len(m["content"]) for m in messages) > LONG_PROMPT_CHARS)
         try:
             encoded = await self._off_loop_if(is_long, lambda: self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True))

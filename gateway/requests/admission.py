@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 
 
 class Overloaded(Exception):
@@ -110,6 +111,7 @@ class Reservation:
     def __init__(self, admission: Admission, num_tokens: int) -> None:
         self._admission = admission
         self.num_tokens = num_tokens
+        self.admitted = time.time()  # when the request left the line (its deadlines start here)
         self._is_released = False
 
     def release(self) -> None:

@@ -11,12 +11,14 @@ Failures (a worker's actor died, its step loop died, or it answered with finish_
     PREFILL: the worker is marked failed and the request retried once on another prefill worker.
     DECODE:  the worker is marked failed; the request migrates to another decode worker with the tokens the
              client already has (that worker recomputes prompt + those tokens), and the stream goes on
-             without a duplicate or missing token. Up to MAX_MIGRATIONS times.
+             without a duplicate or missing token. Up to MAX_MIGRATIONS times, and at most once after a
+             failed step that computed it (it may be what breaks the steps: MAX_FAILED_STEPS).
     With no live worker of the role needed (1P+1D), it waits for the replacement the pool starts, until the
     stage's deadline; then, and whenever a deadline passes, it raises RequestFailed (a clear error).
 Evacuation (a decode or mixed worker changing role or leaving hands its requests back, finish "migrate"):
     the stream moves the same way, without marking the worker failed, and where the worker offers the
-    stream's KV (kv_handle on its last output, nixl) the next worker pulls it instead of recomputing it;
+    stream's KV (kv_handle on its last output: its own, nixl, or the prefill worker's when the pull had not
+    started) the next worker pulls it instead of recomputing it;
     a request with no token yet is routed again from the start (to the prefill pool, if the new layout has
     one).
 Leaving the stream early (client gone, error) aborts the request on whichever workers hold it, and tells the
@@ -44,6 +46,9 @@ from prefill_pool.messages import PrefillRequest, PrefillResult
 T = TypeVar("T")
 MAX_PREFILL_ATTEMPTS = 2  # the first try and one retry on another worker
 MAX_MIGRATIONS = 3  # decode workers a request may move across before it ends with an error
+# Workers a request may see fail in a step that computed it: a request that broke one worker's forward may
+# be what breaks every forward it is in (a "query of death"): it gets one more worker, then an error.
+MAX_FAILED_STEPS = 2
 WORKER_POLL_S = 0.1  # while waiting for a replacement worker
 
 
@@ -57,6 +62,10 @@ class RequestFailed(Exception):
 
 class _WorkerLost(Exception):
     """A worker failed while holding this request (internal: triggers a retry or a migration)."""
+
+    def __init__(self, message: str, in_failed_step: bool = False) -> None:
+        super().__init__(message)
+        self.in_failed_step = in_failed_step  # the request was in the batch whose step raised
 
 
 class _Evacuated(Exception):
@@ -110,6 +119,7 @@ class RequestRun:
         self.generated: list[int] = []  # every token the client has been sent
         self.num_migrations = 0  # moves forced by failed decode workers
         self.num_moves = 0  # moves because a decode worker changed role or left (not failures)
+        self.num_failed_steps = 0  # decode workers whose failing step had this request in its batch
         self.local_prefill_reason = ""  # why the decode worker prefilled the prompt; empty: the prefill pool
         self.num_reserved = len(prompt_token_ids) + sampling.max_tokens  # booked on its decode worker
         self._booked: str | None = None  # the decode worker holding that booking
@@ -248,6 +258,10 @@ class RequestRun:
                 continue
             except _WorkerLost as lost:
                 self.deployment.mark_failed(decode.worker_id, str(lost))
+                self.num_failed_steps += lost.in_failed_step
+                if self.num_failed_steps >= MAX_FAILED_STEPS:
+                    raise RequestFailed(f"generation stopped: the step computing this request failed on "
+                                        f"{self.num_failed_steps} decode workers", "worker_failed") from None
                 if self.num_migrations >= MAX_MIGRATIONS:
                     raise RequestFailed(f"generation stopped: {self.num_migrations + 1} decode workers "
                                         "failed while serving this request", "worker_failed") from None
@@ -259,12 +273,14 @@ class RequestRun:
                 handle = evacuated.kv_handle
             # Continue elsewhere from what the client has: the new worker pulls the KV of prompt + those
             # tokens from the evacuated worker, or recomputes it (no handle: that worker failed).
-            left = decode
             try:
                 decode = await self._pick_decode(self.deadlines.finish_by, {decode.worker_id})
             except BaseException:
-                if handle is not None:  # nobody will pull it: the evacuated worker may free it now
-                    left.client.release_kv(handle.transfer_id, "the request found no worker to move to")
+                if handle is not None:  # nobody will pull it: its holder may free it now
+                    # (the worker left, or the prefill worker when the handoff had not been pulled yet)
+                    holder = self.deployment.workers.get(handle.source_worker_id)
+                    if holder is not None:
+                        holder.client.release_kv(handle.transfer_id, "the request found no worker to move to")
                 raise
             request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
                                     generated_token_ids=tuple(self.generated), kv_handle=handle)
@@ -285,7 +301,7 @@ class RequestRun:
             while not is_finished:
                 output = await self._call_worker(outputs.next())
                 if output.finish_reason == "error":
-                    raise _WorkerLost(output.error or "decode worker failed")
+                    raise _WorkerLost(output.error or "decode worker failed", output.in_failed_step)
                 is_evacuated = output.finish_reason == "migrate"
                 is_finished = output.finish_reason is not None  # evacuated: the worker let go of it too
                 self.generated.extend(output.token_ids)
@@ -307,13 +323,15 @@ class RequestRun:
                 client.abort(self.request_id)
 
     async def _call_worker(self, work: Awaitable[T]) -> T:
-        """Await a decode worker's answer within the request's deadline; a lost worker is _WorkerLost."""
+        """Await a decode worker's answer within the request's deadline (prefill_by until the first token:
+        a worker that prefills the prompt itself keeps the TTFT bound); a lost worker is _WorkerLost."""
+        stage, deadline = (("decode", self.deadlines.finish_by) if self.generated else
+                           ("prefill", self.deadlines.prefill_by))
         try:
-            async with asyncio.timeout(self._left(self.deadlines.finish_by)):
+            async with asyncio.timeout(self._left(deadline)):
                 return await work
         except TimeoutError:
-            raise RequestFailed(self._late("decode", self.deadlines.finish_by), "deadline_exceeded"
-                                ) from None
+            raise RequestFailed(self._late(stage, deadline), "deadline_exceeded") from None
         except WorkerLost as error:  # its actor or step loop died, or its output stream ended
             raise _WorkerLost(str(error)) from None
 

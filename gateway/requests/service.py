@@ -2,16 +2,20 @@
 
 (gateway/api/prepare.py turns an OpenAI request into the PreparedRequest that starts here.)
 admit():     reserve decode KV capacity for prompt + max_tokens (bounded wait, else Overloaded → 429)
-stream():    route through both pools (within the request's deadlines; worker failures are retried or
-             migrated by the orchestrator) → incremental detokenization, stop strings → TextDelta events;
-             the last one carries finish_reason, usage counts and the stage Timings (also exported to
-             Prometheus). Leaving the stream early (client gone, stop string) aborts both workers. A request
-             that cannot finish raises RequestFailed (HTTP 503, or an error event mid-stream).
+stream():    route through both pools (within the request's deadlines, counted from admission; worker
+             failures are retried or migrated by the orchestrator) → incremental detokenization, stop
+             strings → TextDelta events; the last one carries finish_reason, usage counts and the stage
+             Timings (also exported to Prometheus). The request runs in a task of its own, ahead of the
+             client's reading: its reservation is released when the workers are done with it, read or not,
+             and the HTTP edge cuts a reader stalled past send_by() (finish_by + a grace). Leaving the
+             stream early (client gone, stop string) aborts both workers. A request that cannot finish
+             raises RequestFailed (HTTP 503, or an error event mid-stream).
 Tokens are counted one by one, each with its own time (gateway/requests/stage_timings.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING
 from decode_pool.messages import DecodeOutput
 from gateway.fleet.deployment import PDDeployment
 from gateway.requests.admission import Admission, Reservation
-from gateway.requests.deadlines import DeadlinePolicy
+from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.requests.detokenizer import IncrementalDetokenizer
 from gateway.requests.orchestrator import RequestFailed, run_request
 from gateway.requests.router import LocalPrefillPolicy, Router
@@ -35,6 +39,7 @@ from prefill_pool.messages import PrefillResult
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+DELIVERY_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class GatewayService:
         self.metrics = Metrics()
         self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
         self.deadline_policy = deadline_policy or DeadlinePolicy()
+        # Past the request's finish_by, how long a client may take to read the rest before it is cut.
+        self.delivery_grace_s = DELIVERY_GRACE_S
         self.recent = RecentLatencies()  # the ratio controller's view of TTFT and ITL
         # Told of every prompt's length as it is routed (the ratio controller's long-prompt rule).
         self.on_prompt: list[Callable[[int], None]] = []
@@ -94,19 +101,54 @@ class GatewayService:
         self.metrics.admission_reserved.set(self.admission.reserved_tokens)
         return reservation
 
+    def deadlines(self, prepared: PreparedRequest, reservation: Reservation) -> RequestDeadlines:
+        """The request's deadlines, counted from its admission."""
+        return self.deadline_policy.for_request(prepared.arrival, len(prepared.prompt_token_ids),
+                                                prepared.sampling.max_tokens, reservation.admitted)
+
+    def send_by(self, prepared: PreparedRequest, reservation: Reservation) -> float:
+        """When the response must have reached the client (time.time()): a reader stalled past it is cut."""
+        return self.deadlines(prepared, reservation).finish_by + self.delivery_grace_s
+
     async def stream(
         self, prepared: PreparedRequest, reservation: Reservation
     ) -> AsyncGenerator[TextDelta, None]:
-        admitted = time.time()
+        """The request's deltas. The request runs in a task of its own, ahead of the reader: its end (the
+        worker's final output) releases the reservation and the workers whether or not the client has read
+        that far. Closing this generator early aborts the request."""
+        deltas: asyncio.Queue[TextDelta | Exception | None] = asyncio.Queue()  # ≤ max_tokens + 2 items
+        run = asyncio.create_task(self._run(prepared, reservation, deltas))
+
+        def ended(task: asyncio.Task[None]) -> None:  # last in line, whatever ended the request
+            error = None if task.cancelled() else task.exception()
+            deltas.put_nowait(error if isinstance(error, Exception) else None)
+
+        run.add_done_callback(ended)
+        try:
+            while (delta := await deltas.get()) is not None:
+                if isinstance(delta, Exception):
+                    raise delta
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            try:
+                if not run.done():
+                    run.cancel()  # its own cleanup aborts both workers
+                    await asyncio.wait({run})
+            finally:
+                reservation.release()
+
+    async def _run(self, prepared: PreparedRequest, reservation: Reservation,
+                   deltas: asyncio.Queue[TextDelta | Exception | None]) -> None:
+        """The request, from routing to its final delta in `deltas` (or raises RequestFailed)."""
         detokenizer = IncrementalDetokenizer(self.tokenizer, prepared.stop_strings)
         sent: list[float] = []
         prefill: PrefillResult | None = None
         decode: DecodeOutput | None = None
         prefilled_by = ""
         outcome = "abort"
-        deadlines = self.deadline_policy.for_request(
-            prepared.arrival, len(prepared.prompt_token_ids), prepared.sampling.max_tokens
-        )
+        deadlines = self.deadlines(prepared, reservation)
         for hook in self.on_prompt:
             hook(len(prepared.prompt_token_ids))
         events = run_request(self.router, prepared.request_id, prepared.prompt_token_ids, prepared.sampling,
@@ -122,10 +164,10 @@ class GatewayService:
                 if event.num_migrations and event.finish_reason is not None:
                     self.metrics.migrations.inc(event.num_migrations)
                 if finish is None:
-                    yield TextDelta(text, event.token_ids, event.logprobs, None, len(sent))
+                    deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, None, len(sent)))
                     continue
                 text += detokenizer.flush()
-                timings = stage_timings(prepared.arrival, admitted, sent, prefill, decode)
+                timings = stage_timings(prepared.arrival, reservation.admitted, sent, prefill, decode)
                 if event.local_prefill_reason:
                     timings.prefill_on, timings.local_prefill_reason = "decode", event.local_prefill_reason
                 timings.num_moves = event.num_migrations + event.num_moves
@@ -138,8 +180,8 @@ class GatewayService:
                 if prefilled_by:
                     self.metrics.observe_prefix_cache(prefilled_by, num_prompt, timings.cached_tokens)
                 self.recent.add(timings)
-                yield TextDelta(text, event.token_ids, event.logprobs, finish, len(sent), timings,
-                                timings.cached_tokens)
+                deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, finish, len(sent), timings,
+                                            timings.cached_tokens))
                 return
         except RequestFailed as failed:
             outcome = "error"
@@ -148,7 +190,7 @@ class GatewayService:
             raise
         finally:
             await events.aclose()  # aborts both workers unless the request finished there
-            reservation.release()
+            reservation.release()  # the request holds no worker now, read or not
             if outcome == "abort":
                 self.metrics.requests.labels("abort").inc()
 

@@ -56,6 +56,9 @@ class Metrics:
         self.migrations = Counter(
             "pdserve_migrations", "Streams moved to another decode worker after a failure", registry=r
         )
+        self.stalled_streams = Counter(
+            "pdserve_stalled_streams", "Streams cut because the client stopped reading past the deadline",
+            registry=r)
         self.workers = Gauge("pdserve_pool_workers", "Active workers by role", ["role"], registry=r)
         self.ratio_changes = Counter(
             "pdserve_ratio_changes", "Workers moved between roles by the ratio controller",

@@ -1,56 +1,95 @@
-"""Recent request latencies (a sliding window), for the ratio controller's view of the SLOs."""
+"""Recent request latencies (a sliding window), for the ratio controller's view of the SLOs.
+
+Bounded where it is added: add() drops what left the window and keeps at most MAX_REQUESTS requests, and of
+each request's token gaps only a strided sample of at most GAPS_PER_REQUEST (weighted by how many gaps each
+stands for). So memory stays fixed whether or not anybody reads the quantiles (auto off: nobody does), and a
+quantile sorts at most MAX_REQUESTS × GAPS_PER_REQUEST values, however many tokens the window saw.
+"""
 
 from __future__ import annotations
 
 import collections
 import time
+from dataclasses import dataclass
 
 from gateway.telemetry.timings import Timings
+
+MAX_REQUESTS = 1024  # requests kept in the window (the newest); enough for a p90 and cheap to sort
+GAPS_PER_REQUEST = 8  # token gaps kept per request, for the ITL quantile
+
+
+@dataclass(frozen=True)
+class _Finished:
+    at: float  # time.monotonic() when it finished
+    ttft_s: float
+    tpot_s: float | None  # mean gap between tokens; None with fewer than two tokens
+    gaps_s: tuple[float, ...]  # a strided sample of its token gaps (at most GAPS_PER_REQUEST)
+    gap_weight: float  # gaps each sampled one stands for
 
 
 class RecentLatencies:
     """TTFT and inter-token gaps of the requests that finished in the last `window_s` seconds."""
 
-    def __init__(self, window_s: float = 30.0, min_requests: int = 3) -> None:
+    def __init__(self, window_s: float = 30.0, min_requests: int = 3, max_requests: int = MAX_REQUESTS
+                 ) -> None:
         self.window_s = window_s
         self.min_requests = min_requests  # fewer than this in the window: no verdict (None)
-        self._finished: collections.deque[tuple[float, float, list[float]]] = collections.deque()
+        self._finished: collections.deque[_Finished] = collections.deque(maxlen=max_requests)
+
+    def __len__(self) -> int:
+        return len(self._finished)
+
+    @property
+    def num_gaps_kept(self) -> int:
+        return sum(len(x.gaps_s) for x in self._finished)
 
     def add(self, timings: Timings, now: float | None = None) -> None:
-        self._finished.append((now or time.monotonic(), timings.ttft_ms / 1000,
-                               [gap / 1000 for gap in timings.token_gaps_ms]))
+        now = time.monotonic() if now is None else now
+        self._trim(now)
+        gaps = timings.token_gaps_ms
+        stride = max(1, -(-len(gaps) // GAPS_PER_REQUEST))  # ceil: at most GAPS_PER_REQUEST samples
+        sample = tuple(gap / 1000 for gap in gaps[stride // 2::stride])
+        tpot = sum(gaps) / len(gaps) / 1000 if gaps else None
+        self._finished.append(_Finished(now, timings.ttft_ms / 1000, tpot, sample,
+                                        len(gaps) / len(sample) if sample else 0.0))
 
-    def _window(self) -> list[tuple[float, float, list[float]]]:
-        cutoff = time.monotonic() - self.window_s
-        while self._finished and self._finished[0][0] < cutoff:
+    def _trim(self, now: float) -> None:
+        cutoff = now - self.window_s
+        while self._finished and self._finished[0].at < cutoff:
             self._finished.popleft()
-        return list(self._finished)
+
+    def _window(self, since: float) -> list[_Finished]:
+        self._trim(time.monotonic())
+        return [x for x in self._finished if x.at >= since]
 
     def ttft_quantile(self, q: float, since: float = float("-inf")) -> float | None:
         """The q-quantile of TTFT of requests that finished in the window and after `since` (monotonic)."""
-        window = [x for x in self._window() if x[0] >= since]
+        window = self._window(since)
         if len(window) < self.min_requests:
             return None
-        return _quantile([ttft for _, ttft, _ in window], q)
+        return _quantile([x.ttft_s for x in window], q)
 
     def tpot_quantile(self, q: float, since: float = float("-inf")) -> float | None:
         """The q-quantile over requests of their mean gap between tokens (TPOT: what goodput's SLO checks)."""
-        window = [x for x in self._window() if x[0] >= since]
-        tpots = [t for _, _, gaps in window if (t := _tpot(gaps)) is not None]
+        window = self._window(since)
+        tpots = [x.tpot_s for x in window if x.tpot_s is not None]
         if len(window) < self.min_requests or not tpots:
             return None
         return _quantile(tpots, q)
 
     def itl_quantile(self, q: float, since: float = float("-inf")) -> float | None:
-        window = [x for x in self._window() if x[0] >= since]
-        gaps = [gap for _, _, request_gaps in window for gap in request_gaps]
-        if len(window) < self.min_requests or not gaps:
+        """The q-quantile over tokens of the gap before each (from each request's sample, weighted)."""
+        window = self._window(since)
+        weighted = sorted((gap, x.gap_weight) for x in window for gap in x.gaps_s)
+        if len(window) < self.min_requests or not weighted:
             return None
-        return _quantile(gaps, q)
-
-
-def _tpot(gaps: list[float]) -> float | None:
-    return sum(gaps) / len(gaps) if gaps else None
+        target = q * sum(weight for _, weight in weighted)
+        passed = 0.0
+        for gap, weight in weighted:
+            passed += weight
+            if passed > target:
+                return gap
+        return weighted[-1][0]
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -3,7 +3,7 @@
     any thread:  submit(request_id, submission, run, num_tokens) | post(run)   → queued commands
     loop thread: drain() → runs each command in order; take(request_id) once a submission is accepted
     loop dies:   fail(error) → the submissions still queued (their callers must be answered); from then on
-                 submit() raises WorkerFailed
+                 submit() raises WorkerFailed and post() drops its command
 One lock guards it all, so a submission either lands before the failure (and fail() returns it) or is
 refused; no caller is left waiting on a request the worker will never see.
 """
@@ -48,10 +48,14 @@ class WorkerInbox(Generic[Submission]):
             self._commands.append(run)
             self._num_tokens += num_tokens
 
-    def post(self, run: Callable[[], None]) -> None:
-        """Queue a command for the loop thread (abort, release, a peer to add)."""
+    def post(self, run: Callable[[], None]) -> bool:
+        """Queue a command for the loop thread (abort, release, a peer to add); False once the loop has died
+        (nobody would run it: it is dropped rather than kept until the actor is killed)."""
         with self._lock:
+            if self.failure:
+                return False
             self._commands.append(run)
+            return True
 
     def drain(self) -> None:
         """Run every queued command, in order (loop thread)."""

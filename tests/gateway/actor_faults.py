@@ -29,6 +29,67 @@ def raise_in_next_step(actor: Any) -> None:
     actor.worker.engine.runner.execute = broken
 
 
+def raise_in_steps_with_seed(actor: Any, seed: int) -> None:
+    """A query of death: every step whose batch holds a request sampled with `seed` raises."""
+    runner = actor.worker.engine.runner
+    execute = runner.execute  # slow_steps' wrapper, if installed first
+
+    def broken(batch: Any) -> Any:
+        if any(c.sampling is not None and c.sampling.seed == seed for c in batch.chunks):
+            raise RuntimeError("injected fault: this request breaks every forward it is in")
+        return execute(batch)
+
+    runner.execute = broken
+
+
+def hold_steps(actor: Any) -> None:
+    """Every step waits at a gate until release_steps() (the step loop stops; commands queue in the inbox)."""
+    import threading
+
+    runner = actor.worker.engine.runner
+    execute = type(runner).execute
+    gate = actor.__dict__.setdefault("fault_gate", threading.Event())
+    gate.clear()
+
+    def held(batch: Any) -> Any:
+        gate.wait(60)
+        return execute(runner, batch)
+
+    runner.execute = held
+
+
+def release_steps(actor: Any) -> None:
+    gate = actor.__dict__.get("fault_gate")
+    if gate is not None:
+        gate.set()
+
+
+def count_loads(actor: Any) -> None:
+    """Count the load reports the worker gives from now on (read with num_loads)."""
+    worker = actor.worker
+    load = type(worker).load
+    actor.__dict__["num_loads"] = 0
+
+    def counted() -> Any:
+        actor.__dict__["num_loads"] += 1
+        return load(worker)
+
+    worker.load = counted
+
+
+def num_loads(actor: Any) -> int:
+    return int(actor.__dict__.get("num_loads", 0))
+
+
+def refuse_pull_calls(actor: Any) -> None:
+    """A prefill worker whose accept_pull raises (torch backend: the decode side's call fails)."""
+
+    def broken(pull: Any) -> Any:
+        raise RuntimeError("injected fault: accept_pull failed")
+
+    actor.worker.accept_pull = broken
+
+
 def fail_pulls(actor: Any) -> None:
     actor.worker.receiver._start = lambda pull, peer: pull.fail("injected fault: the transfer was dropped")
 
@@ -50,12 +111,22 @@ def lose_releases_and_shorten_leases(actor: Any) -> None:
 
     actor.worker.release = lambda transfer_id, why: None  # explicit releases never arrive
     sender = actor.worker.sender
+    actor.__dict__.setdefault("lease_s", sender.config.lease_s)  # heal() puts it back
     sender.config = dataclasses.replace(sender.config, lease_s=1.0)
 
 
 def heal(actor: Any) -> None:
+    release_steps(actor)
     actor.worker.engine.runner.__dict__.pop("execute", None)
     actor.worker.__dict__.pop("release", None)
+    actor.worker.__dict__.pop("load", None)
+    actor.worker.__dict__.pop("accept_pull", None)
+    sender = getattr(actor.worker, "sender", None)
+    lease_s = actor.__dict__.pop("lease_s", None)
+    if sender is not None and lease_s is not None:
+        import dataclasses
+
+        sender.config = dataclasses.replace(sender.config, lease_s=lease_s)
     receiver = getattr(actor.worker, "receiver", None)
     if receiver is not None:
         receiver.__dict__.pop("_advance", None)

@@ -28,12 +28,22 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(config: ServeConfig) -> Iterator[tuple[str, FastAPI]]:
-    """A real server on its own thread (uvicorn, the app's lifespan: Ray actors); yields (url, app)."""
+def serving(config: ServeConfig, send_buffer_bytes: int | None = None) -> Iterator[tuple[str, FastAPI]]:
+    """A real server on its own thread (uvicorn, the app's lifespan: Ray actors); yields (url, app).
+
+    `send_buffer_bytes`: the kernel's send buffer of every connection (fixed: no autotuning to megabytes),
+    so that a client that stops reading blocks the server's sends soon."""
     app = create_app(config)
     uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                        lifespan="on"))
-    thread = threading.Thread(target=uv.run, daemon=True)
+    sockets = None
+    if send_buffer_bytes is not None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)  # accepted ones inherit
+        listener.bind((config.host, config.port))
+        sockets = [listener]
+    thread = threading.Thread(target=lambda: uv.run(sockets=sockets), daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
     while not uv.started:

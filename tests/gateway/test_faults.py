@@ -23,6 +23,8 @@ from fastapi import FastAPI
 
 from gateway.config import ServeConfig
 from gateway.requests.deadlines import DeadlinePolicy
+from gateway.requests.router import LocalPrefillPolicy
+from kv_transfer import TransferConfig
 from tests.conftest import hf_greedy, random_prompts
 from tests.gateway import actor_faults as faults
 from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
@@ -140,7 +142,9 @@ def test_prefill_worker_killed_mid_prefill_is_retried_on_its_replacement(
 
 
 def test_decode_worker_killed_mid_stream_migrates_without_losing_a_token(
-        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+        client: httpx.Client, fault_server: tuple[str, FastAPI], tiny_chat_model_dir: Path) -> None:
+    migrations = fault_server[1].state.service.metrics.migrations
+    num_migrations = migrations._value.get()
     for decode in active_workers(client, "decode"):
         with_actor(decode, faults.slow_steps, 0.03)
     prompt = random_prompts([30], VOCAB, seed=12)[0]
@@ -162,6 +166,9 @@ def test_decode_worker_killed_mid_stream_migrates_without_losing_a_token(
     assert events[-1] == {"done": True}
     assert killed, "the stream ended before a worker could be killed"
     assert token_ids == hf_greedy(tiny_chat_model_dir, [prompt], 40)[0]
+    [timings] = [e["timings"] for e in events if e.get("timings")]
+    assert timings["num_moves"] == 1  # one worker left behind, and counted:
+    assert migrations._value.get() == num_migrations + 1
     assert killed not in active_workers(client)
 
 
@@ -177,6 +184,73 @@ def test_decode_step_loop_that_raises_fails_over_every_request(
     assert [r.json()["choices"][0]["token_ids"] for r in responses] == expected
     wait_for_health(client, "ok", timeout_s=60)
     assert broken not in active_workers(client)
+
+
+def test_a_query_of_death_costs_at_most_one_more_worker_and_other_streams_survive(
+        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    decodes = active_workers(client, "decode")
+    for decode in decodes:
+        with_actor(decode, faults.slow_steps, 0.03)
+        with_actor(decode, faults.raise_in_steps_with_seed, 4242)  # on every decode worker there is
+    prompt = random_prompts([30], VOCAB, seed=24)[0]
+    other = in_thread(lambda: complete(client, prompt, 60))
+    wait_for(lambda: any(worker_load(client, w)["running_requests"] for w in decodes))
+    # Picked for the idle decode worker: it breaks that one; moved to the other, it breaks it too (taking
+    # the other stream down with it); then it ends with an error instead of moving on to a third.
+    deadly = {"model": MODEL, "prompt": random_prompts([20], VOCAB, seed=25)[0], "max_tokens": 20,
+              "temperature": 0, "seed": 4242}
+    response = client.post("/v1/completions", json=deadly)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "worker_failed"
+    assert "failed on 2 decode workers" in response.json()["error"]["message"]
+    survivor = other()
+    assert survivor.status_code == 200, survivor.text
+    assert survivor.json()["choices"][0]["token_ids"] == hf_greedy(tiny_chat_model_dir, [prompt], 60)[0]
+    assert survivor.json()["timings"]["num_moves"] == 1  # moved once, to a replacement
+    wait_for_health(client, "ok", timeout_s=90)
+    assert not set(decodes) & set(active_workers(client))
+
+
+def test_evacuation_hands_an_unpulled_handoff_on_to_be_pulled_not_recomputed(
+        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    decodes = active_workers(client, "decode")
+    streams = random_prompts([16, 18], VOCAB, seed=26)
+    # A stream on each decode worker, each held in a step: what reaches a worker now waits in its inbox.
+    for decode in decodes:
+        with_actor(decode, faults.hold_steps)
+    joins = []
+    for num_started, stream in enumerate(streams, 1):  # one after the other: each to the idle worker
+        joins.append(in_thread(lambda p=stream: complete(client, p, 8)))  # type: ignore[misc]
+        wait_for(lambda n=num_started: sum(worker_load(client, w)["requests"] for w in decodes) == n,
+                 state=lambda: client.get("/admin/pools").json())
+    assert all(worker_load(client, w)["requests"] == 1 for w in decodes)
+    prompt = random_prompts([50], VOCAB, seed=27)[0]
+    handed_off = in_thread(lambda: complete(client, prompt, 8))
+    wait_for(lambda: sum(worker_load(client, w)["requests"] for w in decodes) == 3,
+             state=lambda: client.get("/admin/pools").json())  # its handoff reached a decode worker
+    [holder] = [w for w in decodes if worker_load(client, w)["requests"] == 2]
+    evacuate = ray.get_actor(f"pdserve-{holder}").evacuate.remote()  # queued after the handoff
+    ray.get(evacuate)
+    for decode in decodes:
+        with_actor(decode, faults.release_steps)
+    response = handed_off()
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["choices"][0]["token_ids"] == hf_greedy(tiny_chat_model_dir, [prompt], 8)[0]
+    assert data["timings"]["num_moves"] == 1
+    assert data["timings"]["transfer_bytes"] > 0  # pulled from the prefill worker by the next decode worker
+    assert data["timings"]["prefill_on"] == "prefill"
+    expected = hf_greedy(tiny_chat_model_dir, streams, 8)
+    assert [join().json()["choices"][0]["token_ids"] for join in joins] == expected
+
+
+def test_health_checks_cost_the_workers_nothing(client: httpx.Client) -> None:
+    actor = ray.get_actor(f"pdserve-{active_workers(client, 'decode')[0]}")
+    ray.get(actor.__ray_call__.remote(faults.count_loads))
+    for _ in range(40):
+        assert client.get("/health").json()["status"] == "ok"
+    # Only the pool watch's reports (one a second), not one per /health call.
+    assert ray.get(actor.__ray_call__.remote(faults.num_loads)) < 20
 
 
 def test_prefill_step_loop_that_raises_is_retried(client: httpx.Client, tiny_chat_model_dir: Path) -> None:
@@ -257,16 +331,26 @@ def test_lease_ends_unpulled_kv_when_every_release_is_lost(client: httpx.Client)
     assert wait_until_no_blocks_used(client, timeout_s=10) == 0
     records = ray.get(ray.get_actor(f"pdserve-{prefill}").transfer_records.remote())
     assert records[-1].outcome == "EXPIRED"
-    with_actor(prefill, _restore_leases)
+    with_actor(prefill, faults.heal)  # (the fixture heals too, whether or not the test got here)
+    lease_s = ray.get(ray.get_actor(f"pdserve-{prefill}").__ray_call__.remote(_lease_s))
+    assert lease_s == TransferConfig().lease_s
 
 
-def _restore_leases(actor: Any) -> None:
-    import dataclasses
+def _lease_s(actor: Any) -> float:
+    return float(actor.worker.sender.config.lease_s)
 
-    from kv_transfer import TransferConfig
 
-    sender = actor.worker.sender
-    sender.config = dataclasses.replace(sender.config, lease_s=TransferConfig().lease_s)
+def test_a_pull_that_hangs_past_its_timeout_is_recomputed_and_frees_the_prefill_blocks(
+        client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    for decode in active_workers(client, "decode"):
+        with_actor(decode, faults.stall_pulls)  # posted, never heard of again: only its deadline ends it
+    prompt = random_prompts([50], VOCAB, seed=28)[0]
+    response = complete(client, prompt, 6)  # the client keeps waiting
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["choices"][0]["token_ids"] == hf_greedy(tiny_chat_model_dir, [prompt], 6)[0]
+    assert data["timings"]["transfer_bytes"] == 0  # recomputed on the decode worker
+    assert wait_until_no_blocks_used(client, timeout_s=5) == 0
 
 
 def test_client_gone_while_decoding_frees_everything(client: httpx.Client) -> None:
@@ -356,3 +440,23 @@ def test_request_past_its_deadline_ends_with_a_clear_error(
     finally:
         service.deadline_policy = DeadlinePolicy()
     assert wait_until_no_blocks_used(client, timeout_s=5) == 0
+
+
+def test_a_prompt_prefilled_on_its_decode_worker_keeps_the_prefill_deadline(
+        client: httpx.Client, fault_server: tuple[str, FastAPI]) -> None:
+    service = fault_server[1].state.service
+    for decode in active_workers(client, "decode"):
+        with_actor(decode, faults.slow_steps, 0.3)
+    operators = service.router.local_prefill
+    service.router.local_prefill = LocalPrefillPolicy(max_uncached_tokens=1000)  # every prompt prefills there
+    # The first token is due 0.5 s after admission (5 chunks of 32 tokens take longer), the last much later.
+    service.deadline_policy = DeadlinePolicy(slack_s=0.5, prefill_s_per_token=0.0, decode_s_per_token=100.0)
+    try:
+        body = {"model": MODEL, "prompt": random_prompts([150], VOCAB, seed=29)[0], "max_tokens": 4}
+        response = client.post("/v1/completions", json=body)
+    finally:
+        service.deadline_policy = DeadlinePolicy()
+        service.router.local_prefill = operators
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "deadline_exceeded"
+    assert "prefill stage" in response.json()["error"]["message"]

@@ -3,12 +3,19 @@ still serves a normal request and holds no KV block."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from gateway.api.prepare import Preparer
+from gateway.api.protocol import ChatCompletionRequest, ChatMessage
+from llm_engine.model_loader import load_tokenizer, read_model_spec
 from tests.gateway.conftest import MODEL, wait_until_no_blocks_used
 
 VOCAB_SIZE = 49152  # the tiny chat model's (SmolLM2's tokenizer)
@@ -191,3 +198,28 @@ def test_an_empty_stop_string_stops_nothing(client: httpx.Client, stop: object) 
     body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "ignore_eos": True, "stop": stop}
     choice = client.post("/v1/completions", json=body).json()["choices"][0]
     assert choice["finish_reason"] == "length"
+
+
+def test_too_many_messages_get_400_naming_messages(client: httpx.Client) -> None:
+    many = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}] * 1025  # 2050 messages
+    response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": many, "max_tokens": 1})
+    assert_error(response, 400, "at most 2048", param="messages")
+
+
+def test_a_conversation_of_many_short_messages_is_rendered_off_the_event_loop(
+        tiny_chat_model_dir: Path) -> None:
+    tokenizer = load_tokenizer(str(tiny_chat_model_dir))
+    preparer = Preparer(tokenizer, read_model_spec(str(tiny_chat_model_dir)), MODEL, 4096, 16, 16)
+    rendered_on: list[str] = []
+    render = tokenizer.apply_chat_template
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        rendered_on.append(threading.current_thread().name)
+        return render(*args, **kwargs)
+
+    tokenizer.apply_chat_template = spy
+    messages = [ChatMessage(role="user", content="hi"), ChatMessage(role="assistant", content="ok")] * 20
+    body = ChatCompletionRequest(model=MODEL, messages=messages, max_tokens=1)
+    prepared = asyncio.run(preparer.prepare_chat(body))
+    assert len(prepared.prompt_token_ids) > 40
+    assert rendered_on and rendered_on[0].startswith("prompt-prep"), rendered_on

@@ -62,14 +62,22 @@ def stream_tokens(url: str, prompt: list[int], max_tokens: int, out: list[list[i
     out.append(tokens)
 
 
+def prompt_tokens_prefilled(app: FastAPI) -> dict[str, float]:
+    """Per worker: prompt tokens it prefilled (pdserve_prefix_cache_prompt_tokens)."""
+    samples = app.state.service.metrics.prefix_cache_prompt_tokens.collect()[0].samples
+    return {x.labels["worker"]: x.value for x in samples if x.name.endswith("_total")}
+
+
 def test_auto_leaves_a_long_prompt_alone_on_a_worker_with_nothing_else_to_decode(
         auto_server: tuple[str, FastAPI]) -> None:
     """Light traffic: one stream decodes on one worker, the long prompt goes to the other, which stalls no
-    one by prefilling it; both workers stay mixed."""
-    url, _ = auto_server
+    one by prefilling it; both workers stay mixed (with the controller running all along)."""
+    url, app = auto_server
+    controller = app.state.controller
     with httpx.Client(base_url=url, timeout=120) as client:
-        assert layout_of(client) == (0, 0, 2)
+        assert layout_of(client) == (0, 0, 2) and controller.is_on
         num_decisions = len(client.get("/admin/pools").json()["ratio_decisions"])
+        before = prompt_tokens_prefilled(app)
         streamed: list[list[int]] = []
         thread = threading.Thread(target=stream_tokens, args=(url, random_prompts([20], VOCAB, seed=53)[0],
                                                                60, streamed))
@@ -77,10 +85,17 @@ def test_auto_leaves_a_long_prompt_alone_on_a_worker_with_nothing_else_to_decode
         time.sleep(0.3)  # decoding
         [long_prompt] = random_prompts([300], VOCAB, seed=54)
         body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 6, "temperature": 0}
-        assert client.post("/v1/completions", json=body).status_code == 200
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 200
         thread.join(120)
         assert len(streamed) == 1 and len(streamed[0]) == 60
-        assert layout_of(client) == (0, 0, 2)
+        # Prefilled by a mixed worker itself, and not the one decoding the stream.
+        assert answer.json()["timings"]["prefill_on"] == "decode"
+        assert answer.json()["timings"]["local_prefill_reason"] == "mixed worker"
+        after = prompt_tokens_prefilled(app)
+        grown = {w: after[w] - before.get(w, 0.0) for w in after}
+        assert sorted(grown.values()) == [20.0, 300.0], grown
+        assert layout_of(client) == (0, 0, 2) and controller.is_on
         assert len(client.get("/admin/pools").json()["ratio_decisions"]) == num_decisions
 
 
@@ -129,16 +144,62 @@ def test_auto_disaggregates_for_a_long_prompt_and_goes_back_when_calm(
 
 
 def test_auto_keeps_short_prompts_from_waiting_behind_long_ones(auto_server: tuple[str, FastAPI]) -> None:
-    """While auto is on, the router prefills a short prompt on a decode worker when the prefill pool is
-    busy with long ones; turned off, the operator's policy (here: always disaggregate) is back."""
+    """While auto is on, a short prompt that arrives while the prefill pool is busy with a long one is
+    prefilled on the decode worker; turned off, the operator's policy (here: always disaggregate) is back
+    and the same short prompt waits for the prefill pool."""
     url, app = auto_server
     router = app.state.service.router
-    assert router.local_prefill == LocalPrefillPolicy(min_prefill_queue_tokens=FAST.long_prompt_tokens,
-                                                      queue_rule_below_tokens=FAST.long_prompt_tokens)
-    with httpx.Client(base_url=url, timeout=60) as client:
+    with httpx.Client(base_url=url, timeout=120) as client:
+        assert layout_of(client) == (0, 0, 2)
+        ids = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]]
+        actors = [ray.get_actor(f"pdserve-{i}") for i in ids]
+        ray.get([a.__ray_call__.remote(faults.slow_steps, 0.01) for a in actors])
+        streamed: list[list[int]] = []
+        threads = [threading.Thread(target=stream_tokens, args=(url, prompt, 120, streamed))
+                   for prompt in random_prompts([20, 24], VOCAB, seed=55)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)  # both streams decoding
+        [long_prompt] = random_prompts([300], VOCAB, seed=56)
+        long_body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 2, "temperature": 0}
+        assert client.post("/v1/completions", json=long_body).status_code == 200
+        wait_for_layout(client, (1, 1, 0), timeout_s=10)  # disaggregated for the long prompt
+        [prefill] = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]
+                     if w["role"] == "prefill"]
+        ray.get(ray.get_actor(f"pdserve-{prefill}").__ray_call__.remote(faults.slow_steps, 0.3))
+
+        def short_prompt_beside_a_long_one(seed: int) -> dict[str, object]:
+            """The timings of a short prompt sent while the prefill pool prefills a long one."""
+            busy: list[httpx.Response] = []
+            prompt = random_prompts([300], VOCAB, seed=seed)[0]
+            thread = threading.Thread(target=lambda: busy.append(client.post(
+                "/v1/completions", json={**long_body, "prompt": prompt})))
+            thread.start()
+            deadline = time.monotonic() + 10
+            while router.prefill_tokens[prefill] < 300:  # routed to the prefill pool, not prefilled yet
+                assert time.monotonic() < deadline, "the long prompt never reached the prefill pool"
+                time.sleep(0.01)
+            short = {"model": MODEL, "prompt": random_prompts([20], VOCAB, seed=seed + 1)[0],
+                     "max_tokens": 2, "temperature": 0}
+            response = client.post("/v1/completions", json=short)
+            assert response.status_code == 200, response.text
+            thread.join(60)
+            assert busy and busy[0].status_code == 200
+            return dict(response.json()["timings"])
+
         try:
+            timings = short_prompt_beside_a_long_one(57)
+            assert timings["prefill_on"] == "decode"
+            assert str(timings["local_prefill_reason"]).startswith("prefill queue")
             assert client.put("/admin/pools", json={"auto": False}).status_code == 200
             assert router.local_prefill == LocalPrefillPolicy()
+            timings = short_prompt_beside_a_long_one(59)
+            assert timings["prefill_on"] == "prefill"
         finally:
             assert client.put("/admin/pools", json={"auto": True}).status_code == 200
-    assert router.local_prefill.queue_rule_below_tokens == FAST.long_prompt_tokens
+            ray.get([a.__ray_call__.remote(faults.heal) for a in actors])
+            for thread in threads:
+                thread.join(120)
+        assert router.local_prefill.queue_rule_below_tokens == FAST.long_prompt_tokens
+        wait_for_layout(client, (0, 0, 2), timeout_s=30)  # calm again: back to two mixed workers
+        assert wait_until_no_blocks_used(client) == 0

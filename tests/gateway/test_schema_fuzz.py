@@ -35,6 +35,10 @@ def pin(openapi: dict[str, Any], bound_max_tokens: bool) -> dict[str, Any]:
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         request = pinned["components"]["schemas"][name]
         request["properties"]["model"] = {"type": "string", "enum": [MODEL]}
+        if name == "ChatCompletionRequest":
+            # Past maxItems, the fuzzer's messages outgrow the body limit: a 413, which schemathesis does not
+            # count as rejecting the data. The message cap has its own test (test_hostile_inputs).
+            request["properties"]["messages"].pop("maxItems", None)
         if bound_max_tokens:
             bounded = {"type": "integer", "minimum": 1, "maximum": MAX_FUZZ_TOKENS}
             request["properties"]["max_tokens"] = bounded
