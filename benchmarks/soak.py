@@ -10,9 +10,9 @@ A run, in order:
   3. --duration s of Poisson arrivals at --rate: short/long prompts and outputs, completions and chat,
      streaming and not, and client cancellations at --cancel-fraction (a stream closed before its first
      token or after a random number of tokens; a whole response given up after a random delay). Meanwhile
-     one random worker gets SIGKILL every --kill-every s (the gateway must replace it; each replacement is
-     timed until /health is "ok" again), and every --sample-every s /health, /admin/pools and the RSS of
-     every process are recorded;
+     one random worker (--kill-busy: one with requests running) gets SIGKILL every --kill-every s (the
+     gateway must replace it; each replacement is timed until /health is "ok" again), and every
+     --sample-every s /health, /admin/pools and the RSS of every process are recorded;
   4. waits for in-flight requests (one still open --hang-after s after it left counts as hung and is
      closed), then up to --settle s for every worker's used KV blocks to reach 0 (an unpulled handoff is
      freed when its 30 s lease ends), and takes the end sample;
@@ -97,6 +97,8 @@ def parse_args() -> SoakConfig:
     parser.add_argument("--rate", type=float, default=2.0, help="requests/s (Poisson)")
     parser.add_argument("--cancel-fraction", type=float, default=0.15)
     parser.add_argument("--kill-every", type=float, default=180.0, help="seconds; 0 kills nothing")
+    parser.add_argument("--kill-busy", action="store_true",
+                        help="kill only workers that have requests running at that moment")
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds of traffic before the baseline")
     parser.add_argument("--sample-every", type=float, default=5.0)
     parser.add_argument("--hang-after", type=float, default=300.0)
@@ -107,7 +109,7 @@ def parse_args() -> SoakConfig:
     a = parser.parse_args()
     return SoakConfig(a.duration, Path(a.out), a.model, a.prefill, a.decode, a.rate, a.cancel_fraction,
                       a.kill_every, a.warmup, a.sample_every, a.hang_after, a.settle, a.seed,
-                      tuple(a.serve_arg))
+                      tuple(a.serve_arg), kill_busy=a.kill_busy)
 
 
 def main() -> None:

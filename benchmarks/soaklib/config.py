@@ -23,3 +23,4 @@ class SoakConfig:
     seed: int
     serve_args: tuple[str, ...]  # extra `pdserve serve` flags
     num_ray_cpus: int = 0  # CPUs the Ray head offers; 0: one per starting worker + 1
+    kill_busy: bool = False  # kill only a worker with requests running (waits up to kill_every_s for one)

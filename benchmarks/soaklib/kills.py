@@ -42,8 +42,11 @@ class WorkerKiller:
             while await monitor.health() != "ok" and monitor.now() - waited < config.kill_every_s:
                 await asyncio.sleep(1)  # the previous replacement is not done: do not stack kills
             before = await monitor.pools()
-            candidates = [w for w in before
-                          if w.get("state") == "active" and w["kind"] in ("prefill", "decode")]
+            candidates = self._candidates(before)
+            while config.kill_busy and not candidates and monitor.now() - waited < config.kill_every_s:
+                await asyncio.sleep(0.2)  # a busy worker: one with requests running right now
+                before = await monitor.pools()
+                candidates = self._candidates(before)
             if not candidates:
                 self.kills.append({"t_s": monitor.now(), "error": "no active worker to kill",
                                    "workers": before})
@@ -67,6 +70,10 @@ class WorkerKiller:
                 kill["error"] = "its process was already gone"
             self.kills.append(kill)
             await self.time_replacement(kill, {w["worker_id"] for w in before})
+
+    def _candidates(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [w for w in workers if w.get("state") == "active" and w["kind"] in ("prefill", "decode")
+                and (not self.monitor.config.kill_busy or (w.get("running_requests") or 0) > 0)]
 
     async def time_replacement(self, kill: dict[str, Any], ids_before: set[str]) -> None:
         """Poll until /health is "ok" with the killed worker gone and a new one of its kind active."""

@@ -109,11 +109,12 @@ def markdown(summary: dict[str, Any]) -> str:
     req, kv, rss = summary["requests"], summary["kv_end"], summary["rss"]
     config = summary["config"]
     lines = [f"# Soak: {config['duration_s']:.0f} s, {config['num_prefill']}P+{config['num_decode']}D, "
-             f"{config['rate']} req/s, kill every {config['kill_every_s']:.0f} s",
+             f"{config['rate']} req/s, kill every {config['kill_every_s']:.0f} s"
+             f"{' (busy workers)' if config.get('kill_busy') else ''}",
              "", f"Model `{summary['model']}`. Command: `.venv/bin/python benchmarks/soak.py "
              f"--duration {config['duration_s']:.0f} --kill-every {config['kill_every_s']:.0f} "
              f"--rate {config['rate']} --cancel-fraction {config['cancel_fraction']} "
-             f"--warmup {config['warmup_s']:.0f}`", "",
+             f"--warmup {config['warmup_s']:.0f}{' --kill-busy' if config.get('kill_busy') else ''}`", "",
              "| requests | count |", "|---|---:|"]
     lines += [f"| {k.replace('_', ' ')} | {req[k]} |" for k in ("sent", "ok", "cancelled_by_client", "errors",
                                                                   "hung")]
