@@ -1,8 +1,7 @@
 """Delivery of an SSE stream, written straight to the ASGI send, with a bound: a client that stops reading
 cannot hold the response forever.
 
-    __call__: headers → one `send` per chunk of the body iterator, the one ending in SSE_DONE as the last
-    body (else an empty last body after the iterator ends), all by `send_by`
+    __call__: headers → one `send` per chunk of the body iterator → the empty last body, all by `send_by`
     (wall clock: the request's finish_by + a grace); one that is not (the client's receive window stayed
     shut) ends: on_stalled() is told and the connection is closed.
     A client that disconnects is noticed by one watcher task, which cancels the response's own task while
@@ -28,7 +27,6 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
-SSE_DONE = "data: [DONE]\n\n"  # a stream's last event: its chunk ends the response, in the same write
 
 
 class BoundedStreamingResponse(Response):
@@ -64,15 +62,9 @@ class BoundedStreamingResponse(Response):
             async with asyncio.timeout_at(send_by):
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
-                is_done = False
                 async for chunk in self.body_iterator:
-                    is_done = chunk.endswith(SSE_DONE)
-                    body = chunk.encode()
-                    await send({"type": "http.response.body", "body": body, "more_body": not is_done})
-                    if is_done:
-                        break
-                if not is_done:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except TimeoutError:
             # Returning without finishing the response makes the server close the connection.
             logger.warning("a client stopped reading its stream; the connection is closed")

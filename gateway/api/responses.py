@@ -2,8 +2,6 @@
 
 A stream that fails after its headers went out (no worker could finish it, a deadline passed) ends with an
 OpenAI-shaped error event, `data: {"error": {...}}`, then `data: [DONE]`: never a silent cut.
-The events that end a stream (the last delta's chunk, an error, usage, [DONE]) are ready together and go out
-as one piece of the body (one write; delivery.py sends it as the last), the same bytes as one by one.
 The chunks of a token (text only: no logprobs, no token ids, not the last one) are framed by _TextFrames
 without a pydantic model: they are most of a stream and each costs one json.dumps of its text. Every other
 chunk goes through the pydantic models; both spell the same JSON.
@@ -16,7 +14,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from gateway.api.delivery import SSE_DONE
 from gateway.api.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -123,7 +120,6 @@ async def completion_stream(service: GatewayService, body: CompletionRequest, pr
                             deltas: AsyncIterator[TextDelta], include_usage: bool) -> AsyncIterator[str]:
     last: TextDelta | None = None
     errors: list[str] = []
-    ending: list[str] = []  # the events that end the stream, sent together
     created = int(time.time())
     frames = _TextFrames(CompletionResponse(
         id=prepared.request_id, model=service.model_name, created=created,
@@ -142,17 +138,14 @@ async def completion_stream(service: GatewayService, body: CompletionRequest, pr
         )
         chunk = CompletionResponse(id=prepared.request_id, model=service.model_name, created=created,
                                    choices=[choice], timings=delta.timings)
-        if delta.finish_reason is not None:  # the last delta: it goes out with the events that end the stream
-            ending.append(_sse(chunk.model_dump_json(exclude_none=True)))
-            continue
         yield _sse(chunk.model_dump_json(exclude_none=True))
-    ending += errors
+    for event in errors:
+        yield event
     if include_usage and last is not None:
         usage = CompletionResponse(id=prepared.request_id, model=service.model_name, created=created,
                                    choices=[], usage=_usage(prepared, last))
-        ending.append(_sse(usage.model_dump_json(exclude_none=True)))
-    ending.append(SSE_DONE)
-    yield "".join(ending)
+        yield _sse(usage.model_dump_json(exclude_none=True))
+    yield _sse("[DONE]")
 
 
 async def chat_response(service: GatewayService, body: ChatCompletionRequest, prepared: PreparedRequest,
@@ -184,7 +177,6 @@ async def chat_stream(service: GatewayService, body: ChatCompletionRequest, prep
     yield chunk(ChatChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None))
     last: TextDelta | None = None
     errors: list[str] = []
-    ending: list[str] = []  # the events that end the stream, sent together
     async for delta in _guarded(deltas, errors):
         last = delta
         if is_text_only and delta.finish_reason is None:
@@ -196,12 +188,9 @@ async def chat_stream(service: GatewayService, body: ChatCompletionRequest, prep
             if body.logprobs else None,
             token_ids=list(delta.token_ids) if body.return_token_ids else None,
         )
-        if delta.finish_reason is not None:  # the last delta: it goes out with the events that end the stream
-            ending.append(chunk(choice, timings=delta.timings))
-            continue
         yield chunk(choice, timings=delta.timings)
-    ending += errors
+    for event in errors:
+        yield event
     if include_usage and last is not None:
-        ending.append(chunk(None, usage=_usage(prepared, last)))
-    ending.append(SSE_DONE)
-    yield "".join(ending)
+        yield chunk(None, usage=_usage(prepared, last))
+    yield _sse("[DONE]")
