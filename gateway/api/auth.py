@@ -1,15 +1,21 @@
 """Keys: /v1 routes and /metrics want the API key when one is set; /admin routes want the admin key, or,
-when none is set, a server bound to loopback. Neither key opens the other's routes. Compared in constant
+when none is set, a server bound to loopback and a request from loopback that no proxy forwarded (a
+same-host reverse proxy or sidecar connects from loopback too, on behalf of anyone). Neither key opens the
+other's routes. Compared in constant
 time. Both are Bearer tokens, declared as security schemes so the OpenAPI description shows them.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from typing import Annotated
 
 from fastapi import HTTPException, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+# Headers a proxy adds when it forwards a request: their presence means the peer address is the proxy's.
+_FORWARDED_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
 
 # auto_error=False: a missing or non-Bearer header reaches our check (and our 401), not FastAPI's 403.
 _api_key = HTTPBearer(scheme_name="api_key", auto_error=False, description="--api-key (/v1 and /metrics)")
@@ -38,3 +44,16 @@ async def require_admin(
             raise HTTPException(401, "missing or wrong admin key: send 'Authorization: Bearer <admin key>'")
     elif not config.is_loopback:
         raise HTTPException(403, "admin routes need --admin-key when the server is not bound to loopback")
+    elif not _is_direct_local(request):
+        raise HTTPException(403, "admin routes without --admin-key answer only requests made on this host "
+                                 "directly, not through a proxy")
+
+
+def _is_direct_local(request: Request) -> bool:
+    """The peer is this host, and no proxy says it forwarded the request for someone else."""
+    if request.client is None or any(header in request.headers for header in _FORWARDED_HEADERS):
+        return False
+    try:
+        return ipaddress.ip_address(request.client.host).is_loopback
+    except ValueError:  # not an address (a Unix socket peer, a test transport): not known to be local
+        return False

@@ -309,3 +309,15 @@ def test_the_gateway_and_every_worker_froze_their_startup_heap(client: httpx.Cli
     for worker in client.get("/admin/pools").json()["workers"]:
         actor = ray.get_actor(f"pdserve-{worker['worker_id']}")
         assert ray.get(actor.__ray_call__.remote(_freeze_count)) > 0
+
+
+@pytest.mark.parametrize("header", ["X-Forwarded-For", "Forwarded", "X-Real-IP"])
+def test_admin_routes_without_a_key_refuse_a_request_a_proxy_forwarded(client: httpx.Client,
+                                                                       header: str) -> None:
+    """Review L2: a server on loopback without --admin-key trusts only direct local requests; a same-host
+    reverse proxy connects from loopback too, so its forwarding headers mark the request as not local."""
+    assert client.get("/admin/pools").status_code == 200
+    refused = client.get("/admin/pools", headers={header: "203.0.113.7"})
+    assert refused.status_code == 403 and "proxy" in refused.json()["error"]["message"]
+    put = client.put("/admin/pools", json={"auto": False}, headers={header: "203.0.113.7"})
+    assert put.status_code == 403
