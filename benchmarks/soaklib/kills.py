@@ -51,10 +51,10 @@ class WorkerKiller:
                 self.kills.append({"t_s": monitor.now(), "error": "no active worker to kill",
                                    "workers": before})
                 continue
-            kind = rng.choice(sorted({w["kind"] for w in candidates}))
-            victim = rng.choice([w for w in candidates if w["kind"] == kind])
+            kind = rng.choice(sorted({w["role"] for w in candidates}))
+            victim = rng.choice([w for w in candidates if w["role"] == kind])
             pid = (await monitor.refresh_actors()).get(victim["worker_id"])
-            kill = {"t_s": monitor.now(), "worker_id": victim["worker_id"], "kind": victim["kind"],
+            kill = {"t_s": monitor.now(), "worker_id": victim["worker_id"], "kind": victim["role"],
                     "pid": pid, "deferred_s": monitor.now() - waited,
                     "client_in_flight": monitor.in_flight[0],
                     "victim_running": victim.get("running_requests"),
@@ -72,7 +72,7 @@ class WorkerKiller:
             await self.time_replacement(kill, {w["worker_id"] for w in before})
 
     def _candidates(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [w for w in workers if w.get("state") == "active" and w["kind"] in ("prefill", "decode")
+        return [w for w in workers if w.get("state") == "active" and w["role"] in ("prefill", "decode")
                 and (not self.monitor.config.kill_busy or (w.get("running_requests") or 0) > 0)]
 
     async def time_replacement(self, kill: dict[str, Any], ids_before: set[str]) -> None:
@@ -88,7 +88,7 @@ class WorkerKiller:
             workers = await monitor.pools()
             ids = {w["worker_id"] for w in workers}
             new = [w["worker_id"] for w in workers if w["worker_id"] not in ids_before
-                   and w["kind"] == kill["kind"] and w.get("state") == "active"]
+                   and w["role"] == kill["kind"] and w.get("state") == "active"]
             if status == "ok" and kill["worker_id"] not in ids and new:
                 kill["replaced_by"] = new[0]
                 kill["ok_again_after_s"] = monitor.now() - kill["t_s"]
