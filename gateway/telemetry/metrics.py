@@ -73,6 +73,7 @@ class Metrics:
         self.prefix_cache_hit_rate = Gauge(
             "pdserve_prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache so far",
             ["worker"], registry=r)
+        self._load_series: set[tuple[str, str]] = set()  # (worker, role) of the last loads
         self._prefix_totals: dict[str, tuple[int, int]] = {}  # worker → (prompt tokens, cached tokens)
         self.admission_reserved = Gauge(
             "pdserve_admission_reserved_tokens", "Decode KV tokens reserved", registry=r
@@ -110,6 +111,13 @@ class Metrics:
             self.queued_prompt_tokens.labels(pool).set(
                 sum(x.num_queued_prompt_tokens for x in loads if x.role == pool)
             )
+        # One series per live worker in its current role: a worker that left or changed role takes its old
+        # series with it, instead of leaving them frozen at their last value (review L6).
+        series = {(load.worker_id, load.role) for load in loads}
+        for gone in self._load_series - series:
+            self.running.remove(*gone)
+            self.kv_occupancy.remove(*gone)
+        self._load_series = series
         for load in loads:
             self.running.labels(load.worker_id, load.role).set(load.num_running)
             self.kv_occupancy.labels(load.worker_id, load.role).set(load.kv_occupancy)
