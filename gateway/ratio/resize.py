@@ -152,13 +152,28 @@ class PoolResizer:
                 raise ResizeConflict(f"the layout moves {needed} {role.value} worker(s) but only {active} "
                                      f"{'is' if active == 1 else 'are'} active (the others are starting or "
                                      "being replaced); try again when GET /health says ok")
-        num_added = sum(move.action == "add" for move in moves)
-        cpus = num_added * self.deployment.config.num_cpus_per_worker
-        available = ray.available_resources().get("CPU", 0.0)
-        if cpus > available:
-            raise ResizeRefused(f"the layout needs {num_added} more workers ({cpus:g} CPUs) but the Ray "
-                                f"cluster has {available:g} CPUs free")
+        self._check_room([move.role for move in moves if move.action == "add"])
         return moves
+
+    def _check_room(self, added: list[Role]) -> None:
+        """Ray has every resource the added workers ask for (CPUs, GPUs, their role's custom resources) free
+        in total; otherwise the adds would stop part way, waiting for a placement (review L5)."""
+        config = self.deployment.config
+        needed: dict[str, float] = {}
+        for role in added:
+            asks = {"CPU": config.num_cpus_per_worker, "GPU": config.num_gpus_per_worker,
+                    **config.role_resources.get(role, {})}
+            for name, amount in asks.items():
+                if amount:
+                    needed[name] = needed.get(name, 0.0) + amount
+        available = ray.available_resources()
+        short = {name: (amount, available.get(name, 0.0)) for name, amount in needed.items()
+                 if amount > available.get(name, 0.0) + 1e-9}
+        if short:
+            what = ", ".join(f"{amount:g} {name} ({free:g} free)"
+                             for name, (amount, free) in sorted(short.items()))
+            raise ResizeRefused(f"the layout needs {len(added)} more workers, asking for {what} from the "
+                                "Ray cluster")
 
     async def apply(self, moves: list[Move], grace_s: float = DRAIN_GRACE_S) -> ResizeResult:
         """Carry out the moves in order; stops at the first that fails (the rest do not run).

@@ -20,7 +20,7 @@ from gateway.fleet.deployment import DeploymentConfig, PDDeployment
 from gateway.fleet.worker_errors import SubmissionRefused
 from gateway.fleet.workers import Worker, WorkerState
 from gateway.ratio.controller import ControllerPolicy, RatioController
-from gateway.ratio.resize import Move, PoolLayout, PoolResizer, ResizeConflict
+from gateway.ratio.resize import Move, PoolLayout, PoolResizer, ResizeConflict, ResizeRefused
 from gateway.requests.orchestrator import StreamEvent, run_request
 from gateway.requests.router import Router
 from gateway.telemetry.metrics import Metrics
@@ -321,6 +321,9 @@ def test_a_layout_that_moves_a_worker_still_starting_is_refused_before_anything_
         with pytest.raises(ResizeConflict, match="decode worker"):
             resizer.check(PoolLayout(prefill=2, mixed=1))
         moves = resizer.check(PoolLayout(prefill=1, decode=1, mixed=2))  # adds only: fine
+        # L5: an added decode worker asks for its role's custom resource, which no node offers.
+        with pytest.raises(ResizeRefused, match="1 pdserve_nowhere"):
+            resizer.check(PoolLayout(prefill=1, decode=2, mixed=1))
         return {"before": before, "after": dict(deployment.target), "moves": [m.action for m in moves]}
 
     result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=1, num_mixed=1,

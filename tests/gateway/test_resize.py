@@ -181,7 +181,7 @@ def test_a_stream_moves_off_a_worker_that_changes_role_with_its_kv_without_losin
     ({"prefill": 0, "decode": 2}, "cannot serve"),
     ({"prefill": 2, "decode": 0}, "cannot serve"),
     ({"prefill": 1, "decode": 1, "gpus": 3}, "gpus: Extra inputs are not permitted"),
-    ({"prefill": 1000, "decode": 1}, "CPUs free"),
+    ({"prefill": 1000, "decode": 1}, "more workers, asking for 999 CPU ("),
     ({"prefill": "1", "decode": 1}, "integer"),
     # A grace as long as the drain timeout: every drain of a busy worker would time out, stranding it.
     ({"prefill": 1, "decode": 1, "drain_grace_s": 300}, "drain_grace_s (300 s) must be below the drain"),
