@@ -187,6 +187,9 @@ class DecodeWorker:
         scheduler = self.engine.scheduler
         batch = scheduler.schedule() if scheduler.num_unfinished else None
         if batch is not None and batch.chunks:
+            # What the inbox just handed over is in no load report until this step ends: report it now, or a
+            # request taken in this step looks like nowhere (neither arriving nor held) for the step's length.
+            self._load = self._snapshot()
             self._in_step = tuple(chunk.request_id for chunk in batch.chunks)
             output = self.engine.runner.execute(batch)
             now = time.time()

@@ -139,6 +139,7 @@ class PrefillWorker:
             for chunk in batch.chunks:
                 pending = self._pending[chunk.request_id]
                 pending.started = pending.started or now
+            self._load = self._snapshot()  # the requests just taken from the inbox, for the step's length
             output = self.engine.runner.execute(batch)
             for request in scheduler.update(batch, output):
                 self._finish_prefill(request)

@@ -70,8 +70,10 @@ class LocalRayCluster:
         ports = {flag: str(free_port()) for flag in (
             "--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
             "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")}
-        # Worker ports away from Ray's default range, which other Ray instances on this machine use.
-        first_worker_port = random.Random().randrange(30000, 40000, 100)
+        # Worker ports away from Ray's default range, which other Ray instances on this machine use, and below
+        # the kernel's ephemeral range (32768-60999 on Linux), where every free_port() above comes from: a
+        # worker range there could hold one of those ports, and `ray start` refuses such a clash.
+        first_worker_port = random.Random().randrange(20000, 32000, 100)
         command = [str(BIN / "ray"), "start", "--block", "--node-ip-address", self.ip,
                    "--disable-usage-stats", "--object-store-memory", str(128 << 20),
                    "--min-worker-port", str(first_worker_port),

@@ -330,3 +330,26 @@ def test_a_layout_that_moves_a_worker_still_starting_is_refused_before_anything_
                              role_resources={Role.DECODE: {"pdserve_nowhere": 1}})
     assert result["before"] == result["after"]
     assert result["moves"] == ["add"]
+
+
+def test_a_request_taken_into_a_running_step_shows_in_the_workers_load(tiny_llama_dir: Path) -> None:
+    """A mixed worker, idle, takes a request from its inbox and prefills it in the same step; while that step
+    runs (held here), its load report counts the request (before: neither arriving nor held, 0)."""
+    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+        [worker] = deployment.active(Role.MIXED)
+        await call_on(worker, faults.hold_steps)
+        prompt = random_prompts([12], 1000, seed=5)[0]
+        stream = asyncio.ensure_future(events_of(router, "held", prompt, GREEDY))
+        seen = []
+        for _ in range(300):  # 6 s: the request reaches the worker within milliseconds
+            seen.append((await worker.client.load()).num_requests)
+            if seen[-1]:
+                break
+            await asyncio.sleep(0.02)
+        await call_on(worker, faults.release_steps)
+        events = await stream
+        return {"seen": seen[-1], "tokens": tokens(events)}
+
+    result = with_deployment(tiny_llama_dir, scenario, num_prefill=0, num_decode=0, num_mixed=1)
+    assert result["seen"] == 1
+    assert len(result["tokens"]) == 6
