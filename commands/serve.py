@@ -46,6 +46,9 @@ _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--max-num-batched-tokens", int, "tokens per forward (prefill chunk budget)"),
     ("--host", str, "address to bind (default 127.0.0.1)"),
     ("--port", int, "port (default 8000)"),
+    ("--api-server-count", int, "HTTP frontend processes on that port, sharing one fleet of workers (in a "
+                                "named Ray actor); one that dies is restarted (default 1: the whole gateway "
+                                "in one process)"),
     ("--api-key", str, "require this Bearer key on /v1 routes and /metrics (or PDSERVE_API_KEY)"),
     ("--admin-key", str, "require this Bearer key on /admin routes (or PDSERVE_ADMIN_KEY)"),
     ("--address", str, "join this Ray cluster instead of starting a local one ('auto': the cluster this "
@@ -118,6 +121,11 @@ def run_serve(args: argparse.Namespace) -> int:
         flag = "--address" if field == "ray_address" else "--" + field.replace("_", "-")
         print(f"pdserve serve: error: {flag}: {first['msg']}", file=sys.stderr)
         return 2
+    if config.api_server_count > 1:
+        from gateway.frontends import serve_frontends
+
+        serve_frontends(config)
+        return 0
     uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop", log_level="info")
     return 0
 

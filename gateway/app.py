@@ -1,8 +1,12 @@
 """The FastAPI application: `create_app(config)`; all state lives in app.state (set up in `lifespan`).
 
-    lifespan: Ray (join or start) → model dir → tokenizer → both pools started and connected → admission
-              capacity from the decode workers' KV → pool watch (failed workers are replaced; capacity
-              follows the live decode workers) → serve → shutdown of every actor (and of Ray if ours).
+    lifespan, the whole gateway in this process: Ray (join or start) → model dir → both pools started and
+              connected → tokenizer; admission capacity from the decode workers' KV → the control plane
+              (pool watch: failed workers are replaced, capacity follows the live decode workers; the ratio
+              controller) → serve → shutdown of every actor (and of Ray if ours).
+    lifespan, one of several frontends (gateway/frontends.py starts them): join the supervisor's Ray → the
+              fleet actor → a mirror of its workers (gateway/control/remote_fleet.py) → tokenizer; this
+              frontend's share of the admission capacity → serve → leave (the fleet and workers stay).
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics,
 GET and PUT /admin/pools (gateway/api/admin.py). Errors use OpenAI's shape; a client that disconnects aborts
 its request on both workers.
@@ -13,9 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -38,12 +45,13 @@ from gateway.api.protocol import (
 )
 from gateway.api.responses import chat_response, chat_stream, completion_response, completion_stream
 from gateway.config import ServeConfig
+from gateway.control.plane import ControlPlane, decode_kv_tokens
+from gateway.control.remote_fleet import FleetLink, RemoteFleet
 from gateway.fleet.deployment import PDDeployment
-from gateway.fleet.workers import WorkerState
-from gateway.ratio.controller import RatioController
-from gateway.ratio.resize import PoolResizer
-from gateway.requests.admission import Admission
+from gateway.fleet.view import FleetView
+from gateway.requests.admission import Admission, admission_capacity
 from gateway.requests.service import GatewayService, PreparedRequest
+from gateway.telemetry.fleet_metrics import FleetStatus
 from llm_engine.model_loader import load_tokenizer, read_model_spec
 from pool_worker import Role
 from pool_worker.runtime.process_heap import freeze_startup_heap
@@ -97,62 +105,98 @@ async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     raise ClientGone()
 
 
-def create_app(config: ServeConfig) -> FastAPI:
+@dataclass(frozen=True)
+class FrontendSpec:
+    """One of several HTTP frontends (`--api-server-count N`): the fleet lives in a named actor."""
+
+    fleet_actor: str  # the FleetActor's name in RAY_NAMESPACE
+    ray_address: str  # the supervisor's Ray (GCS address)
+    num_frontends: int
+
+
+def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_dir: str,
+                   kv_tokens_per_worker: int, num_frontends: int) -> GatewayService:
+    """The request path over `fleet`: tokenizer, request preparation, admission, the service (app.state)."""
+    tokenizer = load_tokenizer(model_dir)
+    model_name = config.served_model_name or Path(model_dir).name
+    app.state.preparer = Preparer(tokenizer, read_model_spec(model_dir), model_name, kv_tokens_per_worker,
+                                  config.default_max_tokens, fleet.block_size)
+    num_decoding = len(fleet.active(Role.DECODE, Role.MIXED))
+    capacity = admission_capacity(kv_tokens_per_worker, num_decoding, num_frontends)
+    service = GatewayService(
+        tokenizer=tokenizer, model_name=model_name, fleet=fleet,
+        admission=Admission(capacity, config.max_waiting, config.queue_timeout_s, config.max_waiting_tokens),
+        max_request_tokens=kv_tokens_per_worker,
+        deadline_policy=config.deadline_policy(), local_prefill=config.local_prefill_policy(),
+        num_frontends=num_frontends,
+    )
+    fleet.on_change.append(service.on_pool_change)
+    app.state.service = service
+    return service
+
+
+def announce(app: FastAPI, config: ServeConfig, backend: str, frontends: str = "") -> None:
+    freeze_startup_heap()  # a full collection over the imported libraries would stall every stream
+    app.state.started = time.time()
+    layout = (f"{config.prefill or 0} prefill + {config.decode or 0} decode + {config.mixed or 0} "
+              f"mixed workers (KV transfer: {backend}; ratio {config.ratio})")
+    print(f"pdserve: serving {app.state.service.model_name} on http://{config.host}:{config.port} "
+          f"with {layout}{frontends}", flush=True)
+
+
+def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> FastAPI:
+    """The gateway: with `frontend`, one of several HTTP processes over a fleet actor; else the whole gateway
+    in this process (fleet included)."""
+
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def own_fleet(app: FastAPI) -> AsyncIterator[None]:
         started_ray = not ray.is_initialized()
         if started_ray:
             # A fixed namespace, so that operators' tools find the workers: ray.get_actor("pdserve-worker-…",
             # namespace="pdserve") (worker ids are unique per gateway, so gateways may share it).
             ray.init(address=config.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
                      configure_logging=False)
-        model_dir = resolve_model_dir(config)
-        deployment = PDDeployment(config.deployment_config(model_dir))
+        deployment = PDDeployment(config.deployment_config(resolve_model_dir(config)))
         await deployment.start()
+        plane: ControlPlane | None = None
         try:
-            decode_loads = [x for x in await deployment.loads() if Role(x.role).can_decode]
-            block_size = deployment.config.engine.block_size
-            usable = 1.0 - deployment.config.watermark
-            per_worker = [int(x.num_total_blocks * block_size * usable) for x in decode_loads]
-            tokenizer = load_tokenizer(model_dir)
-            model_name = config.served_model_name or Path(model_dir).name
-            app.state.preparer = Preparer(tokenizer, read_model_spec(model_dir), model_name, min(per_worker),
-                                          config.default_max_tokens, block_size)
-            app.state.service = GatewayService(
-                tokenizer=tokenizer, model_name=model_name, deployment=deployment,
-                admission=Admission(sum(per_worker), config.max_waiting, config.queue_timeout_s,
-                                    config.max_waiting_tokens),
-                max_request_tokens=min(per_worker),
-                deadline_policy=config.deadline_policy(), local_prefill=config.local_prefill_policy(),
-            )
-            deployment.on_change.append(app.state.service.on_pool_change)
-            app.state.resizer = PoolResizer(deployment, app.state.service.router)
-            app.state.controller = RatioController(
-                deployment, app.state.service.router, app.state.resizer, app.state.service.metrics,
-                app.state.service.recent, config.controller_policy())
-            app.state.service.on_prompt.append(app.state.controller.note_prompt)
-            if config.ratio == "auto":
-                if not deployment.can_change:
-                    raise ValueError(f"--ratio auto needs workers that can change role; the "
-                                     f"{deployment.backend} backend fixes them at start (use --backend nixl)")
-                app.state.controller.start()
-            watch = asyncio.create_task(deployment.watch())
-            freeze_startup_heap()  # a full collection over the imported libraries would stall every stream
-            app.state.started = time.time()
-            layout = (f"{config.prefill or 0} prefill + {config.decode or 0} decode + {config.mixed or 0} "
-                      f"mixed workers (KV transfer: {deployment.backend.value}; ratio {config.ratio})")
-            print(f"pdserve: serving {app.state.service.model_name} on http://{config.host}:{config.port} "
-                  f"with {layout}", flush=True)
+            service = serve_requests(app, config, deployment, deployment.config.engine.model_dir,
+                                     min(await decode_kv_tokens(deployment)), num_frontends=1)
+            plane = ControlPlane(deployment, service.router, service.recent, config.controller_policy())
+            service.on_prompt.append(plane.controller.note_prompt)
+            plane.start(auto=config.ratio == "auto")
+            app.state.control = plane
+            announce(app, config, deployment.backend.value)
             yield
-            await app.state.controller.stop()
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
         finally:
-            await deployment.shutdown()
+            await (plane.stop() if plane is not None else deployment.shutdown())
             if started_ray:
                 ray.shutdown()
 
+    @asynccontextmanager
+    async def join_fleet(app: FastAPI) -> AsyncIterator[None]:
+        assert frontend is not None
+        ray.init(address=frontend.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
+                 configure_logging=False, log_to_driver=False)
+        handle = ray.get_actor(frontend.fleet_actor)
+        fleet = RemoteFleet(handle, f"frontend-{uuid.uuid4().hex[:12]}")
+        try:
+            info = await fleet.start()
+            service = serve_requests(app, config, fleet, info.model_dir, info.kv_tokens_per_decode_worker,
+                                     frontend.num_frontends)
+            fleet.router = service.router
+            service.router.local_prefill = fleet.local_prefill
+            service.on_prompt.append(fleet.note_prompt)
+            service.router.on_local_prefill.append(fleet.note_prompt)
+            service.on_finished.append(fleet.note_finished)
+            app.state.control = FleetLink(handle)
+            announce(app, config, "fleet actor", f" (frontend pid {os.getpid()} of {frontend.num_frontends})")
+            yield
+        finally:
+            await fleet.stop()
+            ray.shutdown()
+
+    lifespan = own_fleet if frontend is None else join_fleet
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.config = config
 
@@ -219,7 +263,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         service: GatewayService = request.app.state.service
         # From the pool watch's latest round (a worker that died is noticed within its interval): this route
         # is unauthenticated, so it must not cost an RPC per worker per call.
-        pools = service.deployment.health()
+        pools = service.fleet.health()
         body = {"status": pools.status,
                 "active_workers": pools.active, "target_workers": pools.target,
                 "replacing": pools.num_replacing, "pending": pools.num_pending}
@@ -229,15 +273,10 @@ def create_app(config: ServeConfig) -> FastAPI:
              response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         service: GatewayService = request.app.state.service
-        service.metrics.set_loads(service.deployment.last_loads)  # the pool watch's, at most a second old
-        workers = list(service.deployment.workers.values())
-        service.metrics.set_runtimes({w.worker_id: w.runtime for w in workers
-                                      if w.runtime is not None and w.state is not WorkerState.FAILED})
-        for role, count in service.deployment.health().active.items():
-            service.metrics.workers.labels(role).set(count)
+        fleet: FleetStatus = await request.app.state.control.status()
         service.metrics.admission_waiting.set(service.admission.num_waiting)
         service.metrics.admission_reserved.set(service.admission.reserved_tokens)
-        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(service.metrics.render(fleet), media_type="text/plain; version=0.0.4")
 
     app.include_router(admin_routes)
     return app

@@ -54,6 +54,8 @@ class ServeConfig(BaseModel):
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    # HTTP frontends sharing one fleet (gateway/frontends.py): 1 runs the whole gateway in one process.
+    api_server_count: int = Field(default=1, ge=1, le=64)
     api_key: str | None = None  # required as a Bearer token on /v1 routes and /metrics when set
     admin_key: str | None = None  # required on /admin routes; without it they answer on loopback only
     ray_address: str | None = None  # join this Ray cluster ("auto": the one on this node); None: a local one

@@ -272,6 +272,11 @@ class WorkerActor:
         async for batch in self._outputs.stream(channel_id):
             yield batch
 
+    def close_channels(self, gateway_id: str) -> int:
+        """A gateway is gone (a frontend process that died): end its output channels, aborting the requests
+        they carry, so that none holds KV here for a reader that will never come back."""
+        return self._outputs.close_channels(gateway_id + "-")
+
     async def submit_decodes(self, requests: list[DecodeRequest], channel_id: str) -> list[str]:
         """Start decoding each request, in order; its outputs go to the output stream of `channel_id` (the
         gateway batches what it submits in one event-loop turn: gateway/fleet/submissions.py). Returns, per

@@ -97,6 +97,10 @@ class PDDeployment:
         self.last_loads: list[WorkerLoad] = []  # from the latest loads() (watch() refreshes it every second)
 
     @property
+    def block_size(self) -> int:
+        return self.config.engine.block_size
+
+    @property
     def can_change(self) -> bool:
         """Whether workers can be added, removed, replaced or change role (not with a fixed torch group)."""
         return not capabilities(self.backend).needs_peer_bound_up_front

@@ -3,7 +3,7 @@ its methods (typed with the roles' own messages), its errors (worker_errors: Wor
 SubmissionRefused; never a RayTaskError above the fleet), its output stream and its batched submissions.
 
     control (the deployment):  placement → start → peer_info / add_peer / remove_peer → set_role → evacuate
-                               → load → shutdown → kill
+                               → load → close_channels (a frontend gone) → shutdown → kill
     requests (the orchestrator): subscribe(request_id) → submit_prefill | submit_decode → outputs arrive on
                                the one output stream (output_streams.py) → unsubscribe; abort, release_kv
 The client lives as long as the worker is in the deployment (across its role changes, like the worker's
@@ -83,6 +83,11 @@ class WorkerClient:
         self.handle.release_kv.remote(transfer_id, why)
 
     # Control.
+    def close_channels(self, gateway_id: str) -> None:
+        """That gateway (a frontend) is gone: the worker aborts what it was streaming to it (fire and
+        forget)."""
+        self.handle.close_channels.remote(gateway_id)
+
     async def placement(self) -> WorkerPlacement:
         return await self._call(self.handle.placement.remote())
 

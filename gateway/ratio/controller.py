@@ -41,9 +41,8 @@ from dataclasses import dataclass, field, replace
 
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.workers import WorkerState
+from gateway.ratio.books import RoutingBooks
 from gateway.ratio.resize import Move, PoolResizer, plan_moves
-from gateway.requests.router import Router
-from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.recent import RecentLatencies
 from pool_worker import Role
 from pool_worker.runtime.load import WorkerLoad
@@ -181,12 +180,13 @@ class Ladder:
 @dataclass
 class RatioController:
     deployment: PDDeployment
-    router: Router
+    books: RoutingBooks  # the routers' counts (what is queued where, on its way)
     resizer: PoolResizer
-    metrics: Metrics
     recent: RecentLatencies
     policy: ControllerPolicy = field(default_factory=ControllerPolicy)
     decisions: collections.deque[Decision] = field(default_factory=lambda: collections.deque(maxlen=200))
+    # Workers moved by (from role, to role, reason): pdserve_ratio_changes_total.
+    changes: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
 
     def __post_init__(self) -> None:
         self._wake = asyncio.Event()
@@ -194,8 +194,8 @@ class RatioController:
         self.ladder = Ladder(self.policy)
         self._changed_at = float("-inf")  # time.monotonic() when the last change ended
         self._last_long_prompt = float("-inf")  # time.monotonic() of the latest long prompt
-        self._operator_local_prefill = self.router.local_prefill  # what the router had before auto
-        self.router.on_local_prefill.append(self.note_prompt)  # a long prompt placed beside streams: look now
+        self._operator_local_prefill = self.books.local_prefill  # what the router had before auto
+        self.books.on_local_prefill.append(self.note_prompt)  # a long prompt placed beside streams: look now
 
     @property
     def is_on(self) -> bool:
@@ -204,7 +204,7 @@ class RatioController:
     def start(self) -> None:
         if not self.is_on:
             self._task = asyncio.create_task(self._run())
-            self._operator_local_prefill = self.router.local_prefill
+            self._operator_local_prefill = self.books.local_prefill
             self._set_local_prefill()
 
     async def stop(self) -> None:
@@ -213,7 +213,7 @@ class RatioController:
         task, self._task = self._task, None
         if task is None:
             return
-        self.router.local_prefill = self._operator_local_prefill
+        self.books.local_prefill = self._operator_local_prefill
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -230,7 +230,7 @@ class RatioController:
         operator = self._operator_local_prefill
         if not operator.min_prefill_queue_tokens:
             long = self.policy.long_prompt_tokens
-            self.router.local_prefill = replace(operator, min_prefill_queue_tokens=long,
+            self.books.local_prefill = replace(operator, min_prefill_queue_tokens=long,
                                                 queue_rule_below_tokens=long)
 
     def note_prompt(self, num_uncached_tokens: int) -> None:
@@ -275,15 +275,15 @@ class RatioController:
             ttft_p90_s=self.recent.ttft_quantile(0.9, since=self._changed_at),
             tpot_p90_s=self.recent.tpot_quantile(0.9, since=self._changed_at),
             itl_p50_s=self.recent.itl_quantile(0.5, since=self._changed_at),
-            longest_pending_prompt=self.router.longest_local_prefill(),
-            longest_prompt_beside_streams=self.router.longest_prefill_beside_streams(),
+            longest_pending_prompt=self.books.longest_local_prefill(),
+            longest_prompt_beside_streams=self.books.longest_prefill_beside_streams(),
             seconds_since_long_prompt=now - self._last_long_prompt,
         )
 
     def queued_prompt_tokens(self, worker_id: str | None = None) -> int:
         """Prompt tokens routed and not yet prefilled (the gateway's own count: it sees a prompt the moment
         it is routed, before any worker reports it), on one worker or on all."""
-        counts = (self.router.prefill_tokens, self.router.local_prefill_tokens)
+        counts = (self.books.prefill_tokens, self.books.local_prefill_tokens)
         if worker_id is not None:
             return sum(c.get(worker_id, 0) for c in counts)
         return sum(sum(c.values()) for c in counts)
@@ -300,7 +300,7 @@ class RatioController:
         result = await self.resizer.apply(moves, grace_s=self.policy.grace_s)
         for move in moves[:len(result.done)]:
             from_role = move.from_role.value if move.from_role else "none"
-            self.metrics.ratio_changes.labels(from_role, move.role.value, decision.reason).inc()
+            self.changes[(from_role, move.role.value, decision.reason)] += 1
         self._changed_at = time.monotonic()
         self.ladder.note_change(self._changed_at)  # dwell from the end of the change, not its start
         if result.error:

@@ -23,7 +23,7 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.fleet.deployment import PDDeployment
-from gateway.requests.router import Router
+from gateway.ratio.books import RoutingBooks
 from pool_worker import Role
 
 logger = logging.getLogger(__name__)
@@ -113,9 +113,9 @@ def plan_moves(current: dict[Role, int], target: dict[Role, int]) -> list[Move]:
 
 
 class PoolResizer:
-    def __init__(self, deployment: PDDeployment, router: Router, drain_timeout_s: float = 300.0) -> None:
+    def __init__(self, deployment: PDDeployment, books: RoutingBooks, drain_timeout_s: float = 300.0) -> None:
         self.deployment = deployment
-        self.router = router
+        self.books = books
         self.drain_timeout_s = drain_timeout_s
         self._lock = asyncio.Lock()
         self.current_plan: ResizeResult | None = None  # the change applying now, for GET /admin/pools
@@ -209,12 +209,12 @@ class PoolResizer:
             return f"added {await self.deployment.add_worker(move.role)}"
         if move.action == "drain":
             worker_id = move.worker_id or self._pick(move.role)
-            await self.deployment.drain_worker(worker_id, in_flight=self.router.in_flight, grace_s=grace_s,
+            await self.deployment.drain_worker(worker_id, in_flight=self.books.in_flight, grace_s=grace_s,
                                                timeout_s=self.drain_timeout_s)
             return f"drained {worker_id}"
         assert move.from_role is not None
         worker_id = move.worker_id or self._pick(move.from_role)
-        await self.deployment.change_role(worker_id, move.role, in_flight=self.router.in_flight,
+        await self.deployment.change_role(worker_id, move.role, in_flight=self.books.in_flight,
                                           grace_s=grace_s, timeout_s=self.drain_timeout_s)
         return f"{worker_id}: {move.from_role.value} → {move.role.value}"
 

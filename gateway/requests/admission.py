@@ -13,6 +13,17 @@ import collections
 import time
 
 
+def admission_capacity(kv_tokens_per_worker: int, num_decoding: int, num_frontends: int = 1) -> int:
+    """Decode KV tokens one gateway process may reserve: every decode or mixed worker's, or with several
+    frontends an even share of them, never less than one request's worth (a frontend must be able to admit
+    the longest request; the fleet may then be overcommitted by that much per frontend, and the workers'
+    own KV admission holds the rest back)."""
+    total = kv_tokens_per_worker * num_decoding
+    if not total or num_frontends == 1:
+        return total
+    return max(total // num_frontends, kv_tokens_per_worker)
+
+
 class Overloaded(Exception):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)

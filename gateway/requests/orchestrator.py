@@ -111,7 +111,7 @@ class RequestRun:
                  block_hashes: list[bytes] | None = None) -> None:
         self.router = router
         self.block_hashes = block_hashes  # the prompt's prefix hashes, when the gateway computed them
-        self.deployment = router.deployment
+        self.fleet = router.fleet
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
@@ -155,7 +155,7 @@ class RequestRun:
 
     async def _route(self) -> AsyncGenerator[StreamEvent, None]:
         decode = await self._pick_decode(self.deadlines.prefill_by)
-        has_prefill_pool = (self.deployment.active(Role.PREFILL) or self.deployment.is_replacing(Role.PREFILL)
+        has_prefill_pool = (self.fleet.active(Role.PREFILL) or self.fleet.is_replacing(Role.PREFILL)
                             or self._is_prefill_coming())
         # A mixed worker prefills its own requests; so does a decode worker when no prefill worker is left
         # (a layout moving to all-mixed drains the prefill pool while decode workers still serve), or when
@@ -225,7 +225,7 @@ class RequestRun:
                 raise RequestFailed(self._late("prefill", self.deadlines.prefill_by), "deadline_exceeded"
                                     ) from None
             except WorkerLost as error:  # its actor or step loop died, or its output stream ended
-                self.deployment.mark_failed(prefill.worker_id, f"prefill worker lost: {error}")
+                self.fleet.mark_failed(prefill.worker_id, f"prefill worker lost: {error}")
                 continue
             except WrongRoleError:  # it changed role since it was picked: another one
                 continue
@@ -236,7 +236,7 @@ class RequestRun:
                 client.unsubscribe(outputs)
                 self.router.prefill_tokens[prefill.worker_id] -= num_prompt
             if result.finish_reason == "error":
-                self.deployment.mark_failed(prefill.worker_id, result.error)
+                self.fleet.mark_failed(prefill.worker_id, result.error)
                 continue
             return prefill, result
         raise RequestFailed(
@@ -257,7 +257,7 @@ class RequestRun:
                 decode = await self._pick_decode(self.deadlines.finish_by, {decode.worker_id})
                 continue
             except _WorkerLost as lost:
-                self.deployment.mark_failed(decode.worker_id, str(lost))
+                self.fleet.mark_failed(decode.worker_id, str(lost))
                 self.num_failed_steps += lost.in_failed_step
                 if self.num_failed_steps >= MAX_FAILED_STEPS:
                     raise RequestFailed(f"generation stopped: the step computing this request failed on "
@@ -278,7 +278,7 @@ class RequestRun:
             except BaseException:
                 if handle is not None:  # nobody will pull it: its holder may free it now
                     # (the worker left, or the prefill worker when the handoff had not been pulled yet)
-                    holder = self.deployment.workers.get(handle.source_worker_id)
+                    holder = self.fleet.workers.get(handle.source_worker_id)
                     if holder is not None:
                         holder.client.release_kv(handle.transfer_id, "the request found no worker to move to")
                 raise
@@ -339,11 +339,11 @@ class RequestRun:
         """The router's pick among live workers not in `exclude`; waits for a replacement until `deadline`."""
         while True:
             roles = (Role.DECODE, Role.MIXED) if role == "decode" else (Role.PREFILL,)
-            candidates = [w for w in self.deployment.active(*roles) if w.worker_id not in (exclude or ())]
+            candidates = [w for w in self.fleet.active(*roles) if w.worker_id not in (exclude or ())]
             if candidates:
                 return (self.router.pick_decode(candidates) if role == "decode"
                         else self.router.pick_prefill(self.prompt_token_ids, candidates, self.block_hashes))
-            if not (self.deployment.is_replacing(*roles) or self._is_role_coming(roles)):
+            if not (self.fleet.is_replacing(*roles) or self._is_role_coming(roles)):
                 raise RequestFailed(f"no {role} worker is alive and none is starting", "no_worker")
             if self._left(deadline) <= 0:
                 raise RequestFailed(f"no {role} worker became available before the request's deadline",
@@ -352,7 +352,7 @@ class RequestRun:
 
     def _is_role_coming(self, roles: tuple[Role, ...]) -> bool:
         """Whether a worker is changing role into one of `roles` (it will be routable shortly)."""
-        return any(w.next_role in roles for w in self.deployment.workers.values())
+        return any(w.next_role in roles for w in self.fleet.workers.values())
 
     def _is_prefill_coming(self) -> bool:
         return self._is_role_coming((Role.PREFILL,))

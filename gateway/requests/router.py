@@ -18,7 +18,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.fleet.deployment import PDDeployment
+from gateway.fleet.view import FleetView
 from gateway.fleet.workers import Worker
 from llm_engine.kv_cache_manager import prefix_hashes
 from pool_worker import Role
@@ -47,11 +47,11 @@ class LocalPrefillPolicy:
 
 
 class Router:
-    def __init__(self, deployment: PDDeployment, local_prefill: LocalPrefillPolicy | None = None) -> None:
-        self.deployment = deployment
+    def __init__(self, fleet: FleetView, local_prefill: LocalPrefillPolicy | None = None) -> None:
+        self.fleet = fleet
         self.local_prefill = local_prefill or LocalPrefillPolicy()
-        self.block_size = deployment.config.engine.block_size
-        deployment.on_remove.append(self.forget)
+        self.block_size = fleet.block_size
+        fleet.on_remove.append(self.forget)
         self.prefill_tokens: defaultdict[str, int] = defaultdict(int)  # prompt tokens sent, not yet prefilled
         # Tokens (prompt + max_tokens) of requests bound for the worker (picked, maybe still prefilling) or
         # decoding there.
@@ -99,7 +99,7 @@ class Router:
                     if is_decoding[worker_id]), default=0)
 
     def _request_ids(self, worker_id: str) -> list[str]:
-        worker = self.deployment.workers.get(worker_id)
+        worker = self.fleet.workers.get(worker_id)
         return worker.client.request_ids() if worker is not None else []
 
     def book_decode(self, worker_id: str, num_tokens: int) -> None:
@@ -119,7 +119,7 @@ class Router:
         Only prompt tokens that no prefill worker is believed to hold count as prompt work. `hashes`: the
         prompt's prefix_hashes, if the caller has them already."""
         policy = self.local_prefill
-        prefills = self.deployment.active(Role.PREFILL)
+        prefills = self.fleet.active(Role.PREFILL)
         if not prefills or not (policy.max_uncached_tokens or policy.min_prefill_queue_tokens):
             return ""
         hashes = prefix_hashes(prompt_token_ids, self.block_size) if hashes is None else hashes
@@ -134,7 +134,7 @@ class Router:
 
     def pick_decode(self, workers: list[Worker] | None = None) -> Worker:
         """The least loaded of `workers` (default: every active decode or mixed worker)."""
-        workers = self.deployment.active(Role.DECODE, Role.MIXED) if workers is None else workers
+        workers = self.fleet.active(Role.DECODE, Role.MIXED) if workers is None else workers
         if not workers:
             raise RuntimeError("no active decode worker")
         return min(workers, key=lambda w: self.decode_tokens[w.worker_id])
@@ -143,7 +143,7 @@ class Router:
                      hashes: list[bytes] | None = None) -> Worker:
         """The best of `workers` (default: every active prefill worker) for this prompt (whose
         prefix_hashes are `hashes`, if the caller has them already)."""
-        workers = self.deployment.active(Role.PREFILL) if workers is None else workers
+        workers = self.fleet.active(Role.PREFILL) if workers is None else workers
         if not workers:
             raise RuntimeError("no active prefill worker")
         hashes = prefix_hashes(prompt_token_ids, self.block_size) if hashes is None else hashes

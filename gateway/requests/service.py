@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from decode_pool.messages import DecodeOutput
-from gateway.fleet.deployment import PDDeployment
-from gateway.requests.admission import Admission, Reservation
+from gateway.fleet.view import FleetView
+from gateway.requests.admission import Admission, Reservation, admission_capacity
 from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.requests.detokenizer import IncrementalDetokenizer
 from gateway.requests.orchestrator import RequestFailed, run_request
@@ -68,25 +68,32 @@ class GatewayService:
         self,
         tokenizer: PreTrainedTokenizerBase,
         model_name: str,
-        deployment: PDDeployment,
+        fleet: FleetView,
         admission: Admission,
         max_request_tokens: int,
         deadline_policy: DeadlinePolicy | None = None,
         local_prefill: LocalPrefillPolicy | None = None,
+        num_frontends: int = 1,
     ) -> None:
+        """Args:
+        num_frontends: HTTP processes sharing the fleet (--api-server-count); each admits against its
+            share of the decode KV capacity (never less than one request's worth).
+        """
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.deployment = deployment
-        self.router = Router(deployment, local_prefill)
+        self.fleet = fleet
+        self.router = Router(fleet, local_prefill)
         self.admission = admission
         self.metrics = Metrics()
         self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
+        self.num_frontends = num_frontends
         self.deadline_policy = deadline_policy or DeadlinePolicy()
         # Past the request's finish_by, how long a client may take to read the rest before it is cut.
         self.delivery_grace_s = DELIVERY_GRACE_S
         self.recent = RecentLatencies()  # the ratio controller's view of TTFT and ITL
         # Told of every prompt's length as it is routed (the ratio controller's long-prompt rule).
         self.on_prompt: list[Callable[[int], None]] = []
+        self.on_finished: list[Callable[[Timings], None]] = []  # each finished request's timings
 
     # Admission and generation.
     def try_admit(self, prepared: PreparedRequest) -> Reservation | None:
@@ -180,6 +187,8 @@ class GatewayService:
                 if prefilled_by:
                     self.metrics.observe_prefix_cache(prefilled_by, num_prompt, timings.cached_tokens)
                 self.recent.add(timings)
+                for note in self.on_finished:
+                    note(timings)
                 deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, finish, len(sent), timings,
                                             timings.cached_tokens))
                 return
@@ -197,5 +206,10 @@ class GatewayService:
     def on_pool_change(self) -> None:
         """The set of active decode or mixed workers changed (failure, replacement, resize, role change):
         recompute capacity."""
-        num_decoding = len(self.deployment.active(Role.DECODE, Role.MIXED))
-        self.admission.set_capacity(self.max_request_tokens * num_decoding)
+        self.admission.set_capacity(self.capacity())
+
+    def capacity(self) -> int:
+        """Decode KV tokens this gateway may reserve: the active decode and mixed workers' (less their
+        watermarks), or this frontend's share of them."""
+        return admission_capacity(self.max_request_tokens, len(self.fleet.active(Role.DECODE, Role.MIXED)),
+                                  self.num_frontends)

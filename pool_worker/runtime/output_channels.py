@@ -7,6 +7,8 @@
     event loop:       _publish(batch) sorts them by channel → each open stream yields everything queued for
                       it as one OutputBatch (a reader that fell behind catches up in one item)
     stream closed:    (the gateway left or cancelled it) every request it was carrying is aborted
+    close_channels(): a gateway known to be gone (a frontend process that died: its streams may stay
+                      parked here) → its channels end as if it had closed them
 The step loop never waits on a reader: flush() only schedules a callback, and a channel's queue grows until
 its stream takes it. The channels belong to the worker actor, not to a role, so a gateway's stream stays open
 across role changes: a prefill worker sends each prompt's result on it, a decode or mixed worker each
@@ -40,6 +42,7 @@ class _Channel:
     pending: list[Output] = dataclasses.field(default_factory=list)  # not yet taken by its stream
     ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     request_ids: set[str] = dataclasses.field(default_factory=set)  # requests it carries, unfinished
+    is_closed: bool = False  # its gateway is gone: the stream ends at its next wake
 
 
 class OutputChannels:
@@ -76,14 +79,32 @@ class OutputChannels:
             while True:
                 await channel.ready.wait()
                 channel.ready.clear()
+                if channel.is_closed:
+                    return
                 outputs, channel.pending = channel.pending, []
                 yield OutputBatch(tuple(outputs))
         finally:
             # The gateway is gone (or gave this stream up): nobody will read these requests' tokens.
-            self._channels.pop(channel_id, None)
-            for request_id in channel.request_ids:
-                self._channel_of.pop(request_id, None)
-                self.abort(request_id)
+            self._end(channel_id, channel)
+
+    def close_channels(self, prefix: str) -> int:
+        """End every channel whose id starts with `prefix` (one gateway's), aborting what they carry; a
+        stream still open on one returns. Returns how many channels there were."""
+        closing = [(channel_id, channel) for channel_id, channel in self._channels.items()
+                   if channel_id.startswith(prefix)]
+        for channel_id, channel in closing:
+            channel.is_closed = True
+            channel.ready.set()  # an open stream wakes, returns, and ends the channel in its finally
+            self._end(channel_id, channel)  # and if none is open, it ends here
+        return len(closing)
+
+    def _end(self, channel_id: str, channel: _Channel) -> None:
+        if self._channels.get(channel_id) is channel:
+            del self._channels[channel_id]
+        requests, channel.request_ids = channel.request_ids, set()
+        for request_id in requests:
+            self._channel_of.pop(request_id, None)
+            self.abort(request_id)
 
     # The step loop's thread.
     def collect(self, output: Output) -> None:

@@ -23,7 +23,6 @@ from gateway.ratio.controller import ControllerPolicy, RatioController
 from gateway.ratio.resize import Move, PoolLayout, PoolResizer, ResizeConflict, ResizeRefused
 from gateway.requests.orchestrator import StreamEvent, run_request
 from gateway.requests.router import Router
-from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.recent import RecentLatencies
 from llm_engine import EngineConfig, SamplingParams
 from pool_worker import Role
@@ -277,7 +276,7 @@ def test_turning_auto_off_mid_change_strands_no_worker(tiny_llama_dir: Path) -> 
         workers = deployment.active(Role.MIXED)
         await asyncio.gather(*(call_on(w, faults.slow_steps, 0.1) for w in workers))
         resizer = PoolResizer(deployment, router)
-        controller = RatioController(deployment, router, resizer, Metrics(), RecentLatencies(),
+        controller = RatioController(deployment, router, resizer, RecentLatencies(),
                                      ControllerPolicy(long_prompt_tokens=16, min_dwell_s=0.0, grace_s=200.0))
         streams = [asyncio.ensure_future(events_of(router, f"s{i}", random_prompts([10], 1000, seed=i)[0],
                                                     LONG)) for i in range(2)]

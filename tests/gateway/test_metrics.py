@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.metrics import Metrics
 from pool_worker.runtime.load import WorkerLoad
 
@@ -11,8 +12,8 @@ def load(worker_id: str, role: str, running: int) -> WorkerLoad:
                       num_transferring=0, num_free_blocks=90, num_total_blocks=100, num_outstanding_tokens=0)
 
 
-def running_series(metrics: Metrics) -> dict[tuple[str, str], float]:
-    text = metrics.render().decode()
+def running_series(metrics: Metrics, loads: list[WorkerLoad]) -> dict[tuple[str, str], float]:
+    text = metrics.render(FleetStatus(loads=loads)).decode()
     series = {}
     for line in text.splitlines():
         if line.startswith("pdserve_running_requests{"):
@@ -23,7 +24,7 @@ def running_series(metrics: Metrics) -> dict[tuple[str, str], float]:
 
 def test_a_worker_that_changes_role_or_leaves_takes_its_old_series_with_it() -> None:
     metrics = Metrics()
-    metrics.set_loads([load("w0", "prefill", 2), load("w1", "decode", 3)])
-    assert running_series(metrics) == {("w0", "prefill"): 2, ("w1", "decode"): 3}
-    metrics.set_loads([load("w0", "mixed", 1)])  # w0 changed role, w1 left
-    assert running_series(metrics) == {("w0", "mixed"): 1}
+    loads = [load("w0", "prefill", 2), load("w1", "decode", 3)]
+    assert running_series(metrics, loads) == {("w0", "prefill"): 2, ("w1", "decode"): 3}
+    # w0 changed role, w1 left
+    assert running_series(metrics, [load("w0", "mixed", 1)]) == {("w0", "mixed"): 1}

@@ -34,7 +34,7 @@ def auto_server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[tuple[st
                          model=str(tiny_chat_model_dir), served_model_name=MODEL, backend="nixl", mixed=2,
                          ratio="auto", port=free_port(), kv_cache_mib=2, max_num_batched_tokens=64)
     with serving(config) as (url, app):
-        app.state.controller.set_policy(FAST)
+        app.state.control.controller.set_policy(FAST)
         yield url, app
 
 
@@ -73,7 +73,7 @@ def test_auto_leaves_a_long_prompt_alone_on_a_worker_with_nothing_else_to_decode
     """Light traffic: one stream decodes on one worker, the long prompt goes to the other, which stalls no
     one by prefilling it; both workers stay mixed (with the controller running all along)."""
     url, app = auto_server
-    controller = app.state.controller
+    controller = app.state.control.controller
     with httpx.Client(base_url=url, timeout=120) as client:
         assert layout_of(client) == (0, 0, 2) and controller.is_on
         num_decisions = len(client.get("/admin/pools").json()["ratio_decisions"])

@@ -21,6 +21,10 @@ class FakeDeployment:
         default_factory=lambda: DeploymentConfig(EngineConfig("m", block_size=4)))
     on_remove: list[Callable[[str], None]] = field(default_factory=list)
 
+    @property
+    def block_size(self) -> int:
+        return self.config.engine.block_size
+
     def active(self, *roles: Role) -> list[Worker]:
         return [w for w in self.workers if w.role in roles and w.state is WorkerState.ACTIVE]
 
@@ -52,7 +56,7 @@ def test_a_shared_prefix_goes_back_to_the_worker_that_cached_it() -> None:
 
 def test_draining_workers_are_not_chosen() -> None:
     router = make_router()
-    router.deployment.workers[3].state = WorkerState.DRAINING  # type: ignore[attr-defined]
+    router.fleet.workers[3].state = WorkerState.DRAINING  # type: ignore[attr-defined]
     router.decode_tokens["decode-2"] = 10**6
     assert router.pick_decode().worker_id == "decode-2"
 

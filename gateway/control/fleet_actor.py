@@ -1,0 +1,144 @@
+"""FleetActor: the fleet's owner as a named Ray actor, shared by every HTTP frontend of one gateway
+(`pdserve serve --api-server-count N`).
+
+    FleetActor() → start(config, policy, auto): the deployment's workers placed, started and wired; the
+        control plane (pool watch, resizer, ratio controller) running → FleetInfo
+    frontends: info() once → view(after_version) (a long poll: the next snapshot once the fleet changed,
+        or the same one after a while) → report() twice a second (their routers' counts, finished
+        requests' timings: the controller's signals) → note_prompt() for a long prompt (the controller
+        looks at once) → mark_failed() when a call to a worker failed
+    admin: pools() / put_pools() / status(), as the ControlPlane answers them
+    a frontend silent for FRONTEND_SILENT_S is taken for dead: every worker ends its output channels,
+        aborting what it was streaming to it (its admission shares died with its process)
+    shutdown(): every worker actor stopped.
+It outlives any frontend: a frontend that dies loses only its own connections, and its restart joins the
+same fleet. The actor runs in the supervisor's Ray job; the supervisor kills it at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport, WorkerEntry
+from gateway.control.plane import ControlPlane, decode_kv_tokens
+from gateway.control.reported_books import ReportedBooks
+from gateway.fleet.config import DeploymentConfig
+from gateway.fleet.deployment import PDDeployment
+from gateway.fleet.workers import WorkerState
+from gateway.ratio.controller import ControllerPolicy
+from gateway.ratio.resize import PoolLayout
+from gateway.requests.router import LocalPrefillPolicy
+from gateway.telemetry.fleet_metrics import FleetStatus
+from gateway.telemetry.recent import RecentLatencies
+from pool_worker import Role
+
+logger = logging.getLogger(__name__)
+
+VIEW_POLL_S = 10.0  # a long poll answers after this even when nothing changed (the frontend asks again)
+EXPIRY_CHECK_S = 1.0
+
+
+class FleetActor:
+    def __init__(self) -> None:
+        self._plane: ControlPlane | None = None
+        self._info: FleetInfo | None = None
+        self._version = 0
+        self._changed = asyncio.Event()
+        self._recent = RecentLatencies()
+        self._expiry: asyncio.Task[None] | None = None
+
+    async def start(self, config: DeploymentConfig, policy: ControllerPolicy,
+                    local_prefill: LocalPrefillPolicy, auto: bool) -> FleetInfo:
+        deployment = PDDeployment(config)
+        await deployment.start()
+        try:
+            self._info = FleetInfo(config.engine.model_dir, min(await decode_kv_tokens(deployment)),
+                                   deployment.block_size)
+            books = ReportedBooks(local_prefill, on_policy=self._bump)
+            self._plane = ControlPlane(deployment, books, self._recent, policy)
+            self._plane.start(auto)
+        except BaseException:
+            await deployment.shutdown()
+            raise
+        deployment.on_change.append(self._bump)
+        self._expiry = asyncio.create_task(self._expire_frontends())
+        return self._info
+
+    def _bump(self) -> None:
+        self._version += 1
+        changed, self._changed = self._changed, asyncio.Event()  # every waiter wakes; later ones wait anew
+        changed.set()
+
+    @property
+    def plane(self) -> ControlPlane:
+        if self._plane is None:
+            raise RuntimeError("the fleet has not started")
+        return self._plane
+
+    def info(self) -> FleetInfo:
+        if self._info is None:
+            raise RuntimeError("the fleet has not started")
+        return self._info
+
+    async def view(self, after_version: int) -> FleetSnapshot:
+        """The fleet, once its version is past `after_version` (or after VIEW_POLL_S, as it is)."""
+        if self._version <= after_version:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), VIEW_POLL_S)
+        return self._snapshot()
+
+    def _snapshot(self) -> FleetSnapshot:
+        deployment = self.plane.deployment
+        return FleetSnapshot(
+            version=self._version,
+            workers=tuple(WorkerEntry(w.worker_id, w.role.value, w.state.value,
+                                      w.next_role.value if w.next_role else None, w.client.handle)
+                          for w in deployment.workers.values()),
+            replacing=tuple(role.value for role in Role if deployment.is_replacing(role)),
+            health=deployment.health(),
+            local_prefill=self.plane.books.local_prefill,
+            long_prompt_tokens=self.plane.controller.policy.long_prompt_tokens)
+
+    def report(self, report: FrontendReport) -> None:
+        books = self.plane.books
+        assert isinstance(books, ReportedBooks)
+        if report.frontend_id not in books.frontends():
+            logger.info("frontend %s joined", report.frontend_id)
+        books.report(report)
+        for timings in report.finished:
+            self._recent.add(timings)
+
+    def note_prompt(self, num_tokens: int) -> None:
+        self.plane.controller.note_prompt(num_tokens)
+
+    def mark_failed(self, worker_id: str, why: str) -> None:
+        self.plane.deployment.mark_failed(worker_id, why)
+
+    async def pools(self) -> dict[str, object]:
+        return await self.plane.pools()
+
+    async def put_pools(self, layout: PoolLayout) -> dict[str, object]:
+        return await self.plane.put_pools(layout)
+
+    async def status(self) -> FleetStatus:
+        return await self.plane.status()
+
+    async def _expire_frontends(self) -> None:
+        books = self.plane.books
+        assert isinstance(books, ReportedBooks)
+        while True:
+            await asyncio.sleep(EXPIRY_CHECK_S)
+            for frontend_id in books.expire():
+                logger.warning("frontend %s is silent: taken for dead; its streams end on every worker",
+                               frontend_id)
+                for worker in list(self.plane.deployment.workers.values()):
+                    if worker.state not in (WorkerState.PENDING, WorkerState.FAILED):
+                        worker.client.close_channels(frontend_id)
+
+    async def shutdown(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        if self._plane is not None:
+            await self._plane.stop()

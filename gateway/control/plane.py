@@ -1,0 +1,154 @@
+"""ControlPlane: the fleet's owner. It holds the deployment (every worker actor), the resizer and the ratio
+controller, runs the pool watch, and answers the admin routes and the fleet's metrics.
+
+    start(auto) after the deployment is up: pool watch (every second: loads; dead workers replaced)
+                → the ratio controller, if auto
+    pools() / put_pools(layout): GET and PUT /admin/pools
+    status(): the fleet's series for /metrics (gateway/telemetry/fleet_metrics.py)
+    stop() → the deployment's shutdown (every actor)
+In a gateway of one HTTP process it lives in that process, its books the one router's; with several
+frontends it lives in the fleet actor (gateway/control/fleet_actor.py), its books summed from the frontends'
+reports. FleetControl is what the admin routes call: the ControlPlane itself, or a frontend's link to the
+actor (gateway/control/remote_fleet.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from typing import Protocol
+
+from gateway.fleet.deployment import PDDeployment
+from gateway.fleet.workers import WorkerState
+from gateway.ratio.books import RoutingBooks
+from gateway.ratio.controller import ControllerPolicy, Decision, RatioController
+from gateway.ratio.resize import PoolLayout, PoolResizer
+from gateway.telemetry.fleet_metrics import FleetStatus
+from gateway.telemetry.recent import RecentLatencies
+from pool_worker import Role
+
+
+class FleetControl(Protocol):
+    async def pools(self) -> dict[str, object]: ...
+
+    async def put_pools(self, layout: PoolLayout) -> dict[str, object]: ...
+
+    async def status(self) -> FleetStatus: ...
+
+
+def decision_summary(decision: Decision) -> dict[str, object]:
+    return {"at": decision.at, "from_level": decision.from_level, "to_level": decision.to_level,
+            "reason": decision.reason, "detail": decision.detail,
+            "queued_prompt_tokens": decision.signals.queued_prompt_tokens}
+
+
+async def decode_kv_tokens(deployment: PDDeployment) -> list[int]:
+    """KV tokens each decode or mixed worker can hold (less its watermark): admission's capacity, and the
+    longest request one worker can take."""
+    block_size = deployment.config.engine.block_size
+    usable = 1.0 - deployment.config.watermark
+    return [int(x.num_total_blocks * block_size * usable) for x in await deployment.loads()
+            if Role(x.role).can_decode]
+
+
+class ControlPlane:
+    def __init__(self, deployment: PDDeployment, books: RoutingBooks, recent: RecentLatencies,
+                 policy: ControllerPolicy) -> None:
+        """Args:
+        deployment: started.
+        books: the routers' counts (queued prompts, what is on its way to each worker).
+        recent: finished requests' latencies (the controller's TTFT and ITL).
+        """
+        self.deployment = deployment
+        self.books = books
+        self.resizer = PoolResizer(deployment, books)
+        self.controller = RatioController(deployment, books, self.resizer, recent, policy)
+        self._watch: asyncio.Task[None] | None = None
+
+    def start(self, auto: bool) -> None:
+        if auto and not self.deployment.can_change:
+            raise ValueError(f"--ratio auto needs workers that can change role; the "
+                             f"{self.deployment.backend} backend fixes them at start (use --backend nixl)")
+        self._watch = asyncio.create_task(self.deployment.watch())
+        if auto:
+            self.controller.start()
+
+    async def stop(self) -> None:
+        """The controller and the watch stop, then every worker actor."""
+        try:
+            await self.controller.stop()
+            if self._watch is not None:
+                self._watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._watch
+        finally:
+            await self.deployment.shutdown()
+
+    async def status(self) -> FleetStatus:
+        """The fleet's series, from the pool watch's latest round (at most a second old)."""
+        workers = list(self.deployment.workers.values())
+        return FleetStatus(
+            loads=list(self.deployment.last_loads),
+            runtimes={w.worker_id: w.runtime for w in workers
+                      if w.runtime is not None and w.state is not WorkerState.FAILED},
+            active=dict(self.deployment.health().active),
+            ratio_changes=dict(self.controller.changes))
+
+    async def pools(self) -> dict[str, object]:
+        """GET /admin/pools: each worker's role, state, node and load; the layout aimed at; a change in
+        progress; the ratio controller's state and its recent decisions."""
+        deployment, controller = self.deployment, self.controller
+        loads = {x.worker_id: x for x in await deployment.loads()}
+        pools = deployment.health()
+        workers: list[dict[str, object]] = []
+        for worker in list(deployment.workers.values()):
+            entry: dict[str, object] = {"worker_id": worker.worker_id, "role": worker.role.value,
+                                        "state": worker.state.value,
+                                        "node_id": worker.node_id, "node_ip": worker.node_ip,  # None: pending
+                                        "pid": worker.pid}
+            if worker.next_role is not None:
+                entry["next_role"] = worker.next_role.value
+            if worker.runtime is not None:  # dtype, GEMM kernel, threads, cores, KV bytes per token
+                entry["runtime"] = dataclasses.asdict(worker.runtime)
+            load = loads.get(worker.worker_id)
+            if load is not None:
+                entry |= {"requests": load.num_requests, "running_requests": load.num_running,
+                          "waiting_requests": load.num_waiting,
+                          "queued_prompt_tokens": load.num_queued_prompt_tokens,
+                          "transferring": load.num_transferring, "free_kv_blocks": load.num_free_blocks,
+                          "used_kv_blocks": load.num_total_blocks - load.num_free_blocks,
+                          "total_kv_blocks": load.num_total_blocks}
+            workers.append(entry)
+        change = self.resizer.current_plan
+        return {
+            **pools.active,
+            "target": pools.target,
+            "status": pools.status,
+            "backend": deployment.backend.value,
+            "torch_rendezvous": deployment.torch_rendezvous,  # the torch group's init address (torch backend)
+            "pending": pools.num_pending,  # workers no node can take yet
+            "change_in_progress": None if change is None else dataclasses.asdict(change),
+            "auto": controller.is_on,
+            "queued_prompt_tokens": controller.queued_prompt_tokens(),  # routed, not yet prefilled
+            "ratio_decisions": [decision_summary(d) for d in list(controller.decisions)[-20:]],
+            "workers": workers,
+        }
+
+    async def put_pools(self, layout: PoolLayout) -> dict[str, object]:
+        """PUT /admin/pools: checked (ResizeRefused, ResizeConflict before anything moves), then applied one
+        worker at a time; or the controller turned on or off."""
+        resizer, controller = self.resizer, self.controller
+        if layout.auto is not None:
+            if layout.auto and not self.deployment.can_change:
+                resizer.check(layout)  # the same 409 as any change on a fixed torch group
+            if layout.auto:
+                controller.start()
+            else:
+                await controller.stop()  # a change it was applying is rolled back first
+            return {"auto": controller.is_on}
+        moves = resizer.check(layout)  # ResizeRefused (400) / ResizeConflict (409) before anything moves
+        await controller.stop()  # a layout set by hand stays until the operator turns auto back on
+        result = await resizer.apply(moves, layout.drain_grace_s)
+        return {"layout": {role.value: n for role, n in layout.by_role().items()},
+                **dataclasses.asdict(result), "moves": [m.describe() for m in result.moves]}

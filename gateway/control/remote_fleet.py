@@ -1,0 +1,204 @@
+"""A frontend's side of a fleet owned by the fleet actor (`--api-server-count N`).
+
+RemoteFleet is the FleetView the frontend's request path runs on:
+    start() → FleetInfo → the first snapshot → two tasks for the frontend's life:
+      follow: long-polls view(version); each snapshot updates the mirror: a worker new to it gets this
+              frontend's own WorkerClient (its own output stream and submissions, under this frontend's
+              gateway id); one gone from it is closed and forgotten (on_remove); a role change is
+              on_remove too (the router forgets its prefix-cache beliefs); the router takes the
+              snapshot's local-prefill policy; on_change when the active set moved
+      report: twice a second, this frontend's routers' counts and its finished requests' timings (the
+              fleet's controller reads them; the report is also the frontend's heartbeat)
+    mark_failed(): the worker leaves this frontend's routing at once, and the fleet is told (it replaces it)
+The mirror's states are the fleet's: only the fleet moves a worker through its lifecycle.
+FleetLink is the admin routes' FleetControl: each call is the fleet actor's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ray.exceptions import RayTaskError
+
+from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport
+from gateway.fleet.worker_client import WorkerClient
+from gateway.fleet.workers import PoolHealth, Worker, WorkerState
+from gateway.ratio.resize import PoolLayout, ResizeConflict, ResizeRefused
+from gateway.requests.router import LocalPrefillPolicy, Router
+from gateway.telemetry.fleet_metrics import FleetStatus
+from gateway.telemetry.timings import Timings
+from pool_worker import Role
+
+logger = logging.getLogger(__name__)
+
+REPORT_S = 0.5
+
+
+class RemoteFleet:
+    def __init__(self, fleet: Any, frontend_id: str) -> None:
+        """Args:
+        fleet: the fleet actor's handle.
+        frontend_id: names this frontend to the workers (the prefix of its output channels) and the fleet.
+        """
+        self.fleet = fleet
+        self.frontend_id = frontend_id
+        self.workers: dict[str, Worker] = {}
+        self.on_change: list[Callable[[], None]] = []
+        self.on_remove: list[Callable[[str], None]] = []
+        self.router: Router | None = None  # its policy follows the fleet's
+        self.info: FleetInfo | None = None
+        self._snapshot: FleetSnapshot | None = None
+        self._finished: list[Timings] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def block_size(self) -> int:
+        assert self.info is not None, "start() first"
+        return self.info.block_size
+
+    async def start(self) -> FleetInfo:
+        self.info = await self.fleet.info.remote()
+        self._apply(await self.fleet.view.remote(-1))
+        self._tasks = [asyncio.create_task(self._follow(), name="fleet-follow"),
+                       asyncio.create_task(self._report(), name="fleet-report")]
+        return self.info
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for worker in self.workers.values():
+            worker.client.close()
+
+    # FleetView.
+    def active(self, *roles: Role) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role in roles and w.state is WorkerState.ACTIVE]
+
+    def is_replacing(self, *roles: Role) -> bool:
+        return self._snapshot is not None and any(Role(r) in roles for r in self._snapshot.replacing)
+
+    def mark_failed(self, worker_id: str, why: str) -> None:
+        worker = self.workers.get(worker_id)
+        if worker is None or worker.state is not WorkerState.ACTIVE:
+            return
+        worker.state = WorkerState.FAILED  # out of this frontend's routing until the fleet says otherwise
+        self.fleet.mark_failed.remote(worker_id, why)
+        self._changed()
+
+    @property
+    def local_prefill(self) -> LocalPrefillPolicy:
+        """The routers' policy, as the fleet sets it."""
+        assert self._snapshot is not None, "start() first"
+        return self._snapshot.local_prefill
+
+    def health(self) -> PoolHealth:
+        assert self._snapshot is not None, "start() first"
+        return self._snapshot.health
+
+    # What this frontend tells the fleet.
+    def note_prompt(self, num_tokens: int) -> None:
+        """A prompt was routed (or a decode worker started prefilling one): a long one is told at once."""
+        if self._snapshot is not None and num_tokens >= self._snapshot.long_prompt_tokens:
+            self.fleet.note_prompt.remote(num_tokens)
+
+    def note_finished(self, timings: Timings) -> None:
+        self._finished.append(timings)
+
+    # The two loops.
+    async def _follow(self) -> None:
+        while True:
+            version = self._snapshot.version if self._snapshot is not None else -1
+            try:
+                snapshot = await self.fleet.view.remote(version)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the fleet actor is gone or restarting: try again
+                logger.exception("fleet view failed")
+                await asyncio.sleep(1.0)
+                continue
+            self._apply(snapshot)
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(REPORT_S)
+            try:
+                self.fleet.report.remote(self._build_report())
+            except Exception:
+                logger.exception("fleet report failed")
+
+    def _build_report(self) -> FrontendReport:
+        finished, self._finished = self._finished, []
+        router = self.router
+        if router is None:
+            return FrontendReport(self.frontend_id, {}, {}, {}, 0, 0, finished)
+        in_flight = {worker_id: router.in_flight(worker_id) for worker_id in self.workers}
+        return FrontendReport(
+            self.frontend_id, {w: n for w, n in in_flight.items() if n},
+            {w: n for w, n in router.prefill_tokens.items() if n},
+            {w: n for w, n in router.local_prefill_tokens.items() if n},
+            router.longest_local_prefill(), router.longest_prefill_beside_streams(), finished)
+
+    def _apply(self, snapshot: FleetSnapshot) -> None:
+        """The mirror takes the snapshot's workers, roles and states."""
+        if self._snapshot is not None and snapshot.version < self._snapshot.version:
+            return
+        before = {w.worker_id for w in self.workers.values() if w.is_active}
+        seen = set()
+        for entry in snapshot.workers:
+            seen.add(entry.worker_id)
+            role, state = Role(entry.role), WorkerState(entry.state)
+            worker = self.workers.get(entry.worker_id)
+            if worker is None:
+                client = WorkerClient(entry.worker_id, entry.handle, self.frontend_id)
+                worker = self.workers[entry.worker_id] = Worker(entry.worker_id, role, client, state)
+            elif worker.role is not role:
+                for callback in self.on_remove:
+                    callback(entry.worker_id)
+            worker.role, worker.state = role, state
+            worker.next_role = Role(entry.next_role) if entry.next_role else None
+        for worker_id in [w for w in self.workers if w not in seen]:
+            self.workers.pop(worker_id).client.close()
+            for callback in self.on_remove:
+                callback(worker_id)
+        self._snapshot = snapshot
+        if self.router is not None:
+            self.router.local_prefill = snapshot.local_prefill
+        if {w.worker_id for w in self.workers.values() if w.is_active} != before:
+            self._changed()
+
+    def _changed(self) -> None:
+        for callback in self.on_change:
+            callback()
+
+
+class FleetLink:
+    """The admin routes' FleetControl in a frontend: the fleet actor answers."""
+
+    def __init__(self, fleet: Any) -> None:
+        self.fleet = fleet
+
+    async def pools(self) -> dict[str, object]:
+        return await self._call(self.fleet.pools.remote())
+
+    async def put_pools(self, layout: PoolLayout) -> dict[str, object]:
+        return await self._call(self.fleet.put_pools.remote(layout))
+
+    async def status(self) -> FleetStatus:
+        return await self._call(self.fleet.status.remote())
+
+    @staticmethod
+    async def _call(ref: Any) -> Any:
+        """The fleet's refusals raise here as themselves (the API maps them to 400 and 409)."""
+        try:
+            return await ref
+        except RayTaskError as error:
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, (ResizeRefused, ResizeConflict, ValueError)):
+                raise cause from None
+            raise

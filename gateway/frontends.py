@@ -1,0 +1,98 @@
+"""`pdserve serve --api-server-count N`: one fleet, N HTTP frontends on one port.
+
+    supervisor (this process, a Ray driver):
+      Ray (join or start) → the FleetActor, named in RAY_NAMESPACE, started: every worker up and wired,
+      the control plane running (gateway/control/fleet_actor.py)
+      → the listening socket bound once → prometheus_client's multiprocess directory (a fresh one)
+      → uvicorn's Multiprocess supervisor: N frontend processes accept on that socket (the kernel spreads
+        connections across them); one that dies is started again (its own connections are lost: the
+        fleet ends its streams on the workers once it stops reporting; the other frontends' carry on)
+      → on SIGINT / SIGTERM: the frontends stop, then the fleet (every worker), then Ray if ours.
+    frontend (gateway/app.py create_app(config, FrontendSpec), built by frontend_app() in each child):
+      joins the supervisor's Ray, finds the fleet actor, mirrors its workers, serves.
+Why uvicorn's own supervisor: it is what `uvicorn --workers N` runs (fork-free spawn, health pings,
+restart of dead children), so the frontends are plain uvicorn servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Any
+
+import ray
+
+from gateway.app import RAY_NAMESPACE
+from gateway.config import ServeConfig
+
+# The child reads its settings from here: uvicorn builds each frontend from an import string.
+FRONTEND_ENV = "PDSERVE_FRONTEND"
+
+
+def frontend_app() -> object:
+    """uvicorn's app factory in each frontend process."""
+    from gateway.app import FrontendSpec, create_app
+
+    forget_dead_frontends(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+
+    spec = json.loads(os.environ[FRONTEND_ENV])
+    config = ServeConfig.model_validate(spec.pop("config"))
+    return create_app(config, FrontendSpec(**spec))
+
+
+def forget_dead_frontends(directory: str) -> None:
+    """A restarted frontend's predecessor left 'live' gauge files behind: they must not count any more."""
+    from prometheus_client import multiprocess
+
+    for name in os.listdir(directory):
+        if not name.startswith("gauge_live"):
+            continue
+        pid = int(name.rsplit("_", 1)[1].removesuffix(".db"))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            multiprocess.mark_process_dead(pid, directory)
+
+
+def serve_frontends(config: ServeConfig) -> None:
+    """Run the fleet and config.api_server_count frontends until a signal stops them."""
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    from gateway.app import resolve_model_dir
+    from gateway.control.fleet_actor import FleetActor
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address=config.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
+                 configure_logging=False)
+    name = f"pdserve-fleet-{uuid.uuid4().hex[:6]}"
+    # The fleet's loop does control work only (no request passes through it): it needs no CPU of its own.
+    fleet: Any = ray.remote(FleetActor).options(name=name, num_cpus=0, max_concurrency=1000).remote()
+    metrics_dir = tempfile.mkdtemp(prefix="pdserve-metrics-")
+    try:
+        deployment = config.deployment_config(resolve_model_dir(config))
+        ray.get(fleet.start.remote(deployment, config.controller_policy(), config.local_prefill_policy(),
+                                   config.ratio == "auto"))
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        os.environ[FRONTEND_ENV] = json.dumps({
+            "config": config.model_dump(mode="json"), "fleet_actor": name,
+            "ray_address": ray.get_runtime_context().gcs_address, "num_frontends": config.api_server_count})
+        server = uvicorn.Config("gateway.frontends:frontend_app", factory=True, host=config.host,
+                                port=config.port, loop="uvloop", log_level="info",
+                                workers=config.api_server_count)
+        print(f"pdserve: fleet {name} is up; starting {config.api_server_count} frontends on "
+              f"http://{config.host}:{config.port}", flush=True)
+        Multiprocess(server, sockets=[server.bind_socket()]).run()
+    finally:
+        with contextlib.suppress(Exception):  # already gone, or stuck: the kill below ends it
+            ray.get(fleet.shutdown.remote(), timeout=60)
+        ray.kill(fleet)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        if started_ray:
+            ray.shutdown()
+

@@ -1,0 +1,38 @@
+"""RoutingBooks: the router's counts that the ratio controller and the resizer read, wherever the routers are.
+
+In a gateway of one HTTP process the router itself provides them (gateway/requests/router.py). With several
+frontends each has its own router, and the fleet's owner sums what they report
+(gateway/control/reported_books.py). The controller also sets the router's local-prefill policy through
+them: a frontend's router takes it from the fleet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from gateway.requests.router import LocalPrefillPolicy
+
+
+class RoutingBooks(Protocol):
+    local_prefill: LocalPrefillPolicy
+    on_local_prefill: list[Callable[[int], None]]  # called with a prompt's tokens as a worker that decodes
+                                                   # starts prefilling it for itself
+
+    @property
+    def prefill_tokens(self) -> Mapping[str, int]:
+        """Prompt tokens sent to each prefill worker and not yet prefilled."""
+        ...
+
+    @property
+    def local_prefill_tokens(self) -> Mapping[str, int]:
+        """Prompt tokens each decode or mixed worker was sent to prefill itself, not yet prefilled."""
+        ...
+
+    def in_flight(self, worker_id: str) -> int:
+        """Tokens of requests sent to the worker and not yet back (0: nothing on its way there)."""
+        ...
+
+    def longest_local_prefill(self) -> int: ...
+
+    def longest_prefill_beside_streams(self) -> int: ...
