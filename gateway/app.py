@@ -190,7 +190,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
             service.router.on_local_prefill.append(fleet.note_prompt)
             service.on_finished.append(fleet.note_finished)
             app.state.control = FleetLink(handle)
-            announce(app, config, "fleet actor", f" (frontend pid {os.getpid()} of {frontend.num_frontends})")
+            announce(app, config, info.backend, f" (frontend pid {os.getpid()} of {frontend.num_frontends})")
             yield
         finally:
             await fleet.stop()

@@ -55,7 +55,7 @@ class FleetActor:
         await deployment.start()
         try:
             self._info = FleetInfo(config.engine.model_dir, min(await decode_kv_tokens(deployment)),
-                                   deployment.block_size)
+                                   deployment.block_size, deployment.backend.value)
             books = ReportedBooks(local_prefill, on_policy=self._bump)
             self._plane = ControlPlane(deployment, books, self._recent, policy)
             self._plane.start(auto)

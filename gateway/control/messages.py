@@ -22,6 +22,7 @@ class FleetInfo:
     model_dir: str
     kv_tokens_per_decode_worker: int  # the smallest decode or mixed worker's KV (less its watermark)
     block_size: int
+    backend: str  # the KV transfer backend's name
 
 
 @dataclass(frozen=True)

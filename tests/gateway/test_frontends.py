@@ -1,0 +1,182 @@
+"""`pdserve serve --api-server-count 2`: two HTTP frontends on one port over one fleet actor.
+
+A real server in its own process group (the supervisor, its frontends, the fleet actor and the workers);
+raw-socket SSE clients, so that each stream's connection can be traced to the frontend process that holds it.
+SIGKILL one frontend mid-stream: only its streams are cut; the other frontend's finish whole and identical;
+the dead frontend is back within seconds; once idle no worker holds a KV block or a request, and no
+admission reservation is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.gateway.conftest import MODEL, free_port
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 1000  # about 14 s for six streams on this tiny model: the kill lands mid-stream
+PROMPT = "The quick brown fox"
+
+
+@dataclass
+class Stream:
+    """One streamed completion over a raw socket (its local port names its connection)."""
+
+    sock: socket.socket
+    texts: list[str] = field(default_factory=list)
+    done: bool = False  # "data: [DONE]" arrived
+    error: str = ""
+
+    @property
+    def port(self) -> int:
+        return int(self.sock.getsockname()[1])
+
+    def read(self) -> None:
+        buffer = b""
+        try:
+            while True:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    return
+                buffer += chunk
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    data = event.split(b"data: ", 1)[-1]
+                    if data == b"[DONE]":
+                        self.done = True
+                        return
+                    if data.startswith(b"{"):
+                        body = json.loads(data)
+                        if "choices" in body:
+                            self.texts.append(body["choices"][0]["text"])
+        except OSError as error:
+            self.error = type(error).__name__
+
+
+def open_stream(port: int) -> Stream:
+    sock = socket.create_connection(("127.0.0.1", port))
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+                       "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return Stream(sock)
+
+
+def frontend_pids(supervisor: psutil.Process) -> list[int]:
+    """uvicorn's spawned children (the frontends), not Ray's processes."""
+    return [p.pid for p in supervisor.children() if "spawn_main" in " ".join(p.cmdline())]
+
+
+def owner(port: int, pids: list[int]) -> int | None:
+    """The frontend holding the connection from the client's `port`."""
+    for pid in pids:
+        if any(c.raddr and c.raddr.port == port for c in psutil.Process(pid).net_connections("tcp")):
+            return pid
+    return None
+
+
+def until(condition: object, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.fixture()
+def two_frontends(tiny_chat_model_dir: Path) -> Iterator[tuple[int, psutil.Process]]:
+    port = free_port()
+    command = [sys.executable, "-m", "commands", "serve", "--model", str(tiny_chat_model_dir),
+               "--served-model-name", MODEL, "--backend", "nixl", "--prefill", "1", "--decode", "1",
+               "--dtype", "float32", "--kv-cache-mib", "32", "--port", str(port), "--api-server-count", "2"]
+    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    process = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    supervisor = psutil.Process(process.pid)
+    try:
+        def ready() -> bool:
+            try:
+                return (httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+                        and len(frontend_pids(supervisor)) == 2)
+            except httpx.HTTPError:
+                return False
+        until(ready, 180, "the server and both frontends")
+        yield port, supervisor
+    finally:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+
+def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: tuple[int, psutil.Process]
+                                                                  ) -> None:
+    port, supervisor = two_frontends
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+        reference = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
+                                                         "max_tokens": MAX_TOKENS, "temperature": 0}).json()
+    expected = reference["choices"][0]["text"]
+    pids = frontend_pids(supervisor)
+    streams: dict[int, list[Stream]] = {pid: [] for pid in pids}
+    # Connections until each frontend holds two streams (the kernel hands each to whichever accepts first).
+    for _ in range(40):
+        if all(len(s) >= 2 for s in streams.values()):
+            break
+        stream = open_stream(port)
+        until(lambda: owner(stream.port, pids) is not None, 10, "the connection to be accepted")
+        streams[owner(stream.port, pids)].append(stream)  # type: ignore[index]
+    assert all(len(s) >= 2 for s in streams.values()), {pid: len(s) for pid, s in streams.items()}
+    everyone = [s for group in streams.values() for s in group]
+    readers = [threading.Thread(target=s.read, daemon=True) for s in everyone]
+    for reader in readers:
+        reader.start()
+    until(lambda: all(len(s.texts) >= 5 for s in everyone), 60, "every stream to be running")
+    victim, survivor = pids
+    os.kill(victim, signal.SIGKILL)
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+        def running_on_workers() -> int:
+            return sum(w.get("requests", 0) for w in client.get("/admin/pools").json()["workers"])
+        # The fleet takes the silent frontend for dead and its requests end on the workers (Ray does not
+        # cancel a dead caller's stream there): only the survivor's stay, still running.
+        until(lambda: running_on_workers() <= len(streams[survivor]), 60, "the victim's requests to end")
+        assert not all(s.done for s in streams[survivor]), "the survivor's streams ended first: no proof"
+    for reader in readers:
+        reader.join(120)
+    for stream in streams[victim]:  # cut: the connection ended without the end of the stream
+        assert not stream.done and len(stream.texts) < MAX_TOKENS
+    for stream in streams[survivor]:  # whole, and the same greedy text as before the kill
+        assert stream.done and "".join(stream.texts) == expected
+    # The dead frontend is replaced, and the fleet ends what its streams held on the workers.
+    until(lambda: len(frontend_pids(supervisor)) == 2 and victim not in frontend_pids(supervisor), 60,
+          "the frontend's restart")
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+        until(lambda: client.get("/health").status_code == 200, 60, "health")
+
+        def idle() -> bool:
+            pools = client.get("/admin/pools").json()
+            return all(w["requests"] == 0 and w["used_kv_blocks"] == 0 for w in pools["workers"])
+        until(idle, 30, "every worker idle with no KV block used")
+        for _ in range(6):  # both frontends serve (connections spread over them)
+            answer = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16,
+                                                          "temperature": 0})
+            assert answer.status_code == 200 and expected.startswith(answer.json()["choices"][0]["text"])
+        metrics = client.get("/metrics").text
+    reserved = [line for line in metrics.splitlines() if line.startswith("pdserve_admission_reserved_tokens")]
+    assert reserved and all(float(line.rsplit(" ", 1)[1]) == 0 for line in reserved), reserved
