@@ -13,13 +13,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Each unit may import the units listed for it (and itself); anything else in this table is forbidden.
 ALLOWED: dict[str, set[str]] = {
-    "commands": {"gateway", "gateway.api", "gateway.control", "gateway.ratio", "gateway.requests", "gateway.fleet",
+    "commands": {"gateway", "gateway.api", "gateway.control", "gateway.ratio", "gateway.requests",
+                 "gateway.fleet",
                  "gateway.telemetry", "pool_worker.actor", "pool_worker.runtime", "pool_worker.roles",
                  "kv_transfer", "llm_engine", "loadgen", "tuner"},
     # app.py and config.py: the composition root of the server
-    "gateway": {"gateway.api", "gateway.control", "gateway.ratio", "gateway.requests", "gateway.fleet", "gateway.telemetry",
+    "gateway": {"gateway.api", "gateway.control", "gateway.ratio", "gateway.requests", "gateway.fleet",
+                "gateway.telemetry",
                 "pool_worker.actor", "pool_worker.runtime", "pool_worker.roles", "kv_transfer", "llm_engine"},
-    "gateway.api": {"gateway.control", "gateway.ratio", "gateway.requests", "gateway.fleet", "gateway.telemetry",
+    "gateway.api": {"gateway.control", "gateway.ratio", "gateway.requests", "gateway.fleet",
+                    "gateway.telemetry",
                     "pool_worker.roles", "llm_engine"},
     # the fleet's owner (in this process or a named actor) and the frontends' link to it
     "gateway.control": {"gateway.ratio", "gateway.requests", "gateway.fleet", "gateway.telemetry",

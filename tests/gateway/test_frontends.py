@@ -140,7 +140,8 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
         if all(len(s) >= 2 for s in streams.values()):
             break
         stream = open_stream(port)
-        until(lambda: owner(stream.port, pids) is not None, 10, "the connection to be accepted")
+        until(lambda port=stream.port: owner(port, pids) is not None, 10,  # type: ignore[misc]
+              "the connection to be accepted")
         streams[owner(stream.port, pids)].append(stream)  # type: ignore[index]
     assert all(len(s) >= 2 for s in streams.values()), {pid: len(s) for pid, s in streams.items()}
     everyone = [s for group in streams.values() for s in group]
