@@ -5,10 +5,13 @@ Starts a real server (`pdserve serve` in its own process: local Ray, 1 prefill +
 random Llama with SmolLM2's tokenizer, so that worker time is small and the gateway's own share is visible.
 The client runs in this process. With --base DIR (a checkout of an earlier commit, e.g. a `git worktree`),
 the same rows run against a server started from DIR too, alternating servers for --repeats rounds, so that
-before and after are measured side by side on the same machine under the same load.
+before and after are measured side by side on the same machine under the same load. With --frontends 1,2
+the sides are this code with 1 and with 2 HTTP frontends (--api-server-count), alternating the same way.
+Gateway CPU counts every gateway process: the server (with N > 1 the supervisor, every frontend and the
+fleet actor), not Ray's own daemons nor the workers.
 
     .venv/bin/python benchmarks/gateway_bench.py [--requests 128] [--base /tmp/stream-base] [--repeats 2]
-        [--out benchmarks/results/gateway.md]
+        [--frontends 1,2] [--out benchmarks/results/gateway.md]
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ async def run(url: str, concurrency: int, num_requests: int, max_tokens: int
         return list(await asyncio.gather(*(bounded() for _ in range(num_requests)), return_exceptions=True))
 
 
-def start_server(model_dir: Path, code_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(model_dir: Path, code_dir: Path, frontends: int = 1) -> tuple[subprocess.Popen[bytes], str]:
     """`pdserve serve` from the checkout in `code_dir` (its actors import from there too), once healthy."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -97,6 +100,8 @@ def start_server(model_dir: Path, code_dir: Path) -> tuple[subprocess.Popen[byte
     command = [sys.executable, "-m", "commands", "serve", "--model", str(model_dir),
                "--served-model-name", "tiny", "--backend", "nixl", "--port", str(port),
                "--kv-cache-mib", "64", "--max-waiting", "1024"]
+    if frontends > 1:
+        command += ["--api-server-count", str(frontends)]
     server = subprocess.Popen(command, env=env, cwd=code_dir, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
@@ -120,18 +125,35 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-def measure(model_dir: Path, code_dir: Path, streams: list[int], num_requests: int, max_tokens: int
-            ) -> dict[int, Row]:
+def gateway_pids(server_pid: int) -> list[int]:
+    """The server, its frontend processes (uvicorn's spawned children) and the fleet actor, if any."""
+    import psutil
+
+    pids = [server_pid]
+    pids += [p.pid for p in psutil.Process(server_pid).children()
+             if "spawn_main" in " ".join(p.cmdline())]
+    pids += [p.pid for p in psutil.process_iter(["cmdline"])
+             if "FleetActor" in " ".join(p.info["cmdline"] or [])]
+    return pids
+
+
+def gateway_cpu_seconds(pids: list[int]) -> float:
+    return sum(cpu_seconds(pid) for pid in pids)
+
+
+def measure(model_dir: Path, code_dir: Path, streams: list[int], num_requests: int, max_tokens: int,
+            frontends: int = 1) -> dict[int, Row]:
     """Per concurrency: e2e p50, e2e p99, overhead p50, overhead p99 (ms), failed requests, the p50 of
-    each part of the overhead, and the gateway process's CPU ms per request."""
-    server, url = start_server(model_dir, code_dir)
+    each part of the overhead, and the gateway processes' CPU ms per request."""
+    server, url = start_server(model_dir, code_dir, frontends)
     rows: dict[int, Row] = {}
     try:
         asyncio.run(run(url, 4, 8, max_tokens))  # warm-up
+        pids = gateway_pids(server.pid)
         for concurrency in streams:
-            cpu_before = cpu_seconds(server.pid)
+            cpu_before = gateway_cpu_seconds(pids)
             outcomes = asyncio.run(run(url, concurrency, max(num_requests, concurrency), max_tokens))
-            cpu_ms = 1000 * (cpu_seconds(server.pid) - cpu_before) / len(outcomes)
+            cpu_ms = 1000 * (gateway_cpu_seconds(pids) - cpu_before) / len(outcomes)
             results = [r for r in outcomes if isinstance(r, tuple)]
             e2e = [r[0] for r in results]
             overhead = [r[1] for r in results]
@@ -153,6 +175,7 @@ def main() -> None:
     parser.add_argument("--streams", default="1,64,256", help="concurrent streams, one row each")
     parser.add_argument("--base", type=Path, help="a checkout of the commit to compare against")
     parser.add_argument("--repeats", type=int, default=1, help="rounds (alternating servers)")
+    parser.add_argument("--frontends", help="e.g. 1,2: compare these --api-server-count values (this code)")
     parser.add_argument("--out", default="benchmarks/results/gateway.md")
     args = parser.parse_args()
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -166,11 +189,18 @@ def main() -> None:
     freeze_startup_heap()
     streams = [int(n) for n in args.streams.split(",")]
     here = Path(__file__).resolve().parents[1]
-    sides = {"before": args.base.resolve(), "after": here} if args.base else {"now": here}
+    sides: dict[str, tuple[Path, int]]
+    if args.frontends:
+        sides = {f"{n} frontend(s)": (here, int(n)) for n in args.frontends.split(",")}
+    elif args.base:
+        sides = {"before": (args.base.resolve(), 1), "after": (here, 1)}
+    else:
+        sides = {"now": (here, 1)}
     runs: dict[str, list[dict[int, Row]]] = {side: [] for side in sides}
     for _ in range(args.repeats):
-        for side, code_dir in sides.items():
-            runs[side].append(measure(model_dir, code_dir, streams, args.requests, args.max_tokens))
+        for side, (code_dir, frontends) in sides.items():
+            runs[side].append(measure(model_dir, code_dir, streams, args.requests, args.max_tokens,
+                                      frontends))
     lines = [
         f"# Gateway overhead ({datetime.now(UTC):%Y-%m-%d}, {platform.node()}, {os.cpu_count()} cores)",
         "",
@@ -180,9 +210,11 @@ def main() -> None:
         f"decode queue + decode). Medians over {args.repeats} round(s), the servers alternating; [min–max] "
         "across rounds.",
         f"Command: `.venv/bin/python benchmarks/gateway_bench.py --streams {args.streams} --repeats "
-        f"{args.repeats}{' --base ' + str(args.base) if args.base else ''}`",
+        f"{args.repeats}{' --base ' + str(args.base) if args.base else ''}"
+        f"{' --frontends ' + args.frontends if args.frontends else ''}`",
         "",
-        "Gateway CPU = user + system CPU time of the gateway process (/proc) over the row / its requests.",
+        "Gateway CPU = user + system CPU time of the gateway's processes (/proc: the server; with several "
+        "frontends also each frontend and the fleet actor) over the row / its requests.",
         "",
         "| code | streams | e2e p50 ms | e2e p99 ms | overhead p50 ms | overhead p99 ms | gateway CPU ms per "
         "request | failed |",

@@ -1,0 +1,80 @@
+"""The pieces behind --api-server-count that need no server: the fleet's sums of the frontends' reports, and a
+worker ending the output channels of a gateway that is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from gateway.control import reported_books
+from gateway.control.messages import FrontendReport
+from gateway.control.reported_books import ReportedBooks
+from gateway.requests.router import LocalPrefillPolicy
+from pool_worker.runtime.output_channels import OutputChannels
+
+
+def report(frontend_id: str, in_flight: dict[str, int], prefill: dict[str, int], longest: int
+           ) -> FrontendReport:
+    return FrontendReport(frontend_id, in_flight, prefill, {}, longest, 0)
+
+
+def test_books_sum_the_live_frontends_and_forget_a_silent_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    books = ReportedBooks(LocalPrefillPolicy(), on_policy=lambda: None)
+    books.report(report("frontend-a", {"w0": 100}, {"w0": 40}, 0))
+    books.report(report("frontend-b", {"w0": 5, "w1": 7}, {"w0": 2}, 1500))
+    assert books.in_flight("w0") == 105 and books.in_flight("w1") == 7 and books.in_flight("w2") == 0
+    assert books.prefill_tokens["w0"] == 42 and books.longest_local_prefill() == 1500
+    books.report(report("frontend-a", {}, {}, 0))  # a newer report replaces the older
+    assert books.in_flight("w0") == 5
+    monkeypatch.setattr(reported_books, "FRONTEND_SILENT_S", 0.05)
+    time.sleep(0.1)
+    books.report(report("frontend-a", {}, {}, 0))
+    assert books.expire() == ["frontend-b"]
+    assert books.in_flight("w1") == 0 and books.frontends() == ["frontend-a"]
+
+
+def test_setting_the_policy_tells_the_fleet_only_when_it_changes() -> None:
+    told = []
+    books = ReportedBooks(LocalPrefillPolicy(), on_policy=lambda: told.append(1))
+    books.local_prefill = LocalPrefillPolicy()
+    assert told == []
+    books.local_prefill = LocalPrefillPolicy(min_prefill_queue_tokens=1024, queue_rule_below_tokens=1024)
+    assert told == [1] and books.local_prefill.min_prefill_queue_tokens == 1024
+
+
+@dataclass(frozen=True)
+class Output:
+    request_id: str
+
+
+def test_closing_a_gone_gateways_channels_aborts_its_requests_and_ends_its_stream() -> None:
+    async def scenario() -> tuple[list[str], list[int], bool]:
+        aborted: list[str] = []
+        channels = OutputChannels(abort=aborted.append, is_final=lambda output: False)
+        for request_id, channel_id in (("a1", "frontend-a-w0-0"), ("a2", "frontend-a-w0-0"),
+                                       ("b1", "frontend-b-w0-0")):
+            channels.subscribe(request_id, channel_id)
+        batches: list[int] = []
+
+        async def read(channel_id: str) -> None:
+            async for batch in channels.stream(channel_id):
+                batches.append(len(batch.outputs))
+
+        reader_a = asyncio.create_task(read("frontend-a-w0-0"))
+        reader_b = asyncio.create_task(read("frontend-b-w0-0"))
+        await asyncio.sleep(0)
+        assert channels.close_channels("frontend-a-") == 1
+        await asyncio.wait_for(reader_a, 1)  # its parked stream returned
+        channels.collect(Output("b1"))
+        channels.flush()
+        await asyncio.sleep(0.01)
+        still_open = not reader_b.done()
+        reader_b.cancel()
+        return aborted, batches, still_open
+
+    aborted, batches, other_stream_open = asyncio.run(scenario())
+    assert sorted(aborted) == ["a1", "a2", "b1"]  # b1 only once its own stream was cancelled at the end
+    assert batches == [1] and other_stream_open
