@@ -44,6 +44,10 @@ _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--block-size", int, "tokens per KV block"),
     ("--kv-cache-mib", int, "KV cache budget per worker, MiB"),
     ("--max-num-batched-tokens", int, "tokens per forward (prefill chunk budget)"),
+    ("--max-prefill-s-beside-decode", float, "seconds of prompt work a worker adds to a step while it also "
+                                             "decodes (mixed workers): prompts are sliced to fit, from "
+                                             "measured step times, so streams there are not stalled "
+                                             "(default 0.1; 0: no limit)"),
     ("--host", str, "address to bind (default 127.0.0.1)"),
     ("--port", int, "port (default 8000)"),
     ("--api-server-count", int, "HTTP frontend processes on that port, sharing one fleet of workers (in a "

@@ -52,6 +52,7 @@ class ServeConfig(BaseModel):
     block_size: int | None = Field(default=None, ge=1)
     kv_cache_mib: int | None = Field(default=None, ge=1)  # KV budget per worker
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    max_prefill_s_beside_decode: float | None = Field(default=None, ge=0)  # None: the engine's (0.1 s)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     # HTTP frontends sharing one fleet (gateway/frontends.py): 1 runs the whole gateway in one process.
@@ -158,6 +159,7 @@ class ServeConfig(BaseModel):
             "dtype": self.dtype, "device": self.device, "block_size": self.block_size,
             "kv_cache_bytes": None if self.kv_cache_mib is None else self.kv_cache_mib << 20,
             "max_num_batched_tokens": self.max_num_batched_tokens, "linear_kernel": self.linear_kernel,
+            "max_prefill_s_beside_decode": self.max_prefill_s_beside_decode,
             "decode_attention": self.decode_attention,
         }
         chosen = {k: v for k, v in engine_overrides.items() if v is not None}

@@ -122,6 +122,9 @@ class FleetActor:
     async def put_pools(self, layout: PoolLayout) -> dict[str, object]:
         return await self.plane.put_pools(layout)
 
+    async def steps(self, worker_id: str, since: float) -> list[dict[str, object]]:
+        return await self.plane.steps(worker_id, since)
+
     async def status(self) -> FleetStatus:
         return await self.plane.status()
 

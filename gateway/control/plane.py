@@ -36,6 +36,8 @@ class FleetControl(Protocol):
 
     async def status(self) -> FleetStatus: ...
 
+    async def steps(self, worker_id: str, since: float) -> list[dict[str, object]]: ...
+
 
 def decision_summary(decision: Decision) -> dict[str, object]:
     return {"at": decision.at, "from_level": decision.from_level, "to_level": decision.to_level,
@@ -134,6 +136,11 @@ class ControlPlane:
             "ratio_decisions": [decision_summary(d) for d in list(controller.decisions)[-20:]],
             "workers": workers,
         }
+
+    async def steps(self, worker_id: str, since: float) -> list[dict[str, object]]:
+        """GET /admin/workers/{id}/steps: the worker's forwards since `since` (KeyError: no such worker)."""
+        worker = self.deployment.workers[worker_id]
+        return [dataclasses.asdict(step) for step in await worker.client.step_timeline(since)]
 
     async def put_pools(self, layout: PoolLayout) -> dict[str, object]:
         """PUT /admin/pools: checked (ResizeRefused, ResizeConflict before anything moves), then applied one

@@ -192,6 +192,9 @@ class FleetLink:
     async def status(self) -> FleetStatus:
         return await self._call(self.fleet.status.remote())
 
+    async def steps(self, worker_id: str, since: float) -> list[dict[str, object]]:
+        return await self._call(self.fleet.steps.remote(worker_id, since))
+
     @staticmethod
     async def _call(ref: Any) -> Any:
         """The fleet's refusals raise here as themselves (the API maps them to 400 and 409)."""
@@ -199,6 +202,6 @@ class FleetLink:
             return await ref
         except RayTaskError as error:
             cause = getattr(error, "cause", None)
-            if isinstance(cause, (ResizeRefused, ResizeConflict, ValueError)):
+            if isinstance(cause, (ResizeRefused, ResizeConflict, ValueError, KeyError)):
                 raise cause from None
             raise
