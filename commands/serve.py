@@ -30,6 +30,9 @@ _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--ratio", str, "fixed (default) or auto: a controller moves workers between roles by load"),
     ("--ttft-slo-s", float, "the ratio controller's time-to-first-token target, s"),
     ("--itl-slo-s", float, "the ratio controller's inter-token latency target, s"),
+    ("--profile", str, "a worker's profile (pdserve tune profile): with --ratio auto, the controller also "
+                       "replays the last minute's traffic through the simulator on every layout and moves "
+                       "toward the one it predicts best"),
     ("--dtype", str, "auto (default: bfloat16 where the hardware runs it natively: AVX512_BF16 or AMX on a "
                      "CPU, any CUDA GPU; else float32), float32, bfloat16, or float16 (CUDA only)"),
     ("--device", str, "cpu or cuda"),
