@@ -49,8 +49,9 @@ _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--max-num-batched-tokens", int, "tokens per forward (prefill chunk budget)"),
     ("--max-prefill-s-beside-decode", float, "seconds of prompt work a worker adds to a step while it also "
                                              "decodes (mixed workers): prompts are sliced to fit, from "
-                                             "measured step times, so streams there are not stalled "
-                                             "(default 0.1; 0: no limit)"),
+                                             "measured step times, so streams there are not stalled by "
+                                             "a whole prompt chunk (default 0: off; it costs prefill "
+                                             "throughput on a CPU, see README)"),
     ("--host", str, "address to bind (default 127.0.0.1)"),
     ("--port", int, "port (default 8000)"),
     ("--api-server-count", int, "HTTP frontend processes on that port, sharing one fleet of workers (in a "

@@ -55,7 +55,7 @@ class ServeConfig(BaseModel):
     block_size: int | None = Field(default=None, ge=1)
     kv_cache_mib: int | None = Field(default=None, ge=1)  # KV budget per worker
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
-    max_prefill_s_beside_decode: float | None = Field(default=None, ge=0)  # None: the engine's (0.1 s)
+    max_prefill_s_beside_decode: float | None = Field(default=None, ge=0)  # None: the engine's (0: off)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     # HTTP frontends sharing one fleet (gateway/frontends.py): 1 runs the whole gateway in one process.

@@ -71,7 +71,7 @@ class SimConfig:
     queue_timeout_s: float  # how long one may wait before a 429
     hop_s: float = DEFAULT_HOP_S
     # Seconds of prompt work a step may add beside decoding requests (EngineConfig's; 0: no limit).
-    max_prefill_s_beside_decode: float = 0.1
+    max_prefill_s_beside_decode: float = 0.0
 
     def __post_init__(self) -> None:
         is_valid = 0.0 <= self.watermark < 1.0 and self.max_waiting >= 0 and self.hop_s >= 0
