@@ -76,7 +76,7 @@ def run(code_dir: Path | None) -> dict[str, Any]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = start_server(["--mixed", "2", "--backend", "nixl"], port, code_dir)
+    server = start_server(["--mixed", "2", "--backend", "nixl", "--dtype", "float32"], port, code_dir)
     try:
         asyncio.run(wait_for_layout(url, (0, 0, 2)))
         return asyncio.run(run_once(url))
