@@ -30,6 +30,9 @@ _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--ratio", str, "fixed (default) or auto: a controller moves workers between roles by load"),
     ("--ttft-slo-s", float, "the ratio controller's time-to-first-token target, s"),
     ("--itl-slo-s", float, "the ratio controller's inter-token latency target, s"),
+    ("--profile", str, "a worker's profile (pdserve tune profile): with --ratio auto, the controller also "
+                       "replays the last minute's traffic through the simulator on every layout and moves "
+                       "toward the one it predicts best"),
     ("--dtype", str, "auto (default: bfloat16 where the hardware runs it natively: AVX512_BF16 or AMX on a "
                      "CPU, any CUDA GPU; else float32), float32, bfloat16, or float16 (CUDA only)"),
     ("--device", str, "cpu or cuda"),
@@ -44,6 +47,11 @@ _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--block-size", int, "tokens per KV block"),
     ("--kv-cache-mib", int, "KV cache budget per worker, MiB"),
     ("--max-num-batched-tokens", int, "tokens per forward (prefill chunk budget)"),
+    ("--max-prefill-s-beside-decode", float, "seconds of prompt work a worker adds to a step while it also "
+                                             "decodes (mixed workers): prompts are sliced to fit, from "
+                                             "measured step times, so streams there are not stalled by "
+                                             "a whole prompt chunk (default 0: off; it costs prefill "
+                                             "throughput on a CPU, see README)"),
     ("--host", str, "address to bind (default 127.0.0.1)"),
     ("--port", int, "port (default 8000)"),
     ("--api-server-count", int, "HTTP frontend processes on that port, sharing one fleet of workers (in a "

@@ -30,10 +30,12 @@ def _serving_defaults() -> dict[str, float]:
     """The gateway's own defaults of what the simulator mirrors (one place for each, theirs)."""
     from gateway.config import ServeConfig
     from gateway.fleet.deployment import DeploymentConfig
+    from llm_engine import EngineConfig
 
     return {"watermark": DeploymentConfig.watermark,
             "max_waiting": ServeConfig.model_fields["max_waiting"].default,
-            "queue_timeout_s": ServeConfig.model_fields["queue_timeout_s"].default}
+            "queue_timeout_s": ServeConfig.model_fields["queue_timeout_s"].default,
+            "max_prefill_s_beside_decode": EngineConfig.max_prefill_s_beside_decode}
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -156,7 +158,8 @@ def run_plan(args: argparse.Namespace) -> int:
             _fail(args, f"--apply: {access.url}: {type(error).__name__}: {error}")
     defaults = _serving_defaults()
     config = SimConfig(profile.shape, float(defaults["watermark"]), int(defaults["max_waiting"]),
-                       float(defaults["queue_timeout_s"]), hop_s=args.hop_ms / 1000.0)
+                       float(defaults["queue_timeout_s"]), hop_s=args.hop_ms / 1000.0,
+                       max_prefill_s_beside_decode=float(defaults["max_prefill_s_beside_decode"]))
     total = len(rates) * _num_layouts(args.workers) + (
         sum(_num_layouts(n) for n in range(1, args.workers + 1)) if args.target_rate else 0)
     with tqdm(total=total, desc="simulate", disable=args.no_progress, **PROGRESS) as bar:

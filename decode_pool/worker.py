@@ -47,6 +47,7 @@ from llm_engine.kv_cache_manager import blocks_for
 from llm_engine.request import Request
 from pool_worker.runtime.inbox import WorkerInbox
 from pool_worker.runtime.load import WorkerLoad
+from pool_worker.runtime.prefill_slicer import PrefillSlicer
 
 logger = logging.getLogger(__name__)
 OutputCallback = Callable[[DecodeOutput], None]
@@ -101,6 +102,8 @@ class DecodeWorker:
         self._awaiting_blocks: collections.deque[str] = collections.deque()
         self._transferring: dict[tuple[str, int], str] = {}
         self._in_step: tuple[str, ...] = ()  # the requests of the forward under way (suspects if it raises)
+        config = engine.config
+        self._slicer = PrefillSlicer(config.max_prefill_s_beside_decode, config.max_num_batched_tokens)
         self._load = self._snapshot()
 
     # Called from any thread.
@@ -185,6 +188,7 @@ class DecodeWorker:
             self._on_transfer_result(result.source_worker_id, result.transfer_id, result.state, result.reason,
                                      finished_at=finished_at)
         scheduler = self.engine.scheduler
+        scheduler.prefill_budget_beside_decode = self._slicer.budget()
         batch = scheduler.schedule() if scheduler.num_unfinished else None
         if batch is not None and batch.chunks:
             # What the inbox just handed over is in no load report until this step ends: report it now, or a
@@ -193,6 +197,9 @@ class DecodeWorker:
             self._in_step = tuple(chunk.request_id for chunk in batch.chunks)
             output = self.engine.runner.execute(batch)
             now = time.time()
+            step = self.engine.runner.timeline.last
+            if step is not None:
+                self._slicer.observe(step.duration_ms / 1000, step.num_prefill_tokens, step.num_decode_tokens)
             for request in scheduler.update(batch, output):
                 self._emit(request, now)
             self._in_step = ()

@@ -45,7 +45,7 @@ from gateway.api.protocol import (
 )
 from gateway.api.responses import chat_response, chat_stream, completion_response, completion_stream
 from gateway.config import ServeConfig
-from gateway.control.plane import ControlPlane, decode_kv_tokens
+from gateway.control.plane import ControlPlane, build_planner, decode_kv_tokens
 from gateway.control.remote_fleet import FleetLink, RemoteFleet
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.view import FleetView
@@ -162,7 +162,10 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
         try:
             service = serve_requests(app, config, deployment, deployment.config.engine.model_dir,
                                      min(await decode_kv_tokens(deployment)), num_frontends=1)
-            plane = ControlPlane(deployment, service.router, service.recent, config.controller_policy())
+            policy = config.controller_policy()
+            planning = config.planner_settings()
+            planner = build_planner(planning, deployment, policy) if planning is not None else None
+            plane = ControlPlane(deployment, service.router, service.recent, policy, service.traffic, planner)
             service.on_prompt.append(plane.controller.note_prompt)
             plane.start(auto=config.ratio == "auto")
             app.state.control = plane

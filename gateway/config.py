@@ -12,6 +12,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.control.plane import PlannerSettings
 from gateway.fleet.config import DeploymentConfig
 from gateway.ratio.controller import ControllerPolicy
 from gateway.requests.deadlines import DeadlinePolicy
@@ -48,10 +49,13 @@ class ServeConfig(BaseModel):
     # The ratio controller (gateway/ratio/controller.py): "auto" moves workers between roles by load.
     ratio: Literal["fixed", "auto"] = "fixed"
     ttft_slo_s: float | None = Field(default=None, gt=0)  # the controller's targets
+    # A worker's profile from `pdserve tune profile`: the controller's planner predicts layouts with it.
+    profile: str | None = None
     itl_slo_s: float | None = Field(default=None, gt=0)
     block_size: int | None = Field(default=None, ge=1)
     kv_cache_mib: int | None = Field(default=None, ge=1)  # KV budget per worker
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    max_prefill_s_beside_decode: float | None = Field(default=None, ge=0)  # None: the engine's (0: off)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     # HTTP frontends sharing one fleet (gateway/frontends.py): 1 runs the whole gateway in one process.
@@ -85,6 +89,13 @@ class ServeConfig(BaseModel):
     local_prefill_max_tokens: int | None = Field(default=None, ge=0)
     local_prefill_queue_tokens: int | None = Field(default=None, ge=0)
     default_max_tokens: int = Field(default=512, ge=1)  # chat requests that name no max_tokens
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_exists(cls, profile: str | None) -> str | None:
+        if profile is not None and not Path(profile).is_file():
+            raise ValueError(f"profile {profile!r} does not exist (make one with `pdserve tune profile`)")
+        return profile
 
     @field_validator("model")
     @classmethod
@@ -134,6 +145,11 @@ class ServeConfig(BaseModel):
         return ControllerPolicy(ttft_slo_s=self.ttft_slo_s or default.ttft_slo_s,
                                 itl_slo_s=self.itl_slo_s or default.itl_slo_s)
 
+    def planner_settings(self) -> PlannerSettings | None:
+        if self.profile is None:
+            return None
+        return PlannerSettings(self.profile, self.max_waiting, self.queue_timeout_s)
+
     def deadline_policy(self) -> DeadlinePolicy:
         chosen = {"slack_s": self.deadline_slack_s, "prefill_s_per_token": self.deadline_prefill_s_per_token,
                   "decode_s_per_token": self.deadline_decode_s_per_token}
@@ -158,6 +174,7 @@ class ServeConfig(BaseModel):
             "dtype": self.dtype, "device": self.device, "block_size": self.block_size,
             "kv_cache_bytes": None if self.kv_cache_mib is None else self.kv_cache_mib << 20,
             "max_num_batched_tokens": self.max_num_batched_tokens, "linear_kernel": self.linear_kernel,
+            "max_prefill_s_beside_decode": self.max_prefill_s_beside_decode,
             "decode_attention": self.decode_attention,
         }
         chosen = {k: v for k, v in engine_overrides.items() if v is not None}

@@ -77,7 +77,7 @@ def serve_frontends(config: ServeConfig) -> None:
     try:
         deployment = config.deployment_config(resolve_model_dir(config))
         ray.get(fleet.start.remote(deployment, config.controller_policy(), config.local_prefill_policy(),
-                                   config.ratio == "auto"))
+                                   config.ratio == "auto", config.planner_settings()))
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         os.environ[FRONTEND_ENV] = json.dumps({
             "config": config.model_dump(mode="json"), "fleet_actor": name,

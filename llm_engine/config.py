@@ -28,6 +28,12 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * MiB  # memory budget of the paged KV cache
     max_num_batched_tokens: int = 512  # tokens one forward may carry (prefill chunking budget)
     max_num_seqs: int = 64  # requests one forward may carry
+    # Seconds of prompt work one forward may add while requests decode on the same worker (a mixed worker,
+    # or a decode worker recomputing a moved stream): prompts are sliced to fit, from measured step times
+    # (pool_worker/runtime/prefill_slicer.py). 0 (the default): no limit beyond max_num_batched_tokens.
+    # Off by default because on a CPU small slices cost prefill throughput (benchmarks/results/mixed_stall/:
+    # 0.1 s bounded the largest gap from 0.65 to 0.19 s but cost a third of 16-client throughput).
+    max_prefill_s_beside_decode: float = 0.0
     enable_prefix_caching: bool = True  # share full blocks of identical prefixes between requests
     linear_kernel: str = "auto"  # GEMM kernel of every linear layer (llm_engine/linear_kernels.py)
     # Decode attention: "auto" (today: SDPA, model_runner.py says why), "sdpa" (gather each sequence's KV,
@@ -56,6 +62,9 @@ class EngineConfig:
             problems.append(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_bytes < 1:
             problems.append(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.max_prefill_s_beside_decode < 0:
+            problems.append("max_prefill_s_beside_decode must be >= 0, got "
+                            f"{self.max_prefill_s_beside_decode}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             problems.append("max_num_batched_tokens and max_num_seqs must be >= 1")
         if problems:

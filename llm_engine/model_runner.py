@@ -8,6 +8,7 @@ Owns the KV cache tensor and the runner's copy of the block tables; knows nothin
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,7 @@ from llm_engine.kv_cache import KVCacheSpec
 from llm_engine.kv_cache_manager import blocks_for
 from llm_engine.native_kernels import DecodeKernel, paged_decode_attention
 from llm_engine.sampling import sample
+from llm_engine.step_timeline import StepRecord, StepTimeline
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -47,6 +49,7 @@ class ModelRunner:
         self, model: PreTrainedModel, spec: ModelSpec, config: EngineConfig, num_blocks: int | None = None
     ) -> None:
         self.model = model
+        self.timeline = StepTimeline()  # every forward: when, how long, decode and prompt tokens
         self.spec = spec
         self.config = config
         self.device = torch.device(config.device)
@@ -62,7 +65,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> ModelOutput:
-        """Compute every chunk's new tokens and sample for the chunks that ask for it."""
+        """Compute every chunk's new tokens and sample for the chunks that ask for it (each forward is
+        recorded in `timeline`)."""
+        if not batch.chunks:
+            return self._execute(batch)
+        started = time.time()
+        output = self._execute(batch)
+        num_decode = sum(1 for c in batch.chunks if c.output_index and c.num_tokens == 1)
+        self.timeline.record(StepRecord(started, 1000 * (time.time() - started), num_decode,
+                                        batch.num_tokens - num_decode))
+        return output
+
+    def _execute(self, batch: ModelInput) -> ModelOutput:
         if not batch.chunks:
             self.inputs.forget(batch.finished_request_ids)
             return ModelOutput(())

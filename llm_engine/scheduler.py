@@ -4,16 +4,19 @@ Queues: WAITING (a deque, arrival order; preempted requests go back to its front
         → RUNNING (holds blocks; every step each gets its next chunk or its one decode token).
 A request whose KV arrived from elsewhere (a transfer) joins RUNNING directly through add_running().
 Each step:  schedule() → ModelInput  →  ModelRunner.execute  →  update(ModelInput, ModelOutput).
-schedule() serves running requests first, oldest first, within a token budget per forward (so one long
-prompt is cut into chunks and cannot hold the others back); when blocks run short it preempts the newest
-running request (frees its blocks, keeps its tokens, re-queues it). Then it admits waiting requests while
-budget, sequence slots and blocks last, keeping `watermark_blocks` free so that admitting a request does not
-at once preempt the running ones. Finished requests leave through release(), which frees their blocks (a
-prefill worker overrides it: its blocks wait for the transfer). When nothing runs and the waiting requests
-do not fit, schedule() remembers that, and until a request comes or goes or blocks are freed it answers an
-empty batch at once, without looking for cached prefixes again (a worker polling for transfers would
-otherwise re-hash the head prompt every poll); while others run, a waiting request's block hashes are kept
-on it (Request.block_hashes), so looking up its cached prefix again costs dict lookups, not hashing.
+schedule() serves running requests first, oldest first, within a token budget per forward (so one long prompt
+is cut into chunks and cannot hold the others back); while any running request decodes, prompt tokens also fit
+a second, smaller budget (prefill_budget_beside_decode, set by a worker that decodes from its measured step
+times: stall-free batching, so that a prompt prefilled beside running streams delays each of their steps by a
+bounded slice instead of its whole prefill). When blocks run short it preempts the newest running request
+(frees its blocks, keeps its tokens, re-queues it). Then it admits waiting requests while budget, sequence
+slots and blocks last, keeping `watermark_blocks` free so that admitting a request does not at once preempt
+the running ones. Finished requests leave through release(), which frees their blocks (a prefill worker
+overrides it: its blocks wait for the transfer). When nothing runs and the waiting requests do not fit,
+schedule() remembers that, and until a request comes or goes or blocks are freed it answers an empty batch at
+once, without looking for cached prefixes again (a worker polling for transfers would otherwise re-hash the
+head prompt every poll); while others run, a waiting request's block hashes are kept on it
+(Request.block_hashes), so looking up its cached prefix again costs dict lookups, not hashing.
 Each chunk carries only the blocks its request's table gained since its previous chunk (the runner keeps
 the tables), and each forward names the requests that left since the last one, so the runner can drop
 their tables. Plain Python: no tensors, no model.
@@ -45,6 +48,9 @@ class Scheduler:
         self._num_sent_blocks: dict[str, int] = {}
         # Requests with a table at the runner that left (finished, aborted, preempted) since the last forward.
         self._left: list[str] = []
+        # Prompt tokens one forward may carry while any running request decodes (None: no limit beyond
+        # max_num_batched_tokens).
+        self.prefill_budget_beside_decode: int | None = None
 
     @property
     def num_unfinished(self) -> int:
@@ -156,8 +162,16 @@ class Scheduler:
             self._left = []
         return batch
 
+    @staticmethod
+    def _is_decoding(request: Request) -> bool:
+        """Its next chunk is its one newest token (not a prompt's, nor a recomputation after preemption)."""
+        return request.num_output_tokens > 0 and request.num_tokens - request.num_computed_tokens == 1
+
     def _schedule(self) -> ModelInput:
         budget = self.max_num_batched_tokens
+        prefill_budget = budget
+        if self.prefill_budget_beside_decode is not None and any(map(self._is_decoding, self.running)):
+            prefill_budget = min(budget, self.prefill_budget_beside_decode)
         chunks: list[ScheduledChunk] = []
         preempted = False
         for request in list(self.running):
@@ -165,7 +179,11 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older request
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            is_decoding = self._is_decoding(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                          budget if is_decoding else prefill_budget)
+            if num_new == 0:
+                continue  # a prompt chunk, and this forward's prompt budget is spent
             total = request.num_computed_tokens + num_new
             while not self.kv.can_append(request.request_id, total):
                 victim = self.running[-1]
@@ -178,13 +196,16 @@ class Scheduler:
             self.kv.append(request.request_id, total)
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
+            if not is_decoding:
+                prefill_budget -= num_new
         # Admitting while preempting would thrash: the freed blocks belong to the re-queued requests.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while (self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.max_num_seqs
+               and not preempted):
             request = self.waiting[0]
             token_ids = request.all_token_ids
             hashes = self._prefix_hashes(request)
             cached = len(self.kv.find_cached_prefix(token_ids, hashes)) * self.kv.block_size
-            num_new = min(request.num_tokens - cached, budget)
+            num_new = min(request.num_tokens - cached, budget, prefill_budget)
             # With nothing running the reserve protects nobody: admit rather than wait forever.
             reserve = self.watermark_blocks if self.running else 0
             if not self.kv.can_allocate(token_ids, cached + num_new, reserve, hashes):
@@ -198,6 +219,7 @@ class Scheduler:
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
+            prefill_budget -= num_new
         return ModelInput(tuple(chunks))
 
     def update(self, batch: ModelInput, output: ModelOutput) -> list[Request]:

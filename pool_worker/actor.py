@@ -39,6 +39,7 @@ from decode_pool.role import DecodeRole
 from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.model_loader import num_model_loads
+from llm_engine.step_timeline import StepRecord
 from pool_worker.roles import Role
 from pool_worker.runtime.aborted import AbortedIds
 from pool_worker.runtime.load import WorkerLoad
@@ -220,6 +221,10 @@ class WorkerActor:
     def load(self) -> WorkerLoad:
         """The worker's latest load; `failure` is set once its step loop has died."""
         return replace(self._started().load(), role=self.role.value)
+
+    def step_timeline(self, since: float = 0.0) -> list[StepRecord]:
+        """This worker's forwards that started at or after `since` (time.time()), in any role."""
+        return self.engine.runner.timeline.since(since)
 
     def is_whole(self) -> bool:
         """No block held: for tests and drains."""

@@ -6,7 +6,9 @@ what llm_engine/scheduler.py would build, within the same budgets:
     running requests first (decode tokens, then chunks of prompts already started), then admissions from
     WAITING while the token budget, `max_num_seqs` and free blocks (less the watermark, when something
     runs) last; no admission in a step that preempted; when blocks for the decode tokens run short the
-    newest running request is preempted (blocks freed, re-queued at the front, recomputed later).
+    newest running request is preempted (blocks freed, re-queued at the front, recomputed later); while any
+    request decodes, prompt tokens also fit the slice that max_prefill_s_beside_decode buys at the fitted
+    prefill cost per token (pool_worker/runtime/prefill_slicer.py does the same from measured steps).
 Prefill worker: WAITING → RUNNING (chunks) → first token; its blocks stay held until the decode side's pull
     ends (the lease), so a backed-up decode pool stalls prefill, as in the real system.
 Decode worker: AWAITING_BLOCKS (a handed-off request; a pull starts when its prompt's blocks plus the
@@ -163,6 +165,7 @@ class DecodeWorkerSim(_Worker):
         super().__init__(sim, name)
         self.is_mixed = is_mixed
         self.watermark_blocks = int(sim.config.watermark * sim.config.shape.num_blocks)
+        self.prefill_slice = sim.config.prefill_slice_tokens(sim.model)  # None: no slicing
         self.awaiting: deque[SimRequest] = deque()  # AWAITING_BLOCKS
         self.num_transferring = 0
         self.arrived: list[SimRequest] = []  # pulls done; they join RUNNING at the next step
@@ -254,6 +257,8 @@ class DecodeWorkerSim(_Worker):
         self.num_free -= needed
         context = self.key_sum + batch * (step + 1)
         budget = max(0, self.budget - batch)
+        if batch and self.prefill_slice is not None:
+            budget = min(budget, self.prefill_slice)
         if is_preempted:  # no admission in a step that preempted: the freed blocks are the victims'
             waiting, self.waiting = self.waiting, deque()
             tokens, pairs, _ = self._schedule_prefill(budget, self.watermark_blocks, batch)

@@ -33,6 +33,7 @@ from tuner.sim_workers import DecodeWorkerSim, PrefillWorkerSim, SimRequest
 # One Ray actor call or reply plus the gateway's own work around it (the actor round trip alone is ~0.8 ms
 # here, DESIGN.md); every stage boundary of a request crosses one.
 DEFAULT_HOP_S = 0.001
+PREFILL_SLICE_MIN_TOKENS = 16  # pool_worker/runtime/prefill_slicer.py's floor
 
 
 @dataclass(frozen=True, order=True)
@@ -69,11 +70,22 @@ class SimConfig:
     max_waiting: int  # requests that may wait for decode KV capacity (gateway/config.py)
     queue_timeout_s: float  # how long one may wait before a 429
     hop_s: float = DEFAULT_HOP_S
+    # Seconds of prompt work a step may add beside decoding requests (EngineConfig's; 0: no limit).
+    max_prefill_s_beside_decode: float = 0.0
 
     def __post_init__(self) -> None:
         is_valid = 0.0 <= self.watermark < 1.0 and self.max_waiting >= 0 and self.hop_s >= 0
         if not is_valid or self.queue_timeout_s <= 0:
             raise ValueError(f"invalid simulation settings: {self}")
+
+    def prefill_slice_tokens(self, model: StepModel) -> int | None:
+        """Prompt tokens a step may carry beside decoding requests, at the fitted cost of a chunk of the
+        forward's whole budget (the worker measures the same cost from its own steps)."""
+        if self.max_prefill_s_beside_decode <= 0:
+            return None
+        chunk = self.shape.max_num_batched_tokens
+        per_token_s = model.step_s(0, 0, chunk, chunk * chunk) / chunk
+        return max(PREFILL_SLICE_MIN_TOKENS, min(chunk, int(self.max_prefill_s_beside_decode / per_token_s)))
 
     @property
     def max_request_tokens(self) -> int:

@@ -2,6 +2,7 @@
 
 GET /admin/pools  each worker's role, state, Ray node and load; the layout aimed at; a change in progress;
                   the ratio controller's state and its recent decisions.
+GET /admin/workers/{id}/steps  the worker's recent forwards: start, duration, decode and prompt tokens.
 PUT /admin/pools  {"prefill": N, "decode": M, "mixed": K} → checked (4xx before anything moves), then
                   applied one worker at a time (gateway/ratio/resize.py); answers the plan and what was done.
 Both are the fleet owner's (gateway/control/plane.py): in this process, or in the fleet actor that every
@@ -10,7 +11,7 @@ frontend shares.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 
 from gateway.api.auth import require_admin
 from gateway.api.errors import documented
@@ -24,6 +25,17 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 async def get_pools(request: Request) -> dict[str, object]:
     control: FleetControl = request.app.state.control
     return await control.pools()
+
+
+@router.get("/workers/{worker_id}/steps", responses=documented(401, 403, 404))
+async def worker_steps(worker_id: str, request: Request, since: float = 0.0) -> dict[str, object]:
+    """The worker's recent forwards (the last few thousand), each with its start (Unix time), duration and
+    decode and prompt tokens: where a stream's gap came from. `since`: only those that started after it."""
+    control: FleetControl = request.app.state.control
+    try:
+        return {"worker_id": worker_id, "steps": await control.steps(worker_id, since)}
+    except KeyError:
+        raise HTTPException(404, f"no worker {worker_id!r} (GET /admin/pools lists them)") from None
 
 
 @router.put("/pools", responses=documented(400, 401, 403, 409))

@@ -22,7 +22,7 @@ import contextlib
 import logging
 
 from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport, WorkerEntry
-from gateway.control.plane import ControlPlane, decode_kv_tokens
+from gateway.control.plane import ControlPlane, PlannerSettings, build_planner, decode_kv_tokens
 from gateway.control.reported_books import ReportedBooks
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.deployment import PDDeployment
@@ -32,6 +32,7 @@ from gateway.ratio.resize import PoolLayout
 from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.recent import RecentLatencies
+from gateway.telemetry.traffic import RecentTraffic
 from pool_worker import Role
 
 logger = logging.getLogger(__name__)
@@ -47,17 +48,20 @@ class FleetActor:
         self._version = 0
         self._changed = asyncio.Event()
         self._recent = RecentLatencies()
+        self._traffic = RecentTraffic()
         self._expiry: asyncio.Task[None] | None = None
 
     async def start(self, config: DeploymentConfig, policy: ControllerPolicy,
-                    local_prefill: LocalPrefillPolicy, auto: bool) -> FleetInfo:
+                    local_prefill: LocalPrefillPolicy, auto: bool, planning: PlannerSettings | None = None
+                    ) -> FleetInfo:
         deployment = PDDeployment(config)
         await deployment.start()
         try:
             self._info = FleetInfo(config.engine.model_dir, min(await decode_kv_tokens(deployment)),
                                    deployment.block_size, deployment.backend.value)
             books = ReportedBooks(local_prefill, on_policy=self._bump)
-            self._plane = ControlPlane(deployment, books, self._recent, policy)
+            planner = build_planner(planning, deployment, policy) if planning is not None else None
+            self._plane = ControlPlane(deployment, books, self._recent, policy, self._traffic, planner)
             self._plane.start(auto)
         except BaseException:
             await deployment.shutdown()
@@ -109,6 +113,8 @@ class FleetActor:
         books.report(report)
         for timings in report.finished:
             self._recent.add(timings)
+        for arrival in report.arrivals:
+            self._traffic.add(arrival)
 
     def note_prompt(self, num_tokens: int) -> None:
         self.plane.controller.note_prompt(num_tokens)
@@ -121,6 +127,9 @@ class FleetActor:
 
     async def put_pools(self, layout: PoolLayout) -> dict[str, object]:
         return await self.plane.put_pools(layout)
+
+    async def steps(self, worker_id: str, since: float) -> list[dict[str, object]]:
+        return await self.plane.steps(worker_id, since)
 
     async def status(self) -> FleetStatus:
         return await self.plane.status()

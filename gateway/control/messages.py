@@ -15,6 +15,7 @@ from typing import Any
 from gateway.fleet.workers import PoolHealth
 from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.timings import Timings
+from gateway.telemetry.traffic import Arrival
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,4 @@ class FrontendReport:
     longest_local_prefill: int
     longest_prefill_beside_streams: int
     finished: list[Timings] = field(default_factory=list)  # requests finished since the last report
+    arrivals: list[Arrival] = field(default_factory=list)  # ... when each arrived, and its lengths

@@ -17,16 +17,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.workers import WorkerState
 from gateway.ratio.books import RoutingBooks
 from gateway.ratio.controller import ControllerPolicy, Decision, RatioController
+from gateway.ratio.planner import LayoutPlanner
 from gateway.ratio.resize import PoolLayout, PoolResizer
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.recent import RecentLatencies
+from gateway.telemetry.traffic import RecentTraffic
+from loadgen.summary import SLO
 from pool_worker import Role
+from tuner.profile import load_profile
+from tuner.simulator import Layout, SimConfig
 
 
 class FleetControl(Protocol):
@@ -36,11 +42,44 @@ class FleetControl(Protocol):
 
     async def status(self) -> FleetStatus: ...
 
+    async def steps(self, worker_id: str, since: float) -> list[dict[str, object]]: ...
+
 
 def decision_summary(decision: Decision) -> dict[str, object]:
-    return {"at": decision.at, "from_level": decision.from_level, "to_level": decision.to_level,
-            "reason": decision.reason, "detail": decision.detail,
-            "queued_prompt_tokens": decision.signals.queued_prompt_tokens}
+    summary: dict[str, object] = {
+        "at": decision.at, "from_level": decision.from_level, "to_level": decision.to_level,
+        "reason": decision.reason, "detail": decision.detail,
+        "queued_prompt_tokens": decision.signals.queued_prompt_tokens}
+    if decision.prediction is not None:
+        summary |= {"prediction": decision.prediction, "measured": decision.measured or None}
+    return summary
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """What the planner needs beyond the live deployment: a worker's profile and the admission settings
+    the simulation mirrors."""
+
+    profile_path: str  # from `pdserve tune profile`
+    max_waiting: int
+    queue_timeout_s: float
+
+
+def build_planner(settings: PlannerSettings, deployment: PDDeployment, policy: ControllerPolicy
+                  ) -> LayoutPlanner:
+    """The planner over the ladder's layouts of the deployment's workers, priced by the profile's fits, with
+    the live workers' KV shape and budgets."""
+    profile = load_profile(settings.profile_path)
+    engine = deployment.config.engine
+    decoding = [x for x in deployment.last_loads if Role(x.role).can_decode] or deployment.last_loads
+    shape = replace(profile.shape, block_size=engine.block_size,
+                    num_blocks=min((x.num_total_blocks for x in decoding), default=profile.shape.num_blocks),
+                    max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs)
+    config = SimConfig(shape, deployment.config.watermark, settings.max_waiting, settings.queue_timeout_s,
+                       max_prefill_s_beside_decode=engine.max_prefill_s_beside_decode)
+    n = sum(deployment.target.values())
+    ladder = [Layout(0, 0, n)] + [Layout(k, n - k, 0) for k in range(1, n)]
+    return LayoutPlanner(profile.fits, config, SLO(policy.ttft_slo_s, policy.itl_slo_s), ladder)
 
 
 async def decode_kv_tokens(deployment: PDDeployment) -> list[int]:
@@ -54,16 +93,19 @@ async def decode_kv_tokens(deployment: PDDeployment) -> list[int]:
 
 class ControlPlane:
     def __init__(self, deployment: PDDeployment, books: RoutingBooks, recent: RecentLatencies,
-                 policy: ControllerPolicy) -> None:
+                 policy: ControllerPolicy, traffic: RecentTraffic | None = None,
+                 planner: LayoutPlanner | None = None) -> None:
         """Args:
         deployment: started.
         books: the routers' counts (queued prompts, what is on its way to each worker).
         recent: finished requests' latencies (the controller's TTFT and ITL).
+        traffic, planner: the recent arrivals, and the planner that replays them (with --profile).
         """
         self.deployment = deployment
         self.books = books
         self.resizer = PoolResizer(deployment, books)
-        self.controller = RatioController(deployment, books, self.resizer, recent, policy)
+        self.controller = RatioController(deployment, books, self.resizer, recent, policy, planner=planner,
+                                          traffic=traffic)
         self._watch: asyncio.Task[None] | None = None
 
     def start(self, auto: bool) -> None:
@@ -134,6 +176,11 @@ class ControlPlane:
             "ratio_decisions": [decision_summary(d) for d in list(controller.decisions)[-20:]],
             "workers": workers,
         }
+
+    async def steps(self, worker_id: str, since: float) -> list[dict[str, object]]:
+        """GET /admin/workers/{id}/steps: the worker's forwards since `since` (KeyError: no such worker)."""
+        worker = self.deployment.workers[worker_id]
+        return [dataclasses.asdict(step) for step in await worker.client.step_timeline(since)]
 
     async def put_pools(self, layout: PoolLayout) -> dict[str, object]:
         """PUT /admin/pools: checked (ResizeRefused, ResizeConflict before anything moves), then applied one

@@ -31,6 +31,7 @@ from gateway.ratio.resize import PoolLayout, ResizeConflict, ResizeRefused
 from gateway.requests.router import LocalPrefillPolicy, Router
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.timings import Timings
+from gateway.telemetry.traffic import Arrival
 from pool_worker import Role
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class RemoteFleet:
         self.info: FleetInfo | None = None
         self._snapshot: FleetSnapshot | None = None
         self._finished: list[Timings] = []
+        self._arrivals: list[Arrival] = []
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -107,8 +109,9 @@ class RemoteFleet:
         if self._snapshot is not None and num_tokens >= self._snapshot.long_prompt_tokens:
             self.fleet.note_prompt.remote(num_tokens)
 
-    def note_finished(self, timings: Timings) -> None:
+    def note_finished(self, timings: Timings, arrival: Arrival) -> None:
         self._finished.append(timings)
+        self._arrivals.append(arrival)
 
     # The two loops.
     async def _follow(self) -> None:
@@ -134,15 +137,16 @@ class RemoteFleet:
 
     def _build_report(self) -> FrontendReport:
         finished, self._finished = self._finished, []
+        arrivals, self._arrivals = self._arrivals, []
         router = self.router
         if router is None:
-            return FrontendReport(self.frontend_id, {}, {}, {}, 0, 0, finished)
+            return FrontendReport(self.frontend_id, {}, {}, {}, 0, 0, finished, arrivals)
         in_flight = {worker_id: router.in_flight(worker_id) for worker_id in self.workers}
         return FrontendReport(
             self.frontend_id, {w: n for w, n in in_flight.items() if n},
             {w: n for w, n in router.prefill_tokens.items() if n},
             {w: n for w, n in router.local_prefill_tokens.items() if n},
-            router.longest_local_prefill(), router.longest_prefill_beside_streams(), finished)
+            router.longest_local_prefill(), router.longest_prefill_beside_streams(), finished, arrivals)
 
     def _apply(self, snapshot: FleetSnapshot) -> None:
         """The mirror takes the snapshot's workers, roles and states."""
@@ -192,6 +196,9 @@ class FleetLink:
     async def status(self) -> FleetStatus:
         return await self._call(self.fleet.status.remote())
 
+    async def steps(self, worker_id: str, since: float) -> list[dict[str, object]]:
+        return await self._call(self.fleet.steps.remote(worker_id, since))
+
     @staticmethod
     async def _call(ref: Any) -> Any:
         """The fleet's refusals raise here as themselves (the API maps them to 400 and 409)."""
@@ -199,6 +206,6 @@ class FleetLink:
             return await ref
         except RayTaskError as error:
             cause = getattr(error, "cause", None)
-            if isinstance(cause, (ResizeRefused, ResizeConflict, ValueError)):
+            if isinstance(cause, (ResizeRefused, ResizeConflict, ValueError, KeyError)):
                 raise cause from None
             raise

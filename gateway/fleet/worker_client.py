@@ -23,6 +23,7 @@ from gateway.fleet.output_streams import OutputStream, RequestOutputs
 from gateway.fleet.submissions import Submissions
 from gateway.fleet.worker_errors import WorkerLost, WrongRoleError
 from kv_transfer import PeerInfo, TransferRecord
+from llm_engine.step_timeline import StepRecord
 from pool_worker import Role
 from pool_worker.actor import WrongRole
 from pool_worker.runtime.load import WorkerLoad
@@ -118,6 +119,9 @@ class WorkerClient:
 
     async def info(self) -> WorkerInfo:
         return await self._call(self.handle.info.remote())
+
+    async def step_timeline(self, since: float = 0.0) -> list[StepRecord]:
+        return await self._call(self.handle.step_timeline.remote(since))
 
     async def is_whole(self) -> bool:
         return await self._call(self.handle.is_whole.remote())

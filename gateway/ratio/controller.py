@@ -20,6 +20,12 @@ decode workers (running streams are protected from long prompts).
               prompts that needed protection are gone, and N mixed workers serve light traffic faster.
       1 → 0   calm_s after a move for the ITL SLO the requests' TPOT is no better: back, and that rule
               stays off for a while (decoding was short of cores, not troubled by prefill).
+    → with a profile (`--profile`, from `pdserve tune profile`), when no rule above fires: every
+      plan_interval_s the planner (gateway/ratio/planner.py) replays the last minute's arrivals through the
+      tuner's simulator on every layout of the ladder; a layout predicted to serve it with at least
+      plan_margin more goodput than the current one, named by plan_confirmations predictions in a row, is
+      moved to ("plan"). The rules stay as guards: the planner never lowers the level while a long prompt is
+      about. Each such decision keeps its prediction, and plan_check_s later what was measured.
     → moves applied through the PoolResizer (one change at a time, shared with PUT /admin/pools).
 While it is on (and the operator set no queue rule of their own), the router also prefills a prompt shorter
 than long_prompt_tokens on a decode worker when every prefill worker has long_prompt_tokens queued: a
@@ -42,10 +48,13 @@ from dataclasses import dataclass, field, replace
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.workers import WorkerState
 from gateway.ratio.books import RoutingBooks
+from gateway.ratio.planner import LayoutPlanner
 from gateway.ratio.resize import Move, PoolResizer, plan_moves
 from gateway.telemetry.recent import RecentLatencies
+from gateway.telemetry.traffic import RecentTraffic
 from pool_worker import Role
 from pool_worker.runtime.load import WorkerLoad
+from tuner.simulator import Layout
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +71,10 @@ class ControllerPolicy:
     ttft_slo_s: float = 3.0
     itl_slo_s: float = 0.2
     grace_s: float = 0.0  # a worker changing role hands its decode streams over at once
+    plan_interval_s: float = 10.0  # how often the planner looks (with a profile)
+    plan_margin: float = 0.1  # predicted goodput gain over the current layout that a move needs
+    plan_confirmations: int = 2  # predictions in a row naming the same better layout
+    plan_check_s: float = 30.0  # after a planned move, when the measured outcome is logged beside it
 
     def __post_init__(self) -> None:
         if min(self.interval_s, self.calm_s, self.ttft_slo_s, self.itl_slo_s) <= 0 or self.min_dwell_s < 0:
@@ -92,9 +105,11 @@ class Decision:
     at: float  # time.time()
     from_level: int
     to_level: int
-    reason: str  # "long_prompt", "itl_slo", "ttft_slo", "prefill_idle" or "no_gain"
+    reason: str  # "long_prompt", "itl_slo", "ttft_slo", "prefill_idle", "no_gain" or "plan"
     detail: str
     signals: Signals
+    prediction: dict[str, object] | None = None  # the planner's, for "plan"
+    measured: dict[str, object] = field(default_factory=dict)  # plan_check_s after a planned move
 
 
 class Ladder:
@@ -108,6 +123,14 @@ class Ladder:
         # After a move for the ITL SLO: the TPOT p90 that caused it, until the new layout has been judged.
         self._tpot_before_itl_move: float | None = None
         self._itl_rule_off_until = float("-inf")  # a move for the ITL SLO that did not help is not retried
+
+    def can_move(self, now: float) -> bool:
+        return now - self._last_change >= self.policy.min_dwell_s
+
+    def is_long_prompt_about(self, s: Signals) -> bool:
+        """A long prompt is pending on a worker that decodes, or arrived within calm_s."""
+        return (s.longest_pending_prompt >= self.policy.long_prompt_tokens
+                or s.seconds_since_long_prompt < self.policy.calm_s)
 
     def note_change(self, now: float, decision: Decision | None = None) -> None:
         """A change was made (with the decision that made it) or ended at `now`: the dwell time and the calm
@@ -184,6 +207,8 @@ class RatioController:
     resizer: PoolResizer
     recent: RecentLatencies
     policy: ControllerPolicy = field(default_factory=ControllerPolicy)
+    planner: LayoutPlanner | None = None  # with a profile: layouts predicted from the traffic
+    traffic: RecentTraffic | None = None  # the planner's input: recent arrivals and their lengths
     decisions: collections.deque[Decision] = field(default_factory=lambda: collections.deque(maxlen=200))
     # Workers moved by (from role, to role, reason): pdserve_ratio_changes_total.
     changes: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
@@ -194,6 +219,8 @@ class RatioController:
         self.ladder = Ladder(self.policy)
         self._changed_at = float("-inf")  # time.monotonic() when the last change ended
         self._last_long_prompt = float("-inf")  # time.monotonic() of the latest long prompt
+        self._last_plan = float("-inf")  # time.monotonic() of the planner's last prediction
+        self._plan_streak: tuple[Layout | None, int] = (None, 0)  # the better layout named, how many times
         self._operator_local_prefill = self.books.local_prefill  # what the router had before auto
         self.books.on_local_prefill.append(self.note_prompt)  # a long prompt placed beside streams: look now
 
@@ -257,10 +284,69 @@ class RatioController:
         if self.resizer.is_busy or any(w.state not in settled for w in self.deployment.workers.values()):
             return None  # a change (ours or an operator's), a start or a replacement is under way
         signals = self.signals(await self.deployment.loads())
+        self._check_planned_moves()
         decision = self.ladder.decide(signals, time.monotonic())
+        if decision is None:
+            decision = await self._plan(signals)
         if decision is not None:
             await self._apply(decision)
         return decision
+
+    def layout_of(self, level: int, num_workers: int) -> Layout:
+        """The ladder's layout at `level`: all mixed at 0, else level prefill + the rest decode."""
+        return Layout(0, 0, num_workers) if level == 0 else Layout(level, num_workers - level, 0)
+
+    async def _plan(self, s: Signals) -> Decision | None:
+        """The planner's move, if its prediction calls for one (see the module docstring)."""
+        now = time.monotonic()
+        is_due = now - self._last_plan >= self.policy.plan_interval_s
+        if self.planner is None or self.traffic is None or not is_due:
+            return None
+        self._last_plan = now
+        prediction = await asyncio.to_thread(self.planner.predict, self.traffic.window())
+        if prediction is None:
+            return None
+        current = prediction.of(self.layout_of(s.level, s.num_workers))
+        best = prediction.scores[0]
+        is_better = (current is not None and best.layout != current.layout
+                     and best.goodput >= (1 + self.policy.plan_margin) * current.goodput
+                     and best.goodput - current.goodput >= 0.01)
+        if not is_better:
+            self._plan_streak = (None, 0)
+            return None
+        named, count = self._plan_streak
+        count = count + 1 if named == best.layout else 1
+        self._plan_streak = (best.layout, count)
+        to_level = best.layout.prefill
+        if count < self.policy.plan_confirmations or not self.ladder.can_move(now):
+            return None
+        if to_level < s.level and self.ladder.is_long_prompt_about(s):
+            return None  # the ladder's guard: long prompts need the prefill pool they have
+        assert current is not None
+        self._plan_streak = (None, 0)
+        return Decision(time.time(), s.level, to_level, "plan",
+                        f"predicted goodput {best.goodput:.2f} req/s on {best.layout.label()} against "
+                        f"{current.goodput:.2f} on {current.layout.label()} for the last "
+                        f"{prediction.num_requests} requests ({prediction.rate:.2f} req/s)", s,
+                        prediction=prediction.summary())
+
+    def _check_planned_moves(self) -> None:
+        """plan_check_s after a planned move: log what was measured beside what was predicted."""
+        now = time.time()
+        for decision in self.decisions:
+            is_due = now - decision.at >= self.policy.plan_check_s
+            if decision.prediction is None or decision.measured or not is_due:
+                continue
+            since = time.monotonic() - (now - decision.at)
+            slo = (self.policy.ttft_slo_s, self.policy.itl_slo_s)
+            decision.measured.update({
+                "ttft_p90_s": self.recent.ttft_quantile(0.9, since=since),
+                "tpot_p90_s": self.recent.tpot_quantile(0.9, since=since),
+                "attainment": self.recent.attainment(*slo, since=since)})
+            layouts = decision.prediction.get("layouts", {})
+            predicted = layouts.get(decision.prediction.get("best")) if isinstance(layouts, dict) else None
+            logger.warning("ratio controller: planned move to level %d: predicted %s, measured %s",
+                           decision.to_level, predicted, decision.measured)
 
     def signals(self, loads: list[WorkerLoad]) -> Signals:
         decoding = [x for x in loads if Role(x.role).can_decode]

@@ -32,6 +32,7 @@ from gateway.requests.stage_timings import stage_timings, token_times
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.timings import Timings
+from gateway.telemetry.traffic import Arrival, RecentTraffic
 from llm_engine import SamplingParams
 from pool_worker import Role
 from prefill_pool.messages import PrefillResult
@@ -93,7 +94,9 @@ class GatewayService:
         self.recent = RecentLatencies()  # the ratio controller's view of TTFT and ITL
         # Told of every prompt's length as it is routed (the ratio controller's long-prompt rule).
         self.on_prompt: list[Callable[[int], None]] = []
-        self.on_finished: list[Callable[[Timings], None]] = []  # each finished request's timings
+        self.traffic = RecentTraffic()  # the ratio controller's planner replays it
+        # Each finished request's timings and shape (frontends report them to the fleet).
+        self.on_finished: list[Callable[[Timings, Arrival], None]] = []
 
     # Admission and generation.
     def try_admit(self, prepared: PreparedRequest) -> Reservation | None:
@@ -187,8 +190,10 @@ class GatewayService:
                 if prefilled_by:
                     self.metrics.observe_prefix_cache(prefilled_by, num_prompt, timings.cached_tokens)
                 self.recent.add(timings)
+                arrival = Arrival(prepared.arrival, num_prompt, len(sent))
+                self.traffic.add(arrival)
                 for note in self.on_finished:
-                    note(timings)
+                    note(timings, arrival)
                 deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, finish, len(sent), timings,
                                             timings.cached_tokens))
                 return

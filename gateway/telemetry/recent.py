@@ -77,6 +77,14 @@ class RecentLatencies:
             return None
         return _quantile(tpots, q)
 
+    def attainment(self, ttft_slo_s: float, tpot_slo_s: float, since: float = float("-inf")) -> float | None:
+        """The fraction of requests in the window (finished after `since`) that met both SLOs."""
+        window = self._window(since)
+        if len(window) < self.min_requests:
+            return None
+        met = sum(x.ttft_s <= ttft_slo_s and (x.tpot_s is None or x.tpot_s <= tpot_slo_s) for x in window)
+        return met / len(window)
+
     def itl_quantile(self, q: float, since: float = float("-inf")) -> float | None:
         """The q-quantile over tokens of the gap before each (from each request's sample, weighted)."""
         window = self._window(since)

@@ -26,9 +26,10 @@ ALLOWED: dict[str, set[str]] = {
                     "pool_worker.roles", "llm_engine"},
     # the fleet's owner (in this process or a named actor) and the frontends' link to it
     "gateway.control": {"gateway.ratio", "gateway.requests", "gateway.fleet", "gateway.telemetry",
-                        "pool_worker.roles", "pool_worker.runtime"},
+                        "pool_worker.roles", "pool_worker.runtime", "tuner", "loadgen"},
+    # the controller's planner replays traffic through the tuner's simulator
     "gateway.ratio": {"gateway.requests", "gateway.fleet", "gateway.telemetry", "pool_worker.roles",
-                      "pool_worker.runtime"},
+                      "pool_worker.runtime", "tuner", "loadgen"},
     "gateway.requests": {"gateway.fleet", "gateway.telemetry", "pool_worker.roles", "pool_worker.runtime",
                          "prefill_pool.messages", "decode_pool.messages", "kv_transfer", "llm_engine"},
     "gateway.fleet": {"pool_worker.actor", "pool_worker.roles", "pool_worker.runtime",
@@ -43,6 +44,8 @@ ALLOWED: dict[str, set[str]] = {
                     "pool_worker.roles", "kv_transfer", "llm_engine"},
     "decode_pool.messages": {"kv_transfer", "llm_engine"},
     "pool_worker.runtime": {"pool_worker.roles", "kv_transfer", "llm_engine"},
+    "tuner": {"loadgen", "kv_transfer", "llm_engine"},  # the simulator and profiler; never the gateway
+    "loadgen": {"llm_engine"},
     "pool_worker.roles": set(),
     "kv_transfer": set(),
     "llm_engine": set(),

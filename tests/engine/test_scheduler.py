@@ -113,3 +113,26 @@ def test_token_slices_match_the_whole_token_list() -> None:
     for start in range(8):
         for end in range(start, 8):
             assert request.token_ids_between(start, end) == tuple(every[start:end])
+
+
+def test_prompts_beside_decoding_requests_are_sliced_to_the_prefill_budget() -> None:
+    """Stall-free batching: while a request decodes, a step carries at most prefill_budget_beside_decode
+    prompt tokens (the decoding request's own token on top); with nothing decoding, the whole budget."""
+    scheduler = make(budget=64)
+    scheduler.prefill_budget_beside_decode = 8
+    first = add(scheduler, "first", 40, max_tokens=30)
+    batch = scheduler.schedule()  # nothing decodes yet: the prompt takes the whole budget
+    assert batch.num_tokens == 40
+    scheduler.update(batch, fake_forward(batch))
+    second = Request("second", list(range(100, 130)), SamplingParams(max_tokens=5))  # no shared prefix
+    scheduler.add(second)
+    steps = []
+    while second.num_output_tokens == 0:
+        batch = scheduler.schedule()
+        steps.append({c.request_id: c.num_tokens for c in batch.chunks})
+        scheduler.update(batch, fake_forward(batch))
+    # Every step decodes "first" and adds at most 8 prompt tokens of "second": 30 tokens in 4 slices.
+    assert steps == [{"first": 1, "second": 8}] * 3 + [{"first": 1, "second": 6}]
+    assert first.num_output_tokens == 5
+    run_to_end(scheduler)
+    assert scheduler.kv.pool.is_whole()

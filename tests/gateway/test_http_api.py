@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -186,6 +187,23 @@ def test_admin_pools_shows_both_pools_and_the_blocks_a_request_holds(client: htt
     assert wait_until_no_blocks_used(client) == 0
     for worker in client.get("/admin/pools").json()["workers"]:
         assert (worker["free_kv_blocks"], worker["used_kv_blocks"], worker["running_requests"]) == (64, 0, 0)
+
+
+def test_each_worker_shows_its_recent_steps(client: httpx.Client) -> None:
+    """GET /admin/workers/{id}/steps: the prefill worker's forward carried the prompt, the decode worker's
+    one token each; an unknown worker is a 404."""
+    started = time.time()
+    body = {"model": MODEL, "prompt": list(range(200, 230)), "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    workers = {w["role"]: w["worker_id"] for w in client.get("/admin/pools").json()["workers"]}
+    prefill = client.get(f"/admin/workers/{workers['prefill']}/steps", params={"since": started}).json()
+    decode = client.get(f"/admin/workers/{workers['decode']}/steps", params={"since": started}).json()
+    assert sum(s["num_prefill_tokens"] for s in prefill["steps"]) == 30
+    assert sum(s["num_decode_tokens"] for s in decode["steps"]) == 7  # the first token came from prefill
+    assert all(s["duration_ms"] > 0 and s["started"] >= started for s in decode["steps"])
+    missing = client.get("/admin/workers/worker-nobody/steps")
+    assert missing.status_code == 404 and "worker-nobody" in missing.json()["error"]["message"]
 
 
 def test_each_worker_reports_how_it_computes_on_its_own_cores(client: httpx.Client) -> None:
