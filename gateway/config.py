@@ -148,7 +148,8 @@ class ServeConfig(BaseModel):
     def planner_settings(self) -> PlannerSettings | None:
         if self.profile is None:
             return None
-        return PlannerSettings(self.profile, self.max_waiting, self.queue_timeout_s)
+        return PlannerSettings(self.profile, self.max_waiting, self.queue_timeout_s,
+                               self.local_prefill_policy().isolate_prompts_from_tokens)
 
     def deadline_policy(self) -> DeadlinePolicy:
         chosen = {"slack_s": self.deadline_slack_s, "prefill_s_per_token": self.deadline_prefill_s_per_token,

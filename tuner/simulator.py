@@ -5,8 +5,9 @@ A request's way (the gateway's, gateway/requests/service.py and gateway/requests
     bounded in
       requests and tokens, a timeout; an oversize request is refused) → route (gateway/requests/router.py:
       the decode
-      or mixed worker with the fewest tokens of requests decoding there; then, unless that worker is mixed
-      or no prefill worker exists, the prefill worker with the fewest prompt tokens in flight)
+      or mixed worker with the fewest tokens of requests decoding there, or for a long prompt the mixed
+      worker with the fewest such requests; then, unless that worker is mixed or no prefill worker exists,
+      the prefill worker with the fewest prompt tokens in flight)
     → prefill worker (one hop) → first token → gateway (one hop; the client sees it) → decode worker (one
       hop) → pull → decode → each token to the gateway (one hop) → last token: reservation released.
     A mixed worker (or a decode worker with no prefill pool) gets the request directly and prefills it itself.
@@ -72,6 +73,9 @@ class SimConfig:
     hop_s: float = DEFAULT_HOP_S
     # Seconds of prompt work a step may add beside decoding requests (EngineConfig's; 0: no limit).
     max_prefill_s_beside_decode: float = 0.0
+    # A prompt this long goes to the mixed worker with the fewest requests (the router's LocalPrefillPolicy
+    # isolate_prompts_from_tokens; 0: off).
+    isolate_prompts_from_tokens: int = 1024
 
     def __post_init__(self) -> None:
         is_valid = 0.0 <= self.watermark < 1.0 and self.max_waiting >= 0 and self.hop_s >= 0
@@ -122,6 +126,7 @@ class Simulation:
         # decoding on each decode or mixed worker.
         self.prefill_tokens = dict.fromkeys(self.prefills, 0)
         self.decode_tokens: dict[DecodeWorkerSim, int] = dict.fromkeys(self.decodes, 0)
+        self.decode_requests: dict[DecodeWorkerSim, int] = dict.fromkeys(self.decodes, 0)
         self.capacity = config.max_request_tokens * len(self.decodes)
         self.reserved = self.waiting_tokens = 0
         self.line: deque[SimRequest] = deque()
@@ -203,10 +208,16 @@ class Simulation:
     # Gateway: routing and the hops between stages.
     def _admit(self, r: SimRequest, now: float) -> None:
         self.reserved += r.reserved
-        decode = min(self.decodes, key=self.decode_tokens.__getitem__)
+        threshold = self.config.isolate_prompts_from_tokens
+        mixed = [d for d in self.decodes if d.is_mixed]
+        if threshold and r.prompt >= threshold and mixed:
+            decode = min(mixed, key=lambda d: (self.decode_requests[d], self.decode_tokens[d]))
+        else:
+            decode = min(self.decodes, key=self.decode_tokens.__getitem__)
         r.decode_worker = decode
         if decode.is_mixed or not self.prefills:
             self.decode_tokens[decode] += r.reserved
+            self.decode_requests[decode] += 1
             self.at(now + self.config.hop_s, decode.submit_local, r)
             return
         prefill = min(self.prefills, key=self.prefill_tokens.__getitem__)
@@ -228,6 +239,7 @@ class Simulation:
             self._done(r, now)
             return
         self.decode_tokens[r.decode_worker] += r.reserved
+        self.decode_requests[r.decode_worker] += 1
         self.at(now + self.config.hop_s, r.decode_worker.submit_handoff, r)
 
     def pull_done(self, r: SimRequest, now: float) -> None:
@@ -244,6 +256,7 @@ class Simulation:
     def _done(self, r: SimRequest, now: float) -> None:
         if r.decode_worker is not None:
             self.decode_tokens[r.decode_worker] -= r.reserved
+            self.decode_requests[r.decode_worker] -= 1
         self._release(r, now)
 
 

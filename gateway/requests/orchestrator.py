@@ -149,7 +149,7 @@ class RequestRun:
         self._booked = worker_id
 
     async def _pick_decode(self, deadline: float, exclude: set[str] | None = None) -> Worker:
-        decode = await self._wait_for_worker("decode", deadline, exclude)
+        decode = await self._wait_for_worker("decode", deadline, exclude, is_new=not self.generated)
         self._book(decode)
         return decode
 
@@ -335,13 +335,16 @@ class RequestRun:
         except WorkerLost as error:  # its actor or step loop died, or its output stream ended
             raise _WorkerLost(str(error)) from None
 
-    async def _wait_for_worker(self, role: str, deadline: float, exclude: set[str] | None = None) -> Worker:
-        """The router's pick among live workers not in `exclude`; waits for a replacement until `deadline`."""
+    async def _wait_for_worker(self, role: str, deadline: float, exclude: set[str] | None = None,
+                               is_new: bool = False) -> Worker:
+        """The router's pick among live workers not in `exclude`; waits for a replacement until `deadline`.
+        `is_new`: a decode worker for a request with no token yet (its prompt may be prefilled there)."""
         while True:
             roles = (Role.DECODE, Role.MIXED) if role == "decode" else (Role.PREFILL,)
             candidates = [w for w in self.fleet.active(*roles) if w.worker_id not in (exclude or ())]
             if candidates:
-                return (self.router.pick_decode(candidates) if role == "decode"
+                num_prompt = len(self.prompt_token_ids) if is_new else 0
+                return (self.router.pick_decode(candidates, num_prompt) if role == "decode"
                         else self.router.pick_prefill(self.prompt_token_ids, candidates, self.block_hashes))
             if not (self.fleet.is_replacing(*roles) or self._is_role_coming(roles)):
                 raise RequestFailed(f"no {role} worker is alive and none is starting", "no_worker")

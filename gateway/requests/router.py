@@ -3,7 +3,10 @@
 Decode: the worker with the fewest tokens reserved for requests bound for it or running there (its KV use
 to come). A request's reservation is booked the moment it picks its decode worker, before its prefill, and
 moves with it if it moves: a burst of arrivals spreads across decode workers, and a drain or role change
-of that worker waits for it (in_flight).
+of that worker waits for it (in_flight). A long prompt that the picked worker will prefill itself (a mixed
+worker) goes instead to the worker with the fewest requests booked (then the fewest tokens): the one with
+the least to protect, since its chunks stall every stream decoding beside them; a worker busy with one long
+prompt is a better host for the next than one decoding three short streams.
 Prefill: the fewest prompt tokens queued, minus the prompt tokens it probably holds in its prefix cache;
 or none, when the LocalPrefillPolicy says the decode worker should prefill the prompt itself.
 The router counts what it has sent and not yet seen finish, per worker, so a burst of arrivals spreads out
@@ -40,9 +43,13 @@ class LocalPrefillPolicy:
     # controller sets it to its long-prompt size: long prompts still go to the prefill pool, while a short
     # one is not left waiting behind them.
     queue_rule_below_tokens: int = 0
+    # A prompt this long, prefilled by the mixed worker that decodes it, goes to the mixed worker with the
+    # fewest requests (the least to protect), not the fewest tokens (0: off).
+    isolate_prompts_from_tokens: int = 1024
 
     def __post_init__(self) -> None:
-        if min(self.max_uncached_tokens, self.min_prefill_queue_tokens, self.queue_rule_below_tokens) < 0:
+        if min(self.max_uncached_tokens, self.min_prefill_queue_tokens, self.queue_rule_below_tokens,
+               self.isolate_prompts_from_tokens) < 0:
             raise ValueError(f"local prefill thresholds must be >= 0, got {self}")
 
 
@@ -56,6 +63,7 @@ class Router:
         # Tokens (prompt + max_tokens) of requests bound for the worker (picked, maybe still prefilling) or
         # decoding there.
         self.decode_tokens: defaultdict[str, int] = defaultdict(int)
+        self.decode_requests: defaultdict[str, int] = defaultdict(int)  # ... and how many requests
         # Prompts a decode or mixed worker was sent to prefill itself, not yet prefilled: tokens per worker,
         # and each prompt's length (the ratio controller looks for long ones).
         self.local_prefill_tokens: defaultdict[str, int] = defaultdict(int)
@@ -70,6 +78,8 @@ class Router:
             self.prefill_tokens.pop(worker_id, None)
         if not self.decode_tokens.get(worker_id):
             self.decode_tokens.pop(worker_id, None)
+        if not self.decode_requests.get(worker_id):
+            self.decode_requests.pop(worker_id, None)
         if not self.local_prefill_tokens.get(worker_id):
             self.local_prefill_tokens.pop(worker_id, None)
 
@@ -105,9 +115,11 @@ class Router:
     def book_decode(self, worker_id: str, num_tokens: int) -> None:
         """A request picked this decode worker: its tokens count there from now until unbook_decode."""
         self.decode_tokens[worker_id] += num_tokens
+        self.decode_requests[worker_id] += 1
 
     def unbook_decode(self, worker_id: str, num_tokens: int) -> None:
         self.decode_tokens[worker_id] -= num_tokens
+        self.decode_requests[worker_id] -= 1
 
     def in_flight(self, worker_id: str) -> int:
         """Tokens of requests sent to the worker and not yet back (0: nothing on its way there)."""
@@ -132,11 +144,17 @@ class Router:
             return f"prefill queue: {queued} tokens >= {policy.min_prefill_queue_tokens} on every worker"
         return ""
 
-    def pick_decode(self, workers: list[Worker] | None = None) -> Worker:
-        """The least loaded of `workers` (default: every active decode or mixed worker)."""
+    def pick_decode(self, workers: list[Worker] | None = None, num_prompt_tokens: int = 0) -> Worker:
+        """The least loaded of `workers` (default: every active decode or mixed worker). For a new request's
+        long prompt (`num_prompt_tokens`), a mixed worker with the least to protect (see the docstring)."""
         workers = self.fleet.active(Role.DECODE, Role.MIXED) if workers is None else workers
         if not workers:
             raise RuntimeError("no active decode worker")
+        threshold = self.local_prefill.isolate_prompts_from_tokens
+        mixed = [w for w in workers if w.role is Role.MIXED]
+        if threshold and num_prompt_tokens >= threshold and mixed:
+            return min(mixed, key=lambda w: (self.decode_requests[w.worker_id],
+                                             self.decode_tokens[w.worker_id]))
         return min(workers, key=lambda w: self.decode_tokens[w.worker_id])
 
     def pick_prefill(self, prompt_token_ids: tuple[int, ...], workers: list[Worker] | None = None,

@@ -54,6 +54,24 @@ def test_a_shared_prefix_goes_back_to_the_worker_that_cached_it() -> None:
     assert router.pick_prefill(tuple(range(500, 540))).worker_id != first.worker_id
 
 
+def test_a_long_prompt_goes_to_the_mixed_worker_with_the_least_to_protect() -> None:
+    """Worker A decodes three short streams (fewer tokens booked), B one long prompt: a short request goes to
+    A (the fewest tokens), a long prompt to B, where its chunks stall no short stream."""
+    workers = [Worker(name, Role.MIXED, None, WorkerState.ACTIVE)  # type: ignore[arg-type]
+               for name in ("mixed-a", "mixed-b")]
+    router = Router(FakeDeployment(workers))  # type: ignore[arg-type]
+    for _ in range(3):
+        router.book_decode("mixed-a", 64 + 300)
+    router.book_decode("mixed-b", 1500 + 16)
+    assert router.pick_decode(num_prompt_tokens=64).worker_id == "mixed-a"
+    assert router.pick_decode(num_prompt_tokens=1500).worker_id == "mixed-b"
+    # Off (0), or for a request moving with its tokens (no prompt to prefill): the fewest tokens.
+    router.local_prefill = LocalPrefillPolicy(isolate_prompts_from_tokens=0)
+    assert router.pick_decode(num_prompt_tokens=1500).worker_id == "mixed-a"
+    router.unbook_decode("mixed-b", 1500 + 16)
+    assert router.decode_requests["mixed-b"] == 0
+
+
 def test_draining_workers_are_not_chosen() -> None:
     router = make_router()
     router.fleet.workers[3].state = WorkerState.DRAINING  # type: ignore[attr-defined]
