@@ -7,6 +7,9 @@ On this 2-core machine with SmolLM2-135M (one torch thread per worker), each set
            auto, a timeline of roles against queued prompt tokens (timeline.png) and its decisions.
   closed16 16 clients, each sending 256-token prompts for 64 tokens, back to back: output tokens/s.
   burst    4 streams (256 prompt, 128 out) decoding when two 1500-token prompts arrive: the streams' ITL p99.
+  alone    the same 4 streams with nothing else: their ITL p99 (the mixed path's own tails).
+"auto+plan" is auto with --profile (the controller's planner; benchmarks/results/tune/profile/profile.json,
+a bf16 profile of this machine kind, so run with the default dtype).
 With --base DIR (a worktree of an earlier commit), "auto @base" runs `--ratio auto` from that checkout too,
 so that a change to the controller or to role changes is measured side by side.
 Writes results.json, table.md and the plots under --out.
@@ -38,6 +41,8 @@ SETUPS = {
     "1P+1D": ["--prefill", "1", "--decode", "1", "--backend", "nixl"],
     "2 mixed": ["--mixed", "2", "--backend", "nixl"],
     "auto": ["--mixed", "2", "--backend", "nixl", "--ratio", "auto"],
+    "auto+plan": ["--mixed", "2", "--backend", "nixl", "--ratio", "auto", "--profile",
+                  "benchmarks/results/tune/profile/profile.json"],
 }
 VOCAB = 49152
 PHASES = ("light", "long prompts", "light again")
@@ -154,6 +159,14 @@ def run_setup(name: str, flags: list[str], args: argparse.Namespace, code_dir: P
                            "stream_itl_max_s": max(stream_gaps, default=float("nan")),
                            "timeline": timeline, "decisions": decisions}
         print(name, "burst stream ITL p99 ms", round(1000 * result["burst"]["stream_itl_p99_s"]), flush=True)
+
+        asyncio.run(wait_for_layout(url, start_layout))
+        records, timeline, decisions = asyncio.run(drive(url, burst_load()[:4]))
+        stream_gaps = [gap for r in records for gap in r.itls_s]
+        result["alone"] = {**summarize(records, slo), "stream_itl_p99_s": percentile(stream_gaps, 99),
+                           "stream_itl_max_s": max(stream_gaps, default=float("nan")),
+                           "timeline": timeline, "decisions": decisions}
+        print(name, "alone stream ITL p99 ms", round(1000 * result["alone"]["stream_itl_p99_s"]), flush=True)
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(120)

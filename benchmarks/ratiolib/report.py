@@ -29,6 +29,15 @@ def _commit(checkout: Path) -> str:
     return done.stdout.strip()[:100] or str(checkout)
 
 
+def plan_check(decision: dict[str, Any]) -> str:
+    """A planned decision's measured outcome, beside what it predicted."""
+    measured = decision["measured"]
+    predicted = decision["prediction"]["layouts"].get(decision["prediction"]["best"], {})
+    return (f"TTFT p90 {measured.get('ttft_p90_s')} s, TPOT p90 {measured.get('tpot_p90_s')} s, attainment "
+            f"{measured.get('attainment')} (predicted TTFT p90 {predicted.get('ttft_p90_s')} s, attainment "
+            f"{predicted.get('attainment')})")
+
+
 def write_report(results: dict[str, Any], args: argparse.Namespace, out: Path) -> None:
     lines = [
         f"# Fixed layouts against the ratio controller ({datetime.now(UTC):%Y-%m-%d})",
@@ -52,19 +61,26 @@ def write_report(results: dict[str, Any], args: argparse.Namespace, out: Path) -
             summary = phased["overall"] if phase == "overall" else phased["phases"][phase]
             lines.append(_row(name, phase, summary))
     lines += ["", "Closed workloads:", "",
-              "| setup | 16 clients 256/64: output tok/s | 4 streams + 2×1500-token prompts: stream ITL p99 "
-              "ms (max) | burst output tok/s |", "|---|---:|---:|---:|"]
+              "| setup | 16 clients 256/64: output tok/s | TTFT p90 ms | 4 streams alone: ITL p99 ms (max) | "
+              "4 streams + 2×1500-token prompts: stream ITL p99 ms (max) | burst output tok/s |",
+              "|---|---:|---:|---:|---:|---:|"]
     for name, result in results.items():
         closed, burst = result["closed16"], result["burst"]
+        alone = result.get("alone")
+        alone_cell = (f"{1000 * alone['stream_itl_p99_s']:.0f} ({1000 * alone['stream_itl_max_s']:.0f})"
+                      if alone else "–")
         lines.append(f"| {name} | {closed['output_token_throughput']:.1f} | "
+                     f"{1000 * closed['ttft_s_over_requests']['p90']:.0f} | {alone_cell} | "
                      f"{1000 * burst['stream_itl_p99_s']:.0f} ({1000 * burst['stream_itl_max_s']:.0f}) | "
                      f"{burst['output_token_throughput']:.1f} |")
-    if "auto" in results:
-        lines += ["", "The controller's decisions (phased load):", ""]
-        for d in results["auto"]["phased"]["decisions"]:
+    for auto in (name for name in results if name.startswith("auto")):
+        lines += ["", f"{auto}: the controller's decisions (phased load):", ""]
+        for d in results[auto]["phased"]["decisions"]:
             lines.append(f"- level {d['from_level']} → {d['to_level']} ({d['reason']}): {d['detail']}")
-        for load in ("closed16", "burst"):
-            decisions = results["auto"][load]["decisions"]
+            if d.get("measured"):
+                lines.append(f"  - measured {plan_check(d)}")
+        for load in ("closed16", "burst", "alone"):
+            decisions = results[auto].get(load, {}).get("decisions", [])
             reasons = [f"{d['from_level']}→{d['to_level']} {d['reason']}" for d in decisions]
             lines.append(f"- {load}: {', '.join(reasons) or 'no change'}")
     (out / "table.md").write_text("\n".join(lines) + "\n")
