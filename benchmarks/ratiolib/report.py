@@ -42,7 +42,8 @@ def write_report(results: dict[str, Any], args: argparse.Namespace, out: Path) -
     lines = [
         f"# Fixed layouts against the ratio controller ({datetime.now(UTC):%Y-%m-%d})",
         "",
-        "SmolLM2-135M fp32 on 2 CPU cores, one torch thread per worker, nixl. Phased load: Azure "
+        "SmolLM2-135M (the servers' default dtype: bf16 where the CPU runs it natively, else fp32) on 2 CPU "
+        "cores, one torch thread per worker, nixl. Phased load: Azure "
         f"conversation trace (lengths × 0.25), Poisson {args.chat_rate} req/s for three phases of "
         f"{args.phase_s:.0f} s; in the middle phase also {args.long_len}-token prompts (32 out) at "
         f"{args.long_rate} req/s. Goodput SLO: "
