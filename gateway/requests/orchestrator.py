@@ -258,6 +258,9 @@ class RequestRun:
                 continue
             except _WorkerLost as lost:
                 self.fleet.mark_failed(decode.worker_id, str(lost))
+                # It may have died before pulling the KV it was handed (an evacuated worker's): its holder
+                # frees it now rather than at the lease's end (its role change waits for that).
+                self._release(request.kv_handle, "the worker it was handed to failed")
                 self.num_failed_steps += lost.in_failed_step
                 if self.num_failed_steps >= MAX_FAILED_STEPS:
                     raise RequestFailed(f"generation stopped: the step computing this request failed on "
@@ -276,14 +279,21 @@ class RequestRun:
             try:
                 decode = await self._pick_decode(self.deadlines.finish_by, {decode.worker_id})
             except BaseException:
-                if handle is not None:  # nobody will pull it: its holder may free it now
-                    # (the worker left, or the prefill worker when the handoff had not been pulled yet)
-                    holder = self.fleet.workers.get(handle.source_worker_id)
-                    if holder is not None:
-                        holder.client.release_kv(handle.transfer_id, "the request found no worker to move to")
+                # Nobody will pull it: its holder (the worker left, or the prefill worker when the handoff
+                # had not been pulled yet) may free it now.
+                self._release(handle, "the request found no worker to move to")
                 raise
             request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
                                     generated_token_ids=tuple(self.generated), kv_handle=handle)
+
+    def _release(self, handle: KVHandle | None, why: str) -> None:
+        """Tell the worker holding `handle`'s KV that nobody will pull it (a lease being pulled, or already
+        ended, is left alone there: this is always safe)."""
+        if handle is None:
+            return
+        holder = self.fleet.workers.get(handle.source_worker_id)
+        if holder is not None:
+            holder.client.release_kv(handle.transfer_id, why)
 
     async def _decode_once(self, decode: Worker, request: DecodeRequest) -> AsyncGenerator[StreamEvent, None]:
         client = decode.client

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,47 @@ def test_a_decode_worker_that_changes_role_after_the_pick_sends_the_request_else
     assert tokens(result["events"]) == result["reference"]
     assert result["events"][-1].finish_reason == "length"
     assert result["failed"] == []  # a worker in another role is not a failed worker
+
+
+def test_a_moved_streams_kv_is_freed_at_once_when_the_worker_it_was_handed_to_dies(tiny_llama_dir: Path
+                                                                                   ) -> None:
+    """L11: a stream evacuated from A is handed to B with its KV (A offers it); B dies before pulling it.
+    The stream goes on (recomputed on C, the same tokens), and A frees the offered blocks at once rather
+    than when the offer's 30 s lease ends."""
+    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+        a, b, c = deployment.active(Role.MIXED)
+        prompt = random_prompts([40], 1000, seed=11)[0]
+        reference = tokens(await events_of(router, "reference", prompt, LONG))
+        router.book_decode(b.worker_id, 10**6)  # the stream starts on A
+        router.book_decode(c.worker_id, 10**7)
+        await call_on(a, faults.slow_steps, 0.05)
+        run = asyncio.ensure_future(events_of(router, "moved", prompt, LONG))
+        await until(lambda: "moved" in a.client.request_ids())
+        await asyncio.sleep(0.5)  # decoding on A
+        router.unbook_decode(b.worker_id, 10**6)  # B is where it goes next ...
+        router.book_decode(a.worker_id, 10**8)  # ... and never back to A
+        await call_on(b, faults.stall_pulls)  # B takes the stream and never finishes pulling its KV
+        await a.client.evacuate()
+        await until(lambda: "moved" in b.client.request_ids())
+        await asyncio.sleep(0.3)  # B's pull is posted, and hangs
+        ray.kill(b.client.handle, no_restart=True)
+        events = await run
+        # The stream is whole; A's offer of its KV was released at once: A holds no block (well before the
+        # 30 s lease would have freed it).
+        freed_after = -1.0
+        started = time.monotonic()
+        while time.monotonic() - started < 10:
+            if await a.client.is_whole():
+                freed_after = time.monotonic() - started
+                break
+            await asyncio.sleep(0.05)
+        return {"reference": reference, "events": events, "freed_after": freed_after,
+                "num_moves": events[-1].num_moves, "num_migrations": events[-1].num_migrations}
+
+    result = with_deployment(tiny_llama_dir, scenario, num_prefill=0, num_decode=0, num_mixed=3)
+    assert tokens(result["events"]) == result["reference"]
+    assert (result["num_moves"], result["num_migrations"]) == (1, 1)  # evacuated from A, then B failed
+    assert result["freed_after"] >= 0, "A still held the moved stream's KV 10 s after it moved on"
 
 
 def test_a_worker_in_another_role_than_the_gateway_believes_is_passed_over(tiny_llama_dir: Path) -> None:
