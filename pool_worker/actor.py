@@ -133,6 +133,10 @@ class WorkerActor:
         # Outlives the roles: a gateway's output stream stays open across role changes.
         self._outputs = OutputChannels(abort=self.abort, is_final=_is_final)
         self._aborted = AbortedIds()  # aborts of requests perhaps not here yet
+        # Peer worker id → the wiring generation of the last add_peer or remove_peer applied for it: Ray does
+        # not keep an async actor's call order, so a remove sent before an add may arrive after it; the
+        # higher generation wins whatever the order (kept across role changes, like the worker).
+        self._peer_generations: dict[str, int] = {}
         self.role = Role(role)
         self._placement = WorkerPlacement(ray.get_runtime_context().get_node_id(),
                                           ray.util.get_node_ip_address(), os.getpid())
@@ -262,13 +266,26 @@ class WorkerActor:
         return self._prefill().accept_pull(pull)
 
     # Decode and mixed roles.
-    async def add_peer(self, peer: PeerInfo, actor: Any = None) -> None:
-        """Learn a worker to pull KV from (its peer_info() and actor)."""
-        await self._decode().add_peer(peer, actor)
+    async def add_peer(self, peer: PeerInfo, actor: Any = None, generation: int = 0) -> None:
+        """Learn a worker to pull KV from (its peer_info() and actor), unless a later wiring of that worker
+        (a higher `generation`) has been applied already."""
+        decode = self._decode()
+        if not self._is_newest_wiring(peer.worker_id, generation):
+            return
+        await decode.add_peer(peer, actor)
 
-    def remove_peer(self, worker_id: str) -> None:
+    def remove_peer(self, worker_id: str, generation: int = 0) -> None:
+        """Forget a worker's endpoint, unless a later wiring of it has been applied already."""
+        if not self._is_newest_wiring(worker_id, generation):
+            return
         if isinstance(self._front, DecodeRole):  # a prefill worker knows no peers: nothing to forget
             self._front.remove_peer(worker_id)
+
+    def _is_newest_wiring(self, worker_id: str, generation: int) -> bool:
+        if generation and generation <= self._peer_generations.get(worker_id, 0):
+            return False
+        self._peer_generations[worker_id] = max(generation, self._peer_generations.get(worker_id, 0))
+        return True
 
     async def output_stream(self, channel_id: str) -> AsyncIterator[OutputBatch]:
         """The outputs of every request submitted with `channel_id` (prefill results, decode outputs), one

@@ -84,6 +84,7 @@ class PDDeployment:
         # Worker ids (and so Ray actor names) are unique in the cluster: several gateways may share one.
         self._tag = uuid.uuid4().hex[:6]
         self._ids = itertools.count()
+        self._wiring = itertools.count(1)  # orders add_peer against remove_peer on each worker
         self._gateway_id = f"gateway-{uuid.uuid4().hex[:12]}"  # names this gateway to every worker
         self._rewiring: set[asyncio.Task[None]] = set()  # role changes finishing in the background
         self.torch_rendezvous: str | None = None  # the torch group's init address, once it is chosen
@@ -192,7 +193,8 @@ class PDDeployment:
         needed = {s.worker_id: s for _, s in pairs}
         infos = await asyncio.gather(*(s.client.peer_info() for s in needed.values()))
         peers = dict(zip(needed, infos, strict=True))
-        await asyncio.gather(*(d.client.add_peer(peers[s.worker_id], s.client) for d, s in pairs))
+        await asyncio.gather(*(d.client.add_peer(peers[s.worker_id], s.client, next(self._wiring))
+                               for d, s in pairs))
 
     def active(self, *roles: Role) -> list[Worker]:
         """Routable workers in any of `roles`."""
@@ -397,7 +399,7 @@ class PDDeployment:
             callback(worker.worker_id)
         for decode in self.workers.values():
             if decode is not worker and decode.role.can_decode and decode.state is not WorkerState.FAILED:
-                decode.client.remove_peer(worker.worker_id)
+                decode.client.remove_peer(worker.worker_id, next(self._wiring))
 
     def _changed(self) -> None:
         for callback in self.on_change:

@@ -101,12 +101,15 @@ class WorkerClient:
     async def peer_info(self) -> PeerInfo:
         return await self._call(self.handle.peer_info.remote())
 
-    async def add_peer(self, peer: PeerInfo, source: WorkerClient) -> None:
-        """Learn `source` as a worker to pull KV from (replacing what was known of it)."""
-        await self._call(self.handle.add_peer.remote(peer, source.handle))
+    async def add_peer(self, peer: PeerInfo, source: WorkerClient, generation: int) -> None:
+        """Learn `source` as a worker to pull KV from (replacing what was known of it). `generation`: the
+        deployment's wiring counter; whichever of an add and a remove of the same peer has the higher one
+        wins there, whatever order Ray delivers them in."""
+        await self._call(self.handle.add_peer.remote(peer, source.handle, generation))
 
-    def remove_peer(self, worker_id: str) -> None:
-        self.handle.remove_peer.remote(worker_id)
+    def remove_peer(self, worker_id: str, generation: int) -> None:
+        """Forget that worker's endpoint (fire and forget; ordered against add_peer by `generation`)."""
+        self.handle.remove_peer.remote(worker_id, generation)
 
     async def set_role(self, role: Role) -> WorkerInfo:
         return await self._call(self.handle.set_role.remote(role.value))

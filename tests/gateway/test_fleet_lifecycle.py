@@ -211,6 +211,36 @@ def test_a_moved_streams_kv_is_freed_at_once_when_the_worker_it_was_handed_to_di
     assert result["freed_after"] >= 0, "A still held the moved stream's KV 10 s after it moved on"
 
 
+def known_peers(actor: Any) -> list[str]:
+    return sorted(actor._front._peer_actors)
+
+
+def test_a_peer_removal_that_arrives_after_a_later_add_is_ignored(tiny_llama_dir: Path) -> None:
+    """Ray does not keep an async actor's call order: a fire-and-forget remove_peer sent before an add_peer
+    of the same worker may land after it. The higher wiring generation wins, whatever the order."""
+    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+        [prefill], [decode] = deployment.active(Role.PREFILL), deployment.active(Role.DECODE)
+        peer, handle = await prefill.client.peer_info(), decode.client.handle
+        before = await call_on(decode, known_peers)
+        # As delivered out of order: the add (generation 2**40 + 2) first, then the older remove.
+        await decode.client.add_peer(peer, prefill.client, 2**40 + 2)
+        handle.remove_peer.remote(prefill.worker_id, 2**40 + 1)
+        await handle.load.remote()  # after the remove
+        kept = await call_on(decode, known_peers)
+        prompt = random_prompts([24], 1000, seed=12)[0]
+        events = await events_of(router, "after", prompt, GREEDY)  # pulled from the prefill worker
+        decode.client.remove_peer(prefill.worker_id, 2**40 + 3)  # a newer removal does apply
+        await handle.load.remote()
+        return {"before": before, "kept": kept, "gone": await call_on(decode, known_peers),
+                "prefill_on": events[0].prefill is not None, "finish": events[-1].finish_reason,
+                "prefill": prefill.worker_id}
+
+    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=1)
+    assert result["before"] == result["kept"] == [result["prefill"]]
+    assert result["prefill_on"] and result["finish"] == "length"
+    assert result["gone"] == []
+
+
 def test_a_worker_in_another_role_than_the_gateway_believes_is_passed_over(tiny_llama_dir: Path) -> None:
     """H2: the gateway's view of a worker's role is behind the worker's own (the race the re-pick before
     submitting cannot close): the worker answers WrongRole, and the request goes on to another decode worker;
