@@ -19,8 +19,6 @@ import asyncio
 import contextlib
 import json
 import random
-import signal
-import socket
 import statistics
 import time
 from datetime import UTC, datetime
@@ -29,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.pd_vs_colocated import start_server
+from benchmarks.pd_vs_colocated import served
 from benchmarks.ratio_switch import VOCAB, closed16_load, drive, wait_for_layout
 from loadgen.summary import SLO, percentile, summarize
 from loadgen.workload import RequestSpec
@@ -55,12 +53,7 @@ async def steps_since(url: str, since: float) -> dict[str, list[dict[str, Any]]]
 
 def run_layout(flags: list[str], layout: tuple[int, int, int], code_dir: Path | None, keep_steps: bool
                ) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    server = start_server([*flags, "--backend", "nixl"], port, code_dir)
-    try:
+    with served([*flags, "--backend", "nixl"], code_dir) as url:
         asyncio.run(wait_for_layout(url, layout))
         asyncio.run(drive(url, four_streams()[:2]))  # warm-up
         started = time.time()
@@ -77,9 +70,6 @@ def run_layout(flags: list[str], layout: tuple[int, int, int], code_dir: Path | 
         result["closed16_tok_s"] = closed["output_token_throughput"]
         result["closed16_ttft_p90_s"] = closed["ttft_s_over_requests"]["p90"]
         return result
-    finally:
-        server.send_signal(signal.SIGINT)
-        server.wait(120)
 
 
 def main() -> None:

@@ -17,8 +17,6 @@ import asyncio
 import itertools
 import json
 import random
-import signal
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.pd_vs_colocated import start_server
+from benchmarks.pd_vs_colocated import served
 from benchmarks.ratio_switch import VOCAB, wait_for_layout
 
 
@@ -72,17 +70,9 @@ async def run_once(url: str) -> dict[str, Any]:
 
 
 def run(code_dir: Path | None) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    server = start_server(["--mixed", "2", "--backend", "nixl", "--dtype", "float32"], port, code_dir)
-    try:
+    with served(["--mixed", "2", "--backend", "nixl", "--dtype", "float32"], code_dir) as url:
         asyncio.run(wait_for_layout(url, (0, 0, 2)))
         return asyncio.run(run_once(url))
-    finally:
-        server.send_signal(signal.SIGINT)
-        server.wait(120)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ directories, a comparison table (table.md) and a plot (comparison.png) under --o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -73,6 +75,21 @@ def start_server(flags: list[str], port: int, code_dir: Path | None = None) -> s
         if server.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"pdserve serve {' '.join(flags)} did not come up")
         time.sleep(1)
+
+
+@contextlib.contextmanager
+def served(flags: list[str], code_dir: Path | None = None) -> Iterator[str]:
+    """`pdserve serve` with `flags` on a free port (see start_server) for the block; yields its URL and
+    stops it (Ctrl-C: its actors and Ray shut down) after."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = start_server(flags, port, code_dir)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(120)
 
 
 def main() -> None:
