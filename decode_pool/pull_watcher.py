@@ -36,6 +36,7 @@ class PullWatcher:
         self._deliver_pull = deliver_pull
         self._finished: list[tuple[TransferResult, float]] = []  # seen by the watcher, not yet taken
         self._in_flight = threading.Event()  # set while the receiver holds a pull
+        self._news = threading.Condition(self.lock)  # notified when a poll saw pulls finish
         self._is_stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -60,6 +61,12 @@ class PullWatcher:
             finished, self._finished = self._finished, []
         return finished
 
+    def wait_finished(self, timeout: float) -> None:
+        """Wait until no pull is in flight (each seen finished by the watcher thread, for take()), at most
+        `timeout` seconds (loop thread, with the watcher running)."""
+        with self._news:
+            self._news.wait_for(lambda: not self.receiver.num_pulls, timeout)
+
     def _poll(self) -> None:
         """One poll of the receiver (holding `lock`)."""
         results = self.receiver.poll()
@@ -69,6 +76,7 @@ class PullWatcher:
         if results:
             now = time.time()
             self._finished.extend((result, now) for result in results)
+            self._news.notify_all()
         if not self.receiver.num_pulls:
             self._in_flight.clear()
 

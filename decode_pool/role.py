@@ -97,6 +97,11 @@ class DecodeRole:
         self.worker.evacuate()
         self.loop.wake()
 
+    def move_out(self, request_ids: list[str]) -> None:
+        """Hand these running streams back with their KV offered (the gateway continues them elsewhere)."""
+        self.worker.move_out(request_ids)
+        self.loop.wake()
+
     def peer_info(self) -> PeerInfo:
         """What other decode workers need to pull evacuated streams' KV from this one."""
         if self.worker.migration is None:

@@ -52,6 +52,10 @@ from pool_worker.runtime.prefill_slicer import PrefillSlicer
 logger = logging.getLogger(__name__)
 OutputCallback = Callable[[DecodeOutput], None]
 TRANSFER_POLL_S = 0.001  # the idle loop's poll while pulls run, when no PullWatcher thread wakes it
+# At a step's start, a pull just started is waited for at most this long, and at most this share of the
+# last step: the request it carries then joins this step, at that small cost to the others in it.
+MAX_JOIN_WAIT_S = 0.015
+JOIN_WAIT_SHARE = 0.2
 WITHDRAWN_CLAIM_POLL_S = 0.05  # the idle loop's poll while only claims for withdrawn KV may still come
 
 
@@ -93,7 +97,8 @@ class DecodeWorker:
         self.release_source = release_source
         self.on_step_end = on_step_end or (lambda: None)
         self.migration = migration
-        self._pulls = PullWatcher(receiver, wake or (lambda: None), deliver_pull, f"pulls-{worker_id}")
+        self._wake = wake or (lambda: None)
+        self._pulls = PullWatcher(receiver, self._wake, deliver_pull, f"pulls-{worker_id}")
         self._is_watching = False
         # Commands from other threads, run by the loop thread at the start of its next step.
         self._inbox: WorkerInbox[tuple[DecodeRequest, OutputCallback, float]] = WorkerInbox(
@@ -104,6 +109,7 @@ class DecodeWorker:
         self._in_step: tuple[str, ...] = ()  # the requests of the forward under way (suspects if it raises)
         config = engine.config
         self._slicer = PrefillSlicer(config.max_prefill_s_beside_decode, config.max_num_batched_tokens)
+        self._last_step_s = 0.0  # the last forward's duration (bounds the wait for a pull at a step's start)
         self._load = self._snapshot()
 
     # Called from any thread.
@@ -118,9 +124,12 @@ class DecodeWorker:
         self._inbox.post(lambda: self._abort(request_id))
 
     def start_watching(self) -> None:
-        """Watch pulls on a thread of their own (see the PullWatcher); stop_watching() before closing."""
+        """Watch pulls on a thread of their own (see the PullWatcher), and poll the migration sender on one
+        (decode_pool.migration); stop_watching() before closing."""
         self._pulls.start()
         self._is_watching = True
+        if self.migration is not None:
+            self.migration.start_polling(self._wake)
 
     def stop_watching(self) -> None:
         self._pulls.stop()
@@ -128,6 +137,12 @@ class DecodeWorker:
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate", freeing its blocks (see the lifecycle)."""
         self._inbox.post(self._evacuate)
+
+    def move_out(self, request_ids: list[str]) -> None:
+        """Hand these running streams back with their KV offered (finish_reason "migrate"), as evacuate()
+        does, for the gateway to continue on another worker; a stream whose KV cannot be offered (no
+        migration sender, mid-prefill, or gone) stays here."""
+        self._inbox.post(lambda: self._move_out(request_ids))
 
     def release(self, transfer_id: int, why: str) -> None:
         """Nobody will pull this migrating stream's KV: free its blocks now rather than at the lease's end."""
@@ -183,7 +198,11 @@ class DecodeWorker:
         self._inbox.drain()
         if self.migration is not None:
             self.migration.poll()
-        self._admit()
+        num_started = self._admit()
+        if num_started and self._is_watching and self.engine.scheduler.running:
+            # A pull takes milliseconds: wait for it (briefly) so that the request joins this step rather
+            # than the next; a moved stream would otherwise miss one more of this worker's steps.
+            self._pulls.wait_finished(min(MAX_JOIN_WAIT_S, JOIN_WAIT_SHARE * self._last_step_s))
         for result, finished_at in self._pulls.take():
             self._on_transfer_result(result.source_worker_id, result.transfer_id, result.state, result.reason,
                                      finished_at=finished_at)
@@ -199,6 +218,7 @@ class DecodeWorker:
             now = time.time()
             step = self.engine.runner.timeline.last
             if step is not None:
+                self._last_step_s = step.duration_ms / 1000
                 self._slicer.observe(step.duration_ms / 1000, step.num_prefill_tokens, step.num_decode_tokens)
             for request in scheduler.update(batch, output):
                 self._emit(request, now)
@@ -256,9 +276,11 @@ class DecodeWorker:
         else:
             self._awaiting_blocks.append(request.request_id)
 
-    def _admit(self) -> None:
-        """Start pulls, oldest first, while blocks for the prompt plus the watermark reserve are free."""
+    def _admit(self) -> int:
+        """Start pulls, oldest first, while blocks for the prompt plus the watermark reserve are free;
+        returns how many started."""
         pool = self.engine.block_pool
+        num_started = 0
         while self._awaiting_blocks:
             entry = self._entries[self._awaiting_blocks[0]]
             handle = entry.request.kv_handle
@@ -266,7 +288,7 @@ class DecodeWorker:
             busy = self.engine.scheduler.num_unfinished or self._transferring
             reserve = self.engine.scheduler.watermark_blocks if busy else 0
             if not pool.can_allocate(blocks_for(handle.num_tokens, self.engine.config.block_size) + reserve):
-                return
+                return num_started
             self._awaiting_blocks.popleft()
             request_id = entry.request.request_id
             dst = self.engine.kv.allocate_blocks(request_id, handle.num_tokens)
@@ -282,6 +304,8 @@ class DecodeWorker:
                                          str(error), request_id)
                 continue
             self._transferring[(handle.source_worker_id, handle.transfer_id)] = request_id
+            num_started += 1
+        return num_started
 
     def _on_transfer_result(self, source: str, transfer_id: int, state: TransferState, reason: str,
                             request_id: str | None = None, finished_at: float | None = None) -> None:
@@ -347,6 +371,11 @@ class DecodeWorker:
         for request_id in list(self._entries):
             if not (self._hand_back_unpulled(request_id) or self._offer_for_migration(request_id)):
                 self._abort(request_id, "migrate")
+
+    def _move_out(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            if request_id in self._entries:
+                self._offer_for_migration(request_id)
 
     def _hand_back_unpulled(self, request_id: str) -> bool:
         """Hand a request whose pull has not started back with its handle, unused: the next worker pulls the

@@ -312,6 +312,12 @@ class WorkerActor:
         if isinstance(self._front, DecodeRole):
             self._front.evacuate()
 
+    def move_out(self, request_ids: list[str]) -> None:
+        """Hand these running streams back with their KV offered (finish_reason "migrate"), for the gateway
+        to continue elsewhere: it clears this worker for a long prompt. Streams whose KV cannot move stay."""
+        if isinstance(self._front, DecodeRole):
+            self._front.move_out(request_ids)
+
     def _started(self) -> PrefillRole | DecodeRole:
         if self._front is None:
             raise RuntimeError(f"{self.worker_id} has not started (start() loads the model)")

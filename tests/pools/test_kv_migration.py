@@ -113,3 +113,34 @@ def test_a_refused_migration_is_recomputed_and_frees_the_source(tiny_llama_dir: 
     assert moved.tokens["r"] == hf_greedy(tiny_llama_dir, [prompt], GREEDY.max_tokens)[0]
     assert moved.final["r"].transfer_bytes == 0
     assert first.engine.block_pool.is_whole() and stranger.engine.block_pool.is_whole()
+
+
+def test_a_stream_moved_out_is_pulled_while_its_source_does_not_step(tiny_llama_dir: Path) -> None:
+    """move_out() hands back only the streams named; with the migration sender polled on its own thread, the
+    next worker's pull is answered while the source runs no step (as if it were in a long prompt's chunk);
+    the moved stream and the one left behind both match transformers."""
+    prompts = random_prompts([20, 45], 1000, seed=11)
+    first, second = pair(tiny_llama_dir)
+    assert first.migration is not None
+    first.migration.start_polling(lambda: None)
+    seen = Outputs()
+    for index, prompt in enumerate(prompts):
+        first.submit(DecodeRequest(f"r{index}", tuple(prompt), GREEDY), seen)
+    step_until([first], lambda: all(len(seen.tokens.get(f"r{i}", ())) >= 4 for i in range(len(prompts))))
+    first.move_out(["r0", "gone"])  # an id not here is ignored
+    first.step()
+    assert set(seen.final) == {"r0"} and seen.final["r0"].finish_reason == "migrate"
+    handle = seen.final["r0"].kv_handle
+    assert handle is not None
+
+    moved = Outputs()
+    moved.tokens["r0"] = list(seen.tokens["r0"])
+    second.submit(DecodeRequest("r0", tuple(prompts[0]), GREEDY, generated_token_ids=tuple(seen.tokens["r0"]),
+                                kv_handle=handle), moved)
+    step_until([second], lambda: "r0" in moved.final)  # the source does not step meanwhile
+    assert moved.final["r0"].transfer_bytes > 0  # pulled, not recomputed
+    step_until([first], lambda: "r1" in seen.final and first.load().num_requests == 0)
+    expected = hf_greedy(tiny_llama_dir, prompts, GREEDY.max_tokens)
+    assert [moved.tokens["r0"], seen.tokens["r1"]] == expected
+    first.migration.close()
+    assert first.engine.block_pool.is_whole() and second.engine.block_pool.is_whole()
