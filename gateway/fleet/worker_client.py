@@ -5,7 +5,8 @@ SubmissionRefused; never a RayTaskError above the fleet), its output stream and 
     control (the deployment):  placement → start → peer_info / add_peer / remove_peer → set_role → evacuate
                                → load → close_channels (a frontend gone) → shutdown → kill
     requests (the orchestrator): subscribe(request_id) → submit_prefill | submit_decode → outputs arrive on
-                               the one output stream (output_streams.py) → unsubscribe; abort, release_kv
+                               the one output stream (output_streams.py) → unsubscribe; abort, release_kv;
+                               move_out (streams moved off a worker about to prefill a long prompt)
 The client lives as long as the worker is in the deployment (across its role changes, like the worker's
 output channels); close() when it leaves cancels the remote stream.
 """
@@ -116,6 +117,10 @@ class WorkerClient:
 
     async def evacuate(self) -> None:
         await self._call(self.handle.evacuate.remote())
+
+    async def move_out(self, request_ids: list[str]) -> None:
+        """Have the worker hand these streams back with their KV offered (WorkerActor.move_out)."""
+        await self._call(self.handle.move_out.remote(request_ids))
 
     async def load(self) -> WorkerLoad:
         return await self._call(self.handle.load.remote())

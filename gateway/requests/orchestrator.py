@@ -15,6 +15,8 @@ Failures (a worker's actor died, its step loop died, or it answered with finish_
              failed step that computed it (it may be what breaks the steps: MAX_FAILED_STEPS).
     With no live worker of the role needed (1P+1D), it waits for the replacement the pool starts, until the
     stage's deadline; then, and whenever a deadline passes, it raises RequestFailed (a clear error).
+Clearing: a long prompt that a worker will prefill itself while it decodes streams has those streams moved
+    off it first (the router's streams_to_clear; the worker hands them back as an evacuation does).
 Evacuation (a decode or mixed worker changing role or leaving hands its requests back, finish "migrate"):
     the stream moves the same way, without marking the worker failed, and where the worker offers the
     stream's KV (kv_handle on its last output: its own, nixl, or the prefill worker's when the pull had not
@@ -169,6 +171,7 @@ class RequestRun:
             # Prompt tokens sent to a decode or mixed worker and not yet prefilled (the ratio controller's
             # view of prompt work on workers that also decode).
             self.router.start_local_prefill(decode.worker_id, self.request_id, len(self.prompt_token_ids))
+            await self._clear_for_prompt(decode)
             try:
                 async for event in self._decode(decode, DecodeRequest(self.request_id, self.prompt_token_ids,
                                                                       self.sampling)):
@@ -202,6 +205,17 @@ class RequestRun:
                 # blocks now rather than at the lease's end. A lease already released, or being pulled
                 # (claimed), is left alone by the sender, so this is safe whatever the decode side did.
                 prefill.client.release_kv(handle.transfer_id, "the request ended or moved on")
+
+    async def _clear_for_prompt(self, host: Worker) -> None:
+        """A long prompt about to be prefilled by a worker that decodes streams: move them off it first
+        (their runs continue each on another worker, pulling its KV), so that its chunks stall none."""
+        streams = self.router.streams_to_clear(host, len(self.prompt_token_ids))
+        if not streams:
+            return
+        try:
+            await host.client.move_out(list(streams))
+        except WorkerLost:
+            return  # the prompt's own submission will find it gone
 
     async def _prefill(self) -> tuple[Worker, PrefillResult]:
         tried: set[str] = set()

@@ -6,7 +6,9 @@ moves with it if it moves: a burst of arrivals spreads across decode workers, an
 of that worker waits for it (in_flight). A long prompt that the picked worker will prefill itself (a mixed
 worker) goes instead to the worker with the fewest requests booked (then the fewest tokens): the one with
 the least to protect, since its chunks stall every stream decoding beside them; a worker busy with one long
-prompt is a better host for the next than one decoding three short streams.
+prompt is a better host for the next than one decoding three short streams. And the streams already decoding
+on that host are moved off it first (streams_to_clear: live KV migration to the other decode or mixed
+workers), so that the prompt's chunks stall nobody: the worker's role is a default, not a wall.
 Prefill: the fewest prompt tokens queued, minus the prompt tokens it probably holds in its prefix cache;
 or none, when the LocalPrefillPolicy says the decode worker should prefill the prompt itself.
 The router counts what it has sent and not yet seen finish, per worker, so a burst of arrivals spreads out
@@ -46,11 +48,35 @@ class LocalPrefillPolicy:
     # A prompt this long, prefilled by the mixed worker that decodes it, goes to the mixed worker with the
     # fewest requests (the least to protect), not the fewest tokens (0: off).
     isolate_prompts_from_tokens: int = 1024
+    # A prompt this long, prefilled by a worker that is decoding streams, has those streams moved to other
+    # decode or mixed workers first (with their KV, where the backend can move it; 0: off). A move costs a
+    # stream about two of its new worker's steps; a 1024-token prefill beside it costs it more.
+    move_streams_from_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if min(self.max_uncached_tokens, self.min_prefill_queue_tokens, self.queue_rule_below_tokens,
-               self.isolate_prompts_from_tokens) < 0:
+               self.isolate_prompts_from_tokens, self.move_streams_from_tokens) < 0:
             raise ValueError(f"local prefill thresholds must be >= 0, got {self}")
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What the router knows of one decode or mixed worker when it places a prompt there."""
+
+    worker_id: str
+    num_requests: int  # booked there (bound for it or decoding)
+    streams: tuple[str, ...] = ()  # requests decoding there past their first token (they can move)
+
+
+def streams_to_clear(host: DecoderShape, others: list[DecoderShape], num_prompt_tokens: int,
+                     policy: LocalPrefillPolicy) -> tuple[str, ...]:
+    """The streams to move off `host` before it prefills a prompt of `num_prompt_tokens` itself: all of
+    them, for a long prompt, when another worker can take them; none otherwise (a short prompt's step beside
+    them costs less than a move)."""
+    threshold = policy.move_streams_from_tokens
+    if not threshold or num_prompt_tokens < threshold or not others:
+        return ()
+    return host.streams
 
 
 class Router:
@@ -156,6 +182,17 @@ class Router:
             return min(mixed, key=lambda w: (self.decode_requests[w.worker_id],
                                              self.decode_tokens[w.worker_id]))
         return min(workers, key=lambda w: self.decode_tokens[w.worker_id])
+
+    def streams_to_clear(self, host: Worker, num_prompt_tokens: int) -> tuple[str, ...]:
+        """The streams to move off `host` before it prefills this prompt itself (see streams_to_clear())."""
+        if num_prompt_tokens < self.local_prefill.move_streams_from_tokens:
+            return ()  # the common case: no look at the workers' requests
+        others = [self._shape(w) for w in self.fleet.active(Role.DECODE, Role.MIXED) if w is not host]
+        return streams_to_clear(self._shape(host), others, num_prompt_tokens, self.local_prefill)
+
+    def _shape(self, worker: Worker) -> DecoderShape:
+        streams = tuple(r for r in worker.client.request_ids() if r not in self.local_prefill_prompts)
+        return DecoderShape(worker.worker_id, self.decode_requests[worker.worker_id], streams)
 
     def pick_prefill(self, prompt_token_ids: tuple[int, ...], workers: list[Worker] | None = None,
                      hashes: list[bytes] | None = None) -> Worker:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from gateway.fleet.deployment import DeploymentConfig
 from gateway.fleet.workers import Worker, WorkerState
-from gateway.requests.router import LocalPrefillPolicy, Router
+from gateway.requests.router import DecoderShape, LocalPrefillPolicy, Router, streams_to_clear
 from llm_engine import EngineConfig
 from pool_worker import Role
 
@@ -93,3 +93,37 @@ def test_the_queue_rule_keeps_long_prompts_in_the_prefill_pool_when_bounded() ->
     assert router.local_prefill_reason(long) != ""
     router.prefill_tokens["prefill-1"] = 1000  # one worker has room: nothing goes local
     assert router.local_prefill_reason(short) == ""
+
+
+def test_a_long_prompt_clears_its_host_of_streams_first() -> None:
+    """Placement on a pure model of the workers: a long prompt bound for a worker decoding streams moves
+    them off it (to another decode or mixed worker); a short prompt is prefilled beside them; with no other
+    worker, or the rule off, nothing moves."""
+    policy = LocalPrefillPolicy(move_streams_from_tokens=1024)
+    host = DecoderShape("mixed-a", num_requests=3, streams=("s1", "s2", "s3"))
+    other = DecoderShape("mixed-b", num_requests=4, streams=("t1", "t2", "t3", "t4"))
+    assert streams_to_clear(host, [other], 1500, policy) == ("s1", "s2", "s3")
+    assert streams_to_clear(host, [other], 200, policy) == ()
+    assert streams_to_clear(host, [], 1500, policy) == ()
+    assert streams_to_clear(host, [other], 1500, LocalPrefillPolicy(move_streams_from_tokens=0)) == ()
+
+
+def test_the_router_moves_only_streams_past_their_prompt() -> None:
+    """A request still prefilling on the host (no token yet) is not a stream to move."""
+    fleet = FakeDeployment([Worker(name, Role.MIXED, FakeClient(ids), WorkerState.ACTIVE)  # type: ignore[arg-type]
+                            for name, ids in (("mixed-a", ["s1", "p1"]), ("mixed-b", ["t1"]))])
+    router = Router(fleet)  # type: ignore[arg-type]
+    router.start_local_prefill("mixed-a", "p1", 300)
+    host = fleet.workers[0]
+    assert router.streams_to_clear(host, 2000) == ("s1",)
+    assert router.streams_to_clear(host, 300) == ()
+
+
+@dataclass
+class FakeClient:
+    """The request ids a worker client has subscribed (the test's data)."""
+
+    ids: list[str]
+
+    def request_ids(self) -> list[str]:
+        return self.ids
