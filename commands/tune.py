@@ -37,7 +37,8 @@ def _serving_defaults() -> dict[str, float]:
             "max_waiting": ServeConfig.model_fields["max_waiting"].default,
             "queue_timeout_s": ServeConfig.model_fields["queue_timeout_s"].default,
             "max_prefill_s_beside_decode": EngineConfig.max_prefill_s_beside_decode,
-            "isolate_prompts_from_tokens": LocalPrefillPolicy.isolate_prompts_from_tokens}
+            "isolate_prompts_from_tokens": LocalPrefillPolicy.isolate_prompts_from_tokens,
+            "move_streams_from_tokens": LocalPrefillPolicy.move_streams_from_tokens}
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -162,7 +163,8 @@ def run_plan(args: argparse.Namespace) -> int:
     config = SimConfig(profile.shape, float(defaults["watermark"]), int(defaults["max_waiting"]),
                        float(defaults["queue_timeout_s"]), hop_s=args.hop_ms / 1000.0,
                        max_prefill_s_beside_decode=float(defaults["max_prefill_s_beside_decode"]),
-                       isolate_prompts_from_tokens=int(defaults["isolate_prompts_from_tokens"]))
+                       isolate_prompts_from_tokens=int(defaults["isolate_prompts_from_tokens"]),
+                       move_streams_from_tokens=int(defaults["move_streams_from_tokens"]))
     total = len(rates) * _num_layouts(args.workers) + (
         sum(_num_layouts(n) for n in range(1, args.workers + 1)) if args.target_rate else 0)
     with tqdm(total=total, desc="simulate", disable=args.no_progress, **PROGRESS) as bar:

@@ -148,8 +148,10 @@ class ServeConfig(BaseModel):
     def planner_settings(self) -> PlannerSettings | None:
         if self.profile is None:
             return None
+        local_prefill = self.local_prefill_policy()
         return PlannerSettings(self.profile, self.max_waiting, self.queue_timeout_s,
-                               self.local_prefill_policy().isolate_prompts_from_tokens)
+                               local_prefill.isolate_prompts_from_tokens,
+                               local_prefill.move_streams_from_tokens)
 
     def deadline_policy(self) -> DeadlinePolicy:
         chosen = {"slack_s": self.deadline_slack_s, "prefill_s_per_token": self.deadline_prefill_s_per_token,

@@ -38,8 +38,8 @@ class SimRequest:
     """One request's state across the simulated system (plain slots: millions of touches per plan)."""
 
     __slots__ = ("arrival", "blocks", "chunk", "computed", "ctx0", "decode_worker", "emitted_at_join",
-                 "error", "first_token", "index", "join_step", "last_token", "num_emitted", "output_len",
-                 "prefill_worker", "prompt", "reserved", "to_compute", "version")
+                 "error", "first_token", "index", "join_step", "kv_tokens", "last_token", "num_emitted",
+                 "output_len", "prefill_worker", "prompt", "reserved", "to_compute", "version")
 
     def __init__(self, index: int, arrival: float, prompt: int, output_len: int) -> None:
         self.index, self.arrival, self.prompt, self.output_len = index, arrival, prompt, output_len
@@ -53,7 +53,8 @@ class SimRequest:
         self.chunk = 0  # tokens of it in the current forward
         self.blocks = 0  # blocks held where it prefills (decode-side blocks of a decoding one are implicit)
         self.ctx0 = self.join_step = self.emitted_at_join = 0
-        self.version = 0  # bumped on preemption: stale finish-heap entries are skipped
+        self.version = 0  # bumped on preemption or a move: stale finish-heap entries are skipped
+        self.kv_tokens = 0  # tokens of KV a pull brings: 0, its prompt's; a moved stream's, all but its last
         self.prefill_worker: PrefillWorkerSim | None = None
         self.decode_worker: DecodeWorkerSim | None = None
 
@@ -195,7 +196,7 @@ class DecodeWorkerSim(_Worker):
         while self.awaiting:
             r = self.awaiting[0]
             busy = self.num_decoding or self.prefilling or self.waiting or self.num_transferring
-            needed = blocks_for(r.prompt, self.block_size)
+            needed = blocks_for(r.kv_tokens or r.prompt, self.block_size)
             if needed + (self.watermark_blocks if busy else 0) > self.num_free:
                 return
             self.awaiting.popleft()
@@ -223,6 +224,19 @@ class DecodeWorkerSim(_Worker):
         self.residue[key % self.block_size] -= 1
         r.num_emitted = r.emitted_at_join + step - r.join_step
         return blocks_for(r.ctx0 + step - r.join_step, self.block_size)
+
+    def movable(self) -> list[SimRequest]:
+        """The decoding requests that can move off this worker (the router's streams_to_clear): each with at
+        least two tokens to go after the step under way."""
+        after = self.step + self.is_busy
+        return [r for r in self.decoding if r.output_len - (r.emitted_at_join + after - r.join_step) >= 2]
+
+    def hand_back(self, r: SimRequest, now: float) -> None:
+        """Move a decoding request off this worker after the step under way, its KV offered to the next."""
+        self.num_free += self._leave(r, self.step + self.is_busy)
+        r.version += 1
+        r.last_token = now
+        r.kv_tokens = r.prompt + r.num_emitted - 1
 
     def _preempt_newest(self, now: float) -> None:
         newest_decoding = next(reversed(self.decoding)) if self.decoding else None

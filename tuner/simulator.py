@@ -76,6 +76,8 @@ class SimConfig:
     # A prompt this long goes to the mixed worker with the fewest requests (the router's LocalPrefillPolicy
     # isolate_prompts_from_tokens; 0: off).
     isolate_prompts_from_tokens: int = 1024
+    # ... and the streams decoding there move to the other workers first (move_streams_from_tokens; 0: off).
+    move_streams_from_tokens: int = 1024
 
     def __post_init__(self) -> None:
         is_valid = 0.0 <= self.watermark < 1.0 and self.max_waiting >= 0 and self.hop_s >= 0
@@ -212,6 +214,9 @@ class Simulation:
         mixed = [d for d in self.decodes if d.is_mixed]
         if threshold and r.prompt >= threshold and mixed:
             decode = min(mixed, key=lambda d: (self.decode_requests[d], self.decode_tokens[d]))
+            moving = self.config.move_streams_from_tokens
+            if moving and r.prompt >= moving and len(self.decodes) > 1:
+                self._clear(decode, now)
         else:
             decode = min(self.decodes, key=self.decode_tokens.__getitem__)
         r.decode_worker = decode
@@ -224,6 +229,19 @@ class Simulation:
         r.prefill_worker = prefill
         self.prefill_tokens[prefill] += r.prompt
         self.at(now + self.config.hop_s, prefill.submit, r)
+
+    def _clear(self, host: DecodeWorkerSim, now: float) -> None:
+        """Move the streams decoding on `host` to the other workers before it prefills a long prompt."""
+        others = [d for d in self.decodes if d is not host]
+        for moved in host.movable():
+            host.hand_back(moved, now)
+            target = min(others, key=self.decode_tokens.__getitem__)
+            self.decode_tokens[host] -= moved.reserved
+            self.decode_requests[host] -= 1
+            self.decode_tokens[target] += moved.reserved
+            self.decode_requests[target] += 1
+            moved.decode_worker = target
+            self.at(now + 2 * self.config.hop_s, target.submit_handoff, moved)
 
     def prefill_done(self, r: SimRequest, now: float) -> None:
         r.first_token = r.last_token = now
@@ -243,6 +261,8 @@ class Simulation:
         self.at(now + self.config.hop_s, r.decode_worker.submit_handoff, r)
 
     def pull_done(self, r: SimRequest, now: float) -> None:
+        if r.kv_tokens:  # a moved stream: its source freed its blocks when it handed it back
+            return
         assert r.prefill_worker is not None
         r.prefill_worker.release(r, now)
 

@@ -64,6 +64,7 @@ class PlannerSettings:
     max_waiting: int
     queue_timeout_s: float
     isolate_prompts_from_tokens: int  # the router's (LocalPrefillPolicy)
+    move_streams_from_tokens: int  # the router's (LocalPrefillPolicy)
 
 
 def build_planner(settings: PlannerSettings, deployment: PDDeployment, policy: ControllerPolicy
@@ -78,7 +79,8 @@ def build_planner(settings: PlannerSettings, deployment: PDDeployment, policy: C
                     max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs)
     config = SimConfig(shape, deployment.config.watermark, settings.max_waiting, settings.queue_timeout_s,
                        max_prefill_s_beside_decode=engine.max_prefill_s_beside_decode,
-                       isolate_prompts_from_tokens=settings.isolate_prompts_from_tokens)
+                       isolate_prompts_from_tokens=settings.isolate_prompts_from_tokens,
+                       move_streams_from_tokens=settings.move_streams_from_tokens)
     n = sum(deployment.target.values())
     ladder = [Layout(0, 0, n)] + [Layout(k, n - k, 0) for k in range(1, n)]
     return LayoutPlanner(profile.fits, config, SLO(policy.ttft_slo_s, policy.itl_slo_s), ladder)

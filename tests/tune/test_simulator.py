@@ -94,3 +94,25 @@ def test_short_kv_preempts_and_recomputes_without_losing_tokens_or_blocks() -> N
 def test_a_layout_without_a_decode_worker_is_refused() -> None:
     with pytest.raises(ValueError, match="cannot serve"):
         Simulation(Layout(2, 0), sim_config(), step_model())
+
+
+def test_a_long_prompt_moves_the_streams_off_its_mixed_worker_as_the_router_does() -> None:
+    """Four streams on two mixed workers, then a long prompt: with the router's clearing rule the streams of
+    the worker that takes the prompt move (their KV pulled) and no stream waits behind its chunks; without
+    it, two streams sit through every chunk. Every request finishes and every block comes back either way."""
+    from dataclasses import replace
+
+    model = step_model(prefill=(0.002, 1e-4, 0.0), decode=(0.005, 0.0, 0.0), transfer=(0.001, 0.0))
+    requests = [RequestShape(i, 0.0, 64, 200) for i in range(4)] + [RequestShape(4, 0.3, 3000, 4)]
+    largest: dict[bool, float] = {}
+    for clears in (True, False):
+        config = replace(sim_config(hop_s=0.001), move_streams_from_tokens=1024 if clears else 0)
+        sim = Simulation(Layout(0, 0, 2), config, model)
+        result = sim.run(requests)
+        assert all(e2e is not None for e2e in result.e2e_s)
+        assert result.num_output_tokens == (200, 200, 200, 200, 4)
+        largest[clears] = max([gap for gap, n in result.itl_steps if n] + list(result.itl_gaps))
+        assert_blocks_whole(sim)
+    # A chunk of 512 prompt tokens is a 0.05 s step; a move costs the moved streams about two 5 ms steps.
+    assert largest[False] > 0.05
+    assert largest[True] < 0.03
