@@ -28,11 +28,12 @@ import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from benchmarks.pd_vs_colocated import TRACE, start_server
-from benchmarks.ratiolib.report import write_report
+from benchmarks.ratiolib.report import write_medians, write_report
 from loadgen.client import RequestRecord, send_one
 from loadgen.summary import SLO, percentile, summarize
 from loadgen.workload import RequestSpec, build_requests, poisson_arrivals, read_trace
@@ -43,6 +44,13 @@ SETUPS = {
     "auto": ["--mixed", "2", "--backend", "nixl", "--ratio", "auto"],
     "auto+plan": ["--mixed", "2", "--backend", "nixl", "--ratio", "auto", "--profile",
                   "benchmarks/results/tune/profile/profile.json"],
+}
+# With --workers 4 (a small model, --model, so that four workers fit two cores): the issue's comparison.
+SETUPS4 = {
+    "2P+2D": ["--prefill", "2", "--decode", "2", "--backend", "nixl"],
+    "1P+3D": ["--prefill", "1", "--decode", "3", "--backend", "nixl"],
+    "4 mixed": ["--mixed", "4", "--backend", "nixl"],
+    "auto": ["--mixed", "4", "--backend", "nixl", "--ratio", "auto"],
 }
 VOCAB = 49152
 PHASES = ("light", "long prompts", "light again")
@@ -125,15 +133,24 @@ async def wait_for_layout(url: str, layout: tuple[int, int, int], timeout_s: flo
     raise SystemExit(f"{url} did not return to {layout}")
 
 
+def starting_layout(flags: list[str]) -> tuple[int, int, int]:
+    """(prefill, decode, mixed) as the setup's flags start it (auto goes back there once calm)."""
+    def count(flag: str) -> int:
+        return int(flags[flags.index(flag) + 1]) if flag in flags else 0
+    return count("--prefill"), count("--decode"), count("--mixed")
+
+
 def run_setup(name: str, flags: list[str], args: argparse.Namespace, code_dir: Path | None = None
               ) -> dict[str, object]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    start_layout = (1, 1, 0) if name == "1P+1D" else (0, 0, 2)
+    start_layout = starting_layout(flags)
     slo_flags = ["--ttft-slo-s", str(args.ttft_slo), "--itl-slo-s", str(args.itl_slo)]
-    server = start_server([*flags, *slo_flags], port, code_dir)
+    model_flags = [*(["--model", args.model] if args.model else []), *(["--dtype", args.dtype] if args.dtype
+                                                                       else [])]
+    server = start_server([*flags, *slo_flags, *model_flags], port, code_dir)
     slo = SLO(args.ttft_slo, args.itl_slo)
     result: dict[str, object] = {}
     try:
@@ -182,18 +199,34 @@ def main() -> None:
     parser.add_argument("--long-len", type=int, default=1500)
     parser.add_argument("--ttft-slo", type=float, default=3.0)
     parser.add_argument("--itl-slo", type=float, default=0.2)
-    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
-    parser.add_argument("--base", type=Path, help="also run auto from this checkout (an earlier commit)")
+    parser.add_argument("--setups", nargs="+", help="default: every setup of the --workers set")
+    parser.add_argument("--workers", type=int, choices=(2, 4), default=2,
+                        help="2: 1P+1D, 2 mixed, auto (+planner); 4: 2P+2D, 1P+3D, 4 mixed, auto")
+    parser.add_argument("--model", help="a model directory (--workers 4 needs a small one to fit)")
+    parser.add_argument("--dtype", help="the servers' --dtype (default: theirs)")
+    parser.add_argument("--base", type=Path, help="also run --base-setups from this checkout (an earlier "
+                        "commit), as 'NAME @base'")
+    parser.add_argument("--base-setups", nargs="+", default=["auto"])
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every setup; medians.md over them")
     parser.add_argument("--out", default="benchmarks/results/ratio_switch")
     args = parser.parse_args()
+    setups = SETUPS4 if args.workers == 4 else SETUPS
+    unknown = (set(args.setups or ()) | set(args.base_setups)) - set(setups)
+    if unknown:
+        parser.error(f"--setups/--base-setups: {sorted(unknown)} not in the --workers {args.workers} set "
+                     f"{list(setups)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {name: run_setup(name, SETUPS[name], args) for name in args.setups}
-    if args.base:
-        results["auto @base"] = run_setup("auto @base", SETUPS["auto"], args, args.base.resolve())
-    report = {"args": vars(args), "results": results}
-    (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
-    write_report(results, args, out)
+    rounds: list[dict[str, Any]] = []
+    for _ in range(args.repeats):
+        results = {name: run_setup(name, setups[name], args) for name in args.setups or setups}
+        for name in args.base_setups if args.base else []:
+            results[f"{name} @base"] = run_setup(f"{name} @base", setups[name], args, args.base.resolve())
+        rounds.append(results)
+        report = {"args": vars(args), "results": rounds[0], "rounds": rounds}
+        (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
+    write_report(rounds[0], args, out)
+    write_medians(rounds, args, out)
 
 
 if __name__ == "__main__":

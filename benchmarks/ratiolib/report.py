@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
@@ -88,6 +89,34 @@ def write_report(results: dict[str, Any], args: argparse.Namespace, out: Path) -
     print("\n".join(lines))
     if "auto" in results:
         plot_timeline(results["auto"]["phased"], args, out / "timeline.png")
+
+
+def _spread(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
+    """median [min–max] of the rounds' values."""
+    values = sorted(v * scale for v in values)
+    return f"{statistics.median(values):.{digits}f} [{values[0]:.{digits}f}–{values[-1]:.{digits}f}]"
+
+
+def write_medians(rounds: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> None:
+    """medians.md: each setup's headline figures, median [min–max] over the rounds (each round ran every
+    setup one after another, so a noisy stretch of the machine touches them all alike)."""
+    lines = [f"# Medians over {len(rounds)} rounds ({datetime.now(UTC):%Y-%m-%d}; workers {args.workers}, "
+             f"model {args.model or 'default'}, dtype {args.dtype or 'default'})", "",
+             "| setup | 16 clients: output tok/s | TTFT p90 ms | 4 streams alone: ITL p99 ms | "
+             "streams + long prompts: ITL p99 ms | phased goodput req/s | phased TTFT p90 ms |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name in rounds[0]:
+        mine = [r[name] for r in rounds if name in r]
+        lines.append(" | ".join([
+            f"| {name}",
+            _spread([r["closed16"]["output_token_throughput"] for r in mine], digits=1),
+            _spread([r["closed16"]["ttft_s_over_requests"]["p90"] for r in mine], 1000),
+            _spread([r["alone"]["stream_itl_p99_s"] for r in mine], 1000),
+            _spread([r["burst"]["stream_itl_p99_s"] for r in mine], 1000),
+            _spread([r["phased"]["overall"]["goodput"] for r in mine], digits=3),
+            _spread([r["phased"]["overall"]["ttft_s_over_requests"]["p90"] for r in mine], 1000)]) + " |")
+    (out / "medians.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def plot_timeline(phased: dict[str, Any], args: argparse.Namespace, path: Path) -> None:
