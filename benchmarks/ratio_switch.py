@@ -150,6 +150,8 @@ def run_setup(name: str, flags: list[str], args: argparse.Namespace, code_dir: P
     slo_flags = ["--ttft-slo-s", str(args.ttft_slo), "--itl-slo-s", str(args.itl_slo)]
     model_flags = [*(["--model", args.model] if args.model else []), *(["--dtype", args.dtype] if args.dtype
                                                                        else [])]
+    if args.workers == 4:  # four workers on a machine's cores: Ray must place them (each a share of one)
+        model_flags += ["--cpus-per-worker", "0.5"]
     server = start_server([*flags, *slo_flags, *model_flags], port, code_dir)
     slo = SLO(args.ttft_slo, args.itl_slo)
     result: dict[str, object] = {}
