@@ -33,7 +33,7 @@ from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.timings import Timings
 from gateway.telemetry.traffic import Arrival, RecentTraffic
-from llm_engine import SamplingParams
+from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
 from pool_worker import Role
 from prefill_pool.messages import PrefillResult
 
@@ -62,6 +62,8 @@ class TextDelta:
     num_output_tokens: int = 0  # tokens generated so far
     timings: Timings | None = None  # on the last delta
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (on the last delta)
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # per token, when sampling.top_logprobs > 0
+    prompt_logprobs: PromptLogprobs | None = None  # on the first delta, when sampling.prompt_logprobs
 
 
 class GatewayService:
@@ -174,7 +176,9 @@ class GatewayService:
                 if event.num_migrations and event.finish_reason is not None:
                     self.metrics.migrations.inc(event.num_migrations)
                 if finish is None:
-                    deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, None, len(sent)))
+                    deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, None, len(sent),
+                                                top_logprobs=event.top_logprobs,
+                                                prompt_logprobs=event.prompt_logprobs))
                     continue
                 text += detokenizer.flush()
                 timings = stage_timings(prepared.arrival, reservation.admitted, sent, prefill, decode)
@@ -195,7 +199,7 @@ class GatewayService:
                 for note in self.on_finished:
                     note(timings, arrival)
                 deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, finish, len(sent), timings,
-                                            timings.cached_tokens))
+                                            timings.cached_tokens, event.top_logprobs, event.prompt_logprobs))
                 return
         except RequestFailed as failed:
             outcome = "error"

@@ -67,8 +67,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_processing_matches_the_reference_and_changes_the_output(tiny_llama_dir: Path, hf_model: torch.nn.Module,
-                                                                 name: str) -> None:
+def test_processing_matches_the_reference_and_changes_the_output(
+        tiny_llama_dir: Path, hf_model: torch.nn.Module,
+        name: str) -> None:
     params = CASES[name]
     prompt = random_prompts([40], VOCAB, seed=5)[0]  # greedy repeats a token here
     engine = make_engine(tiny_llama_dir)
