@@ -16,6 +16,7 @@ Tokens are counted one by one, each with its own time (gateway/requests/stage_ti
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ class PreparedRequest:
     stop_strings: list[str]
     arrival: float  # time.time() when the gateway received it
     block_hashes: list[bytes] | None = None  # prefix_hashes of the prompt (the router's cache matching)
+    # max_tokens 0 (completions: score the prompt): the one token the engine samples is not shown.
+    is_prompt_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,9 @@ class GatewayService:
                              deadlines, prepared.block_hashes)
         try:
             async for event in events:
+                if prepared.is_prompt_only:  # the prompt's logprobs are the answer; its token is dropped
+                    event = dataclasses.replace(event, token_ids=(), logprobs=(), top_logprobs=(),
+                                                token_times=(), finish_reason="length")
                 prefill = event.prefill or prefill
                 decode = event.decode or decode
                 prefilled_by = event.prefilled_by or prefilled_by
