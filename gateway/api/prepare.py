@@ -75,7 +75,7 @@ class Preparer:
             raise BadRequest("prompt: a batch of prompts with stream: true is not supported yet",
                              param="prompt", code="unsupported_field")
         prepared = []
-        for item in request.prompts:
+        for index, item in enumerate(request.prompts):
             prompt = await self._prompt_tokens(item)
             if not prompt:
                 raise BadRequest("the prompt is empty", param="prompt")
@@ -84,7 +84,8 @@ class Preparer:
             # max_tokens 0 scores the prompt only: the engine samples one token, which the response drops.
             one = self._prepare(request, prompt, max(1, max_tokens), k is not None, k or 0,
                                 k if request.echo and k is not None else None)
-            prepared.append(await self._hashed(replace(one, is_prompt_only=max_tokens == 0)))
+            one = replace(one, is_prompt_only=max_tokens == 0, batch_index=index)
+            prepared.append(await self._hashed(one))
         return prepared
 
     async def _prompt_tokens(self, item: str | list[int]) -> list[int]:

@@ -129,13 +129,12 @@ class CompletionRequest(_Request):
     echo: bool = False  # the prompt comes back before the completion (with its logprobs when asked)
 
     @property
-    def prompts(self) -> list[str] | list[list[int]]:
+    def prompts(self) -> list[str | list[int]]:
         """The batch: one prompt per choice."""
-        if isinstance(self.prompt, str):
-            return [self.prompt]
-        if self.prompt and isinstance(self.prompt[0], int):
-            return [self.prompt]  # type: ignore[list-item]
-        return self.prompt  # type: ignore[return-value]
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)  # type: ignore[arg-type]
 
 
 class ChatMessage(BaseModel):

@@ -54,6 +54,7 @@ class PreparedRequest:
     block_hashes: list[bytes] | None = None  # prefix_hashes of the prompt (the router's cache matching)
     # max_tokens 0 (completions: score the prompt): the one token the engine samples is not shown.
     is_prompt_only: bool = False
+    batch_index: int = 0  # its prompt's place in a completions batch (the choice's index)
 
 
 @dataclass(frozen=True)
