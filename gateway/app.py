@@ -7,8 +7,9 @@
     lifespan, one of several frontends (gateway/frontends.py starts them): join the supervisor's Ray → the
               fleet actor → a mirror of its workers (gateway/control/remote_fleet.py) → tokenizer; this
               frontend's share of the admission capacity → serve → leave (the fleet and workers stay).
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics,
-GET and PUT /admin/pools (gateway/api/admin.py). Errors use OpenAI's shape; a client that disconnects aborts
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics; GET /v1/models, POST
+/tokenize, POST /detokenize, GET /version (gateway/api/utility_routes.py); GET and PUT /admin/pools
+(gateway/api/admin.py). Errors use OpenAI's shape; a client that disconnects aborts
 its request on both workers.
 """
 
@@ -46,6 +47,7 @@ from gateway.api.protocol import (
     Usage,
 )
 from gateway.api.responses import chat_response, chat_stream, completion_response, completion_stream
+from gateway.api.utility_routes import router as utility_routes
 from gateway.config import ServeConfig
 from gateway.control.plane import ControlPlane, build_planner, decode_kv_tokens
 from gateway.control.remote_fleet import FleetLink, RemoteFleet
@@ -124,6 +126,7 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
     app.state.preparer = Preparer(tokenizer, read_model_spec(model_dir), model_name, kv_tokens_per_worker,
                                   config.default_max_tokens, fleet.block_size)
     app.state.token_texts = TokenTexts(tokenizer)  # logprobs show each token's own text
+    app.state.model_dir = model_dir  # /v1/models' root
     num_decoding = len(fleet.active(Role.DECODE, Role.MIXED))
     capacity = admission_capacity(kv_tokens_per_worker, num_decoding, num_frontends)
     service = GatewayService(
@@ -281,13 +284,6 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
         service: GatewayService = request.app.state.service
         return await respond(service, body, await request.app.state.preparer.prepare_chat(body), request)
 
-    @app.get("/v1/models", dependencies=[Depends(require_api_key)], responses=documented(401))
-    async def models(request: Request) -> dict[str, object]:
-        service: GatewayService = request.app.state.service
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model",
-                                            "created": int(request.app.state.started), "owned_by": "pdserve",
-                                            "max_model_len": request.app.state.preparer.spec.max_model_len}]}
-
     @app.get("/health", responses={503: {"description": "unavailable: a role has no live worker"}})
     async def health(request: Request) -> JSONResponse:
         """ok (200), degraded (200: serving, some workers being replaced or not placed on a node yet),
@@ -311,4 +307,5 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
         return Response(service.metrics.render(fleet), media_type="text/plain; version=0.0.4")
 
     app.include_router(admin_routes)
+    app.include_router(utility_routes)
     return app

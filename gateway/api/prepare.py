@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 from jinja2 import TemplateError
 
 from gateway.api.bad_request import BadRequest
-from gateway.api.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.api.surface import MESSAGE_NOT_YET_SUPPORTED, check_fields
 from gateway.requests.service import PreparedRequest
 from llm_engine import ModelSpec, SamplingParams
@@ -69,7 +69,7 @@ class Preparer:
     # Validation and tokenization.
     async def prepare_completion(self, request: CompletionRequest) -> list[PreparedRequest]:
         """One PreparedRequest per prompt (a batch is several), in prompt order."""
-        self._check_model(request.model)
+        self.check_model(request.model)
         check_fields(request.model_extra)
         if request.stream and len(request.prompts) > 1:
             raise BadRequest("prompt: a batch of prompts with stream: true is not supported yet",
@@ -99,30 +99,38 @@ class Preparer:
         return list(item)
 
     async def prepare_chat(self, request: ChatCompletionRequest) -> PreparedRequest:
-        self._check_model(request.model)
+        self.check_model(request.model)
         check_fields(request.model_extra)
         for i, message in enumerate(request.messages):
             check_fields(message.model_extra, f"messages[{i}].", MESSAGE_NOT_YET_SUPPORTED)
         if request.top_logprobs and not request.logprobs:
             raise BadRequest("top_logprobs: needs logprobs: true", param="top_logprobs")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise BadRequest(f"model {self.model_name} has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": m.text} for m in request.messages]
-        is_long = (len(messages) > LONG_CONVERSATION_MESSAGES
-                   or sum(len(m["content"]) for m in messages) > LONG_PROMPT_CHARS)
-        try:
-            encoded = await self._off_loop_if(is_long, lambda: self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True))
-        except TemplateError as exc:  # the template refuses the conversation (e.g. roles that must alternate)
-            raise BadRequest(f"the model's chat template refuses these messages: {exc.message}",
-                             param="messages") from None
-        # transformers 5 returns a BatchEncoding here; older versions a plain list.
-        prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)  # type: ignore[call-overload,index]
+        prompt = await self.render_chat(request.messages)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(self.default_max_tokens, self.spec.max_model_len - len(prompt)))
         return await self._hashed(self._prepare(request, prompt, max_tokens, request.logprobs,
                                                 request.top_logprobs or 0))
+
+    def encode(self, text: str) -> list[int]:
+        return self._encode(text)
+
+    async def render_chat(self, request_messages: list[ChatMessage], add_generation_prompt: bool = True
+                          ) -> list[int]:
+        """The conversation's token ids through the model's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest(f"model {self.model_name} has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.text} for m in request_messages]
+        is_long = (len(messages) > LONG_CONVERSATION_MESSAGES
+                   or sum(len(m["content"]) for m in messages) > LONG_PROMPT_CHARS)
+        try:
+            encoded = await self._off_loop_if(is_long, lambda: self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True))
+        except TemplateError as exc:  # the template refuses the conversation (e.g. roles that must alternate)
+            raise BadRequest(f"the model's chat template refuses these messages: {exc.message}",
+                             param="messages") from None
+        # transformers 5 returns a BatchEncoding here; older versions a plain list.
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)  # type: ignore[call-overload,index,arg-type]
 
     async def _hashed(self, prepared: PreparedRequest) -> PreparedRequest:
         """With the prompt's block hashes, which the router needs for every prefill pick."""
@@ -131,7 +139,7 @@ class Preparer:
                                          lambda: prefix_hashes(prompt, self.block_size))
         return replace(prepared, block_hashes=hashes)
 
-    def _check_model(self, name: str) -> None:
+    def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise BadRequest(
                 f"the model {name!r} does not exist; this server serves {self.model_name!r}",
