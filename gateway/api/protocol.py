@@ -180,7 +180,7 @@ class CompletionLogprobs(BaseModel):
 
     tokens: list[str]  # each token's text (decoded alone)
     token_logprobs: list[float | None]  # None for the prompt's first token (no context)
-    top_logprobs: list[dict[str, float] | None] | None  # text → logprob of the k most likely, when k > 0
+    top_logprobs: list[dict[str, float] | None] | None = None  # text → logprob of the k most likely (k > 0)
     text_offset: list[int]  # where each token's text starts in the choice's text
 
 
