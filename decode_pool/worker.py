@@ -332,6 +332,7 @@ class DecodeWorker:
             request_id, list(request.prompt_token_ids), request.sampling,
             frozenset(self.engine.spec.eos_token_ids), output_token_ids=output_token_ids,
             output_logprobs=output_logprobs,
+            output_top_logprobs=[request.first_top_logprobs] if request.first_top_logprobs else [],
         )
         if state is TransferState.DONE:
             engine_request.num_computed_tokens = request.kv_handle.num_tokens
@@ -358,7 +359,10 @@ class DecodeWorker:
         entry = self._entries[request.request_id]
         entry.admitted = entry.admitted or now
         logprobs = tuple(request.output_logprobs[-1:]) if request.sampling.logprobs else ()
-        output = DecodeOutput(request.request_id, (request.output_token_ids[-1],), logprobs, now, (now,))
+        is_first = request.num_output_tokens == 1  # prefilled here: the prompt's logprobs go with it
+        output = DecodeOutput(request.request_id, (request.output_token_ids[-1],), logprobs, now, (now,),
+                              top_logprobs=tuple(request.output_top_logprobs[-1:]) if logprobs else (),
+                              prompt_logprobs=request.scored_prompt() if is_first else None)
         if request.is_finished:
             output = dataclasses.replace(output, finish_reason=request.status.value,
                                          num_preemptions=request.num_preemptions,

@@ -2,7 +2,9 @@
 
     execute(ModelInput) → ModelOutput:
         update the persistent block tables, pack new tokens [1, T] and positions, build the attention
-        metadata (InputBatch.prepare) → model body → lm_head on the rows that sample only → sample.
+        metadata (InputBatch.prepare) → model body → lm_head on the rows that sample only → logits
+        processors (llm_engine/logits_processors.py) → choose tokens → their logprobs from the raw logits;
+        and, for chunks that ask, the prompt tokens' logprobs (llm_engine/logprobs.py).
 Owns the KV cache tensor and the runner's copy of the block tables; knows nothing of scheduling or Ray.
 """
 
@@ -13,13 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llm_engine.batch import ModelInput, ModelOutput, SampledToken
+from llm_engine.batch import ModelInput, ModelOutput, SampledToken, ScheduledChunk
 from llm_engine.config import EngineConfig, ModelSpec
 from llm_engine.input_batch import InputBatch
 from llm_engine.kv_cache import KVCacheSpec
 from llm_engine.kv_cache_manager import blocks_for
+from llm_engine.logits_processors import LogitsPipeline, SamplingRows
+from llm_engine.logprobs import PromptLogprobsChunk, prompt_logprobs, sampled_logprobs
 from llm_engine.native_kernels import DecodeKernel, paged_decode_attention
-from llm_engine.sampling import sample
+from llm_engine.sampling import choose_tokens
 from llm_engine.step_timeline import StepRecord, StepTimeline
 
 if TYPE_CHECKING:
@@ -62,6 +66,12 @@ class ModelRunner:
         self.decode_attention, kernel = choose_decode_attention(config)
         self.inputs = InputBatch(self.kv_cache, max_blocks, config.max_num_batched_tokens,
                                  num_rows=config.max_num_seqs, decode_kernel=kernel)
+        self.logits = LogitsPipeline(spec.vocab_size, spec.eos_token_ids, self.device)
+
+    def forget_all(self) -> None:
+        """Drop every request's table and sampling state (the engine is idle; its scheduler is replaced)."""
+        self.logits.forget(tuple(self.inputs._rows))
+        self.inputs.forget_all()
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> ModelOutput:
@@ -77,6 +87,7 @@ class ModelRunner:
         return output
 
     def _execute(self, batch: ModelInput) -> ModelOutput:
+        self.logits.forget(batch.finished_request_ids)
         if not batch.chunks:
             self.inputs.forget(batch.finished_request_ids)
             return ModelOutput(())
@@ -85,19 +96,41 @@ class ModelRunner:
             input_ids=prepared.input_ids, position_ids=prepared.position_ids, use_cache=False,
             paged_metadata=prepared.metadata,
         ).last_hidden_state  # [1, T, hidden]
+        scored = self._score_prompts(batch.chunks, hidden[0])
         sampling_chunks = [c for c in batch.chunks if c.sampling is not None]
         if not sampling_chunks:
-            return ModelOutput(())
+            return ModelOutput((), scored)
+        for chunk in sampling_chunks:
+            if chunk.history is not None and chunk.sampling is not None:
+                self.logits.register(chunk.request_id, chunk.sampling, chunk.history)
         # Project only the rows that sample: the vocab projection of every prompt token is wasted work.
         rows = hidden[0] if prepared.sample_rows is None else hidden[0, prepared.sample_rows]
-        logits = self.model.lm_head(rows)  # [num_samples, vocab]
-        chosen, logprobs = sample(
-            logits,
-            [c.sampling for c in sampling_chunks if c.sampling is not None],
-            [c.output_index for c in sampling_chunks],
-        )
-        wants = [c.sampling is not None and c.sampling.logprobs for c in sampling_chunks]
+        raw_logits = self.model.lm_head(rows).float()  # [num_samples, vocab]
+        params = tuple(c.sampling for c in sampling_chunks if c.sampling is not None)
+        sampling_rows = SamplingRows(tuple(c.request_id for c in sampling_chunks), params,
+                                     tuple(c.output_index for c in sampling_chunks))
+        token_ids = choose_tokens(self.logits.apply(raw_logits, sampling_rows), list(params),
+                                  list(sampling_rows.output_indices))  # [num_samples]
+        self.logits.record(sampling_rows, token_ids)
+        logprobs = sampled_logprobs(raw_logits, token_ids, list(params))
         return ModelOutput(tuple(
-            SampledToken(c.request_id, token, logprobs[i] if logprobs is not None and wants[i] else None)
-            for i, (c, token) in enumerate(zip(sampling_chunks, chosen, strict=True))
-        ))
+            SampledToken(c.request_id, token,
+                         logprobs[0][i] if logprobs is not None and params[i].logprobs else None,
+                         logprobs[1][i] if logprobs is not None else ())
+            for i, (c, token) in enumerate(zip(sampling_chunks, token_ids.tolist(), strict=True))
+        ), scored)
+
+    def _score_prompts(self, chunks: tuple[ScheduledChunk, ...], hidden: torch.Tensor
+                       ) -> tuple[PromptLogprobsChunk, ...]:
+        """Prompt logprobs of the chunks that ask. hidden: [T, hidden] the packed rows of every chunk."""
+        scored = []
+        q_start = 0
+        for chunk in chunks:
+            targets = chunk.prompt_logprob_targets
+            if targets:
+                rows = hidden[q_start : q_start + len(targets)]
+                first = chunk.start_position + 1  # the position of the first token scored
+                scored.append(prompt_logprobs(rows, self.model.lm_head, chunk.request_id, first, targets,
+                                              chunk.num_prompt_top_logprobs))
+            q_start += chunk.num_tokens
+        return tuple(scored)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_transfer import KVHandle
-from llm_engine import SamplingParams
+from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
 
 
 @dataclass(frozen=True)
@@ -36,3 +36,5 @@ class PrefillResult:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     times: PrefillTimes
     error: str = ""  # why, when finish_reason is "error"
+    first_top_logprobs: TopLogprobs = ()  # the first token's alternatives, when sampling.top_logprobs > 0
+    prompt_logprobs: PromptLogprobs | None = None  # when sampling.prompt_logprobs is set

@@ -223,8 +223,11 @@ class PrefillWorker:
         else:
             self.engine.kv.free(request_id)
         logprob = request.output_logprobs[0] if request.output_logprobs else None
-        pending.on_result(self._result(request_id, request.output_token_ids[0], logprob, finish_reason,
-                                       handle, request.num_cached_tokens, pending.queued, pending.started))
+        result = self._result(request_id, request.output_token_ids[0], logprob, finish_reason, handle,
+                              request.num_cached_tokens, pending.queued, pending.started)
+        pending.on_result(dataclasses.replace(
+            result, first_top_logprobs=request.output_top_logprobs[0] if request.output_top_logprobs else (),
+            prompt_logprobs=request.scored_prompt()))
 
     @staticmethod
     def _result(request_id: str, token: int, logprob: float | None, finish_reason: str | None,

@@ -14,12 +14,15 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from gateway.api.logprob_format import CompletionLogprobsBuilder, TokenTexts, chat_logprobs, joined
 from gateway.api.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ErrorBody,
@@ -29,6 +32,7 @@ from gateway.api.protocol import (
 )
 from gateway.requests.orchestrator import RequestFailed
 from gateway.requests.service import GatewayService, PreparedRequest, TextDelta
+from llm_engine import TopLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -78,62 +82,91 @@ def _error_event(message: str, code: str) -> str:
     return _sse(body.model_dump_json())
 
 
-async def _collect(deltas: AsyncIterator[TextDelta]) -> tuple[str, list[int], list[float], TextDelta]:
-    text: list[str] = []
-    token_ids: list[int] = []
-    logprobs: list[float] = []
-    last: TextDelta | None = None
-    async for delta in deltas:
-        text.append(delta.text)
-        token_ids.extend(delta.token_ids)
-        logprobs.extend(delta.logprobs)
-        last = delta
-    assert last is not None and last.finish_reason is not None
-    return "".join(text), token_ids, logprobs, last
+class _Collected:
+    """A whole response's deltas, joined."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[TopLogprobs] = []
+        self.first: TextDelta | None = None
+        self.last: TextDelta | None = None
+
+    @classmethod
+    async def of(cls, deltas: AsyncIterator[TextDelta]) -> _Collected:
+        collected = cls()
+        async for delta in deltas:
+            collected.first = collected.first or delta
+            collected.text.append(delta.text)
+            collected.token_ids.extend(delta.token_ids)
+            collected.logprobs.extend(delta.logprobs)
+            collected.top_logprobs.extend(delta.top_logprobs)
+            collected.last = delta
+        assert collected.last is not None and collected.last.finish_reason is not None
+        return collected
 
 
-def _completion_logprobs(service: GatewayService, token_ids: list[int], logprobs: list[float]
-                         ) -> dict[str, list[float | str]]:
-    tokens: list[float | str] = [str(service.tokenizer.convert_ids_to_tokens(t)) for t in token_ids]
-    return {"tokens": tokens, "token_logprobs": list(logprobs)}
+def echo_text(service: GatewayService, body: CompletionRequest, prepared: PreparedRequest) -> str:
+    """The prompt as echoed: the client's own text, or its token ids decoded."""
+    prompt = body.prompts[prepared.batch_index]
+    return prompt if isinstance(prompt, str) else str(service.tokenizer.decode(list(prompt)))
 
 
-def _chat_logprobs(service: GatewayService, token_ids: list[int], logprobs: list[float]
-                   ) -> dict[str, list[dict[str, float | str]]]:
-    return {"content": [{"token": str(service.tokenizer.convert_ids_to_tokens(t)), "logprob": lp}
-                        for t, lp in zip(token_ids, logprobs, strict=False)]}
-
-
-async def completion_response(service: GatewayService, body: CompletionRequest, prepared: PreparedRequest,
-                              deltas: AsyncIterator[TextDelta]) -> CompletionResponse:
-    text, token_ids, logprobs, last = await _collect(deltas)
+async def completion_response(service: GatewayService, texts: TokenTexts, body: CompletionRequest,
+                              prepared: PreparedRequest, deltas: AsyncIterator[TextDelta]
+                              ) -> CompletionResponse:
+    got = await _Collected.of(deltas)
+    assert got.last is not None
+    text = "".join(got.text)
+    logprobs: CompletionLogprobs | None = None
+    if body.echo:
+        prompt_text = echo_text(service, body, prepared)
+        if body.logprobs is not None:
+            builder = CompletionLogprobsBuilder(texts, body.logprobs)
+            scored = got.first.prompt_logprobs if got.first else None
+            logprobs = joined(builder.prompt(prepared.prompt_token_ids, scored),
+                              builder.generated(got.token_ids, got.logprobs, got.top_logprobs))
+        text = prompt_text + text
+    elif body.logprobs is not None:
+        logprobs = CompletionLogprobsBuilder(texts, body.logprobs).generated(got.token_ids, got.logprobs,
+                                                                             got.top_logprobs)
     choice = CompletionChoice(
-        text=text, finish_reason=last.finish_reason,
-        logprobs=_completion_logprobs(service, token_ids, logprobs) if body.logprobs is not None else None,
-        token_ids=token_ids if body.return_token_ids else None,
+        index=prepared.batch_index, text=text, finish_reason=got.last.finish_reason, logprobs=logprobs,
+        token_ids=got.token_ids if body.return_token_ids else None,
     )
     return CompletionResponse(id=prepared.request_id, model=service.model_name, choices=[choice],
-                              usage=_usage(prepared, last), timings=last.timings)
+                              usage=_usage(prepared, got.last), timings=got.last.timings)
 
 
-async def completion_stream(service: GatewayService, body: CompletionRequest, prepared: PreparedRequest,
-                            deltas: AsyncIterator[TextDelta], include_usage: bool) -> AsyncIterator[str]:
+async def completion_stream(service: GatewayService, texts: TokenTexts, body: CompletionRequest,
+                            prepared: PreparedRequest, deltas: AsyncIterator[TextDelta], include_usage: bool
+                            ) -> AsyncIterator[str]:
     last: TextDelta | None = None
     errors: list[str] = []
     created = int(time.time())
     frames = _TextFrames(CompletionResponse(
         id=prepared.request_id, model=service.model_name, created=created,
         choices=[CompletionChoice(text="\x00", finish_reason=None)]), "text")
-    is_text_only = body.logprobs is None and not body.return_token_ids
+    is_text_only = body.logprobs is None and not body.return_token_ids and not body.echo
+    builder = CompletionLogprobsBuilder(texts, body.logprobs or 0)
     async for delta in _guarded(deltas, errors):
+        is_first = last is None
         last = delta
         if is_text_only and delta.finish_reason is None:
             yield frames.frame(delta.text)
             continue
+        text = delta.text
+        logprobs: CompletionLogprobs | None = None
+        if body.echo and is_first:
+            text = echo_text(service, body, prepared) + text
+            if body.logprobs is not None:
+                logprobs = builder.prompt(prepared.prompt_token_ids, delta.prompt_logprobs)
+        if body.logprobs is not None:
+            generated = builder.generated(delta.token_ids, delta.logprobs, delta.top_logprobs)
+            logprobs = joined(logprobs, generated) if logprobs else generated
         choice = CompletionChoice(
-            text=delta.text, finish_reason=delta.finish_reason,
-            logprobs=_completion_logprobs(service, list(delta.token_ids), list(delta.logprobs))
-            if body.logprobs is not None else None,
+            text=text, finish_reason=delta.finish_reason, logprobs=logprobs,
             token_ids=list(delta.token_ids) if body.return_token_ids else None,
         )
         chunk = CompletionResponse(id=prepared.request_id, model=service.model_name, created=created,
@@ -148,20 +181,24 @@ async def completion_stream(service: GatewayService, body: CompletionRequest, pr
     yield _sse("[DONE]")
 
 
-async def chat_response(service: GatewayService, body: ChatCompletionRequest, prepared: PreparedRequest,
-                        deltas: AsyncIterator[TextDelta]) -> ChatCompletionResponse:
-    text, token_ids, logprobs, last = await _collect(deltas)
+async def chat_response(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
+                        prepared: PreparedRequest, deltas: AsyncIterator[TextDelta]
+                        ) -> ChatCompletionResponse:
+    got = await _Collected.of(deltas)
+    assert got.last is not None
+    logprobs = ChatLogprobs(content=chat_logprobs(texts, got.token_ids, got.logprobs, got.top_logprobs))
     choice = ChatChoice(
-        message=ChatDelta(role="assistant", content=text), finish_reason=last.finish_reason,
-        logprobs=_chat_logprobs(service, token_ids, logprobs) if body.logprobs else None,
-        token_ids=token_ids if body.return_token_ids else None,
+        message=ChatDelta(role="assistant", content="".join(got.text)), finish_reason=got.last.finish_reason,
+        logprobs=logprobs if body.logprobs else None,
+        token_ids=got.token_ids if body.return_token_ids else None,
     )
     return ChatCompletionResponse(id=prepared.request_id, model=service.model_name, choices=[choice],
-                                  usage=_usage(prepared, last), timings=last.timings)
+                                  usage=_usage(prepared, got.last), timings=got.last.timings)
 
 
-async def chat_stream(service: GatewayService, body: ChatCompletionRequest, prepared: PreparedRequest,
-                      deltas: AsyncIterator[TextDelta], include_usage: bool) -> AsyncIterator[str]:
+async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
+                      prepared: PreparedRequest, deltas: AsyncIterator[TextDelta], include_usage: bool
+                      ) -> AsyncIterator[str]:
     created = int(time.time())
 
     def response(choice: ChatChoice | None, **extra: object) -> ChatCompletionResponse:
@@ -184,8 +221,8 @@ async def chat_stream(service: GatewayService, body: ChatCompletionRequest, prep
             continue
         choice = ChatChoice(
             delta=ChatDelta(content=delta.text), finish_reason=delta.finish_reason,
-            logprobs=_chat_logprobs(service, list(delta.token_ids), list(delta.logprobs))
-            if body.logprobs else None,
+            logprobs=ChatLogprobs(content=chat_logprobs(texts, delta.token_ids, delta.logprobs,
+                                                        delta.top_logprobs)) if body.logprobs else None,
             token_ids=list(delta.token_ids) if body.return_token_ids else None,
         )
         yield chunk(choice, timings=delta.timings)

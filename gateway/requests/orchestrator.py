@@ -41,7 +41,7 @@ from gateway.fleet.workers import Worker
 from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.requests.router import Router
 from kv_transfer import KVHandle
-from llm_engine import SamplingParams
+from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
 from pool_worker import Role
 from prefill_pool.messages import PrefillRequest, PrefillResult
 
@@ -95,6 +95,8 @@ class StreamEvent:
     logprobs: tuple[float, ...]
     token_times: tuple[float, ...]  # worker wall clock when each token was produced
     finish_reason: str | None = None
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # per token, when sampling.top_logprobs > 0
+    prompt_logprobs: PromptLogprobs | None = None  # on the first token's event, when asked for
     prefill: PrefillResult | None = None  # on the first event
     decode: DecodeOutput | None = None  # on the final event when the request was decoded
     num_migrations: int = 0  # decode workers left behind because they failed (final event)
@@ -191,11 +193,13 @@ class RequestRun:
             logprobs = () if result.first_logprob is None or not self.sampling.logprobs else (
                 result.first_logprob,)
             yield StreamEvent(self.request_id, (result.first_token_id,), logprobs, (result.times.finished,),
-                              result.finish_reason, prefill=result, prefilled_by=prefill.worker_id)
+                              result.finish_reason, (result.first_top_logprobs,) if logprobs else (),
+                              result.prompt_logprobs, prefill=result, prefilled_by=prefill.worker_id)
             if result.finish_reason is not None:
                 return
             request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
-                                    result.first_token_id, result.first_logprob, handle)
+                                    result.first_token_id, result.first_logprob, handle,
+                                    first_top_logprobs=result.first_top_logprobs)
             async for event in self._decode(decode, request):
                 is_pulled = event.finish_reason is not None and not (self.num_migrations or self.num_moves)
                 yield event
@@ -332,10 +336,12 @@ class RequestRun:
                 if is_evacuated:
                     if output.token_ids:
                         yield StreamEvent(self.request_id, output.token_ids, output.logprobs,
-                                          output.token_times)
+                                          output.token_times, top_logprobs=output.top_logprobs,
+                                          prompt_logprobs=output.prompt_logprobs)
                     raise _Evacuated(output.kv_handle)
                 yield StreamEvent(self.request_id, output.token_ids, output.logprobs, output.token_times,
-                                  output.finish_reason, decode=output if is_finished else None,
+                                  output.finish_reason, output.top_logprobs, output.prompt_logprobs,
+                                  decode=output if is_finished else None,
                                   num_migrations=self.num_migrations, num_moves=self.num_moves,
                                   local_prefill_reason=self.local_prefill_reason if is_finished else "",
                                   prefilled_by=decode.worker_id

@@ -16,6 +16,7 @@ Tokens are counted one by one, each with its own time (gateway/requests/stage_ti
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.timings import Timings
 from gateway.telemetry.traffic import Arrival, RecentTraffic
-from llm_engine import SamplingParams
+from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
 from pool_worker import Role
 from prefill_pool.messages import PrefillResult
 
@@ -51,6 +52,9 @@ class PreparedRequest:
     stop_strings: list[str]
     arrival: float  # time.time() when the gateway received it
     block_hashes: list[bytes] | None = None  # prefix_hashes of the prompt (the router's cache matching)
+    # max_tokens 0 (completions: score the prompt): the one token the engine samples is not shown.
+    is_prompt_only: bool = False
+    batch_index: int = 0  # its prompt's place in a completions batch (the choice's index)
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,8 @@ class TextDelta:
     num_output_tokens: int = 0  # tokens generated so far
     timings: Timings | None = None  # on the last delta
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (on the last delta)
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # per token, when sampling.top_logprobs > 0
+    prompt_logprobs: PromptLogprobs | None = None  # on the first delta, when sampling.prompt_logprobs
 
 
 class GatewayService:
@@ -165,6 +171,9 @@ class GatewayService:
                              deadlines, prepared.block_hashes)
         try:
             async for event in events:
+                if prepared.is_prompt_only:  # the prompt's logprobs are the answer; its token is dropped
+                    event = dataclasses.replace(event, token_ids=(), logprobs=(), top_logprobs=(),
+                                                token_times=(), finish_reason="length")
                 prefill = event.prefill or prefill
                 decode = event.decode or decode
                 prefilled_by = event.prefilled_by or prefilled_by
@@ -174,7 +183,9 @@ class GatewayService:
                 if event.num_migrations and event.finish_reason is not None:
                     self.metrics.migrations.inc(event.num_migrations)
                 if finish is None:
-                    deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, None, len(sent)))
+                    deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, None, len(sent),
+                                                top_logprobs=event.top_logprobs,
+                                                prompt_logprobs=event.prompt_logprobs))
                     continue
                 text += detokenizer.flush()
                 timings = stage_timings(prepared.arrival, reservation.admitted, sent, prefill, decode)
@@ -195,7 +206,7 @@ class GatewayService:
                 for note in self.on_finished:
                     note(timings, arrival)
                 deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, finish, len(sent), timings,
-                                            timings.cached_tokens))
+                                            timings.cached_tokens, event.top_logprobs, event.prompt_logprobs))
                 return
         except RequestFailed as failed:
             outcome = "error"
