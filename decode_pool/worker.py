@@ -349,10 +349,11 @@ class DecodeWorker:
         else:
             kv.free(group_id)
         now = time.time()
-        for i, (request, engine_request) in enumerate(parts):
+        for request, engine_request in parts:
+            # Each choice reports the group's one pull (the gateway's timings read one choice's).
             self._entries[request.request_id] = dataclasses.replace(
                 entry, request=request, admitted=now if pulled else None,
-                transfer_bytes=entry.transfer_bytes if pulled and i == 0 else 0)
+                transfer_bytes=entry.transfer_bytes if pulled else 0)
             if pulled:
                 engine_request.num_computed_tokens = num_tokens
                 self.engine.scheduler.add_running(engine_request)
