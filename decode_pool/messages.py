@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kv_transfer import KVHandle
 from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
+from llm_engine.choices import FirstToken, choice_request_id
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,18 @@ class DecodeRequest:
     # but the last of these is pulled; without, recomputed (the earlier worker failed). Empty when new.
     generated_token_ids: tuple[int, ...] = ()
     first_top_logprobs: TopLogprobs = ()  # the prefill worker's first token's alternatives, when asked
+    # sampling.n > 1: the choices that decode on from kv_handle's prompt, with their first tokens (the
+    # first_* fields above are unused then). The KV is pulled once; then each choice runs as a request of
+    # its own, forked from the pulled blocks, under choice_request_id(request_id, index) with
+    # sampling.for_choice(index): its outputs, its abort, its migration (llm_engine/choices.py).
+    choices: tuple[FirstToken, ...] = ()
+
+    @property
+    def output_request_ids(self) -> tuple[str, ...]:
+        """The ids this request's outputs stream under: its own, or each choice's."""
+        if not self.choices:
+            return (self.request_id,)
+        return tuple(choice_request_id(self.request_id, c.index) for c in self.choices)
 
 
 @dataclass(frozen=True)

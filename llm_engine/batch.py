@@ -77,6 +77,9 @@ class SampledToken:
     token_id: int
     logprob: float | None  # log-probability of token_id when the request asked for logprobs
     top_logprobs: TopLogprobs = ()  # the request's top_logprobs most likely tokens, when it asked
+    # The first tokens of choices 1..n-1, drawn from the same logits (sampling.n > 1, first token only);
+    # this token is choice 0's.
+    other_choices: tuple[SampledToken, ...] = ()
 
 
 @dataclass(frozen=True)

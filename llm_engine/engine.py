@@ -119,6 +119,11 @@ class LLMEngine:
         self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, eos))
         return request_id
 
+    def fork_blocks(self, parent_id: str, child_ids: Sequence[str], num_tokens: int) -> None:
+        """Give each child (a choice of the parent's prompt) a table sharing the parent's full blocks, with
+        its own copy of the partial last one (KVCacheManager.fork); the parent's id holds nothing after."""
+        self.runner.copy_blocks(self.kv.fork(parent_id, child_ids, num_tokens))
+
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None
 

@@ -23,7 +23,7 @@ from llm_engine.kv_cache_manager import blocks_for
 from llm_engine.logits_processors import LogitsPipeline, SamplingRows
 from llm_engine.logprobs import PromptLogprobsChunk, prompt_logprobs, sampled_logprobs
 from llm_engine.native_kernels import DecodeKernel, paged_decode_attention
-from llm_engine.sampling import choose_tokens
+from llm_engine.sampling import SamplingParams, choose_tokens
 from llm_engine.step_timeline import StepRecord, StepTimeline
 
 if TYPE_CHECKING:
@@ -74,6 +74,15 @@ class ModelRunner:
         self.inputs.forget_all()
 
     @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (every layer, K and V), source → destination: the copy-on-write of a forked
+        table's last partial block (KVCacheManager.fork)."""
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs], device=self.device)
+            dst = torch.tensor([d for _, d in pairs], device=self.device)
+            self.kv_cache[dst] = self.kv_cache[src]  # [P, num_layers, 2, block_size, kv_heads, head_dim]
+
+    @torch.inference_mode()
     def execute(self, batch: ModelInput) -> ModelOutput:
         """Compute every chunk's new tokens and sample for the chunks that ask for it (each forward is
         recorded in `timeline`)."""
@@ -109,16 +118,40 @@ class ModelRunner:
         params = tuple(c.sampling for c in sampling_chunks if c.sampling is not None)
         sampling_rows = SamplingRows(tuple(c.request_id for c in sampling_chunks), params,
                                      tuple(c.output_index for c in sampling_chunks))
-        token_ids = choose_tokens(self.logits.apply(raw_logits, sampling_rows), list(params),
-                                  list(sampling_rows.output_indices))  # [num_samples]
+        logits = self.logits.apply(raw_logits, sampling_rows)
+        token_ids = choose_tokens(logits, list(params), list(sampling_rows.output_indices))  # [num_samples]
         self.logits.record(sampling_rows, token_ids)
         logprobs = sampled_logprobs(raw_logits, token_ids, list(params))
+        others = self._other_choices(sampling_chunks, params, raw_logits, logits)
         return ModelOutput(tuple(
             SampledToken(c.request_id, token,
                          logprobs[0][i] if logprobs is not None and params[i].logprobs else None,
-                         logprobs[1][i] if logprobs is not None else ())
+                         logprobs[1][i] if logprobs is not None else (), others.get(i, ()))
             for i, (c, token) in enumerate(zip(sampling_chunks, token_ids.tolist(), strict=True))
         ), scored)
+
+    @staticmethod
+    def _other_choices(chunks: list[ScheduledChunk], params: tuple[SamplingParams, ...],
+                       raw_logits: torch.Tensor, logits: torch.Tensor) -> dict[int, tuple[SampledToken, ...]]:
+        """The first tokens of choices 1..n-1 of the rows whose request asks for n > 1 choices and samples its
+        first token: drawn from that row's processed logits (the same for every choice before its first token:
+        no output yet), each with its own seed. Keyed by row. Not recorded by the logits processors: the
+        request stops at its first token (prefill worker), and each choice then registers its own history."""
+        picks = [(row, index) for row, (c, p) in enumerate(zip(chunks, params, strict=True))
+                 if p.n > 1 and c.output_index == 0 for index in range(1, p.n)]
+        if not picks:
+            return {}
+        rows = torch.tensor([row for row, _ in picks], device=logits.device)
+        choice_params = [params[row].for_choice(index) for row, index in picks]
+        token_ids = choose_tokens(logits[rows], choice_params, [0] * len(picks))  # [num_picks]
+        logprobs = sampled_logprobs(raw_logits[rows], token_ids, choice_params)
+        others: dict[int, list[SampledToken]] = {}
+        for i, ((row, _), token) in enumerate(zip(picks, token_ids.tolist(), strict=True)):
+            others.setdefault(row, []).append(SampledToken(
+                chunks[row].request_id, token,
+                logprobs[0][i] if logprobs is not None and choice_params[i].logprobs else None,
+                logprobs[1][i] if logprobs is not None else ()))
+        return {row: tuple(tokens) for row, tokens in others.items()}
 
     def _score_prompts(self, chunks: tuple[ScheduledChunk, ...], hidden: torch.Tensor
                        ) -> tuple[PromptLogprobsChunk, ...]:

@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from llm_engine.batch import SampledToken
 from llm_engine.logprobs import PromptLogprobs, PromptLogprobsChunk, TopLogprobs
 from llm_engine.sampling import SamplingParams
 
@@ -48,6 +49,8 @@ class Request:
     # Chained hashes of the leading full blocks, filled lazily by the scheduler's prefix-cache lookups: tokens
     # only grow, so a hash stays valid, and a request waiting for blocks is not re-hashed at every step.
     block_hashes: list[bytes] = field(default_factory=list)
+    # sampling.n > 1: the first tokens of choices 1..n-1 (output_token_ids[0] is choice 0's), drawn with it.
+    other_first_tokens: tuple[SampledToken, ...] = ()
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -95,6 +98,11 @@ class Request:
             return PromptLogprobs((), ()) if self.num_prompt_tokens == 1 else None  # or prefilled elsewhere
         return PromptLogprobs(tuple(self.prompt_logprobs), tuple(self.prompt_top_logprobs))
 
+    def is_stop_token(self, token_id: int) -> bool:
+        """Whether sampling `token_id` ends the request (EOS unless ignored, or a stop token)."""
+        hit_eos = token_id in self.eos_token_ids and not self.sampling.ignore_eos
+        return hit_eos or token_id in self.sampling.stop_token_ids
+
     def append_token(self, token_id: int, logprob: float | None, top_logprobs: TopLogprobs = ()) -> None:
         """Add a sampled token and set FINISHED_* if it ends the request."""
         self.output_token_ids.append(token_id)
@@ -102,8 +110,7 @@ class Request:
             self.output_logprobs.append(logprob)
             if self.sampling.top_logprobs:
                 self.output_top_logprobs.append(top_logprobs)
-        hit_eos = token_id in self.eos_token_ids and not self.sampling.ignore_eos
-        if hit_eos or token_id in self.sampling.stop_token_ids:
+        if self.is_stop_token(token_id):
             self.status = RequestStatus.FINISHED_STOPPED
         elif self.num_output_tokens >= self.sampling.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH

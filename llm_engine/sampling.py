@@ -10,7 +10,7 @@ generator) are sampled one by one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +39,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt or the output (CTRL's), in (0, 2]
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100]) pairs
     min_tokens: int = 0  # EOS and stop_token_ids cannot end generation before this many output tokens
+    # Choices drawn from the prompt's last logits (the first token only, each with its own seed: see
+    # llm_engine/choices.py); each choice then decodes as a request of its own with n = 1 (for_choice).
+    n: int = 1
 
     def __post_init__(self) -> None:
         problems = self._sampling_problems() + self._processing_problems()
@@ -81,7 +84,14 @@ class SamplingParams:
             problems.append("logit_bias must map non-negative token ids to biases in [-100, 100]")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             problems.append(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if not _is_int(self.n) or self.n < 1:
+            problems.append(f"n must be an integer >= 1, got {self.n!r}")
         return problems
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters choice `index` decodes with: one choice, its own seed (llm_engine/choices.py)."""
+        seed = None if self.seed is None else choice_seed(self.seed, index)
+        return replace(self, n=1, seed=seed)
 
     @property
     def is_greedy(self) -> bool:
@@ -100,6 +110,15 @@ class SamplingParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed` (OpenAI's `n`): choice 0 keeps it, so that
+    n = 1 equals choice 0 of n > 1; the others get seeds unrelated to it and to each other (the per-token
+    generator mixes the output index in after this)."""
+    if index == 0:
+        return seed
+    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def _generator(seed: int, output_index: int, device: torch.device) -> torch.Generator:

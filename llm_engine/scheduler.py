@@ -261,6 +261,8 @@ class Scheduler:
             if request is None:
                 continue
             request.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            if sampled.other_choices:
+                request.other_first_tokens = sampled.other_choices
             advanced.append(request)
             if request.is_finished:
                 self.running.remove(request)

@@ -5,7 +5,8 @@ prepare_completion() (one PreparedRequest per prompt of a batch) / prepare_chat(
        prompt's token ids against the vocabulary, and the sampling values;
     2. tokenize once (or render the chat template), in a worker thread when the prompt or the conversation
        is long, so the event loop keeps streaming;
-    3. check the context (prompt + max_tokens) against the model and against one decode worker's KV;
+    3. check the context (prompt + max_tokens) against the model, and prompt + n × max_tokens (the choices
+       share the prompt's KV) against one decode worker's;
     4. hash the prompt's full blocks once (the router matches them against each worker's prefix cache).
 Bad input raises BadRequest (HTTP 4xx with the parameter named).
 """
@@ -165,11 +166,13 @@ class Preparer:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        if total > self.max_request_tokens:
+        num_kv = len(prompt) + request.n * max_tokens  # the choices decode on one worker, sharing the prompt
+        if num_kv > self.max_request_tokens:
+            choices = f" ({request.n} choices of {max_tokens} tokens)" if request.n > 1 else ""
             raise BadRequest(
-                f"the request needs KV for {total} tokens; one decode worker holds at most "
+                f"the request needs KV for {num_kv} tokens{choices}; one decode worker holds at most "
                 f"{self.max_request_tokens}",
-                param="max_tokens",
+                param="n" if request.n > 1 and total <= self.max_request_tokens else "max_tokens",
             )
         is_greedy = request.temperature < MIN_TEMPERATURE or request.top_p < MIN_TOP_P
         self._check_token_ids(request)
@@ -193,6 +196,7 @@ class Preparer:
                 logit_bias=request.logit_bias_pairs,
                 min_tokens=request.min_tokens,
                 stop_token_ids=tuple(request.stop_token_ids or ()),
+                n=request.n,
             )
         except ValueError as error:
             raise BadRequest(str(error)) from None

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from gateway.telemetry.timings import Timings
+from llm_engine.choices import MAX_CHOICES
 
 MAX_STOP_STRINGS = 16  # OpenAI takes 4; a few more cost little (each is searched for after every token)
 MAX_STOP_CHARS = 256  # per stop string: text that could start one is held back from the stream
@@ -48,7 +49,9 @@ class _Request(BaseModel):
     stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | Annotated[
         list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_STRINGS)
     ] | None = None
-    n: int = Field(default=1, ge=1)  # one choice per request: n > 1 is refused (not supported yet)
+    # Choices of one prompt: one prefill, their first tokens drawn from the same logits (each with its own
+    # seed derived from `seed`), then decoded from the prompt's KV, shared on one decode worker.
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)  # extension (vLLM's)
@@ -71,13 +74,6 @@ class _Request(BaseModel):
         # JSON has one number type: 4.0 is an integer to JSON Schema (and what some clients send for 4).
         # Otherwise integers are strict: "4", 4.5 and true are refused.
         return int(value) if isinstance(value, float) and value.is_integer() else value
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n > 1:
-            raise ValueError("n > 1 (several choices) is not supported yet")
-        return n
 
     @field_validator("logit_bias")
     @classmethod

@@ -5,6 +5,9 @@ OpenAI-shaped error event, `data: {"error": {...}}`, then `data: [DONE]`: never 
 The chunks of a token (text only: no logprobs, no token ids, not the last one) are framed by _TextFrames
 without a pydantic model: they are most of a stream and each costs one json.dumps of its text. Every other
 chunk goes through the pydantic models; both spell the same JSON.
+With n > 1 choices, a stream interleaves the choices' chunks as their tokens come, each with its `index` and
+its own finish_reason; a whole response lists them in index order. Usage counts the prompt once and sums
+the choices' completion tokens.
 """
 
 from __future__ import annotations
@@ -32,16 +35,19 @@ from gateway.api.protocol import (
 )
 from gateway.requests.orchestrator import RequestFailed
 from gateway.requests.service import GatewayService, PreparedRequest, TextDelta
+from gateway.telemetry.timings import Timings
 from llm_engine import TopLogprobs
 
 logger = logging.getLogger(__name__)
 
 
-def _usage(prepared: PreparedRequest, last: TextDelta) -> Usage:
+def _usage(prepared: PreparedRequest, lasts: list[TextDelta]) -> Usage:
+    """Each choice's final delta in `lasts` (the request's last one carries the cached count)."""
     num_prompt = len(prepared.prompt_token_ids)
-    num_output = last.num_output_tokens
+    num_output = sum(last.num_output_tokens for last in lasts)
+    num_cached = max(last.num_cached_tokens for last in lasts)
     # Only when the prefix cache served part of the prompt (as vLLM, which leaves it out unless asked).
-    details = PromptTokensDetails(cached_tokens=last.num_cached_tokens) if last.num_cached_tokens else None
+    details = PromptTokensDetails(cached_tokens=num_cached) if num_cached else None
     return Usage(prompt_tokens=num_prompt, completion_tokens=num_output, total_tokens=num_prompt + num_output,
                  prompt_tokens_details=details)
 
@@ -83,7 +89,7 @@ def _error_event(message: str, code: str) -> str:
 
 
 class _Collected:
-    """A whole response's deltas, joined."""
+    """One choice's deltas, joined."""
 
     def __init__(self) -> None:
         self.text: list[str] = []
@@ -94,17 +100,30 @@ class _Collected:
         self.last: TextDelta | None = None
 
     @classmethod
-    async def of(cls, deltas: AsyncIterator[TextDelta]) -> _Collected:
-        collected = cls()
+    async def of(cls, deltas: AsyncIterator[TextDelta]) -> list[_Collected]:
+        """Every choice's, in index order."""
+        choices: dict[int, _Collected] = {}
         async for delta in deltas:
+            collected = choices.setdefault(delta.index, cls())
             collected.first = collected.first or delta
             collected.text.append(delta.text)
             collected.token_ids.extend(delta.token_ids)
             collected.logprobs.extend(delta.logprobs)
             collected.top_logprobs.extend(delta.top_logprobs)
             collected.last = delta
-        assert collected.last is not None and collected.last.finish_reason is not None
-        return collected
+        collected_choices = [choices[index] for index in sorted(choices)]
+        assert all(c.last is not None and c.last.finish_reason is not None for c in collected_choices)
+        return collected_choices
+
+    @property
+    def final(self) -> TextDelta:
+        assert self.last is not None
+        return self.last
+
+
+def _timings(lasts: list[TextDelta]) -> Timings | None:
+    """The request's timings: on the last of its choices' final deltas."""
+    return next((last.timings for last in lasts if last.timings is not None), None)
 
 
 def echo_text(service: GatewayService, body: CompletionRequest, prepared: PreparedRequest) -> str:
@@ -116,8 +135,18 @@ def echo_text(service: GatewayService, body: CompletionRequest, prepared: Prepar
 async def completion_response(service: GatewayService, texts: TokenTexts, body: CompletionRequest,
                               prepared: PreparedRequest, deltas: AsyncIterator[TextDelta]
                               ) -> CompletionResponse:
-    got = await _Collected.of(deltas)
-    assert got.last is not None
+    choices = await _Collected.of(deltas)
+    lasts = [got.final for got in choices]
+    first_index = prepared.batch_index * len(choices)  # a batch's choices: prompt by prompt, as OpenAI's
+    return CompletionResponse(
+        id=prepared.request_id, model=service.model_name, usage=_usage(prepared, lasts),
+        timings=_timings(lasts),
+        choices=[_completion_choice(service, texts, body, prepared, got, first_index + i)
+                 for i, got in enumerate(choices)])
+
+
+def _completion_choice(service: GatewayService, texts: TokenTexts, body: CompletionRequest,
+                       prepared: PreparedRequest, got: _Collected, index: int) -> CompletionChoice:
     text = "".join(got.text)
     logprobs: CompletionLogprobs | None = None
     if body.echo:
@@ -131,30 +160,32 @@ async def completion_response(service: GatewayService, texts: TokenTexts, body: 
     elif body.logprobs is not None:
         logprobs = CompletionLogprobsBuilder(texts, body.logprobs).generated(got.token_ids, got.logprobs,
                                                                              got.top_logprobs)
-    choice = CompletionChoice(
-        index=prepared.batch_index, text=text, finish_reason=got.last.finish_reason, logprobs=logprobs,
+    return CompletionChoice(
+        index=index, text=text, finish_reason=got.final.finish_reason, logprobs=logprobs,
         token_ids=got.token_ids if body.return_token_ids else None,
     )
-    return CompletionResponse(id=prepared.request_id, model=service.model_name, choices=[choice],
-                              usage=_usage(prepared, got.last), timings=got.last.timings)
 
 
 async def completion_stream(service: GatewayService, texts: TokenTexts, body: CompletionRequest,
                             prepared: PreparedRequest, deltas: AsyncIterator[TextDelta], include_usage: bool
                             ) -> AsyncIterator[str]:
-    last: TextDelta | None = None
+    lasts: list[TextDelta] = []  # each choice's final delta
+    started: set[int] = set()  # choices with a chunk sent
     errors: list[str] = []
     created = int(time.time())
-    frames = _TextFrames(CompletionResponse(
+    frames = [_TextFrames(CompletionResponse(
         id=prepared.request_id, model=service.model_name, created=created,
-        choices=[CompletionChoice(text="\x00", finish_reason=None)]), "text")
+        choices=[CompletionChoice(index=i, text="\x00", finish_reason=None)]), "text")
+        for i in range(prepared.sampling.n)]
     is_text_only = body.logprobs is None and not body.return_token_ids and not body.echo
     builder = CompletionLogprobsBuilder(texts, body.logprobs or 0)
     async for delta in _guarded(deltas, errors):
-        is_first = last is None
-        last = delta
+        is_first = delta.index not in started
+        started.add(delta.index)
+        if delta.finish_reason is not None:
+            lasts.append(delta)
         if is_text_only and delta.finish_reason is None:
-            yield frames.frame(delta.text)
+            yield frames[delta.index].frame(delta.text)
             continue
         text = delta.text
         logprobs: CompletionLogprobs | None = None
@@ -166,7 +197,7 @@ async def completion_stream(service: GatewayService, texts: TokenTexts, body: Co
             generated = builder.generated(delta.token_ids, delta.logprobs, delta.top_logprobs)
             logprobs = joined(logprobs, generated) if logprobs else generated
         choice = CompletionChoice(
-            text=text, finish_reason=delta.finish_reason, logprobs=logprobs,
+            index=delta.index, text=text, finish_reason=delta.finish_reason, logprobs=logprobs,
             token_ids=list(delta.token_ids) if body.return_token_ids else None,
         )
         chunk = CompletionResponse(id=prepared.request_id, model=service.model_name, created=created,
@@ -174,9 +205,9 @@ async def completion_stream(service: GatewayService, texts: TokenTexts, body: Co
         yield _sse(chunk.model_dump_json(exclude_none=True))
     for event in errors:
         yield event
-    if include_usage and last is not None:
+    if include_usage and lasts:
         usage = CompletionResponse(id=prepared.request_id, model=service.model_name, created=created,
-                                   choices=[], usage=_usage(prepared, last))
+                                   choices=[], usage=_usage(prepared, lasts))
         yield _sse(usage.model_dump_json(exclude_none=True))
     yield _sse("[DONE]")
 
@@ -184,16 +215,18 @@ async def completion_stream(service: GatewayService, texts: TokenTexts, body: Co
 async def chat_response(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
                         prepared: PreparedRequest, deltas: AsyncIterator[TextDelta]
                         ) -> ChatCompletionResponse:
-    got = await _Collected.of(deltas)
-    assert got.last is not None
-    logprobs = ChatLogprobs(content=chat_logprobs(texts, got.token_ids, got.logprobs, got.top_logprobs))
-    choice = ChatChoice(
-        message=ChatDelta(role="assistant", content="".join(got.text)), finish_reason=got.last.finish_reason,
-        logprobs=logprobs if body.logprobs else None,
-        token_ids=got.token_ids if body.return_token_ids else None,
-    )
-    return ChatCompletionResponse(id=prepared.request_id, model=service.model_name, choices=[choice],
-                                  usage=_usage(prepared, got.last), timings=got.last.timings)
+    choices = await _Collected.of(deltas)
+    lasts = [got.final for got in choices]
+    return ChatCompletionResponse(
+        id=prepared.request_id, model=service.model_name, usage=_usage(prepared, lasts),
+        timings=_timings(lasts),
+        choices=[ChatChoice(
+            index=i, message=ChatDelta(role="assistant", content="".join(got.text)),
+            finish_reason=got.final.finish_reason,
+            logprobs=ChatLogprobs(content=chat_logprobs(texts, got.token_ids, got.logprobs, got.top_logprobs))
+            if body.logprobs else None,
+            token_ids=got.token_ids if body.return_token_ids else None,
+        ) for i, got in enumerate(choices)])
 
 
 async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
@@ -209,18 +242,22 @@ async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatComp
     def chunk(choice: ChatChoice | None, **extra: object) -> str:
         return _sse(response(choice, **extra).model_dump_json(exclude_none=True))
 
-    frames = _TextFrames(response(ChatChoice(delta=ChatDelta(content="\x00"), finish_reason=None)), "content")
+    num_choices = prepared.sampling.n
+    frames = [_TextFrames(response(ChatChoice(index=i, delta=ChatDelta(content="\x00"), finish_reason=None)),
+                          "content") for i in range(num_choices)]
     is_text_only = not body.logprobs and not body.return_token_ids
-    yield chunk(ChatChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None))
-    last: TextDelta | None = None
+    for i in range(num_choices):  # as OpenAI: each choice's first chunk names the role
+        yield chunk(ChatChoice(index=i, delta=ChatDelta(role="assistant", content=""), finish_reason=None))
+    lasts: list[TextDelta] = []  # each choice's final delta
     errors: list[str] = []
     async for delta in _guarded(deltas, errors):
-        last = delta
+        if delta.finish_reason is not None:
+            lasts.append(delta)
         if is_text_only and delta.finish_reason is None:
-            yield frames.frame(delta.text)
+            yield frames[delta.index].frame(delta.text)
             continue
         choice = ChatChoice(
-            delta=ChatDelta(content=delta.text), finish_reason=delta.finish_reason,
+            index=delta.index, delta=ChatDelta(content=delta.text), finish_reason=delta.finish_reason,
             logprobs=ChatLogprobs(content=chat_logprobs(texts, delta.token_ids, delta.logprobs,
                                                         delta.top_logprobs)) if body.logprobs else None,
             token_ids=list(delta.token_ids) if body.return_token_ids else None,
@@ -228,6 +265,6 @@ async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatComp
         yield chunk(choice, timings=delta.timings)
     for event in errors:
         yield event
-    if include_usage and last is not None:
-        yield chunk(None, usage=_usage(prepared, last))
+    if include_usage and lasts:
+        yield chunk(None, usage=_usage(prepared, lasts))
     yield _sse("[DONE]")

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
+from gateway.fleet.output_streams import RequestOutputs
 from gateway.fleet.worker_errors import WorkerLost, WrongRoleError
 from gateway.fleet.workers import Worker
 from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
@@ -105,6 +106,7 @@ class StreamEvent:
     # The worker that prefilled the prompt: a prefill worker (first event) or the decode worker itself
     # (final event), for the prefix-cache metrics.
     prefilled_by: str = ""
+    index: int = 0  # the choice (n > 1: gateway/requests/choices.py)
 
 
 class RequestRun:
@@ -262,19 +264,24 @@ class RequestRun:
             "worker_failed",
         )
 
-    async def _decode(self, decode: Worker, request: DecodeRequest) -> AsyncGenerator[StreamEvent, None]:
+    async def _decode(self, decode: Worker, request: DecodeRequest, submitted: RequestOutputs | None = None
+                      ) -> AsyncGenerator[StreamEvent, None]:
+        """`submitted`: the request's outputs, when it was submitted to `decode` already (a choice of a
+        request with several, gateway/requests/choices.py); `request` is then what a move sends on."""
         while True:
             handle: KVHandle | None = None
-            if not (decode.is_active and decode.role.can_decode):  # it left or changed role since the pick
+            if submitted is None and not (decode.is_active and decode.role.can_decode):  # it left meanwhile
                 decode = await self._pick_decode(self.deadlines.finish_by)
             try:
-                async for event in self._decode_once(decode, request):
+                async for event in self._decode_once(decode, request, submitted):
                     yield event
                 return
             except _Misrouted:  # the same request (its prefill KV included) goes to another decode worker
+                submitted = None
                 decode = await self._pick_decode(self.deadlines.finish_by, {decode.worker_id})
                 continue
             except _WorkerLost as lost:
+                submitted = None
                 self.fleet.mark_failed(decode.worker_id, str(lost))
                 # It may have died before pulling the KV it was handed (an evacuated worker's): its holder
                 # frees it now rather than at the lease's end (its role change waits for that).
@@ -288,6 +295,7 @@ class RequestRun:
                                         "failed while serving this request", "worker_failed") from None
                 self.num_migrations += 1
             except _Evacuated as evacuated:
+                submitted = None
                 if not self.generated:  # it was still prefilling there: the whole route starts again
                     raise _Requeued from None
                 self.num_moves += 1
@@ -313,16 +321,19 @@ class RequestRun:
         if holder is not None:
             holder.client.release_kv(handle.transfer_id, why)
 
-    async def _decode_once(self, decode: Worker, request: DecodeRequest) -> AsyncGenerator[StreamEvent, None]:
+    async def _decode_once(self, decode: Worker, request: DecodeRequest,
+                           submitted: RequestOutputs | None = None) -> AsyncGenerator[StreamEvent, None]:
         client = decode.client
         try:
-            outputs = client.subscribe(self.request_id)  # before submitting: no output goes unheard
+            # Before submitting: no output goes unheard.
+            outputs = submitted if submitted is not None else client.subscribe(self.request_id)
         except WorkerLost as error:
             raise _WorkerLost(str(error)) from None
         is_finished = False
         try:
             try:
-                await self._call_worker(client.submit_decode(request, outputs))
+                if submitted is None:
+                    await self._call_worker(client.submit_decode(request, outputs))
             except WrongRoleError:
                 is_finished = True  # it never took the request: nothing to abort there
                 raise _Misrouted from None
