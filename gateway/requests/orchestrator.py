@@ -174,8 +174,8 @@ class RequestRun:
         if self.local_prefill_reason:
             # Prompt tokens sent to a decode or mixed worker and not yet prefilled (the ratio controller's
             # view of prompt work on workers that also decode).
+            await self._clear_for_prompt(decode)  # first: the controller, told next, sees no stream beside it
             self.router.start_local_prefill(decode.worker_id, self.request_id, len(self.prompt_token_ids))
-            await self._clear_for_prompt(decode)
             try:
                 async for event in self._decode(decode, DecodeRequest(self.request_id, self.prompt_token_ids,
                                                                       self.sampling)):
