@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llm_engine.structured import GrammarSpec
+
 MAX_LOGPROBS = 20  # most likely alternatives per position, as OpenAI's top_logprobs and vLLM's default
 
 
@@ -39,6 +41,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt or the output (CTRL's), in (0, 2]
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100]) pairs
     min_tokens: int = 0  # EOS and stop_token_ids cannot end generation before this many output tokens
+    # The output must be this grammar's text (structured outputs, forced tool calls): grammar_mask.py.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         problems = self._sampling_problems() + self._processing_problems()
@@ -88,9 +92,14 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
-    def needs_history(self) -> bool:
-        """Whether the next token depends on the tokens so far (the sampler must be told them)."""
+    def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the next token depends on the tokens so far (the sampler must be told them): penalties
+        count them, a grammar's matcher replays them."""
+        return self.has_penalties or self.grammar is not None
 
     @property
     def processes_logits(self) -> bool:
