@@ -32,7 +32,7 @@ class GrammarSpec:
     """Text the output must be: `prefix`, then a JSON document valid against `json_schema`, then `suffix`,
     then EOS. Hashable: it is the compiled-grammar cache's key."""
 
-    json_schema: str  # the JSON Schema as canonical JSON text (sorted keys); JSON_OBJECT_SCHEMA: any object
+    json_schema: str  # the JSON Schema as JSON text; JSON_OBJECT_SCHEMA: any object
     strict: bool = True  # no properties or items beyond those the schema names (OpenAI's `strict`)
     prefix: str = ""  # literal text before the document (a tool-call parser's opening tag)
     suffix: str = ""  # literal text after it
@@ -40,7 +40,8 @@ class GrammarSpec:
     @classmethod
     def of_schema(cls, schema: dict[str, Any], strict: bool = True, prefix: str = "", suffix: str = ""
                   ) -> GrammarSpec:
-        return cls(json.dumps(schema, sort_keys=True, ensure_ascii=False), strict, prefix, suffix)
+        # Key order is kept: it is the order the grammar writes properties in.
+        return cls(json.dumps(schema, ensure_ascii=False), strict, prefix, suffix)
 
 
 class GrammarError(ValueError):

@@ -30,6 +30,8 @@ from gateway.api.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from gateway.api.tool_parsers import ToolCallParser
+from gateway.api.tool_responses import ToolCallStream, whole_message
 from gateway.requests.orchestrator import RequestFailed
 from gateway.requests.service import GatewayService, PreparedRequest, TextDelta
 from llm_engine import TopLogprobs
@@ -182,13 +184,18 @@ async def completion_stream(service: GatewayService, texts: TokenTexts, body: Co
 
 
 async def chat_response(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
-                        prepared: PreparedRequest, deltas: AsyncIterator[TextDelta]
-                        ) -> ChatCompletionResponse:
+                        prepared: PreparedRequest, deltas: AsyncIterator[TextDelta],
+                        tool_parser: ToolCallParser | None = None) -> ChatCompletionResponse:
+    """The whole answer; read for tool calls with `tool_parser` (gateway/api/tool_responses.py)."""
     got = await _Collected.of(deltas)
     assert got.last is not None
     logprobs = ChatLogprobs(content=chat_logprobs(texts, got.token_ids, got.logprobs, got.top_logprobs))
+    message = ChatDelta(role="assistant", content="".join(got.text))
+    finish_reason = got.last.finish_reason
+    if tool_parser is not None:
+        message, finish_reason = whole_message(tool_parser, "".join(got.text), finish_reason)
     choice = ChatChoice(
-        message=ChatDelta(role="assistant", content="".join(got.text)), finish_reason=got.last.finish_reason,
+        message=message, finish_reason=finish_reason,
         logprobs=logprobs if body.logprobs else None,
         token_ids=got.token_ids if body.return_token_ids else None,
     )
@@ -197,8 +204,10 @@ async def chat_response(service: GatewayService, texts: TokenTexts, body: ChatCo
 
 
 async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
-                      prepared: PreparedRequest, deltas: AsyncIterator[TextDelta], include_usage: bool
-                      ) -> AsyncIterator[str]:
+                      prepared: PreparedRequest, deltas: AsyncIterator[TextDelta], include_usage: bool,
+                      tool_parser: ToolCallParser | None = None) -> AsyncIterator[str]:
+    """The SSE chunks; with `tool_parser`, content and tool-call deltas as gateway/api/tool_responses.py
+    frames them."""
     created = int(time.time())
 
     def response(choice: ChatChoice | None, **extra: object) -> ChatCompletionResponse:
@@ -210,7 +219,8 @@ async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatComp
         return _sse(response(choice, **extra).model_dump_json(exclude_none=True))
 
     frames = _TextFrames(response(ChatChoice(delta=ChatDelta(content="\x00"), finish_reason=None)), "content")
-    is_text_only = not body.logprobs and not body.return_token_ids
+    is_text_only = not body.logprobs and not body.return_token_ids and tool_parser is None
+    tools = ToolCallStream(tool_parser) if tool_parser is not None else None
     yield chunk(ChatChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None))
     last: TextDelta | None = None
     errors: list[str] = []
@@ -219,8 +229,18 @@ async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatComp
         if is_text_only and delta.finish_reason is None:
             yield frames.frame(delta.text)
             continue
+        message = ChatDelta(content=delta.text)
+        finish_reason = delta.finish_reason
+        if tools is not None:
+            pieces = tools.feed(delta.text, is_final=finish_reason is not None)
+            for piece in pieces[:-1]:
+                yield chunk(ChatChoice(delta=piece, finish_reason=None))
+            message = pieces[-1] if pieces else ChatDelta(content="")
+            finish_reason = tools.finish_reason(finish_reason)
+            if not pieces and finish_reason is None and not body.logprobs and not body.return_token_ids:
+                continue  # held back (it may open a call): nothing to send yet
         choice = ChatChoice(
-            delta=ChatDelta(content=delta.text), finish_reason=delta.finish_reason,
+            delta=message, finish_reason=finish_reason,
             logprobs=ChatLogprobs(content=chat_logprobs(texts, delta.token_ids, delta.logprobs,
                                                         delta.top_logprobs)) if body.logprobs else None,
             token_ids=list(delta.token_ids) if body.return_token_ids else None,
