@@ -1,13 +1,13 @@
 """The structured-output logits processor: each request with a grammar (SamplingParams.grammar) has a
 matcher that masks every token the grammar cannot take next, so the output is the grammar's text and ends
-where the grammar ends (the matcher then allows only EOS, and accepting EOS terminates it).
+where the grammar ends (the matcher then allows only EOS).
 
-    register(history) → a matcher from the cached compiled grammar (ending on EOS or one of the request's
-                        stop tokens), fed the request's output tokens so far
+    register(history) → a copy of the cached compiled matcher (llm_engine/structured.py), fed the
+                        request's output tokens so far
                         (a new request: none; on a decode worker: the prefill worker's first token; after a
                         migration or a preemption: everything generated before), so any worker rebuilds the
                         same state from the tokens alone;
-    apply(logits)     → fill the bitmask rows of the requests still matching, set the rest to -inf;
+    apply(logits)     → fill the bitmask rows of the requests with a grammar, set what they forbid to -inf;
     record(tokens)    → each chosen token advances its matcher;
     forget            → the table left the runner: drop the matcher.
 A token the matcher refuses (only possible when another processor forced every allowed token to -inf, e.g.
@@ -30,7 +30,7 @@ from llm_engine.sampling import SamplingParams
 from llm_engine.structured import GrammarCache
 
 if TYPE_CHECKING:
-    import xgrammar
+    import llguidance
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 class GrammarMask(LogitsProcessor):
     def __init__(self, cache: GrammarCache) -> None:
         self.cache = cache
-        self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
+        self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(V / 32)] int32, grown as batches need
         self.mask_seconds = 0.0  # time spent filling and applying masks (the structured-output cost)
         self.num_masked_rows = 0  # rows masked (mask_seconds / this = per-row cost)
@@ -51,14 +51,9 @@ class GrammarMask(LogitsProcessor):
         self._matchers.pop(request_id, None)
         if params.grammar is None:
             return
-        import xgrammar as xgr
-
-        # The grammar ends on a token that ends the request: the model's EOS or the request's stop tokens (the
-        # gateway adds the tokenizer's EOS there for a model whose config names none).
-        stop_tokens = [*self.cache.stop_token_ids, *params.stop_token_ids] or None
-        matcher = xgr.GrammarMatcher(self.cache.compiled(params.grammar), override_stop_tokens=stop_tokens)
+        matcher = self.cache.matcher(params.grammar)
         for index, token in enumerate(history.output_token_ids):
-            if not matcher.accept_token(token):
+            if not matcher.consume_token(token):
                 logger.warning("request %s: output token %d (%d) does not fit its grammar; not masking it",
                                request_id, index, token)
                 return
@@ -74,9 +69,9 @@ class GrammarMask(LogitsProcessor):
         chosen = token_ids.tolist()
         for row, request_id in enumerate(rows.request_ids):
             matcher = self._matchers.get(request_id)
-            if matcher is None or matcher.is_terminated():
+            if matcher is None:
                 continue
-            if not matcher.accept_token(chosen[row]):
+            if not matcher.consume_token(chosen[row]):
                 logger.warning("request %s: token %d does not fit its grammar (another processor removed "
                                "every token it allows); not masking it any more", request_id, chosen[row])
                 del self._matchers[request_id]
@@ -86,18 +81,20 @@ class GrammarMask(LogitsProcessor):
         if not self._matchers:
             return
         masked = [(row, m) for row, r in enumerate(rows.request_ids)
-                  if (m := self._matchers.get(r)) is not None and not m.is_terminated()]
+                  if (m := self._matchers.get(r)) is not None]
         if not masked:
             return
-        import xgrammar as xgr
+        import llguidance.torch
 
         started = time.perf_counter()
         vocab_size = logits.shape[-1]
-        if self._bitmask is None or self._bitmask.shape[0] < logits.shape[0]:
-            self._bitmask = xgr.allocate_token_bitmask(max(logits.shape[0], 8), vocab_size)
-        for row, matcher in masked:
-            matcher.fill_next_token_bitmask(self._bitmask, row)
-        xgr.apply_token_bitmask_inplace(logits, self._bitmask[: logits.shape[0]].to(logits.device),
-                                        vocab_size=vocab_size, indices=[row for row, _ in masked])
+        if self._bitmask is None or self._bitmask.shape[0] < len(masked):
+            self._bitmask = llguidance.torch.allocate_token_bitmask(max(len(masked), 8), vocab_size)
+        for i, (_, matcher) in enumerate(masked):
+            llguidance.torch.fill_next_token_bitmask(matcher, self._bitmask, i)
+        index = torch.tensor([row for row, _ in masked], device=logits.device)
+        selected = logits[index]  # [M, V], a copy
+        llguidance.torch.apply_token_bitmask_inplace(selected, self._bitmask[: len(masked)].to(logits.device))
+        logits[index] = selected
         self.mask_seconds += time.perf_counter() - started
         self.num_masked_rows += len(masked)

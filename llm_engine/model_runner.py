@@ -69,7 +69,7 @@ class ModelRunner:
         self.inputs = InputBatch(self.kv_cache, max_blocks, config.max_num_batched_tokens,
                                  num_rows=config.max_num_seqs, decode_kernel=kernel)
         # Structured outputs: compiled grammars cached per process, a matcher per request (rebuilt from its
-        # tokens wherever it runs); xgrammar is loaded with the first request that has a grammar.
+        # tokens wherever it runs); llguidance is loaded with the first request that has a grammar.
         self.grammar_mask = GrammarMask(GrammarCache(config.model_dir, spec.vocab_size, spec.eos_token_ids))
         self.logits = LogitsPipeline(spec.vocab_size, spec.eos_token_ids, self.device,
                                      extra=(self.grammar_mask,))

@@ -1,30 +1,34 @@
 """What a structured output must look like (GrammarSpec, part of SamplingParams), and its grammar compiled
 for a vocabulary, cached per schema.
 
-The grammar engine is xgrammar: on SmolLM2's 49152-token vocabulary its per-step mask took 1-8 µs (median)
-against llguidance's 8-28 µs, and its p99 6-34 µs against 59-116 µs (benchmarks/results/grammar_engines.md).
-It is imported only when a request asks for a grammar, so workers that never see one never load it.
+The grammar engine is llguidance. xgrammar's per-step mask was faster on SmolLM2's 49152-token vocabulary
+(median 1-8 µs against 8-28 µs; benchmarks/results/grammar_engines.md), but both are far below a decode step
+(tens of ms here), and xgrammar 0.2.9 lets a string with `maxLength` hold raw control characters, which is not
+JSON: outputs of valid-looking schemas failed to parse. llguidance keeps JSON strings JSON, and does not pull
+triton (~1 GB) into a CPU install. It is imported only when a request asks for a grammar.
 
     gateway:  GrammarSpec from response_format / tool_choice → check_grammar (a schema the engine rejects is
               a 400 there, before any worker sees it);
-    worker:   GrammarCache.compiled(spec) → xgrammar CompiledGrammar (LRU, per worker process)
-              → one GrammarMatcher per request (llm_engine/grammar_mask.py).
+    worker:   GrammarCache.compiled(spec) → a matcher built once per schema for this vocabulary (LRU, per
+              worker process) → a deep copy of it per request (llm_engine/grammar_mask.py).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import xgrammar
+    import llguidance
 
-MAX_CACHED_GRAMMARS = 64  # compiled grammars kept per worker process (each a few hundred KiB to a few MiB)
+MAX_CACHED_GRAMMARS = 64  # compiled grammars kept per worker process
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object
+# Fixed separators, no free whitespace: a model (a random one certainly) could otherwise write blanks forever
+# and never close the document.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class GrammarSpec:
     then EOS. Hashable: it is the compiled-grammar cache's key."""
 
     json_schema: str  # the JSON Schema as JSON text; JSON_OBJECT_SCHEMA: any object
-    strict: bool = True  # no properties or items beyond those the schema names (OpenAI's `strict`)
+    strict: bool = True  # objects take no properties beyond those they name (OpenAI's `strict`)
     prefix: str = ""  # literal text before the document (a tool-call parser's opening tag)
     suffix: str = ""  # literal text after it
 
@@ -48,30 +52,43 @@ class GrammarError(ValueError):
     """The grammar engine cannot build this grammar (an unsupported or inconsistent schema)."""
 
 
-def _ebnf_literal(text: str) -> str:
-    return 'root ::= "' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+def _closed(schema: Any) -> Any:
+    """strict: every object schema that names properties and says nothing of others allows none."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
 
 
-def build_grammar(spec: GrammarSpec) -> xgrammar.Grammar:
-    """The spec as an xgrammar Grammar, not yet compiled for a vocabulary.
+def build_grammar(spec: GrammarSpec) -> str:
+    """The spec as an llguidance grammar (its serialised form), not yet bound to a vocabulary.
 
     Raises:
-        GrammarError: the schema is not JSON or xgrammar refuses it (the message says why).
+        GrammarError: the schema is not a JSON object or llguidance refuses it (the message says why).
     """
-    import xgrammar as xgr
+    import llguidance
 
     try:
-        # Fixed separators, no free whitespace: a model (a random one certainly) could otherwise emit blanks
-        # forever and never close the document.
-        document = xgr.Grammar.from_json_schema(spec.json_schema, any_whitespace=False,
-                                                strict_mode=spec.strict)
-        parts = [xgr.Grammar.from_ebnf(_ebnf_literal(t)) if t else None for t in (spec.prefix, spec.suffix)]
-    except (RuntimeError, ValueError, TypeError) as error:
-        # xgrammar's messages start with a timestamp and its C++ source position: keep what follows.
-        raise GrammarError(re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(error).strip())) from None
-    if parts[0] is None and parts[1] is None:
-        return document
-    return xgr.Grammar.concat(*[g for g in (parts[0], document, parts[1]) if g is not None])
+        schema = json.loads(spec.json_schema)
+    except json.JSONDecodeError as error:
+        raise GrammarError(f"the schema is not JSON: {error}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError("the schema must be a JSON object")
+    schema = {**(_closed(schema) if spec.strict else schema), "x-guidance": JSON_OPTIONS}
+    if spec.prefix or spec.suffix:
+        lark = (f"start: {json.dumps(spec.prefix) if spec.prefix else ''} document "
+                f"{json.dumps(spec.suffix) if spec.suffix else ''}\ndocument: %json {json.dumps(schema)}\n")
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    else:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise GrammarError(problem)
+    return grammar
 
 
 def check_grammar(spec: GrammarSpec) -> None:
@@ -80,7 +97,7 @@ def check_grammar(spec: GrammarSpec) -> None:
 
 
 class GrammarCache:
-    """Compiled grammars of one worker process for one vocabulary, least recently used dropped first."""
+    """Matchers in their start state, one per grammar, for one vocabulary; the least recently used go first."""
 
     def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int],
                  max_entries: int = MAX_CACHED_GRAMMARS) -> None:
@@ -88,35 +105,40 @@ class GrammarCache:
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's vocabulary)
         self.stop_token_ids = list(stop_token_ids)
         self.max_entries = max_entries
-        self._compiled: OrderedDict[GrammarSpec, xgrammar.CompiledGrammar] = OrderedDict()
-        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._compiled: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
+        self._tokenizer: llguidance.LLTokenizer | None = None
         self.num_compiled = 0  # compilations done (cache misses)
 
-    def _get_compiler(self) -> xgrammar.GrammarCompiler:
-        if self._compiler is None:
-            import xgrammar as xgr
+    def _get_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            import llguidance.hf
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            # A model whose config names no EOS: the tokenizer's (matchers override it per request).
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids or None)
-            # One thread: the worker's cores belong to its forward. Our own LRU bounds what is kept.
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
+            # The grammar's end is the model's EOS; a model whose config names none ends on the tokenizer's
+            # (the gateway makes that token a stop token of such requests).
+            eos = self.stop_token_ids[0] if self.stop_token_ids else tokenizer.eos_token_id
+            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,  # type: ignore[arg-type]
+                                                           eos_token=eos)
+        return self._tokenizer
 
-    def compiled(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
-        """The spec compiled for this vocabulary. Raises GrammarError (the gateway checks specs first)."""
+    def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        """A fresh matcher for `spec` (a copy of the cached one). Raises GrammarError (the gateway checks
+        specs first, so a worker sees this only for a spec that did not come through it)."""
+        import llguidance
+
         found = self._compiled.get(spec)
         if found is not None:
             self._compiled.move_to_end(spec)
-            return found
-        compiled = self._get_compiler().compile_grammar(build_grammar(spec))
+            return found.deep_copy()
+        compiled = llguidance.LLMatcher(self._get_tokenizer(), build_grammar(spec))
+        if compiled.is_error():
+            raise GrammarError(compiled.get_error())
         self.num_compiled += 1
         self._compiled[spec] = compiled
         if len(self._compiled) > self.max_entries:
             self._compiled.popitem(last=False)
-        return compiled
+        return compiled.deep_copy()
 
     def __len__(self) -> int:
         return len(self._compiled)

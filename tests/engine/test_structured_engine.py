@@ -1,7 +1,7 @@
 """Structured outputs in the engine alone (tiny random Llama with SmolLM2's tokenizer): the grammar mask
 makes every output a valid document that ends at the grammar's end (EOS), whatever the weights; a matcher
 rebuilt from the tokens so far (what a decode worker or a migration target does) continues exactly as the
-original; the compiled-grammar cache is bounded and reused; a schema xgrammar refuses is a GrammarError."""
+original; the compiled-grammar cache is bounded and reused; a schema llguidance refuses is a GrammarError."""
 
 from __future__ import annotations
 
@@ -95,12 +95,13 @@ def test_the_cache_is_bounded_and_reused(tiny_chat_model_dir: Path) -> None:
     cache = GrammarCache(str(tiny_chat_model_dir), 49152, (EOS,), max_entries=2)
     specs = [GrammarSpec.of_schema({"type": "object", "properties": {f"k{i}": {"type": "integer"}}})
              for i in range(3)]
-    first = cache.compiled(specs[0])
-    assert cache.compiled(specs[0]) is first and cache.num_compiled == 1
-    cache.compiled(specs[1])
-    cache.compiled(specs[2])
+    cache.matcher(specs[0])
+    cache.matcher(specs[0])
+    assert cache.num_compiled == 1
+    cache.matcher(specs[1])
+    cache.matcher(specs[2])
     assert len(cache) == 2 and cache.num_compiled == 3
-    cache.compiled(specs[0])  # evicted as the least recently used: compiled again
+    cache.matcher(specs[0])  # evicted as the least recently used: compiled again
     assert cache.num_compiled == 4
 
 
@@ -109,4 +110,4 @@ def test_the_cache_is_bounded_and_reused(tiny_chat_model_dir: Path) -> None:
 def test_a_schema_the_engine_refuses_is_a_grammar_error(schema: str) -> None:
     with pytest.raises(GrammarError) as raised:
         check_grammar(GrammarSpec(schema))
-    assert "project/cpp" not in str(raised.value)
+    assert str(raised.value)
