@@ -97,7 +97,7 @@ def check_grammar(spec: GrammarSpec) -> None:
 
 
 class GrammarCache:
-    """Matchers in their start state, one per grammar, for one vocabulary; the least recently used go first."""
+    """Matchers in their start state, one per grammar, for one vocabulary (least recently used go first)."""
 
     def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int],
                  max_entries: int = MAX_CACHED_GRAMMARS) -> None:

@@ -98,7 +98,8 @@ def test_json_object_on_both_endpoints_and_a_streamed_schema(sdk: openai.OpenAI,
     completion = client.post("/v1/completions", json=body).json()["choices"][0]
     assert completion["finish_reason"] == "stop"
     jsonschema.validate(json.loads(completion["text"]), SCHEMAS["nested"])
-    stream = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True,
+    stream = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],  # type: ignore[arg-type]
+                                         stream=True,
                                          max_tokens=MAX_TOKENS, temperature=0,
                                          response_format=schema_format("a", SCHEMAS["array_of_objects"]))  # type: ignore[arg-type]
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)

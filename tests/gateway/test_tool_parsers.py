@@ -14,8 +14,8 @@ from gateway.api.tool_parsers import HermesParser, Llama3JsonParser, ToolCallPar
 from gateway.api.tool_prompt import plan_tools, template_messages
 from gateway.api.tool_responses import ToolCallStream, whole_message
 
-HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}'
-          '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+          '"days": [1, 2]}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
 LLAMA3 = '{"name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2]}}; {"name": "get_time", ' \
          '"parameters": {}}'
 EXPECTED = [("get_weather", {"city": "Paris", "days": [1, 2]}), ("get_time", {})]
@@ -76,8 +76,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 def chat(**fields: object) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                                 **fields})
+    user = [{"role": "user", "content": "hi"}]
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": user, **fields})
 
 
 def test_tool_choice_plans() -> None:
@@ -85,8 +85,8 @@ def test_tool_choice_plans() -> None:
     assert plan_tools(chat(tools=TOOLS, tool_choice="none"), HermesParser()).tools is None
     auto = plan_tools(chat(tools=TOOLS), HermesParser())
     assert auto.parser is not None and auto.grammar is None and auto.tools is not None
-    named = plan_tools(chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-                       HermesParser())
+    get_weather = {"type": "function", "function": {"name": "get_weather"}}
+    named = plan_tools(chat(tools=TOOLS, tool_choice=get_weather), HermesParser())
     assert named.grammar is not None and named.grammar.prefix == "<tool_call>\n"
     for bad in ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS},
                 {"tool_choice": "required"}):
@@ -100,7 +100,8 @@ def messages(*items: dict[str, object]) -> list[ChatMessage]:
 
 
 CALL = {"role": "assistant", "content": None, "tool_calls": [
-    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+    {"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
 
 
 def test_history_with_calls_renders_for_both_kinds_of_template() -> None:
