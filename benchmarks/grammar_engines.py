@@ -4,8 +4,12 @@ engine uses for structured outputs is chosen by these figures (README, "Structur
 For each schema: compile it (cold: a fresh compiler, then the same schema again), then walk the token path of
 a valid document (the document tokenized by the model's tokenizer, then EOS) and time, at every step, filling
 the next-token bitmask ([1, V/32] int32) and accepting the token. One thread, as a worker's sampler has.
-Medians over --repeats walks; the same token path for both engines.
+Medians over --repeats walks; the same token path for both engines. llguidance builds its lexer lazily,
+so part of its compile time shows in its first masks instead. Beside the times, the correctness check that
+decided the choice: after `"a` inside a string with `maxLength`, may the next token be a raw control
+character (U+000E, not allowed unescaped in JSON)?
 
+    .venv/bin/pip install xgrammar   # not a pdserve dependency (llguidance is); pulls triton, ~1 GB
     .venv/bin/python benchmarks/grammar_engines.py [--repeats 5] [--out benchmarks/results/grammar_engines.md]
 """
 
@@ -59,6 +63,14 @@ def _xgrammar(tokenizer: Any, vocab_size: int) -> tuple[Callable[..., Any], Call
         return compiler.compile_json_schema(json.dumps(schema if schema is not None else {"type": "object"}),
                                             any_whitespace=False, strict_mode=schema is not None)
 
+    def allows(schema: dict[str, Any], prefix: list[int], token: int) -> bool:
+        matcher = xgr.GrammarMatcher(compile_(schema, fresh=True))
+        bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        for t in prefix:
+            assert matcher.accept_token(t)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        return bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
+
     def walk(compiled: Any, tokens: list[int]) -> list[float]:
         matcher = xgr.GrammarMatcher(compiled)
         bitmask = xgr.allocate_token_bitmask(1, vocab_size)
@@ -71,7 +83,7 @@ def _xgrammar(tokenizer: Any, vocab_size: int) -> tuple[Callable[..., Any], Call
         assert matcher.is_terminated()
         return times
 
-    return compile_, walk
+    return compile_, walk, allows
 
 
 def _llguidance(tokenizer: Any, vocab_size: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -82,6 +94,7 @@ def _llguidance(tokenizer: Any, vocab_size: int) -> tuple[Callable[..., Any], Ca
     lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
 
     def compile_(schema: dict[str, Any] | None, fresh: bool) -> Any:
+        del fresh  # nothing is cached across calls
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
             schema if schema is not None else {"type": "object"},
             defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
@@ -89,6 +102,13 @@ def _llguidance(tokenizer: Any, vocab_size: int) -> tuple[Callable[..., Any], Ca
         matcher = llguidance.LLMatcher(lltok, grammar)
         assert not matcher.is_error(), matcher.get_error()
         return grammar
+
+    def allows(schema: dict[str, Any], prefix: list[int], token: int) -> bool:
+        matcher = llguidance.LLMatcher(lltok, compile_(schema, fresh=True))
+        bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+        assert matcher.consume_tokens(prefix)
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+        return bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
 
     def walk(grammar: Any, tokens: list[int]) -> list[float]:
         matcher = llguidance.LLMatcher(lltok, grammar)
@@ -102,7 +122,7 @@ def _llguidance(tokenizer: Any, vocab_size: int) -> tuple[Callable[..., Any], Ca
         assert matcher.is_stopped(), matcher.get_error()
         return times
 
-    return compile_, walk
+    return compile_, walk, allows
 
 
 def main() -> None:
@@ -122,7 +142,7 @@ def main() -> None:
     rows = []
     for name, schema, document in CASES:
         tokens = [*tokenizer.encode(json.dumps(document)), eos]
-        for engine, (compile_, walk) in engines.items():
+        for engine, (compile_, walk, _) in engines.items():
             started = time.perf_counter()
             compiled = compile_(schema, fresh=True)
             cold_ms = 1000 * (time.perf_counter() - started)
@@ -135,6 +155,11 @@ def main() -> None:
                          statistics.median(p99_ms)))
             print(f"{name:12s} {engine:10s} tokens {len(tokens):4d}  compile {cold_ms:8.1f} ms  "
                   f"mask/step median {rows[-1][4]:.3f} ms  p99 {rows[-1][5]:.3f} ms", flush=True)
+    bounded = {"type": "string", "maxLength": 16}
+    control = tokenizer.convert_tokens_to_ids("Ď")  # byte 0x0E in the byte-level vocabulary
+    prefix = tokenizer.encode('"a')
+    checks = {engine: allows(bounded, prefix, control) for engine, (_, _, allows) in engines.items()}
+    print("raw control character allowed in a maxLength string:", checks)
     lines = [
         "# Grammar engines: per-step mask time on SmolLM2's vocabulary (49152 tokens)",
         "",
@@ -144,6 +169,9 @@ def main() -> None:
         "| schema | engine | tokens | compile (cold) ms | mask/step median ms | mask/step p99 ms |",
         "|---|---|---|---|---|---|",
         *(f"| {n} | {e} | {t} | {c:.1f} | {m:.3f} | {p:.3f} |" for n, e, t, c, m, p in rows),
+        "",
+        "Raw control character (U+000E) allowed inside a `maxLength` string (invalid JSON if yes): "
+        + ", ".join(f"{engine}: {'yes' if allowed else 'no'}" for engine, allowed in checks.items()),
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")

@@ -42,6 +42,7 @@ class GrammarMask(LogitsProcessor):
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(V / 32)] int32, grown as batches need
         self.mask_seconds = 0.0  # time spent filling and applying masks (the structured-output cost)
         self.num_masked_rows = 0  # rows masked (mask_seconds / this = per-row cost)
+        self.num_masked_steps = 0  # forwards that masked any row (mask_seconds / this = per-step cost)
 
     @property
     def num_matchers(self) -> int:
@@ -98,3 +99,4 @@ class GrammarMask(LogitsProcessor):
         logits[index] = selected
         self.mask_seconds += time.perf_counter() - started
         self.num_masked_rows += len(masked)
+        self.num_masked_steps += 1
