@@ -124,7 +124,7 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
     tokenizer = load_tokenizer(model_dir)
     model_name = config.served_model_name or Path(model_dir).name
     app.state.preparer = Preparer(tokenizer, read_model_spec(model_dir), model_name, kv_tokens_per_worker,
-                                  config.default_max_tokens, fleet.block_size)
+                                  config.default_max_tokens, fleet.block_size, config.tool_call_parser)
     app.state.token_texts = TokenTexts(tokenizer)  # logprobs show each token's own text
     app.state.model_dir = model_dir  # /v1/models' root
     num_decoding = len(fleet.active(Role.DECODE, Role.MIXED))
@@ -232,16 +232,19 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
         deltas = service.stream(prepared, reservation)
         texts: TokenTexts = request.app.state.token_texts
         is_chat = isinstance(body, ChatCompletionRequest)
+        # Chat with tools: the answer is read for tool calls in the model's format.
+        tools = {"tool_parser": request.app.state.preparer.tool_parser} if prepared.parses_tool_calls else {}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             framing = chat_stream if is_chat else completion_stream
-            stream = framing(service, texts, body, prepared, deltas, include_usage)  # type: ignore[arg-type]
+            stream = framing(service, texts, body, prepared, deltas, include_usage, **tools)  # type: ignore[arg-type]
             return BoundedStreamingResponse(
                 stream, service.send_by(prepared, reservation), service.metrics.stalled_streams.inc,
                 media_type="text/event-stream", background=BackgroundTask(reservation.release_at_stream_end))
         whole = chat_response if is_chat else completion_response
         try:
-            response = await unless_client_leaves(request, whole(service, texts, body, prepared, deltas))  # type: ignore[arg-type]
+            answer = whole(service, texts, body, prepared, deltas, **tools)  # type: ignore[arg-type]
+            response = await unless_client_leaves(request, answer)
         finally:
             await deltas.aclose()  # aborts both workers unless the request finished
         return JSONResponse(response.model_dump(exclude_none=True))

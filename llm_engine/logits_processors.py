@@ -2,7 +2,8 @@
 penalties over the tokens so far, each one vectorised step over the rows that sample this forward.
 
     ModelRunner.execute:  forget(finished) → register(chunks carrying a TokenHistory)
-        → apply(raw logits [S, V]) = LogitBias → MinTokens → Penalties [→ a grammar's token mask, later]
+        → apply(raw logits [S, V]) = LogitBias → MinTokens → Penalties → the runner's extras (the grammar's
+          token mask, llm_engine/grammar_mask.py)
         → choose tokens → record(the sampled tokens).
 
 Sampling must not depend on which worker samples: the prefill worker draws token 0, a decode worker the rest,
@@ -93,7 +94,7 @@ class Penalties(LogitsProcessor):
         self._free = list(range(num_rows - 1, -1, -1))
 
     def register(self, request_id: str, params: SamplingParams, history: TokenHistory) -> None:
-        if not params.needs_history:
+        if not params.has_penalties:
             return
         row = self._rows.get(request_id)
         if row is None:
@@ -157,9 +158,11 @@ class Penalties(LogitsProcessor):
 class LogitsPipeline:
     """The runner's processors, in order; the one object it calls."""
 
-    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], device: torch.device) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], device: torch.device,
+                 extra: Sequence[LogitsProcessor] = ()) -> None:
+        # `extra` come last: a grammar's mask decides among what the others left (it only removes tokens).
         self.processors: list[LogitsProcessor] = [LogitBias(), MinTokens(eos_token_ids),
-                                                  Penalties(vocab_size, device)]
+                                                  Penalties(vocab_size, device), *extra]
 
     def register(self, request_id: str, params: SamplingParams, history: TokenHistory) -> None:
         for processor in self.processors:

@@ -17,6 +17,7 @@ import torch
 
 from llm_engine.batch import ModelInput, ModelOutput, SampledToken, ScheduledChunk
 from llm_engine.config import EngineConfig, ModelSpec
+from llm_engine.grammar_mask import GrammarMask
 from llm_engine.input_batch import InputBatch
 from llm_engine.kv_cache import KVCacheSpec
 from llm_engine.kv_cache_manager import blocks_for
@@ -25,6 +26,7 @@ from llm_engine.logprobs import PromptLogprobsChunk, prompt_logprobs, sampled_lo
 from llm_engine.native_kernels import DecodeKernel, paged_decode_attention
 from llm_engine.sampling import SamplingParams, choose_tokens
 from llm_engine.step_timeline import StepRecord, StepTimeline
+from llm_engine.structured import GrammarCache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -66,7 +68,11 @@ class ModelRunner:
         self.decode_attention, kernel = choose_decode_attention(config)
         self.inputs = InputBatch(self.kv_cache, max_blocks, config.max_num_batched_tokens,
                                  num_rows=config.max_num_seqs, decode_kernel=kernel)
-        self.logits = LogitsPipeline(spec.vocab_size, spec.eos_token_ids, self.device)
+        # Structured outputs: compiled grammars cached per process, a matcher per request (rebuilt from its
+        # tokens wherever it runs); llguidance is loaded with the first request that has a grammar.
+        self.grammar_mask = GrammarMask(GrammarCache(config.model_dir, spec.vocab_size, spec.eos_token_ids))
+        self.logits = LogitsPipeline(spec.vocab_size, spec.eos_token_ids, self.device,
+                                     extra=(self.grammar_mask,))
 
     def forget_all(self) -> None:
         """Drop every request's table and sampling state (the engine is idle; its scheduler is replaced)."""

@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from llm_engine.structured import GrammarSpec
+
 MAX_LOGPROBS = 20  # most likely alternatives per position, as OpenAI's top_logprobs and vLLM's default
 
 
@@ -42,6 +44,8 @@ class SamplingParams:
     # Choices drawn from the prompt's last logits (the first token only, each with its own seed: see
     # llm_engine/choices.py); each choice then decodes as a request of its own with n = 1 (for_choice).
     n: int = 1
+    # The output must be this grammar's text (structured outputs, forced tool calls): grammar_mask.py.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         problems = self._sampling_problems() + self._processing_problems()
@@ -98,9 +102,14 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
-    def needs_history(self) -> bool:
-        """Whether the next token depends on the tokens so far (the sampler must be told them)."""
+    def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the next token depends on the tokens so far (the sampler must be told them): penalties
+        count them, a grammar's matcher replays them."""
+        return self.has_penalties or self.grammar is not None
 
     @property
     def processes_logits(self) -> bool:

@@ -3,11 +3,13 @@
 prepare_completion() (one PreparedRequest per prompt of a batch) / prepare_chat():
     1. check the model name, that every field asks for something pdserve does (gateway/api/surface.py), the
        prompt's token ids against the vocabulary, and the sampling values;
-    2. tokenize once (or render the chat template), in a worker thread when the prompt or the conversation
-       is long, so the event loop keeps streaming;
-    3. check the context (prompt + max_tokens) against the model, and prompt + n × max_tokens (the choices
+    2. the grammar the output must follow: response_format's (gateway/api/structured.py) or a forced tool
+       call's (gateway/api/tool_prompt.py);
+    3. tokenize once (or render the chat template, with the tools), in a worker thread when the prompt or the
+       conversation is long, so the event loop keeps streaming;
+    4. check the context (prompt + max_tokens) against the model, and prompt + n × max_tokens (the choices
        share the prompt's KV) against one decode worker's;
-    4. hash the prompt's full blocks once (the router matches them against each worker's prefix cache).
+    5. hash the prompt's full blocks once (the router matches them against each worker's prefix cache).
 Bad input raises BadRequest (HTTP 4xx with the parameter named).
 """
 
@@ -19,16 +21,20 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jinja2 import TemplateError
 
 from gateway.api.bad_request import BadRequest
 from gateway.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.api.structured import response_format_grammar
 from gateway.api.surface import MESSAGE_NOT_YET_SUPPORTED, check_fields
+from gateway.api.tool_parsers import ToolCallParser, choose_parser
+from gateway.api.tool_prompt import ToolPlan, plan_tools, template_messages
 from gateway.requests.service import PreparedRequest
 from llm_engine import ModelSpec, SamplingParams
 from llm_engine.kv_cache_manager import prefix_hashes
+from llm_engine.structured import GrammarSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -51,8 +57,12 @@ T = TypeVar("T")
 
 class Preparer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: ModelSpec, model_name: str,
-                 max_request_tokens: int, default_max_tokens: int, block_size: int) -> None:
+                 max_request_tokens: int, default_max_tokens: int, block_size: int,
+                 tool_call_parser: str = "auto") -> None:
         self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        self.tool_parser: ToolCallParser = choose_parser(tool_call_parser, template)
+        self.template_knows_tools = isinstance(template, str) and "tools" in template
         self.spec = spec
         self.model_name = model_name
         self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
@@ -84,7 +94,8 @@ class Preparer:
             max_tokens = 16 if request.max_tokens is None else request.max_tokens
             # max_tokens 0 scores the prompt only: the engine samples one token, which the response drops.
             one = self._prepare(request, prompt, max(1, max_tokens), k is not None, k or 0,
-                                k if request.echo and k is not None else None)
+                                k if request.echo and k is not None else None,
+                                response_format_grammar(request.response_format))
             one = replace(one, is_prompt_only=max_tokens == 0, batch_index=index)
             prepared.append(await self._hashed(one))
         return prepared
@@ -106,27 +117,36 @@ class Preparer:
             check_fields(message.model_extra, f"messages[{i}].", MESSAGE_NOT_YET_SUPPORTED)
         if request.top_logprobs and not request.logprobs:
             raise BadRequest("top_logprobs: needs logprobs: true", param="top_logprobs")
-        prompt = await self.render_chat(request.messages)
+        plan = plan_tools(request, self.tool_parser)
+        grammar = response_format_grammar(request.response_format)
+        if grammar is not None and plan.grammar is not None:
+            raise BadRequest("response_format: cannot be combined with a forced tool call (tool_choice "
+                             "required or a named function)", param="response_format")
+        prompt = await self.render_chat(request.messages, plan=plan)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(self.default_max_tokens, self.spec.max_model_len - len(prompt)))
-        return await self._hashed(self._prepare(request, prompt, max_tokens, request.logprobs,
-                                                request.top_logprobs or 0))
+        prepared = self._prepare(request, prompt, max_tokens, request.logprobs, request.top_logprobs or 0,
+                                 grammar=grammar or plan.grammar)
+        return await self._hashed(replace(prepared, parses_tool_calls=plan.parser is not None))
 
     def encode(self, text: str) -> list[int]:
         return self._encode(text)
 
-    async def render_chat(self, request_messages: list[ChatMessage], add_generation_prompt: bool = True
-                          ) -> list[int]:
-        """The conversation's token ids through the model's chat template."""
+    async def render_chat(self, request_messages: list[ChatMessage], add_generation_prompt: bool = True,
+                          plan: ToolPlan | None = None) -> list[int]:
+        """The conversation's token ids through the model's chat template (with the plan's tools)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest(f"model {self.model_name} has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": m.text} for m in request_messages]
+        tools = plan.tools if plan is not None else None
+        messages = template_messages(request_messages, self.tool_parser, self.template_knows_tools, tools)
         is_long = (len(messages) > LONG_CONVERSATION_MESSAGES
                    or sum(len(m["content"]) for m in messages) > LONG_PROMPT_CHARS)
+        # Only a template that knows tools gets them (the others have them in the system message).
+        extra: dict[str, Any] = {"tools": tools} if tools and self.template_knows_tools else {}
         try:
             encoded = await self._off_loop_if(is_long, lambda: self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True))
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra))
         except TemplateError as exc:  # the template refuses the conversation (e.g. roles that must alternate)
             raise BadRequest(f"the model's chat template refuses these messages: {exc.message}",
                              param="messages") from None
@@ -157,6 +177,7 @@ class Preparer:
         logprobs: bool,
         top_logprobs: int = 0,
         prompt_logprobs: int | None = None,
+        grammar: GrammarSpec | None = None,
     ) -> PreparedRequest:
         total = len(prompt) + max_tokens
         if total > self.spec.max_model_len:
@@ -195,8 +216,9 @@ class Preparer:
                 repetition_penalty=request.repetition_penalty,
                 logit_bias=request.logit_bias_pairs,
                 min_tokens=request.min_tokens,
-                stop_token_ids=tuple(request.stop_token_ids or ()),
+                stop_token_ids=self._stop_token_ids(request, grammar),
                 n=request.n,
+                grammar=grammar,
             )
         except ValueError as error:
             raise BadRequest(str(error)) from None
@@ -204,6 +226,15 @@ class Preparer:
             f"req-{uuid.uuid4().hex}", tuple(prompt), sampling, request.stop_strings, time.time()
         )
 
+
+    def _stop_token_ids(self, request: CompletionRequest | ChatCompletionRequest, grammar: GrammarSpec | None
+                        ) -> tuple[int, ...]:
+        stop = tuple(request.stop_token_ids or ())
+        # A grammar ends on EOS; a model whose config names none ends on its tokenizer's, named here.
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if grammar is not None and not self.spec.eos_token_ids and isinstance(eos, int) and eos not in stop:
+            stop = (*stop, eos)
+        return stop
 
     def _check_token_ids(self, request: CompletionRequest | ChatCompletionRequest) -> None:
         vocab = self.spec.vocab_size

@@ -7,6 +7,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from gateway.api.protocol_tools import (
+    TOOLS_FIELD,
+    ResponseFormat,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolList,
+)
 from gateway.telemetry.timings import Timings
 from llm_engine.choices import MAX_CHOICES
 
@@ -66,6 +74,8 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate exactly max_tokens (benchmarks)
     return_token_ids: bool = False  # extension: the choice carries the generated token ids
+    # text (default), json_object or json_schema: the output is held to a grammar (gateway/api/structured.py)
+    response_format: ResponseFormat | None = None
 
     @field_validator("max_tokens", "max_completion_tokens", "top_k", "seed", "n", "logprobs", "top_logprobs",
                      "min_tokens", mode="before", check_fields=False)
@@ -134,15 +144,19 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    # Undeclared fields are kept for gateway/api/surface.py (tool_calls, tool_call_id: not supported yet).
+    # Undeclared fields are kept for gateway/api/surface.py (it names each one it refuses).
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None = None  # None only on an assistant message with tool_calls
     name: str | None = None  # a participant's name: accepted, not given to the chat template
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls (gateway/api/tool_prompt.py)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -158,6 +172,9 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    tools: ToolList | None = TOOLS_FIELD  # functions the model may call (rendered by the chat template)
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # accepted; a forced call (required / named) is one call
 
 
 class PromptTokensDetails(BaseModel):
@@ -201,6 +218,7 @@ class CompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | list[ToolCallDelta] | None = None  # whole calls, or a stream's pieces
 
 
 class TopLogprob(BaseModel):

@@ -33,6 +33,8 @@ from gateway.api.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from gateway.api.tool_parsers import ToolCallParser
+from gateway.api.tool_responses import ToolCallStream, whole_message
 from gateway.requests.orchestrator import RequestFailed
 from gateway.requests.service import GatewayService, PreparedRequest, TextDelta
 from gateway.telemetry.timings import Timings
@@ -213,25 +215,33 @@ async def completion_stream(service: GatewayService, texts: TokenTexts, body: Co
 
 
 async def chat_response(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
-                        prepared: PreparedRequest, deltas: AsyncIterator[TextDelta]
-                        ) -> ChatCompletionResponse:
+                        prepared: PreparedRequest, deltas: AsyncIterator[TextDelta],
+                        tool_parser: ToolCallParser | None = None) -> ChatCompletionResponse:
+    """The whole answer, one choice per index; each read for tool calls with `tool_parser`
+    (gateway/api/tool_responses.py)."""
     choices = await _Collected.of(deltas)
     lasts = [got.final for got in choices]
-    return ChatCompletionResponse(
-        id=prepared.request_id, model=service.model_name, usage=_usage(prepared, lasts),
-        timings=_timings(lasts),
-        choices=[ChatChoice(
-            index=i, message=ChatDelta(role="assistant", content="".join(got.text)),
-            finish_reason=got.final.finish_reason,
+    answers = []
+    for i, got in enumerate(choices):
+        message = ChatDelta(role="assistant", content="".join(got.text))
+        finish_reason = got.final.finish_reason
+        if tool_parser is not None:
+            message, finish_reason = whole_message(tool_parser, "".join(got.text), finish_reason)
+        answers.append(ChatChoice(
+            index=i, message=message, finish_reason=finish_reason,
             logprobs=ChatLogprobs(content=chat_logprobs(texts, got.token_ids, got.logprobs, got.top_logprobs))
             if body.logprobs else None,
             token_ids=got.token_ids if body.return_token_ids else None,
-        ) for i, got in enumerate(choices)])
+        ))
+    return ChatCompletionResponse(id=prepared.request_id, model=service.model_name, choices=answers,
+                                  usage=_usage(prepared, lasts), timings=_timings(lasts))
 
 
 async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
-                      prepared: PreparedRequest, deltas: AsyncIterator[TextDelta], include_usage: bool
-                      ) -> AsyncIterator[str]:
+                      prepared: PreparedRequest, deltas: AsyncIterator[TextDelta], include_usage: bool,
+                      tool_parser: ToolCallParser | None = None) -> AsyncIterator[str]:
+    """The SSE chunks, the choices interleaved by index; with `tool_parser`, each choice's content and
+    tool-call deltas as gateway/api/tool_responses.py frames them."""
     created = int(time.time())
 
     def response(choice: ChatChoice | None, **extra: object) -> ChatCompletionResponse:
@@ -245,7 +255,8 @@ async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatComp
     num_choices = prepared.sampling.n
     frames = [_TextFrames(response(ChatChoice(index=i, delta=ChatDelta(content="\x00"), finish_reason=None)),
                           "content") for i in range(num_choices)]
-    is_text_only = not body.logprobs and not body.return_token_ids
+    is_text_only = not body.logprobs and not body.return_token_ids and tool_parser is None
+    tools = [ToolCallStream(tool_parser) for _ in range(num_choices)] if tool_parser is not None else None
     for i in range(num_choices):  # as OpenAI: each choice's first chunk names the role
         yield chunk(ChatChoice(index=i, delta=ChatDelta(role="assistant", content=""), finish_reason=None))
     lasts: list[TextDelta] = []  # each choice's final delta
@@ -256,8 +267,19 @@ async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatComp
         if is_text_only and delta.finish_reason is None:
             yield frames[delta.index].frame(delta.text)
             continue
+        message = ChatDelta(content=delta.text)
+        finish_reason = delta.finish_reason
+        if tools is not None:
+            stream = tools[delta.index]
+            pieces = stream.feed(delta.text, is_final=finish_reason is not None)
+            for piece in pieces[:-1]:
+                yield chunk(ChatChoice(index=delta.index, delta=piece, finish_reason=None))
+            message = pieces[-1] if pieces else ChatDelta(content="")
+            finish_reason = stream.finish_reason(finish_reason)
+            if not pieces and finish_reason is None and not body.logprobs and not body.return_token_ids:
+                continue  # held back (it may open a call): nothing to send yet
         choice = ChatChoice(
-            index=delta.index, delta=ChatDelta(content=delta.text), finish_reason=delta.finish_reason,
+            index=delta.index, delta=message, finish_reason=finish_reason,
             logprobs=ChatLogprobs(content=chat_logprobs(texts, delta.token_ids, delta.logprobs,
                                                         delta.top_logprobs)) if body.logprobs else None,
             token_ids=list(delta.token_ids) if body.return_token_ids else None,

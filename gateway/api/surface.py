@@ -4,7 +4,7 @@ client sends is dropped in silence (README's "Request fields" table lists the sa
     supported            declared on the request models (gateway/api/protocol.py) and applied;
     ignored by design    declared too, and documented as having no effect here (`user`, `metadata`, `store`);
     not supported yet    known OpenAI fields whose effect pdserve cannot honour yet: a 400 naming the field,
-                         unless the value asks for nothing (`best_of: 1`, `tools: []`, ...);
+                         unless the value asks for nothing (`best_of: 1`, `functions: []`, ...);
     unknown              any other field: a 400 naming it (a typo must not silently change nothing).
 The request models keep undeclared fields (`extra="allow"`) so that this check sees them and names them.
 """
@@ -23,13 +23,8 @@ def _absent(value: Any) -> bool:
 
 # Field → (does this value ask for nothing?, what a client should know).
 NOT_YET_SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_absent, "tool calling is not supported yet"),
-    "tool_choice": (lambda v: v is None or v == "none", "tool calling is not supported yet"),
     "functions": (_absent, "function calling is not supported yet"),
     "function_call": (lambda v: v is None or v == "none", "function calling is not supported yet"),
-    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "tool calling is not supported yet"),
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "structured outputs (response_format other than text) are not supported yet"),
     "best_of": (lambda v: v is None or v == 1, "best_of > 1 is not supported yet (n > 1 is)"),
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported"),
     "guided_json": (_absent, "guided decoding is not supported yet"),
@@ -41,10 +36,8 @@ NOT_YET_SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
     "audio": (_absent, "audio output is not supported"),
 }
-# On a chat message: what the tool-calling turns carry.
+# On a chat message: what pdserve does not take in a history.
 MESSAGE_NOT_YET_SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tool_calls": (_absent, "tool calls in the history are not supported yet"),
-    "tool_call_id": (lambda v: v is None, "tool messages are not supported yet"),
     "function_call": (lambda v: v is None, "function calling is not supported yet"),
     "refusal": (lambda v: v is None, "refusal messages are not supported"),
     "audio": (lambda v: v is None, "audio messages are not supported"),

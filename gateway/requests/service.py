@@ -59,6 +59,7 @@ class PreparedRequest:
     # max_tokens 0 (completions: score the prompt): the one token the engine samples is not shown.
     is_prompt_only: bool = False
     batch_index: int = 0  # its prompt's place in a completions batch (the choice's index)
+    parses_tool_calls: bool = False  # chat with tools: the output is read for tool calls
 
 
 @dataclass

@@ -140,9 +140,15 @@ def test_a_hundred_thousand_stop_strings_get_400_naming_stop(client: httpx.Clien
 @pytest.mark.parametrize(
     ("endpoint", "extra", "param", "needle"),
     [
-        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported yet"),
-        ("chat", {"tool_choice": "auto"}, "tool_choice", "not supported yet"),
-        ("chat", {"response_format": {"type": "json_object"}}, "response_format", "not supported yet"),
+        ("chat", {"functions": [{"name": "f"}]}, "functions", "not supported yet"),
+        ("chat", {"tool_choice": "auto"}, "tool_choice", "needs tools"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                  "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
+         "no function"),
+        ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "frob"}}}}, "response_format", "cannot use this schema"),
+        ("completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "$ref": "#/nowhere"}}}}, "response_format", "cannot use this schema"),
         ("chat", {"n": 17}, "n", "16"),
         ("chat", {"top_logprobs": 21, "logprobs": True}, "top_logprobs", "20"),
         ("chat", {"top_logprobs": 3}, "top_logprobs", "logprobs: true"),
@@ -171,12 +177,14 @@ def test_fields_pdserve_cannot_honour_get_400_naming_them(
                  needle, param=param)
 
 
-def test_a_tool_turn_in_the_history_gets_400_naming_it(client: httpx.Client) -> None:
+def test_a_tool_message_without_a_matching_call_gets_400_naming_it(client: httpx.Client) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     messages = [{"role": "user", "content": "x"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function"}]}]
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c2", "content": "42"}]
     body = {"model": MODEL, "messages": messages, "max_tokens": 2}
-    assert_error(client.post("/v1/chat/completions", json=body), 400, "not supported yet",
-                 param="messages[1].tool_calls")
+    assert_error(client.post("/v1/chat/completions", json=body), 400, "no earlier assistant message",
+                 param="messages[2].tool_call_id")
 
 
 def test_fields_ignored_by_design_and_values_that_ask_nothing_are_served(client: httpx.Client) -> None:

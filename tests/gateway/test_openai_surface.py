@@ -194,7 +194,8 @@ def test_bad_input_is_a_400_the_sdk_reports(sdk: openai.OpenAI) -> None:
                                     logprobs=True, top_logprobs=21)
     with pytest.raises(openai.BadRequestError, match="response_format"):
         sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                    response_format={"type": "json_object"})
+                                    response_format={"type": "json_schema", "json_schema": {
+                                        "name": "x", "schema": {"type": "frob"}}})
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         sdk.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"-3": 1})
 
