@@ -15,12 +15,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import ray
 
-from gateway.config import ServeConfig
 from tests.conftest import random_prompts
 from tests.gateway import actor_faults as faults
-from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
+from tests.gateway.conftest import MODEL, serving, two_stage_config, whole_after
+from tests.gateway.forced_migration import decode_workers, on_actor, stream_across_a_failure
 
 VOCAB = 49152
 BLOCK = 16
@@ -29,9 +28,7 @@ CHAT = [{"role": "user", "content": "Tell me a story about a fox."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
-    config = ServeConfig(dtype="float32", model=str(tiny_chat_model_dir), served_model_name=MODEL, prefill=1,
-                         decode=2, port=free_port(), kv_cache_mib=2, max_num_batched_tokens=64,
-                         max_waiting=8, queue_timeout_s=30)
+    config = two_stage_config(tiny_chat_model_dir)
     with serving(config) as (url, _):
         yield url
 
@@ -43,18 +40,10 @@ def sdk(server: str) -> openai.OpenAI:
 
 @pytest.fixture
 def client(server: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server, timeout=120) as c:
+    with whole_after(server) as c:
         yield c
-        assert wait_until_no_blocks_used(c, timeout_s=20) == 0  # the fleet ends whole
 
 
-def on_actor(worker_id: str, fn: Any, *args: object) -> Any:
-    return ray.get(ray.get_actor(f"pdserve-{worker_id}").__ray_call__.remote(fn, *args))
-
-
-def decode_workers(client: httpx.Client) -> list[str]:
-    return [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]
-            if w["role"] == "decode" and w["state"] == "active"]
 
 
 def block_refs(actor: Any) -> tuple[int, list[int]]:
@@ -184,26 +173,6 @@ def test_a_choice_moves_on_alone_when_its_decode_worker_fails(sdk: openai.OpenAI
     is replaced."""
     prompt = random_prompts([40], VOCAB, seed=35)[0]
     [alone] = completion_tokens(sdk, prompt, temperature=0, max_tokens=24)
-    for worker in decode_workers(client):
-        on_actor(worker, faults.slow_steps, 0.05)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "n": 2, "ignore_eos": True,
-            "return_token_ids": True, "stream": True}
-    tokens: dict[int, list[int]] = {0: [], 1: []}
-    broken = ""
-    with client.stream("POST", "/v1/completions", json=body) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            for choice in event["choices"]:
-                tokens[choice["index"]].extend(choice.get("token_ids") or [])
-            if min(map(len, tokens.values())) >= 6 and not broken:
-                [broken] = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]
-                            if w["role"] == "decode" and w.get("running_requests", 0) > 0]
-                on_actor(broken, faults.raise_in_next_step)
-    assert broken, "the stream ended before a worker could be broken"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "n": 2, "ignore_eos": True}
+    tokens, _ = stream_across_a_failure(client, body)
     assert tokens == {0: alone, 1: alone}
-    for worker in decode_workers(client):
-        if worker != broken:
-            on_actor(worker, faults.heal)

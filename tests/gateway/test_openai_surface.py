@@ -6,7 +6,6 @@ tokens so far); top_logprobs and echoed prompt logprobs are transformers' log-so
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,15 +13,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import ray
 import torch
 
-from gateway.config import ServeConfig
 from llm_engine import SamplingParams
 from tests.conftest import random_prompts
 from tests.engine.test_engine_correctness import make_engine
-from tests.gateway import actor_faults as faults
-from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
+from tests.gateway.conftest import MODEL, serving, two_stage_config, whole_after
+from tests.gateway.forced_migration import stream_across_a_failure
 
 VOCAB = 49152
 PENALISED = {"presence_penalty": 1.5, "frequency_penalty": 0.8, "logit_bias": {"5": 6.0, "17": -100.0}}
@@ -31,9 +28,7 @@ REPETITION = {"repetition_penalty": 0.5}  # < 1 favours seen tokens (this random
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
-    config = ServeConfig(dtype="float32", model=str(tiny_chat_model_dir), served_model_name=MODEL, prefill=1,
-                         decode=2, port=free_port(), kv_cache_mib=2, max_num_batched_tokens=64,
-                         max_waiting=8, queue_timeout_s=30)
+    config = two_stage_config(tiny_chat_model_dir)
     with serving(config) as (url, _):
         yield url
 
@@ -45,9 +40,8 @@ def sdk(server: str) -> openai.OpenAI:
 
 @pytest.fixture
 def client(server: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server, timeout=120) as c:
+    with whole_after(server) as c:
         yield c
-        assert wait_until_no_blocks_used(c, timeout_s=20) == 0
 
 
 @pytest.fixture(scope="module")
@@ -200,39 +194,13 @@ def test_bad_input_is_a_400_the_sdk_reports(sdk: openai.OpenAI) -> None:
         sdk.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"-3": 1})
 
 
-def on_actor(worker_id: str, fn: Any, *args: object) -> None:
-    ray.get(ray.get_actor(f"pdserve-{worker_id}").__ray_call__.remote(fn, *args))
-
-
 def test_penalties_hold_across_a_forced_migration(client: httpx.Client, engine_alone: Any) -> None:
     """The decode worker's step fails mid-stream: the stream moves to the other decode worker, which
     recomputes prompt + tokens so far and must go on with the same penalties (its counts rebuilt from them).
     Last in the module: the failed worker is replaced."""
-    for worker in client.get("/admin/pools").json()["workers"]:
-        if worker["role"] == "decode":
-            on_actor(worker["worker_id"], faults.slow_steps, 0.05)
     prompt = random_prompts([30], VOCAB, seed=24)[0]
     fields = {**PENALISED, **REPETITION}
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 30, "temperature": 0, "return_token_ids": True,
-            "stream": True, **fields}
-    token_ids: list[int] = []
-    broken = ""
-    with client.stream("POST", "/v1/completions", json=body) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            if event["choices"]:
-                token_ids.extend(event["choices"][0].get("token_ids") or [])
-            if len(token_ids) >= 6 and not broken:
-                [broken] = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]
-                            if w["role"] == "decode" and w.get("running_requests", 0) > 0]
-                on_actor(broken, faults.raise_in_next_step)
-            if event["choices"] and event["choices"][0].get("finish_reason"):
-                assert event["timings"]["num_moves"] == 1
-    assert broken, "the stream ended before a worker could be broken"
-    assert token_ids == reference(engine_alone, prompt, 30, **fields)
-    for worker in client.get("/admin/pools").json()["workers"]:
-        if worker["role"] == "decode" and worker["state"] == "active" and worker["worker_id"] != broken:
-            on_actor(worker["worker_id"], faults.heal)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 30, "temperature": 0, **fields}
+    tokens, moves = stream_across_a_failure(client, body)
+    assert moves == [1]
+    assert tokens[0] == reference(engine_alone, prompt, 30, **fields)

@@ -20,14 +20,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import ray
 
-from gateway.config import ServeConfig
 from llm_engine import SamplingParams
 from llm_engine.structured import GrammarSpec
 from tests.engine.test_engine_correctness import make_engine
-from tests.gateway import actor_faults as faults
-from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
+from tests.gateway.conftest import MODEL, serving, two_stage_config, whole_after
+from tests.gateway.forced_migration import stream_across_a_failure
 from tests.gateway.structured_schemas import SCHEMAS
 
 EOS = 2  # the tokenizer's <|im_end|>: the tiny model's config names none, so the gateway adds it
@@ -43,9 +41,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
-    config = ServeConfig(dtype="float32", model=str(tiny_chat_model_dir), served_model_name=MODEL, prefill=1,
-                         decode=2, port=free_port(), kv_cache_mib=4, max_num_batched_tokens=128,
-                         max_waiting=32, queue_timeout_s=60)
+    config = two_stage_config(tiny_chat_model_dir, kv_cache_mib=4, max_num_batched_tokens=128, max_waiting=32,
+                              queue_timeout_s=60)
     with serving(config) as (url, _):
         yield url
 
@@ -57,9 +54,8 @@ def sdk(server: str) -> openai.OpenAI:
 
 @pytest.fixture
 def client(server: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server, timeout=120) as c:
+    with whole_after(server) as c:
         yield c
-        assert wait_until_no_blocks_used(c, timeout_s=20) == 0
 
 
 def schema_format(name: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -162,37 +158,16 @@ def test_bad_tool_and_schema_input_is_a_400_naming_the_field(sdk: openai.OpenAI)
         assert raised.value.body["param"] == param, raised.value.body  # type: ignore[index]
 
 
-def on_actor(worker_id: str, fn: Any, *args: object) -> None:
-    ray.get(ray.get_actor(f"pdserve-{worker_id}").__ray_call__.remote(fn, *args))
-
-
 def test_a_structured_stream_survives_a_forced_migration(client: httpx.Client, tiny_chat_model_dir: Path
                                                          ) -> None:
     """The decode worker fails mid-document: the other one replays prompt + tokens so far into a new matcher
     and goes on; the seeded stream equals the engine alone's and the document is valid. Last in the module."""
-    for worker in client.get("/admin/pools").json()["workers"]:
-        if worker["role"] == "decode":
-            on_actor(worker["worker_id"], faults.slow_steps, 0.05)
     schema = SCHEMAS["many_fields"]
     body = {"model": MODEL, "prompt": "Fields:", "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 5,
-            "return_token_ids": True, "stream": True, "response_format": schema_format("m", schema)}
-    token_ids: list[int] = []
-    broken = ""
-    with client.stream("POST", "/v1/completions", json=body) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            if event["choices"]:
-                token_ids.extend(event["choices"][0].get("token_ids") or [])
-            if len(token_ids) >= 6 and not broken:
-                [broken] = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]
-                            if w["role"] == "decode" and w.get("running_requests", 0) > 0]
-                on_actor(broken, faults.raise_in_next_step)
-            if event["choices"] and event["choices"][0].get("finish_reason"):
-                assert event["timings"]["num_moves"] == 1
-    assert broken, "the stream ended before a worker could be broken"
+            "response_format": schema_format("m", schema)}
+    tokens, moves = stream_across_a_failure(client, body)
+    assert moves == [1]
+    token_ids = tokens[0]
     prompt = client.post("/tokenize", json={"model": MODEL, "prompt": "Fields:"}).json()["tokens"]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=5, stop_token_ids=(EOS,),
                             grammar=GrammarSpec.of_schema(schema))
@@ -201,6 +176,3 @@ def test_a_structured_stream_survives_a_forced_migration(client: httpx.Client, t
     assert token_ids[-1] == EOS  # ended at the grammar's end
     text = client.post("/detokenize", json={"tokens": token_ids[:-1]}).json()["prompt"]
     jsonschema.validate(json.loads(text), schema)
-    for worker in client.get("/admin/pools").json()["workers"]:
-        if worker["role"] == "decode" and worker["state"] == "active" and worker["worker_id"] != broken:
-            on_actor(worker["worker_id"], faults.heal)
