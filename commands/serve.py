@@ -85,6 +85,8 @@ _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--local-prefill-queue-tokens", int, "... or any prompt while every prefill worker has this many "
                                           "tokens queued (off unless set)"),
     ("--default-max-tokens", int, "max_tokens of chat requests that give none"),
+    ("--tool-call-parser", str, "how the model writes tool calls: hermes (<tool_call> JSON: Qwen2, Hermes, "
+                                "ChatML), llama3_json, or auto (detected from the chat template; default)"),
 ]
 
 

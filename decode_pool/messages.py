@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from kv_transfer import KVHandle
-from llm_engine import SamplingParams
+from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
+from llm_engine.choices import FirstToken, choice_request_id
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,19 @@ class DecodeRequest:
     # With kv_handle (the earlier worker evacuated the stream and offers its KV), the KV of prompt + all
     # but the last of these is pulled; without, recomputed (the earlier worker failed). Empty when new.
     generated_token_ids: tuple[int, ...] = ()
+    first_top_logprobs: TopLogprobs = ()  # the prefill worker's first token's alternatives, when asked
+    # sampling.n > 1: the choices that decode on from kv_handle's prompt, with their first tokens (the
+    # first_* fields above are unused then). The KV is pulled once; then each choice runs as a request of
+    # its own, forked from the pulled blocks, under choice_request_id(request_id, index) with
+    # sampling.for_choice(index): its outputs, its abort, its migration (llm_engine/choices.py).
+    choices: tuple[FirstToken, ...] = ()
+
+    @property
+    def output_request_ids(self) -> tuple[str, ...]:
+        """The ids this request's outputs stream under: its own, or each choice's."""
+        if not self.choices:
+            return (self.request_id,)
+        return tuple(choice_request_id(self.request_id, c.index) for c in self.choices)
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,9 @@ class DecodeOutput:
     # finish_reason "migrate": the stream's KV (prompt + tokens so far but the last), offered by this worker
     # for the next one to pull; None: the next worker recomputes it.
     kv_handle: KVHandle | None = None
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # per token, when sampling.top_logprobs > 0
+    # On the first output when this worker prefilled the prompt and sampling.prompt_logprobs is set.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def coalesce(outputs: list[DecodeOutput]) -> DecodeOutput:
@@ -68,5 +85,7 @@ def coalesce(outputs: list[DecodeOutput]) -> DecodeOutput:
         last,
         token_ids=tuple(t for o in outputs for t in o.token_ids),
         logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+        top_logprobs=tuple(top for o in outputs for top in o.top_logprobs),
+        prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
         token_times=tuple(t for o in outputs for t in o.token_times),
     )

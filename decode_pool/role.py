@@ -80,11 +80,13 @@ class DecodeRole:
         """Start the request; its outputs go to the output channel `channel_id`. Raises ValueError (it can
         never be served here) or WorkerFailed (the step loop died)."""
         self._event_loop = asyncio.get_running_loop()
-        self.outputs.subscribe(request.request_id, channel_id)
+        for output_id in request.output_request_ids:  # several choices stream under their own ids
+            self.outputs.subscribe(output_id, channel_id)
         try:
             self.worker.submit(request, self.outputs.collect)
         except BaseException:
-            self.outputs.unsubscribe(request.request_id)
+            for output_id in request.output_request_ids:
+                self.outputs.unsubscribe(output_id)
             raise
         self.loop.wake()
 

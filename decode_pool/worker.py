@@ -11,6 +11,8 @@ Lifecycle of a request on this worker:
     worker that evacuated it comes with the tokens so far and a handle to their KV: it is pulled like a
     prefill worker's (and recomputed here if that fails).
     A FAILED pull is not fatal: the blocks are freed and the prompt recomputed here.
+    A request with several choices (DecodeRequest.choices) is one group until its pull ends, then one request
+    per choice forked from the pulled blocks (decode_pool/choice_groups.py).
     Preemption (blocks ran short) is the engine's: recompute, tokens kept, nothing lost.
     abort() works in every state; an aborted TRANSFERRING request's pull is cancelled where it can be, and its
     blocks are freed when the pull ends (at the next step when cancelled).
@@ -38,6 +40,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from decode_pool.choice_groups import ChoiceGroups
 from decode_pool.messages import DecodeOutput, DecodeRequest, DecodeTimes
 from decode_pool.migration import MigrationOffers
 from decode_pool.pull_watcher import PullWatcher
@@ -104,6 +107,7 @@ class DecodeWorker:
         self._inbox: WorkerInbox[tuple[DecodeRequest, OutputCallback, float]] = WorkerInbox(
             f"decode worker {worker_id}")
         self._entries: dict[str, _Entry] = {}
+        self._groups = ChoiceGroups()  # requests with several choices, until their pull ends
         self._awaiting_blocks: collections.deque[str] = collections.deque()
         self._transferring: dict[tuple[str, int], str] = {}
         self._in_step: tuple[str, ...] = ()  # the requests of the forward under way (suspects if it raises)
@@ -248,7 +252,6 @@ class DecodeWorker:
 
     def _snapshot(self) -> WorkerLoad:
         scheduler = self.engine.scheduler
-        entries = self._entries.values()
         return WorkerLoad(
             worker_id=self.worker_id, role="decode",
             num_waiting=len(self._awaiting_blocks) + len(scheduler.waiting),
@@ -256,13 +259,16 @@ class DecodeWorker:
             num_running=len(scheduler.running), num_transferring=len(self._transferring),
             num_free_blocks=self.engine.block_pool.num_free_blocks,
             num_total_blocks=self.engine.block_pool.num_blocks,
-            num_outstanding_tokens=sum(e.request.sampling.max_tokens for e in entries),
+            num_outstanding_tokens=sum(e.request.sampling.max_tokens * self._groups.num_choices(r)
+                                       for r, e in self._entries.items()),
             failure=self.failure, num_requests=len(self._entries) + self._num_offered,
         )
 
     def _accept(self, request: DecodeRequest, on_output: OutputCallback, queued: float) -> None:
         self._inbox.take(request.request_id)
         self._entries[request.request_id] = _Entry(request, on_output, queued)
+        if request.choices:
+            self._groups.add(request)
         handle = request.kv_handle
         if handle is not None and request.generated_token_ids and (
                 handle.num_tokens != len(request.prompt_token_ids) + len(request.generated_token_ids) - 1):
@@ -272,7 +278,10 @@ class DecodeWorker:
             self._release_unpulled(request, "the KV does not match the tokens so far")
             self._start_local(request.request_id)
         elif handle is None:
-            self._start_local(request.request_id)
+            if request.choices:  # the gateway sends groups with a handle only; recompute each choice
+                self._split(request.request_id, pulled=False)
+            else:
+                self._start_local(request.request_id)
         else:
             self._awaiting_blocks.append(request.request_id)
 
@@ -287,7 +296,10 @@ class DecodeWorker:
             assert handle is not None
             busy = self.engine.scheduler.num_unfinished or self._transferring
             reserve = self.engine.scheduler.watermark_blocks if busy else 0
-            if not pool.can_allocate(blocks_for(handle.num_tokens, self.engine.config.block_size) + reserve):
+            # Several choices: room for each one's copy of the partial last block too (fork_blocks).
+            num_copies = self.engine.kv.num_fork_blocks(handle.num_tokens, len(entry.request.choices) or 1)
+            num_blocks = blocks_for(handle.num_tokens, self.engine.config.block_size) + num_copies
+            if not pool.can_allocate(num_blocks + reserve):
                 return num_started
             self._awaiting_blocks.popleft()
             request_id = entry.request.request_id
@@ -322,6 +334,9 @@ class DecodeWorker:
             return
         request = entry.request
         assert request.kv_handle is not None
+        if request.choices:
+            self._split(request_id, pulled=state is TransferState.DONE)
+            return
         if request.generated_token_ids:  # a stream moved here from a worker that evacuated it
             output_token_ids, output_logprobs = list(request.generated_token_ids), []
         else:
@@ -332,6 +347,7 @@ class DecodeWorker:
             request_id, list(request.prompt_token_ids), request.sampling,
             frozenset(self.engine.spec.eos_token_ids), output_token_ids=output_token_ids,
             output_logprobs=output_logprobs,
+            output_top_logprobs=[request.first_top_logprobs] if request.first_top_logprobs else [],
         )
         if state is TransferState.DONE:
             engine_request.num_computed_tokens = request.kv_handle.num_tokens
@@ -342,6 +358,31 @@ class DecodeWorker:
             self.engine.kv.free(request_id)
             entry.transfer_bytes = 0
             self.engine.scheduler.add(engine_request)
+
+    def _split(self, group_id: str, pulled: bool) -> None:
+        """A group's pull ended (or it never had one): each remaining choice goes on as a request of its own,
+        forked from the pulled blocks when `pulled` and there is room for the copies, else recomputed."""
+        entry = self._entries.pop(group_id)
+        handle = entry.request.kv_handle
+        parts = self._groups.split(entry.request, frozenset(self.engine.spec.eos_token_ids))
+        kv = self.engine.kv
+        num_tokens = handle.num_tokens if handle is not None else 0
+        pulled = pulled and self.engine.block_pool.can_allocate(kv.num_fork_blocks(num_tokens, len(parts)))
+        if pulled and parts:
+            self.engine.fork_blocks(group_id, [request.request_id for request, _ in parts], num_tokens)
+        else:
+            kv.free(group_id)
+        now = time.time()
+        for request, engine_request in parts:
+            # Each choice reports the group's one pull (the gateway's timings read one choice's).
+            self._entries[request.request_id] = dataclasses.replace(
+                entry, request=request, admitted=now if pulled else None,
+                transfer_bytes=entry.transfer_bytes if pulled else 0)
+            if pulled:
+                engine_request.num_computed_tokens = num_tokens
+                self.engine.scheduler.add_running(engine_request)
+            else:
+                self.engine.scheduler.add(engine_request)
 
     def _start_local(self, request_id: str) -> None:
         entry = self._entries[request_id]
@@ -358,7 +399,10 @@ class DecodeWorker:
         entry = self._entries[request.request_id]
         entry.admitted = entry.admitted or now
         logprobs = tuple(request.output_logprobs[-1:]) if request.sampling.logprobs else ()
-        output = DecodeOutput(request.request_id, (request.output_token_ids[-1],), logprobs, now, (now,))
+        is_first = request.num_output_tokens == 1  # prefilled here: the prompt's logprobs go with it
+        output = DecodeOutput(request.request_id, (request.output_token_ids[-1],), logprobs, now, (now,),
+                              top_logprobs=tuple(request.output_top_logprobs[-1:]) if logprobs else (),
+                              prompt_logprobs=request.scored_prompt() if is_first else None)
         if request.is_finished:
             output = dataclasses.replace(output, finish_reason=request.status.value,
                                          num_preemptions=request.num_preemptions,
@@ -380,8 +424,8 @@ class DecodeWorker:
     def _hand_back_unpulled(self, request_id: str) -> bool:
         """Hand a request whose pull has not started back with its handle, unused: the next worker pulls the
         KV from where it is (the prefill worker) instead of recomputing it. False: its pull has started."""
-        if request_id not in self._awaiting_blocks:
-            return False
+        if request_id not in self._awaiting_blocks or self._groups.is_group(request_id):
+            return False  # pulling already; or several choices, which cannot share one handle elsewhere
         self._awaiting_blocks.remove(request_id)
         handle = self._entries[request_id].request.kv_handle
         now = time.time()
@@ -405,6 +449,16 @@ class DecodeWorker:
         return True
 
     def _abort(self, request_id: str, reason: str = "abort") -> None:
+        group_id = self._groups.group_of(request_id)
+        if group_id is not None:  # one choice of a group still pulling: it ends alone, unless it was the last
+            group = self._entries[group_id]
+            now = time.time()
+            is_last = self._groups.drop(request_id)
+            group.on_output(DecodeOutput(request_id, (), (), now, finish_reason=reason, times=DecodeTimes(
+                group.queued, group.transfer_started, group.transfer_finished, None, now)))
+            if is_last:
+                self._abort(group_id, reason)
+            return
         entry = self._entries.get(request_id)
         if entry is None:
             return
@@ -431,4 +485,9 @@ class DecodeWorker:
         times = DecodeTimes(entry.queued, entry.transfer_started, entry.transfer_finished, entry.admitted,
                             now)
         output = output or DecodeOutput(request_id, (), (), now, finish_reason=reason, error=error)
-        entry.on_output(dataclasses.replace(output, times=times, transfer_bytes=entry.transfer_bytes))
+        output = dataclasses.replace(output, times=times, transfer_bytes=entry.transfer_bytes)
+        if self._groups.is_group(request_id):  # ended before its split: so does each remaining choice
+            for choice_output in self._groups.fan_out(request_id, output):
+                entry.on_output(choice_output)
+            return
+        entry.on_output(output)

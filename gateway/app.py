@@ -7,8 +7,9 @@
     lifespan, one of several frontends (gateway/frontends.py starts them): join the supervisor's Ray → the
               fleet actor → a mirror of its workers (gateway/control/remote_fleet.py) → tokenizer; this
               frontend's share of the admission capacity → serve → leave (the fleet and workers stay).
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics,
-GET and PUT /admin/pools (gateway/api/admin.py). Errors use OpenAI's shape; a client that disconnects aborts
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics; GET /v1/models, POST
+/tokenize, POST /detokenize, GET /version (gateway/api/utility_routes.py); GET and PUT /admin/pools
+(gateway/api/admin.py). Errors use OpenAI's shape; a client that disconnects aborts
 its request on both workers.
 """
 
@@ -36,14 +37,17 @@ from gateway.api.auth import require_api_key
 from gateway.api.body_guard import BodyGuard
 from gateway.api.delivery import BoundedStreamingResponse
 from gateway.api.errors import documented, install_error_handlers, without_validation_422
+from gateway.api.logprob_format import TokenTexts
 from gateway.api.prepare import Preparer
 from gateway.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    Usage,
 )
 from gateway.api.responses import chat_response, chat_stream, completion_response, completion_stream
+from gateway.api.utility_routes import router as utility_routes
 from gateway.config import ServeConfig
 from gateway.control.plane import ControlPlane, build_planner, decode_kv_tokens
 from gateway.control.remote_fleet import FleetLink, RemoteFleet
@@ -120,7 +124,9 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
     tokenizer = load_tokenizer(model_dir)
     model_name = config.served_model_name or Path(model_dir).name
     app.state.preparer = Preparer(tokenizer, read_model_spec(model_dir), model_name, kv_tokens_per_worker,
-                                  config.default_max_tokens, fleet.block_size)
+                                  config.default_max_tokens, fleet.block_size, config.tool_call_parser)
+    app.state.token_texts = TokenTexts(tokenizer)  # logprobs show each token's own text
+    app.state.model_dir = model_dir  # /v1/models' root
     num_decoding = len(fleet.active(Role.DECODE, Role.MIXED))
     capacity = admission_capacity(kv_tokens_per_worker, num_decoding, num_frontends)
     service = GatewayService(
@@ -224,40 +230,62 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
         if reservation is None:
             reservation = await unless_client_leaves(request, service.admit(prepared))
         deltas = service.stream(prepared, reservation)
+        texts: TokenTexts = request.app.state.token_texts
         is_chat = isinstance(body, ChatCompletionRequest)
+        # Chat with tools: the answer is read for tool calls in the model's format.
+        tools = {"tool_parser": request.app.state.preparer.tool_parser} if prepared.parses_tool_calls else {}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             framing = chat_stream if is_chat else completion_stream
-            stream = framing(service, body, prepared, deltas, include_usage)  # type: ignore[arg-type]
+            stream = framing(service, texts, body, prepared, deltas, include_usage, **tools)  # type: ignore[arg-type]
             return BoundedStreamingResponse(
                 stream, service.send_by(prepared, reservation), service.metrics.stalled_streams.inc,
                 media_type="text/event-stream", background=BackgroundTask(reservation.release_at_stream_end))
         whole = chat_response if is_chat else completion_response
         try:
-            response = await unless_client_leaves(request, whole(service, body, prepared, deltas))  # type: ignore[arg-type]
+            answer = whole(service, texts, body, prepared, deltas, **tools)  # type: ignore[arg-type]
+            response = await unless_client_leaves(request, answer)
         finally:
             await deltas.aclose()  # aborts both workers unless the request finished
         return JSONResponse(response.model_dump(exclude_none=True))
+
+    async def respond_batch(service: GatewayService, body: CompletionRequest, batch: list[PreparedRequest],
+                            request: Request) -> Response:
+        """A batch of prompts (not streamed): each runs as a request of its own, concurrently; one response
+        with a choice per prompt (`index` in prompt order) and the usage summed."""
+        texts: TokenTexts = request.app.state.token_texts
+
+        async def one(prepared: PreparedRequest) -> CompletionResponse:
+            reservation = service.try_admit(prepared) or await service.admit(prepared)
+            deltas = service.stream(prepared, reservation)
+            try:
+                return await completion_response(service, texts, body, prepared, deltas)
+            finally:
+                await deltas.aclose()  # aborts both workers unless the request finished
+
+        answers = await unless_client_leaves(request, asyncio.gather(*(one(p) for p in batch)))
+        usages = [a.usage for a in answers if a.usage is not None]
+        usage = Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
+                      completion_tokens=sum(u.completion_tokens for u in usages),
+                      total_tokens=sum(u.total_tokens for u in usages))
+        whole = CompletionResponse(id=batch[0].request_id, model=service.model_name,
+                                   choices=[c for a in answers for c in a.choices], usage=usage)
+        return JSONResponse(whole.model_dump(exclude_none=True))
 
     @app.post("/v1/completions", dependencies=[Depends(require_api_key)],
               responses={200: {"model": CompletionResponse, "content": _SSE}, **_GENERATE})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
-        return await respond(service, body, await request.app.state.preparer.prepare_completion(body),
-        request)
+        batch = await request.app.state.preparer.prepare_completion(body)
+        if len(batch) == 1:
+            return await respond(service, body, batch[0], request)
+        return await respond_batch(service, body, batch, request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)],
               responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_GENERATE})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
         return await respond(service, body, await request.app.state.preparer.prepare_chat(body), request)
-
-    @app.get("/v1/models", dependencies=[Depends(require_api_key)], responses=documented(401))
-    async def models(request: Request) -> dict[str, object]:
-        service: GatewayService = request.app.state.service
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model",
-                                            "created": int(request.app.state.started), "owned_by": "pdserve",
-                                            "max_model_len": request.app.state.preparer.spec.max_model_len}]}
 
     @app.get("/health", responses={503: {"description": "unavailable: a role has no live worker"}})
     async def health(request: Request) -> JSONResponse:
@@ -282,4 +310,5 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
         return Response(service.metrics.render(fleet), media_type="text/plain; version=0.0.4")
 
     app.include_router(admin_routes)
+    app.include_router(utility_routes)
     return app

@@ -89,6 +89,8 @@ class ServeConfig(BaseModel):
     local_prefill_max_tokens: int | None = Field(default=None, ge=0)
     local_prefill_queue_tokens: int | None = Field(default=None, ge=0)
     default_max_tokens: int = Field(default=512, ge=1)  # chat requests that name no max_tokens
+    # How the model writes tool calls (gateway/api/tool_parsers.py); auto: detected from the chat template.
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
 
     @field_validator("profile")
     @classmethod

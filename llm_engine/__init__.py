@@ -6,6 +6,7 @@ from llm_engine.config import EngineConfig, ModelSpec
 from llm_engine.engine import Completion, LLMEngine, RequestOutput
 from llm_engine.kv_cache import KVCacheSpec
 from llm_engine.kv_cache_manager import KVCacheManager
+from llm_engine.logprobs import PromptLogprobs, TopLogprobs
 from llm_engine.sampling import SamplingParams
 
 __all__ = [
@@ -18,8 +19,10 @@ __all__ = [
     "ModelInput",
     "ModelOutput",
     "ModelSpec",
+    "PromptLogprobs",
     "RequestOutput",
     "SampledToken",
     "SamplingParams",
     "ScheduledChunk",
+    "TopLogprobs",
 ]

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llm_engine.logprobs import PromptLogprobsChunk, TopLogprobs
 from llm_engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """A request's tokens so far, for the logits processors that depend on them (penalties)."""
+
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,13 @@ class ScheduledChunk:
     num_prior_blocks: int  # length of the table before new_block_ids (the runner already holds those)
     sampling: SamplingParams | None  # None: no token is sampled (a prompt chunk that is not the last)
     output_index: int = 0  # output tokens the request already has (seeds the per-token generator)
+    # Sent once per table, with the first chunk that samples, to requests whose sampling depends on the tokens
+    # so far (the runner counts the tokens it samples after that); None otherwise.
+    history: TokenHistory | None = None
+    # The prompt tokens that follow each of token_ids (at most len(token_ids)), when the request asked for
+    # prompt logprobs and has no output yet: the runner scores them. () otherwise.
+    prompt_logprob_targets: tuple[int, ...] = ()
+    num_prompt_top_logprobs: int = 0  # alternatives to score at each of those positions
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +76,10 @@ class SampledToken:
     request_id: str
     token_id: int
     logprob: float | None  # log-probability of token_id when the request asked for logprobs
+    top_logprobs: TopLogprobs = ()  # the request's top_logprobs most likely tokens, when it asked
+    # The first tokens of choices 1..n-1, drawn from the same logits (sampling.n > 1, first token only);
+    # this token is choice 0's.
+    other_choices: tuple[SampledToken, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,3 +87,4 @@ class ModelOutput:
     """What a forward produced: one SampledToken per chunk that asked for sampling, in chunk order."""
 
     sampled: tuple[SampledToken, ...]
+    prompt_logprobs: tuple[PromptLogprobsChunk, ...] = ()  # for the chunks with prompt_logprob_targets

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from llm_engine.block_pool import BlockPool
 from llm_engine.config import EngineConfig, ModelSpec
 from llm_engine.kv_cache_manager import KVCacheManager, blocks_for
+from llm_engine.logprobs import PromptLogprobs, TopLogprobs
 from llm_engine.model_loader import LoadedModel, load_model
 from llm_engine.model_runner import ModelRunner
 from llm_engine.request import Request
@@ -28,6 +29,8 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]  # tokens gained this step
     new_logprobs: tuple[float, ...]  # their log-probabilities, when asked for
     finish_reason: str | None  # None while running; "stop", "length" or "abort" when finished
+    new_top_logprobs: tuple[TopLogprobs, ...] = ()  # per new token, when sampling.top_logprobs > 0
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when sampling.prompt_logprobs
 
     @property
     def is_finished(self) -> bool:
@@ -44,6 +47,8 @@ class Completion:
     output_logprobs: tuple[float, ...]
     finish_reason: str
     num_preemptions: int  # times the request lost its blocks and recomputed them
+    output_top_logprobs: tuple[TopLogprobs, ...] = ()
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class LLMEngine:
@@ -78,7 +83,7 @@ class LLMEngine:
                 f"{self.block_pool.num_used_blocks} blocks in use); drain it before changing its scheduler"
             )
         # The old scheduler's last finished requests never reach the runner now: forget their tables here.
-        self.runner.inputs.forget_all()
+        self.runner.forget_all()
         self.scheduler = self._make_scheduler(scheduler_cls, watermark)
 
     def check_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
@@ -94,6 +99,12 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} "
                 f"exceeds the model's context of {self.spec.max_model_len} tokens"
             )
+        for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]),
+                          ("stop_token_ids", sampling.stop_token_ids)):
+            bad = [t for t in ids if t >= self.spec.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids out of the vocabulary [0, {self.spec.vocab_size}): "
+                                 f"{bad[:5]}")
         if blocks_for(total, self.config.block_size) > self.block_pool.num_blocks:
             raise ValueError(
                 f"{total} tokens need more KV blocks than this worker has ({self.block_pool.num_blocks} "
@@ -107,6 +118,11 @@ class LLMEngine:
         eos = frozenset(self.spec.eos_token_ids)
         self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, eos))
         return request_id
+
+    def fork_blocks(self, parent_id: str, child_ids: Sequence[str], num_tokens: int) -> None:
+        """Give each child (a choice of the parent's prompt) a table sharing the parent's full blocks, with
+        its own copy of the partial last one (KVCacheManager.fork); the parent's id holds nothing after."""
+        self.runner.copy_blocks(self.kv.fork(parent_id, child_ids, num_tokens))
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None
@@ -124,6 +140,8 @@ class LLMEngine:
                 new_token_ids=(r.output_token_ids[-1],),
                 new_logprobs=tuple(r.output_logprobs[-1:]) if r.sampling.logprobs else (),
                 finish_reason=r.status.value if r.is_finished else None,
+                new_top_logprobs=tuple(r.output_top_logprobs[-1:]),
+                prompt_logprobs=r.scored_prompt() if r.num_output_tokens == 1 else None,
             )
             for r in advanced
         ]
@@ -142,6 +160,7 @@ class LLMEngine:
             self.step()
         return [
             Completion(r.request_id, tuple(r.prompt_token_ids), tuple(r.output_token_ids),
-                       tuple(r.output_logprobs), r.status.value, r.num_preemptions)
+                       tuple(r.output_logprobs), r.status.value, r.num_preemptions,
+                       tuple(r.output_top_logprobs), r.scored_prompt())
             for r in requests
         ]

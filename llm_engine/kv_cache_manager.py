@@ -127,6 +127,50 @@ class KVCacheManager:
         self._last_hash[request_id] = None
         return self._tables[request_id]
 
+    def num_fork_blocks(self, num_tokens: int, num_children: int) -> int:
+        """Free blocks fork() takes: one copy of the last partial block per child but the first."""
+        return (num_children - 1) if num_tokens % self.block_size else 0
+
+    def fork(self, parent_id: str, child_ids: Sequence[str], num_tokens: int) -> list[tuple[int, int]]:
+        """Split the parent's table, covering `num_tokens` computed positions, into one table per child (the
+        several choices of one prompt); the parent's id is gone afterwards.
+
+        Full blocks are shared by reference (one more ref per child). The last, partial block is written by
+        each child's next token, so it cannot be shared: the first child takes the parent's, every other child
+        gets a fresh block that the caller must fill with a copy of it (copy-on-write, done at once).
+
+        Returns:
+            (source, destination) block pairs to copy before the children's next forward.
+        """
+        table = self._tables.pop(parent_id)
+        num_cached = self._num_cached_blocks.pop(parent_id)
+        last_hash = self._last_hash.pop(parent_id)
+        if len(table) != blocks_for(num_tokens, self.block_size):
+            raise RuntimeError(f"request {parent_id} holds {len(table)} blocks, not a table of {num_tokens} "
+                               "tokens")
+        if not self.pool.can_allocate(self.num_fork_blocks(num_tokens, len(child_ids))):
+            self._tables[parent_id] = table  # nothing changed
+            self._num_cached_blocks[parent_id], self._last_hash[parent_id] = num_cached, last_hash
+            raise RuntimeError(f"not enough free blocks to fork request {parent_id}")
+        num_full = num_tokens // self.block_size
+        copies = []
+        for i, child_id in enumerate(child_ids):
+            if child_id in self._tables:
+                raise RuntimeError(f"request {child_id} already holds blocks")
+            if i == 0:
+                child_table = table  # the parent's references become the first child's
+            else:
+                self.pool.touch(table[:num_full])
+                child_table = table[:num_full]
+                if num_full < len(table):
+                    [copy] = self.pool.allocate(1)
+                    copies.append((table[-1], copy))
+                    child_table = [*child_table, copy]
+            self._tables[child_id] = list(child_table)
+            self._num_cached_blocks[child_id] = num_cached
+            self._last_hash[child_id] = last_hash
+        return copies
+
     def num_append_blocks(self, request_id: str, num_tokens: int) -> int:
         return max(0, blocks_for(num_tokens, self.block_size) - len(self._tables[request_id]))
 

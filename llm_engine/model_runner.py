@@ -2,7 +2,9 @@
 
     execute(ModelInput) → ModelOutput:
         update the persistent block tables, pack new tokens [1, T] and positions, build the attention
-        metadata (InputBatch.prepare) → model body → lm_head on the rows that sample only → sample.
+        metadata (InputBatch.prepare) → model body → lm_head on the rows that sample only → logits
+        processors (llm_engine/logits_processors.py) → choose tokens → their logprobs from the raw logits;
+        and, for chunks that ask, the prompt tokens' logprobs (llm_engine/logprobs.py).
 Owns the KV cache tensor and the runner's copy of the block tables; knows nothing of scheduling or Ray.
 """
 
@@ -13,14 +15,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llm_engine.batch import ModelInput, ModelOutput, SampledToken
+from llm_engine.batch import ModelInput, ModelOutput, SampledToken, ScheduledChunk
 from llm_engine.config import EngineConfig, ModelSpec
+from llm_engine.grammar_mask import GrammarMask
 from llm_engine.input_batch import InputBatch
 from llm_engine.kv_cache import KVCacheSpec
 from llm_engine.kv_cache_manager import blocks_for
+from llm_engine.logits_processors import LogitsPipeline, SamplingRows
+from llm_engine.logprobs import PromptLogprobsChunk, prompt_logprobs, sampled_logprobs
 from llm_engine.native_kernels import DecodeKernel, paged_decode_attention
-from llm_engine.sampling import sample
+from llm_engine.sampling import SamplingParams, choose_tokens
 from llm_engine.step_timeline import StepRecord, StepTimeline
+from llm_engine.structured import GrammarCache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -62,6 +68,25 @@ class ModelRunner:
         self.decode_attention, kernel = choose_decode_attention(config)
         self.inputs = InputBatch(self.kv_cache, max_blocks, config.max_num_batched_tokens,
                                  num_rows=config.max_num_seqs, decode_kernel=kernel)
+        # Structured outputs: compiled grammars cached per process, a matcher per request (rebuilt from its
+        # tokens wherever it runs); llguidance is loaded with the first request that has a grammar.
+        self.grammar_mask = GrammarMask(GrammarCache(config.model_dir, spec.vocab_size, spec.eos_token_ids))
+        self.logits = LogitsPipeline(spec.vocab_size, spec.eos_token_ids, self.device,
+                                     extra=(self.grammar_mask,))
+
+    def forget_all(self) -> None:
+        """Drop every request's table and sampling state (the engine is idle; its scheduler is replaced)."""
+        self.logits.forget(tuple(self.inputs._rows))
+        self.inputs.forget_all()
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (every layer, K and V), source → destination: the copy-on-write of a forked
+        table's last partial block (KVCacheManager.fork)."""
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs], device=self.device)
+            dst = torch.tensor([d for _, d in pairs], device=self.device)
+            self.kv_cache[dst] = self.kv_cache[src]  # [P, num_layers, 2, block_size, kv_heads, head_dim]
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> ModelOutput:
@@ -77,6 +102,7 @@ class ModelRunner:
         return output
 
     def _execute(self, batch: ModelInput) -> ModelOutput:
+        self.logits.forget(batch.finished_request_ids)
         if not batch.chunks:
             self.inputs.forget(batch.finished_request_ids)
             return ModelOutput(())
@@ -85,19 +111,65 @@ class ModelRunner:
             input_ids=prepared.input_ids, position_ids=prepared.position_ids, use_cache=False,
             paged_metadata=prepared.metadata,
         ).last_hidden_state  # [1, T, hidden]
+        scored = self._score_prompts(batch.chunks, hidden[0])
         sampling_chunks = [c for c in batch.chunks if c.sampling is not None]
         if not sampling_chunks:
-            return ModelOutput(())
+            return ModelOutput((), scored)
+        for chunk in sampling_chunks:
+            if chunk.history is not None and chunk.sampling is not None:
+                self.logits.register(chunk.request_id, chunk.sampling, chunk.history)
         # Project only the rows that sample: the vocab projection of every prompt token is wasted work.
         rows = hidden[0] if prepared.sample_rows is None else hidden[0, prepared.sample_rows]
-        logits = self.model.lm_head(rows)  # [num_samples, vocab]
-        chosen, logprobs = sample(
-            logits,
-            [c.sampling for c in sampling_chunks if c.sampling is not None],
-            [c.output_index for c in sampling_chunks],
-        )
-        wants = [c.sampling is not None and c.sampling.logprobs for c in sampling_chunks]
+        raw_logits = self.model.lm_head(rows).float()  # [num_samples, vocab]
+        params = tuple(c.sampling for c in sampling_chunks if c.sampling is not None)
+        sampling_rows = SamplingRows(tuple(c.request_id for c in sampling_chunks), params,
+                                     tuple(c.output_index for c in sampling_chunks))
+        logits = self.logits.apply(raw_logits, sampling_rows)
+        token_ids = choose_tokens(logits, list(params), list(sampling_rows.output_indices))  # [num_samples]
+        self.logits.record(sampling_rows, token_ids)
+        logprobs = sampled_logprobs(raw_logits, token_ids, list(params))
+        others = self._other_choices(sampling_chunks, params, raw_logits, logits)
         return ModelOutput(tuple(
-            SampledToken(c.request_id, token, logprobs[i] if logprobs is not None and wants[i] else None)
-            for i, (c, token) in enumerate(zip(sampling_chunks, chosen, strict=True))
-        ))
+            SampledToken(c.request_id, token,
+                         logprobs[0][i] if logprobs is not None and params[i].logprobs else None,
+                         logprobs[1][i] if logprobs is not None else (), others.get(i, ()))
+            for i, (c, token) in enumerate(zip(sampling_chunks, token_ids.tolist(), strict=True))
+        ), scored)
+
+    @staticmethod
+    def _other_choices(chunks: list[ScheduledChunk], params: tuple[SamplingParams, ...],
+                       raw_logits: torch.Tensor, logits: torch.Tensor) -> dict[int, tuple[SampledToken, ...]]:
+        """The first tokens of choices 1..n-1 of the rows whose request asks for n > 1 choices and samples its
+        first token: drawn from that row's processed logits (the same for every choice before its first token:
+        no output yet), each with its own seed. Keyed by row. Not recorded by the logits processors: the
+        request stops at its first token (prefill worker), and each choice then registers its own history."""
+        picks = [(row, index) for row, (c, p) in enumerate(zip(chunks, params, strict=True))
+                 if p.n > 1 and c.output_index == 0 for index in range(1, p.n)]
+        if not picks:
+            return {}
+        rows = torch.tensor([row for row, _ in picks], device=logits.device)
+        choice_params = [params[row].for_choice(index) for row, index in picks]
+        token_ids = choose_tokens(logits[rows], choice_params, [0] * len(picks))  # [num_picks]
+        logprobs = sampled_logprobs(raw_logits[rows], token_ids, choice_params)
+        others: dict[int, list[SampledToken]] = {}
+        for i, ((row, _), token) in enumerate(zip(picks, token_ids.tolist(), strict=True)):
+            others.setdefault(row, []).append(SampledToken(
+                chunks[row].request_id, token,
+                logprobs[0][i] if logprobs is not None and choice_params[i].logprobs else None,
+                logprobs[1][i] if logprobs is not None else ()))
+        return {row: tuple(tokens) for row, tokens in others.items()}
+
+    def _score_prompts(self, chunks: tuple[ScheduledChunk, ...], hidden: torch.Tensor
+                       ) -> tuple[PromptLogprobsChunk, ...]:
+        """Prompt logprobs of the chunks that ask. hidden: [T, hidden] the packed rows of every chunk."""
+        scored = []
+        q_start = 0
+        for chunk in chunks:
+            targets = chunk.prompt_logprob_targets
+            if targets:
+                rows = hidden[q_start : q_start + len(targets)]
+                first = chunk.start_position + 1  # the position of the first token scored
+                scored.append(prompt_logprobs(rows, self.model.lm_head, chunk.request_id, first, targets,
+                                              chunk.num_prompt_top_logprobs))
+            q_start += chunk.num_tokens
+        return tuple(scored)

@@ -11,6 +11,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from llm_engine.batch import SampledToken
+from llm_engine.logprobs import PromptLogprobs, PromptLogprobsChunk, TopLogprobs
 from llm_engine.sampling import SamplingParams
 
 
@@ -34,6 +36,10 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when sampling.top_logprobs > 0
+    # Scores of prompt tokens 1..P-1 (sampling.prompt_logprobs), filled chunk by chunk; None until then.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
     # Tokens (prompt, then output) whose KV is in this request's blocks.
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
@@ -43,6 +49,8 @@ class Request:
     # Chained hashes of the leading full blocks, filled lazily by the scheduler's prefix-cache lookups: tokens
     # only grow, so a hash stays valid, and a request waiting for blocks is not re-hashed at every step.
     block_hashes: list[bytes] = field(default_factory=list)
+    # sampling.n > 1: the first tokens of choices 1..n-1 (output_token_ids[0] is choice 0's), drawn with it.
+    other_first_tokens: tuple[SampledToken, ...] = ()
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -73,13 +81,36 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_token(self, token_id: int, logprob: float | None) -> None:
+    def add_prompt_logprobs(self, scored: PromptLogprobsChunk) -> None:
+        """Store one chunk's prompt scores (a recomputation after preemption overwrites its own)."""
+        if self.prompt_logprobs is None or self.prompt_top_logprobs is None:
+            self.prompt_logprobs = [0.0] * (self.num_prompt_tokens - 1)
+            self.prompt_top_logprobs = [()] * (self.num_prompt_tokens - 1)
+        start = scored.first_position - 1
+        self.prompt_logprobs[start : start + len(scored.logprobs)] = scored.logprobs
+        self.prompt_top_logprobs[start : start + len(scored.top)] = scored.top
+
+    def scored_prompt(self) -> PromptLogprobs | None:
+        """The prompt's logprobs, once every prompt token is scored (asked for and computed here)."""
+        if self.sampling.prompt_logprobs is None:
+            return None
+        if self.prompt_logprobs is None or self.prompt_top_logprobs is None:
+            return PromptLogprobs((), ()) if self.num_prompt_tokens == 1 else None  # or prefilled elsewhere
+        return PromptLogprobs(tuple(self.prompt_logprobs), tuple(self.prompt_top_logprobs))
+
+    def is_stop_token(self, token_id: int) -> bool:
+        """Whether sampling `token_id` ends the request (EOS unless ignored, or a stop token)."""
+        hit_eos = token_id in self.eos_token_ids and not self.sampling.ignore_eos
+        return hit_eos or token_id in self.sampling.stop_token_ids
+
+    def append_token(self, token_id: int, logprob: float | None, top_logprobs: TopLogprobs = ()) -> None:
         """Add a sampled token and set FINISHED_* if it ends the request."""
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
-        hit_eos = token_id in self.eos_token_ids and not self.sampling.ignore_eos
-        if hit_eos or token_id in self.sampling.stop_token_ids:
+            if self.sampling.top_logprobs:
+                self.output_top_logprobs.append(top_logprobs)
+        if self.is_stop_token(token_id):
             self.status = RequestStatus.FINISHED_STOPPED
         elif self.num_output_tokens >= self.sampling.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH

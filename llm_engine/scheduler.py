@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from llm_engine.batch import ModelInput, ModelOutput, ScheduledChunk
+from llm_engine.batch import ModelInput, ModelOutput, ScheduledChunk, TokenHistory
 from llm_engine.kv_cache_manager import KVCacheManager, hash_block
 from llm_engine.request import Request, RequestStatus
 
@@ -48,6 +48,8 @@ class Scheduler:
         self._num_sent_blocks: dict[str, int] = {}
         # Requests with a table at the runner that left (finished, aborted, preempted) since the last forward.
         self._left: list[str] = []
+        # Requests whose TokenHistory the runner holds for its current table (sent with a sampling chunk).
+        self._history_sent: set[str] = set()
         # Prompt tokens one forward may carry while any running request decodes (None: no limit beyond
         # max_num_batched_tokens).
         self.prefill_budget_beside_decode: int | None = None
@@ -107,13 +109,14 @@ class Scheduler:
 
     def _forget(self, request_id: str) -> None:
         """The request's current table is gone: the runner may drop its copy (told with the next forward)."""
+        self._history_sent.discard(request_id)
         if self._num_sent_blocks.pop(request_id, None) is not None:
             self._left.append(request_id)
 
     def _prefix_hashes(self, request: Request) -> list[bytes]:
         """Chained hashes of the full blocks of all but the last token, each block hashed once per request."""
-        if not self.kv.enable_prefix_caching:
-            return []
+        if not self.kv.enable_prefix_caching or request.sampling.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt token computed: no cached prefix
         block_size = self.kv.block_size
         hashes = request.block_hashes
         num_full = (request.num_tokens - 1) // block_size
@@ -131,6 +134,13 @@ class Scheduler:
         table = self.kv.block_table(request.request_id)
         num_sent = self._num_sent_blocks.get(request.request_id, 0)
         self._num_sent_blocks[request.request_id] = len(table)
+        history = None
+        if completes and request.sampling.needs_history and request.request_id not in self._history_sent:
+            self._history_sent.add(request.request_id)
+            history = TokenHistory(tuple(request.prompt_token_ids), tuple(request.output_token_ids))
+        targets: tuple[int, ...] = ()
+        if request.sampling.prompt_logprobs is not None and not request.num_output_tokens:
+            targets = tuple(request.prompt_token_ids[start + 1 : start + num_new + 1])
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=request.token_ids_between(start, start + num_new),
@@ -139,6 +149,9 @@ class Scheduler:
             num_prior_blocks=num_sent,
             sampling=request.sampling if completes else None,
             output_index=request.num_output_tokens,
+            history=history,
+            prompt_logprob_targets=targets,
+            num_prompt_top_logprobs=request.sampling.prompt_logprobs or 0,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -238,12 +251,18 @@ class Scheduler:
             if self.kv.enable_prefix_caching and num_full > self.kv.num_cached_blocks(request.request_id):
                 self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
                                           request.num_computed_tokens)
+        for scored in output.prompt_logprobs:
+            request = self.requests.get(scored.request_id)
+            if request is not None:
+                request.add_prompt_logprobs(scored)
         advanced = []
         for sampled in output.sampled:
             request = self.requests.get(sampled.request_id)
             if request is None:
                 continue
-            request.append_token(sampled.token_id, sampled.logprob)
+            request.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            if sampled.other_choices:
+                request.other_first_tokens = sampled.other_choices
             advanced.append(request)
             if request.is_finished:
                 self.running.remove(request)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_transfer import KVHandle
-from llm_engine import SamplingParams
+from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
+from llm_engine.choices import FirstToken
 
 
 @dataclass(frozen=True)
@@ -36,3 +37,15 @@ class PrefillResult:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     times: PrefillTimes
     error: str = ""  # why, when finish_reason is "error"
+    first_top_logprobs: TopLogprobs = ()  # the first token's alternatives, when sampling.top_logprobs > 0
+    prompt_logprobs: PromptLogprobs | None = None  # when sampling.prompt_logprobs is set
+    # sampling.n > 1: choices 1..n-1's first tokens, each with its own finish_reason (the fields above are
+    # choice 0's); kv_handle is then set while any choice decodes on.
+    other_choices: tuple[FirstToken, ...] = ()
+
+    @property
+    def choices(self) -> tuple[FirstToken, ...]:
+        """Every choice's first token, choice 0's first."""
+        first = FirstToken(0, self.first_token_id, self.first_logprob, self.first_top_logprobs,
+                           self.finish_reason)
+        return (first, *self.other_choices)

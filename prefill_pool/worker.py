@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from kv_transfer import KVHandle, KVSender, PullReply, PullRequest, ReleasedBlocks
 from llm_engine import LLMEngine
+from llm_engine.choices import FirstToken
 from llm_engine.request import Request, RequestStatus
 from pool_worker.runtime.inbox import WorkerInbox
 from pool_worker.runtime.load import WorkerLoad
@@ -214,8 +215,14 @@ class PrefillWorker:
             finish_reason = "stop"
         elif sampling.max_tokens == 1:
             finish_reason = "length"
+        # n > 1: every choice's first token came from these logits; the KV is offered while any goes on.
+        others = tuple(
+            FirstToken(i, t.token_id, t.logprob, t.top_logprobs,
+                       "stop" if request.is_stop_token(t.token_id) else "length" if sampling.max_tokens == 1
+                       else None)
+            for i, t in enumerate(request.other_first_tokens, start=1))
         handle = None
-        if finish_reason is None:
+        if finish_reason is None or any(c.finish_reason is None for c in others):
             with self._sender_lock:
                 table = self.engine.kv.block_table(request_id)
                 handle = self.sender.offer(table, request.num_computed_tokens)
@@ -223,8 +230,11 @@ class PrefillWorker:
         else:
             self.engine.kv.free(request_id)
         logprob = request.output_logprobs[0] if request.output_logprobs else None
-        pending.on_result(self._result(request_id, request.output_token_ids[0], logprob, finish_reason,
-                                       handle, request.num_cached_tokens, pending.queued, pending.started))
+        result = self._result(request_id, request.output_token_ids[0], logprob, finish_reason, handle,
+                              request.num_cached_tokens, pending.queued, pending.started)
+        pending.on_result(dataclasses.replace(
+            result, first_top_logprobs=request.output_top_logprobs[0] if request.output_top_logprobs else (),
+            prompt_logprobs=request.scored_prompt(), other_choices=others))
 
     @staticmethod
     def _result(request_id: str, token: int, logprob: float | None, finish_reason: str | None,

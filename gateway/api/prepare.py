@@ -1,11 +1,15 @@
 """Turns an OpenAI request into the request path's PreparedRequest.
 
-prepare_completion() / prepare_chat():
-    1. check the model name, the prompt's token ids against the vocabulary, and the sampling values;
-    2. tokenize once (or render the chat template), in a worker thread when the prompt or the conversation
-       is long, so the event loop keeps streaming;
-    3. check the context (prompt + max_tokens) against the model and against one decode worker's KV;
-    4. hash the prompt's full blocks once (the router matches them against each worker's prefix cache).
+prepare_completion() (one PreparedRequest per prompt of a batch) / prepare_chat():
+    1. check the model name, that every field asks for something pdserve does (gateway/api/surface.py), the
+       prompt's token ids against the vocabulary, and the sampling values;
+    2. the grammar the output must follow: response_format's (gateway/api/structured.py) or a forced tool
+       call's (gateway/api/tool_prompt.py);
+    3. tokenize once (or render the chat template, with the tools), in a worker thread when the prompt or the
+       conversation is long, so the event loop keeps streaming;
+    4. check the context (prompt + max_tokens) against the model, and prompt + n × max_tokens (the choices
+       share the prompt's KV) against one decode worker's;
+    5. hash the prompt's full blocks once (the router matches them against each worker's prefix cache).
 Bad input raises BadRequest (HTTP 4xx with the parameter named).
 """
 
@@ -17,14 +21,20 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jinja2 import TemplateError
 
-from gateway.api.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.api.bad_request import BadRequest
+from gateway.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.api.structured import response_format_grammar
+from gateway.api.surface import MESSAGE_NOT_YET_SUPPORTED, check_fields
+from gateway.api.tool_parsers import ToolCallParser, choose_parser
+from gateway.api.tool_prompt import ToolPlan, plan_tools, template_messages
 from gateway.requests.service import PreparedRequest
 from llm_engine import ModelSpec, SamplingParams
 from llm_engine.kv_cache_manager import prefix_hashes
+from llm_engine.structured import GrammarSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -45,18 +55,14 @@ LONG_CONVERSATION_MESSAGES = 32
 T = TypeVar("T")
 
 
-class BadRequest(Exception):
-    def __init__(
-        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-
 class Preparer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: ModelSpec, model_name: str,
-                 max_request_tokens: int, default_max_tokens: int, block_size: int) -> None:
+                 max_request_tokens: int, default_max_tokens: int, block_size: int,
+                 tool_call_parser: str = "auto") -> None:
         self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        self.tool_parser: ToolCallParser = choose_parser(tool_call_parser, template)
+        self.template_knows_tools = isinstance(template, str) and "tools" in template
         self.spec = spec
         self.model_name = model_name
         self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
@@ -72,44 +78,80 @@ class Preparer:
         return await asyncio.get_running_loop().run_in_executor(self._prompt_thread, work)
 
     # Validation and tokenization.
-    async def prepare_completion(self, request: CompletionRequest) -> PreparedRequest:
-        self._check_model(request.model)
-        if isinstance(request.prompt, str):
-            text = request.prompt
-            prompt = await self._off_loop_if(len(text) > LONG_PROMPT_CHARS,
-                                             lambda: self._encode(text))
-        else:
-            prompt = list(request.prompt)
-            bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
-            if bad:
-                raise BadRequest(
-                    f"prompt token ids outside the vocabulary [0, {self.spec.vocab_size}): {bad[:5]}",
-                    param="prompt",
-                )
-        if not prompt:
-            raise BadRequest("the prompt is empty", param="prompt")
-        return await self._hashed(self._prepare(request, prompt, request.max_tokens or 16,
-                                                request.logprobs is not None))
+    async def prepare_completion(self, request: CompletionRequest) -> list[PreparedRequest]:
+        """One PreparedRequest per prompt (a batch is several), in prompt order."""
+        self.check_model(request.model)
+        check_fields(request.model_extra)
+        if request.stream and len(request.prompts) > 1:
+            raise BadRequest("prompt: a batch of prompts with stream: true is not supported yet",
+                             param="prompt", code="unsupported_field")
+        prepared = []
+        for index, item in enumerate(request.prompts):
+            prompt = await self._prompt_tokens(item)
+            if not prompt:
+                raise BadRequest("the prompt is empty", param="prompt")
+            k = request.logprobs
+            max_tokens = 16 if request.max_tokens is None else request.max_tokens
+            # max_tokens 0 scores the prompt only: the engine samples one token, which the response drops.
+            one = self._prepare(request, prompt, max(1, max_tokens), k is not None, k or 0,
+                                k if request.echo and k is not None else None,
+                                response_format_grammar(request.response_format))
+            one = replace(one, is_prompt_only=max_tokens == 0, batch_index=index)
+            prepared.append(await self._hashed(one))
+        return prepared
+
+    async def _prompt_tokens(self, item: str | list[int]) -> list[int]:
+        if isinstance(item, str):
+            return await self._off_loop_if(len(item) > LONG_PROMPT_CHARS, lambda: self._encode(item))
+        vocab = self.spec.vocab_size
+        bad = [t for t in item if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                             param="prompt")
+        return list(item)
 
     async def prepare_chat(self, request: ChatCompletionRequest) -> PreparedRequest:
-        self._check_model(request.model)
+        self.check_model(request.model)
+        check_fields(request.model_extra)
+        for i, message in enumerate(request.messages):
+            check_fields(message.model_extra, f"messages[{i}].", MESSAGE_NOT_YET_SUPPORTED)
+        if request.top_logprobs and not request.logprobs:
+            raise BadRequest("top_logprobs: needs logprobs: true", param="top_logprobs")
+        plan = plan_tools(request, self.tool_parser)
+        grammar = response_format_grammar(request.response_format)
+        if grammar is not None and plan.grammar is not None:
+            raise BadRequest("response_format: cannot be combined with a forced tool call (tool_choice "
+                             "required or a named function)", param="response_format")
+        prompt = await self.render_chat(request.messages, plan=plan)
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, min(self.default_max_tokens, self.spec.max_model_len - len(prompt)))
+        prepared = self._prepare(request, prompt, max_tokens, request.logprobs, request.top_logprobs or 0,
+                                 grammar=grammar or plan.grammar)
+        return await self._hashed(replace(prepared, parses_tool_calls=plan.parser is not None))
+
+    def encode(self, text: str) -> list[int]:
+        return self._encode(text)
+
+    async def render_chat(self, request_messages: list[ChatMessage], add_generation_prompt: bool = True,
+                          plan: ToolPlan | None = None) -> list[int]:
+        """The conversation's token ids through the model's chat template (with the plan's tools)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest(f"model {self.model_name} has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": m.text} for m in request.messages]
+        tools = plan.tools if plan is not None else None
+        messages = template_messages(request_messages, self.tool_parser, self.template_knows_tools, tools)
         is_long = (len(messages) > LONG_CONVERSATION_MESSAGES
                    or sum(len(m["content"]) for m in messages) > LONG_PROMPT_CHARS)
+        # Only a template that knows tools gets them (the others have them in the system message).
+        extra: dict[str, Any] = {"tools": tools} if tools and self.template_knows_tools else {}
         try:
             encoded = await self._off_loop_if(is_long, lambda: self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True))
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra))
         except TemplateError as exc:  # the template refuses the conversation (e.g. roles that must alternate)
             raise BadRequest(f"the model's chat template refuses these messages: {exc.message}",
                              param="messages") from None
         # transformers 5 returns a BatchEncoding here; older versions a plain list.
-        prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)  # type: ignore[call-overload,index]
-        max_tokens = request.max_completion_tokens or request.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, min(self.default_max_tokens, self.spec.max_model_len - len(prompt)))
-        return await self._hashed(self._prepare(request, prompt, max_tokens, request.logprobs))
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)  # type: ignore[call-overload,index,arg-type]
 
     async def _hashed(self, prepared: PreparedRequest) -> PreparedRequest:
         """With the prompt's block hashes, which the router needs for every prefill pick."""
@@ -118,7 +160,7 @@ class Preparer:
                                          lambda: prefix_hashes(prompt, self.block_size))
         return replace(prepared, block_hashes=hashes)
 
-    def _check_model(self, name: str) -> None:
+    def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise BadRequest(
                 f"the model {name!r} does not exist; this server serves {self.model_name!r}",
@@ -133,6 +175,9 @@ class Preparer:
         prompt: list[int],
         max_tokens: int,
         logprobs: bool,
+        top_logprobs: int = 0,
+        prompt_logprobs: int | None = None,
+        grammar: GrammarSpec | None = None,
     ) -> PreparedRequest:
         total = len(prompt) + max_tokens
         if total > self.spec.max_model_len:
@@ -142,13 +187,19 @@ class Preparer:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        if total > self.max_request_tokens:
+        num_kv = len(prompt) + request.n * max_tokens  # the choices decode on one worker, sharing the prompt
+        if num_kv > self.max_request_tokens:
+            choices = f" ({request.n} choices of {max_tokens} tokens)" if request.n > 1 else ""
             raise BadRequest(
-                f"the request needs KV for {total} tokens; one decode worker holds at most "
+                f"the request needs KV for {num_kv} tokens{choices}; one decode worker holds at most "
                 f"{self.max_request_tokens}",
-                param="max_tokens",
+                param="n" if request.n > 1 and total <= self.max_request_tokens else "max_tokens",
             )
         is_greedy = request.temperature < MIN_TEMPERATURE or request.top_p < MIN_TOP_P
+        self._check_token_ids(request)
+        if request.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})",
+                             param="min_tokens")
         try:
             sampling = SamplingParams(
                 max_tokens=max_tokens,
@@ -158,12 +209,41 @@ class Preparer:
                 seed=request.seed,
                 ignore_eos=request.ignore_eos,
                 logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                prompt_logprobs=prompt_logprobs,
+                presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty,
+                repetition_penalty=request.repetition_penalty,
+                logit_bias=request.logit_bias_pairs,
+                min_tokens=request.min_tokens,
+                stop_token_ids=self._stop_token_ids(request, grammar),
+                n=request.n,
+                grammar=grammar,
             )
         except ValueError as error:
             raise BadRequest(str(error)) from None
         return PreparedRequest(
             f"req-{uuid.uuid4().hex}", tuple(prompt), sampling, request.stop_strings, time.time()
         )
+
+
+    def _stop_token_ids(self, request: CompletionRequest | ChatCompletionRequest, grammar: GrammarSpec | None
+                        ) -> tuple[int, ...]:
+        stop = tuple(request.stop_token_ids or ())
+        # A grammar ends on EOS; a model whose config names none ends on its tokenizer's, named here.
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if grammar is not None and not self.spec.eos_token_ids and isinstance(eos, int) and eos not in stop:
+            stop = (*stop, eos)
+        return stop
+
+    def _check_token_ids(self, request: CompletionRequest | ChatCompletionRequest) -> None:
+        vocab = self.spec.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in request.logit_bias_pairs]),
+                          ("stop_token_ids", request.stop_token_ids or [])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise BadRequest(f"{name}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                                 param=name)
 
 
 def _fast_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int]]:

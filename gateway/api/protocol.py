@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from gateway.api.protocol_tools import (
+    TOOLS_FIELD,
+    ResponseFormat,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolList,
+)
 from gateway.telemetry.timings import Timings
+from llm_engine.choices import MAX_CHOICES
 
 MAX_STOP_STRINGS = 16  # OpenAI takes 4; a few more cost little (each is searched for after every token)
 MAX_STOP_CHARS = 256  # per stop string: text that could start one is held back from the stream
 # The chat template is rendered per message (~15 µs each): a 4 MiB body holds ~130k empty ones, seconds of
 # rendering before the context check could refuse the request. Real conversations stay far below this.
 MAX_MESSAGES = 2048
+MAX_LOGPROBS = 20  # top_logprobs / completions logprobs, as OpenAI's top_logprobs (the engine's bound too)
+MAX_LOGIT_BIAS = 1024  # entries; each costs one scatter per step
+MAX_STOP_TOKEN_IDS = 64
+MAX_PROMPTS = 64  # prompts in one completions batch
 
 
 def _encodable(text: str) -> str:
@@ -26,12 +39,14 @@ def _encodable(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_encodable)]  # text that reaches the tokenizer
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)]
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored (OpenAI clients send many). Types are strict, as OpenAI's are: "5" is not a
-    # number nor 1 a boolean; wrong types and ranges are 400s.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # Undeclared fields are kept for gateway/api/surface.py, which refuses (400, naming them) every one whose
+    # effect pdserve cannot honour. Types are strict, as OpenAI's are: "5" is not a number nor 1 a boolean;
+    # wrong types and ranges are 400s.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -42,19 +57,49 @@ class _Request(BaseModel):
     stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | Annotated[
         list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_STRINGS)
     ] | None = None
-    n: int = Field(default=1, ge=1, le=1)  # one choice per request
+    # Choices of one prompt: one prefill, their first tokens drawn from the same logits (each with its own
+    # seed derived from `seed`), then decoded from the prompt's KV, shared on one decode worker.
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)  # extension (vLLM's)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id → bias
+    min_tokens: int = Field(default=0, ge=0)  # extension: EOS and stop_token_ids wait for this many tokens
+    stop_token_ids: TokenIds | None = None  # extension: tokens that end generation (as EOS does)
+    # Accepted and ignored by design: they change nothing in what the model generates.
+    user: str | None = None  # an end-user id for the caller's abuse monitoring
+    metadata: dict[str, Any] | None = None  # the caller's tags (OpenAI stores them with `store`)
+    store: bool | None = None  # OpenAI keeps completions for its dashboard; pdserve keeps none
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate exactly max_tokens (benchmarks)
     return_token_ids: bool = False  # extension: the choice carries the generated token ids
+    # text (default), json_object or json_schema: the output is held to a grammar (gateway/api/structured.py)
+    response_format: ResponseFormat | None = None
 
     @field_validator("max_tokens", "max_completion_tokens", "top_k", "seed", "n", "logprobs", "top_logprobs",
-                     mode="before", check_fields=False)
+                     "min_tokens", mode="before", check_fields=False)
     @classmethod
     def _whole_number(cls, value: object) -> object:
         # JSON has one number type: 4.0 is an integer to JSON Schema (and what some clients send for 4).
         # Otherwise integers are strict: "4", 4.5 and true are refused.
         return int(value) if isinstance(value, float) and value.is_integer() else value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is None:
+            return None
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are allowed, got {len(bias)}")
+        bad = [key for key in bias if not key.isascii() or not key.isdigit()]
+        if bad:
+            raise ValueError(f"keys must be token ids (non-negative integers as strings), got {bad[0]!r}")
+        return bias
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items())
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -76,22 +121,42 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+PromptText = Annotated[str, Field(min_length=1), AfterValidator(_encodable)]
+PromptIds = Annotated[list[int], Field(min_length=1)]
+PromptTexts = Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)]
+PromptIdLists = Annotated[list[PromptIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+
+
 class CompletionRequest(_Request):
-    # Text, or token ids.
-    prompt: Annotated[str, Field(min_length=1), AfterValidator(_encodable)] | Annotated[
-        list[int], Field(min_length=1)
-    ]
-    logprobs: int | None = Field(default=None, ge=0, le=0)  # only the chosen token's logprob
+    # Text, or token ids; or a batch of either (one choice per prompt, `index` in prompt order).
+    prompt: PromptText | PromptIds | PromptTexts | PromptIdLists
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: score the prompt only (with echo and logprobs)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the chosen token's + k alternatives
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs when asked)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one prompt per choice."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)  # type: ignore[arg-type]
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # Undeclared fields are kept for gateway/api/surface.py (it names each one it refuses).
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None = None  # None only on an assistant message with tool_calls
+    name: str | None = None  # a participant's name: accepted, not given to the chat template
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls (gateway/api/tool_prompt.py)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -106,7 +171,10 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    tools: ToolList | None = TOOLS_FIELD  # functions the model may call (rendered by the chat template)
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # accepted; a forced call (required / named) is one call
 
 
 class PromptTokensDetails(BaseModel):
@@ -120,11 +188,20 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None  # present when some prompt tokens were cached
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per token (echoed prompt first)."""
+
+    tokens: list[str]  # each token's text (decoded alone)
+    token_logprobs: list[float | None]  # None for the prompt's first token (no context)
+    top_logprobs: list[dict[str, float] | None] | None = None  # text → logprob of the k most likely (k > 0)
+    text_offset: list[int]  # where each token's text starts in the choice's text
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: dict[str, list[float | str]] | None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -141,6 +218,21 @@ class CompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | list[ToolCallDelta] | None = None  # whole calls, or a stream's pieces
+
+
+class TopLogprob(BaseModel):
+    token: str  # the token's text (decoded alone)
+    logprob: float
+    bytes: list[int] | None  # its UTF-8 bytes (a token may hold part of a character)
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the top_logprobs most likely tokens at this position
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
 
 
 class ChatChoice(BaseModel):
@@ -148,7 +240,7 @@ class ChatChoice(BaseModel):
     message: ChatDelta | None = None
     delta: ChatDelta | None = None
     finish_reason: str | None
-    logprobs: dict[str, list[dict[str, float | str]]] | None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 

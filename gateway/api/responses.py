@@ -5,6 +5,9 @@ OpenAI-shaped error event, `data: {"error": {...}}`, then `data: [DONE]`: never 
 The chunks of a token (text only: no logprobs, no token ids, not the last one) are framed by _TextFrames
 without a pydantic model: they are most of a stream and each costs one json.dumps of its text. Every other
 chunk goes through the pydantic models; both spell the same JSON.
+With n > 1 choices, a stream interleaves the choices' chunks as their tokens come, each with its `index` and
+its own finish_reason; a whole response lists them in index order. Usage counts the prompt once and sums
+the choices' completion tokens.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from gateway.api.logprob_format import CompletionLogprobsBuilder, TokenTexts, chat_logprobs, joined
 from gateway.api.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ErrorBody,
@@ -27,17 +33,23 @@ from gateway.api.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from gateway.api.tool_parsers import ToolCallParser
+from gateway.api.tool_responses import ToolCallStream, whole_message
 from gateway.requests.orchestrator import RequestFailed
 from gateway.requests.service import GatewayService, PreparedRequest, TextDelta
+from gateway.telemetry.timings import Timings
+from llm_engine import TopLogprobs
 
 logger = logging.getLogger(__name__)
 
 
-def _usage(prepared: PreparedRequest, last: TextDelta) -> Usage:
+def _usage(prepared: PreparedRequest, lasts: list[TextDelta]) -> Usage:
+    """Each choice's final delta in `lasts` (the request's last one carries the cached count)."""
     num_prompt = len(prepared.prompt_token_ids)
-    num_output = last.num_output_tokens
+    num_output = sum(last.num_output_tokens for last in lasts)
+    num_cached = max(last.num_cached_tokens for last in lasts)
     # Only when the prefix cache served part of the prompt (as vLLM, which leaves it out unless asked).
-    details = PromptTokensDetails(cached_tokens=last.num_cached_tokens) if last.num_cached_tokens else None
+    details = PromptTokensDetails(cached_tokens=num_cached) if num_cached else None
     return Usage(prompt_tokens=num_prompt, completion_tokens=num_output, total_tokens=num_prompt + num_output,
                  prompt_tokens_details=details)
 
@@ -78,62 +90,116 @@ def _error_event(message: str, code: str) -> str:
     return _sse(body.model_dump_json())
 
 
-async def _collect(deltas: AsyncIterator[TextDelta]) -> tuple[str, list[int], list[float], TextDelta]:
-    text: list[str] = []
-    token_ids: list[int] = []
-    logprobs: list[float] = []
-    last: TextDelta | None = None
-    async for delta in deltas:
-        text.append(delta.text)
-        token_ids.extend(delta.token_ids)
-        logprobs.extend(delta.logprobs)
-        last = delta
-    assert last is not None and last.finish_reason is not None
-    return "".join(text), token_ids, logprobs, last
+class _Collected:
+    """One choice's deltas, joined."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[TopLogprobs] = []
+        self.first: TextDelta | None = None
+        self.last: TextDelta | None = None
+
+    @classmethod
+    async def of(cls, deltas: AsyncIterator[TextDelta]) -> list[_Collected]:
+        """Every choice's, in index order."""
+        choices: dict[int, _Collected] = {}
+        async for delta in deltas:
+            collected = choices.setdefault(delta.index, cls())
+            collected.first = collected.first or delta
+            collected.text.append(delta.text)
+            collected.token_ids.extend(delta.token_ids)
+            collected.logprobs.extend(delta.logprobs)
+            collected.top_logprobs.extend(delta.top_logprobs)
+            collected.last = delta
+        collected_choices = [choices[index] for index in sorted(choices)]
+        assert all(c.last is not None and c.last.finish_reason is not None for c in collected_choices)
+        return collected_choices
+
+    @property
+    def final(self) -> TextDelta:
+        assert self.last is not None
+        return self.last
 
 
-def _completion_logprobs(service: GatewayService, token_ids: list[int], logprobs: list[float]
-                         ) -> dict[str, list[float | str]]:
-    tokens: list[float | str] = [str(service.tokenizer.convert_ids_to_tokens(t)) for t in token_ids]
-    return {"tokens": tokens, "token_logprobs": list(logprobs)}
+def _timings(lasts: list[TextDelta]) -> Timings | None:
+    """The request's timings: on the last of its choices' final deltas."""
+    return next((last.timings for last in lasts if last.timings is not None), None)
 
 
-def _chat_logprobs(service: GatewayService, token_ids: list[int], logprobs: list[float]
-                   ) -> dict[str, list[dict[str, float | str]]]:
-    return {"content": [{"token": str(service.tokenizer.convert_ids_to_tokens(t)), "logprob": lp}
-                        for t, lp in zip(token_ids, logprobs, strict=False)]}
+def echo_text(service: GatewayService, body: CompletionRequest, prepared: PreparedRequest) -> str:
+    """The prompt as echoed: the client's own text, or its token ids decoded."""
+    prompt = body.prompts[prepared.batch_index]
+    return prompt if isinstance(prompt, str) else str(service.tokenizer.decode(list(prompt)))
 
 
-async def completion_response(service: GatewayService, body: CompletionRequest, prepared: PreparedRequest,
-                              deltas: AsyncIterator[TextDelta]) -> CompletionResponse:
-    text, token_ids, logprobs, last = await _collect(deltas)
-    choice = CompletionChoice(
-        text=text, finish_reason=last.finish_reason,
-        logprobs=_completion_logprobs(service, token_ids, logprobs) if body.logprobs is not None else None,
-        token_ids=token_ids if body.return_token_ids else None,
+async def completion_response(service: GatewayService, texts: TokenTexts, body: CompletionRequest,
+                              prepared: PreparedRequest, deltas: AsyncIterator[TextDelta]
+                              ) -> CompletionResponse:
+    choices = await _Collected.of(deltas)
+    lasts = [got.final for got in choices]
+    first_index = prepared.batch_index * len(choices)  # a batch's choices: prompt by prompt, as OpenAI's
+    return CompletionResponse(
+        id=prepared.request_id, model=service.model_name, usage=_usage(prepared, lasts),
+        timings=_timings(lasts),
+        choices=[_completion_choice(service, texts, body, prepared, got, first_index + i)
+                 for i, got in enumerate(choices)])
+
+
+def _completion_choice(service: GatewayService, texts: TokenTexts, body: CompletionRequest,
+                       prepared: PreparedRequest, got: _Collected, index: int) -> CompletionChoice:
+    text = "".join(got.text)
+    logprobs: CompletionLogprobs | None = None
+    if body.echo:
+        prompt_text = echo_text(service, body, prepared)
+        if body.logprobs is not None:
+            builder = CompletionLogprobsBuilder(texts, body.logprobs)
+            scored = got.first.prompt_logprobs if got.first else None
+            logprobs = joined(builder.prompt(prepared.prompt_token_ids, scored),
+                              builder.generated(got.token_ids, got.logprobs, got.top_logprobs))
+        text = prompt_text + text
+    elif body.logprobs is not None:
+        logprobs = CompletionLogprobsBuilder(texts, body.logprobs).generated(got.token_ids, got.logprobs,
+                                                                             got.top_logprobs)
+    return CompletionChoice(
+        index=index, text=text, finish_reason=got.final.finish_reason, logprobs=logprobs,
+        token_ids=got.token_ids if body.return_token_ids else None,
     )
-    return CompletionResponse(id=prepared.request_id, model=service.model_name, choices=[choice],
-                              usage=_usage(prepared, last), timings=last.timings)
 
 
-async def completion_stream(service: GatewayService, body: CompletionRequest, prepared: PreparedRequest,
-                            deltas: AsyncIterator[TextDelta], include_usage: bool) -> AsyncIterator[str]:
-    last: TextDelta | None = None
+async def completion_stream(service: GatewayService, texts: TokenTexts, body: CompletionRequest,
+                            prepared: PreparedRequest, deltas: AsyncIterator[TextDelta], include_usage: bool
+                            ) -> AsyncIterator[str]:
+    lasts: list[TextDelta] = []  # each choice's final delta
+    started: set[int] = set()  # choices with a chunk sent
     errors: list[str] = []
     created = int(time.time())
-    frames = _TextFrames(CompletionResponse(
+    frames = [_TextFrames(CompletionResponse(
         id=prepared.request_id, model=service.model_name, created=created,
-        choices=[CompletionChoice(text="\x00", finish_reason=None)]), "text")
-    is_text_only = body.logprobs is None and not body.return_token_ids
+        choices=[CompletionChoice(index=i, text="\x00", finish_reason=None)]), "text")
+        for i in range(prepared.sampling.n)]
+    is_text_only = body.logprobs is None and not body.return_token_ids and not body.echo
+    builder = CompletionLogprobsBuilder(texts, body.logprobs or 0)
     async for delta in _guarded(deltas, errors):
-        last = delta
+        is_first = delta.index not in started
+        started.add(delta.index)
+        if delta.finish_reason is not None:
+            lasts.append(delta)
         if is_text_only and delta.finish_reason is None:
-            yield frames.frame(delta.text)
+            yield frames[delta.index].frame(delta.text)
             continue
+        text = delta.text
+        logprobs: CompletionLogprobs | None = None
+        if body.echo and is_first:
+            text = echo_text(service, body, prepared) + text
+            if body.logprobs is not None:
+                logprobs = builder.prompt(prepared.prompt_token_ids, delta.prompt_logprobs)
+        if body.logprobs is not None:
+            generated = builder.generated(delta.token_ids, delta.logprobs, delta.top_logprobs)
+            logprobs = joined(logprobs, generated) if logprobs else generated
         choice = CompletionChoice(
-            text=delta.text, finish_reason=delta.finish_reason,
-            logprobs=_completion_logprobs(service, list(delta.token_ids), list(delta.logprobs))
-            if body.logprobs is not None else None,
+            index=delta.index, text=text, finish_reason=delta.finish_reason, logprobs=logprobs,
             token_ids=list(delta.token_ids) if body.return_token_ids else None,
         )
         chunk = CompletionResponse(id=prepared.request_id, model=service.model_name, created=created,
@@ -141,27 +207,41 @@ async def completion_stream(service: GatewayService, body: CompletionRequest, pr
         yield _sse(chunk.model_dump_json(exclude_none=True))
     for event in errors:
         yield event
-    if include_usage and last is not None:
+    if include_usage and lasts:
         usage = CompletionResponse(id=prepared.request_id, model=service.model_name, created=created,
-                                   choices=[], usage=_usage(prepared, last))
+                                   choices=[], usage=_usage(prepared, lasts))
         yield _sse(usage.model_dump_json(exclude_none=True))
     yield _sse("[DONE]")
 
 
-async def chat_response(service: GatewayService, body: ChatCompletionRequest, prepared: PreparedRequest,
-                        deltas: AsyncIterator[TextDelta]) -> ChatCompletionResponse:
-    text, token_ids, logprobs, last = await _collect(deltas)
-    choice = ChatChoice(
-        message=ChatDelta(role="assistant", content=text), finish_reason=last.finish_reason,
-        logprobs=_chat_logprobs(service, token_ids, logprobs) if body.logprobs else None,
-        token_ids=token_ids if body.return_token_ids else None,
-    )
-    return ChatCompletionResponse(id=prepared.request_id, model=service.model_name, choices=[choice],
-                                  usage=_usage(prepared, last), timings=last.timings)
+async def chat_response(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
+                        prepared: PreparedRequest, deltas: AsyncIterator[TextDelta],
+                        tool_parser: ToolCallParser | None = None) -> ChatCompletionResponse:
+    """The whole answer, one choice per index; each read for tool calls with `tool_parser`
+    (gateway/api/tool_responses.py)."""
+    choices = await _Collected.of(deltas)
+    lasts = [got.final for got in choices]
+    answers = []
+    for i, got in enumerate(choices):
+        message = ChatDelta(role="assistant", content="".join(got.text))
+        finish_reason = got.final.finish_reason
+        if tool_parser is not None:
+            message, finish_reason = whole_message(tool_parser, "".join(got.text), finish_reason)
+        answers.append(ChatChoice(
+            index=i, message=message, finish_reason=finish_reason,
+            logprobs=ChatLogprobs(content=chat_logprobs(texts, got.token_ids, got.logprobs, got.top_logprobs))
+            if body.logprobs else None,
+            token_ids=got.token_ids if body.return_token_ids else None,
+        ))
+    return ChatCompletionResponse(id=prepared.request_id, model=service.model_name, choices=answers,
+                                  usage=_usage(prepared, lasts), timings=_timings(lasts))
 
 
-async def chat_stream(service: GatewayService, body: ChatCompletionRequest, prepared: PreparedRequest,
-                      deltas: AsyncIterator[TextDelta], include_usage: bool) -> AsyncIterator[str]:
+async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
+                      prepared: PreparedRequest, deltas: AsyncIterator[TextDelta], include_usage: bool,
+                      tool_parser: ToolCallParser | None = None) -> AsyncIterator[str]:
+    """The SSE chunks, the choices interleaved by index; with `tool_parser`, each choice's content and
+    tool-call deltas as gateway/api/tool_responses.py frames them."""
     created = int(time.time())
 
     def response(choice: ChatChoice | None, **extra: object) -> ChatCompletionResponse:
@@ -172,25 +252,41 @@ async def chat_stream(service: GatewayService, body: ChatCompletionRequest, prep
     def chunk(choice: ChatChoice | None, **extra: object) -> str:
         return _sse(response(choice, **extra).model_dump_json(exclude_none=True))
 
-    frames = _TextFrames(response(ChatChoice(delta=ChatDelta(content="\x00"), finish_reason=None)), "content")
-    is_text_only = not body.logprobs and not body.return_token_ids
-    yield chunk(ChatChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None))
-    last: TextDelta | None = None
+    num_choices = prepared.sampling.n
+    frames = [_TextFrames(response(ChatChoice(index=i, delta=ChatDelta(content="\x00"), finish_reason=None)),
+                          "content") for i in range(num_choices)]
+    is_text_only = not body.logprobs and not body.return_token_ids and tool_parser is None
+    tools = [ToolCallStream(tool_parser) for _ in range(num_choices)] if tool_parser is not None else None
+    for i in range(num_choices):  # as OpenAI: each choice's first chunk names the role
+        yield chunk(ChatChoice(index=i, delta=ChatDelta(role="assistant", content=""), finish_reason=None))
+    lasts: list[TextDelta] = []  # each choice's final delta
     errors: list[str] = []
     async for delta in _guarded(deltas, errors):
-        last = delta
+        if delta.finish_reason is not None:
+            lasts.append(delta)
         if is_text_only and delta.finish_reason is None:
-            yield frames.frame(delta.text)
+            yield frames[delta.index].frame(delta.text)
             continue
+        message = ChatDelta(content=delta.text)
+        finish_reason = delta.finish_reason
+        if tools is not None:
+            stream = tools[delta.index]
+            pieces = stream.feed(delta.text, is_final=finish_reason is not None)
+            for piece in pieces[:-1]:
+                yield chunk(ChatChoice(index=delta.index, delta=piece, finish_reason=None))
+            message = pieces[-1] if pieces else ChatDelta(content="")
+            finish_reason = stream.finish_reason(finish_reason)
+            if not pieces and finish_reason is None and not body.logprobs and not body.return_token_ids:
+                continue  # held back (it may open a call): nothing to send yet
         choice = ChatChoice(
-            delta=ChatDelta(content=delta.text), finish_reason=delta.finish_reason,
-            logprobs=_chat_logprobs(service, list(delta.token_ids), list(delta.logprobs))
-            if body.logprobs else None,
+            index=delta.index, delta=message, finish_reason=finish_reason,
+            logprobs=ChatLogprobs(content=chat_logprobs(texts, delta.token_ids, delta.logprobs,
+                                                        delta.top_logprobs)) if body.logprobs else None,
             token_ids=list(delta.token_ids) if body.return_token_ids else None,
         )
         yield chunk(choice, timings=delta.timings)
     for event in errors:
         yield event
-    if include_usage and last is not None:
-        yield chunk(None, usage=_usage(prepared, last))
+    if include_usage and lasts:
+        yield chunk(None, usage=_usage(prepared, lasts))
     yield _sse("[DONE]")

@@ -36,12 +36,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
+from gateway.fleet.output_streams import RequestOutputs
 from gateway.fleet.worker_errors import WorkerLost, WrongRoleError
 from gateway.fleet.workers import Worker
 from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.requests.router import Router
 from kv_transfer import KVHandle
-from llm_engine import SamplingParams
+from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
 from pool_worker import Role
 from prefill_pool.messages import PrefillRequest, PrefillResult
 
@@ -95,6 +96,8 @@ class StreamEvent:
     logprobs: tuple[float, ...]
     token_times: tuple[float, ...]  # worker wall clock when each token was produced
     finish_reason: str | None = None
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # per token, when sampling.top_logprobs > 0
+    prompt_logprobs: PromptLogprobs | None = None  # on the first token's event, when asked for
     prefill: PrefillResult | None = None  # on the first event
     decode: DecodeOutput | None = None  # on the final event when the request was decoded
     num_migrations: int = 0  # decode workers left behind because they failed (final event)
@@ -103,6 +106,7 @@ class StreamEvent:
     # The worker that prefilled the prompt: a prefill worker (first event) or the decode worker itself
     # (final event), for the prefix-cache metrics.
     prefilled_by: str = ""
+    index: int = 0  # the choice (n > 1: gateway/requests/choices.py)
 
 
 class RequestRun:
@@ -170,8 +174,8 @@ class RequestRun:
         if self.local_prefill_reason:
             # Prompt tokens sent to a decode or mixed worker and not yet prefilled (the ratio controller's
             # view of prompt work on workers that also decode).
+            await self._clear_for_prompt(decode)  # first: the controller, told next, sees no stream beside it
             self.router.start_local_prefill(decode.worker_id, self.request_id, len(self.prompt_token_ids))
-            await self._clear_for_prompt(decode)
             try:
                 async for event in self._decode(decode, DecodeRequest(self.request_id, self.prompt_token_ids,
                                                                       self.sampling)):
@@ -191,11 +195,13 @@ class RequestRun:
             logprobs = () if result.first_logprob is None or not self.sampling.logprobs else (
                 result.first_logprob,)
             yield StreamEvent(self.request_id, (result.first_token_id,), logprobs, (result.times.finished,),
-                              result.finish_reason, prefill=result, prefilled_by=prefill.worker_id)
+                              result.finish_reason, (result.first_top_logprobs,) if logprobs else (),
+                              result.prompt_logprobs, prefill=result, prefilled_by=prefill.worker_id)
             if result.finish_reason is not None:
                 return
             request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
-                                    result.first_token_id, result.first_logprob, handle)
+                                    result.first_token_id, result.first_logprob, handle,
+                                    first_top_logprobs=result.first_top_logprobs)
             async for event in self._decode(decode, request):
                 is_pulled = event.finish_reason is not None and not (self.num_migrations or self.num_moves)
                 yield event
@@ -258,19 +264,24 @@ class RequestRun:
             "worker_failed",
         )
 
-    async def _decode(self, decode: Worker, request: DecodeRequest) -> AsyncGenerator[StreamEvent, None]:
+    async def _decode(self, decode: Worker, request: DecodeRequest, submitted: RequestOutputs | None = None
+                      ) -> AsyncGenerator[StreamEvent, None]:
+        """`submitted`: the request's outputs, when it was submitted to `decode` already (a choice of a
+        request with several, gateway/requests/choices.py); `request` is then what a move sends on."""
         while True:
             handle: KVHandle | None = None
-            if not (decode.is_active and decode.role.can_decode):  # it left or changed role since the pick
+            if submitted is None and not (decode.is_active and decode.role.can_decode):  # it left meanwhile
                 decode = await self._pick_decode(self.deadlines.finish_by)
             try:
-                async for event in self._decode_once(decode, request):
+                async for event in self._decode_once(decode, request, submitted):
                     yield event
                 return
             except _Misrouted:  # the same request (its prefill KV included) goes to another decode worker
+                submitted = None
                 decode = await self._pick_decode(self.deadlines.finish_by, {decode.worker_id})
                 continue
             except _WorkerLost as lost:
+                submitted = None
                 self.fleet.mark_failed(decode.worker_id, str(lost))
                 # It may have died before pulling the KV it was handed (an evacuated worker's): its holder
                 # frees it now rather than at the lease's end (its role change waits for that).
@@ -284,6 +295,7 @@ class RequestRun:
                                         "failed while serving this request", "worker_failed") from None
                 self.num_migrations += 1
             except _Evacuated as evacuated:
+                submitted = None
                 if not self.generated:  # it was still prefilling there: the whole route starts again
                     raise _Requeued from None
                 self.num_moves += 1
@@ -309,16 +321,19 @@ class RequestRun:
         if holder is not None:
             holder.client.release_kv(handle.transfer_id, why)
 
-    async def _decode_once(self, decode: Worker, request: DecodeRequest) -> AsyncGenerator[StreamEvent, None]:
+    async def _decode_once(self, decode: Worker, request: DecodeRequest,
+                           submitted: RequestOutputs | None = None) -> AsyncGenerator[StreamEvent, None]:
         client = decode.client
         try:
-            outputs = client.subscribe(self.request_id)  # before submitting: no output goes unheard
+            # Before submitting: no output goes unheard.
+            outputs = submitted if submitted is not None else client.subscribe(self.request_id)
         except WorkerLost as error:
             raise _WorkerLost(str(error)) from None
         is_finished = False
         try:
             try:
-                await self._call_worker(client.submit_decode(request, outputs))
+                if submitted is None:
+                    await self._call_worker(client.submit_decode(request, outputs))
             except WrongRoleError:
                 is_finished = True  # it never took the request: nothing to abort there
                 raise _Misrouted from None
@@ -332,10 +347,12 @@ class RequestRun:
                 if is_evacuated:
                     if output.token_ids:
                         yield StreamEvent(self.request_id, output.token_ids, output.logprobs,
-                                          output.token_times)
+                                          output.token_times, top_logprobs=output.top_logprobs,
+                                          prompt_logprobs=output.prompt_logprobs)
                     raise _Evacuated(output.kv_handle)
                 yield StreamEvent(self.request_id, output.token_ids, output.logprobs, output.token_times,
-                                  output.finish_reason, decode=output if is_finished else None,
+                                  output.finish_reason, output.top_logprobs, output.prompt_logprobs,
+                                  decode=output if is_finished else None,
                                   num_migrations=self.num_migrations, num_moves=self.num_moves,
                                   local_prefill_reason=self.local_prefill_reason if is_finished else "",
                                   prefilled_by=decode.worker_id

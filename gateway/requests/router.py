@@ -95,6 +95,9 @@ class Router:
         self.local_prefill_tokens: defaultdict[str, int] = defaultdict(int)
         self.local_prefill_prompts: dict[str, tuple[str, int]] = {}  # request id → (worker id, prompt tokens)
         self.on_local_prefill: list[Callable[[int], None]] = []  # called with its tokens as one starts
+        # Streams asked to move off their worker for a long prompt (streams_to_clear), until they have left:
+        # no longer beside that prompt, though still subscribed there for the moment.
+        self._moving_off: dict[str, str] = {}  # request id → the worker it is leaving
         self._cached: defaultdict[str, OrderedDict[bytes, None]] = defaultdict(OrderedDict)
 
     def forget(self, worker_id: str) -> None:
@@ -128,11 +131,24 @@ class Router:
         """The longest prompt a decode or mixed worker is prefilling for itself while it decodes other
         requests (0: none): the prompt's chunks stall those streams. A long prompt on a worker with nothing
         else to decode stalls no one."""
-        is_decoding = {worker_id: any(r not in self.local_prefill_prompts
-                                      for r in self._request_ids(worker_id))
-                       for worker_id, _ in self.local_prefill_prompts.values()}
+        self._forget_moved()
+        on_workers = {worker_id: self._request_ids(worker_id)
+                      for worker_id, _ in self.local_prefill_prompts.values()}
+        is_decoding = {worker_id: any(self._is_stream_on(r, worker_id) for r in ids)
+                       for worker_id, ids in on_workers.items()}
         return max((num_tokens for worker_id, num_tokens in self.local_prefill_prompts.values()
                     if is_decoding[worker_id]), default=0)
+
+    def _is_stream_on(self, request_id: str, worker_id: str) -> bool:
+        """Whether a request subscribed on the worker decodes there: past its prompt, and not moving off."""
+        return request_id not in self.local_prefill_prompts and self._moving_off.get(request_id) != worker_id
+
+    def _forget_moved(self) -> None:
+        """Streams that have left the worker they were moving off are ordinary streams again."""
+        on = {worker_id: set(self._request_ids(worker_id)) for worker_id in set(self._moving_off.values())}
+        for request_id, worker_id in list(self._moving_off.items()):
+            if request_id not in on[worker_id]:
+                del self._moving_off[request_id]
 
     def _request_ids(self, worker_id: str) -> list[str]:
         worker = self.fleet.workers.get(worker_id)
@@ -184,14 +200,18 @@ class Router:
         return min(workers, key=lambda w: self.decode_tokens[w.worker_id])
 
     def streams_to_clear(self, host: Worker, num_prompt_tokens: int) -> tuple[str, ...]:
-        """The streams to move off `host` before it prefills this prompt itself (see streams_to_clear())."""
+        """The streams to move off `host` before it prefills this prompt itself (see streams_to_clear());
+        they count as moving off (not beside the prompt) from now until they have left."""
         if num_prompt_tokens < self.local_prefill.move_streams_from_tokens:
             return ()  # the common case: no look at the workers' requests
+        self._forget_moved()
         others = [self._shape(w) for w in self.fleet.active(Role.DECODE, Role.MIXED) if w is not host]
-        return streams_to_clear(self._shape(host), others, num_prompt_tokens, self.local_prefill)
+        streams = streams_to_clear(self._shape(host), others, num_prompt_tokens, self.local_prefill)
+        self._moving_off.update(dict.fromkeys(streams, host.worker_id))
+        return streams
 
     def _shape(self, worker: Worker) -> DecoderShape:
-        streams = tuple(r for r in worker.client.request_ids() if r not in self.local_prefill_prompts)
+        streams = tuple(r for r in worker.client.request_ids() if self._is_stream_on(r, worker.worker_id))
         return DecoderShape(worker.worker_id, self.decode_requests[worker.worker_id], streams)
 
     def pick_prefill(self, prompt_token_ids: tuple[int, ...], workers: list[Worker] | None = None,

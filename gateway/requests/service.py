@@ -1,7 +1,7 @@
 """The gateway's request path, independent of HTTP framing.
 
 (gateway/api/prepare.py turns an OpenAI request into the PreparedRequest that starts here.)
-admit():     reserve decode KV capacity for prompt + max_tokens (bounded wait, else Overloaded → 429)
+admit():     reserve decode KV capacity for prompt + n × max_tokens (bounded wait, else Overloaded → 429)
 stream():    route through both pools (within the request's deadlines, counted from admission; worker
              failures are retried or migrated by the orchestrator) → incremental detokenization, stop
              strings → TextDelta events; the last one carries finish_reason, usage counts and the stage
@@ -10,12 +10,16 @@ stream():    route through both pools (within the request's deadlines, counted f
              and the HTTP edge cuts a reader stalled past send_by() (finish_by + a grace). Leaving the
              stream early (client gone, stop string) aborts both workers. A request that cannot finish
              raises RequestFailed (HTTP 503, or an error event mid-stream).
+             With n > 1 choices (gateway/requests/choices.py), each choice has its own detokenizer, stop
+             strings and final delta (`index`); a stop string ends only its choice; the request's last
+             delta carries the Timings (of its longest choice).
 Tokens are counted one by one, each with its own time (gateway/requests/stage_timings.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -24,16 +28,17 @@ from typing import TYPE_CHECKING
 from decode_pool.messages import DecodeOutput
 from gateway.fleet.view import FleetView
 from gateway.requests.admission import Admission, Reservation, admission_capacity
+from gateway.requests.choices import ChoicesRun
 from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.requests.detokenizer import IncrementalDetokenizer
-from gateway.requests.orchestrator import RequestFailed, run_request
+from gateway.requests.orchestrator import RequestFailed, RequestRun
 from gateway.requests.router import LocalPrefillPolicy, Router
 from gateway.requests.stage_timings import stage_timings, token_times
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.timings import Timings
 from gateway.telemetry.traffic import Arrival, RecentTraffic
-from llm_engine import SamplingParams
+from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
 from pool_worker import Role
 from prefill_pool.messages import PrefillResult
 
@@ -51,6 +56,19 @@ class PreparedRequest:
     stop_strings: list[str]
     arrival: float  # time.time() when the gateway received it
     block_hashes: list[bytes] | None = None  # prefix_hashes of the prompt (the router's cache matching)
+    # max_tokens 0 (completions: score the prompt): the one token the engine samples is not shown.
+    is_prompt_only: bool = False
+    batch_index: int = 0  # its prompt's place in a completions batch (the choice's index)
+    parses_tool_calls: bool = False  # chat with tools: the output is read for tool calls
+
+
+@dataclass
+class _Choice:
+    """One choice's way through the gateway: its text so far, and when each of its tokens left."""
+
+    detokenizer: IncrementalDetokenizer
+    sent: list[float] = dataclasses.field(default_factory=list)  # ≤ max_tokens entries
+    is_finished: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,9 @@ class TextDelta:
     num_output_tokens: int = 0  # tokens generated so far
     timings: Timings | None = None  # on the last delta
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (on the last delta)
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # per token, when sampling.top_logprobs > 0
+    prompt_logprobs: PromptLogprobs | None = None  # on the first delta, when sampling.prompt_logprobs
+    index: int = 0  # the choice (sampling.n > 1)
 
 
 class GatewayService:
@@ -101,12 +122,16 @@ class GatewayService:
     # Admission and generation.
     def try_admit(self, prepared: PreparedRequest) -> Reservation | None:
         """The request's reservation when it needs no wait in line (the common case); None otherwise."""
-        return self.admission.try_acquire(len(prepared.prompt_token_ids) + prepared.sampling.max_tokens)
+        return self.admission.try_acquire(self.num_reserved_tokens(prepared))
+
+    @staticmethod
+    def num_reserved_tokens(prepared: PreparedRequest) -> int:
+        """Decode KV the request may take: its prompt once (its choices share it), each choice's tokens."""
+        sampling = prepared.sampling
+        return len(prepared.prompt_token_ids) + sampling.n * sampling.max_tokens
 
     async def admit(self, prepared: PreparedRequest) -> Reservation:
-        reservation = await self.admission.acquire(
-            len(prepared.prompt_token_ids) + prepared.sampling.max_tokens
-        )
+        reservation = await self.admission.acquire(self.num_reserved_tokens(prepared))
         self.metrics.admission_waiting.set(self.admission.num_waiting)
         self.metrics.admission_reserved.set(self.admission.reserved_tokens)
         return reservation
@@ -128,6 +153,7 @@ class GatewayService:
         that far. Closing this generator early aborts the request."""
         deltas: asyncio.Queue[TextDelta | Exception | None] = asyncio.Queue()  # ≤ max_tokens + 2 items
         run = asyncio.create_task(self._run(prepared, reservation, deltas))
+        num_open = prepared.sampling.n  # choices without their final delta yet
 
         def ended(task: asyncio.Task[None]) -> None:  # last in line, whatever ended the request
             error = None if task.cancelled() else task.exception()
@@ -139,7 +165,8 @@ class GatewayService:
                 if isinstance(delta, Exception):
                     raise delta
                 yield delta
-                if delta.finish_reason is not None:
+                num_open -= delta.finish_reason is not None
+                if not num_open:
                     return
         finally:
             try:
@@ -152,8 +179,9 @@ class GatewayService:
     async def _run(self, prepared: PreparedRequest, reservation: Reservation,
                    deltas: asyncio.Queue[TextDelta | Exception | None]) -> None:
         """The request, from routing to its final delta in `deltas` (or raises RequestFailed)."""
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prepared.stop_strings)
-        sent: list[float] = []
+        choices = [_Choice(IncrementalDetokenizer(self.tokenizer, prepared.stop_strings))
+                   for _ in range(prepared.sampling.n)]
+        num_open = len(choices)
         prefill: PrefillResult | None = None
         decode: DecodeOutput | None = None
         prefilled_by = ""
@@ -161,22 +189,42 @@ class GatewayService:
         deadlines = self.deadlines(prepared, reservation)
         for hook in self.on_prompt:
             hook(len(prepared.prompt_token_ids))
-        events = run_request(self.router, prepared.request_id, prepared.prompt_token_ids, prepared.sampling,
-                             deadlines, prepared.block_hashes)
+        run = self._request_run(prepared, deadlines)
+        events = run.events()
         try:
             async for event in events:
+                choice = choices[event.index]
+                if choice.is_finished:
+                    continue  # a choice cut at a stop string: what its worker sent before it stopped
+                if prepared.is_prompt_only:  # the prompt's logprobs are the answer; its token is dropped
+                    event = dataclasses.replace(event, token_ids=(), logprobs=(), top_logprobs=(),
+                                                token_times=(), finish_reason="length")
                 prefill = event.prefill or prefill
                 decode = event.decode or decode
                 prefilled_by = event.prefilled_by or prefilled_by
-                text = detokenizer.add(event.token_ids)
-                finish = "stop" if detokenizer.is_stopped else event.finish_reason
-                sent.extend(token_times(event, time.time()))
+                text = choice.detokenizer.add(event.token_ids)
+                finish = "stop" if choice.detokenizer.is_stopped else event.finish_reason
+                choice.sent.extend(token_times(event, time.time()))
                 if event.num_migrations and event.finish_reason is not None:
                     self.metrics.migrations.inc(event.num_migrations)
                 if finish is None:
-                    deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, None, len(sent)))
+                    deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, None, len(choice.sent),
+                                                top_logprobs=event.top_logprobs,
+                                                prompt_logprobs=event.prompt_logprobs, index=event.index))
                     continue
-                text += detokenizer.flush()
+                text += choice.detokenizer.flush()
+                choice.is_finished = True
+                num_open -= 1
+                if num_open:  # another choice goes on; this one ends here (cut on its worker if need be)
+                    if event.finish_reason is None and isinstance(run, ChoicesRun):
+                        run.stop(event.index)
+                    deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, finish,
+                                                len(choice.sent), top_logprobs=event.top_logprobs,
+                                                prompt_logprobs=event.prompt_logprobs, index=event.index))
+                    continue
+                # The request's timings follow its longest choice (all of them when n = 1).
+                sent = max((c.sent for c in choices), key=len)
+                num_output = sum(len(c.sent) for c in choices)
                 timings = stage_timings(prepared.arrival, reservation.admitted, sent, prefill, decode)
                 if event.local_prefill_reason:
                     timings.prefill_on, timings.local_prefill_reason = "decode", event.local_prefill_reason
@@ -186,16 +234,17 @@ class GatewayService:
                 cached = prefill.num_cached_tokens if prefill else decode.num_cached_tokens if decode else 0
                 timings.cached_tokens = min(cached, num_prompt)
                 outcome = finish
-                self.metrics.observe_request(timings, finish, num_prompt, len(sent))
+                self.metrics.observe_request(timings, finish, num_prompt, num_output)
                 if prefilled_by:
                     self.metrics.observe_prefix_cache(prefilled_by, num_prompt, timings.cached_tokens)
                 self.recent.add(timings)
-                arrival = Arrival(prepared.arrival, num_prompt, len(sent))
+                arrival = Arrival(prepared.arrival, num_prompt, num_output)
                 self.traffic.add(arrival)
                 for note in self.on_finished:
                     note(timings, arrival)
-                deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, finish, len(sent), timings,
-                                            timings.cached_tokens))
+                deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, finish, len(choice.sent),
+                                            timings, timings.cached_tokens, event.top_logprobs,
+                                            event.prompt_logprobs, event.index))
                 return
         except RequestFailed as failed:
             outcome = "error"
@@ -207,6 +256,12 @@ class GatewayService:
             reservation.release()  # the request holds no worker now, read or not
             if outcome == "abort":
                 self.metrics.requests.labels("abort").inc()
+
+    def _request_run(self, prepared: PreparedRequest, deadlines: RequestDeadlines) -> RequestRun:
+        """One request's way through both stages: its choices' when it has several."""
+        run_cls = ChoicesRun if prepared.sampling.n > 1 else RequestRun
+        return run_cls(self.router, prepared.request_id, prepared.prompt_token_ids, prepared.sampling,
+                       deadlines, prepared.block_hashes)
 
     def on_pool_change(self) -> None:
         """The set of active decode or mixed workers changed (failure, replacement, resize, role change):

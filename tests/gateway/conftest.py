@@ -94,3 +94,22 @@ def wait_until_no_blocks_used(client: httpx.Client, timeout_s: float = 10.0) -> 
             break
         time.sleep(0.05)
     return used
+
+
+def two_stage_config(model_dir: Path, **overrides: object) -> ServeConfig:
+    """1 prefill + 2 decode workers in float32, no API key: the OpenAI-surface suites' server (a forced
+    migration has a second decode worker to go to)."""
+    settings: dict[str, object] = {
+        "dtype": "float32", "model": str(model_dir), "served_model_name": MODEL, "prefill": 1, "decode": 2,
+        "port": free_port(), "kv_cache_mib": 2, "max_num_batched_tokens": 64, "max_waiting": 8,
+        "queue_timeout_s": 30,
+    }
+    return ServeConfig(**{**settings, **overrides})  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def whole_after(url: str) -> Iterator[httpx.Client]:
+    """A client of the server that checks, when the test is done, that no worker holds a KV block."""
+    with httpx.Client(base_url=url, timeout=120) as c:
+        yield c
+        assert wait_until_no_blocks_used(c, timeout_s=20) == 0  # the fleet ends whole

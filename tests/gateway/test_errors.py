@@ -82,8 +82,8 @@ def test_bad_request_keeps_status_param_and_code(client: TestClient) -> None:
 
 
 def test_validation_errors_are_400s_naming_the_field(client: TestClient) -> None:
-    error = error_of(client.post("/echo", json={"model": "m", "prompt": ["a"]}), 400)
-    assert error["param"] == "prompt[0]" and str(error["message"]).startswith("prompt[0]: ")
+    error = error_of(client.post("/echo", json={"model": "m", "prompt": "a", "stop": ["ok", 5]}), 400)
+    assert error["param"] == "stop[1]" and str(error["message"]).startswith("stop[1]: ")
     assert error_of(client.post("/echo", content=b"{", headers={"content-type": "application/json"}),
                     400)["message"].startswith("the request body is not valid JSON")  # type: ignore[union-attr]
 

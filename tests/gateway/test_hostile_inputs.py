@@ -66,12 +66,14 @@ def test_deeply_nested_json_gets_400(client: httpx.Client) -> None:
     deep = '{"model": "tiny", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"
     assert_error(client.post("/v1/completions", content=deep, headers=JSON), 400, "nested too deeply")
     nested = {"model": MODEL, "prompt": [[[[[[[[1]]]]]]]]}
-    assert_error(client.post("/v1/completions", json=nested), 400, "prompt", param="prompt[0]")
+    # A batch of token-id lists is a valid prompt: the error names the innermost bad item.
+    assert_error(client.post("/v1/completions", json=nested), 400, "prompt", param="prompt[0][0]")
 
 
-def test_deep_json_in_an_unknown_field_is_ignored(client: httpx.Client) -> None:
+def test_deep_json_in_an_unknown_field_gets_400_naming_it(client: httpx.Client) -> None:
     body = '{"model": "tiny", "prompt": "hi", "max_tokens": 2, "extra": ' + "[" * 500 + "]" * 500 + "}"
-    assert client.post("/v1/completions", content=body, headers=JSON).status_code == 200
+    assert_error(client.post("/v1/completions", content=body, headers=JSON), 400, "unknown field",
+                 param="extra")
 
 
 def test_invalid_utf8_gets_400(client: httpx.Client) -> None:
@@ -93,14 +95,14 @@ def test_a_lone_surrogate_gets_400(client: httpx.Client, route: str) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("max_tokens", -1), ("max_tokens", 0), ("max_tokens", 10**30), ("max_tokens", 2.5),
+        ("max_tokens", -1), ("max_tokens", 10**30), ("max_tokens", 2.5),
         ("max_tokens", "8"), ("max_tokens", True),
         ("temperature", -0.5), ("temperature", 2.0001), ("temperature", 1e308), ("temperature", "hot"),
         ("top_p", 0), ("top_p", -1), ("top_p", 1.5),
         ("top_k", -2), ("top_k", 10**30),
         ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5),
-        ("logprobs", -1), ("logprobs", 5), ("logprobs", 10**30),
-        ("n", 0), ("n", 2),
+        ("logprobs", -1), ("logprobs", 21), ("logprobs", 10**30),
+        ("n", 0), ("n", 17),
     ],
 )
 def test_bad_numbers_get_400_naming_the_field(client: httpx.Client, field: str, value: object) -> None:
@@ -135,13 +137,65 @@ def test_a_hundred_thousand_stop_strings_get_400_naming_stop(client: httpx.Clien
     assert_error(client.post("/v1/completions", json=long_stop), 400, "at most 256 characters", param="stop")
 
 
-def test_unknown_fields_are_ignored(client: httpx.Client) -> None:
-    extras = {"frequency_penalty": 0.5, "presence_penalty": 0.1, "user": "u-1", "logit_bias": {"50": 1},
-              "suffix": None, "echo": False, "best_of": 1, "metadata": {"a": [1, {"b": None}]}}
-    completion = {"model": MODEL, "prompt": "x", "max_tokens": 2, **extras}
+@pytest.mark.parametrize(
+    ("endpoint", "extra", "param", "needle"),
+    [
+        ("chat", {"functions": [{"name": "f"}]}, "functions", "not supported yet"),
+        ("chat", {"tool_choice": "auto"}, "tool_choice", "needs tools"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                  "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
+         "no function"),
+        ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "frob"}}}}, "response_format", "cannot use this schema"),
+        ("completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "$ref": "#/nowhere"}}}}, "response_format", "cannot use this schema"),
+        ("chat", {"n": 17}, "n", "16"),
+        ("chat", {"top_logprobs": 21, "logprobs": True}, "top_logprobs", "20"),
+        ("chat", {"top_logprobs": 3}, "top_logprobs", "logprobs: true"),
+        ("completions", {"best_of": 3}, "best_of", "not supported yet"),
+        ("completions", {"suffix": "x"}, "suffix", "not supported"),
+        ("completions", {"logprobs": 21}, "logprobs", "20"),
+        ("completions", {"frobnicate": 1}, "frobnicate", "unknown field"),
+        ("completions", {"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+        ("completions", {"logit_bias": {"50": 101}}, "logit_bias", "100"),
+        ("completions", {"logit_bias": {str(VOCAB_SIZE): 1}}, "logit_bias", "vocabulary"),
+        ("completions", {"stop_token_ids": [VOCAB_SIZE]}, "stop_token_ids", "vocabulary"),
+        ("completions", {"min_tokens": 5, "max_tokens": 2}, "min_tokens", "exceeds max_tokens"),
+        ("completions", {"presence_penalty": 2.5}, "presence_penalty", "2"),
+    ],
+)
+def test_fields_pdserve_cannot_honour_get_400_naming_them(
+        client: httpx.Client, endpoint: str, extra: dict[str, Any], param: str, needle: str) -> None:
+    """Nothing is dropped in silence: a field whose effect pdserve cannot honour, or does not know, is a 400
+    that names it (the review of 2026-12-01 found `tools`, `response_format`, `logit_bias` and the penalties
+    accepted and ignored)."""
+    if endpoint == "chat":
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **extra}
+    else:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2, **extra}
+    assert_error(client.post(f"/v1/{'chat/' if endpoint == 'chat' else ''}completions", json=body), 400,
+                 needle, param=param)
+
+
+def test_a_tool_message_without_a_matching_call_gets_400_naming_it(client: httpx.Client) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c2", "content": "42"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+    assert_error(client.post("/v1/chat/completions", json=body), 400, "no earlier assistant message",
+                 param="messages[2].tool_call_id")
+
+
+def test_fields_ignored_by_design_and_values_that_ask_nothing_are_served(client: httpx.Client) -> None:
+    """user, metadata and store change nothing by design (README); n: 1, tools: [], response_format text and
+    the like ask for nothing, so they are served."""
+    harmless = {"user": "u-1", "metadata": {"a": "b"}, "store": False, "n": 1}
+    completion = {"model": MODEL, "prompt": "x", "max_tokens": 2, "suffix": None, "echo": False, "best_of": 1,
+                  **harmless}
     assert client.post("/v1/completions", json=completion).status_code == 200
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x", "name": "me"}], "max_tokens": 2,
-            "tools": [], "response_format": {"type": "text"}, **extras}
+            "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, **harmless}
     assert client.post("/v1/chat/completions", json=chat).status_code == 200
 
 

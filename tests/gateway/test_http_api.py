@@ -233,7 +233,7 @@ def test_each_worker_reports_how_it_computes_on_its_own_cores(client: httpx.Clie
         ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "temperature": 9}, 400, "temperature"),
-        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
         ({"model": MODEL}, 400, "prompt"),
         ({"model": MODEL, "prompt": [99999999]}, 400, "vocabulary"),
         ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),

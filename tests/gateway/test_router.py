@@ -109,14 +109,37 @@ def test_a_long_prompt_clears_its_host_of_streams_first() -> None:
 
 
 def test_the_router_moves_only_streams_past_their_prompt() -> None:
-    """A request still prefilling on the host (no token yet) is not a stream to move."""
-    fleet = FakeDeployment([Worker(name, Role.MIXED, FakeClient(ids), WorkerState.ACTIVE)  # type: ignore[arg-type]
-                            for name, ids in (("mixed-a", ["s1", "p1"]), ("mixed-b", ["t1"]))])
-    router = Router(fleet)  # type: ignore[arg-type]
+    """A request still prefilling on the host (no token yet) is not a stream to move; a stream asked to move
+    off no longer counts as beside the long prompt (the ratio controller is not woken for it), and once it
+    has left it is an ordinary stream again."""
+    workers = [Worker(name, Role.MIXED, FakeClient(ids), WorkerState.ACTIVE)  # type: ignore[arg-type]
+               for name, ids in (("mixed-a", ["s1", "p1"]), ("mixed-b", ["t1"]))]
+    router = Router(FakeFleet(workers))  # type: ignore[arg-type]
     router.start_local_prefill("mixed-a", "p1", 300)
-    host = fleet.workers[0]
-    assert router.streams_to_clear(host, 2000) == ("s1",)
+    host, other = workers
     assert router.streams_to_clear(host, 300) == ()
+    assert router.longest_prefill_beside_streams() == 300  # p1 is prefilled beside the stream s1
+    assert router.streams_to_clear(host, 2000) == ("s1",)
+    router.start_local_prefill("mixed-a", "long", 2000)
+    assert router.longest_prefill_beside_streams() == 0  # s1 is on its way out
+    assert router.streams_to_clear(host, 2000) == ()  # and not asked twice
+    host.client.ids.remove("s1")  # it left for mixed-b ...
+    other.client.ids.append("s1")
+    router.end_local_prefill("mixed-a", "long")
+    router.streams_to_clear(host, 2000)
+    assert router._moving_off == {}  # ... and is forgotten
+
+
+class FakeFleet:
+    """Just what the router reads of a fleet whose workers are found by id (the test's data)."""
+
+    def __init__(self, workers: list[Worker]) -> None:
+        self.workers = {w.worker_id: w for w in workers}
+        self.on_remove: list[Callable[[str], None]] = []
+        self.block_size = 4
+
+    def active(self, *roles: Role) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role in roles and w.state is WorkerState.ACTIVE]
 
 
 @dataclass

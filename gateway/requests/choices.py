@@ -1,0 +1,168 @@
+"""One request with several choices (OpenAI's `n`) through both stages: one stream of events, each tagged with
+its choice's index.
+
+    pick a decode worker (booked for prompt + n × max_tokens)
+      → PREFILL once, with sampling.n: the prefill worker draws every choice's first token from the prompt's
+        last logits, each with its own seed (llm_engine/choices.py) → one event per choice
+      → DECODE: one DecodeRequest for the choices that go on; the decode worker pulls the prompt's KV once
+        and forks it (full blocks shared, the partial last block copied), one request per choice, whose
+        outputs arrive under choice_request_id(request_id, index)
+      → from there each choice is a stream of its own (RequestRun._decode, pumped into one queue): its own
+        retries and migrations (a moved choice takes its KV, or recomputes prompt + its tokens, where it
+        goes), its own abort (stop(index), e.g. at a stop string), its own finish_reason.
+The request ends when every choice has. Whatever stops the choices' streams (the end, the client leaving, a
+choice that cannot finish: RequestFailed) stops them all, aborting each on the worker that holds it.
+Layouts whose decode worker would prefill the prompt itself (a mixed worker, no prefill pool) run the choices
+as n requests of their own instead, each with its own first token's seed (the prefix cache shares what it
+can there); conditional disaggregation is not applied to several choices: they share one prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncGenerator
+
+from decode_pool.messages import DecodeRequest
+from gateway.fleet.output_streams import RequestOutputs
+from gateway.fleet.worker_errors import SubmissionRefused, WorkerLost, WrongRoleError
+from gateway.fleet.workers import Worker
+from gateway.requests.deadlines import RequestDeadlines
+from gateway.requests.orchestrator import RequestRun, StreamEvent
+from gateway.requests.router import Router
+from llm_engine import SamplingParams
+from llm_engine.choices import FirstToken, choice_request_id
+from pool_worker import Role
+from prefill_pool.messages import PrefillResult
+
+ChoiceStream = tuple[int, AsyncGenerator[StreamEvent, None]]
+
+
+class ChoicesRun(RequestRun):
+    """Drives a request with sampling.n > 1; `events()` is its stream, `stop(index)` ends one choice."""
+
+    def __init__(self, router: Router, request_id: str, prompt_token_ids: tuple[int, ...],
+                 sampling: SamplingParams, deadlines: RequestDeadlines,
+                 block_hashes: list[bytes] | None = None) -> None:
+        super().__init__(router, request_id, prompt_token_ids, sampling, deadlines, block_hashes)
+        self.num_reserved = len(prompt_token_ids) + sampling.n * sampling.max_tokens  # the prompt once
+        self._choices: list[RequestRun] = []  # each choice's own run, once it streams on its own
+        self._pumps: dict[int, asyncio.Task[None]] = {}
+        self._prefilled: tuple[Worker, PrefillResult] | None = None
+
+    def stop(self, index: int) -> None:
+        """End choice `index` (its stream closes, which aborts it on its worker); the others go on."""
+        task = self._pumps.get(index)
+        if task is not None:
+            task.cancel()
+
+    async def events(self) -> AsyncGenerator[StreamEvent, None]:
+        queue: asyncio.Queue[StreamEvent | BaseException | None] = asyncio.Queue()  # ≤ n × (max_tokens + 2)
+        try:
+            firsts, streams = await self._start()
+            for event in firsts:
+                yield event
+            for index, stream in streams:
+                self._pumps[index] = asyncio.create_task(self._pump(index, stream, queue))
+            num_open = len(streams)
+            while num_open:
+                item = await queue.get()
+                if item is None:
+                    num_open -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in self._pumps.values():
+                task.cancel()
+            await asyncio.gather(*self._pumps.values(), return_exceptions=True)
+            for run in self._choices:
+                run._book(None)
+            self._book(None)
+            if self._prefilled is not None and self._prefilled[1].kv_handle is not None:
+                # Pulled already, being pulled, or never to be: the sender leaves the first two alone.
+                prefill, result = self._prefilled
+                prefill.client.release_kv(result.kv_handle.transfer_id, "the request ended")  # type: ignore[union-attr]
+
+    @staticmethod
+    async def _pump(index: int, stream: AsyncGenerator[StreamEvent, None],
+                    queue: asyncio.Queue[StreamEvent | BaseException | None]) -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait(dataclasses.replace(event, index=index))
+        except asyncio.CancelledError:
+            pass  # stopped: closing the stream aborted the choice where it ran
+        except BaseException as error:  # RequestFailed, or anything unexpected: the request fails
+            queue.put_nowait(error)
+        finally:
+            await stream.aclose()
+            queue.put_nowait(None)
+
+    def _choice_run(self, index: int) -> RequestRun:
+        run = RequestRun(self.router, choice_request_id(self.request_id, index), self.prompt_token_ids,
+                         self.sampling.for_choice(index), self.deadlines, self.block_hashes)
+        self._choices.append(run)
+        return run
+
+    async def _start(self) -> tuple[list[StreamEvent], list[ChoiceStream]]:
+        """Prefill once and hand the choices that go on to one decode worker: their first events and the
+        streams that follow; or, where the decode worker would prefill, n requests of their own."""
+        decode = await self._pick_decode(self.deadlines.prefill_by)
+        has_prefill_pool = (self.fleet.active(Role.PREFILL) or self.fleet.is_replacing(Role.PREFILL)
+                            or self._is_prefill_coming())
+        if decode.role is Role.MIXED or not has_prefill_pool:
+            self._book(None)  # each choice books its own worker
+            return [], [(i, self._choice_run(i).events()) for i in range(self.sampling.n)]
+        prefill, result = await self._prefill()
+        self._prefilled = (prefill, result)
+        if result.finish_reason == "abort":  # refused by the worker: no token to send
+            return [StreamEvent(choice_request_id(self.request_id, i), (), (), (), "abort", prefill=result,
+                                index=i) for i in range(self.sampling.n)], []
+        firsts = [self._first_event(prefill, result, choice) for choice in result.choices]
+        going_on = tuple(c for c in result.choices if c.finish_reason is None)
+        if not going_on:
+            return firsts, []
+        group = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
+                              kv_handle=result.kv_handle, choices=going_on)
+        submitted = await self._submit_group(decode, group)
+        streams: list[ChoiceStream] = []
+        for choice in going_on:
+            run = self._choice_run(choice.index)
+            run.generated.append(choice.token_id)
+            # Used only if the choice must start again elsewhere: prompt + its first token, recomputed.
+            request = DecodeRequest(run.request_id, self.prompt_token_ids, run.sampling,
+                                    generated_token_ids=(choice.token_id,))
+            streams.append((choice.index, run._decode(decode, request, submitted.get(run.request_id))))
+        return firsts, streams
+
+    def _first_event(self, prefill: Worker, result: PrefillResult, choice: FirstToken) -> StreamEvent:
+        logprobs = () if choice.logprob is None or not self.sampling.logprobs else (choice.logprob,)
+        return StreamEvent(choice_request_id(self.request_id, choice.index), (choice.token_id,), logprobs,
+                           (result.times.finished,), choice.finish_reason,
+                           (choice.top_logprobs,) if logprobs else (), result.prompt_logprobs, prefill=result,
+                           prefilled_by=prefill.worker_id, index=choice.index)
+
+    async def _submit_group(self, decode: Worker, group: DecodeRequest) -> dict[str, RequestOutputs]:
+        """Submit the group once, each choice subscribed under its own id first; each choice's outputs. Empty
+        when the worker did not take it: each choice then starts again on its own (recomputing prompt + its
+        first token) and the prefill worker frees the KV at the request's end."""
+        client = decode.client
+        subscribed: dict[str, RequestOutputs] = {}
+        try:
+            for choice_id in group.output_request_ids:
+                subscribed[choice_id] = client.subscribe(choice_id)
+            await client.submit_decode(group, next(iter(subscribed.values())))
+        except (WorkerLost, WrongRoleError, SubmissionRefused) as error:
+            if isinstance(error, WorkerLost):
+                self.fleet.mark_failed(decode.worker_id, f"decode worker lost: {error}")
+            for outputs in subscribed.values():
+                client.unsubscribe(outputs)
+            return {}
+        except BaseException:
+            for outputs in subscribed.values():
+                client.unsubscribe(outputs)
+            for choice_id in subscribed:
+                client.abort(choice_id)
+            raise
+        return subscribed

@@ -1,0 +1,80 @@
+"""Log-probabilities the API returns: of each sampled token, of its most likely alternatives, and of the
+prompt's tokens (OpenAI's `logprobs`/`top_logprobs`, and `echo` with logprobs for loglikelihood scoring).
+
+All of them are the model's own distribution: a log-softmax of the raw logits, before logit_bias, penalties,
+temperature and filtering (as vLLM's default "raw" logprobs), so they equal a plain forward's log-softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llm_engine.sampling import SamplingParams
+
+# (token id, log-probability) pairs, most likely first.
+TopLogprobs = tuple[tuple[int, float], ...]
+PROMPT_ROWS_PER_SLICE = 256  # rows of [rows, vocab] float32 log-softmax held at once for prompt logprobs
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens 1..P-1 (token 0 has no context), each given those before it."""
+
+    logprobs: tuple[float, ...]  # [P - 1]
+    top: tuple[TopLogprobs, ...]  # [P - 1] the k most likely tokens at each position; () entries when k = 0
+
+
+@dataclass(frozen=True)
+class PromptLogprobsChunk:
+    """One forward's share of a request's prompt logprobs (prefill is chunked)."""
+
+    request_id: str
+    first_position: int  # prompt position of the token logprobs[0] scores (>= 1)
+    logprobs: tuple[float, ...]
+    top: tuple[TopLogprobs, ...]
+
+
+def _top(logprobs: torch.Tensor, ks: list[int]) -> list[TopLogprobs]:
+    """Each row's ks[row] most likely tokens. logprobs: [R, V]."""
+    max_k = max(ks, default=0)
+    if max_k == 0:
+        return [() for _ in ks]
+    values, indices = torch.topk(logprobs, max_k, dim=-1)  # [R, max_k]
+    pairs = zip(indices.tolist(), values.tolist(), strict=True)
+    return [tuple(zip(i[:k], v[:k], strict=True)) for (i, v), k in zip(pairs, ks, strict=True)]
+
+
+def sampled_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
+                     ) -> tuple[list[float], list[TopLogprobs]] | None:
+    """The chosen tokens' log-probabilities and each row's top_logprobs alternatives; None when no row asked.
+
+    Args:
+        raw_logits: [B, V] float32, the model's logits before any processing.
+        token_ids: [B] the chosen tokens.
+    """
+    if not any(p.logprobs for p in params):
+        return None
+    logprobs = torch.log_softmax(raw_logits, dim=-1)  # [B, V]
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0].tolist()
+    return chosen, _top(logprobs, [p.top_logprobs if p.logprobs else 0 for p in params])
+
+
+def prompt_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, request_id: str, first_position: int,
+                    targets: tuple[int, ...], k: int) -> PromptLogprobsChunk:
+    """Score `targets` (the prompt tokens that follow each row) in slices, so that a long chunk never holds a
+    whole [rows, vocab] float32 matrix.
+
+    Args:
+        hidden: [len(targets), hidden] the hidden states of the rows whose next token is targets[i].
+    """
+    values: list[float] = []
+    top: list[TopLogprobs] = []
+    target = torch.tensor(targets, device=hidden.device)
+    for start in range(0, len(targets), PROMPT_ROWS_PER_SLICE):
+        end = min(start + PROMPT_ROWS_PER_SLICE, len(targets))
+        logprobs = torch.log_softmax(lm_head(hidden[start:end]).float(), dim=-1)  # [rows, V]
+        values.extend(logprobs.gather(1, target[start:end, None])[:, 0].tolist())
+        top.extend(_top(logprobs, [k] * (end - start)))
+    return PromptLogprobsChunk(request_id, first_position, tuple(values), tuple(top))

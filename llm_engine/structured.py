@@ -1,0 +1,144 @@
+"""What a structured output must look like (GrammarSpec, part of SamplingParams), and its grammar compiled
+for a vocabulary, cached per schema.
+
+The grammar engine is llguidance. xgrammar's per-step mask was faster on SmolLM2's 49152-token vocabulary
+(median 1-8 µs against 8-28 µs; benchmarks/results/grammar_engines.md), but both are far below a decode step
+(tens of ms here), and xgrammar 0.2.9 lets a string with `maxLength` hold raw control characters, which is not
+JSON: outputs of valid-looking schemas failed to parse. llguidance keeps JSON strings JSON, and does not pull
+triton (~1 GB) into a CPU install. It is imported only when a request asks for a grammar.
+
+    gateway:  GrammarSpec from response_format / tool_choice → check_grammar (a schema the engine rejects is
+              a 400 there, before any worker sees it);
+    worker:   GrammarCache.compiled(spec) → a matcher built once per schema for this vocabulary (LRU, per
+              worker process) → a deep copy of it per request (llm_engine/grammar_mask.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import llguidance
+
+MAX_CACHED_GRAMMARS = 64  # compiled grammars kept per worker process
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object
+# Fixed separators, no free whitespace: a model (a random one certainly) could otherwise write blanks forever
+# and never close the document.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """Text the output must be: `prefix`, then a JSON document valid against `json_schema`, then `suffix`,
+    then EOS. Hashable: it is the compiled-grammar cache's key."""
+
+    json_schema: str  # the JSON Schema as JSON text; JSON_OBJECT_SCHEMA: any object
+    strict: bool = True  # objects take no properties beyond those they name (OpenAI's `strict`)
+    prefix: str = ""  # literal text before the document (a tool-call parser's opening tag)
+    suffix: str = ""  # literal text after it
+
+    @classmethod
+    def of_schema(cls, schema: dict[str, Any], strict: bool = True, prefix: str = "", suffix: str = ""
+                  ) -> GrammarSpec:
+        # Key order is kept: it is the order the grammar writes properties in.
+        return cls(json.dumps(schema, ensure_ascii=False), strict, prefix, suffix)
+
+
+class GrammarError(ValueError):
+    """The grammar engine cannot build this grammar (an unsupported or inconsistent schema)."""
+
+
+def _closed(schema: Any) -> Any:
+    """strict: every object schema that names properties and says nothing of others allows none."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def build_grammar(spec: GrammarSpec) -> str:
+    """The spec as an llguidance grammar (its serialised form), not yet bound to a vocabulary.
+
+    Raises:
+        GrammarError: the schema is not a JSON object or llguidance refuses it (the message says why).
+    """
+    import llguidance
+
+    try:
+        schema = json.loads(spec.json_schema)
+    except json.JSONDecodeError as error:
+        raise GrammarError(f"the schema is not JSON: {error}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError("the schema must be a JSON object")
+    schema = {**(_closed(schema) if spec.strict else schema), "x-guidance": JSON_OPTIONS}
+    if spec.prefix or spec.suffix:
+        lark = (f"start: {json.dumps(spec.prefix) if spec.prefix else ''} document "
+                f"{json.dumps(spec.suffix) if spec.suffix else ''}\ndocument: %json {json.dumps(schema)}\n")
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    else:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise GrammarError(problem)
+    return grammar
+
+
+def check_grammar(spec: GrammarSpec) -> None:
+    """Raise GrammarError when the grammar engine would refuse the spec (no vocabulary needed)."""
+    build_grammar(spec)
+
+
+class GrammarCache:
+    """Matchers in their start state, one per grammar, for one vocabulary (least recently used go first)."""
+
+    def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int],
+                 max_entries: int = MAX_CACHED_GRAMMARS) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's vocabulary)
+        self.stop_token_ids = list(stop_token_ids)
+        self.max_entries = max_entries
+        self._compiled: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self.num_compiled = 0  # compilations done (cache misses)
+
+    def _get_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            # The grammar's end is the model's EOS; a model whose config names none ends on the tokenizer's
+            # (the gateway makes that token a stop token of such requests).
+            eos = self.stop_token_ids[0] if self.stop_token_ids else tokenizer.eos_token_id
+            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,  # type: ignore[arg-type]
+                                                           eos_token=eos)
+        return self._tokenizer
+
+    def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        """A fresh matcher for `spec` (a copy of the cached one). Raises GrammarError (the gateway checks
+        specs first, so a worker sees this only for a spec that did not come through it)."""
+        import llguidance
+
+        found = self._compiled.get(spec)
+        if found is not None:
+            self._compiled.move_to_end(spec)
+            return found.deep_copy()
+        compiled = llguidance.LLMatcher(self._get_tokenizer(), build_grammar(spec))
+        if compiled.is_error():
+            raise GrammarError(compiled.get_error())
+        self.num_compiled += 1
+        self._compiled[spec] = compiled
+        if len(self._compiled) > self.max_entries:
+            self._compiled.popitem(last=False)
+        return compiled.deep_copy()
+
+    def __len__(self) -> int:
+        return len(self._compiled)
