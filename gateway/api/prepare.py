@@ -27,6 +27,7 @@ from jinja2 import TemplateError
 
 from gateway.api.bad_request import BadRequest
 from gateway.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.api.request_id import RequestId
 from gateway.api.structured import response_format_grammar
 from gateway.api.surface import MESSAGE_NOT_YET_SUPPORTED, check_fields
 from gateway.api.tool_parsers import ToolCallParser, choose_parser
@@ -78,8 +79,10 @@ class Preparer:
         return await asyncio.get_running_loop().run_in_executor(self._prompt_thread, work)
 
     # Validation and tokenization.
-    async def prepare_completion(self, request: CompletionRequest) -> list[PreparedRequest]:
+    async def prepare_completion(self, request: CompletionRequest, request_id: RequestId | None = None
+                                 ) -> list[PreparedRequest]:
         """One PreparedRequest per prompt (a batch is several), in prompt order."""
+        request_id = request_id or RequestId.mint()
         self.check_model(request.model)
         check_fields(request.model_extra)
         if request.stream and len(request.prompts) > 1:
@@ -96,7 +99,8 @@ class Preparer:
             one = self._prepare(request, prompt, max(1, max_tokens), k is not None, k or 0,
                                 k if request.echo and k is not None else None,
                                 response_format_grammar(request.response_format))
-            one = replace(one, is_prompt_only=max_tokens == 0, batch_index=index)
+            one = replace(one, request_id=request_id.for_prompt(index, len(request.prompts)),
+                          is_prompt_only=max_tokens == 0, batch_index=index)
             prepared.append(await self._hashed(one))
         return prepared
 
@@ -110,7 +114,8 @@ class Preparer:
                              param="prompt")
         return list(item)
 
-    async def prepare_chat(self, request: ChatCompletionRequest) -> PreparedRequest:
+    async def prepare_chat(self, request: ChatCompletionRequest, request_id: RequestId | None = None
+                           ) -> PreparedRequest:
         self.check_model(request.model)
         check_fields(request.model_extra)
         for i, message in enumerate(request.messages):
@@ -128,7 +133,9 @@ class Preparer:
             max_tokens = max(1, min(self.default_max_tokens, self.spec.max_model_len - len(prompt)))
         prepared = self._prepare(request, prompt, max_tokens, request.logprobs, request.top_logprobs or 0,
                                  grammar=grammar or plan.grammar)
-        return await self._hashed(replace(prepared, parses_tool_calls=plan.parser is not None))
+        request_id = request_id or RequestId.mint()
+        return await self._hashed(replace(prepared, request_id=request_id.for_prompt(0, 1),
+                                          parses_tool_calls=plan.parser is not None))
 
     def encode(self, text: str) -> list[int]:
         return self._encode(text)
