@@ -6,6 +6,7 @@ X-Request-Id: a client's value comes back and names the request; one is minted w
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.api.request_id import current_request_id, install_log_prefix
 from gateway.telemetry.metric_names import ALL_METRICS, MODEL_LABEL, MetricName
 from tests.gateway.conftest import API_KEY, MODEL, wait_until_no_blocks_used
 from tests.gateway.test_http_api import burst
@@ -198,3 +200,17 @@ def test_a_bad_request_id_is_refused(client: httpx.Client, bad: str) -> None:
     refused = client.post("/v1/completions", json=body, headers={"X-Request-Id": bad})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "X-Request-Id"
     assert refused.headers["x-request-id"].startswith("req-")
+
+
+def test_log_lines_made_while_a_request_is_served_carry_its_id(caplog: pytest.LogCaptureFixture) -> None:
+    install_log_prefix()
+    install_log_prefix()  # idempotent: one prefix
+    logger = logging.getLogger("gateway.test")
+    token = current_request_id.set("trace-1")
+    try:
+        logger.warning("a worker failed: %s", "boom")
+    finally:
+        current_request_id.reset(token)
+    logger.warning("outside any request")
+    assert [r.getMessage() for r in caplog.records] == ["[trace-1] a worker failed: boom",
+                                                        "outside any request"]
