@@ -132,7 +132,8 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
         f"Per choice ({cmp['num_choices']} loglikelihoods): largest |difference| "
         f"{cmp['max_abs_logprob_diff']:.2e} (doc {cmp['max_diff_doc_id']}), mean "
         f"{cmp['mean_abs_logprob_diff']:.2e}; items whose best choice differs: "
-        f"{cmp['num_items_argmax_differs']}.", "",
+        f"{cmp['num_items_argmax_differs']}. Wall times are one run each on a machine shared with other work: "
+        "not a throughput comparison.", "",
         f"Command: `{report['command']}`", ""]
     (out / "results.md").write_text("\n".join(lines))
 
@@ -173,7 +174,7 @@ def main() -> None:
         "num_concurrent": args.num_concurrent, "hf": metrics(hf), "pdserve": metrics(served),
         "hf_wall_s": hf["wall_s"], "pdserve_wall_s": served["wall_s"],
         "comparison": compare(loglikelihoods(hf), loglikelihoods(served)),
-        "command": "python benchmarks/lm_eval_parity.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python benchmarks/lm_eval_parity.py", *sys.argv[1:]]),
     }
     write_report(out, report)
     print((out / "results.md").read_text())
