@@ -132,8 +132,8 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
         f"Per choice ({cmp['num_choices']} loglikelihoods): largest |difference| "
         f"{cmp['max_abs_logprob_diff']:.2e} (doc {cmp['max_diff_doc_id']}), mean "
         f"{cmp['mean_abs_logprob_diff']:.2e}; items whose best choice differs: "
-        f"{cmp['num_items_argmax_differs']}. Wall times are one run each on a machine shared with other work: "
-        "not a throughput comparison.", "",
+        f"{cmp['num_items_argmax_differs']}. Wall times are one run each on a machine shared with other "
+        "work: not a throughput comparison.", "",
         f"Command: `{report['command']}`", ""]
     (out / "results.md").write_text("\n".join(lines))
 
