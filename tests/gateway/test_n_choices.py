@@ -8,6 +8,7 @@ and is a 400 naming it below n or streamed."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -174,7 +175,7 @@ def test_best_of_returns_the_n_most_likely_of_its_choices(sdk: openai.OpenAI, cl
     drawn = client.post("/v1/completions", json={**body, "n": 4, "logprobs": 0}).json()["choices"]
     ranked = sorted(drawn, key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
     sums = [sum(c["logprobs"]["token_logprobs"]) for c in ranked]
-    assert all(a - b > 1e-3 for a, b in zip(sums, sums[1:])), "no near-tie for a cached prefix to flip"
+    assert all(a - b > 1e-3 for a, b in itertools.pairwise(sums)), "no near-tie for a cached prefix to flip"
     assert len({tuple(c["token_ids"]) for c in drawn}) == 4
     best = client.post("/v1/completions", json={**body, "n": 2, "best_of": 4}).json()
     assert [c["index"] for c in best["choices"]] == [0, 1]
