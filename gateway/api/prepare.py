@@ -88,6 +88,11 @@ class Preparer:
         if request.stream and len(request.prompts) > 1:
             raise BadRequest("prompt: a batch of prompts with stream: true is not supported yet",
                              param="prompt", code="unsupported_field")
+        if request.best_of is not None and request.best_of < request.n:
+            raise BadRequest(f"best_of ({request.best_of}) must be at least n ({request.n})", param="best_of")
+        if request.stream and request.num_sampled > request.n:  # the best are known only at the end
+            raise BadRequest("best_of: cannot be more than n with stream: true", param="best_of",
+                             code="unsupported_field")
         prepared = []
         for index, item in enumerate(request.prompts):
             prompt = await self._prompt_tokens(item)
@@ -194,13 +199,16 @@ class Preparer:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        num_kv = len(prompt) + request.n * max_tokens  # the choices decode on one worker, sharing the prompt
+        num_sampled = request.num_sampled
+        # The choices decode on one worker, sharing the prompt.
+        num_kv = len(prompt) + num_sampled * max_tokens
         if num_kv > self.max_request_tokens:
-            choices = f" ({request.n} choices of {max_tokens} tokens)" if request.n > 1 else ""
+            choices = f" ({num_sampled} choices of {max_tokens} tokens)" if num_sampled > 1 else ""
+            too_many = "n" if num_sampled == request.n else "best_of"
             raise BadRequest(
                 f"the request needs KV for {num_kv} tokens{choices}; one decode worker holds at most "
                 f"{self.max_request_tokens}",
-                param="n" if request.n > 1 and total <= self.max_request_tokens else "max_tokens",
+                param=too_many if num_sampled > 1 and total <= self.max_request_tokens else "max_tokens",
             )
         is_greedy = request.temperature < MIN_TEMPERATURE or request.top_p < MIN_TOP_P
         self._check_token_ids(request)
@@ -215,7 +223,8 @@ class Preparer:
                 top_k=max(0, request.top_k),
                 seed=request.seed,
                 ignore_eos=request.ignore_eos,
-                logprobs=logprobs,
+                # best_of ranks the choices by their tokens' logprobs, shown or not.
+                logprobs=logprobs or num_sampled > request.n,
                 top_logprobs=top_logprobs,
                 prompt_logprobs=prompt_logprobs,
                 presence_penalty=request.presence_penalty,
@@ -224,7 +233,7 @@ class Preparer:
                 logit_bias=request.logit_bias_pairs,
                 min_tokens=request.min_tokens,
                 stop_token_ids=self._stop_token_ids(request, grammar),
-                n=request.n,
+                n=num_sampled,
                 grammar=grammar,
             )
         except ValueError as error:
