@@ -143,9 +143,10 @@ class DecodeWorker:
         self._inbox.post(self._evacuate)
 
     def move_out(self, request_ids: list[str]) -> None:
-        """Hand these running streams back with their KV offered (finish_reason "migrate"), as evacuate()
-        does, for the gateway to continue on another worker; a stream whose KV cannot be offered (no
-        migration sender, mid-prefill, or gone) stays here."""
+        """Hand these requests back (finish_reason "migrate"), as evacuate() does, for the gateway to continue
+        on another worker: a running stream with its KV offered, a prompt not started yet as it came (the
+        gateway routes it again). One mid-prefill, or whose KV cannot be offered (no migration sender),
+        stays here."""
         self._inbox.post(lambda: self._move_out(request_ids))
 
     def release(self, transfer_id: int, why: str) -> None:
@@ -418,8 +419,11 @@ class DecodeWorker:
 
     def _move_out(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            if request_id in self._entries:
-                self._offer_for_migration(request_id)
+            if request_id not in self._entries or self._offer_for_migration(request_id):
+                continue
+            request = self.engine.scheduler.requests.get(request_id)
+            if request is not None and not request.num_computed_tokens and not request.num_output_tokens:
+                self._abort(request_id, "migrate")  # a prompt not started here: the gateway routes it again
 
     def _hand_back_unpulled(self, request_id: str) -> bool:
         """Hand a request whose pull has not started back with its handle, unused: the next worker pulls the

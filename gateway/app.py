@@ -37,6 +37,7 @@ from gateway.api.auth import require_api_key
 from gateway.api.body_guard import BodyGuard
 from gateway.api.delivery import BoundedStreamingResponse
 from gateway.api.errors import documented, install_error_handlers, without_validation_422
+from gateway.api.http_counts import HttpCounts
 from gateway.api.logprob_format import TokenTexts
 from gateway.api.prepare import Preparer
 from gateway.api.protocol import (
@@ -46,6 +47,7 @@ from gateway.api.protocol import (
     CompletionResponse,
     Usage,
 )
+from gateway.api.request_id import RequestIdMiddleware, install_log_prefix, request_id_of
 from gateway.api.responses import chat_response, chat_stream, completion_response, completion_stream
 from gateway.api.utility_routes import router as utility_routes
 from gateway.config import ServeConfig
@@ -56,6 +58,7 @@ from gateway.fleet.view import FleetView
 from gateway.requests.admission import Admission, admission_capacity
 from gateway.requests.service import GatewayService, PreparedRequest
 from gateway.telemetry.fleet_metrics import FleetStatus
+from gateway.telemetry.metrics import Metrics
 from llm_engine.model_loader import load_tokenizer, read_model_spec
 from pool_worker import Role
 from pool_worker.runtime.process_heap import freeze_startup_heap
@@ -123,7 +126,8 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
     """The request path over `fleet`: tokenizer, request preparation, admission, the service (app.state)."""
     tokenizer = load_tokenizer(model_dir)
     model_name = config.served_model_name or Path(model_dir).name
-    app.state.preparer = Preparer(tokenizer, read_model_spec(model_dir), model_name, kv_tokens_per_worker,
+    spec = read_model_spec(model_dir)
+    app.state.preparer = Preparer(tokenizer, spec, model_name, kv_tokens_per_worker,
                                   config.default_max_tokens, fleet.block_size, config.tool_call_parser)
     app.state.token_texts = TokenTexts(tokenizer)  # logprobs show each token's own text
     app.state.model_dir = model_dir  # /v1/models' root
@@ -134,7 +138,7 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
         admission=Admission(capacity, config.max_waiting, config.queue_timeout_s, config.max_waiting_tokens),
         max_request_tokens=kv_tokens_per_worker,
         deadline_policy=config.deadline_policy(), local_prefill=config.local_prefill_policy(),
-        num_frontends=num_frontends,
+        num_frontends=num_frontends, metrics=Metrics(model_name, spec.max_model_len),
     )
     fleet.on_change.append(service.on_pool_change)
     app.state.service = service
@@ -211,6 +215,9 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
 
     install_error_handlers(app)
     app.add_middleware(BodyGuard)
+    app.add_middleware(RequestIdMiddleware)  # outside BodyGuard: its 413 and 415 carry the id too
+    app.add_middleware(HttpCounts)  # outermost: counts every response, the ones refused above included
+    install_log_prefix()
     app.openapi = without_validation_422(app)  # type: ignore[method-assign]
 
     @app.exception_handler(ClientGone)
@@ -276,7 +283,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
               responses={200: {"model": CompletionResponse, "content": _SSE}, **_GENERATE})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
-        batch = await request.app.state.preparer.prepare_completion(body)
+        batch = await request.app.state.preparer.prepare_completion(body, request_id_of(request.state))
         if len(batch) == 1:
             return await respond(service, body, batch[0], request)
         return await respond_batch(service, body, batch, request)
@@ -285,7 +292,8 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
               responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_GENERATE})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
-        return await respond(service, body, await request.app.state.preparer.prepare_chat(body), request)
+        prepared = await request.app.state.preparer.prepare_chat(body, request_id_of(request.state))
+        return await respond(service, body, prepared, request)
 
     @app.get("/health", responses={503: {"description": "unavailable: a role has no live worker"}})
     async def health(request: Request) -> JSONResponse:

@@ -25,11 +25,11 @@ def parse_sample(text: str, t_s: float) -> Sample:
     running: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "pdserve_queued_prompt_tokens":
+            if s.name == "pdserve:queued_prompt_tokens":
                 queued[s.labels["pool"]] = s.value
-            elif s.name == "pdserve_kv_occupancy":
+            elif s.name == "pdserve:kv_cache_usage_perc":
                 occupancy[s.labels["worker"]] = s.value
-            elif s.name == "pdserve_running_requests":
+            elif s.name == "pdserve:num_requests_running":
                 running[s.labels["worker"]] = s.value
     return Sample(t_s, queued, occupancy, running)
 

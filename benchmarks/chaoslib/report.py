@@ -32,7 +32,7 @@ def summarize(result: ChaosResult) -> dict[str, Any]:
         },
         "faults": result.faults,
         "num_busy_kills": result.num_busy_kills,
-        "migrations": {"pdserve_migrations_total": result.counters.get("pdserve_migrations_total", 0),
+        "migrations": {"pdserve:migrations_total": result.counters.get("pdserve:migrations_total", 0),
                        "stream_moves_seen_by_clients": sum(r.num_moves or 0 for r in records),
                        "layout_moves_done": len(result.layout_moves)},
         "expected_layout": result.expected_layout,
@@ -60,8 +60,8 @@ def _md(summary: dict[str, Any]) -> str:
     lines += ["## Faults injected", "", "| fault:result | count |", "|---|---:|"]
     lines += [f"| {k} | {n} |" for k, n in sorted(summary["faults"].items())]
     mig = summary["migrations"]
-    lines += ["", "## Moves", "", f"- failure migrations (pdserve_migrations_total): "
-              f"{mig['pdserve_migrations_total']:g}",
+    lines += ["", "## Moves", "", f"- failure migrations (pdserve:migrations_total): "
+              f"{mig['pdserve:migrations_total']:g}",
               f"- stream moves the clients saw (timings.num_moves): {mig['stream_moves_seen_by_clients']}",
               f"- layout moves done by PUTs: {mig['layout_moves_done']}", "",
               "## End state", "", f"- expected layout {summary['expected_layout']}, reached "

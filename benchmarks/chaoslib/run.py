@@ -51,9 +51,9 @@ class ChaosResult:
 
     @property
     def num_migrations(self) -> int:
-        """Streams moved off a decode worker: on failures (pdserve_migrations_total), or as the clients saw
+        """Streams moved off a decode worker: on failures (pdserve:migrations_total), or as the clients saw
         them (timings.num_moves: failures, role changes and drains)."""
-        return max(int(self.counters.get("pdserve_migrations_total", 0)),
+        return max(int(self.counters.get("pdserve:migrations_total", 0)),
                    sum(r.num_moves or 0 for r in self.records))
 
     @property
@@ -111,12 +111,12 @@ async def end_checks(config: ChaosConfig, watch: PoolWatch, log: ChaosLog,
 def server_counters(text: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    wanted = ("pdserve_requests_total", "pdserve_request_errors_total", "pdserve_migrations_total")
+    wanted = ("pdserve:request_success_total", "pdserve:request_errors_total", "pdserve:migrations_total")
     counters: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in wanted:
-                labels = ",".join(f"{k}={v}" for k, v in sample.labels.items())
+                labels = ",".join(f"{k}={v}" for k, v in sample.labels.items() if k != "model_name")
                 counters[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return counters
 

@@ -133,6 +133,6 @@ def server_counters(text: str) -> dict[str, float]:
     """The gateway's own tallies from /metrics: requests by outcome, errors by code, migrations."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    wanted = ("pdserve_requests_total", "pdserve_request_errors_total", "pdserve_migrations_total")
-    return {f"{s.name}{{{','.join(f'{k}={v}' for k, v in s.labels.items())}}}": s.value
+    wanted = ("pdserve:request_success_total", "pdserve:request_errors_total", "pdserve:migrations_total")
+    return {f"{s.name}{{{','.join(f'{k}={v}' for k, v in s.labels.items() if k != 'model_name')}}}": s.value
             for family in text_string_to_metric_families(text) for s in family.samples if s.name in wanted}

@@ -27,6 +27,7 @@ from jinja2 import TemplateError
 
 from gateway.api.bad_request import BadRequest
 from gateway.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.api.request_id import RequestId
 from gateway.api.structured import response_format_grammar
 from gateway.api.surface import MESSAGE_NOT_YET_SUPPORTED, check_fields
 from gateway.api.tool_parsers import ToolCallParser, choose_parser
@@ -78,13 +79,20 @@ class Preparer:
         return await asyncio.get_running_loop().run_in_executor(self._prompt_thread, work)
 
     # Validation and tokenization.
-    async def prepare_completion(self, request: CompletionRequest) -> list[PreparedRequest]:
+    async def prepare_completion(self, request: CompletionRequest, request_id: RequestId | None = None
+                                 ) -> list[PreparedRequest]:
         """One PreparedRequest per prompt (a batch is several), in prompt order."""
+        request_id = request_id or RequestId.mint()
         self.check_model(request.model)
         check_fields(request.model_extra)
         if request.stream and len(request.prompts) > 1:
             raise BadRequest("prompt: a batch of prompts with stream: true is not supported yet",
                              param="prompt", code="unsupported_field")
+        if request.best_of is not None and request.best_of < request.n:
+            raise BadRequest(f"best_of ({request.best_of}) must be at least n ({request.n})", param="best_of")
+        if request.stream and request.num_sampled > request.n:  # the best are known only at the end
+            raise BadRequest("best_of: cannot be more than n with stream: true", param="best_of",
+                             code="unsupported_field")
         prepared = []
         for index, item in enumerate(request.prompts):
             prompt = await self._prompt_tokens(item)
@@ -96,7 +104,8 @@ class Preparer:
             one = self._prepare(request, prompt, max(1, max_tokens), k is not None, k or 0,
                                 k if request.echo and k is not None else None,
                                 response_format_grammar(request.response_format))
-            one = replace(one, is_prompt_only=max_tokens == 0, batch_index=index)
+            one = replace(one, request_id=request_id.for_prompt(index, len(request.prompts)),
+                          is_prompt_only=max_tokens == 0, batch_index=index)
             prepared.append(await self._hashed(one))
         return prepared
 
@@ -110,7 +119,8 @@ class Preparer:
                              param="prompt")
         return list(item)
 
-    async def prepare_chat(self, request: ChatCompletionRequest) -> PreparedRequest:
+    async def prepare_chat(self, request: ChatCompletionRequest, request_id: RequestId | None = None
+                           ) -> PreparedRequest:
         self.check_model(request.model)
         check_fields(request.model_extra)
         for i, message in enumerate(request.messages):
@@ -128,7 +138,9 @@ class Preparer:
             max_tokens = max(1, min(self.default_max_tokens, self.spec.max_model_len - len(prompt)))
         prepared = self._prepare(request, prompt, max_tokens, request.logprobs, request.top_logprobs or 0,
                                  grammar=grammar or plan.grammar)
-        return await self._hashed(replace(prepared, parses_tool_calls=plan.parser is not None))
+        request_id = request_id or RequestId.mint()
+        return await self._hashed(replace(prepared, request_id=request_id.for_prompt(0, 1),
+                                          parses_tool_calls=plan.parser is not None))
 
     def encode(self, text: str) -> list[int]:
         return self._encode(text)
@@ -187,13 +199,16 @@ class Preparer:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        num_kv = len(prompt) + request.n * max_tokens  # the choices decode on one worker, sharing the prompt
+        num_sampled = request.num_sampled
+        # The choices decode on one worker, sharing the prompt.
+        num_kv = len(prompt) + num_sampled * max_tokens
         if num_kv > self.max_request_tokens:
-            choices = f" ({request.n} choices of {max_tokens} tokens)" if request.n > 1 else ""
+            choices = f" ({num_sampled} choices of {max_tokens} tokens)" if num_sampled > 1 else ""
+            too_many = "n" if num_sampled == request.n else "best_of"
             raise BadRequest(
                 f"the request needs KV for {num_kv} tokens{choices}; one decode worker holds at most "
                 f"{self.max_request_tokens}",
-                param="n" if request.n > 1 and total <= self.max_request_tokens else "max_tokens",
+                param=too_many if num_sampled > 1 and total <= self.max_request_tokens else "max_tokens",
             )
         is_greedy = request.temperature < MIN_TEMPERATURE or request.top_p < MIN_TOP_P
         self._check_token_ids(request)
@@ -208,7 +223,8 @@ class Preparer:
                 top_k=max(0, request.top_k),
                 seed=request.seed,
                 ignore_eos=request.ignore_eos,
-                logprobs=logprobs,
+                # best_of ranks the choices by their tokens' logprobs, shown or not.
+                logprobs=logprobs or num_sampled > request.n,
                 top_logprobs=top_logprobs,
                 prompt_logprobs=prompt_logprobs,
                 presence_penalty=request.presence_penalty,
@@ -217,7 +233,7 @@ class Preparer:
                 logit_bias=request.logit_bias_pairs,
                 min_tokens=request.min_tokens,
                 stop_token_ids=self._stop_token_ids(request, grammar),
-                n=request.n,
+                n=num_sampled,
                 grammar=grammar,
             )
         except ValueError as error:

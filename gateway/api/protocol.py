@@ -77,8 +77,8 @@ class _Request(BaseModel):
     # text (default), json_object or json_schema: the output is held to a grammar (gateway/api/structured.py)
     response_format: ResponseFormat | None = None
 
-    @field_validator("max_tokens", "max_completion_tokens", "top_k", "seed", "n", "logprobs", "top_logprobs",
-                     "min_tokens", mode="before", check_fields=False)
+    @field_validator("max_tokens", "max_completion_tokens", "top_k", "seed", "n", "best_of", "logprobs",
+                     "top_logprobs", "min_tokens", mode="before", check_fields=False)
     @classmethod
     def _whole_number(cls, value: object) -> object:
         # JSON has one number type: 4.0 is an integer to JSON Schema (and what some clients send for 4).
@@ -114,6 +114,11 @@ class _Request(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return [s for s in stops if s]  # "" would stop every request before its first character
 
+    @property
+    def num_sampled(self) -> int:
+        """Choices the engine generates (completions' best_of may ask for more than the n returned)."""
+        return self.n
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -133,6 +138,13 @@ class CompletionRequest(_Request):
     max_tokens: int | None = Field(default=None, ge=0)  # 0: score the prompt only (with echo and logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the chosen token's + k alternatives
     echo: bool = False  # the prompt comes back before the completion (with its logprobs when asked)
+    # Choices generated (≥ n, not streamed when more): the n with the highest cumulative logprob come back.
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+
+    @property
+    def num_sampled(self) -> int:
+        """best_of's choices, of which the response keeps n (best_of < n is refused at preparation)."""
+        return max(self.n, self.best_of or 1)
 
     @property
     def prompts(self) -> list[str | list[int]]:

@@ -6,8 +6,8 @@ The chunks of a token (text only: no logprobs, no token ids, not the last one) a
 without a pydantic model: they are most of a stream and each costs one json.dumps of its text. Every other
 chunk goes through the pydantic models; both spell the same JSON.
 With n > 1 choices, a stream interleaves the choices' chunks as their tokens come, each with its `index` and
-its own finish_reason; a whole response lists them in index order. Usage counts the prompt once and sums
-the choices' completion tokens.
+its own finish_reason; a whole response lists them in index order (completions' best_of: the n best, best
+first). Usage counts the prompt once and sums the completion tokens of every choice generated.
 """
 
 from __future__ import annotations
@@ -138,13 +138,21 @@ async def completion_response(service: GatewayService, texts: TokenTexts, body: 
                               prepared: PreparedRequest, deltas: AsyncIterator[TextDelta]
                               ) -> CompletionResponse:
     choices = await _Collected.of(deltas)
-    lasts = [got.final for got in choices]
+    lasts = [got.final for got in choices]  # usage counts every choice generated, best_of's too
+    if len(choices) > body.n:
+        choices = _best(choices, body.n)
     first_index = prepared.batch_index * len(choices)  # a batch's choices: prompt by prompt, as OpenAI's
     return CompletionResponse(
         id=prepared.request_id, model=service.model_name, usage=_usage(prepared, lasts),
         timings=_timings(lasts),
         choices=[_completion_choice(service, texts, body, prepared, got, first_index + i)
                  for i, got in enumerate(choices)])
+
+
+def _best(choices: list[_Collected], n: int) -> list[_Collected]:
+    """best_of: the n choices whose tokens have the highest summed logprob, best first (as vLLM ranks them;
+    a tie keeps the lower index first)."""
+    return sorted(choices, key=lambda got: -sum(got.logprobs))[:n]
 
 
 def _completion_choice(service: GatewayService, texts: TokenTexts, body: CompletionRequest,

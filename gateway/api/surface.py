@@ -4,7 +4,7 @@ client sends is dropped in silence (README's "Request fields" table lists the sa
     supported            declared on the request models (gateway/api/protocol.py) and applied;
     ignored by design    declared too, and documented as having no effect here (`user`, `metadata`, `store`);
     not supported yet    known OpenAI fields whose effect pdserve cannot honour yet: a 400 naming the field,
-                         unless the value asks for nothing (`best_of: 1`, `functions: []`, ...);
+                         unless the value asks for nothing (`suffix: null`, `functions: []`, ...);
     unknown              any other field: a 400 naming it (a typo must not silently change nothing).
 The request models keep undeclared fields (`extra="allow"`) so that this check sees them and names them.
 """
@@ -25,7 +25,6 @@ def _absent(value: Any) -> bool:
 NOT_YET_SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (_absent, "function calling is not supported yet"),
     "function_call": (lambda v: v is None or v == "none", "function calling is not supported yet"),
-    "best_of": (lambda v: v is None or v == 1, "best_of > 1 is not supported yet (n > 1 is)"),
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported"),
     "guided_json": (_absent, "guided decoding is not supported yet"),
     "guided_regex": (_absent, "guided decoding is not supported yet"),

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 import uuid
@@ -310,7 +311,7 @@ class PDDeployment:
                 worker.next_role = None
                 self._changed()
 
-        task = asyncio.get_running_loop().create_task(rewire())
+        task = asyncio.get_running_loop().create_task(rewire(), context=contextvars.Context())
         self._rewiring.add(task)
         task.add_done_callback(self._rewiring.discard)
         self._changed()
@@ -341,7 +342,9 @@ class PDDeployment:
         if was_draining:  # it was leaving anyway: remove it, start nothing
             self._forget(worker)
             return
-        self._replacements[worker_id] = (worker, asyncio.create_task(self._replace(worker)))
+        # Not the request's that noticed the failure (its log lines' request id): an empty context.
+        replacing = asyncio.create_task(self._replace(worker), context=contextvars.Context())
+        self._replacements[worker_id] = (worker, replacing)
 
     def is_replacing(self, *roles: Role) -> bool:
         """Whether a worker in any of `roles` is being started in place of a failed one."""

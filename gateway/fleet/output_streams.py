@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 from collections.abc import Callable
@@ -95,8 +96,10 @@ class OutputStream:
         reader = self._reader
         if reader is None:
             reader = self._reader = _Reader(f"{self._gateway_id}-{self.worker_id}-{next(self._num_readers)}")
+            # It outlives the request that opened it: an empty context, so its log lines carry no request id.
             reader.task = asyncio.get_running_loop().create_task(self._read(reader),
-                                                                 name=f"outputs-{self.worker_id}")
+                                                                 name=f"outputs-{self.worker_id}",
+                                                                 context=contextvars.Context())
         outputs = reader.requests[request_id] = RequestOutputs(request_id, reader.channel_id)
         return outputs
 

@@ -18,6 +18,7 @@ remembers aborts of requests it has not seen and refuses them when they come (po
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -57,7 +58,9 @@ class Submissions(Generic[RequestT]):
         if self._open.get(batch.channel_id) is batch:
             del self._open[batch.channel_id]
         answer = self._send_batch([request for request, _ in batch.entries], batch.channel_id)  # sent now
-        task = asyncio.get_running_loop().create_task(self._answer(answer, batch))
+        # Several requests' batch: none of their contexts (log lines' request ids).
+        task = asyncio.get_running_loop().create_task(self._answer(answer, batch),
+                                                      context=contextvars.Context())
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)
 

@@ -32,7 +32,7 @@ than long_prompt_tokens on a decode worker when every prefill worker has long_pr
 prefill pool split off for long prompts must not make short ones wait behind them (at level 0 no prefill
 worker exists, and the rule does nothing).
 Hysteresis: up on a high mark, down only after calm_s below a low mark; and no change within min_dwell_s
-of the last. Every decision is logged with its reason, counted in pdserve_ratio_changes_total{from,to,
+of the last. Every decision is logged with its reason, counted in pdserve:ratio_changes_total{from,to,
 reason}, and kept (the last 200) for GET /admin/pools.
 """
 
@@ -210,7 +210,7 @@ class RatioController:
     planner: LayoutPlanner | None = None  # with a profile: layouts predicted from the traffic
     traffic: RecentTraffic | None = None  # the planner's input: recent arrivals and their lengths
     decisions: collections.deque[Decision] = field(default_factory=lambda: collections.deque(maxlen=200))
-    # Workers moved by (from role, to role, reason): pdserve_ratio_changes_total.
+    # Workers moved by (from role, to role, reason): pdserve:ratio_changes_total.
     changes: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
 
     def __post_init__(self) -> None:

@@ -65,7 +65,9 @@ class DecoderShape:
 
     worker_id: str
     num_requests: int  # booked there (bound for it or decoding)
-    streams: tuple[str, ...] = ()  # requests decoding there past their first token (they can move)
+    # Requests there that a long prompt's chunks would stall: streams decoding, and prompts waiting to be
+    # prefilled (the worker moves a stream with its KV, hands back a prompt not started, keeps the rest).
+    streams: tuple[str, ...] = ()
 
 
 def streams_to_clear(host: DecoderShape, others: list[DecoderShape], num_prompt_tokens: int,
@@ -211,7 +213,10 @@ class Router:
         return streams
 
     def _shape(self, worker: Worker) -> DecoderShape:
-        streams = tuple(r for r in worker.client.request_ids() if self._is_stream_on(r, worker.worker_id))
+        # Not another long prompt waiting there: moving it would only take its turn elsewhere (and bounce).
+        long = self.local_prefill.move_streams_from_tokens
+        streams = tuple(r for r in worker.client.request_ids() if self._moving_off.get(r) != worker.worker_id
+                        and self.local_prefill_prompts.get(r, ("", 0))[1] < long)
         return DecoderShape(worker.worker_id, self.decode_requests[worker.worker_id], streams)
 
     def pick_prefill(self, prompt_token_ids: tuple[int, ...], workers: list[Worker] | None = None,

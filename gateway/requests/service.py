@@ -96,17 +96,19 @@ class GatewayService:
         deadline_policy: DeadlinePolicy | None = None,
         local_prefill: LocalPrefillPolicy | None = None,
         num_frontends: int = 1,
+        metrics: Metrics | None = None,
     ) -> None:
         """Args:
         num_frontends: HTTP processes sharing the fleet (--api-server-count); each admits against its
             share of the decode KV capacity (never less than one request's worth).
+        metrics: this gateway's Prometheus series (default: a set labelled with model_name).
         """
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.fleet = fleet
         self.router = Router(fleet, local_prefill)
         self.admission = admission
-        self.metrics = Metrics()
+        self.metrics = metrics or Metrics(model_name)
         self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
         self.num_frontends = num_frontends
         self.deadline_policy = deadline_policy or DeadlinePolicy()
@@ -234,7 +236,8 @@ class GatewayService:
                 cached = prefill.num_cached_tokens if prefill else decode.num_cached_tokens if decode else 0
                 timings.cached_tokens = min(cached, num_prompt)
                 outcome = finish
-                self.metrics.observe_request(timings, finish, num_prompt, num_output)
+                self.metrics.observe_request(timings, finish, num_prompt, num_output,
+                                             decode.num_preemptions if decode else 0)
                 if prefilled_by:
                     self.metrics.observe_prefix_cache(prefilled_by, num_prompt, timings.cached_tokens)
                 self.recent.add(timings)
@@ -248,14 +251,13 @@ class GatewayService:
                 return
         except RequestFailed as failed:
             outcome = "error"
-            self.metrics.requests.labels("error").inc()
-            self.metrics.request_errors.labels(failed.code).inc()
+            self.metrics.observe_ended("error", failed.code)
             raise
         finally:
             await events.aclose()  # aborts both workers unless the request finished there
             reservation.release()  # the request holds no worker now, read or not
             if outcome == "abort":
-                self.metrics.requests.labels("abort").inc()
+                self.metrics.observe_ended("abort")
 
     def _request_run(self, prepared: PreparedRequest, deadlines: RequestDeadlines) -> RequestRun:
         """One request's way through both stages: its choices' when it has several."""

@@ -1,5 +1,6 @@
-"""The fleet's series, drawn at scrape time from its status: workers per role, each live worker's load and
-runtime, prompt tokens queued per pool, and the ratio controller's moves.
+"""The fleet's series, drawn at scrape time from its status: workers per role, each live worker's load
+(vLLM's num_requests_running / num_requests_waiting / kv_cache_usage_perc, per worker) and runtime, prompt
+tokens queued per pool, and the ratio controller's moves. Names: gateway/telemetry/metric_names.py.
 
 Nothing is kept between scrapes: a worker that left or changed role takes its old series with it (review
 L6), and every frontend of a fleet renders the same series from the same status.
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.telemetry.metric_names import MODEL_LABEL, PREFIX
 from pool_worker import WorkerRuntime
 from pool_worker.runtime.load import WorkerLoad
 
@@ -27,41 +29,47 @@ class FleetStatus:
 
 
 class FleetCollector(Collector):
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name  # every series' model_name label
         self.status = FleetStatus()  # set before each scrape
 
+    def _gauge(self, name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+        return GaugeMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL, *labels])
+
     def collect(self) -> Iterator[Metric]:
-        status = self.status
-        workers = GaugeMetricFamily("pdserve_pool_workers", "Active workers by role", labels=["role"])
+        status, model = self.status, self.model_name
+        workers = self._gauge("pool_workers", "Active workers by role", ["role"])
         for role, count in status.active.items():
-            workers.add_metric([role], count)
-        queued = GaugeMetricFamily("pdserve_queued_prompt_tokens", "Prompt tokens waiting per pool",
-                                   labels=["pool"])
+            workers.add_metric([model, role], count)
+        queued = self._gauge("queued_prompt_tokens", "Prompt tokens waiting per pool", ["pool"])
         for pool in ("prefill", "decode", "mixed"):
-            queued.add_metric([pool], sum(x.num_queued_prompt_tokens for x in status.loads if x.role == pool))
-        running = GaugeMetricFamily("pdserve_running_requests", "Requests computing per worker",
-                                    labels=["worker", "role"])
-        occupancy = GaugeMetricFamily("pdserve_kv_occupancy", "Fraction of KV blocks in use per worker",
-                                      labels=["worker", "role"])
+            queued.add_metric([model, pool],
+                              sum(x.num_queued_prompt_tokens for x in status.loads if x.role == pool))
+        running = self._gauge("num_requests_running", "Number of requests in model execution batches, per "
+                              "worker", ["worker", "role"])
+        waiting = self._gauge("num_requests_waiting", "Number of requests waiting to be processed, per "
+                              "worker", ["worker", "role"])
+        usage = self._gauge("kv_cache_usage_perc", "KV-cache usage per worker. 1 means 100 percent usage.",
+                            ["worker", "role"])
         for load in status.loads:
-            running.add_metric([load.worker_id, load.role], load.num_running)
-            occupancy.add_metric([load.worker_id, load.role], load.kv_occupancy)
+            labels = [model, load.worker_id, load.role]
+            running.add_metric(labels, load.num_running)
+            waiting.add_metric(labels, load.num_waiting)
+            usage.add_metric(labels, load.kv_occupancy)
         # How each worker computes (1 per live worker; the labels carry the facts, Prometheus' info idiom).
-        runtime = GaugeMetricFamily("pdserve_worker_runtime_info",
-                                    "A worker's dtype, GEMM kernel, decode attention, torch threads",
-                                    labels=["worker", "dtype", "linear_kernel", "decode_attention",
-                                            "threads"])
-        speedup = GaugeMetricFamily("pdserve_linear_kernel_speedup",
-                                    "Load-time probe: F.linear time over the chosen GEMM kernels'",
-                                    labels=["worker"])
+        runtime = self._gauge("worker_runtime_info",
+                              "A worker's dtype, GEMM kernel, decode attention, torch threads",
+                              ["worker", "dtype", "linear_kernel", "decode_attention", "threads"])
+        speedup = self._gauge("linear_kernel_speedup",
+                              "Load-time probe: F.linear time over the chosen GEMM kernels'", ["worker"])
         for worker_id, facts in status.runtimes.items():
-            runtime.add_metric([worker_id, facts.dtype, facts.linear_kernel, facts.decode_attention,
+            runtime.add_metric([model, worker_id, facts.dtype, facts.linear_kernel, facts.decode_attention,
                                 str(facts.num_threads)], 1)
             if facts.linear_kernel_speedup is not None:
-                speedup.add_metric([worker_id], facts.linear_kernel_speedup)
-        changes = CounterMetricFamily("pdserve_ratio_changes",
+                speedup.add_metric([model, worker_id], facts.linear_kernel_speedup)
+        changes = CounterMetricFamily(PREFIX + "ratio_changes",
                                       "Workers moved between roles by the ratio controller",
-                                      labels=["from", "to", "reason"])
+                                      labels=[MODEL_LABEL, "from", "to", "reason"])
         for (from_role, to_role, reason), count in status.ratio_changes.items():
-            changes.add_metric([from_role, to_role, reason], count)
-        yield from (workers, queued, running, occupancy, runtime, speedup, changes)
+            changes.add_metric([model, from_role, to_role, reason], count)
+        yield from (workers, queued, running, waiting, usage, runtime, speedup, changes)

@@ -108,9 +108,9 @@ def test_goodput_counts_requests_meeting_both_slos() -> None:
 
 def test_metrics_sample_parsing() -> None:
     text = (
-        'pdserve_queued_prompt_tokens{pool="prefill"} 120.0\n'
-        'pdserve_kv_occupancy{role="decode",worker="decode-1"} 0.25\n'
-        'pdserve_running_requests{role="decode",worker="decode-1"} 3.0\n'
+        'pdserve:queued_prompt_tokens{model_name="m",pool="prefill"} 120.0\n'
+        'pdserve:kv_cache_usage_perc{model_name="m",role="decode",worker="decode-1"} 0.25\n'
+        'pdserve:num_requests_running{model_name="m",role="decode",worker="decode-1"} 3.0\n'
     )
     sample = parse_sample(text, 1.5)
     assert sample.queued_prompt_tokens == {"prefill": 120.0}

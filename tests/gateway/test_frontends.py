@@ -179,5 +179,10 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
                                                           "temperature": 0})
             assert answer.status_code == 200 and expected.startswith(answer.json()["choices"][0]["text"])
         metrics = client.get("/metrics").text
-    reserved = [line for line in metrics.splitlines() if line.startswith("pdserve_admission_reserved_tokens")]
+    reserved = [line for line in metrics.splitlines() if line.startswith("pdserve:admission_reserved_tokens")]
     assert reserved and all(float(line.rsplit(" ", 1)[1]) == 0 for line in reserved), reserved
+    # Both frontends' counts, summed from the multiprocess files, under the served model's name.
+    samples = [line for line in metrics.splitlines() if line.startswith("pdserve:")]
+    assert samples and all(f'model_name="{MODEL}"' in line for line in samples)
+    finished = [line for line in samples if line.startswith("pdserve:request_success_total{")]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in finished) >= 6, finished

@@ -116,25 +116,28 @@ def test_metrics_count_what_was_served(client: httpx.Client) -> None:
     after = metric_samples(client)
 
     def grew(name: str, **labels: str) -> float:
-        key = (name, frozenset(labels.items()))
+        key = (name, frozenset({"model_name": MODEL, **labels}.items()))
         return after[key] - before.get(key, 0.0)
 
-    assert grew("pdserve_requests_total", outcome="length") == 2
-    assert grew("pdserve_prompt_tokens_total") == 3 + 5
-    assert grew("pdserve_output_tokens_total") == 4 + 4
-    for histogram in ("pdserve_ttft_seconds_count", "pdserve_e2e_seconds_count"):
+    assert grew("pdserve:request_success_total", finished_reason="length") == 2
+    assert grew("pdserve:prompt_tokens_total") == 3 + 5
+    assert grew("pdserve:generation_tokens_total") == 4 + 4
+    for histogram in ("pdserve:time_to_first_token_seconds_count",
+                      "pdserve:e2e_request_latency_seconds_count",
+                      "pdserve:request_time_per_output_token_seconds_count"):
         assert grew(histogram) == 2, histogram
     for stage in ("prefill", "transfer", "decode"):
-        assert grew("pdserve_stage_seconds_count", stage=stage) == 2, stage
-    assert grew("pdserve_itl_seconds_count") >= 2  # at least one gap per request (steps may coalesce)
-    assert grew("pdserve_kv_transfer_bytes_total") > 0
+        assert grew("pdserve:request_stage_seconds_count", stage=stage) == 2, stage
+    # at least one gap per request (steps may coalesce)
+    assert grew("pdserve:inter_token_latency_seconds_count") >= 2
+    assert grew("pdserve:kv_transfer_bytes_total") > 0
     # The gauges, read after the requests finished: nothing runs, no block is in use, nothing waits.
     workers = client.get("/admin/pools").json()["workers"]
     for worker in workers:
-        labels = {"worker": worker["worker_id"], "role": worker["role"]}
-        assert after[("pdserve_running_requests", frozenset(labels.items()))] == 0
-        assert after[("pdserve_kv_occupancy", frozenset(labels.items()))] == 0
-    assert after[("pdserve_admission_reserved_tokens", frozenset())] == 0
+        labels = {"model_name": MODEL, "worker": worker["worker_id"], "role": worker["role"]}
+        assert after[("pdserve:num_requests_running", frozenset(labels.items()))] == 0
+        assert after[("pdserve:kv_cache_usage_perc", frozenset(labels.items()))] == 0
+    assert after[("pdserve:admission_reserved_tokens", frozenset({"model_name": MODEL}.items()))] == 0
 
 
 def test_disconnect_mid_stream_frees_every_block(client: httpx.Client) -> None:
@@ -221,9 +224,9 @@ def test_each_worker_reports_how_it_computes_on_its_own_cores(client: httpx.Clie
     text = client.get("/metrics").text
     for worker in workers:
         runtime = worker["runtime"]
-        assert (f'pdserve_worker_runtime_info{{decode_attention="{runtime["decode_attention"]}",'
-                f'dtype="float32",linear_kernel="{runtime["linear_kernel"]}",threads="{runtime["num_threads"]}",'
-                f'worker="{worker["worker_id"]}"}} 1.0') in text
+        assert (f'pdserve:worker_runtime_info{{decode_attention="{runtime["decode_attention"]}",'
+                f'dtype="float32",linear_kernel="{runtime["linear_kernel"]}",model_name="{MODEL}",'
+                f'threads="{runtime["num_threads"]}",worker="{worker["worker_id"]}"}} 1.0') in text
 
 
 @pytest.mark.parametrize(
@@ -304,7 +307,7 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client: httpx.Client, serve
     assert second["choices"][0]["text"] == first["choices"][0]["text"]  # the cache changes no token
     after = metric_samples(client)
     hits = {dict(labels)["worker"]: value - before.get((name, labels), 0.0)
-            for (name, labels), value in after.items() if name == "pdserve_prefix_cache_hit_tokens_total"}
+            for (name, labels), value in after.items() if name == "pdserve:prefix_cache_hits_total"}
     assert sorted(hits.values())[-1] == 48  # on the prefill worker that served it
     # The openai SDK reads OpenAI's field, from a stream's usage chunk too.
     sdk = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY)

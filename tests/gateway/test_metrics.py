@@ -16,14 +16,14 @@ def running_series(metrics: Metrics, loads: list[WorkerLoad]) -> dict[tuple[str,
     text = metrics.render(FleetStatus(loads=loads)).decode()
     series = {}
     for line in text.splitlines():
-        if line.startswith("pdserve_running_requests{"):
+        if line.startswith("pdserve:num_requests_running{"):
             labels = dict(part.split("=") for part in line[line.index("{") + 1:line.index("}")].split(","))
             series[(labels["worker"].strip('"'), labels["role"].strip('"'))] = float(line.rsplit(" ", 1)[1])
     return series
 
 
 def test_a_worker_that_changes_role_or_leaves_takes_its_old_series_with_it() -> None:
-    metrics = Metrics()
+    metrics = Metrics("m")
     loads = [load("w0", "prefill", 2), load("w1", "decode", 3)]
     assert running_series(metrics, loads) == {("w0", "prefill"): 2, ("w1", "decode"): 3}
     # w0 changed role, w1 left

@@ -3,10 +3,12 @@ tokenizer, float32), with the openai SDK where it can say it: greedy choices are
 choices are reproducible, differ, and choice 0 is the n = 1 answer with that seed; streams interleave the
 choices by index and add up to the whole response; usage counts the prompt once; the decode worker holds the
 prompt's full blocks once for all choices, and every block is free afterwards; a choice whose decode worker
-fails moves on alone; n out of range is a 400 naming `n`."""
+fails moves on alone; n out of range is a 400 naming `n`; best_of returns the n most likely of its choices,
+and is a 400 naming it below n or streamed."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,11 +161,43 @@ def test_n_out_of_range_is_refused_naming_n(client: httpx.Client) -> None:
             response = client.post(path, json={"model": MODEL, "max_tokens": 2, "n": n, **extra})
             assert response.status_code == 400, response.text
             assert response.json()["error"]["param"] == "n"
-    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 2})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "best_of"
     # The choices' KV must fit one decode worker (64 blocks of 16 here): the prompt once, n × max_tokens.
     response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 500, "n": 4})
     assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+
+
+def test_best_of_returns_the_n_most_likely_of_its_choices(sdk: openai.OpenAI, client: httpx.Client) -> None:
+    """best_of 4, n 2: the four choices n = 4 would draw with that seed, of which the two whose tokens have
+    the highest summed logprob come back, best first; usage counts all four."""
+    prompt = random_prompts([33], VOCAB, seed=36)[0]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 3,
+            "ignore_eos": True, "return_token_ids": True}
+    drawn = client.post("/v1/completions", json={**body, "n": 4, "logprobs": 0}).json()["choices"]
+    ranked = sorted(drawn, key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+    sums = [sum(c["logprobs"]["token_logprobs"]) for c in ranked]
+    assert all(a - b > 1e-3 for a, b in itertools.pairwise(sums)), "no near-tie for a cached prefix to flip"
+    assert len({tuple(c["token_ids"]) for c in drawn}) == 4
+    best = client.post("/v1/completions", json={**body, "n": 2, "best_of": 4}).json()
+    assert [c["index"] for c in best["choices"]] == [0, 1]
+    assert [c["token_ids"] for c in best["choices"]] == [c["token_ids"] for c in ranked[:2]]
+    assert all("logprobs" not in c for c in best["choices"])  # used to rank, not asked for
+    assert best["usage"]["completion_tokens"] == 4 * 6
+    with_logprobs = client.post("/v1/completions", json={**body, "best_of": 4, "logprobs": 0}).json()
+    [top] = with_logprobs["choices"]
+    # Not bit-equal: this prefill reads the earlier ones' cached prefix (a different, equally exact sum).
+    assert top["logprobs"]["token_logprobs"] == pytest.approx(ranked[0]["logprobs"]["token_logprobs"],
+                                                              abs=1e-4)
+
+
+def test_best_of_below_n_or_streamed_is_refused_naming_it(client: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    for extra in ({"best_of": 2, "n": 3}, {"best_of": 17}, {"best_of": 2, "stream": True},
+                  {"best_of": 16, "max_tokens": 100}):
+        response = client.post("/v1/completions", json={**body, **extra})
+        assert response.status_code == 400, (extra, response.text)
+        assert response.json()["error"]["param"] == "best_of", extra
+    streamed = client.post("/v1/completions", json={**body, "best_of": 2, "n": 2, "stream": True})
+    assert streamed.status_code == 200  # best_of = n keeps every choice: nothing to wait for
 
 
 def test_a_choice_moves_on_alone_when_its_decode_worker_fails(sdk: openai.OpenAI,

@@ -1,8 +1,8 @@
 """The OpenAI surface through the real two-stage path (1 prefill + 2 decode Ray actors, tiny random Llama with
 SmolLM2's tokenizer, float32), with the openai SDK where it can say it: penalties and logit_bias equal the
 engine alone and change the output, also across a forced migration (a third worker recomputes prompt +
-tokens so far); top_logprobs and echoed prompt logprobs are transformers' log-softmax; batches of prompts,
-/tokenize, /detokenize, /version and /v1/models."""
+tokens so far); top_logprobs and echoed prompt logprobs are transformers' log-softmax; lm-eval's
+local-completions requests; batches of prompts, /tokenize, /detokenize, /version and /v1/models."""
 
 from __future__ import annotations
 
@@ -157,6 +157,36 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_as_transformers(
     assert lm_eval["token_logprobs"][:-1] == logprobs.token_logprobs
     assert all(max(top.values()) >= lp for top, lp in zip(lm_eval["top_logprobs"][1:-1],
                                                            lm_eval["token_logprobs"][1:-1], strict=True))
+
+
+def test_lm_evals_local_completions_requests_as_it_sends_and_reads_them(
+        client: httpx.Client, hf_model: torch.nn.Module) -> None:
+    """lm-eval 0.4's local-completions, pinned: its loglikelihood payload (a batch of token-id prompts,
+    context + continuation, with `seed`), read as its parse_logprobs reads it (the continuation's
+    token_logprobs, greedy when each equals its position's top_logprobs maximum); and its generate_until
+    payload (text prompts, `stop` list, `seed`)."""
+    contexts, continuations = random_prompts([9, 14], VOCAB, seed=41), random_prompts([3, 1], VOCAB, seed=42)
+    prompts = [c + x for c, x in zip(contexts, continuations, strict=True)]
+    body = {"model": MODEL, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True}
+    answer = client.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    for choice, prompt, context in zip(sorted(answer.json()["choices"], key=lambda c: c["index"]), prompts,
+                                       contexts, strict=True):
+        ctxlen = len(context)
+        token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        assert len(token_logprobs) == len(prompt) - ctxlen and all(isinstance(t, dict) for t in tops)
+        expected = log_softmax(hf_model, prompt)
+        want = sum(expected[i - 1, prompt[i]].item() for i in range(ctxlen, len(prompt)))
+        assert sum(token_logprobs) == pytest.approx(want, abs=1e-4)
+        is_greedy = all(lp == max(top.values()) for lp, top in zip(token_logprobs, tops, strict=True))
+        argmaxes = [expected[i - 1].argmax().item() for i in range(ctxlen, len(prompt))]
+        assert is_greedy == (argmaxes == prompt[ctxlen:])
+    generate = {"prompt": ["Question: 2 + 2?\nAnswer:"], "model": MODEL, "max_tokens": 8, "temperature": 0,
+                "stop": ["\n\n", "Question:"], "seed": 1234}
+    answer = client.post("/v1/completions", json=generate)
+    assert answer.status_code == 200 and isinstance(answer.json()["choices"][0]["text"], str), answer.text
 
 
 def test_batches_of_prompts_answer_one_choice_each(client: httpx.Client) -> None:

@@ -63,8 +63,8 @@ def stream_tokens(url: str, prompt: list[int], max_tokens: int, out: list[list[i
 
 
 def prompt_tokens_prefilled(app: FastAPI) -> dict[str, float]:
-    """Per worker: prompt tokens it prefilled (pdserve_prefix_cache_prompt_tokens)."""
-    samples = app.state.service.metrics.prefix_cache_prompt_tokens.collect()[0].samples
+    """Per worker: prompt tokens it prefilled (pdserve:prefix_cache_queries_total)."""
+    samples = app.state.service.metrics.prefix_cache_queries.collect()[0].samples
     return {x.labels["worker"]: x.value for x in samples if x.name.endswith("_total")}
 
 
@@ -130,7 +130,8 @@ def test_auto_disaggregates_for_a_long_prompt_and_goes_back_when_calm(
         assert [(d["from_level"], d["to_level"], d["reason"]) for d in decisions][:2] == [
             (0, 1, "long_prompt"), (1, 0, "prefill_idle")]
         metrics = client.get("/metrics").text
-        assert 'pdserve_ratio_changes_total{from="mixed",reason="long_prompt",to="prefill"} 1.0' in metrics
+        assert ('pdserve:ratio_changes_total{from="mixed",model_name="tiny",reason="long_prompt",'
+                'to="prefill"} 1.0') in metrics
         after = {i: ray.get(a.info.remote()) for i, a in zip(ids, actors, strict=True)}
         assert wait_until_no_blocks_used(client) == 0
 

@@ -108,26 +108,29 @@ def test_a_long_prompt_clears_its_host_of_streams_first() -> None:
     assert streams_to_clear(host, [other], 1500, LocalPrefillPolicy(move_streams_from_tokens=0)) == ()
 
 
-def test_the_router_moves_only_streams_past_their_prompt() -> None:
-    """A request still prefilling on the host (no token yet) is not a stream to move; a stream asked to move
-    off no longer counts as beside the long prompt (the ratio controller is not woken for it), and once it
-    has left it is an ordinary stream again."""
+def test_the_router_moves_streams_and_short_prompts_not_long_ones() -> None:
+    """A long prompt's host is cleared of its streams and of short prompts waiting there (the worker hands
+    back only those not started), never of another long prompt (it would bounce between workers). A request
+    asked to move off no longer counts as beside the long prompt (the ratio controller is not woken for it),
+    and once it has left it is an ordinary request again."""
     workers = [Worker(name, Role.MIXED, FakeClient(ids), WorkerState.ACTIVE)  # type: ignore[arg-type]
-               for name, ids in (("mixed-a", ["s1", "p1"]), ("mixed-b", ["t1"]))]
+               for name, ids in (("mixed-a", ["s1", "p1", "q1"]), ("mixed-b", ["t1"]))]
     router = Router(FakeFleet(workers))  # type: ignore[arg-type]
     router.start_local_prefill("mixed-a", "p1", 300)
+    router.start_local_prefill("mixed-a", "q1", 1500)
     host, other = workers
     assert router.streams_to_clear(host, 300) == ()
-    assert router.longest_prefill_beside_streams() == 300  # p1 is prefilled beside the stream s1
-    assert router.streams_to_clear(host, 2000) == ("s1",)
+    assert router.longest_prefill_beside_streams() == 1500  # q1 and p1 are prefilled beside the stream s1
+    assert router.streams_to_clear(host, 2000) == ("s1", "p1")
     router.start_local_prefill("mixed-a", "long", 2000)
-    assert router.longest_prefill_beside_streams() == 0  # s1 is on its way out
+    assert router.longest_prefill_beside_streams() == 0  # s1 and p1 are on their way out
     assert router.streams_to_clear(host, 2000) == ()  # and not asked twice
-    host.client.ids.remove("s1")  # it left for mixed-b ...
-    other.client.ids.append("s1")
-    router.end_local_prefill("mixed-a", "long")
+    for moved in ("s1", "p1"):  # they left for mixed-b ...
+        host.client.ids.remove(moved)
+        other.client.ids.append(moved)
+    router.end_local_prefill("mixed-a", "p1")
     router.streams_to_clear(host, 2000)
-    assert router._moving_off == {}  # ... and is forgotten
+    assert router._moving_off == {}  # ... and are forgotten
 
 
 class FakeFleet:

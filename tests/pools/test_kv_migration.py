@@ -116,9 +116,10 @@ def test_a_refused_migration_is_recomputed_and_frees_the_source(tiny_llama_dir: 
 
 
 def test_a_stream_moved_out_is_pulled_while_its_source_does_not_step(tiny_llama_dir: Path) -> None:
-    """move_out() hands back only the streams named; with the migration sender polled on its own thread, the
-    next worker's pull is answered while the source runs no step (as if it were in a long prompt's chunk);
-    the moved stream and the one left behind both match transformers."""
+    """move_out() hands back only the requests named: a stream with its KV, a prompt not started as it came.
+    With the migration sender polled on its own thread, the next worker's pull is answered while the source
+    runs no step (as if it were in a long prompt's chunk); the moved stream and the one left behind both
+    match transformers."""
     prompts = random_prompts([20, 45], 1000, seed=11)
     first, second = pair(tiny_llama_dir)
     assert first.migration is not None
@@ -127,9 +128,12 @@ def test_a_stream_moved_out_is_pulled_while_its_source_does_not_step(tiny_llama_
     for index, prompt in enumerate(prompts):
         first.submit(DecodeRequest(f"r{index}", tuple(prompt), GREEDY), seen)
     step_until([first], lambda: all(len(seen.tokens.get(f"r{i}", ())) >= 4 for i in range(len(prompts))))
-    first.move_out(["r0", "gone"])  # an id not here is ignored
+    first.submit(DecodeRequest("waiting", tuple(prompts[1]), GREEDY), seen)  # not started when asked
+    first.move_out(["r0", "waiting", "gone"])  # an id not here is ignored
     first.step()
-    assert set(seen.final) == {"r0"} and seen.final["r0"].finish_reason == "migrate"
+    assert set(seen.final) == {"r0", "waiting"}
+    assert seen.final["waiting"].finish_reason == "migrate" and seen.final["waiting"].kv_handle is None
+    assert seen.final["r0"].finish_reason == "migrate"
     handle = seen.final["r0"].kv_handle
     assert handle is not None
 
