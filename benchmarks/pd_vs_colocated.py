@@ -44,7 +44,7 @@ def start_server(flags: list[str], port: int, code_dir: Path | None = None) -> s
     command = [
         sys.executable,
         "-m",
-        "commands",
+        "pdserve",
         "serve",
         "--port",
         str(port),

@@ -26,7 +26,7 @@ from tuner.validate import Comparison, report
 
 def pdserve(*args: str) -> str:
     """Run `pdserve ...` (the CLI as installed), echo and return its output; stop on failure."""
-    command = [sys.executable, "-m", "commands", *args]
+    command = [sys.executable, "-m", "pdserve", *args]
     print("$ pdserve", " ".join(args), flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
     print(done.stdout[-4000:], done.stderr[-2000:] if done.returncode else "", flush=True)

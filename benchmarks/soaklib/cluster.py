@@ -71,7 +71,7 @@ class SoakSystem:
 
     def start_server(self, model_dir: Path) -> None:
         pdserve = [str(BIN / "pdserve")] if (BIN / "pdserve").exists() else [sys.executable, "-m",
-                                                                             "commands"]
+                                                                             "pdserve"]
         command = [*pdserve, "serve", "--model", str(model_dir), "--port", str(self.http_port),
                    "--address", f"127.0.0.1:{self.ray_port}", "--prefill", str(self.config.num_prefill),
                    "--decode", str(self.config.num_decode), *self.config.serve_args]

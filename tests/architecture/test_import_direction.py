@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Each unit may import the units listed for it (and itself); anything else in this table is forbidden.
 ALLOWED: dict[str, set[str]] = {
-    "commands": {"gateway", "gateway.api", "gateway.control", "gateway.ratio", "gateway.requests",
+    "pdserve": {"gateway", "gateway.api", "gateway.control", "gateway.ratio", "gateway.requests",
                  "gateway.fleet",
                  "gateway.telemetry", "pool_worker.actor", "pool_worker.runtime", "pool_worker.roles",
                  "kv_transfer", "llm_engine", "loadgen", "tuner"},

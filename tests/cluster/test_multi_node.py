@@ -54,7 +54,7 @@ def pdserve(cluster: LocalRayCluster, model_dir: Path, *args: str,
             ) -> Iterator[str]:
     """`pdserve serve --address` joining the cluster, as its own process (a driver on the head's machine)."""
     port = free_port()
-    command = [sys.executable, "-m", "commands", "serve", "--address", cluster.address, "--model",
+    command = [sys.executable, "-m", "pdserve", "serve", "--address", cluster.address, "--model",
                str(model_dir), "--served-model-name", MODEL, "--port", str(port), "--prefill", "1",
                "--decode", "1", "--prefill-resources", json.dumps(PREFILL), "--decode-resources",
                json.dumps(DECODE), "--kv-cache-mib", "2", "--max-num-batched-tokens", "256",

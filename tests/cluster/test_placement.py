@@ -41,7 +41,7 @@ def test_role_resources_gpus_and_worker_env_reach_the_deployment(tiny_llama_dir:
 
 def test_resource_flags_take_json_and_name_the_flag_when_it_is_not(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from commands.main import build_parser
+    from pdserve.main import build_parser
 
     args = build_parser().parse_args(["serve", "--decode-resources", '{"pdserve_decode": 1}',
                                       "--worker-env", '{"UCX_TLS": "tcp"}', "--gpus-per-worker", "0.5"])

@@ -17,8 +17,8 @@ import pytest
 import ray
 import yaml
 
-from commands.main import build_parser
 from gateway.config import ServeConfig
+from pdserve.main import build_parser
 from pool_worker import Role
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_prepare_model_cli_writes_a_plain_hf_directory(smollm2_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "smol"
     result = subprocess.run(
-        [sys.executable, "-m", "commands", "prepare-model", "--out", str(out)],
+        [sys.executable, "-m", "pdserve", "prepare-model", "--out", str(out)],
         capture_output=True, text=True, check=True,
     )
     assert result.stdout.strip() == str(out)

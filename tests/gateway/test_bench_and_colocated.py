@@ -28,7 +28,7 @@ def test_pdserve_bench_writes_results_matching_what_it_sent(server: str, tmp_pat
     command = [
         sys.executable,
         "-m",
-        "commands",
+        "pdserve",
         "bench",
         "--url",
         server,
@@ -68,7 +68,7 @@ def test_pdserve_bench_writes_results_matching_what_it_sent(server: str, tmp_pat
 
 def test_bench_flag_errors_name_the_flag() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "commands", "bench", "--input-len", "5", "--output-len", "5"],
+        [sys.executable, "-m", "pdserve", "bench", "--input-len", "5", "--output-len", "5"],
         capture_output=True,
         text=True,
     )

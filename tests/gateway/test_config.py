@@ -46,11 +46,11 @@ def test_roles_not_named_are_zero_unless_none_is() -> None:
 
 
 def test_cli_names_the_bad_flag() -> None:
-    result = subprocess.run([sys.executable, "-m", "commands", "serve", "--decode", "0"],
+    result = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--decode", "0"],
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert "--decode" in result.stderr
-    missing = subprocess.run([sys.executable, "-m", "commands", "serve", "--model", "/no/such/dir"],
+    missing = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--model", "/no/such/dir"],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "--model" in missing.stderr and "does not exist" in missing.stderr
 
@@ -63,7 +63,7 @@ def test_cli_names_the_bad_flag() -> None:
     (["--decode-attention", "flash"], "--decode-attention: Input should be 'auto', 'sdpa' or 'paged-kernel'"),
 ])
 def test_cli_refuses_bad_engine_settings_naming_the_flag(flags: list[str], needle: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "commands", "serve", *flags], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "pdserve", "serve", *flags], capture_output=True,
                             text=True)
     assert result.returncode == 2
     assert needle in result.stderr

@@ -101,7 +101,7 @@ def until(condition: object, timeout_s: float, what: str) -> None:
 @pytest.fixture()
 def two_frontends(tiny_chat_model_dir: Path) -> Iterator[tuple[int, psutil.Process]]:
     port = free_port()
-    command = [sys.executable, "-m", "commands", "serve", "--model", str(tiny_chat_model_dir),
+    command = [sys.executable, "-m", "pdserve", "serve", "--model", str(tiny_chat_model_dir),
                "--served-model-name", MODEL, "--backend", "nixl", "--prefill", "1", "--decode", "1",
                "--dtype", "float32", "--kv-cache-mib", "32", "--port", str(port), "--api-server-count", "2"]
     env = {**os.environ, "UCX_NET_DEVICES": "lo"}

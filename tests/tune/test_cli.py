@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from commands.tune import add_tune_parser
+from pdserve.tune import add_tune_parser
 from tests.tune.conftest import profile, sim_config, step_model
 
 

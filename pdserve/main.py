@@ -11,9 +11,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from commands.bench import add_bench_parser
-from commands.serve import add_serve_parser
-from commands.tune import add_tune_parser
+from pdserve import __version__
+from pdserve.bench import add_bench_parser
+from pdserve.serve import add_serve_parser
+from pdserve.tune import add_tune_parser
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
@@ -26,6 +27,7 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     prepare = commands.add_parser(
         "prepare-model",

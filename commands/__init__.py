@@ -1,1 +1,0 @@
-"""The `pdserve` command line (see commands/main.py)."""
