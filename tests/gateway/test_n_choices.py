@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,32 +18,15 @@ import pytest
 
 from tests.conftest import random_prompts
 from tests.gateway import actor_faults as faults
-from tests.gateway.conftest import MODEL, serving, two_stage_config, whole_after
+from tests.gateway import two_stage_server
+from tests.gateway.conftest import MODEL
 from tests.gateway.forced_migration import decode_workers, on_actor, stream_across_a_failure
 
+# The shared server shape's fixtures (tests/gateway/two_stage_server.py), under the names the tests ask for.
+server, sdk, client = two_stage_server.server, two_stage_server.sdk, two_stage_server.client
 VOCAB = 49152
 BLOCK = 16
 CHAT = [{"role": "user", "content": "Tell me a story about a fox."}]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
-    config = two_stage_config(tiny_chat_model_dir)
-    with serving(config) as (url, _):
-        yield url
-
-
-@pytest.fixture
-def sdk(server: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture
-def client(server: str) -> Iterator[httpx.Client]:
-    with whole_after(server) as c:
-        yield c
-
-
 
 
 def block_refs(actor: Any) -> tuple[int, list[int]]:

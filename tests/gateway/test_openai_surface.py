@@ -6,7 +6,6 @@ local-completions requests; batches of prompts, /tokenize, /detokenize, /version
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,30 +17,15 @@ import torch
 from llm_engine import SamplingParams
 from tests.conftest import random_prompts
 from tests.engine.test_engine_correctness import make_engine
-from tests.gateway.conftest import MODEL, serving, two_stage_config, whole_after
+from tests.gateway import two_stage_server
+from tests.gateway.conftest import MODEL
 from tests.gateway.forced_migration import stream_across_a_failure
 
+# The shared server shape's fixtures (tests/gateway/two_stage_server.py), under the names the tests ask for.
+server, sdk, client = two_stage_server.server, two_stage_server.sdk, two_stage_server.client
 VOCAB = 49152
 PENALISED = {"presence_penalty": 1.5, "frequency_penalty": 0.8, "logit_bias": {"5": 6.0, "17": -100.0}}
 REPETITION = {"repetition_penalty": 0.5}  # < 1 favours seen tokens (this random model never repeats alone)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
-    config = two_stage_config(tiny_chat_model_dir)
-    with serving(config) as (url, _):
-        yield url
-
-
-@pytest.fixture
-def sdk(server: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture
-def client(server: str) -> Iterator[httpx.Client]:
-    with whole_after(server) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
