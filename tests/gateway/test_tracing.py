@@ -31,8 +31,8 @@ PARENT_SPAN_ID = "00f067aa0ba902b7"
 def traced(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[tuple[httpx.Client, OtlpReceiver]]:
     with receiving() as receiver:
         config = serve_config(tiny_chat_model_dir, otlp_traces_endpoint=receiver.url)
-        with serving(config) as (url, _), httpx.Client(base_url=url, timeout=120,
-                                                       headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        key = {"Authorization": f"Bearer {API_KEY}"}
+        with serving(config) as (url, _), httpx.Client(base_url=url, timeout=120, headers=key) as client:
             yield client, receiver
 
 
