@@ -141,9 +141,13 @@ def test_metrics_are_open_without_the_api_key_by_default(server: str) -> None:
     assert "security" not in openapi["paths"]["/metrics"]["get"]
 
 
-def test_the_readme_names_every_series() -> None:
+def test_the_readmes_metrics_table_is_the_list() -> None:
     readme = (ROOT / "README.md").read_text()
-    assert not [m.name for m in ALL_METRICS if m.name not in readme]
+    section = readme[readme.index("### Metrics"):readme.index("**Grafana**")]
+    # | `pdserve:name` | kind | `label`, `label` (or —) | vLLM's | what |
+    rows = re.findall(r"^\| `(pdserve:[a-z0-9_:]+)` \| (\w+) \| ([^|]*) \|", section, re.MULTILINE)
+    table = {name: (kind, set(re.findall(r"`(\w+)`", labels))) for name, kind, labels in rows}
+    assert table == {m.name: (m.kind, set(m.labels)) for m in ALL_METRICS}
 
 
 def test_the_dashboard_asks_only_for_exported_series_and_labels(served: tuple[str, Samples, Samples]) -> None:
