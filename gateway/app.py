@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -59,6 +60,7 @@ from gateway.requests.admission import Admission, admission_capacity
 from gateway.requests.service import GatewayService, PreparedRequest
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.tracing import RequestTracer, trace_headers
 from llm_engine.model_loader import load_tokenizer, read_model_spec
 from pool_worker import Role
 from pool_worker.runtime.process_heap import freeze_startup_heap
@@ -139,10 +141,26 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
         max_request_tokens=kv_tokens_per_worker,
         deadline_policy=config.deadline_policy(), local_prefill=config.local_prefill_policy(),
         num_frontends=num_frontends, metrics=Metrics(model_name, spec.max_model_len),
+        tracer=RequestTracer(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None,
     )
     fleet.on_change.append(service.on_pool_change)
     app.state.service = service
     return service
+
+
+async def stop_tracing(app: FastAPI) -> None:
+    """Send the traces still queued (off the event loop: a collector that does not answer takes the
+    exporter's timeout) and stop the exporter."""
+    service: GatewayService | None = getattr(app.state, "service", None)
+    if service is not None and service.tracer is not None:
+        await asyncio.to_thread(service.tracer.shutdown)
+
+
+def traced(service: GatewayService, prepared: PreparedRequest, request: Request) -> PreparedRequest:
+    """The request with its HTTP request's W3C trace context, when traces are sent."""
+    if service.tracer is None:
+        return prepared
+    return dataclasses.replace(prepared, trace_headers=trace_headers(request.headers))
 
 
 def announce(app: FastAPI, config: ServeConfig, backend: str, frontends: str = "") -> None:
@@ -182,6 +200,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
             announce(app, config, deployment.backend.value)
             yield
         finally:
+            await stop_tracing(app)
             await (plane.stop() if plane is not None else deployment.shutdown())
             if started_ray:
                 ray.shutdown()
@@ -206,6 +225,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
             announce(app, config, info.backend, f" (frontend pid {os.getpid()} of {frontend.num_frontends})")
             yield
         finally:
+            await stop_tracing(app)
             await fleet.stop()
             ray.shutdown()
 
@@ -284,6 +304,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
     async def completions(body: CompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
         batch = await request.app.state.preparer.prepare_completion(body, request_id_of(request.state))
+        batch = [traced(service, prepared, request) for prepared in batch]
         if len(batch) == 1:
             return await respond(service, body, batch[0], request)
         return await respond_batch(service, body, batch, request)
@@ -293,7 +314,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         service: GatewayService = request.app.state.service
         prepared = await request.app.state.preparer.prepare_chat(body, request_id_of(request.state))
-        return await respond(service, body, prepared, request)
+        return await respond(service, body, traced(service, prepared, request), request)
 
     @app.get("/health", responses={503: {"description": "unavailable: a role has no live worker"}})
     async def health(request: Request) -> JSONResponse:
@@ -308,7 +329,9 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
                 "replacing": pools.num_replacing, "pending": pools.num_pending}
         return JSONResponse(body, status_code=503 if pools.status == "unavailable" else 200)
 
-    @app.get("/metrics", dependencies=[Depends(require_api_key)], responses=documented(401),
+    # Open unless asked (scrapers send no key); its OpenAPI entry declares the key only when it wants it.
+    metrics_guard = [Depends(require_api_key)] if config.metrics_require_key else []
+    @app.get("/metrics", dependencies=metrics_guard, responses=documented(401) if metrics_guard else {},
              response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         service: GatewayService = request.app.state.service

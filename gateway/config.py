@@ -17,6 +17,7 @@ from gateway.fleet.config import DeploymentConfig
 from gateway.ratio.controller import ControllerPolicy
 from gateway.requests.deadlines import DeadlinePolicy
 from gateway.requests.router import LocalPrefillPolicy
+from gateway.telemetry.tracing import check_endpoint
 from kv_transfer import TransferConfig
 from llm_engine import EngineConfig
 from llm_engine.hardware import resolve_dtype
@@ -60,8 +61,15 @@ class ServeConfig(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535)
     # HTTP frontends sharing one fleet (gateway/frontends.py): 1 runs the whole gateway in one process.
     api_server_count: int = Field(default=1, ge=1, le=64)
-    api_key: str | None = None  # required as a Bearer token on /v1 routes and /metrics when set
+    api_key: str | None = None  # required as a Bearer token on /v1 routes when set
     admin_key: str | None = None  # required on /admin routes; without it they answer on loopback only
+    metrics_require_key: bool = Field(
+        default=False, description="require the API key on /metrics too (default: /metrics is open, as in "
+                                   "vLLM, whose scrapers send no key)")
+    otlp_traces_endpoint: str | None = Field(
+        default=None, description="send an OpenTelemetry trace of each request, a span per stage, to this "
+                                  "OTLP collector URL, e.g. http://localhost:4318/v1/traces (needs "
+                                  "pip install 'pdserve[otel]')")
     ray_address: str | None = None  # join this Ray cluster ("auto": the one on this node); None: a local one
     # Placement (gateway/fleet/placement.py): Ray custom resources each role's workers ask for, so that only
     # nodes
@@ -98,6 +106,11 @@ class ServeConfig(BaseModel):
         if profile is not None and not Path(profile).is_file():
             raise ValueError(f"profile {profile!r} does not exist (make one with `pdserve tune profile`)")
         return profile
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _traces_can_be_sent(cls, endpoint: str | None) -> str | None:
+        return endpoint if endpoint is None else check_endpoint(endpoint)
 
     @field_validator("model")
     @classmethod

@@ -57,8 +57,12 @@ _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--api-server-count", int, "HTTP frontend processes on that port, sharing one fleet of workers (in a "
                                 "named Ray actor); one that dies is restarted (default 1: the whole gateway "
                                 "in one process)"),
-    ("--api-key", str, "require this Bearer key on /v1 routes and /metrics (or PDSERVE_API_KEY)"),
+    ("--api-key", str, "require this Bearer key on /v1 routes (and on /metrics with --metrics-require-key; "
+                       "or PDSERVE_API_KEY)"),
     ("--admin-key", str, "require this Bearer key on /admin routes (or PDSERVE_ADMIN_KEY)"),
+    ("--otlp-traces-endpoint", str, "send an OpenTelemetry trace of each request, a span per stage, to this "
+                                    "OTLP collector URL, e.g. http://localhost:4318/v1/traces (needs pip "
+                                    "install 'pdserve[otel]')"),
     ("--address", str, "join this Ray cluster instead of starting a local one ('auto': the cluster this "
                        "node belongs to, e.g. on a Ray head)"),
     ("--prefill-resources", json_object, "Ray custom resources each prefill worker asks for, as JSON, e.g. "
@@ -99,6 +103,9 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--no-pin-cpus", dest="pin_cpus", action="store_false", default=None,
                        help="let the OS place the workers' threads, instead of pinning each worker to its "
                             "own cores")
+    serve.add_argument("--metrics-require-key", action="store_true", default=None,
+                       help="require the API key on /metrics too (default: open, as vLLM's; scrapers send no "
+                            "key)")
     serve.set_defaults(handler=run_serve)
 
 
@@ -114,6 +121,7 @@ def run_serve(args: argparse.Namespace) -> int:
     }
     overrides["ray_address"] = overrides.pop("address")
     overrides["pin_cpus"] = args.pin_cpus
+    overrides["metrics_require_key"] = args.metrics_require_key
     overrides["api_key"] = overrides["api_key"] or os.environ.get("PDSERVE_API_KEY")
     overrides["admin_key"] = overrides["admin_key"] or os.environ.get("PDSERVE_ADMIN_KEY")
     try:

@@ -1,4 +1,5 @@
-"""Keys: /v1 routes and /metrics want the API key when one is set; /admin routes want the admin key, or,
+"""Keys: /v1 routes want the API key when one is set (and /metrics with --metrics-require-key: by default it
+is open, as vLLM's, because Prometheus scrapers send no key); /admin routes want the admin key, or,
 when none is set, a server bound to loopback and a request from loopback that no proxy forwarded (a
 same-host reverse proxy or sidecar connects from loopback too, on behalf of anyone). Neither key opens the
 other's routes. Compared in constant
@@ -18,7 +19,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 _FORWARDED_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
 
 # auto_error=False: a missing or non-Bearer header reaches our check (and our 401), not FastAPI's 403.
-_api_key = HTTPBearer(scheme_name="api_key", auto_error=False, description="--api-key (/v1 and /metrics)")
+_api_key = HTTPBearer(scheme_name="api_key", auto_error=False,
+                      description="--api-key (/v1; /metrics with --metrics-require-key)")
 _admin_key = HTTPBearer(scheme_name="admin_key", auto_error=False, description="--admin-key (/admin)")
 
 

@@ -5,11 +5,12 @@ admit():     reserve decode KV capacity for prompt + n × max_tokens (bounded wa
 stream():    route through both pools (within the request's deadlines, counted from admission; worker
              failures are retried or migrated by the orchestrator) → incremental detokenization, stop
              strings → TextDelta events; the last one carries finish_reason, usage counts and the stage
-             Timings (also exported to Prometheus). The request runs in a task of its own, ahead of the
-             client's reading: its reservation is released when the workers are done with it, read or not,
-             and the HTTP edge cuts a reader stalled past send_by() (finish_by + a grace). Leaving the
-             stream early (client gone, stop string) aborts both workers. A request that cannot finish
-             raises RequestFailed (HTTP 503, or an error event mid-stream).
+             Timings (also exported to Prometheus, and as a trace with --otlp-traces-endpoint). The
+             request runs in a task of its own, ahead of the client's reading: its reservation is released
+             when the workers are done with it, read or not, and the HTTP edge cuts a reader stalled past
+             send_by() (finish_by + a grace). Leaving the stream early (client gone, stop string) aborts
+             both workers. A request that cannot finish raises RequestFailed (HTTP 503, or an error event
+             mid-stream).
              With n > 1 choices (gateway/requests/choices.py), each choice has its own detokenizer, stop
              strings and final delta (`index`); a stop string ends only its choice; the request's last
              delta carries the Timings (of its longest choice).
@@ -37,6 +38,7 @@ from gateway.requests.stage_timings import stage_timings, token_times
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.timings import Timings
+from gateway.telemetry.tracing import RequestTracer, TracedRequest
 from gateway.telemetry.traffic import Arrival, RecentTraffic
 from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
 from pool_worker import Role
@@ -60,6 +62,7 @@ class PreparedRequest:
     is_prompt_only: bool = False
     batch_index: int = 0  # its prompt's place in a completions batch (the choice's index)
     parses_tool_calls: bool = False  # chat with tools: the output is read for tool calls
+    trace_headers: tuple[tuple[str, str], ...] = ()  # W3C traceparent/tracestate of its HTTP request
 
 
 @dataclass
@@ -97,11 +100,13 @@ class GatewayService:
         local_prefill: LocalPrefillPolicy | None = None,
         num_frontends: int = 1,
         metrics: Metrics | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         """Args:
         num_frontends: HTTP processes sharing the fleet (--api-server-count); each admits against its
             share of the decode KV capacity (never less than one request's worth).
         metrics: this gateway's Prometheus series (default: a set labelled with model_name).
+        tracer: where finished requests' traces go (--otlp-traces-endpoint); None: not traced.
         """
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -109,6 +114,7 @@ class GatewayService:
         self.router = Router(fleet, local_prefill)
         self.admission = admission
         self.metrics = metrics or Metrics(model_name)
+        self.tracer = tracer
         self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
         self.num_frontends = num_frontends
         self.deadline_policy = deadline_policy or DeadlinePolicy()
@@ -240,6 +246,8 @@ class GatewayService:
                                              decode.num_preemptions if decode else 0)
                 if prefilled_by:
                     self.metrics.observe_prefix_cache(prefilled_by, num_prompt, timings.cached_tokens)
+                if self.tracer is not None:
+                    self.tracer.record(self._traced(prepared, num_output), timings)
                 self.recent.add(timings)
                 arrival = Arrival(prepared.arrival, num_prompt, num_output)
                 self.traffic.add(arrival)
@@ -258,6 +266,12 @@ class GatewayService:
             reservation.release()  # the request holds no worker now, read or not
             if outcome == "abort":
                 self.metrics.observe_ended("abort")
+
+    def _traced(self, prepared: PreparedRequest, num_output: int) -> TracedRequest:
+        sampling = prepared.sampling
+        return TracedRequest(prepared.request_id, self.model_name, prepared.arrival,
+                             len(prepared.prompt_token_ids), num_output, sampling.max_tokens,
+                             sampling.temperature, sampling.top_p, sampling.n, prepared.trace_headers)
 
     def _request_run(self, prepared: PreparedRequest, deadlines: RequestDeadlines) -> RequestRun:
         """One request's way through both stages: its choices' when it has several."""

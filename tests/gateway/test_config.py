@@ -76,3 +76,11 @@ def test_threads_default_to_the_cores_split_over_the_workers() -> None:
     assert ServeConfig(threads_per_worker=3).deployment_config("m").num_threads == 3
     assert ServeConfig(ray_address="auto", cpus_per_worker=4).deployment_config("m").num_threads == 4
     assert ServeConfig(pin_cpus=False).deployment_config("m").pin_cpus is False
+
+
+def test_metrics_require_key_is_a_switch_off_by_default() -> None:
+    from pdserve.main import build_parser
+
+    assert build_parser().parse_args(["serve", "--metrics-require-key"]).metrics_require_key is True
+    assert build_parser().parse_args(["serve"]).metrics_require_key is None  # the field's default: off
+    assert ServeConfig().metrics_require_key is False

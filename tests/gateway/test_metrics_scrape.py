@@ -1,6 +1,7 @@
 """/metrics of a real server after a few requests: every series is in the list kept in the repo
 (gateway/telemetry/metric_names.py) with its labels and `model_name`, counts match what was served, the
-README names every series, and the Grafana dashboard asks only for series the server exports.
+README names every series, the Grafana dashboard asks only for series the server exports, and /metrics
+needs no key (unless --metrics-require-key: tests/gateway/test_security.py).
 X-Request-Id: a client's value comes back and names the request; one is minted when absent."""
 
 from __future__ import annotations
@@ -131,9 +132,22 @@ def test_refusals_are_counted_by_status(server: str, served: tuple[str, Samples,
     assert grew("404", handler="none", method="GET") == 1  # the route's template, never the raw path
 
 
-def test_the_readme_names_every_series() -> None:
+def test_metrics_are_open_without_the_api_key_by_default(server: str) -> None:
+    # This server wants an API key on /v1 (tests/gateway/conftest.py); scrapers send none.
+    assert httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
+    response = httpx.get(f"{server}/metrics", timeout=60)
+    assert response.status_code == 200 and "pdserve:time_to_first_token_seconds" in response.text
+    openapi = httpx.get(f"{server}/openapi.json", timeout=60).json()
+    assert "security" not in openapi["paths"]["/metrics"]["get"]
+
+
+def test_the_readmes_metrics_table_is_the_list() -> None:
     readme = (ROOT / "README.md").read_text()
-    assert not [m.name for m in ALL_METRICS if m.name not in readme]
+    section = readme[readme.index("### Metrics"):readme.index("**Grafana**")]
+    # | `pdserve:name` | kind | `label`, `label` (or —) | vLLM's | what |
+    rows = re.findall(r"^\| `(pdserve:[a-z0-9_:]+)` \| (\w+) \| ([^|]*) \|", section, re.MULTILINE)
+    table = {name: (kind, set(re.findall(r"`(\w+)`", labels))) for name, kind, labels in rows}
+    assert table == {m.name: (m.kind, set(m.labels)) for m in ALL_METRICS}
 
 
 def test_the_dashboard_asks_only_for_exported_series_and_labels(served: tuple[str, Samples, Samples]) -> None:

@@ -1,4 +1,5 @@
-"""Keys over real HTTP: the API key guards every /v1 route and /metrics, the admin key guards /admin, and
+"""Keys over real HTTP: the API key guards every /v1 route, and /metrics when asked (--metrics-require-key:
+this server; open by default, tests/gateway/test_metrics_scrape.py), the admin key guards /admin, and
 neither opens the other's routes. A refusal is a 401 in OpenAI's shape that does not echo the key."""
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ API_ROUTES = [
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
-    with serving(serve_config(tiny_chat_model_dir, admin_key=ADMIN_KEY)) as (url, _):
+    config = serve_config(tiny_chat_model_dir, admin_key=ADMIN_KEY, metrics_require_key=True)
+    with serving(config) as (url, _):
         yield url
 
 
