@@ -143,7 +143,7 @@ def test_metrics_are_open_without_the_api_key_by_default(server: str) -> None:
 
 def test_the_readmes_metrics_table_is_the_list() -> None:
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Metrics"):readme.index("**Grafana**")]
+    section = readme[readme.index("## Metrics reference"):readme.index("**Grafana**")]
     # | `pdserve:name` | kind | `label`, `label` (or —) | vLLM's | what |
     rows = re.findall(r"^\| `(pdserve:[a-z0-9_:]+)` \| (\w+) \| ([^|]*) \|", section, re.MULTILINE)
     table = {name: (kind, set(re.findall(r"`(\w+)`", labels))) for name, kind, labels in rows}
