@@ -143,5 +143,6 @@ def env_defaults(parser: argparse.ArgumentParser, prefix: str) -> None:
             else:
                 action.default = text  # argparse parses a string default with the flag's type
             action.required = False
-        shown = "" if "default" in (action.help or "") else f" (default: {action.default})"
+        default = "unset" if action.default is None else action.default
+        shown = "" if "default" in (action.help or "") else f" (default: {default})"
         action.help = f"{action.help or ''}{shown} [env {name}]".replace("%)", "%%)")
