@@ -121,7 +121,7 @@ def main() -> None:
                     rate=rate,
                     num_requests=10_000,
                     duration_s=args.duration,
-                    trace=TRACE,
+                    dataset="trace", dataset_path=TRACE, ignore_eos=True, temperature=0.0,
                     length_scale=args.length_scale,
                     ttft_slo_s=args.ttft_slo,
                     itl_slo_s=args.itl_slo,

@@ -1,4 +1,5 @@
-"""`pdserve serve` settings: from flags or a YAML file, validated by pydantic, once, at load.
+"""`pdserve serve` settings: from flags, environment variables (PDSERVE_<FIELD>) or a YAML file, validated
+by pydantic, once, at load. Precedence: flags > environment > YAML > defaults.
 
 Engine and transfer defaults are not repeated here: a field left unset takes the engine's own default.
 """
@@ -10,7 +11,8 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from gateway.control.plane import PlannerSettings
 from gateway.fleet.config import DeploymentConfig
@@ -25,80 +27,174 @@ from pool_worker import Role
 from pool_worker.runtime.model_source import ModelSource
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+ENV_PREFIX = "PDSERVE_"  # a field's environment variable: PDSERVE_<FIELD NAME>
 
 
-class ServeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ServeConfig(BaseSettings):
+    """Every setting of `pdserve serve`, the one source of its flags, environment variables and YAML keys.
 
-    model: str | None = None  # HF model directory; None: the default model (prepared on first use)
-    served_model_name: str | None = None  # the name clients send; default: the directory's name
-    # None: the engine's default, "auto" (bfloat16 where the hardware runs it natively, else float32).
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
-    device: str | None = None
-    linear_kernel: Literal["auto", "torch", "onednn-packed"] | None = None  # None: the engine's ("auto")
-    decode_attention: Literal["auto", "sdpa", "paged-kernel"] | None = None  # None: the engine's ("auto")
-    # Torch threads per worker; None: this machine's cores split over the starting layout's workers (on a
-    # cluster: the CPUs each worker asks Ray for).
-    threads_per_worker: int | None = Field(default=None, ge=1)
-    pin_cpus: bool = True  # each worker on its own cores (False: the OS places their threads)
-    # Workers per role. None: 1 prefill + 1 decode when no role is named, else 0 of an unnamed role.
-    prefill: int | None = Field(default=None, ge=0)
-    decode: int | None = Field(default=None, ge=0)
-    mixed: int | None = Field(default=None, ge=0)  # workers that prefill and decode their own requests
-    colocated: int | None = Field(default=None, ge=0)  # the old name of `mixed`
-    backend: Literal["auto", "nixl", "torch", "local"] = "auto"
-    # The ratio controller (gateway/ratio/controller.py): "auto" moves workers between roles by load.
-    ratio: Literal["fixed", "auto"] = "fixed"
-    ttft_slo_s: float | None = Field(default=None, gt=0)  # the controller's targets
-    # A worker's profile from `pdserve tune profile`: the controller's planner predicts layouts with it.
-    profile: str | None = None
-    itl_slo_s: float | None = Field(default=None, gt=0)
-    block_size: int | None = Field(default=None, ge=1)
-    kv_cache_mib: int | None = Field(default=None, ge=1)  # KV budget per worker
-    max_num_batched_tokens: int | None = Field(default=None, ge=1)
-    max_prefill_s_beside_decode: float | None = Field(default=None, ge=0)  # None: the engine's (0: off)
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    # HTTP frontends sharing one fleet (gateway/frontends.py): 1 runs the whole gateway in one process.
-    api_server_count: int = Field(default=1, ge=1, le=64)
-    api_key: str | None = None  # required as a Bearer token on /v1 routes when set
-    admin_key: str | None = None  # required on /admin routes; without it they answer on loopback only
+    A field is all it takes: pdserve/serve.py makes `--field-name` from it (its description is the flag's
+    help, its default shown there), and pydantic-settings reads `PDSERVE_FIELD_NAME`. Precedence: flags >
+    environment > YAML (`--config`) > these defaults. A default of None is described in words: it defers to
+    the engine's or another part's own default, which is not repeated here.
+    """
+
+    model_config = SettingsConfigDict(extra="forbid", env_prefix=ENV_PREFIX, case_sensitive=False)
+
+    model: str | None = Field(
+        None,
+        description="Hugging Face model directory (default: SmolLM2-135M-Instruct, prepared on first use)")
+    served_model_name: str | None = Field(
+        None,
+        description="model name clients send (default: the model directory's name)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="auto, float32, bfloat16, or float16 (CUDA only) (default: the engine's, auto: bfloat16 "
+                    "where the hardware runs it natively: AVX512_BF16 or AMX on a CPU, any CUDA GPU; else "
+                    "float32)")
+    device: str | None = Field(None, description="cpu or cuda (default: the engine's, cpu)")
+    linear_kernel: Literal["auto", "torch", "onednn-packed"] | None = Field(
+        None,
+        description="GEMM kernel of the linear layers: auto, torch (F.linear) or onednn-packed (CPU: weights "
+                    "prepacked once) (default: the engine's, auto: probed at load, per weight shape)")
+    decode_attention: Literal["auto", "sdpa", "paged-kernel"] | None = Field(
+        None,
+        description="sdpa (gather + torch SDPA, bit-identical to transformers) or paged-kernel (pdserve's C++"
+                    " kernel, CPU only, experimental: no faster in whole steps yet) (default: the engine's, "
+                    "auto: sdpa)")
+    threads_per_worker: int | None = Field(
+        None, ge=1,
+        description="torch threads per worker; each worker is pinned to its own cores (default: this "
+                    "machine's cores split over the starting layout's workers; on a cluster, "
+                    "--cpus-per-worker)")
+    pin_cpus: bool = Field(
+        True,
+        description="pin each worker to its own cores (--no-pin-cpus: the OS places the workers' threads)")
+    prefill: int | None = Field(
+        None, ge=0,
+        description="prefill workers (default: 1 when no role is given, else 0)")
+    decode: int | None = Field(
+        None, ge=0,
+        description="decode workers (default: 1 when no role is given, else 0)")
+    mixed: int | None = Field(
+        None, ge=0,
+        description="workers that prefill and decode their own requests (the colocated layout; default: 0)")
+    colocated: int | None = Field(None, ge=0, description="the old name of --mixed (default: unset)")
+    backend: Literal["auto", "nixl", "torch", "local"] = Field(
+        "auto",
+        description="KV transfer backend: auto, nixl, torch or local")
+    ratio: Literal["fixed", "auto"] = Field(
+        "fixed",
+        description="fixed, or auto: the ratio controller (gateway/ratio/controller.py) moves workers between"
+                    " roles by load")
+    ttft_slo_s: float = Field(
+        ControllerPolicy.ttft_slo_s, gt=0,
+        description="time-to-first-token target, s (the ratio controller's; bench and tune use the same name "
+                    "and default)")
+    itl_slo_s: float = Field(
+        ControllerPolicy.itl_slo_s, gt=0,
+        description="inter-token latency (TPOT) target, s")
+    profile: str | None = Field(
+        None,
+        description="a worker's profile (pdserve tune profile): with --ratio auto, the controller also "
+                    "replays the last minute's traffic through the simulator on every layout and moves toward"
+                    " the one it predicts best (default: none, no planner)")
+    block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the engine's)")
+    kv_cache_mib: int | None = Field(
+        None, ge=1,
+        description="KV cache budget per worker, MiB (default: the engine's)")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1,
+        description="tokens per forward, the prefill chunk budget (default: the engine's)")
+    max_prefill_s_beside_decode: float | None = Field(
+        None, ge=0,
+        description="seconds of prompt work a worker adds to a step while it also decodes (mixed workers): "
+                    "prompts are sliced to fit, from measured step times, so streams there are not stalled by"
+                    " a whole prompt chunk (default: the engine's, 0: off; it costs prefill throughput on a "
+                    "CPU, see README)")
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port")
+    api_server_count: int = Field(
+        1, ge=1, le=64,
+        description="HTTP frontend processes on that port, sharing one fleet of workers (in a named Ray "
+                    "actor); one that dies is restarted (1: the whole gateway in one process)")
+    api_key: str | None = Field(
+        None,
+        description="require this Bearer key on /v1 routes, and on /metrics with --metrics-require-key "
+                    "(default: none, open)")
+    admin_key: str | None = Field(
+        None,
+        description="require this Bearer key on /admin routes (default: none, /admin answers on loopback "
+                    "only)")
     metrics_require_key: bool = Field(
-        default=False, description="require the API key on /metrics too (default: /metrics is open, as in "
-                                   "vLLM, whose scrapers send no key)")
+        False, description="require the API key on /metrics too (--no-metrics-require-key: /metrics is open, "
+                           "as in vLLM, whose scrapers send no key)")
     otlp_traces_endpoint: str | None = Field(
-        default=None, description="send an OpenTelemetry trace of each request, a span per stage, to this "
-                                  "OTLP collector URL, e.g. http://localhost:4318/v1/traces (needs "
-                                  "pip install 'pdserve[otel]')")
-    ray_address: str | None = None  # join this Ray cluster ("auto": the one on this node); None: a local one
-    # Placement (gateway/fleet/placement.py): Ray custom resources each role's workers ask for, so that only
-    # nodes
-    # started with them (ray start --resources '{"pdserve_decode": 1}') take that role.
-    prefill_resources: dict[str, float] | None = None
-    decode_resources: dict[str, float] | None = None
-    mixed_resources: dict[str, float] | None = None
-    gpus_per_worker: float | None = Field(default=None, ge=0)  # default: 1 with a CUDA device, else 0
-    cpus_per_worker: float | None = Field(default=None, ge=0)
-    # Environment of every worker process, e.g. {"UCX_NET_DEVICES": "mlx5_0:1"} (deploy/README.md).
-    worker_env: dict[str, str] | None = None
-    placement_timeout_s: float | None = Field(default=None, gt=0)  # start-up's wait for Ray to place workers
-    max_waiting: int = Field(default=256, ge=0)  # requests that may wait for decode KV capacity
-    max_waiting_tokens: int | None = Field(default=None, ge=0)  # tokens that may wait; default: the capacity
-    queue_timeout_s: float = Field(default=60.0, gt=0)
-    # Request deadlines (gateway/requests/deadlines.py): slack per stage, and seconds per prompt / output
-    # token.
-    deadline_slack_s: float | None = Field(default=None, gt=0)
-    deadline_prefill_s_per_token: float | None = Field(default=None, ge=0)
-    deadline_decode_s_per_token: float | None = Field(default=None, ge=0)
-    # Conditional disaggregation (gateway/requests/router.py LocalPrefillPolicy): a decode worker prefills a
-    # prompt
-    # itself when at most this many of its tokens are uncached, or while every prefill worker has this
-    # many prompt tokens queued.
-    local_prefill_max_tokens: int | None = Field(default=None, ge=0)
-    local_prefill_queue_tokens: int | None = Field(default=None, ge=0)
-    default_max_tokens: int = Field(default=512, ge=1)  # chat requests that name no max_tokens
-    # How the model writes tool calls (gateway/api/tool_parsers.py); auto: detected from the chat template.
-    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
+        None, description="send an OpenTelemetry trace of each request, a span per stage, to this OTLP "
+                          "collector URL, e.g. http://localhost:4318/v1/traces (needs pip install "
+                          "'pdserve[otel]'; default: none, no traces)")
+    ray_address: str | None = Field(
+        None,
+        description="join this Ray cluster ('auto': the cluster this node belongs to, e.g. on a Ray head) "
+                    "(default: start a local one)")
+    # Placement (gateway/fleet/placement.py): only nodes started with these resources
+    # (ray start --resources '{"pdserve_decode": 1}') take that role.
+    prefill_resources: dict[str, float] | None = Field(
+        None,
+        description="Ray custom resources each prefill worker asks for, as JSON, e.g. '{\"pdserve_prefill\": "
+                    "1}': only nodes offering them run prefill (default: none)")
+    decode_resources: dict[str, float] | None = Field(
+        None,
+        description="the same for decode workers, e.g. '{\"pdserve_decode\": 1}' (default: none)")
+    mixed_resources: dict[str, float] | None = Field(
+        None,
+        description="the same for mixed workers (default: none)")
+    gpus_per_worker: float | None = Field(
+        None, ge=0,
+        description="GPUs each worker asks Ray for; fractions share a GPU (default: 1 with --device cuda, "
+                    "else 0)")
+    cpus_per_worker: float | None = Field(
+        None, ge=0,
+        description="CPUs each worker asks Ray for (default: gateway/fleet/config.py's, 1)")
+    worker_env: dict[str, str] | None = Field(
+        None,
+        description="environment of every worker process as JSON, e.g. "
+                    "'{\"UCX_NET_DEVICES\": \"mlx5_0:1\"}' (see deploy/README.md) (default: none)")
+    placement_timeout_s: float | None = Field(
+        None, gt=0,
+        description="how long start-up waits for Ray to place every worker before it serves with those "
+                    "placed, or fails naming what no node offers (default: gateway/fleet/config.py's)")
+    max_waiting: int = Field(
+        256, ge=0,
+        description="requests that may wait for decode KV capacity before 429")
+    max_waiting_tokens: int | None = Field(
+        None, ge=0,
+        description="tokens (prompt + max_tokens) that may wait before 429 (default: the KV capacity)")
+    queue_timeout_s: float = Field(
+        60.0, gt=0,
+        description="seconds a request may wait for capacity before 429")
+    deadline_slack_s: float | None = Field(
+        None, gt=0,
+        description="request deadlines: slack per stage, s (default: gateway/requests/deadlines.py's)")
+    deadline_prefill_s_per_token: float | None = Field(
+        None, ge=0,
+        description="request deadlines: seconds per prompt token (default: deadlines.py's)")
+    deadline_decode_s_per_token: float | None = Field(
+        None, ge=0,
+        description="request deadlines: seconds per output token (default: deadlines.py's)")
+    # Conditional disaggregation (gateway/requests/router.py LocalPrefillPolicy).
+    local_prefill_max_tokens: int | None = Field(
+        None, ge=0,
+        description="decode workers prefill prompts with at most this many uncached tokens themselves "
+                    "(default: off)")
+    local_prefill_queue_tokens: int | None = Field(
+        None, ge=0,
+        description="... or any prompt while every prefill worker has this many tokens queued (default: off)")
+    default_max_tokens: int = Field(512, ge=1, description="max_tokens of chat requests that give none")
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto",
+        description="how the model writes tool calls: hermes (<tool_call> JSON: Qwen2, Hermes, ChatML), "
+                    "llama3_json, or auto (detected from the chat template)")
 
     @field_validator("profile")
     @classmethod
@@ -143,12 +239,22 @@ class ServeConfig(BaseModel):
         return self
 
     @classmethod
-    def from_yaml(cls, path: str | Path, **overrides: object) -> ServeConfig:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of settings")
+    def env_values(cls) -> dict[str, object]:
+        """The settings given as PDSERVE_<FIELD> environment variables (JSON decoded for dict fields)."""
+        return dict(EnvSettingsSource(cls)())
+
+    @classmethod
+    def from_yaml(cls, path: str | Path | None, **overrides: object) -> ServeConfig:
+        """Settings from a YAML file (or none), under the environment, under `overrides` (flags; None: not
+        given)."""
+        data: dict[str, object] = {}
+        if path is not None:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(data, dict):
+                raise ValueError(f"{path}: expected a mapping of settings")
+        data.update(cls.env_values())
         data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.model_validate(data)
+        return cls(**data)  # type: ignore[arg-type]  # values from YAML, env and flags: validated here
 
     def local_prefill_policy(self) -> LocalPrefillPolicy:
         chosen = {"max_uncached_tokens": self.local_prefill_max_tokens,
@@ -156,9 +262,7 @@ class ServeConfig(BaseModel):
         return LocalPrefillPolicy(**{k: v for k, v in chosen.items() if v is not None})
 
     def controller_policy(self) -> ControllerPolicy:
-        default = ControllerPolicy()
-        return ControllerPolicy(ttft_slo_s=self.ttft_slo_s or default.ttft_slo_s,
-                                itl_slo_s=self.itl_slo_s or default.itl_slo_s)
+        return ControllerPolicy(ttft_slo_s=self.ttft_slo_s, itl_slo_s=self.itl_slo_s)
 
     def planner_settings(self) -> PlannerSettings | None:
         if self.profile is None:

@@ -1,7 +1,8 @@
 """Open-loop sending: each request leaves at its arrival time, whatever the server's state, and streams.
 
 Per request it records when each token arrived (client clock), the usage, any error, and the server's
-stage timings when the server returns them (pdserve does, in the final chunk).
+stage timings when the server returns them (pdserve does, in the final chunk). A request goes to
+/v1/completions (a prompt of token ids or text) or /v1/chat/completions (one user message of text).
 """
 
 from __future__ import annotations
@@ -16,6 +17,21 @@ from typing import Any
 import httpx
 
 from loadgen.workload import RequestSpec
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """How each request is sent; a sampling field left None is not sent (the server's default holds)."""
+
+    endpoint: str = "/v1/completions"  # one of ENDPOINTS
+    ignore_eos: bool | None = None
+    temperature: float | None = None
+
+
+# What the benchmark scripts send: greedy, exactly max_tokens tokens (lengths as planned).
+PINNED = RequestOptions(ignore_eos=True, temperature=0.0)
 
 
 @dataclass
@@ -52,25 +68,42 @@ class RequestRecord:
         return json.dumps(data)
 
 
-async def send_one(client: httpx.AsyncClient, spec: RequestSpec, model: str, start: float) -> RequestRecord:
-    await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
-    sent = time.perf_counter()
-    record = RequestRecord(
-        spec.index, spec.arrival_s, sent - start, len(spec.prompt_token_ids), spec.output_len
-    )
-    body = {
+def request_body(spec: RequestSpec, model: str, options: RequestOptions) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "model": model,
-        "prompt": list(spec.prompt_token_ids),
         "max_tokens": spec.output_len,
-        "temperature": 0.0,
-        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
         # Token ids per chunk, so that a chunk carrying several tokens counts as several (vLLM knows it too).
         "return_token_ids": True,
     }
+    if options.endpoint == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": spec.prompt_text or ""}]
+    else:
+        body["prompt"] = spec.prompt_text if spec.prompt_text is not None else list(spec.prompt_token_ids)
+    if options.ignore_eos is not None:
+        body["ignore_eos"] = options.ignore_eos
+    if options.temperature is not None:
+        body["temperature"] = options.temperature
+    return body
+
+
+async def send_one(client: httpx.AsyncClient, spec: RequestSpec, model: str, start: float,
+                   options: RequestOptions = PINNED) -> RequestRecord:
+    await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
+    return await send_now(client, spec, model, start, options)
+
+
+async def send_now(client: httpx.AsyncClient, spec: RequestSpec, model: str, start: float,
+                   options: RequestOptions = PINNED) -> RequestRecord:
+    """Send one request at once and stream its answer; `start` is the run's clock origin."""
+    sent = time.perf_counter()
+    record = RequestRecord(
+        spec.index, spec.arrival_s, sent - start, len(spec.prompt_token_ids), spec.output_len
+    )
+    body = request_body(spec, model, options)
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", options.endpoint, json=body) as response:
             record.status = response.status_code
             if response.status_code != 200:
                 record.error = (await response.aread()).decode(errors="replace")[:500]
@@ -80,14 +113,16 @@ async def send_one(client: httpx.AsyncClient, spec: RequestSpec, model: str, sta
                     continue
                 chunk = json.loads(line[6:])
                 now = time.perf_counter() - sent
-                if chunk.get("usage"):
+                if chunk.get("usage"):  # the server's count: text prompts have no length here before
                     record.num_output_tokens = chunk["usage"]["completion_tokens"]
+                    record.input_len = chunk["usage"].get("prompt_tokens") or record.input_len
                 if chunk.get("timings"):
                     record.timings = chunk["timings"]
                 if chunk.get("error"):
                     record.error = str(chunk["error"].get("message", chunk["error"]))[:500]
                 choice = chunk["choices"][0] if chunk.get("choices") else {}
-                num_tokens = len(choice.get("token_ids") or ()) or (1 if choice.get("text") else 0)
+                text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                num_tokens = len(choice.get("token_ids") or ()) or (1 if text else 0)
                 if num_tokens:
                     record.token_times_s.extend([now] * num_tokens)
                     if record.ttft_s is None:

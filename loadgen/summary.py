@@ -1,12 +1,18 @@
 """The run's summary: percentiles (over requests or over tokens, as labelled), throughput and goodput.
 
-Goodput = requests per second that finished without error, with TTFT <= the TTFT SLO and TPOT (mean time
-per output token after the first) <= the ITL SLO. Percentiles interpolate linearly between order statistics.
+Goodput = requests per second that finished without error, with TTFT <= the TTFT SLO, TPOT (mean time per
+output token after the first) <= the ITL SLO and end-to-end latency <= the e2el SLO (unbounded unless set).
+Percentiles interpolate linearly between order statistics (numpy's default, as vLLM reports them).
+
+Two views of one run: pdserve's own (`summarize`: seconds, stage timings) and the figures under vLLM's
+`vllm bench serve` key names (`vllm_figures`: ms, `completed`, `p99_ttft_ms`, ...), so that a result file
+reads next to vLLM's.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 from loadgen.client import RequestRecord
@@ -15,6 +21,13 @@ from loadgen.client import RequestRecord
 STAGES = ("gateway_queue_ms", "to_prefill_ms", "prefill_queue_ms", "prefill_ms", "handoff_ms", "transfer_ms",
           "decode_queue_ms", "decode_ms", "delivery_ms")
 QUANTILES = (50, 90, 99)
+# The latency targets every command shares (serve's ratio controller, bench's goodput, tune's planner): the
+# one place they are defined. A CPU prefills a few hundred tokens per second, so 3 s holds a ~1000-token
+# prompt; 0.2 s per token reads faster than people do.
+DEFAULT_TTFT_SLO_S = 3.0
+DEFAULT_ITL_SLO_S = 0.2
+# vLLM's metric names (`--percentile-metrics`) and what each is measured over.
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -34,24 +47,56 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class SLO:
-    ttft_s: float
-    itl_s: float
+    ttft_s: float = DEFAULT_TTFT_SLO_S
+    itl_s: float = DEFAULT_ITL_SLO_S  # held against each request's TPOT
+    e2el_s: float = math.inf
 
     def is_met(self, record: RequestRecord) -> bool:
         if record.error or record.ttft_s is None or record.ttft_s > self.ttft_s:
+            return False
+        if record.e2e_s is not None and record.e2e_s > self.e2el_s:
             return False
         tpot = record.tpot_s
         return tpot is None or tpot <= self.itl_s
 
 
+def parse_goodput(pairs: list[str]) -> SLO:
+    """vLLM's `--goodput ttft:MS tpot:MS e2el:MS` as an SLO (a metric not named is unbounded).
+
+    Raises:
+        ValueError: a pair that is not NAME:MS, an unknown name, or a negative value.
+    """
+    limits_s = {"ttft": math.inf, "tpot": math.inf, "e2el": math.inf}
+    for pair in pairs:
+        name, _, value = pair.partition(":")
+        if name not in limits_s:
+            raise ValueError(f"{pair!r}: the metric is one of ttft, tpot, e2el (as KEY:MS)")
+        try:
+            limit_ms = float(value)
+        except ValueError:
+            raise ValueError(f"{pair!r}: expected KEY:MS, a number of milliseconds after the colon") from None
+        if limit_ms < 0 or math.isnan(limit_ms):
+            raise ValueError(f"{pair!r}: a limit must be >= 0 ms")
+        limits_s[name] = limit_ms / 1000.0
+    return SLO(limits_s["ttft"], limits_s["tpot"], limits_s["e2el"])
+
+
+def _ok(records: list[RequestRecord]) -> list[RequestRecord]:
+    return [r for r in records if not r.error and r.e2e_s is not None]
+
+
+def run_duration_s(records: list[RequestRecord]) -> float:
+    """From the first request sent to the last one finished."""
+    if not records:
+        return math.nan
+    start = min(r.sent_s for r in records)
+    end = max(r.sent_s + (r.e2e_s or 0.0) for r in records)
+    return max(end - start, 1e-9)
+
+
 def summarize(records: list[RequestRecord], slo: SLO) -> dict[str, object]:
-    ok = [r for r in records if not r.error and r.e2e_s is not None]
-    if records:
-        start = min(r.sent_s for r in records)
-        end = max(r.sent_s + (r.e2e_s or 0.0) for r in records)
-        duration = max(end - start, 1e-9)
-    else:
-        duration = math.nan
+    ok = _ok(records)
+    duration = run_duration_s(records)
     num_tokens = sum(r.num_output_tokens for r in ok)
     stage_ms = {
         stage: percentiles([r.timings[stage] for r in ok if r.timings and stage in r.timings])
@@ -72,3 +117,48 @@ def summarize(records: list[RequestRecord], slo: SLO) -> dict[str, object]:
         "e2e_s_over_requests": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
         "stage_ms_over_requests": stage_ms,
     }
+
+
+def _metric_values_s(ok: list[RequestRecord], metric: str) -> list[float]:
+    if metric == "ttft":
+        return [r.ttft_s for r in ok if r.ttft_s is not None]
+    if metric == "tpot":
+        return [t for r in ok if (t := r.tpot_s) is not None]
+    if metric == "itl":
+        return [gap for r in ok for gap in r.itls_s]
+    return [r.e2e_s for r in ok if r.e2e_s is not None]
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no NaN: null where nothing was measured
+
+
+def vllm_figures(records: list[RequestRecord], metrics: tuple[str, ...], quantiles: tuple[float, ...],
+                 goodput_slo: SLO | None) -> dict[str, object]:
+    """The run's figures under the key names of vLLM's `vllm bench serve` result JSON (ms; `pXX_<metric>_ms`
+    for each metric in `metrics` and each percentile in `quantiles`; request_goodput only with an SLO)."""
+    ok = _ok(records)
+    duration = run_duration_s(records)
+    total_input = sum(r.input_len for r in ok)
+    total_output = sum(r.num_output_tokens for r in ok)
+    figures: dict[str, object] = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(ok) / duration,
+        "request_goodput": (sum(1 for r in ok if goodput_slo.is_met(r)) / duration
+                            if goodput_slo is not None else None),
+        "output_throughput": total_output / duration,
+        "total_token_throughput": (total_input + total_output) / duration,
+    }
+    for metric in metrics:
+        values_ms = [1000.0 * v for v in _metric_values_s(ok, metric)]
+        figures[f"mean_{metric}_ms"] = statistics.fmean(values_ms) if values_ms else None
+        figures[f"median_{metric}_ms"] = _finite_or_none(percentile(values_ms, 50))
+        figures[f"std_{metric}_ms"] = statistics.pstdev(values_ms) if values_ms else None
+        for q in quantiles:
+            word = str(int(q)) if int(q) == q else str(q)  # vLLM's spelling: p99, p99.9
+            figures[f"p{word}_{metric}_ms"] = _finite_or_none(percentile(values_ms, q))
+    return figures

@@ -3,13 +3,16 @@
 Traces: the Azure LLM inference CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`) and the Mooncake JSONL form
 (`{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}`), where equal hash ids mean equal
 prompt blocks (shared prefixes). Arrivals: Poisson at a rate, gamma with a burstiness factor (1 = Poisson,
-< 1 burstier), or the trace's own timestamps divided by a speed factor.
+< 1 burstier), all at once (an infinite rate), or the trace's own timestamps divided by a speed factor.
+Random fixed lengths may spread by a range ratio (vLLM's `--random-range-ratio`). ShareGPT prompts come
+from loadgen/sharegpt.py.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import random
 from dataclasses import dataclass
 from datetime import datetime
@@ -44,6 +47,7 @@ class RequestSpec:
     arrival_s: float  # seconds after the run starts
     prompt_token_ids: tuple[int, ...]
     output_len: int
+    prompt_text: str | None = None  # a text prompt (ShareGPT, chat): sent instead of the token ids
 
 
 def read_trace(path: str | Path) -> list[TraceRow]:
@@ -100,9 +104,11 @@ def read_trace(path: str | Path) -> list[TraceRow]:
 
 def poisson_arrivals(rate: float, count: int, rng: random.Random, burstiness: float = 1.0) -> list[float]:
     """Arrival times of `count` requests at `rate` per second; gamma gaps with shape `burstiness`
-    (mean 1/rate; 1.0 is Poisson, smaller is burstier)."""
+    (mean 1/rate; 1.0 is Poisson, smaller is burstier). An infinite rate sends them all at time 0."""
     if rate <= 0 or burstiness <= 0:
         raise ValueError(f"rate and burstiness must be > 0, got {rate}, {burstiness}")
+    if math.isinf(rate):
+        return [0.0] * count
     times, now = [], 0.0
     for _ in range(count):
         now += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
@@ -121,6 +127,7 @@ def plan_requests(
     output_len: int | None = None,
     length_scale: float = 1.0,
     duration_s: float | None = None,
+    range_ratio: float = 0.0,
 ) -> list[RequestShape]:
     """The run's requests without their prompts: lengths from fixed values or the trace, arrivals from a
     rate or the trace. `build_requests` with the same arguments sends exactly these (the simulator of
@@ -131,8 +138,13 @@ def plan_requests(
         input_len, output_len: fixed lengths; None takes them from the trace.
         length_scale: multiplies the trace's lengths (and Mooncake's block size), keeping their shape.
         duration_s: drop requests arriving after this.
+        range_ratio: fixed lengths spread uniformly over [len·(1 - r), len·(1 + r)] (0: exactly len).
     """
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
     rng = random.Random(seed)
+    # Its own stream: a range ratio of 0 leaves every earlier plan exactly as it was.
+    length_rng = random.Random(f"lengths-{seed}")
     if trace is None and (input_len is None or output_len is None or rate is None):
         raise ValueError("without a trace, give a rate and both input and output lengths")
     rows = [trace[i % len(trace)] for i in range(count)] if trace else [TraceRow(0.0, 0, 0)] * count
@@ -147,6 +159,10 @@ def plan_requests(
             break
         n_in = input_len if input_len is not None else max(1, round(row.input_len * length_scale))
         n_out = output_len if output_len is not None else max(1, round(row.output_len * length_scale))
+        if range_ratio > 0:
+            low, high = 1 - range_ratio, 1 + range_ratio
+            n_in, n_out = (max(1, length_rng.randint(math.floor(n * low), math.ceil(n * high)))
+                           for n in (n_in, n_out))
         shapes.append(RequestShape(index, arrival, n_in, n_out, row.hash_ids))
     return shapes
 
@@ -164,6 +180,7 @@ def build_requests(
     length_scale: float = 1.0,
     duration_s: float | None = None,
     prompt_seed: int | None = None,
+    range_ratio: float = 0.0,
 ) -> list[RequestSpec]:
     """The requests of plan_requests (same arguments), with prompts: random token ids below `vocab_size`,
     and equal blocks wherever a Mooncake hash id recurs.
@@ -174,7 +191,7 @@ def build_requests(
             cache (None: prompts continue the arrivals' stream, as they always have).
     """
     shapes = plan_requests(count, seed, rate, burstiness, trace, speed, input_len, output_len, length_scale,
-                           duration_s)
+                           duration_s, range_ratio)
     rng = random.Random(seed)
     if prompt_seed is not None:
         rng = random.Random(f"prompts-{prompt_seed}")

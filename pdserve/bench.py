@@ -1,4 +1,11 @@
-"""`pdserve bench`: open-loop load against an OpenAI-compatible server (the loadgen package)."""
+"""`pdserve bench`: open-loop load against any OpenAI-compatible server (the loadgen package), with the
+flags and result keys of vLLM's `vllm bench serve`, and pdserve's extras (stage timings, /metrics samples,
+plots). Its flags are made from BenchSettings (pdserve/settings_cli.py): each is also an environment
+variable PDSERVE_BENCH_<FIELD>. Precedence: flags > environment > defaults.
+
+Exit status: 0 when every request succeeded, 1 when any failed (the count is printed), 2 for a bad flag or
+a server that does not answer.
+"""
 
 from __future__ import annotations
 
@@ -6,81 +13,193 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from loadgen.summary import DEFAULT_ITL_SLO_S, DEFAULT_TTFT_SLO_S, PERCENTILE_METRICS
+from pdserve.settings_cli import add_model_flags, error_message, given_flags, layer_sources
+
+ENV_PREFIX = "PDSERVE_BENCH_"
+
+
+class BenchSettings(BaseSettings):
+    """`pdserve bench`'s settings: vLLM's flag names first, pdserve's older names as hidden aliases."""
+
+    model_config = SettingsConfigDict(extra="forbid", env_prefix=ENV_PREFIX, case_sensitive=False)
+
+    base_url: str = Field("http://127.0.0.1:8000", description="the server's base URL")
+    model: str | None = Field(None, description="model name to send (default: the first the server lists)")
+    endpoint: Literal["/v1/completions", "/v1/chat/completions"] = Field(
+        "/v1/completions",
+        description="API to call; chat sends one user message of text")
+    dataset_name: Literal["random", "sharegpt", "trace"] | None = Field(
+        None,
+        description="random token ids; sharegpt (a ShareGPT JSON: first human turn as the prompt); trace (an "
+                    "Azure CSV or Mooncake JSONL replay) (default: from --dataset-path: .json sharegpt, "
+                    ".csv/.jsonl trace; none: random)")
+    dataset_path: str | None = Field(None, description="the ShareGPT JSON or the trace file (default: none)")
+    num_prompts: int = Field(100, gt=0, description="requests to send")
+    request_rate: float | None = Field(
+        None, gt=0,
+        description="requests/s, Poisson (or gamma, --burstiness); inf sends all at once (default: inf; with "
+                    "a trace: its own timestamps, sped up by --speed)")
+    burstiness: float = Field(
+        1.0, gt=0,
+        description="gamma shape of the arrival gaps: 1 Poisson, < 1 burstier")
+    max_concurrency: int | None = Field(
+        None, gt=0,
+        description="requests in flight at most; later arrivals wait for a slot (default: no limit)")
+    duration_s: float | None = Field(
+        None, gt=0,
+        description="send no request that would arrive after this many seconds (default: no limit)")
+    random_input_len: int = Field(1024, gt=0, description="prompt tokens (dataset random)")
+    random_output_len: int = Field(128, gt=0, description="max_tokens (dataset random)")
+    random_range_ratio: float = Field(
+        0.0, ge=0, lt=1,
+        description="random lengths spread uniformly over [len·(1 - r), len·(1 + r)]")
+    sharegpt_output_len: int | None = Field(
+        None, gt=0,
+        description="max_tokens of every ShareGPT request (default: the reply's length in tokens, counted by "
+                    "--tokenizer)")
+    tokenizer: str | None = Field(
+        None,
+        description="tokenizer directory, to count ShareGPT replies (default: none)")
+    speed: float = Field(1.0, gt=0, description="trace replay speed-up")
+    length_scale: float = Field(1.0, gt=0, description="multiply trace lengths by this")
+    vocab_size: int = Field(32000, gt=0, description="random prompt token ids stay below this")
+    ignore_eos: bool = Field(False, description="send ignore_eos: true (off: not sent)")
+    temperature: float | None = Field(
+        None, ge=0,
+        description="sampling temperature (default: not sent, the server's)")
+    num_warmups: int = Field(0, ge=0, description="requests sent one at a time before the run, not counted")
+    percentile_metrics: str = Field(
+        ",".join(PERCENTILE_METRICS),
+        description="metrics to report percentiles of, comma-separated")
+    metric_percentiles: str = Field("50,90,99", description="percentiles to report, comma-separated")
+    goodput: list[str] | None = Field(
+        None,
+        description="request_goodput's SLOs as KEY:MS pairs, e.g. ttft:500 tpot:50 e2el:2000 (default: none, "
+                    "no request_goodput)")
+    ttft_slo_s: float = Field(DEFAULT_TTFT_SLO_S, gt=0, description="pdserve's goodput: TTFT target, s")
+    itl_slo_s: float = Field(DEFAULT_ITL_SLO_S, gt=0, description="pdserve's goodput: TPOT target, s")
+    save_result: bool = Field(False, description="also write the result JSON as vLLM does")
+    result_dir: str | None = Field(
+        None,
+        description="where --save-result writes (default: the current directory)")
+    result_filename: str | None = Field(
+        None,
+        description="its file name (default: vLLM's, {backend}-{rate}qps-concurrency{n}-{model}-{date}.json)")
+    out: str = Field(
+        "bench-out",
+        description="pdserve's results directory: requests, /metrics samples, summary, plots")
+    seed: int = Field(0, description="seed of the arrivals and prompts")
+    api_key: str | None = Field(None, description="Bearer key (default: PDSERVE_API_KEY)")
+    disable_tqdm: bool = Field(False, description="no progress bar")
+
+
+ALIASES = {"base_url": ["--url"]}
+HIDDEN_ALIASES = {"request_rate": ["--rate"], "num_prompts": ["--num-requests"], "duration_s": ["--duration"],
+                  "random_input_len": ["--input-len"], "random_output_len": ["--output-len"],
+                  "dataset_path": ["--trace"], "ttft_slo_s": ["--ttft-slo"], "itl_slo_s": ["--itl-slo"],
+                  "disable_tqdm": ["--no-progress"]}
 
 
 def add_bench_parser(commands: Any) -> None:
-    bench = commands.add_parser("bench", help="open-loop load against an OpenAI-compatible server")
-    bench.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    bench.add_argument("--model", default=None, help="model name (default: the first the server lists)")
-    bench.add_argument("--rate", type=float, default=None, help="requests/s (omit to replay --trace times)")
-    bench.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier")
-    bench.add_argument("--speed", type=float, default=1.0, help="trace replay speed-up")
-    bench.add_argument("--num-requests", type=int, default=100)
-    bench.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
-    bench.add_argument("--input-len", type=int, default=None, help="fixed prompt tokens")
-    bench.add_argument("--output-len", type=int, default=None, help="fixed output tokens")
-    bench.add_argument("--trace", default=None, help="Azure CSV or Mooncake JSONL trace")
-    bench.add_argument("--length-scale", type=float, default=1.0, help="multiply trace lengths by this")
-    bench.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO, seconds (goodput)")
-    bench.add_argument("--itl-slo", type=float, default=0.2, help="TPOT/ITL SLO, seconds (goodput)")
-    bench.add_argument(
-        "--vocab-size", type=int, default=32000, help="random prompt token ids stay below this"
-    )
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--api-key", default=None)
-    bench.add_argument("--out", default="bench-out", help="results directory")
-    bench.add_argument("--no-progress", action="store_true")
+    bench = commands.add_parser(
+        "bench", help="open-loop load against an OpenAI-compatible server (vllm bench serve's flags)",
+        epilog=f"Every flag is also an environment variable {ENV_PREFIX}<FLAG NAME> (e.g. "
+               f"{ENV_PREFIX}REQUEST_RATE). Precedence: flags > environment > defaults. Exit status 1 when "
+               "any request failed, 2 for a bad flag or a server that does not answer.")
+    add_model_flags(bench, BenchSettings, aliases=ALIASES, hidden_aliases=HIDDEN_ALIASES)
     bench.set_defaults(handler=run_bench_command)
 
 
+def _dataset(settings: BenchSettings) -> str:
+    if settings.dataset_name is not None:
+        return settings.dataset_name
+    suffix = Path(settings.dataset_path or "").suffix
+    return {".json": "sharegpt", ".csv": "trace", ".jsonl": "trace"}.get(suffix, "random")
+
+
+def _numbers(flag: str, text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise ValueError(f"{flag}: expected numbers separated by commas, got {text!r}") from None
+
+
+def bench_config(settings: BenchSettings) -> Any:
+    """The loadgen BenchConfig of these settings. Raises ValueError naming the flag."""
+    from loadgen.runner import BenchConfig
+    from loadgen.summary import parse_goodput
+
+    metrics = tuple(m.strip() for m in settings.percentile_metrics.split(",") if m.strip())
+    unknown = [m for m in metrics if m not in PERCENTILE_METRICS]
+    if unknown:
+        raise ValueError(f"--percentile-metrics: {', '.join(unknown)} unknown; known: "
+                         f"{', '.join(PERCENTILE_METRICS)}")
+    quantiles = _numbers("--metric-percentiles", settings.metric_percentiles)
+    if not all(0 <= q <= 100 for q in quantiles):
+        raise ValueError(f"--metric-percentiles: each must be in [0, 100], got {settings.metric_percentiles}")
+    try:
+        goodput = parse_goodput(settings.goodput) if settings.goodput else None
+    except ValueError as error:
+        raise ValueError(f"--goodput: {error}") from None
+    dataset = _dataset(settings)
+    rate = settings.request_rate
+    if rate is None and dataset != "trace":
+        rate = float("inf")
+    return BenchConfig(
+        url=settings.base_url.rstrip("/"), out_dir=Path(settings.out), model=settings.model, dataset=dataset,
+        dataset_path=Path(settings.dataset_path) if settings.dataset_path else None, rate=rate,
+        burstiness=settings.burstiness, speed=settings.speed, num_requests=settings.num_prompts,
+        duration_s=settings.duration_s,
+        input_len=settings.random_input_len if dataset == "random" else None,
+        output_len=settings.random_output_len if dataset == "random" else None,
+        range_ratio=settings.random_range_ratio, sharegpt_output_len=settings.sharegpt_output_len,
+        tokenizer=settings.tokenizer, length_scale=settings.length_scale, ttft_slo_s=settings.ttft_slo_s,
+        itl_slo_s=settings.itl_slo_s, goodput=goodput, vocab_size=settings.vocab_size, seed=settings.seed,
+        api_key=settings.api_key or os.environ.get("PDSERVE_API_KEY"), endpoint=settings.endpoint,
+        ignore_eos=settings.ignore_eos, temperature=settings.temperature,
+        max_concurrency=settings.max_concurrency, num_warmups=settings.num_warmups,
+        percentile_metrics=metrics, metric_percentiles=quantiles, save_result=settings.save_result,
+        result_dir=Path(settings.result_dir) if settings.result_dir else None,
+        result_filename=settings.result_filename, show_progress=not settings.disable_tqdm,
+    )
+
+
+def _ms(value: object) -> str:
+    return f"{value:.0f} ms" if isinstance(value, float) else "n/a"
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
-    from loadgen.runner import BenchConfig, run_bench
+    from loadgen.runner import ServerUnreachable, run_bench
 
-    if args.rate is None and args.trace is None:
-        print(
-            "pdserve bench: error: --rate: give a rate, or --trace to replay its timestamps", file=sys.stderr
-        )
+    flags = given_flags(args, BenchSettings)
+    try:
+        settings = BenchSettings(**flags)
+    except ValidationError as error:
+        env = {k for k in BenchSettings.model_fields if f"{ENV_PREFIX}{k}".upper() in os.environ}
+        message = error_message(error, layer_sources(BenchSettings, flags, dict.fromkeys(env), None))
+        print(f"pdserve bench: error: {message}", file=sys.stderr)
         return 2
-    if args.trace is None and (args.input_len is None or args.output_len is None):
-        print("pdserve bench: error: --input-len/--output-len: needed without --trace", file=sys.stderr)
+    config = bench_config(settings)  # its ValueError: main prints it, exit status 2
+    try:
+        summary = run_bench(config)
+    except ServerUnreachable as error:
+        print(f"pdserve bench: error: --base-url: the server does not answer: {error}", file=sys.stderr)
         return 2
-    for flag, value in (
-        ("--rate", args.rate),
-        ("--burstiness", args.burstiness),
-        ("--length-scale", args.length_scale),
-        ("--num-requests", args.num_requests),
-    ):
-        if value is not None and value <= 0:
-            print(f"pdserve bench: error: {flag}: must be > 0, got {value}", file=sys.stderr)
-            return 2
-    config = BenchConfig(
-        url=args.url.rstrip("/"),
-        out_dir=Path(args.out),
-        model=args.model,
-        rate=args.rate,
-        burstiness=args.burstiness,
-        speed=args.speed,
-        num_requests=args.num_requests,
-        duration_s=args.duration,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        trace=Path(args.trace) if args.trace else None,
-        length_scale=args.length_scale,
-        ttft_slo_s=args.ttft_slo,
-        itl_slo_s=args.itl_slo,
-        vocab_size=args.vocab_size,
-        seed=args.seed,
-        api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
-        show_progress=not args.no_progress,
-    )
-    summary = run_bench(config)
-    ttft = cast(dict[str, float], summary["ttft_s_over_requests"])
-    itl = cast(dict[str, float], summary["itl_s_over_tokens"])
-    print(
-        f"{summary['num_ok']}/{summary['num_requests']} ok; TTFT p90 {1000 * ttft['p90']:.0f} ms; "
-        f"ITL p99 {1000 * itl['p99']:.0f} ms; goodput {summary['goodput']:.2f} req/s; results in {args.out}"
-    )
+    saved = f" and {summary['result_file']}" if "result_file" in summary else ""
+    print(f"{summary['completed']}/{summary['num_prompts']} ok in {summary['duration']:.1f} s; "
+          f"{summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s; "
+          f"TTFT median {_ms(summary.get('median_ttft_ms'))}, "
+          f"TPOT median {_ms(summary.get('median_tpot_ms'))}; results in {settings.out}{saved}")
+    failed = summary["failed"]
+    if failed:
+        samples = summary["error_samples"]
+        print(f"pdserve bench: {failed} of {summary['num_prompts']} requests failed; first error: "
+              f"{samples[0] if isinstance(samples, list) and samples else '?'}", file=sys.stderr)
+        return 1
     return 0
-
-

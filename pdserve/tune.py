@@ -118,7 +118,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from tuner.simulator import SimConfig
     from tuner.table import print_plan
 
-    positive = (("--workers", args.workers), ("--ttft-slo", args.ttft_slo), ("--itl-slo", args.itl_slo),
+    positive = (("--workers", args.workers), ("--ttft-slo-s", args.ttft_slo_s),
+                ("--itl-slo-s", args.itl_slo_s),
                 ("--num-requests", args.num_requests), ("--length-scale", args.length_scale),
                 ("--burstiness", args.burstiness), ("--speed", args.speed))
     for flag, value in positive:
@@ -168,7 +169,7 @@ def run_plan(args: argparse.Namespace) -> int:
     total = len(rates) * _num_layouts(args.workers) + (
         sum(_num_layouts(n) for n in range(1, args.workers + 1)) if args.target_rate else 0)
     with tqdm(total=total, desc="simulate", disable=args.no_progress, **PROGRESS) as bar:
-        plan = make_plan(profile, config, workload, rates, SLO(args.ttft_slo, args.itl_slo), args.workers,
+        plan = make_plan(profile, config, workload, rates, SLO(args.ttft_slo_s, args.itl_slo_s), args.workers,
                          args.target_rate, lambda: bar.update(1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -217,7 +218,8 @@ def run_validate(args: argparse.Namespace) -> int:
 
 def add_tune_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `tune` and its subcommands to a CLI's subparsers; each sets `handler` (args → exit status)."""
-    from loadgen.runner import BenchConfig
+    from loadgen.summary import DEFAULT_ITL_SLO_S, DEFAULT_TTFT_SLO_S
+    from pdserve.settings_cli import env_defaults
     from tuner.simulator import DEFAULT_HOP_S
 
     tune = subparsers.add_parser("tune", help="profile, simulate and choose the prefill:decode layout")
@@ -252,8 +254,11 @@ def add_tune_parser(subparsers: Any) -> argparse.ArgumentParser:
     plan.add_argument("--speed", type=float, default=1.0, help="trace replay speed-up (no --rate)")
     plan.add_argument("--num-requests", type=int, default=300, help="requests per simulated run")
     plan.add_argument("--seed", type=int, default=0)
-    plan.add_argument("--ttft-slo", type=float, default=BenchConfig.ttft_slo_s, help="TTFT SLO, seconds")
-    plan.add_argument("--itl-slo", type=float, default=BenchConfig.itl_slo_s, help="TPOT/ITL SLO, seconds")
+    plan.add_argument("--ttft-slo-s", type=float, default=DEFAULT_TTFT_SLO_S,
+                      help="TTFT SLO, seconds (the name and default serve and bench use)")
+    plan.add_argument("--itl-slo-s", type=float, default=DEFAULT_ITL_SLO_S, help="TPOT/ITL SLO, seconds")
+    for old, dest in (("--ttft-slo", "ttft_slo_s"), ("--itl-slo", "itl_slo_s")):  # the old names still work
+        plan.add_argument(old, dest=dest, type=float, help=argparse.SUPPRESS)
     plan.add_argument("--workers", type=int, required=True, help="N: layouts of N workers are compared")
     plan.add_argument("--target-rate", type=float, default=None,
                       help="find the fewest workers (1..N) that hold this rate at 90%% SLO attainment")
@@ -277,4 +282,8 @@ def add_tune_parser(subparsers: Any) -> argparse.ArgumentParser:
     check.add_argument("--out", default="tune-validate", help="directory for the bench outputs")
     check.add_argument("--no-progress", action="store_true")
     check.set_defaults(handler=run_validate, tune_parser=check)
+    for command, parser in (("profile", profile), ("plan", plan), ("validate", check)):
+        env_defaults(parser, f"PDSERVE_TUNE_{command.upper()}_")
+        parser.epilog = (f"Every flag is also an environment variable PDSERVE_TUNE_{command.upper()}_<FLAG "
+                         "NAME>. Precedence: flags > environment > defaults.")
     return tune

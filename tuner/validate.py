@@ -54,10 +54,13 @@ def _bench_config(plan: dict[str, Any], rate: float | None, out_dir: Path, acces
         url=access.url, out_dir=out_dir, rate=rate, burstiness=float(workload["burstiness"]),
         speed=float(workload["speed"]), num_requests=int(workload["num_requests"]),
         input_len=workload["input_len"], output_len=workload["output_len"],
-        trace=Path(workload["trace"]) if workload["trace"] else None,
+        dataset="trace" if workload["trace"] else "random",
+        dataset_path=Path(workload["trace"]) if workload["trace"] else None,
         length_scale=float(workload["length_scale"]), ttft_slo_s=float(slo["ttft_s"]),
         itl_slo_s=float(slo["itl_s"]), vocab_size=int(plan["vocab_size"]), seed=int(workload["seed"]),
         prompt_seed=prompt_seed, api_key=access.api_key, show_progress=show_progress,
+        # As the simulator planned it: greedy, exactly the planned output lengths.
+        ignore_eos=True, temperature=0.0,
     )
 
 

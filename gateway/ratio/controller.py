@@ -52,6 +52,7 @@ from gateway.ratio.planner import LayoutPlanner
 from gateway.ratio.resize import Move, PoolResizer, plan_moves
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.traffic import RecentTraffic
+from loadgen.summary import DEFAULT_ITL_SLO_S, DEFAULT_TTFT_SLO_S
 from pool_worker import Role
 from pool_worker.runtime.load import WorkerLoad
 from tuner.simulator import Layout
@@ -68,8 +69,8 @@ class ControllerPolicy:
     min_dwell_s: float = 2.0  # no change sooner than this after the last one (calm_s guards the way back)
     calm_s: float = 10.0  # prefill idle this long before a prefill worker goes back
     long_prompt_tokens: int = 1024  # a prompt this long interferes with decoding on a mixed worker
-    ttft_slo_s: float = 3.0
-    itl_slo_s: float = 0.2
+    ttft_slo_s: float = DEFAULT_TTFT_SLO_S  # the SLOs every command shares (loadgen/summary.py)
+    itl_slo_s: float = DEFAULT_ITL_SLO_S
     grace_s: float = 0.0  # a worker changing role hands its decode streams over at once
     plan_interval_s: float = 10.0  # how often the planner looks (with a profile)
     plan_margin: float = 0.1  # predicted goodput gain over the current layout that a move needs

@@ -23,36 +23,17 @@ from tests.gateway.conftest import API_KEY, MODEL, free_port, wait_until_no_bloc
 pytestmark = pytest.mark.slow
 
 
+def bench(server: str, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "pdserve", "bench", "--base-url", server, "--vocab-size", "49152",
+               "--api-key", API_KEY, "--out", str(out), "--disable-tqdm", *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
 def test_pdserve_bench_writes_results_matching_what_it_sent(server: str, tmp_path: Path) -> None:
     out = tmp_path / "bench"
-    command = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "bench",
-        "--url",
-        server,
-        "--rate",
-        "8",
-        "--num-requests",
-        "12",
-        "--input-len",
-        "20",
-        "--output-len",
-        "6",
-        "--vocab-size",
-        "49152",
-        "--api-key",
-        API_KEY,
-        "--out",
-        str(out),
-        "--no-progress",
-        "--ttft-slo",
-        "5",
-        "--itl-slo",
-        "1",
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    # The old flag names, still aliases.
+    result = bench(server, out, "--rate", "8", "--num-requests", "12", "--input-len", "20",
+                   "--output-len", "6", "--ignore-eos", "--ttft-slo", "5", "--itl-slo", "1")
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
@@ -66,13 +47,48 @@ def test_pdserve_bench_writes_results_matching_what_it_sent(server: str, tmp_pat
     assert (out / "metrics.jsonl").read_text().strip()
 
 
+def test_all_at_once_under_a_concurrency_cap_with_vllms_result_keys(server: str, tmp_path: Path) -> None:
+    result = bench(server, tmp_path / "bench", "--request-rate", "inf", "--max-concurrency", "8",
+                   "--num-prompts", "16", "--random-input-len", "24", "--random-output-len", "5",
+                   "--ignore-eos",
+                   "--temperature", "0", "--num-warmups", "1", "--goodput", "ttft:60000", "tpot:60000",
+                   "--save-result", "--result-dir", str(tmp_path / "results"), "--result-filename", "r.json")
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((tmp_path / "results" / "r.json").read_text())
+    assert (saved["completed"], saved["failed"], saved["max_concurrency"], saved["request_rate"]) == (
+        16, 0, 8, "inf")
+    assert saved["total_input_tokens"] == 16 * 24 and saved["total_output_tokens"] == 16 * 5
+    assert saved["request_goodput"] == pytest.approx(saved["request_throughput"])
+    for key in ("duration", "request_throughput", "output_throughput", "mean_ttft_ms", "median_tpot_ms",
+                "std_itl_ms", "p99_e2el_ms", "p90_ttft_ms", "model_id"):
+        assert saved[key] is not None, key
+    records = [json.loads(line) for line in (tmp_path / "bench" / "requests.jsonl").read_text().splitlines()]
+    # At most 8 in flight: the 9th request left only after one of the first 8 had finished.
+    finished = sorted(r["sent_s"] + r["e2e_s"] for r in records)
+    assert sorted(r["sent_s"] for r in records)[8] >= finished[0]
+
+
+def test_chat_endpoint_counts_tokens_from_usage(server: str, tmp_path: Path) -> None:
+    result = bench(server, tmp_path / "bench", "--endpoint", "/v1/chat/completions", "--num-prompts", "3",
+                   "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "bench" / "summary.json").read_text())
+    assert summary["completed"] == 3 and summary["total_output_tokens"] == 12
+    assert summary["total_input_tokens"] > 3 * 8  # the chat template's tokens around each message count too
+
+
+def test_a_run_where_every_request_fails_exits_non_zero_saying_how_many(server: str, tmp_path: Path) -> None:
+    result = bench(server, tmp_path / "bench", "--model", "no-such-model", "--num-prompts", "4",
+                   "--random-input-len", "8", "--random-output-len", "2")
+    assert result.returncode == 1
+    assert "4 of 4 requests failed" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_bench_flag_errors_name_the_flag() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pdserve", "bench", "--input-len", "5", "--output-len", "5"],
-        capture_output=True,
-        text=True,
+        [sys.executable, "-m", "pdserve", "bench", "--request-rate", "-1"], capture_output=True, text=True,
     )
-    assert result.returncode == 2 and "--rate" in result.stderr
+    assert result.returncode == 2 and "--request-rate" in result.stderr
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,8 @@ def plan_args(profile_path: Path, *more: str) -> list[str]:
             "--no-progress", *more]
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--workers", "0"), ("--ttft-slo", "0"), ("--itl-slo", "-0.1")])
+@pytest.mark.parametrize(("flag", "value"),
+                         [("--workers", "0"), ("--ttft-slo-s", "0"), ("--itl-slo-s", "-0.1")])
 def test_zero_workers_or_non_positive_slos_name_the_flag(
         profile_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str) -> None:
     argv = plan_args(profile_path, flag, value)

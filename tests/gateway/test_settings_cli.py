@@ -1,0 +1,124 @@
+"""`pdserve serve`'s flags, environment variables and help, generated over every ServeConfig field: a field
+added with a description gets all three, and this test checks them (flags > env > YAML > defaults)."""
+
+from __future__ import annotations
+
+import json
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.config import ServeConfig
+from pdserve.main import build_parser
+from pdserve.serve import load_serve_config
+from pdserve.settings_cli import _value_type, env_name, flag_name
+
+FIELDS = list(ServeConfig.model_fields)
+
+
+def sample(field: str, tmp_path: Path) -> Any:
+    """A valid value for `field` that is not its default."""
+    if field == "model":
+        return str(tmp_path)
+    if field == "profile":
+        (tmp_path / "profile.json").write_text("{}")
+        return str(tmp_path / "profile.json")
+    info = ServeConfig.model_fields[field]
+    kind = _value_type(info.annotation)
+    if kind is bool:
+        return not info.default
+    if kind is int:
+        return 3 if info.default is None else info.default + 1
+    if kind is float:
+        return 2.5 if info.default is None else info.default * 2
+    if typing.get_origin(kind) is typing.Literal:
+        return next(c for c in typing.get_args(kind) if c != info.default and c != "float16")
+    if typing.get_origin(kind) is dict:
+        return {"a": "b"} if typing.get_args(kind)[1] is str else {"a": 1.5}
+    return "some-value"
+
+
+def as_text(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, dict) else str(value)
+
+
+def base_flags(field: str) -> list[str]:
+    # A layout that serves whatever one role count is set to; the old name `colocated` stands alone.
+    return [] if field in ("colocated", "prefill", "decode", "mixed") else ["--mixed", "1"]
+
+
+def parsed(argv: list[str]) -> ServeConfig:
+    return typing.cast(ServeConfig, load_serve_config(build_parser().parse_args(["serve", *argv])))
+
+
+def expected(field: str, value: Any) -> tuple[str, Any]:
+    return ("mixed", value) if field == "colocated" else (field, value)  # the old name lands on `mixed`
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_every_field_has_a_flag(field: str, tmp_path: Path) -> None:
+    value = sample(field, tmp_path)
+    flag = flag_name(field)
+    argv = [flag if value is not False else flag.replace("--", "--no-", 1)]
+    if not isinstance(value, bool):
+        argv.append(as_text(value))
+    if field in ("prefill", "decode"):
+        argv += ["--mixed", "1"]
+    name, want = expected(field, value)
+    assert getattr(parsed(base_flags(field) + argv), name) == want
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_every_field_has_an_env_var(field: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    value = sample(field, tmp_path)
+    monkeypatch.setenv(env_name(ServeConfig, field), as_text(value).lower() if isinstance(value, bool)
+                       else as_text(value))
+    name, want = expected(field, value)
+    extra = ["--mixed", "1"] if field in ("prefill", "decode") else []
+    assert getattr(parsed(base_flags(field) + extra), name) == want
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_help_shows_every_default_and_env_var(field: str) -> None:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    action = next(a for a in serve._actions if a.dest == field and a.help != "==SUPPRESS==")
+    default = ServeConfig.model_fields[field].default
+    assert env_name(ServeConfig, field) in action.help
+    if default is None:
+        assert "default" in action.help, f"{field}: say in words what leaving it unset means"
+    elif isinstance(default, bool):
+        assert f"(default: {'on' if default else 'off'})" in action.help
+    else:
+        assert f"(default: {default})" in action.help
+
+
+def test_flags_beat_env_beat_yaml_beat_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("port: 7000\nmax_waiting: 9\n")
+    assert parsed(["--config", str(config)]).port == 7000
+    monkeypatch.setenv("PDSERVE_PORT", "7001")
+    both = parsed(["--config", str(config)])
+    assert (both.port, both.max_waiting, both.queue_timeout_s) == (7001, 9, 60.0)
+    assert parsed(["--config", str(config), "--port", "7002"]).port == 7002
+
+
+def test_old_names_still_work() -> None:
+    assert parsed(["--address", "auto"]).ray_address == "auto"
+    assert parsed(["--ray-address", "auto"]).ray_address == "auto"
+    assert parsed(["--no-pin-cpus"]).pin_cpus is False
+
+
+def test_a_bad_value_names_its_flag_and_where_it_came_from(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^--port: .*less than or equal to 65535$"):
+        parsed(["--port", "70000"])
+    monkeypatch.setenv("PDSERVE_QUEUE_TIMEOUT_S", "-1")
+    with pytest.raises(ValueError, match=r"^--queue-timeout-s: .* \(from PDSERVE_QUEUE_TIMEOUT_S\)$"):
+        parsed([])
+    monkeypatch.delenv("PDSERVE_QUEUE_TIMEOUT_S")
+    config = tmp_path / "serve.yaml"
+    config.write_text("max_waiting: -2\n")
+    with pytest.raises(ValueError, match=rf"^--max-waiting: .* \(from {config}\)$"):
+        parsed(["--config", str(config)])
