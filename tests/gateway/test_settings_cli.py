@@ -18,6 +18,10 @@ from pdserve.settings_cli import _value_type, env_name, flag_name
 FIELDS = list(ServeConfig.model_fields)
 
 
+# Text fields whose values are checked: a valid one each.
+VALID_TEXT = {"otlp_traces_endpoint": "http://localhost:4318/v1/traces"}
+
+
 def sample(field: str, tmp_path: Path) -> Any:
     """A valid value for `field` that is not its default."""
     if field == "model":
@@ -25,6 +29,8 @@ def sample(field: str, tmp_path: Path) -> Any:
     if field == "profile":
         (tmp_path / "profile.json").write_text("{}")
         return str(tmp_path / "profile.json")
+    if field in VALID_TEXT:
+        return VALID_TEXT[field]
     info = ServeConfig.model_fields[field]
     kind = _value_type(info.annotation)
     if kind is bool:
