@@ -20,6 +20,7 @@ from gateway.requests.router import LocalPrefillPolicy
 from kv_transfer import TransferConfig
 from llm_engine import EngineConfig
 from llm_engine.hardware import resolve_dtype
+from llm_engine.model_files import check_model_name, is_local_path
 from pool_worker import Role
 from pool_worker.runtime.model_source import ModelSource
 
@@ -29,8 +30,11 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None  # HF model directory; None: the default model (prepared on first use)
-    served_model_name: str | None = None  # the name clients send; default: the directory's name
+    # A Hugging Face model directory or model id (llm_engine/model_files.py); None: the default model.
+    model: str | None = None
+    revision: str | None = Field(default=None, description=(
+        "branch, tag or commit of a Hugging Face model id (default: its default branch)"))
+    served_model_name: str | None = None  # the name clients send; default: the id as given, or the dir's name
     # None: the engine's default, "auto" (bfloat16 where the hardware runs it natively, else float32).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     device: str | None = None
@@ -101,10 +105,17 @@ class ServeConfig(BaseModel):
 
     @field_validator("model")
     @classmethod
-    def _model_dir_exists(cls, model: str | None) -> str | None:
-        if model is not None and not Path(model).is_dir():
-            raise ValueError(f"model directory {model!r} does not exist")
+    def _model_is_a_dir_or_an_id(cls, model: str | None) -> str | None:
+        if model is not None:
+            check_model_name(model)  # its form only: the id is resolved at start (gateway/app.py)
         return model
+
+    @model_validator(mode="after")
+    def _revision_of_an_id(self) -> ServeConfig:
+        if self.revision is not None and (self.model is None or is_local_path(self.model)):
+            raise ValueError("--revision applies to a Hugging Face model id given as --model, not to a "
+                             "directory or the default model")
+        return self
 
     @model_validator(mode="after")
     def _layout_can_serve(self) -> ServeConfig:
@@ -198,7 +209,7 @@ class ServeConfig(BaseModel):
                                 worker_env=dict(self.worker_env or {}),
                                 # Each worker finds the model on its own node
                                 # (pool_worker/runtime/model_source.py).
-                                model_source=ModelSource(self.model),
+                                model_source=ModelSource.named(self.model, self.revision),
                                 num_threads=self.default_threads_per_worker(), pin_cpus=self.pin_cpus,
                                 **{k: v for k, v in placement.items() if v is not None})  # type: ignore[arg-type]
 

@@ -20,8 +20,12 @@ def json_object(text: str) -> dict[str, Any]:
 
 # Flags of `serve` that map one-to-one onto ServeConfig fields (dest name = field name).
 _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
-    ("--model", str, "Hugging Face model directory (default: SmolLM2-135M-Instruct, prepared on first use)"),
-    ("--served-model-name", str, "model name clients send (default: the directory's name)"),
+    ("--model", str, "a Hugging Face model id (org/name: fetched into the Hugging Face cache; HF_TOKEN, "
+                     "HF_HOME, HF_HUB_OFFLINE apply) or a model directory (default: SmolLM2-135M-Instruct, "
+                     "prepared on first use); also the positional MODEL"),
+    ("--revision", str, "branch, tag or commit of a Hugging Face model id (default: its default branch)"),
+    ("--served-model-name", str, "model name clients send (default: the model id as given, or the "
+                                 "directory's name)"),
     ("--prefill", int, "prefill workers (default: 1 when no role is given, else 0)"),
     ("--decode", int, "decode workers (default: 1 when no role is given, else 0)"),
     ("--mixed", int, "workers that prefill and decode their own requests (the colocated layout; default 0)"),
@@ -93,6 +97,8 @@ _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
 
 def add_serve_parser(commands: Any) -> None:
     serve = commands.add_parser("serve", help="serve a model through a prefill pool and a decode pool")
+    serve.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                       help="the model to serve, as --model (vLLM's `serve MODEL`)")
     serve.add_argument("--config", default=None, help="YAML file of the same settings (flags override it)")
     for flag, kind, text in _SERVE_FLAGS:
         serve.add_argument(flag, type=kind, default=None, help=text)
@@ -113,6 +119,11 @@ def run_serve(args: argparse.Namespace) -> int:
         flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in _SERVE_FLAGS
     }
     overrides["ray_address"] = overrides.pop("address")
+    if args.model_arg is not None and args.model is not None and args.model_arg != args.model:
+        print(f"pdserve serve: error: --model: given twice ({args.model_arg!r} and --model {args.model!r})",
+              file=sys.stderr)
+        return 2
+    overrides["model"] = args.model or args.model_arg
     overrides["pin_cpus"] = args.pin_cpus
     overrides["api_key"] = overrides["api_key"] or os.environ.get("PDSERVE_API_KEY")
     overrides["admin_key"] = overrides["admin_key"] or os.environ.get("PDSERVE_ADMIN_KEY")
@@ -131,6 +142,10 @@ def run_serve(args: argparse.Namespace) -> int:
         flag = "--address" if field == "ray_address" else "--" + field.replace("_", "-")
         print(f"pdserve serve: error: {flag}: {first['msg']}", file=sys.stderr)
         return 2
+    from gateway.app import resolve_model_dir
+
+    # Before Ray starts: a model id that cannot be resolved fails here, naming --model.
+    resolve_model_dir(config)
     if config.api_server_count > 1:
         from gateway.frontends import serve_frontends
 
