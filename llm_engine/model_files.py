@@ -87,7 +87,6 @@ def _resolve_hub_id(model: str, revision: str | None, weights: bool) -> Path:
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
-        IncompleteSnapshotError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -106,17 +105,15 @@ def _resolve_hub_id(model: str, revision: str | None, weights: bool) -> Path:
                                  "HF_TOKEN)") from None
     except RevisionNotFoundError:
         raise ModelNotFoundError(f"{model} has no revision {revision!r} on the Hugging Face Hub") from None
-    except IncompleteSnapshotError as error:
-        raise ModelNotFoundError(f"{named}: the cached copy is incomplete and the Hub cannot be reached "
-                                 f"({error})") from None
-    except LocalEntryNotFoundError:
+    except LocalEntryNotFoundError as error:  # also a cached copy that misses files
         if constants.HF_HUB_OFFLINE:
             raise ModelNotFoundError(
-                f"{named} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is "
-                "set: download it once with network access (`hf download MODEL`), point HF_HOME at a cache "
-                "that has it, or give a local directory") from None
-        raise ModelNotFoundError(f"{named} is not cached and the Hugging Face Hub cannot be reached: check "
-                                 "the network (or HF_ENDPOINT), or give a local directory") from None
+                f"{named} is not (wholly) in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                "HF_HUB_OFFLINE is set: download it once with network access (`hf download MODEL`), point "
+                "HF_HOME at a cache that has it, or give a local directory") from None
+        raise ModelNotFoundError(
+            f"{named} is not (wholly) cached and the Hugging Face Hub cannot be reached: check the network "
+            f"(or HF_ENDPOINT), or give a local directory ({str(error).splitlines()[-1]})") from None
     except HfHubHTTPError as error:
         raise ModelNotFoundError(f"{named}: the Hugging Face Hub answered {error}") from None
     if not (path / "config.json").is_file():
