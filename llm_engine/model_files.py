@@ -52,7 +52,8 @@ def check_model_name(model: str) -> None:
     try:
         validate_repo_id(model)
     except HFValidationError:
-        raise ValueError(f"{model!r} is neither a directory nor a Hugging Face model id (org/name)") from None
+        raise ValueError(f"{model!r} does not exist as a directory and is not a Hugging Face model id "
+                         "(org/name)") from None
 
 
 def served_name(model: str | None, model_dir: str | Path) -> str:

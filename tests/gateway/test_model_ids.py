@@ -93,7 +93,7 @@ def test_serve_config_takes_an_id_or_a_directory(tiny_llama_dir: Path) -> None:
         ModelSource(hub_id=REPO_ID, revision="v1")
     with pytest.raises(ValidationError, match="--revision applies to a Hugging Face model id"):
         ServeConfig(model=str(tiny_llama_dir), revision="v1")
-    with pytest.raises(ValidationError, match="neither a directory nor a Hugging Face model id"):
+    with pytest.raises(ValidationError, match="does not exist as a directory and is not a Hugging Face"):
         ServeConfig(model="a/b/c")
 
 
