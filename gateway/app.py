@@ -74,15 +74,21 @@ def resolve_model_dir(config: ServeConfig) -> str:
 
     Raises:
         ModelNotFoundError: the id cannot be resolved here; the message names --model.
+        ValueError: the model's architecture is not one the engine serves; the message names --model.
     """
     if config.model is None:
         from llm_engine.default_model import prepare_default_model
 
         return str(prepare_default_model())
     try:
-        return str(resolve_model(config.model, config.revision, weights=False))
+        model_dir = str(resolve_model(config.model, config.revision, weights=False))
     except ModelNotFoundError as error:
         raise ModelNotFoundError(f"--model {error}") from None
+    try:
+        read_model_spec(model_dir)  # here, not in every worker's traceback
+    except ValueError as error:
+        raise ValueError(f"--model {config.model}: {error}") from None
+    return model_dir
 
 
 # What each kind of route documents beyond its 200 (errors.documented gives OpenAI's error body).

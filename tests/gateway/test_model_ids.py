@@ -134,3 +134,14 @@ def test_a_server_of_an_id_names_it_and_matches_transformers(hub_cache: Path, ti
     tokenizer = load_tokenizer(tiny_chat_model_dir)
     expected = hf_greedy(tiny_chat_model_dir, [tokenizer.encode("The quick brown fox")], 5)[0]
     assert response.json()["choices"][0]["token_ids"] == expected
+
+
+def test_an_unsupported_family_stops_serve_at_start_naming_model(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import Gemma2Config
+
+    Gemma2Config(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, architectures=["Gemma2ForCausalLM"]
+                 ).save_pretrained(tmp_path)
+    assert main(["serve", str(tmp_path)]) == 2
+    assert f"--model {tmp_path}: unsupported architecture ['Gemma2ForCausalLM']" in capsys.readouterr().err
