@@ -25,7 +25,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import ray
@@ -61,6 +60,7 @@ from gateway.requests.service import GatewayService, PreparedRequest
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.tracing import RequestTracer, trace_headers
+from llm_engine.model_files import ModelNotFoundError, resolve_model, served_name
 from llm_engine.model_loader import load_tokenizer, read_model_spec
 from pool_worker import Role
 from pool_worker.runtime.process_heap import freeze_startup_heap
@@ -71,11 +71,26 @@ RAY_NAMESPACE = "pdserve"
 
 
 def resolve_model_dir(config: ServeConfig) -> str:
-    if config.model is not None:
-        return config.model
-    from llm_engine.default_model import prepare_default_model
+    """The gateway's own copy of the model's config and tokenizer: a directory as given, a Hugging Face id
+    through this machine's cache (each worker resolves the weights on its node: ModelSource).
 
-    return str(prepare_default_model())
+    Raises:
+        ModelNotFoundError: the id cannot be resolved here; the message names --model.
+        ValueError: the model's architecture is not one the engine serves; the message names --model.
+    """
+    if config.model is None:
+        from llm_engine.default_model import prepare_default_model
+
+        return str(prepare_default_model())
+    try:
+        model_dir = str(resolve_model(config.model, config.revision, weights=False))
+    except ModelNotFoundError as error:
+        raise ModelNotFoundError(f"--model {error}") from None
+    try:
+        read_model_spec(model_dir)  # here, not in every worker's traceback
+    except ValueError as error:
+        raise ValueError(f"--model {config.model}: {error}") from None
+    return model_dir
 
 
 # What each kind of route documents beyond its 200 (errors.documented gives OpenAI's error body).
@@ -127,7 +142,7 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
                    kv_tokens_per_worker: int, num_frontends: int) -> GatewayService:
     """The request path over `fleet`: tokenizer, request preparation, admission, the service (app.state)."""
     tokenizer = load_tokenizer(model_dir)
-    model_name = config.served_model_name or Path(model_dir).name
+    model_name = config.served_model_name or served_name(config.model, model_dir)
     spec = read_model_spec(model_dir)
     app.state.preparer = Preparer(tokenizer, spec, model_name, kv_tokens_per_worker,
                                   config.default_max_tokens, fleet.block_size, config.tool_call_parser)

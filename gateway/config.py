@@ -23,6 +23,7 @@ from gateway.telemetry.tracing import check_endpoint
 from kv_transfer import TransferConfig
 from llm_engine import EngineConfig
 from llm_engine.hardware import resolve_dtype
+from llm_engine.model_files import check_model_name, is_local_path
 from pool_worker import Role
 from pool_worker.runtime.model_source import ModelSource
 
@@ -43,10 +44,14 @@ class ServeConfig(BaseSettings):
 
     model: str | None = Field(
         None,
-        description="Hugging Face model directory (default: SmolLM2-135M-Instruct, prepared on first use)")
+        description="a Hugging Face model id (org/name, resolved through the Hugging Face cache: HF_HOME, "
+                    "HF_HUB_OFFLINE, HF_TOKEN) or a local model directory; also the positional MODEL "
+                    "(default: SmolLM2-135M-Instruct, prepared on first use)")
+    revision: str | None = Field(
+        None, description="branch, tag or commit of a Hugging Face model id (default: its default branch)")
     served_model_name: str | None = Field(
         None,
-        description="model name clients send (default: the model directory's name)")
+        description="model name clients send (default: the id as given, or the model directory's name)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
         None,
         description="auto, float32, bfloat16, or float16 (CUDA only) (default: the engine's, auto: bfloat16 "
@@ -210,10 +215,17 @@ class ServeConfig(BaseSettings):
 
     @field_validator("model")
     @classmethod
-    def _model_dir_exists(cls, model: str | None) -> str | None:
-        if model is not None and not Path(model).is_dir():
-            raise ValueError(f"model directory {model!r} does not exist")
+    def _model_is_a_dir_or_an_id(cls, model: str | None) -> str | None:
+        if model is not None:
+            check_model_name(model)  # its form only: the id is resolved at start (gateway/app.py)
         return model
+
+    @model_validator(mode="after")
+    def _revision_of_an_id(self) -> ServeConfig:
+        if self.revision is not None and (self.model is None or is_local_path(self.model)):
+            raise ValueError("--revision applies to a Hugging Face model id given as --model, not to a "
+                             "directory or the default model")
+        return self
 
     @model_validator(mode="after")
     def _layout_can_serve(self) -> ServeConfig:
@@ -315,7 +327,7 @@ class ServeConfig(BaseSettings):
                                 worker_env=dict(self.worker_env or {}),
                                 # Each worker finds the model on its own node
                                 # (pool_worker/runtime/model_source.py).
-                                model_source=ModelSource(self.model),
+                                model_source=ModelSource.named(self.model, self.revision),
                                 num_threads=self.default_threads_per_worker(), pin_cpus=self.pin_cpus,
                                 **{k: v for k, v in placement.items() if v is not None})  # type: ignore[arg-type]
 

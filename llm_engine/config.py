@@ -9,7 +9,11 @@ import torch
 from llm_engine.hardware import DTYPES, resolve_dtype
 from llm_engine.linear_kernels import LinearKernel
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Families whose attention is plain causal attention over rotary q/k (what the paged attention computes):
+# each is tested token-equal to transformers (tests/engine/test_model_families.py). Not Gemma 2/3: their
+# attention logits are soft-capped and alternate layers slide, which the paged attention does not do.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "GemmaForCausalLM", "Phi3ForCausalLM")
 DECODE_ATTENTION_CHOICES = ("auto", "sdpa", "paged-kernel")
 MiB = 1 << 20
 

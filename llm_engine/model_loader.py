@@ -1,4 +1,5 @@
-"""Load a local Hugging Face model directory (Llama / Mistral / Qwen2 families) for the paged engine."""
+"""Load a local Hugging Face model directory (llm_engine/config.py SUPPORTED_ARCHITECTURES) for the paged
+engine, and read the shape facts the KV cache and the scheduler need from its config."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from llm_engine.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelSpec
 from llm_engine.linear_kernels import LinearKernelReport, apply_linear_kernel
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 # Times this process loaded weights: a worker that changes role keeps its model, and reports this to prove it.
@@ -47,12 +48,17 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
             f"unsupported architecture {architectures or raw.get('model_type')!r} in {str(path)!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    num_heads = raw["num_attention_heads"]
-    max_model_len = raw.get("max_position_embeddings", 2048)
+    # transformers' own reading of the config: its class fills the family's defaults (Mistral's window when
+    # the file names none, Qwen's use_sliding_window), exactly as the model it loads will see them.
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    num_heads = config.num_attention_heads
+    max_model_len = min(config.max_position_embeddings, _static_rope_limit(config))
     # The paged attention is full attention; a sliding window only changes results past the window, so cap
-    # the context there rather than serve wrong tokens.
-    window = raw.get("sliding_window")
-    if window and raw.get("use_sliding_window", True):
+    # the context there rather than serve wrong tokens (paged_attention.py checks it on every forward).
+    window = getattr(config, "sliding_window", None)
+    if window:
         max_model_len = min(max_model_len, window)
     eos = raw.get("eos_token_id")
     generation_config = path / "generation_config.json"
@@ -61,14 +67,26 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelSpec(
         architecture=supported[0],
-        num_layers=raw["num_hidden_layers"],
+        num_layers=config.num_hidden_layers,
         num_heads=num_heads,
-        num_kv_heads=raw.get("num_key_value_heads", num_heads),
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-        vocab_size=raw["vocab_size"],
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        vocab_size=config.vocab_size,
         max_model_len=max_model_len,
         eos_token_ids=eos_ids,
     )
+
+
+def _static_rope_limit(config: PretrainedConfig) -> int:
+    """The longest context over which the rotary frequencies stay fixed. "dynamic" and "longrope" scaling
+    switch frequencies by the longest position in the forward, and a packed batch mixes requests: past the
+    original length one request's length would change another's tokens, so the context stops there."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type") in ("dynamic", "longrope"):
+        original = rope.get("original_max_position_embeddings")
+        return int(original or getattr(config, "original_max_position_embeddings", None)
+                   or config.max_position_embeddings)
+    return int(config.max_position_embeddings)
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,10 @@ def paged_attention_forward(
     """
     meta: PagedAttentionMetadata = kwargs["paged_metadata"]
     layer: int = module.layer_idx  # type: ignore[assignment]
+    if kwargs.get("sliding_window") is not None:
+        _check_within_window(meta, kwargs["sliding_window"])
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit soft-capping is not supported by the paged attention")
     num_tokens, num_heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
     # One index_copy_ of whole rows into a 2-d view of the cache, not an index_put of (block, offset) pairs
     # into the 6-d cache, which walks element by element.
@@ -150,6 +154,16 @@ def paged_attention_forward(
     if d is not None:
         out[0, d.q_indices] = _decode(query, meta, layer, d, key.shape[1], scaling)
     return out, None
+
+
+def _check_within_window(meta: PagedAttentionMetadata, window: int) -> None:
+    """Every context fits the layer's sliding window, where full attention and the window's agree. The
+    loader caps max_model_len there (model_loader.read_model_spec); this keeps a wrong cap from serving
+    wrong tokens."""
+    longest = max([s.context_len for s in meta.prefills] + ([meta.decode.num_keys] if meta.decode else []))
+    if longest > window:
+        raise RuntimeError(f"a context of {longest} tokens exceeds the model's sliding window of {window}: "
+                           "the paged attention attends to whole contexts only")
 
 
 def _decode(query: torch.Tensor, meta: PagedAttentionMetadata, layer: int, d: DecodeBatch,

@@ -24,6 +24,8 @@ def add_serve_parser(commands: Any) -> None:
         epilog=f"Every setting is also an environment variable {ENV_PREFIX}<FLAG NAME> (e.g. "
                "PDSERVE_PORT, PDSERVE_API_KEY) and a key of the --config YAML (e.g. port: 8000). "
                f"Precedence: {PRECEDENCE}.")
+    serve.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                       help="the model to serve, as --model (vLLM's `serve MODEL`)")
     serve.add_argument("--config", default=None,
                        help="YAML file of the same settings, keys as the flags with underscores "
                             "(default: none)")
@@ -42,6 +44,10 @@ def load_serve_config(args: argparse.Namespace) -> Any:
     from gateway.config import ServeConfig
 
     flags = given_flags(args, ServeConfig)
+    if args.model_arg is not None:
+        if flags.get("model", args.model_arg) != args.model_arg:
+            raise ValueError(f"--model: given twice ({args.model_arg!r} and --model {flags['model']!r})")
+        flags["model"] = args.model_arg
     try:
         return ServeConfig.from_yaml(args.config, **flags)
     except ValidationError as error:
@@ -59,6 +65,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"pdserve serve: error: {error}", file=sys.stderr)
         return 2
+    from gateway.app import resolve_model_dir
+
+    # Before Ray starts: a model id that cannot be resolved fails here, naming --model.
+    resolve_model_dir(config)
     if config.api_server_count > 1:
         from gateway.frontends import serve_frontends
 

@@ -48,14 +48,18 @@ def run_profile(args: argparse.Namespace) -> int:
 
     from llm_engine import EngineConfig
     from llm_engine.default_model import prepare_default_model
+    from llm_engine.model_files import ModelNotFoundError, check_model_name, resolve_model, served_name
     from tuner.measure import QUICK_GRID, ProfileGrid, profile_engine
     from tuner.plots import plot_profile
 
-    model_dir = args.model
-    if model_dir is None:
+    if args.model is None:
         model_dir = str(prepare_default_model())
-    elif not Path(model_dir).is_dir():
-        _fail(args, f"--model: {model_dir!r} is not a directory")
+    else:
+        try:
+            check_model_name(args.model)
+            model_dir = str(resolve_model(args.model, args.revision, weights=True))
+        except (ValueError, ModelNotFoundError) as error:
+            _fail(args, f"--model: {error}")
     torch.set_num_threads(args.threads)  # as a worker: its own threads only
     overrides = {"dtype": args.dtype, "device": args.device, "block_size": args.block_size,
                  "kv_cache_bytes": None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
@@ -73,7 +77,8 @@ def run_profile(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with tqdm(total=grid.num_measurements() + 1, desc="profile", disable=args.no_progress,
               **PROGRESS) as bar:
-        profile = profile_engine(model_dir, config, grid, lambda: bar.update(1))
+        profile = profile_engine(model_dir, config, grid, lambda: bar.update(1),
+                                 model_name=served_name(args.model, model_dir))
     profile.save(out / "profile.json")
     plot_profile(profile, out / "profile.png")
     print(f"profiled {profile.model} ({profile.dtype}, {profile.hardware}); transfers: "
@@ -226,7 +231,9 @@ def add_tune_parser(subparsers: Any) -> argparse.ArgumentParser:
     commands = tune.add_subparsers(dest="tune_command", required=True)
 
     profile = commands.add_parser("profile", help="time the engine's forwards and KV transfers; fit them")
-    profile.add_argument("--model", default=None, help="model directory (default: the default model)")
+    profile.add_argument("--model", default=None, help="a Hugging Face model id or model directory, as "
+                                                       "`serve` (default: the default model)")
+    profile.add_argument("--revision", default=None, help="branch, tag or commit of a model id")
     profile.add_argument("--dtype", default=None,
                          help="auto, float32, bfloat16 or float16 (default: auto, as `serve`)")
     profile.add_argument("--device", default=None, help="cpu or cuda (default: the engine's)")

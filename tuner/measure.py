@@ -188,8 +188,10 @@ def measure_steps(engine: LLMEngine, grid: ProfileGrid, advance: Callable[[], No
 
 
 def profile_engine(model_dir: str, config: EngineConfig, grid: ProfileGrid,
-                   advance: Callable[[], None] = lambda: None) -> Profile:
-    """Load the model as a worker does, time the grid, fit, and return the Profile (not yet written)."""
+                   advance: Callable[[], None] = lambda: None, model_name: str | None = None) -> Profile:
+    """Load the model as a worker does, time the grid, fit, and return the Profile (not yet written).
+
+    `model_name`: the name the server serves it as (default: the directory's name)."""
     config = dataclasses.replace(config, model_dir=model_dir, enable_prefix_caching=False)
     engine = LLMEngine(config)
     timer = _Timer(engine)
@@ -206,7 +208,7 @@ def profile_engine(model_dir: str, config: EngineConfig, grid: ProfileGrid,
     shape = WorkerShape(config.block_size, engine.block_pool.num_blocks, cache.block_bytes,
                         config.max_num_batched_tokens, config.max_num_seqs)
     return Profile(
-        model=Path(model_dir).name, model_dir=str(model_dir), vocab_size=engine.spec.vocab_size,
+        model=model_name or Path(model_dir).name, model_dir=str(model_dir), vocab_size=engine.spec.vocab_size,
         hardware=describe_hardware(config.device),
         device=config.device, dtype=config.dtype, shape=shape, transfer_method=method,
         fits=fit_step_model(steps, transfers), steps=tuple(steps), transfers=tuple(transfers),

@@ -1,7 +1,9 @@
 """Where a worker finds the model on its own node: the gateway never assumes the workers share its disk.
 
 A path is taken to be the same directory on every node (a shared filesystem, or a copy baked into every
-node's image); the default model is prepared by each node for itself where its cache lacks it.
+node's image). A Hugging Face model id is resolved by each node itself, through its own Hugging Face cache
+(downloaded there on first use unless HF_HUB_OFFLINE; llm_engine/model_files.py). The default model is
+prepared by each node for itself where its cache lacks it.
 """
 
 from __future__ import annotations
@@ -9,22 +11,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from llm_engine.model_files import ModelNotFoundError, is_local_path, resolve_model
+
 
 @dataclass(frozen=True)
 class ModelSource:
     """What every worker loads, as the operator named it (not as the gateway's host resolved it)."""
 
-    path: str | None = None  # a Hugging Face directory at this path on every node; None: the default model
+    path: str | None = None  # a Hugging Face directory at this path on every node
+    hub_id: str | None = None  # else a Hugging Face model id; neither: the default model
+    revision: str | None = None  # of hub_id: branch, tag or commit (None: its default branch)
+
+    @classmethod
+    def named(cls, model: str | None, revision: str | None = None) -> ModelSource:
+        """The source of a --model value: a path where it names one on this (the gateway's) disk, made
+        absolute (a worker's working directory is not ours), else a hub id."""
+        if model is None:
+            return cls()
+        if is_local_path(model):
+            return cls(path=str(Path(model).expanduser().absolute()))
+        return cls(hub_id=model, revision=revision)
 
     def resolve_here(self, node: str) -> str:
-        """The local directory of the model on this node, preparing the default model if it is missing.
+        """The local directory of the model on this node, preparing or downloading it if it is missing.
 
         Args:
             node: how to name this node in an error (e.g. "10.0.0.3 (node id 5f2c…)").
 
         Raises:
-            FileNotFoundError: the path is not a model directory on this node; the message names the node.
+            FileNotFoundError: the model cannot be found or fetched on this node; the message names the node.
         """
+        if self.hub_id is not None:
+            try:
+                return str(resolve_model(self.hub_id, self.revision, weights=True))
+            except ModelNotFoundError as error:
+                raise ModelNotFoundError(f"on node {node}: {error}") from None
         if self.path is None:
             from llm_engine.default_model import prepare_default_model
 
@@ -32,5 +53,6 @@ class ModelSource:
         if not (Path(self.path) / "config.json").is_file():
             raise FileNotFoundError(
                 f"model directory {self.path!r} is not on node {node}: put the model on a filesystem every "
-                "node mounts at the same path (or into every node's image), or serve the default model")
+                "node mounts at the same path (or into every node's image), serve a Hugging Face model id "
+                "(each node fetches it), or serve the default model")
         return self.path

@@ -10,6 +10,7 @@ from decode_pool.messages import DecodeOutput, DecodeRequest
 from decode_pool.worker import DecodeWorker
 from kv_transfer import TransferConfig, make_receiver, make_sender
 from llm_engine import EngineConfig, LLMEngine, SamplingParams
+from llm_engine.tiny_model import TINY_FAMILIES, build_tiny_model
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.scheduler import PrefillScheduler
 from prefill_pool.worker import PrefillWorker
@@ -83,6 +84,17 @@ def test_greedy_tokens_match_transformers_and_pools_end_whole(tiny_llama_dir: Pa
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
     assert prefill.engine.block_pool.is_whole()
     assert decode.engine.block_pool.is_whole()
+
+
+@pytest.mark.parametrize("family", sorted(set(TINY_FAMILIES) - {"llama"}))  # llama: the test above
+def test_each_family_through_the_handoff_matches_transformers(family: str, tmp_path: Path) -> None:
+    model_dir = build_tiny_model(family, tmp_path / family)
+    prompts = random_prompts([3, 40, 19], 1000)
+    sampling = SamplingParams(max_tokens=6, temperature=0.0)
+    prefill, decode = make_pair(model_dir, budget=24)  # the 40-token prompt in two chunks
+    tokens = run(prefill, decode, prompts, sampling)
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == hf_greedy(model_dir, prompts, 6)
+    assert prefill.engine.block_pool.is_whole() and decode.engine.block_pool.is_whole()
 
 
 def test_decode_preemption_keeps_greedy_tokens(tiny_llama_dir: Path) -> None:

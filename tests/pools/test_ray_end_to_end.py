@@ -1,4 +1,5 @@
-"""1 prefill + 1 decode Ray actor, 16 concurrent requests through the real KV handoff (nixl, torch/gloo)."""
+"""1 prefill + 1 decode Ray actor, 16 concurrent requests through the real KV handoff (nixl, torch/gloo);
+and each supported model family through the same handoff."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from gateway.fleet.deployment import DeploymentConfig, PDDeployment
 from gateway.requests.orchestrator import StreamEvent, run_request
 from gateway.requests.router import Router
 from llm_engine import EngineConfig, SamplingParams
+from llm_engine.tiny_model import TINY_FAMILIES, build_tiny_model
 from tests.conftest import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -54,6 +56,21 @@ def test_sixteen_concurrent_requests_match_transformers(tiny_llama_dir: Path, ba
         assert decode_times.transfer_started is not None and decode_times.transfer_finished is not None
         assert decode_times.transfer_started <= decode_times.transfer_finished <= decode_times.finished
         assert final.decode.transfer_bytes > 0
+
+
+# 17-37 s each on 2 cores (two actors load per family): slow. The fast suite carries every family through the
+# same handoff in one process (tests/pools/test_handoff_in_process.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(set(TINY_FAMILIES) - {"llama"}))  # llama: the test above
+def test_each_family_through_one_prefill_and_one_decode(family: str, tmp_path: Path) -> None:
+    model_dir = build_tiny_model(family, tmp_path / family)
+    prompts = random_prompts([6, 37], 1000)
+    sampling = SamplingParams(max_tokens=4, temperature=0.0)
+    config = DeploymentConfig(EngineConfig(str(model_dir), dtype="float32", kv_cache_bytes=4 << 20),
+                              backend="auto")
+    tokens, _, whole = asyncio.run(serve_all(config, prompts, sampling))
+    assert tokens == hf_greedy(model_dir, prompts, 4)
+    assert all(whole.values()), whole
 
 
 @pytest.mark.slow

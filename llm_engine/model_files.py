@@ -1,0 +1,125 @@
+"""Where a model's files are on this machine: a local directory as named, or a Hugging Face model id
+(`org/name`) resolved through huggingface_hub, as vLLM users expect.
+
+huggingface_hub does the hub's part its own way, read from the environment: its cache (`HF_HOME`,
+`HF_HUB_CACHE`), `HF_HUB_OFFLINE=1` (the cache only, no network), the token (`HF_TOKEN`, or `hf auth login`'s
+file) for private and gated models, and `HF_ENDPOINT`. Only what the engine reads is fetched: the config and
+tokenizer files, and with `weights=True` the top-level safetensors.
+
+Each process resolves the id for itself: the gateway for the tokenizer and chat template (`weights=False`),
+each worker on its own node for the weights (pool_worker/runtime/model_source.py), so the nodes of a cluster
+need no shared disk: each fills its own cache, or finds it filled.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+# Top-level files transformers reads for the config, the tokenizer and the chat template.
+CONFIG_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.tiktoken",
+    "chat_template.json", "chat_template.jinja",
+)
+WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json")  # the loader reads safetensors only
+# transformers loads the top level only; subfolders hold other formats or variants (original/, onnx/, gguf/).
+_SKIPPED = ("*/*",)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model names no local directory and no Hugging Face model this machine can get."""
+
+
+def is_local_path(model: str) -> bool:
+    """True when `model` names something on disk (then it is a directory or an error, never a hub id)."""
+    return Path(model).expanduser().exists()
+
+
+def check_model_name(model: str) -> None:
+    """Check the form of a --model value without touching the network.
+
+    Raises:
+        ValueError: it is an existing file (not a directory), or neither an existing path nor an id.
+    """
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{model!r} is a file, not a model directory")
+        return
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        raise ValueError(f"{model!r} does not exist as a directory and is not a Hugging Face model id "
+                         "(org/name)") from None
+
+
+def served_name(model: str | None, model_dir: str | Path) -> str:
+    """The name clients send by default: a hub id as given (as vLLM does), else the directory's name."""
+    if model is not None and not is_local_path(model):
+        return model
+    return Path(model_dir).name
+
+
+def resolve_model(model: str, revision: str | None = None, *, weights: bool) -> Path:
+    """The local directory holding `model`'s files, downloading into the Hugging Face cache what is missing.
+
+    Args:
+        model: a local directory, or a Hugging Face model id.
+        revision: a branch, tag or commit of the hub model (None: its default branch); not for a directory.
+        weights: fetch the safetensors too (a worker), not only config and tokenizer (the gateway).
+
+    Raises:
+        ModelNotFoundError: the id is unknown, private or gated without a token, not cached while offline,
+            or its files are not what the engine loads; the message says which and what to do.
+    """
+    if is_local_path(model):
+        if revision is not None:
+            raise ModelNotFoundError(f"{model!r} is a local directory: a revision applies to a hub model id")
+        return Path(model).expanduser()
+    return _resolve_hub_id(model, revision, weights)
+
+
+@functools.lru_cache(maxsize=16)  # the gateway checks at start and resolves again in its lifespan
+def _resolve_hub_id(model: str, revision: str | None, weights: bool) -> Path:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    named = model if revision is None else f"{model} (revision {revision})"
+    patterns = list(CONFIG_FILES + (WEIGHT_FILES if weights else ()))
+    try:
+        path = Path(snapshot_download(model, revision=revision, allow_patterns=patterns,
+                                      ignore_patterns=list(_SKIPPED)))
+    except GatedRepoError:
+        raise ModelNotFoundError(f"{named} is gated: accept its terms on huggingface.co and set HF_TOKEN to "
+                                 "a token of that account") from None
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(f"{named}: no such model on the Hugging Face Hub (or it is private: set "
+                                 "HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise ModelNotFoundError(f"{model} has no revision {revision!r} on the Hugging Face Hub") from None
+    except LocalEntryNotFoundError as error:  # also a cached copy that misses files
+        if constants.HF_HUB_OFFLINE:
+            raise ModelNotFoundError(
+                f"{named} is not (wholly) in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                "HF_HUB_OFFLINE is set: download it once with network access (`hf download MODEL`), point "
+                "HF_HOME at a cache that has it, or give a local directory") from None
+        raise ModelNotFoundError(
+            f"{named} is not (wholly) cached and the Hugging Face Hub cannot be reached: check the network "
+            f"(or HF_ENDPOINT), or give a local directory ({str(error).splitlines()[-1]})") from None
+    except HfHubHTTPError as error:
+        raise ModelNotFoundError(f"{named}: the Hugging Face Hub answered {error}") from None
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{named} has no config.json: not a transformers model")
+    if weights and not any(path.glob("*.safetensors")):
+        raise ModelNotFoundError(f"{named} has no *.safetensors weights at its top level in {path} (pdserve "
+                                 "loads safetensors only; offline, the cache must hold the whole model)")
+    return path
