@@ -52,7 +52,9 @@ def as_text(value: Any) -> str:
 
 def base_flags(field: str) -> list[str]:
     # A layout that serves whatever one role count is set to; the old name `colocated` stands alone.
-    return [] if field in ("colocated", "prefill", "decode", "mixed") else ["--mixed", "1"]
+    # --revision goes with a model id (its form is checked here; nothing is fetched).
+    model = ["--model", "org/name"] if field == "revision" else []
+    return model + ([] if field in ("colocated", "prefill", "decode", "mixed") else ["--mixed", "1"])
 
 
 def parsed(argv: list[str]) -> ServeConfig:
