@@ -55,11 +55,12 @@ from gateway.control.plane import ControlPlane, build_planner, decode_kv_tokens
 from gateway.control.remote_fleet import FleetLink, RemoteFleet
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.view import FleetView
+from gateway.fleet.workers import Worker
 from gateway.requests.admission import Admission, admission_capacity
 from gateway.requests.service import GatewayService, PreparedRequest
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.metrics import Metrics
-from llm_engine.model_loader import load_tokenizer, read_model_spec
+from llm_engine.model_loader import load_tokenizer
 from pool_worker import Role
 from pool_worker.runtime.process_heap import freeze_startup_heap
 
@@ -126,7 +127,11 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
     """The request path over `fleet`: tokenizer, request preparation, admission, the service (app.state)."""
     tokenizer = load_tokenizer(model_dir)
     model_name = config.served_model_name or Path(model_dir).name
-    spec = read_model_spec(model_dir)
+    spec = config.model_spec(model_dir)  # max_model_len: --max-model-len's, else the model's
+    if spec.max_model_len > kv_tokens_per_worker:
+        print(f"pdserve: warning: the maximum context length ({spec.max_model_len} tokens) exceeds what a "
+              f"decode worker's KV cache holds for one request ({kv_tokens_per_worker} tokens): longer "
+              "requests get HTTP 400; raise --kv-cache-memory or lower --max-model-len", flush=True)
     app.state.preparer = Preparer(tokenizer, spec, model_name, kv_tokens_per_worker,
                                   config.default_max_tokens, fleet.block_size, config.tool_call_parser)
     app.state.token_texts = TokenTexts(tokenizer)  # logprobs show each token's own text
@@ -152,6 +157,16 @@ def announce(app: FastAPI, config: ServeConfig, backend: str, frontends: str = "
               f"mixed workers (KV transfer: {backend}; ratio {config.ratio})")
     print(f"pdserve: serving {app.state.service.model_name} on http://{config.host}:{config.port} "
           f"with {layout}{frontends}", flush=True)
+
+
+def announce_kv(workers: list[Worker]) -> None:
+    """One line per worker: its KV capacity and how it was sized (also in GET /admin/pools)."""
+    for worker in workers:
+        kv = worker.runtime
+        if kv is not None:
+            print(f"pdserve: {worker.worker_id} ({worker.role.value}): KV cache {kv.num_kv_blocks} blocks = "
+                  f"{kv.num_kv_tokens} tokens, {kv.kv_cache_bytes / (1 << 20):.1f} MiB "
+                  f"(from {kv.kv_cache_source})", flush=True)
 
 
 def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> FastAPI:
@@ -180,6 +195,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
             plane.start(auto=config.ratio == "auto")
             app.state.control = plane
             announce(app, config, deployment.backend.value)
+            announce_kv(list(deployment.workers.values()))
             yield
         finally:
             await (plane.stop() if plane is not None else deployment.shutdown())

@@ -18,8 +18,10 @@ from gateway.ratio.controller import ControllerPolicy
 from gateway.requests.deadlines import DeadlinePolicy
 from gateway.requests.router import LocalPrefillPolicy
 from kv_transfer import TransferConfig
-from llm_engine import EngineConfig
+from llm_engine import EngineConfig, ModelSpec
 from llm_engine.hardware import resolve_dtype
+from llm_engine.kv_sizing import parse_memory
+from llm_engine.model_loader import read_model_spec
 from pool_worker import Role
 from pool_worker.runtime.model_source import ModelSource
 
@@ -53,8 +55,27 @@ class ServeConfig(BaseModel):
     profile: str | None = None
     itl_slo_s: float | None = Field(default=None, gt=0)
     block_size: int | None = Field(default=None, ge=1)
-    kv_cache_mib: int | None = Field(default=None, ge=1)  # KV budget per worker
-    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    # Sizing (llm_engine/kv_sizing.py; None: the engine's default). Help texts: pdserve/serve.py.
+    max_model_len: int | None = Field(
+        default=None, ge=1,
+        description="prompt + output tokens one request may hold (default: the model's own context; more is "
+                    "refused)")
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, description="requests one forward may carry (default 64)")
+    kv_cache_memory: str | int | float | None = Field(
+        default=None,
+        description="KV cache per worker: bytes (2GiB, 512MiB) or a fraction of the free memory (0.2: of "
+                    "free RAM on a CPU, of free GPU memory on CUDA) as each worker starts (default: 512MiB "
+                    "on a CPU; on CUDA --gpu-memory-utilization decides); wins over --kv-cache-mib")
+    kv_cache_mib: int | None = Field(
+        default=None, ge=1,
+        description="the old form of --kv-cache-memory NMiB (which wins when both are given)")
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1,
+        description="CUDA: share of the GPU's total memory each worker may use; the KV cache gets what the "
+                    "weights and activations leave (default 0.9; --kv-cache-memory overrides it)")
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, description="tokens per forward (prefill chunk budget)")
     max_prefill_s_beside_decode: float | None = Field(default=None, ge=0)  # None: the engine's (0: off)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -99,6 +120,13 @@ class ServeConfig(BaseModel):
             raise ValueError(f"profile {profile!r} does not exist (make one with `pdserve tune profile`)")
         return profile
 
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _kv_memory_parses(cls, value: str | int | float | None) -> str | int | float | None:
+        if value is not None:
+            parse_memory(value)
+        return value
+
     @field_validator("model")
     @classmethod
     def _model_dir_exists(cls, model: str | None) -> str | None:
@@ -118,6 +146,14 @@ class ServeConfig(BaseModel):
             raise ValueError("--ratio auto moves workers between roles, which the torch backend's fixed "
                              "process group cannot: use --backend nixl")
         prefill, decode, mixed = self.prefill or 0, self.decode or 0, self.mixed or 0
+        if self.gpu_memory_utilization is not None and not (self.device or "cpu").startswith("cuda"):
+            raise ValueError("--gpu-memory-utilization sizes a GPU's memory (--device cuda); on a CPU size "
+                             "the KV cache with --kv-cache-memory")
+        if self.model is not None and self.max_model_len is not None:
+            try:
+                self.model_spec(self.model)  # a --max-model-len beyond the model's is refused here
+            except FileNotFoundError as error:
+                raise ValueError(f"--model: {error}") from None
         try:
             resolve_dtype(self.dtype or "auto", self.device or "cpu")
         except ValueError as error:
@@ -136,6 +172,23 @@ class ServeConfig(BaseModel):
             raise ValueError(f"{path}: expected a mapping of settings")
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
+
+    def model_spec(self, model_dir: str) -> ModelSpec:
+        """The model's shape with the context this config allows (its own, or a shorter --max-model-len).
+
+        Raises:
+            ValueError: --max-model-len exceeds the model's context (the message names the flag).
+        """
+        return read_model_spec(model_dir).with_max_model_len(self.max_model_len)
+
+    def kv_memory_settings(self) -> dict[str, int | float]:
+        """The engine's KV memory fields for --kv-cache-memory (or the old --kv-cache-mib); empty: neither."""
+        if self.kv_cache_memory is not None:
+            amount = parse_memory(self.kv_cache_memory)
+            if amount.fraction is not None:
+                return {"kv_cache_fraction": amount.fraction}
+            return {"kv_cache_bytes": amount.num_bytes or 0}
+        return {} if self.kv_cache_mib is None else {"kv_cache_bytes": self.kv_cache_mib << 20}
 
     def local_prefill_policy(self) -> LocalPrefillPolicy:
         chosen = {"max_uncached_tokens": self.local_prefill_max_tokens,
@@ -177,7 +230,8 @@ class ServeConfig(BaseModel):
     def deployment_config(self, model_dir: str) -> DeploymentConfig:
         engine_overrides: dict[str, object] = {
             "dtype": self.dtype, "device": self.device, "block_size": self.block_size,
-            "kv_cache_bytes": None if self.kv_cache_mib is None else self.kv_cache_mib << 20,
+            **self.kv_memory_settings(), "gpu_memory_utilization": self.gpu_memory_utilization,
+            "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "linear_kernel": self.linear_kernel,
             "max_prefill_s_beside_decode": self.max_prefill_s_beside_decode,
             "decode_attention": self.decode_attention,

@@ -65,6 +65,8 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
         num_heads=num_heads,
         num_kv_heads=raw.get("num_key_value_heads", num_heads),
         head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw.get("intermediate_size", 4 * raw["hidden_size"]),
         vocab_size=raw["vocab_size"],
         max_model_len=max_model_len,
         eos_token_ids=eos_ids,
@@ -88,7 +90,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     global _num_loads
     _num_loads += 1
 
-    spec = read_model_spec(config.model_dir)
+    spec = read_model_spec(config.model_dir).with_max_model_len(config.max_model_len)
     paged_attention.register()
     model = AutoModelForCausalLM.from_pretrained(
         config.model_dir,

@@ -45,7 +45,17 @@ _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
                                   "workers; on a cluster, --cpus-per-worker); each worker is pinned to its "
                                   "own cores"),
     ("--block-size", int, "tokens per KV block"),
-    ("--kv-cache-mib", int, "KV cache budget per worker, MiB"),
+    ("--max-model-len", int, "prompt + output tokens one request may hold (default: the model's own context; "
+                             "more is refused)"),
+    ("--max-num-seqs", int, "requests one forward may carry (default 64)"),
+    ("--kv-cache-memory", str, "KV cache per worker: bytes (2GiB, 512MiB) or a fraction of the free "
+                               "memory (0.2: of free RAM on a CPU, of free GPU memory on CUDA) as each "
+                               "worker starts (default: 512MiB on a CPU; on CUDA --gpu-memory-utilization "
+                               "decides); wins over --kv-cache-mib"),
+    ("--kv-cache-mib", int, "the old form of --kv-cache-memory NMiB (which wins when both are given)"),
+    ("--gpu-memory-utilization", float, "CUDA: share of the GPU's total memory each worker may use; the KV "
+                                        "cache gets what the weights and activations leave (default 0.9; "
+                                        "--kv-cache-memory overrides it)"),
     ("--max-num-batched-tokens", int, "tokens per forward (prefill chunk budget)"),
     ("--max-prefill-s-beside-decode", float, "seconds of prompt work a worker adds to a step while it also "
                                              "decodes (mixed workers): prompts are sliced to fit, from "
@@ -131,6 +141,14 @@ def run_serve(args: argparse.Namespace) -> int:
         flag = "--address" if field == "ray_address" else "--" + field.replace("_", "-")
         print(f"pdserve serve: error: {flag}: {first['msg']}", file=sys.stderr)
         return 2
+    if config.max_model_len is not None and config.model is None:  # a given --model was checked above
+        from gateway.app import resolve_model_dir
+
+        try:
+            config.model_spec(resolve_model_dir(config))
+        except ValueError as error:
+            print(f"pdserve serve: error: {error}", file=sys.stderr)
+            return 2
     if config.api_server_count > 1:
         from gateway.frontends import serve_frontends
 
