@@ -37,8 +37,8 @@ def cpu_ram(free: int) -> DeviceMemory:
     ("2GiB", MemoryAmount(num_bytes=2 * GiB)), ("512MiB", MemoryAmount(num_bytes=512 * MiB)),
     ("512 mib", MemoryAmount(num_bytes=512 * MiB)), ("1.5G", MemoryAmount(num_bytes=3 * GiB // 2)),
     ("4GB", MemoryAmount(num_bytes=4 * 10**9)), ("1048576", MemoryAmount(num_bytes=MiB)),
-    ("0.2", MemoryAmount(fraction=0.2)), ("1.0", MemoryAmount(fraction=1.0)), (0.5, MemoryAmount(fraction=0.5)),
-    (4096, MemoryAmount(num_bytes=4096)),
+    ("0.2", MemoryAmount(fraction=0.2)), ("1.0", MemoryAmount(fraction=1.0)),
+    (0.5, MemoryAmount(fraction=0.5)), (4096, MemoryAmount(num_bytes=4096)),
 ])
 def test_memory_settings_parse(text: str | int | float, amount: MemoryAmount) -> None:
     assert parse_memory(text) == amount
@@ -59,11 +59,12 @@ def test_a_cpu_fraction_of_free_ram_gives_its_blocks() -> None:
 
 
 def test_cpu_bytes_and_the_cpu_default() -> None:
-    named = plan_kv_cache(EngineConfig("m", dtype="bfloat16", kv_cache_bytes=GiB + 3), LLAMA_8B, cpu_ram(8 * GiB))
+    named = plan_kv_cache(EngineConfig("m", dtype="bfloat16", kv_cache_bytes=GiB + 3), LLAMA_8B,
+                          cpu_ram(8 * GiB))
     assert named.num_blocks == 512  # whole blocks only
     default = plan_kv_cache(EngineConfig("m", dtype="float32"), LLAMA_8B, cpu_ram(8 * GiB))
     assert default.num_blocks == CPU_KV_CACHE_BYTES // (2 * BLOCK_BYTES)  # float32: 4 MiB blocks
-    with pytest.raises(ValueError, match="does not fit in the 1.00 GiB of free RAM.*--kv-cache-memory"):
+    with pytest.raises(ValueError, match=r"does not fit in the 1\.00 GiB of free RAM.*--kv-cache-memory"):
         kv_budget(EngineConfig("m", kv_cache_bytes=2 * GiB), cpu_ram(GiB), activation_bytes=0)
 
 
@@ -82,7 +83,7 @@ def test_cuda_utilization_leaves_out_weights_activations_and_the_context() -> No
 def test_cuda_refuses_a_utilization_beyond_the_free_memory_or_that_leaves_nothing() -> None:
     config = EngineConfig("m", device="cuda", gpu_memory_utilization=0.9)
     others_hold_half = DeviceMemory(total=80 * GiB, free=23 * GiB, weights=16 * GiB, held=17 * GiB)
-    with pytest.raises(ValueError, match="less than --gpu-memory-utilization 0.9 asks for"):
+    with pytest.raises(ValueError, match=r"less than --gpu-memory-utilization 0\.9 asks for"):
         kv_budget(config, others_hold_half, activation_bytes=GiB)
     small = EngineConfig("m", device="cuda", gpu_memory_utilization=0.2)
     with pytest.raises(ValueError, match="leaves no room for the KV cache"):
@@ -102,14 +103,16 @@ def test_cuda_named_bytes_or_a_fraction_of_free_memory_take_no_activation_reserv
 
 
 def test_activation_estimate_adds_up_its_terms() -> None:
-    spec = ModelSpec("LlamaForCausalLM", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32,
-                     intermediate_size=64, vocab_size=100, max_model_len=128, eos_token_ids=())
+    spec = ModelSpec("LlamaForCausalLM", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                     hidden_size=32, intermediate_size=64, vocab_size=100, max_model_len=128,
+                     eos_token_ids=())
     config = EngineConfig("m", max_num_batched_tokens=16, max_num_seqs=4)
     hidden = 16 * (4 * 32 + (4 + 2 * 2) * 8 + 3 * 64) * 2
     prefill_scores = 2 * 4 * 16 * 128 * 2
     decode_kv = 4 * 128 * 2 * 2 * 8 * 2
     logits = 3 * (4 + 256) * 100 * 4
-    assert activation_reserve_bytes(spec, config, dtype_bytes=2) == hidden + prefill_scores + decode_kv + logits
+    estimate = activation_reserve_bytes(spec, config, dtype_bytes=2)
+    assert estimate == hidden + prefill_scores + decode_kv + logits
 
 
 @pytest.mark.parametrize(("settings", "needle"), [
