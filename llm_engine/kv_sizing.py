@@ -96,7 +96,7 @@ def activation_reserve_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes:
 @dataclass(frozen=True)
 class KVBudget:
     num_bytes: int  # what the KV cache may take
-    source: str  # how it was reached, for the start-up log ("0.2 of 20.1 GiB free RAM")
+    source: str  # how it was reached, for the start-up log ("0.2 of 20.10 GiB free RAM")
 
 
 def kv_budget(config: EngineConfig, memory: DeviceMemory, activation_bytes: int) -> KVBudget:
@@ -115,8 +115,8 @@ def kv_budget(config: EngineConfig, memory: DeviceMemory, activation_bytes: int)
         if num_bytes > memory.free:
             raise ValueError(f"a KV cache of {_gib(num_bytes)} does not fit in the {_gib(memory.free)} of "
                              f"free {where} on this node: lower --kv-cache-memory")
-        source = "--kv-cache-memory" if config.kv_cache_bytes is not None else "the CPU default"
-        return KVBudget(num_bytes, f"{_gib(num_bytes)} ({source})")
+        return KVBudget(num_bytes, "--kv-cache-memory" if config.kv_cache_bytes is not None
+                        else f"the CPU default of {_gib(num_bytes)}")
     utilization = config.gpu_memory_utilization
     requested = int(utilization * memory.total)
     # What this worker may have: free memory plus what its own allocator holds already (its weights).
