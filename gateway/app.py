@@ -55,6 +55,7 @@ from gateway.control.plane import ControlPlane, build_planner, decode_kv_tokens
 from gateway.control.remote_fleet import FleetLink, RemoteFleet
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.view import FleetView
+from gateway.fleet.workers import Worker
 from gateway.requests.admission import Admission, admission_capacity
 from gateway.requests.service import GatewayService, PreparedRequest
 from gateway.telemetry.fleet_metrics import FleetStatus
@@ -90,6 +91,7 @@ def resolve_model_dir(config: ServeConfig) -> str:
         read_model_spec(model_dir)  # here, not in every worker's traceback
     except ValueError as error:
         raise ValueError(f"--model {config.model}: {error}") from None
+    config.model_spec(model_dir)  # a --max-model-len beyond an id's context is refused here too
     return model_dir
 
 
@@ -143,7 +145,11 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
     """The request path over `fleet`: tokenizer, request preparation, admission, the service (app.state)."""
     tokenizer = load_tokenizer(model_dir)
     model_name = config.served_model_name or served_name(config.model, model_dir)
-    spec = read_model_spec(model_dir)
+    spec = config.model_spec(model_dir)  # max_model_len: --max-model-len's, else the model's
+    if spec.max_model_len > kv_tokens_per_worker:
+        print(f"pdserve: warning: the maximum context length ({spec.max_model_len} tokens) exceeds what a "
+              f"decode worker's KV cache holds for one request ({kv_tokens_per_worker} tokens): longer "
+              "requests get HTTP 400; raise --kv-cache-memory or lower --max-model-len", flush=True)
     app.state.preparer = Preparer(tokenizer, spec, model_name, kv_tokens_per_worker,
                                   config.default_max_tokens, fleet.block_size, config.tool_call_parser)
     app.state.token_texts = TokenTexts(tokenizer)  # logprobs show each token's own text
@@ -187,6 +193,16 @@ def announce(app: FastAPI, config: ServeConfig, backend: str, frontends: str = "
           f"with {layout}{frontends}", flush=True)
 
 
+def announce_kv(workers: list[Worker]) -> None:
+    """One line per worker: its KV capacity and how it was sized (also in GET /admin/pools)."""
+    for worker in workers:
+        kv = worker.runtime
+        if kv is not None:
+            print(f"pdserve: {worker.worker_id} ({worker.role.value}): KV cache {kv.num_kv_blocks} blocks = "
+                  f"{kv.num_kv_tokens} tokens, {kv.kv_cache_bytes / (1 << 20):.1f} MiB "
+                  f"(from {kv.kv_cache_source})", flush=True)
+
+
 def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> FastAPI:
     """The gateway: with `frontend`, one of several HTTP processes over a fleet actor; else the whole gateway
     in this process (fleet included)."""
@@ -213,6 +229,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
             plane.start(auto=config.ratio == "auto")
             app.state.control = plane
             announce(app, config, deployment.backend.value)
+            announce_kv(list(deployment.workers.values()))
             yield
         finally:
             await stop_tracing(app)

@@ -21,9 +21,11 @@ from gateway.requests.deadlines import DeadlinePolicy
 from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.tracing import check_endpoint
 from kv_transfer import TransferConfig
-from llm_engine import EngineConfig
+from llm_engine import EngineConfig, ModelSpec
 from llm_engine.hardware import resolve_dtype
+from llm_engine.kv_sizing import parse_memory
 from llm_engine.model_files import check_model_name, is_local_path
+from llm_engine.model_loader import read_model_spec
 from pool_worker import Role
 from pool_worker.runtime.model_source import ModelSource
 
@@ -105,9 +107,26 @@ class ServeConfig(BaseSettings):
                     "replays the last minute's traffic through the simulator on every layout and moves toward"
                     " the one it predicts best (default: none, no planner)")
     block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the engine's)")
+    # Sizing (llm_engine/kv_sizing.py; None: the engine's default).
+    max_model_len: int | None = Field(
+        None, ge=1,
+        description="prompt + output tokens one request may hold (default: the model's own context; more is "
+                    "refused)")
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="requests one forward may carry (default: the engine's, 64)")
+    kv_cache_memory: str | int | float | None = Field(
+        None,
+        description="KV cache per worker: bytes (2GiB, 512MiB) or a fraction of the free memory (0.2: of "
+                    "free RAM on a CPU, of free GPU memory on CUDA) as each worker starts (default: 512MiB "
+                    "on a CPU; on CUDA --gpu-memory-utilization decides); wins over --kv-cache-mib")
     kv_cache_mib: int | None = Field(
         None, ge=1,
-        description="KV cache budget per worker, MiB (default: the engine's)")
+        description="the old form of --kv-cache-memory NMiB, which wins when both are given (default: unset)")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1,
+        description="CUDA: share of the GPU's total memory each worker may use; the KV cache gets what the "
+                    "weights and activations leave (default: the engine's, 0.9; --kv-cache-memory overrides "
+                    "it)")
     max_num_batched_tokens: int | None = Field(
         None, ge=1,
         description="tokens per forward, the prefill chunk budget (default: the engine's)")
@@ -213,6 +232,13 @@ class ServeConfig(BaseSettings):
     def _traces_can_be_sent(cls, endpoint: str | None) -> str | None:
         return endpoint if endpoint is None else check_endpoint(endpoint)
 
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _kv_memory_parses(cls, value: str | int | float | None) -> str | int | float | None:
+        if value is not None:
+            parse_memory(value)
+        return value
+
     @field_validator("model")
     @classmethod
     def _model_is_a_dir_or_an_id(cls, model: str | None) -> str | None:
@@ -239,6 +265,14 @@ class ServeConfig(BaseSettings):
             raise ValueError("--ratio auto moves workers between roles, which the torch backend's fixed "
                              "process group cannot: use --backend nixl")
         prefill, decode, mixed = self.prefill or 0, self.decode or 0, self.mixed or 0
+        if self.gpu_memory_utilization is not None and not (self.device or "cpu").startswith("cuda"):
+            raise ValueError("--gpu-memory-utilization sizes a GPU's memory (--device cuda); on a CPU size "
+                             "the KV cache with --kv-cache-memory")
+        if self.model is not None and is_local_path(self.model) and self.max_model_len is not None:
+            try:
+                self.model_spec(self.model)  # a --max-model-len beyond the model's is refused here
+            except FileNotFoundError as error:
+                raise ValueError(f"--model: {error}") from None
         try:
             resolve_dtype(self.dtype or "auto", self.device or "cpu")
         except ValueError as error:
@@ -267,6 +301,23 @@ class ServeConfig(BaseSettings):
         data.update(cls.env_values())
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**data)  # type: ignore[arg-type]  # values from YAML, env and flags: validated here
+
+    def model_spec(self, model_dir: str) -> ModelSpec:
+        """The model's shape with the context this config allows (its own, or a shorter --max-model-len).
+
+        Raises:
+            ValueError: --max-model-len exceeds the model's context (the message names the flag).
+        """
+        return read_model_spec(model_dir).with_max_model_len(self.max_model_len)
+
+    def kv_memory_settings(self) -> dict[str, int | float]:
+        """The engine's KV memory fields for --kv-cache-memory (or the old --kv-cache-mib); empty: neither."""
+        if self.kv_cache_memory is not None:
+            amount = parse_memory(self.kv_cache_memory)
+            if amount.fraction is not None:
+                return {"kv_cache_fraction": amount.fraction}
+            return {"kv_cache_bytes": amount.num_bytes or 0}
+        return {} if self.kv_cache_mib is None else {"kv_cache_bytes": self.kv_cache_mib << 20}
 
     def local_prefill_policy(self) -> LocalPrefillPolicy:
         chosen = {"max_uncached_tokens": self.local_prefill_max_tokens,
@@ -306,7 +357,8 @@ class ServeConfig(BaseSettings):
     def deployment_config(self, model_dir: str) -> DeploymentConfig:
         engine_overrides: dict[str, object] = {
             "dtype": self.dtype, "device": self.device, "block_size": self.block_size,
-            "kv_cache_bytes": None if self.kv_cache_mib is None else self.kv_cache_mib << 20,
+            **self.kv_memory_settings(), "gpu_memory_utilization": self.gpu_memory_utilization,
+            "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "linear_kernel": self.linear_kernel,
             "max_prefill_s_beside_decode": self.max_prefill_s_beside_decode,
             "decode_attention": self.decode_attention,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,6 +16,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GemmaForCausalLM", "Phi3ForCausalLM")
 DECODE_ATTENTION_CHOICES = ("auto", "sdpa", "paged-kernel")
 MiB = 1 << 20
+# The KV cache of a CPU worker when no KV memory is named (on CUDA: gpu_memory_utilization decides).
+CPU_KV_CACHE_BYTES = 512 * MiB
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,13 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     block_size: int = 16  # tokens per KV block
-    kv_cache_bytes: int = 512 * MiB  # memory budget of the paged KV cache
+    # The paged KV cache's memory (llm_engine/kv_sizing.py): bytes, or a fraction of the device's free memory
+    # (RAM on a CPU, GPU memory on CUDA), at most one of them. Neither: CPU_KV_CACHE_BYTES on a CPU; on CUDA
+    # gpu_memory_utilization × the GPU's memory, less weights and activations.
+    kv_cache_bytes: int | None = None
+    kv_cache_fraction: float | None = None
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's total memory this worker may use (vLLM's)
+    max_model_len: int | None = None  # prompt + output tokens per request; None: the model's own
     max_num_batched_tokens: int = 512  # tokens one forward may carry (prefill chunking budget)
     max_num_seqs: int = 64  # requests one forward may carry
     # Seconds of prompt work one forward may add while requests decode on the same worker (a mixed worker,
@@ -64,13 +72,23 @@ class EngineConfig:
                             f"got {self.linear_kernel!r}")
         if self.block_size < 1:
             problems.append(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_cache_bytes < 1:
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             problems.append(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
+            problems.append(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.kv_cache_bytes is not None and self.kv_cache_fraction is not None:
+            problems.append("give kv_cache_bytes or kv_cache_fraction, not both")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            problems.append(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_prefill_s_beside_decode < 0:
             problems.append("max_prefill_s_beside_decode must be >= 0, got "
                             f"{self.max_prefill_s_beside_decode}")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            problems.append("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            problems.append(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if problems:
             raise ValueError("invalid engine config: " + "; ".join(problems))
 
@@ -88,6 +106,21 @@ class ModelSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    hidden_size: int
+    intermediate_size: int  # the MLP's width
     vocab_size: int
     max_model_len: int  # prompt + output tokens one request may hold
     eos_token_ids: tuple[int, ...]
+
+    def with_max_model_len(self, max_model_len: int | None) -> ModelSpec:
+        """This spec with a shorter context (None: as it is).
+
+        Raises:
+            ValueError: longer than the model's own context (its positions past that are untrained).
+        """
+        if max_model_len is None:
+            return self
+        if max_model_len > self.max_model_len:
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context of "
+                             f"{self.max_model_len} tokens")
+        return replace(self, max_model_len=max_model_len)

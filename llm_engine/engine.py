@@ -7,12 +7,15 @@ No Ray and no threads here: the pools wrap an engine in an actor and drive step(
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llm_engine.block_pool import BlockPool
 from llm_engine.config import EngineConfig, ModelSpec
+from llm_engine.hardware import device_memory
 from llm_engine.kv_cache_manager import KVCacheManager, blocks_for
+from llm_engine.kv_sizing import KVCapacity, plan_kv_cache
 from llm_engine.logprobs import PromptLogprobs, TopLogprobs
 from llm_engine.model_loader import LoadedModel, load_model
 from llm_engine.model_runner import ModelRunner
@@ -20,6 +23,7 @@ from llm_engine.request import Request
 from llm_engine.sampling import SamplingParams
 from llm_engine.scheduler import Scheduler
 
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -54,7 +58,8 @@ class Completion:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  scheduler_cls: type[Scheduler] = Scheduler, watermark: float = 0.0) -> None:
-        """Load the model (or adopt one load_model returned) and size the KV cache.
+        """Load the model (or adopt one load_model returned) and size the KV cache from the memory left
+        (llm_engine/kv_sizing.py).
 
         Args:
             scheduler_cls: the scheduler policy (a prefill worker keeps finished requests' blocks).
@@ -62,9 +67,12 @@ class LLMEngine:
         """
         loaded = loaded or load_model(config)
         self.config = config
-        self.spec: ModelSpec = loaded.spec
+        self.spec: ModelSpec = loaded.spec.with_max_model_len(config.max_model_len)  # as load_model's
         self.linear_kernel = loaded.linear_kernel
-        self.runner = ModelRunner(loaded.model, loaded.spec, config)
+        # Measured after the weights are in memory: on CUDA they count against gpu_memory_utilization.
+        self.kv_capacity: KVCapacity = plan_kv_cache(config, self.spec, device_memory(config.device))
+        logger.info("%s", self.kv_capacity.describe())
+        self.runner = ModelRunner(loaded.model, self.spec, config, self.kv_capacity.num_blocks)
         self.block_pool = BlockPool(self.runner.num_blocks)
         self.kv = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = self._make_scheduler(scheduler_cls, watermark)
@@ -97,7 +105,7 @@ class LLMEngine:
         if total > self.spec.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} "
-                f"exceeds the model's context of {self.spec.max_model_len} tokens"
+                f"exceeds the maximum context length of {self.spec.max_model_len} tokens"
             )
         for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]),
                           ("stop_token_ids", sampling.stop_token_ids)):

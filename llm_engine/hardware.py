@@ -1,4 +1,5 @@
-"""What the device runs natively: the dtype `auto` picks, read from the CPU's flags or the CUDA device.
+"""What the device offers: the dtype `auto` picks (read from the CPU's flags or the CUDA device), and its
+memory (what llm_engine/kv_sizing.py sizes the KV cache from).
 
 `--dtype auto` (the default, as in vLLM) is bfloat16 where the hardware computes it natively and float32
 elsewhere: on a CPU, native means AVX512_BF16 or AMX-BF16 (without them torch emulates bf16 in fp32 and is
@@ -7,6 +8,8 @@ no faster, measured on an AVX2-only AMD); on CUDA, any device that runs bf16 (fl
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,3 +54,41 @@ def resolve_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) 
             return "float16"
         return "bfloat16"
     return "bfloat16" if cpu_has_native_bf16(flags) else "float32"
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One device's memory, measured after the worker loaded its weights (bytes)."""
+
+    total: int  # RAM (MemTotal) or the GPU's memory
+    free: int  # RAM: MemAvailable; CUDA: free on the device now (every process counted)
+    weights: int  # CUDA: what torch holds for this process after the load (weights and buffers); CPU: 0
+    held: int  # CUDA: what torch's allocator reserves for this process (free to us, though not free); CPU: 0
+
+
+def ram() -> tuple[int, int]:
+    """(total, available) RAM in bytes: /proc/meminfo's MemTotal and MemAvailable (what can be allocated
+    without swapping, page cache included), else the free pages where there is none."""
+    path = Path("/proc/meminfo")
+    if path.is_file():
+        fields = {}
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(":")
+            if value.strip().endswith("kB"):
+                fields[name] = int(value.split()[0]) * 1024
+        if "MemTotal" in fields and "MemAvailable" in fields:
+            return fields["MemTotal"], fields["MemAvailable"]
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+
+
+def device_memory(device: str) -> DeviceMemory:
+    """The device's memory now: call it after the weights are loaded (their bytes count on CUDA)."""
+    if not device.startswith("cuda"):
+        total, available = ram()
+        return DeviceMemory(total=total, free=available, weights=0, held=0)
+    cuda = torch.device(device)
+    torch.cuda.empty_cache()  # the load's freed scratch is not ours to keep
+    free, total = torch.cuda.mem_get_info(cuda)
+    return DeviceMemory(total=total, free=free, weights=torch.cuda.memory_allocated(cuda),
+                        held=torch.cuda.memory_reserved(cuda))

@@ -71,6 +71,8 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
         num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        hidden_size=config.hidden_size,
+        intermediate_size=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
         vocab_size=config.vocab_size,
         max_model_len=max_model_len,
         eos_token_ids=eos_ids,
@@ -106,7 +108,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     global _num_loads
     _num_loads += 1
 
-    spec = read_model_spec(config.model_dir)
+    spec = read_model_spec(config.model_dir).with_max_model_len(config.max_model_len)
     paged_attention.register()
     model = AutoModelForCausalLM.from_pretrained(
         config.model_dir,

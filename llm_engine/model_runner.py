@@ -51,16 +51,19 @@ def choose_decode_attention(config: EngineConfig) -> tuple[str, DecodeKernel | N
 
 
 class ModelRunner:
-    def __init__(
-        self, model: PreTrainedModel, spec: ModelSpec, config: EngineConfig, num_blocks: int | None = None
-    ) -> None:
+    def __init__(self, model: PreTrainedModel, spec: ModelSpec, config: EngineConfig, num_blocks: int
+                 ) -> None:
+        """Args:
+            spec: the model's shape, its max_model_len the effective one (EngineConfig.max_model_len).
+            num_blocks: KV blocks to allocate (llm_engine/kv_sizing.py plan_kv_cache).
+        """
         self.model = model
         self.timeline = StepTimeline()  # every forward: when, how long, decode and prompt tokens
         self.spec = spec
         self.config = config
         self.device = torch.device(config.device)
         self.cache_spec = KVCacheSpec.from_model(spec, config)
-        self.num_blocks = num_blocks or self.cache_spec.num_blocks_for(config.kv_cache_bytes)
+        self.num_blocks = num_blocks
         # kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         self.kv_cache = self.cache_spec.allocate(self.num_blocks, self.device)
         # A table never covers more than the model's context (check_request) nor more blocks than exist.

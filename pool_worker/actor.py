@@ -104,6 +104,9 @@ class WorkerRuntime:
     cpu_ids: tuple[int, ...]  # cores the process is pinned to (all it may use when not pinned)
     kv_bytes_per_token: int  # KV bytes one token holds and moves between workers
     num_kv_blocks: int
+    num_kv_tokens: int  # what those blocks hold: the most one request may use here
+    kv_cache_bytes: int
+    kv_cache_source: str  # how its memory was sized (llm_engine/kv_sizing.py), e.g. "0.2 of 20 GiB free RAM"
 
 
 @dataclass(frozen=True)
@@ -190,10 +193,11 @@ class WorkerActor:
         engine: LLMEngine | None = getattr(self, "engine", None)
         if engine is None:
             return None
-        kernel = engine.linear_kernel
+        kernel, kv = engine.linear_kernel, engine.kv_capacity
         return WorkerRuntime(engine.config.dtype, kernel.kernel.value, kernel.reason, kernel.speedup,
                              engine.runner.decode_attention, self._num_threads, self._cpu_ids,
-                             engine.runner.cache_spec.bytes_per_token, engine.runner.num_blocks)
+                             engine.runner.cache_spec.bytes_per_token, kv.num_blocks, kv.num_tokens,
+                             kv.num_bytes, kv.source)
 
     async def set_role(self, role: str) -> WorkerInfo:
         """Serve as `role` from now on (see the lifecycle); raises RuntimeError if the worker still holds

@@ -1,7 +1,8 @@
 """Admin routes (admin key, or loopback without one): read and set the pool layout.
 
-GET /admin/pools  each worker's role, state, Ray node and load; the layout aimed at; a change in progress;
-                  the ratio controller's state and its recent decisions.
+GET /admin/pools  each worker's role, state, Ray node, load and KV capacity (total_kv_blocks,
+                  total_kv_tokens; its runtime says how the KV memory was sized); the layout aimed at; a
+                  change in progress; the ratio controller's state and its recent decisions.
 GET /admin/workers/{id}/steps  the worker's recent forwards: start, duration, decode and prompt tokens.
 PUT /admin/pools  {"prefill": N, "decode": M, "mixed": K} → checked (4xx before anything moves), then
                   applied one worker at a time (gateway/ratio/resize.py); answers the plan and what was done.

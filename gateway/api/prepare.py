@@ -7,8 +7,9 @@ prepare_completion() (one PreparedRequest per prompt of a batch) / prepare_chat(
        call's (gateway/api/tool_prompt.py);
     3. tokenize once (or render the chat template, with the tools), in a worker thread when the prompt or the
        conversation is long, so the event loop keeps streaming;
-    4. check the context (prompt + max_tokens) against the model, and prompt + n × max_tokens (the choices
-       share the prompt's KV) against one decode worker's;
+    4. check the context (prompt + max_tokens) against max_model_len (--max-model-len, else the model's),
+       and prompt + n × max_tokens (the choices share the prompt's KV) against one decode worker's: HTTP 400
+       in vLLM's words; a request that names no max_tokens gets what the context leaves (up to a default);
     5. hash the prompt's full blocks once (the router matches them against each worker's prefix cache).
 Bad input raises BadRequest (HTTP 4xx with the parameter named).
 """
@@ -53,6 +54,7 @@ LONG_PROMPT_TOKENS = 1024
 # A conversation of more messages than this is rendered in the worker thread whatever its length: the
 # template's cost grows with the messages (empty ones too), not only with the characters.
 LONG_CONVERSATION_MESSAGES = 32
+COMPLETION_MAX_TOKENS = 16  # max_tokens of a completion that names none (OpenAI's default)
 T = TypeVar("T")
 
 
@@ -99,7 +101,9 @@ class Preparer:
             if not prompt:
                 raise BadRequest("the prompt is empty", param="prompt")
             k = request.logprobs
-            max_tokens = 16 if request.max_tokens is None else request.max_tokens
+            max_tokens = request.max_tokens
+            if max_tokens is None:  # OpenAI's 16, within the context left (vLLM)
+                max_tokens = self._room_for(prompt, COMPLETION_MAX_TOKENS)
             # max_tokens 0 scores the prompt only: the engine samples one token, which the response drops.
             one = self._prepare(request, prompt, max(1, max_tokens), k is not None, k or 0,
                                 k if request.echo and k is not None else None,
@@ -135,12 +139,19 @@ class Preparer:
         prompt = await self.render_chat(request.messages, plan=plan)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, min(self.default_max_tokens, self.spec.max_model_len - len(prompt)))
+            max_tokens = self._room_for(prompt, self.default_max_tokens)
         prepared = self._prepare(request, prompt, max_tokens, request.logprobs, request.top_logprobs or 0,
                                  grammar=grammar or plan.grammar)
         request_id = request_id or RequestId.mint()
         return await self._hashed(replace(prepared, request_id=request_id.for_prompt(0, 1),
                                           parses_tool_calls=plan.parser is not None))
+
+    def _room_for(self, prompt: list[int], default: int) -> int:
+        """max_tokens of a request that names none: `default`, within the context the prompt leaves (as
+        vLLM: max_model_len - prompt) and one decode worker's KV; at least 1, so that a prompt that fills
+        the context alone is refused by name."""
+        limit = min(self.spec.max_model_len, self.max_request_tokens)
+        return max(1, min(default, limit - len(prompt)))
 
     def encode(self, text: str) -> list[int]:
         return self._encode(text)
@@ -192,23 +203,31 @@ class Preparer:
         grammar: GrammarSpec | None = None,
     ) -> PreparedRequest:
         total = len(prompt) + max_tokens
+        # vLLM's wording, which clients match on; param names what to shorten.
+        source = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
         if total > self.spec.max_model_len:
             raise BadRequest(
-                f"this model's maximum context length is {self.spec.max_model_len} tokens; the "
-                f"request asks for {total} ({len(prompt)} in the prompt, {max_tokens} to generate)",
-                param="max_tokens",
+                f"This model's maximum context length is {self.spec.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({len(prompt)} in the {source}, {max_tokens} in the completion). "
+                f"Please reduce the length of the {source} or completion.",
+                param=source if len(prompt) >= self.spec.max_model_len else "max_tokens",
                 code="context_length_exceeded",
             )
         num_sampled = request.num_sampled
         # The choices decode on one worker, sharing the prompt.
         num_kv = len(prompt) + num_sampled * max_tokens
         if num_kv > self.max_request_tokens:
-            choices = f" ({num_sampled} choices of {max_tokens} tokens)" if num_sampled > 1 else ""
+            completion = (f"{num_sampled} choices of {max_tokens} tokens" if num_sampled > 1
+                          else f"{max_tokens}")
             too_many = "n" if num_sampled == request.n else "best_of"
             raise BadRequest(
-                f"the request needs KV for {num_kv} tokens{choices}; one decode worker holds at most "
-                f"{self.max_request_tokens}",
-                param=too_many if num_sampled > 1 and total <= self.max_request_tokens else "max_tokens",
+                f"This request needs KV cache for {num_kv} tokens ({len(prompt)} in the {source}, "
+                f"{completion} in the completion), but a decode worker holds at most "
+                f"{self.max_request_tokens} tokens for one request. Please reduce the length of the {source} "
+                "or completion.",
+                param=(too_many if num_sampled > 1 and total <= self.max_request_tokens
+                       else source if len(prompt) >= self.max_request_tokens else "max_tokens"),
+                code="context_length_exceeded",
             )
         is_greedy = request.temperature < MIN_TEMPERATURE or request.top_p < MIN_TOP_P
         self._check_token_ids(request)

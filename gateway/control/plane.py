@@ -142,8 +142,8 @@ class ControlPlane:
             ratio_changes=dict(self.controller.changes))
 
     async def pools(self) -> dict[str, object]:
-        """GET /admin/pools: each worker's role, state, node and load; the layout aimed at; a change in
-        progress; the ratio controller's state and its recent decisions."""
+        """GET /admin/pools: each worker's role, state, node, load and KV capacity; the layout aimed at; a
+        change in progress; the ratio controller's state and its recent decisions."""
         deployment, controller = self.deployment, self.controller
         loads = {x.worker_id: x for x in await deployment.loads()}
         pools = deployment.health()
@@ -164,7 +164,9 @@ class ControlPlane:
                           "queued_prompt_tokens": load.num_queued_prompt_tokens,
                           "transferring": load.num_transferring, "free_kv_blocks": load.num_free_blocks,
                           "used_kv_blocks": load.num_total_blocks - load.num_free_blocks,
-                          "total_kv_blocks": load.num_total_blocks}
+                          "total_kv_blocks": load.num_total_blocks,
+                          # The most one request may hold here (the engine refuses more).
+                          "total_kv_tokens": load.num_total_blocks * deployment.config.engine.block_size}
             workers.append(entry)
         change = self.resizer.current_plan
         return {

@@ -41,7 +41,7 @@ def engine(tiny_llama_dir: Path) -> LLMEngine:
 
 
 def test_prompt_longer_than_context(engine: LLMEngine) -> None:
-    with pytest.raises(ValueError, match="exceeds the model's context of 1024 tokens"):
+    with pytest.raises(ValueError, match="exceeds the maximum context length of 1024 tokens"):
         engine.add_request([1] * 1020, SamplingParams(max_tokens=10))
 
 

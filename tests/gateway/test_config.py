@@ -84,3 +84,39 @@ def test_metrics_require_key_is_a_switch_off_by_default() -> None:
     assert build_parser().parse_args(["serve", "--metrics-require-key"]).metrics_require_key is True
     assert build_parser().parse_args(["serve"]).metrics_require_key is None  # the field's default: off
     assert ServeConfig().metrics_require_key is False
+
+
+def test_sizing_settings_reach_the_engine() -> None:
+    engine = ServeConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
+                         kv_cache_memory="3GiB", kv_cache_mib=5).deployment_config("m").engine
+    assert (engine.max_model_len, engine.max_num_seqs, engine.max_num_batched_tokens) == (256, 8, 128)
+    assert (engine.kv_cache_bytes, engine.kv_cache_fraction) == (3 << 30, None)  # --kv-cache-memory wins
+    assert ServeConfig(kv_cache_mib=5).deployment_config("m").engine.kv_cache_bytes == 5 << 20
+    fraction = ServeConfig(kv_cache_memory="0.2").deployment_config("m").engine
+    assert (fraction.kv_cache_bytes, fraction.kv_cache_fraction) == (None, 0.2)
+    cuda = ServeConfig(device="cuda", gpu_memory_utilization=0.5).deployment_config("m").engine
+    assert cuda.gpu_memory_utilization == 0.5
+    default = ServeConfig().deployment_config("m").engine
+    assert (default.kv_cache_bytes, default.kv_cache_fraction, default.max_model_len) == (None, None, None)
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--kv-cache-memory", "2XB"], "--kv-cache-memory: '2XB': give bytes with a unit"),
+    (["--kv-cache-memory", "1.5"], "--kv-cache-memory: 1.5: give bytes with a unit"),
+    (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization sizes a GPU's memory (--device cuda)"),
+    (["--gpu-memory-utilization", "1.5", "--device", "cuda"],
+     "--gpu-memory-utilization: Input should be less"),
+    (["--max-num-seqs", "0"], "--max-num-seqs: Input should be greater than or equal to 1"),
+])
+def test_cli_refuses_bad_sizing_naming_the_flag(flags: list[str], needle: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "pdserve", "serve", *flags], capture_output=True,
+                            text=True)
+    assert result.returncode == 2
+    assert needle in result.stderr
+
+
+def test_cli_refuses_a_max_model_len_beyond_the_model(tiny_llama_dir: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--model", str(tiny_llama_dir),
+                             "--max-model-len", "4096"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "--max-model-len 4096 exceeds the model's context of 1024 tokens" in result.stderr
