@@ -19,7 +19,7 @@ FIELDS = list(ServeConfig.model_fields)
 
 
 # Text fields whose values are checked: a valid one each.
-VALID_TEXT = {"otlp_traces_endpoint": "http://localhost:4318/v1/traces"}
+VALID_TEXT = {"otlp_traces_endpoint": "http://localhost:4318/v1/traces", "kv_cache_memory": "2GiB"}
 
 
 def sample(field: str, tmp_path: Path) -> Any:
@@ -31,6 +31,8 @@ def sample(field: str, tmp_path: Path) -> Any:
         return str(tmp_path / "profile.json")
     if field in VALID_TEXT:
         return VALID_TEXT[field]
+    if field == "gpu_memory_utilization":  # a share, with --device cuda (base_flags)
+        return 0.5
     info = ServeConfig.model_fields[field]
     kind = _value_type(info.annotation)
     if kind is bool:
@@ -54,6 +56,7 @@ def base_flags(field: str) -> list[str]:
     # A layout that serves whatever one role count is set to; the old name `colocated` stands alone.
     # --revision goes with a model id (its form is checked here; nothing is fetched).
     model = ["--model", "org/name"] if field == "revision" else []
+    model += ["--device", "cuda"] if field == "gpu_memory_utilization" else []
     return model + ([] if field in ("colocated", "prefill", "decode", "mixed") else ["--mixed", "1"])
 
 
