@@ -40,15 +40,25 @@ def is_healthy(url: str) -> bool:
 
 
 def stop(child: subprocess.Popen[bytes], stop_s: float) -> int:
-    """SIGTERM to the child's process group, SIGKILL if it is still there after stop_s; its exit status."""
-    for sig, wait_s in ((signal.SIGTERM, stop_s), (signal.SIGKILL, 30.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, sig)
-        try:
-            return child.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            continue
+    """SIGTERM to the child's process group, SIGKILL to whatever of the group is left after stop_s; the
+    child's exit status."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGTERM)
+    deadline = time.monotonic() + stop_s
+    while time.monotonic() < deadline and _group_alive(child.pid):
+        child.poll()  # reaps the child itself, so that only the rest of its group keeps the group alive
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGKILL)
     return child.wait()
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def run_once(command: list[str], args: argparse.Namespace, stopping: list[bool]) -> int:
@@ -59,9 +69,14 @@ def run_once(command: list[str], args: argparse.Namespace, stopping: list[bool])
     last_healthy = started
     while True:
         try:
-            return child.wait(timeout=args.check_every_s)
+            status = child.wait(timeout=args.check_every_s)
         except subprocess.TimeoutExpired:
             pass
+        else:
+            # What it left behind in its group (uvicorn's frontends, a local Ray it started) would hold its
+            # port and its fleet's name: the next run starts clean.
+            stop(child, min(args.stop_s, 10.0))
+            return status
         if stopping[0]:
             return stop(child, args.stop_s)
         if args.health_url is None:

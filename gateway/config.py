@@ -74,6 +74,12 @@ class ServeConfig(BaseModel):
     # Environment of every worker process, e.g. {"UCX_NET_DEVICES": "mlx5_0:1"} (deploy/README.md).
     worker_env: dict[str, str] | None = None
     placement_timeout_s: float | None = Field(default=None, gt=0)  # start-up's wait for Ray to place workers
+    autoscale_wait_s: float | None = Field(
+        default=None, gt=0,
+        description="The cluster autoscales (KubeRay in-tree, `ray up`): PUT /admin/pools accepts a layout "
+                    "larger than the resources free now, its new workers wait pending (their resource "
+                    "demands reach Ray's autoscaler) up to this many seconds each, then are given up as "
+                    "unplaceable. None: such a layout is refused (400).")
     max_waiting: int = Field(default=256, ge=0)  # requests that may wait for decode KV capacity
     max_waiting_tokens: int | None = Field(default=None, ge=0)  # tokens that may wait; default: the capacity
     queue_timeout_s: float = Field(default=60.0, gt=0)
@@ -188,7 +194,7 @@ class ServeConfig(BaseModel):
                             Role.MIXED: self.mixed_resources}
         placement: dict[str, object] = {
             "num_gpus_per_worker": self.gpus_per_worker, "num_cpus_per_worker": self.cpus_per_worker,
-            "placement_timeout_s": self.placement_timeout_s,
+            "placement_timeout_s": self.placement_timeout_s, "autoscale_wait_s": self.autoscale_wait_s,
         }
         if self.gpus_per_worker is None and engine.device.startswith("cuda"):
             placement["num_gpus_per_worker"] = 1.0

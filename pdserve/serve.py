@@ -73,6 +73,10 @@ _SERVE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--placement-timeout-s", float, "how long start-up waits for Ray to place every worker before it serves "
                                      "with those placed, or fails naming what no node offers (default: "
                                      "gateway/fleet/config.py)"),
+    ("--autoscale-wait-s", float, "the Ray cluster autoscales: PUT /admin/pools accepts layouts beyond "
+                                  "the resources free now; new workers wait pending for a node up to this "
+                                  "many seconds, then are given up as unplaceable (default: off, such a "
+                                  "layout is refused)"),
     ("--max-waiting", int, "requests that may wait for decode KV capacity before 429"),
     ("--max-waiting-tokens", int, "tokens (prompt + max_tokens) that may wait before 429 (default: the KV)"),
     ("--queue-timeout-s", float, "seconds a request may wait for capacity before 429"),
