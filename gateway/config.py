@@ -188,6 +188,13 @@ class ServeConfig(BaseSettings):
         None, gt=0,
         description="how long start-up waits for Ray to place every worker before it serves with those "
                     "placed, or fails naming what no node offers (default: gateway/fleet/config.py's)")
+    autoscale_wait_s: float | None = Field(
+        None, gt=0,
+        description="the cluster autoscales (KubeRay in-tree, `ray up`): PUT /admin/pools accepts a layout "
+                    "larger than the resources free now; its new workers wait pending (their resource "
+                    "demands reach Ray's autoscaler) up to this many seconds each, then are given up as "
+                    "unplaceable "
+                    "(default: off, such a layout is refused with a 400)")
     max_waiting: int = Field(
         256, ge=0,
         description="requests that may wait for decode KV capacity before 429")
@@ -369,7 +376,7 @@ class ServeConfig(BaseSettings):
                             Role.MIXED: self.mixed_resources}
         placement: dict[str, object] = {
             "num_gpus_per_worker": self.gpus_per_worker, "num_cpus_per_worker": self.cpus_per_worker,
-            "placement_timeout_s": self.placement_timeout_s,
+            "placement_timeout_s": self.placement_timeout_s, "autoscale_wait_s": self.autoscale_wait_s,
         }
         if self.gpus_per_worker is None and engine.device.startswith("cuda"):
             placement["num_gpus_per_worker"] = 1.0

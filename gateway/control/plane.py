@@ -20,7 +20,10 @@ import dataclasses
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import ray
+
 from gateway.fleet.deployment import PDDeployment
+from gateway.fleet.placement import pending_reason
 from gateway.fleet.workers import WorkerState
 from gateway.ratio.books import RoutingBooks
 from gateway.ratio.controller import ControllerPolicy, Decision, RatioController
@@ -148,6 +151,7 @@ class ControlPlane:
         loads = {x.worker_id: x for x in await deployment.loads()}
         pools = deployment.health()
         workers: list[dict[str, object]] = []
+        available: dict[str, float] | None = None  # Ray's free resources, read once if a worker is pending
         for worker in list(deployment.workers.values()):
             entry: dict[str, object] = {"worker_id": worker.worker_id, "role": worker.role.value,
                                         "state": worker.state.value,
@@ -155,6 +159,9 @@ class ControlPlane:
                                         "pid": worker.pid}
             if worker.next_role is not None:
                 entry["next_role"] = worker.next_role.value
+            if worker.state is WorkerState.PENDING:  # why it waits, and until when (an added one)
+                available = available if available is not None else ray.available_resources()
+                entry["pending_reason"] = pending_reason(worker, deployment.config, available)
             if worker.runtime is not None:  # dtype, GEMM kernel, threads, cores, KV bytes per token
                 entry["runtime"] = dataclasses.asdict(worker.runtime)
             load = loads.get(worker.worker_id)

@@ -38,6 +38,9 @@ class DeploymentConfig:
     # How long start-up waits for Ray to place every worker; then it serves with those placed if they can
     # serve (the rest stay pending), else fails naming what no node offers. Autoscaled nodes take minutes.
     placement_timeout_s: float = 300.0
+    # The cluster autoscales: a layout beyond the resources free now is accepted (gateway/ratio/resize.py)
+    # and each added worker waits pending this long for a node before it is given up. None: refused.
+    autoscale_wait_s: float | None = None
     start_timeout_s: float = 300.0  # a placed worker that has not loaded its model by then is given up
 
     def __post_init__(self) -> None:

@@ -39,6 +39,7 @@ import contextlib
 import contextvars
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
@@ -207,18 +208,20 @@ class PDDeployment:
                                "change the pools")
 
     async def add_worker(self, role: Role) -> str:
-        """Start one more worker in `role` and connect it; returns its id. If it does not come up (not
-        placed in time, start() failed, cancelled), its actor is killed, it is forgotten and the target is
-        what it was."""
+        """Start one more worker in `role` and connect it; returns its id. It waits PENDING for a node up to
+        autoscale_wait_s where the cluster autoscales, else placement_timeout_s. If it does not come up (not
+        placed in time: unplaceable; start() failed; cancelled), its actor is killed (its resource demand
+        withdrawn), it is forgotten and the target is what it was."""
         self._check_can_change()
         worker = self._create(Role(role))
+        wait_s = self.config.autoscale_wait_s or self.config.placement_timeout_s
+        worker.placement_deadline = time.time() + wait_s
         self.target[role] += 1
         try:
             try:
-                await asyncio.wait_for(wait_placed(worker), self.config.placement_timeout_s)
+                await asyncio.wait_for(wait_placed(worker), wait_s)
             except TimeoutError:
-                raise PlacementTimeout(describe_unplaced([worker], self.config,
-                                                         self.config.placement_timeout_s)) from None
+                raise PlacementTimeout(describe_unplaced([worker], self.config, wait_s)) from None
             await self._bring_up(worker)
         except BaseException:
             self.target[role] -= 1

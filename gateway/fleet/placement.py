@@ -5,8 +5,11 @@
     placement() (node id, node IP) → STARTING: it loads the model on that node → ACTIVE
     (gateway/fleet/deployment.py).
 A worker no node can take stays PENDING as long as that lasts (Ray keeps it queued and places it when a node
-with the resources joins); /health and /admin/pools report it. The torch group meets on its first rank's
-node: that node's IP as Ray knows it, and a port free there (never the gateway's loopback).
+with the resources joins; its resource demand is what Ray's autoscaler adds nodes for); /health and
+/admin/pools report it, with why (pending_reason). A worker added by PUT /admin/pools waits at most its
+placement_deadline, then is given up (its actor killed, so its demand is withdrawn). The torch group meets
+on its first rank's node: that node's IP as Ray knows it, and a port free there (never the gateway's
+loopback).
 """
 
 from __future__ import annotations
@@ -47,6 +50,34 @@ def actor_options(config: DeploymentConfig, role: Role, name: str) -> dict[str, 
     return options
 
 
+def resource_request(config: DeploymentConfig, role: Role) -> dict[str, float]:
+    """What one worker in `role` asks Ray for: CPUs, GPUs (if any), its role's custom resources."""
+    request: dict[str, float] = {"CPU": config.num_cpus_per_worker, **config.role_resources.get(role, {})}
+    if config.num_gpus_per_worker:
+        request["GPU"] = config.num_gpus_per_worker
+    return request
+
+
+def pending_reason(worker: Worker, config: DeploymentConfig, available: dict[str, float]) -> str:
+    """Why a PENDING worker waits, for /admin/pools: what it asks for, what is short in the cluster, and
+    until when it waits.
+
+    Args:
+        available: ray.available_resources(), read once by the caller for every pending worker.
+    """
+    request = resource_request(config, worker.role)
+    short = {name: available.get(name, 0.0) for name, amount in request.items()
+             if amount > available.get(name, 0.0) + 1e-9}
+    reason = (f"no node has {request} free (free in the cluster now: {short}); Ray places it as soon as a "
+              "node that offers them joins, which Ray's autoscaler starts for this demand if the cluster "
+              "autoscales" if short else
+              f"asks for {request}: free in the cluster in total, but not on one node, or Ray is placing it")
+    if worker.placement_deadline is not None:
+        given_up = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(worker.placement_deadline))
+        reason += f"; given up as unplaceable at {given_up} (--autoscale-wait-s)"
+    return reason
+
+
 async def wait_placed(worker: Worker) -> None:
     """Wait, however long, until Ray has placed `worker`; then it is STARTING on a known node."""
     placement = await worker.client.placement()
@@ -82,12 +113,8 @@ async def torch_rendezvous(first_rank: Worker) -> str:
 def describe_unplaced(unplaced: list[Worker], config: DeploymentConfig, waited_s: float) -> str:
     """A message for the operator: what could not be placed, what it asks for, what the cluster offers."""
     counts = Counter(w.role for w in unplaced)
-    asks = []
-    for role, count in counts.items():
-        request: dict[str, float] = {"CPU": config.num_cpus_per_worker, **config.role_resources.get(role, {})}
-        if config.num_gpus_per_worker:
-            request["GPU"] = config.num_gpus_per_worker
-        asks.append(f"{count} {role.value} worker(s), each asking for {request}")
+    asks = [f"{count} {role.value} worker(s), each asking for {resource_request(config, role)}"
+            for role, count in counts.items()]
     offers = []
     for node in ray.nodes():
         if node.get("Alive"):

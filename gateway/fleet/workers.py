@@ -67,6 +67,7 @@ class Worker:
     pid: int | None = None  # the actor's process on that node (None while PENDING)
     cpu_slot: int | None = None  # its slot among the live workers of its node: which cores it pins to
     runtime: WorkerRuntime | None = None  # dtype, GEMM kernel, threads and cores, as start() reported them
+    placement_deadline: float | None = None  # Unix time an added PENDING worker is given up (add_worker)
 
     @property
     def is_active(self) -> bool:

@@ -1,7 +1,10 @@
 """Setting the pool layout at runtime (`PUT /admin/pools`): plan, check, then apply one worker at a time.
 
-    PoolLayout (the body) → check(): can it serve? can the backend change? does Ray have room? → 4xx if not
-      → plan_moves(): role changes decode ⇄ mixed (instant: only the routing changes), then workers to add,
+    PoolLayout (the body) → check(): can it serve? can the backend change? does Ray have room (or does the
+      cluster autoscale: --autoscale-wait-s)? → 4xx if not
+      → plan_moves(): role changes decode ⇄ mixed (instant: only the routing changes), then workers to add
+        (all at once: each waits PENDING until Ray places it, so every resource demand reaches Ray's
+        autoscaler together; one not placed within its wait is given up as unplaceable),
         then role changes to or from prefill (drain, then rebuild in place: same process, same weights),
         then workers to drain. Adds come before the moves that take a worker out of service, so capacity
         never dips below the smaller of the two layouts.
@@ -15,6 +18,7 @@ torch-backend deployment (its process group is fixed at start).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,6 +27,7 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.fleet.deployment import PDDeployment
+from gateway.fleet.placement import PlacementTimeout
 from gateway.ratio.books import RoutingBooks
 from pool_worker import Role
 
@@ -169,11 +174,17 @@ class PoolResizer:
         available = ray.available_resources()
         short = {name: (amount, available.get(name, 0.0)) for name, amount in needed.items()
                  if amount > available.get(name, 0.0) + 1e-9}
-        if short:
-            what = ", ".join(f"{amount:g} {name} ({free:g} free)"
-                             for name, (amount, free) in sorted(short.items()))
-            raise ResizeRefused(f"the layout needs {len(added)} more workers, asking for {what} from the "
-                                "Ray cluster")
+        if not short:
+            return
+        what = ", ".join(f"{amount:g} {name} ({free:g} free)"
+                         for name, (amount, free) in sorted(short.items()))
+        if config.autoscale_wait_s is not None:  # the autoscaler adds nodes for the pending workers' demands
+            logger.info("pools: the layout needs %s; the new workers wait for nodes up to %g s", what,
+                        config.autoscale_wait_s)
+            return
+        raise ResizeRefused(f"the layout needs {len(added)} more workers, asking for {what} from the Ray "
+                            "cluster (where the cluster autoscales, serve with --autoscale-wait-s to let "
+                            "them wait for new nodes)")
 
     async def apply(self, moves: list[Move], grace_s: float = DRAIN_GRACE_S) -> ResizeResult:
         """Carry out the moves in order; stops at the first that fails (the rest do not run).
@@ -188,21 +199,44 @@ class PoolResizer:
             self.current_plan = result
             started = time.monotonic()
             try:
-                for move in moves:
-                    result.done.append(await self._apply_one(move, grace_s))
+                index = 0
+                while index < len(moves):
+                    adds = list(itertools.takewhile(lambda m: m.action == "add", moves[index:]))
+                    if adds:
+                        await self._add_all(adds, result)
+                        index += len(adds)
+                        continue
+                    result.done.append(await self._apply_one(moves[index], grace_s))
                     logger.info("pools: %s", result.done[-1])
+                    index += 1
             except Exception as error:
                 # The answer names the move and the kind of failure only: a Ray error's text carries remote
-                # tracebacks, actor ids and addresses (the log has it all).
+                # tracebacks, actor ids and addresses (the log has it all). A placement timeout's text is
+                # ours: what the workers ask for and what the live nodes offer.
                 failed = moves[len(result.done)].describe()
                 result.error = (f"the move {len(result.done) + 1} of {len(moves)} ({failed['action']} "
                                 f"{failed['role']}) failed: {type(error).__name__}")
+                if isinstance(error, PlacementTimeout):
+                    result.error += f" (unplaceable, given up and its resources released: {error})"
                 logger.exception("pools: the change stopped after %d of %d moves", len(result.done),
                                  len(moves))
             finally:
                 result.seconds = time.monotonic() - started
                 self.current_plan = None
             return result
+
+    async def _add_all(self, adds: list[Move], result: ResizeResult) -> None:
+        """Consecutive adds at once, so that Ray (and its autoscaler) sees every new worker's demand together
+        rather than one node at a time; raises the first failure once all have ended (a failed add has
+        already killed its actor and taken its target back)."""
+        async def add(move: Move) -> None:
+            result.done.append(await self._apply_one(move, 0.0))
+            logger.info("pools: %s", result.done[-1])
+
+        outcomes = await asyncio.gather(*(add(move) for move in adds), return_exceptions=True)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:
+            raise failures[0]
 
     async def _apply_one(self, move: Move, grace_s: float) -> str:
         if move.action == "add":

@@ -1,30 +1,27 @@
-"""deploy/ is checked, not just written: `ray-cluster.yaml` against Ray's own cluster-config schema, the
-KubeRay manifests against the CRDs' OpenAPI v3 schemas (../shared/kuberay-crds/), plain Kubernetes objects
-(the Service, every pod template) with kubernetes-validate; the commands they run parse with pdserve's CLI,
-the serving YAML they name loads, and every node group offers the custom resource its role asks for."""
+"""deploy/ is checked, not just written: `ray-cluster.yaml` against Ray's own cluster-config schema (its image
+the one the kustomize base names, the gateway under the supervisor), plain Kubernetes objects with
+kubernetes-validate; every pdserve command the files run (ray up, both KubeRay overlays, the Dockerfile)
+parses with pdserve's CLI and the serving YAML it names loads; the Dockerfile installs the Makefile's runtime
+set on Ray's image of the Ray pdserve runs. The KubeRay manifests themselves: test_kuberay.py."""
 
 from __future__ import annotations
 
-import gzip
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import kubernetes_validate
-import pytest
 import ray
 import yaml
 
 from gateway.config import ServeConfig
 from pdserve.main import build_parser
 from pool_worker import Role
+from tests.deploy.kuberay import DEPLOY, OVERLAYS, REPO, gateway_container, image_reference, raycluster_of
 
-REPO = Path(__file__).resolve().parents[2]
-DEPLOY = REPO / "deploy"
-SHARED_CRDS = REPO.parent / "shared" / "kuberay-crds"  # the shared copy, where it lies beside the checkout
-VENDORED_CRDS = Path(__file__).parent / "kuberay_crds"  # the same files, gzipped, for any other machine
 # Where the manifests find the checkout: ray up copies it to ~/pdserve, the image holds it at /app.
 CHECKOUT_PREFIXES = ("~/pdserve/", "/app/")
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -56,87 +53,30 @@ def test_ray_cluster_yaml_matches_rays_own_schema_and_offers_each_roles_resource
     assert not head["resources"] and any("--num-cpus=0" in c for c in cluster["head_start_ray_commands"])
 
 
-def _crd_text(name: str) -> str:
-    if (SHARED_CRDS / name).is_file():
-        return (SHARED_CRDS / name).read_text()
-    return gzip.decompress((VENDORED_CRDS / f"{name}.gz").read_bytes()).decode()
-
-
-def _crd_schema(name: str, api_version: str) -> dict[str, Any]:
-    crd = yaml.safe_load(_crd_text(name))
-    version = api_version.split("/")[1]
-    [entry] = [v for v in crd["spec"]["versions"] if v["name"] == version and v["served"]]
-    return entry["schema"]["openAPIV3Schema"]
-
-
-def unknown_fields(instance: Any, schema: dict[str, Any], at: str = "") -> list[str]:
-    """Fields the schema does not define: Kubernetes would drop them silently, so a typo would vanish."""
-    found = []
-    if isinstance(instance, dict) and "properties" in schema and not schema.get(
-            "x-kubernetes-preserve-unknown-fields"):
-        for key, value in instance.items():
-            if key not in schema["properties"]:
-                found.append(f"{at}.{key}")
-            else:
-                found += unknown_fields(value, schema["properties"][key], f"{at}.{key}")
-    elif isinstance(instance, dict) and isinstance(schema.get("additionalProperties"), dict):
-        for key, value in instance.items():
-            found += unknown_fields(value, schema["additionalProperties"], f"{at}.{key}")
-    elif isinstance(instance, list) and "items" in schema:
-        for i, item in enumerate(instance):
-            found += unknown_fields(item, schema["items"], f"{at}[{i}]")
-    return found
-
-
-@pytest.mark.parametrize(("manifest", "crd"), [("kuberay/raycluster.yaml", "ray.io_rayclusters.yaml"),
-                                               ("kuberay/rayjob.yaml", "ray.io_rayjobs.yaml")])
-def test_kuberay_manifests_match_the_crd_schemas(manifest: str, crd: str) -> None:
-    resource = load(manifest)
-    schema = _crd_schema(crd, resource["apiVersion"])
-    jsonschema.Draft4Validator(schema).validate(resource)
-    assert unknown_fields(resource, schema) == []
-
-
-def _pod_templates(cluster: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    groups = {"head": cluster["spec"]["headGroupSpec"]}
-    groups |= {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
-    return {name: group["template"] for name, group in groups.items()}
+def test_the_ray_up_cluster_runs_pdserves_image_and_supervises_the_gateway() -> None:
+    cluster = load("ray-cluster.yaml")
+    assert cluster["docker"]["image"] == image_reference()  # the one place: kustomize's images:
+    for node_type in cluster["available_node_types"].values():  # no fall-back to Ray's old default AMI
+        assert node_type["node_config"]["ImageId"].startswith("resolve:ssm:/aws/service/deeplearning/")
+    [gateway] = [c for c in cluster["head_start_ray_commands"] if "pdserve" in c]
+    assert "deploy/supervise.py --health-url http://127.0.0.1:8000/health -- pdserve serve" in gateway
+    assert "make install" not in json.dumps(cluster)  # nothing installed on the nodes: the image has it all
 
 
 def test_plain_kubernetes_objects_are_valid() -> None:
-    kubernetes_validate.validate(load("kuberay/service.yaml"), K8S_VERSION, strict=True)
-    for name, template in _pod_templates(load("kuberay/raycluster.yaml")).items():
-        pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
-                        "template": template}
-        kubernetes_validate.validate(pod_template, K8S_VERSION, strict=True)
-
-
-def test_the_raycluster_groups_offer_each_roles_resource_and_the_service_reaches_the_gateway() -> None:
-    cluster = load("kuberay/raycluster.yaml")
-    offered = []
-    for group in cluster["spec"]["workerGroupSpecs"]:
-        # KubeRay passes the value to `ray start --resources` as is: a quoted JSON object.
-        offered.append(json.loads(json.loads(group["rayStartParams"]["resources"])))
-        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-        assert limits["nvidia.com/gpu"] == "1"
-    for role, resources in multi_node_roles().items():
-        assert resources in offered, f"no worker group offers the {role.value} workers' {resources}"
-    service = load("kuberay/service.yaml")
-    [head] = _pod_templates(cluster)["head"]["spec"]["containers"]
-    assert service["spec"]["ports"][0]["targetPort"] in [p["containerPort"] for p in head["ports"]]
-    name = cluster["metadata"]["name"]
-    assert service["spec"]["selector"]["ray.io/cluster"] == name
-    assert load("kuberay/rayjob.yaml")["spec"]["clusterSelector"]["ray.io/cluster"] == name
+    kubernetes_validate.validate(load("kuberay/base/service.yaml"), K8S_VERSION, strict=True)
+    kubernetes_validate.validate(load("kuberay/overlays/pvc-model/pvc.yaml"), K8S_VERSION, strict=True)
 
 
 def pdserve_commands() -> list[tuple[str, list[str]]]:
     """(where, argv after `pdserve`) of every pdserve command the deployment files run."""
     found = []
     cluster = load("ray-cluster.yaml")
-    for command in [*cluster["setup_commands"], *cluster["head_start_ray_commands"]]:
+    for command in [*cluster["head_setup_commands"], *cluster["head_start_ray_commands"]]:
         found += [("ray-cluster.yaml", argv) for argv in _pdserve_in(command)]
-    entrypoint = load("kuberay/rayjob.yaml")["spec"]["entrypoint"]
-    found += [("rayjob.yaml", argv) for argv in _pdserve_in(entrypoint)]
+    for overlay in OVERLAYS:
+        gateway = gateway_container(raycluster_of(overlay))
+        found += [(f"{overlay} gateway", argv) for argv in _pdserve_in(shlex.join(gateway["command"]))]
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     for line in dockerfile.replace("\\\n", " ").splitlines():
         if line.startswith("CMD "):
@@ -162,8 +102,8 @@ def _pdserve_in(shell: str) -> list[list[str]]:
 
 def test_the_commands_they_run_are_pdserve_commands_with_those_flags() -> None:
     found = pdserve_commands()
-    assert {where for where, _ in found} >= {"ray-cluster.yaml", "rayjob.yaml", "Dockerfile CMD",
-                                             "Dockerfile RUN"}
+    assert {where for where, _ in found} >= {"ray-cluster.yaml", "Dockerfile CMD", "Dockerfile RUN",
+                                             *(f"{o} gateway" for o in OVERLAYS)}
     for where, argv in found:
         args = build_parser().parse_args(argv)  # an unknown command or flag exits here
         config_path = getattr(args, "config", None)
@@ -171,5 +111,26 @@ def test_the_commands_they_run_are_pdserve_commands_with_those_flags() -> None:
             local = next(REPO / config_path[len(p):] for p in CHECKOUT_PREFIXES if config_path.startswith(p))
             assert local.is_file(), f"{where}: {config_path}"
             ServeConfig.from_yaml(local)
+    models = [argv[argv.index("--model") + 1] for _, argv in found if "--model" in argv]
+    assert sorted(models) == ["/models/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct"]  # one per overlay
+
+
+def _dockerfile_arg(name: str) -> str:
+    [value] = re.findall(rf"^ARG {name}=(\S+)$", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE)
+    return value
+
+
+def test_the_image_is_rays_own_of_the_pinned_ray_with_the_makefiles_runtime_set() -> None:
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "FROM rayproject/ray:${RAY_VERSION}-py311-${VARIANT}" in dockerfile
+    assert _dockerfile_arg("RAY_VERSION") == ray.__version__  # the Ray pdserve is tested with
+    assert load("kuberay/base/raycluster.yaml")["spec"]["rayVersion"] == ray.__version__
+    # The runtime set of `make install`: the same torch pin by default, the same --no-deps pins, no [dev].
     makefile = (REPO / "Makefile").read_text()
-    assert "\ninstall: $(STAMP)\n" in makefile  # what the Dockerfile and ray-cluster.yaml run
+    install = makefile[makefile.index("$(STAMP):"):makefile.index("$(DEV_STAMP):")]
+    assert f"TORCH_SPEC ?= {_dockerfile_arg('TORCH_SPEC')}" in makefile
+    for pin in re.findall(r"--no-deps (\S+==\S+)", install):
+        assert pin in dockerfile, pin
+    assert "[dev]" not in dockerfile and "USER ray" in dockerfile
+    assert dockerfile.index("COPY --chown=ray:users pyproject.toml") < dockerfile.index(
+        "pip install --quiet -c /tmp/constraints.txt -r") < dockerfile.index("COPY --chown=ray:users . /app")
