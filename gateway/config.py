@@ -142,6 +142,12 @@ class ServeConfig(BaseSettings):
         1, ge=1, le=64,
         description="HTTP frontend processes on that port, sharing one fleet of workers (in a named Ray "
                     "actor); one that dies is restarted (1: the whole gateway in one process)")
+    fleet_name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="keep the workers in a detached Ray actor of this name that outlives the gateway "
+                    "process (needs --address: a cluster that outlives it too): a gateway started again with "
+                    "the same settings, e.g. by a supervisor, rejoins it and finds its workers as they were; "
+                    "with other settings it replaces them (default: none, the workers stop with the gateway)")
     api_key: str | None = Field(
         None,
         description="require this Bearer key on /v1 routes, and on /metrics with --metrics-require-key "
@@ -268,6 +274,9 @@ class ServeConfig(BaseSettings):
             self.mixed, self.colocated = self.colocated, None
         if self.prefill is None and self.decode is None and self.mixed is None:
             self.prefill, self.decode = 1, 1
+        if self.fleet_name is not None and self.ray_address is None:
+            raise ValueError("--fleet-name keeps the workers beyond the gateway process, in a Ray cluster "
+                             "that outlives it: give --address too (a local Ray ends with the gateway)")
         if self.ratio == "auto" and self.backend == "torch":
             raise ValueError("--ratio auto moves workers between roles, which the torch backend's fixed "
                              "process group cannot: use --backend nixl")

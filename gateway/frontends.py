@@ -8,6 +8,10 @@
         connections across them); one that dies is started again (its own connections are lost: the
         fleet ends its streams on the workers once it stops reporting; the other frontends' carry on)
       → on SIGINT / SIGTERM: the frontends stop, then the fleet (every worker), then Ray if ours.
+    A named fleet (--fleet-name, on a cluster: --address) is a detached actor instead: it outlives this
+    process, which leaves it running when it ends. The next supervisor with the same settings rejoins it
+    (its workers as they were: layout, cached prefixes, running streams' KV), so a gateway restarted by
+    deploy/supervise.py or the kubelet costs no weight load; one with other settings replaces it.
     frontend (gateway/app.py create_app(config, FrontendSpec), built by frontend_app() in each child):
       joins the supervisor's Ray, finds the fleet actor, mirrors its workers, serves.
 Why uvicorn's own supervisor: it is what `uvicorn --workers N` runs (fork-free spawn, health pings,
@@ -21,6 +25,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from typing import Any
 
@@ -28,6 +33,7 @@ import ray
 
 from gateway.app import RAY_NAMESPACE
 from gateway.config import ServeConfig
+from gateway.fleet.config import DeploymentConfig
 
 # The child reads its settings from here: uvicorn builds each frontend from an import string.
 FRONTEND_ENV = "PDSERVE_FRONTEND"
@@ -64,20 +70,22 @@ def serve_frontends(config: ServeConfig) -> None:
     from uvicorn.supervisors import Multiprocess
 
     from gateway.app import resolve_model_dir
-    from gateway.control.fleet_actor import FleetActor
 
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address=config.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
                  configure_logging=False)
-    name = f"pdserve-fleet-{uuid.uuid4().hex[:6]}"
-    # The fleet's loop does control work only (no request passes through it): it needs no CPU of its own.
-    fleet: Any = ray.remote(FleetActor).options(name=name, num_cpus=0, max_concurrency=1000).remote()
+    deployment = config.deployment_config(resolve_model_dir(config))
+    is_named = config.fleet_name is not None
+    name = f"pdserve-fleet-{config.fleet_name if is_named else uuid.uuid4().hex[:6]}"
+    fleet, is_rejoined = open_fleet(name, deployment, outlives=is_named)
     metrics_dir = tempfile.mkdtemp(prefix="pdserve-metrics-")
     try:
-        deployment = config.deployment_config(resolve_model_dir(config))
-        ray.get(fleet.start.remote(deployment, config.controller_policy(), config.local_prefill_policy(),
-                                   config.ratio == "auto", config.planner_settings()))
+        if is_rejoined:
+            print(f"pdserve: rejoined fleet {name} and its workers", flush=True)
+        else:
+            ray.get(fleet.start.remote(deployment, config.controller_policy(), config.local_prefill_policy(),
+                                       config.ratio == "auto", config.planner_settings()))
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         os.environ[FRONTEND_ENV] = json.dumps({
             "config": config.model_dump(mode="json"), "fleet_actor": name,
@@ -89,10 +97,45 @@ def serve_frontends(config: ServeConfig) -> None:
               f"http://{config.host}:{config.port}", flush=True)
         Multiprocess(server, sockets=[server.bind_socket()]).run()
     finally:
-        with contextlib.suppress(Exception):  # already gone, or stuck: the kill below ends it
-            ray.get(fleet.shutdown.remote(), timeout=60)
-        ray.kill(fleet)
+        if not is_named:  # a named fleet outlives this process (see the module's docstring)
+            stop_fleet(fleet)
         shutil.rmtree(metrics_dir, ignore_errors=True)
         if started_ray:
             ray.shutdown()
 
+
+def open_fleet(name: str, deployment: DeploymentConfig, outlives: bool) -> tuple[Any, bool]:
+    """The fleet actor `name`, and whether it has started already: a new one; or, when it `outlives` this
+    process (detached), the one running under that name if it started with these settings, else a new one
+    in its place."""
+    from gateway.control.fleet_actor import FleetActor
+
+    # The fleet's loop does control work only (no request passes through it): it needs no CPU of its own.
+    options: dict[str, Any] = {"name": name, "num_cpus": 0, "max_concurrency": 1000}
+    if not outlives:
+        return ray.remote(FleetActor).options(**options).remote(), False
+    options.update(lifetime="detached", get_if_exists=True)
+    fleet = ray.remote(FleetActor).options(**options).remote()
+    started = ray.get(fleet.started_config.remote())
+    if started is None or started == deployment:
+        return fleet, started is not None
+    print(f"pdserve: fleet {name} runs other settings: replacing it and its workers", flush=True)
+    stop_fleet(fleet)
+    deadline = time.monotonic() + 60
+    while _is_named_actor(name) and time.monotonic() < deadline:  # the name is free once it is gone
+        time.sleep(0.5)
+    return ray.remote(FleetActor).options(**options).remote(), False
+
+
+def _is_named_actor(name: str) -> bool:
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        return False
+    return True
+
+
+def stop_fleet(fleet: Any) -> None:
+    with contextlib.suppress(Exception):  # already gone, or stuck: the kill below ends it
+        ray.get(fleet.shutdown.remote(), timeout=60)
+    ray.kill(fleet)

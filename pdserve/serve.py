@@ -69,7 +69,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     # Before Ray starts: a model id that cannot be resolved fails here, naming --model.
     resolve_model_dir(config)
-    if config.api_server_count > 1:
+    if config.api_server_count > 1 or config.fleet_name is not None:  # the fleet in an actor of its own
         from gateway.frontends import serve_frontends
 
         serve_frontends(config)

@@ -12,7 +12,9 @@
         aborting what it was streaming to it (its admission shares died with its process)
     shutdown(): every worker actor stopped.
 It outlives any frontend: a frontend that dies loses only its own connections, and its restart joins the
-same fleet. The actor runs in the supervisor's Ray job; the supervisor kills it at the end.
+same fleet. The actor runs in the supervisor's Ray job; the supervisor kills it at the end, unless it is a
+named fleet (--fleet-name): then it is detached and outlives the supervisor too, and a supervisor started
+again with the same DeploymentConfig (started_config()) rejoins it, workers and all (gateway/frontends.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class FleetActor:
         self._recent = RecentLatencies()
         self._traffic = RecentTraffic()
         self._expiry: asyncio.Task[None] | None = None
+        self._config: DeploymentConfig | None = None  # what start() was given: a rejoining gateway compares
 
     async def start(self, config: DeploymentConfig, policy: ControllerPolicy,
                     local_prefill: LocalPrefillPolicy, auto: bool, planning: PlannerSettings | None = None
@@ -68,7 +71,12 @@ class FleetActor:
             raise
         deployment.on_change.append(self._bump)
         self._expiry = asyncio.create_task(self._expire_frontends())
+        self._config = config
         return self._info
+
+    def started_config(self) -> DeploymentConfig | None:
+        """The settings this fleet started with; None: not started (or stopped)."""
+        return self._config
 
     def _bump(self) -> None:
         self._version += 1
@@ -147,6 +155,7 @@ class FleetActor:
                         worker.client.close_channels(frontend_id)
 
     async def shutdown(self) -> None:
+        self._config = None
         if self._expiry is not None:
             self._expiry.cancel()
         if self._plane is not None:

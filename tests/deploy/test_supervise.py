@@ -1,7 +1,8 @@
 """The gateway started the way deploy/ starts it (deploy/supervise.py around `pdserve serve`, joining a Ray
 cluster; --api-server-count 2 as on a head) and then hurt: a killed HTTP frontend is started again by the
 gateway itself and the workers keep their state (same actors, same processes); a killed gateway process is
-started again by the supervisor and serves with a new fleet. A local Ray cluster (tests/cluster/
+started again by the supervisor and rejoins its named fleet (--fleet-name, as deploy/serve.multi-node.yaml
+sets): the same workers, their layout as it was changed. A local Ray cluster (tests/cluster/
 local_cluster.py) stands for the head's Ray, which outlives the gateway process there too."""
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def frontends(gateway: psutil.Process) -> list[psutil.Process]:
     return found
 
 
-def test_a_killed_frontend_or_gateway_comes_back_and_serves(cluster: LocalRayCluster,
+def test_a_killed_frontend_or_gateway_comes_back_to_the_same_workers(cluster: LocalRayCluster,
                                                             tiny_chat_model_dir: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -79,7 +80,7 @@ def test_a_killed_frontend_or_gateway_comes_back_and_serves(cluster: LocalRayClu
                "--check-every-s", "1", "--", sys.executable, "-m", "pdserve", "serve",
                "--address", cluster.address, "--api-server-count", "2", "--model", str(tiny_chat_model_dir),
                "--served-model-name", MODEL, "--mixed", "1", "--kv-cache-mib", "2", "--dtype", "float32",
-               "--port", str(port)]
+               "--port", str(port), "--fleet-name", "supervised"]
     supervisor = subprocess.Popen(command, env=cluster.env, cwd=REPO, stdout=log.open("wb"),
                                   stderr=subprocess.STDOUT)
     try:
@@ -94,16 +95,18 @@ def test_a_killed_frontend_or_gateway_comes_back_and_serves(cluster: LocalRayClu
         wait_for("the frontends back", lambda: len(frontends(gateway)) == 2 and serves(url), 120, log)
         assert workers(url) == before and gateway.is_running()
 
-        # The gateway process dies: the supervisor starts it again, with a new fleet.
+        # The gateway process dies: the supervisor starts it again, and it rejoins the fleet, whose workers
+        # carried on (no weights loaded again).
         gateway.kill()
         supervising = psutil.Process(supervisor.pid)
         wait_for("a new gateway", lambda: any(p.pid != gateway.pid for p in supervising.children())
                  and serves(url), 300, log)
-        after = workers(url)
-        assert len(after) == 1 and after != before
+        assert workers(url) == before
         assert "supervise: the command ended" in log.read_text()
+        assert "rejoined fleet pdserve-fleet-supervised" in log.read_text()
     finally:
-        supervisor.send_signal(signal.SIGTERM)  # the supervisor stops the gateway, which stops its workers
+        # The supervisor stops the gateway; the named fleet outlives it, until the cluster stops.
+        supervisor.send_signal(signal.SIGTERM)
         try:
             assert supervisor.wait(150) is not None
         except subprocess.TimeoutExpired:

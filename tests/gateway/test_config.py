@@ -120,3 +120,11 @@ def test_cli_refuses_a_max_model_len_beyond_the_model(tiny_llama_dir: Path) -> N
                              "--max-model-len", "4096"], capture_output=True, text=True)
     assert result.returncode == 2
     assert "--max-model-len 4096 exceeds the model's context of 1024 tokens" in result.stderr
+
+
+def test_a_named_fleet_needs_a_cluster_that_outlives_the_gateway() -> None:
+    with pytest.raises(ValueError, match=r"--fleet-name .* give --address"):
+        ServeConfig(fleet_name="main")
+    with pytest.raises(ValueError, match="fleet_name"):
+        ServeConfig(fleet_name="no spaces", ray_address="auto")
+    assert ServeConfig(fleet_name="main", ray_address="auto").fleet_name == "main"

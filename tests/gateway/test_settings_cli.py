@@ -19,7 +19,8 @@ FIELDS = list(ServeConfig.model_fields)
 
 
 # Text fields whose values are checked: a valid one each.
-VALID_TEXT = {"otlp_traces_endpoint": "http://localhost:4318/v1/traces", "kv_cache_memory": "2GiB"}
+VALID_TEXT = {"otlp_traces_endpoint": "http://localhost:4318/v1/traces", "kv_cache_memory": "2GiB",
+              "fleet_name": "main"}
 
 
 def sample(field: str, tmp_path: Path) -> Any:
@@ -57,6 +58,7 @@ def base_flags(field: str) -> list[str]:
     # --revision goes with a model id (its form is checked here; nothing is fetched).
     model = ["--model", "org/name"] if field == "revision" else []
     model += ["--device", "cuda"] if field == "gpu_memory_utilization" else []
+    model += ["--address", "auto"] if field == "fleet_name" else []
     return model + ([] if field in ("colocated", "prefill", "decode", "mixed") else ["--mixed", "1"])
 
 
