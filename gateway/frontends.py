@@ -115,7 +115,7 @@ def open_fleet(name: str, deployment: DeploymentConfig, outlives: bool) -> tuple
     if not outlives:
         return ray.remote(FleetActor).options(**options).remote(), False
     options.update(lifetime="detached", get_if_exists=True)
-    fleet = ray.remote(FleetActor).options(**options).remote()
+    fleet: Any = ray.remote(FleetActor).options(**options).remote()
     started = ray.get(fleet.started_config.remote())
     if started is None or started == deployment:
         return fleet, started is not None
