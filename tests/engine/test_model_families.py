@@ -48,7 +48,7 @@ def test_a_sliding_window_caps_the_context_and_tokens_within_it_are_exact(tmp_pa
     prompts = random_prompts([30, 40], 1000)
     completions = engine.generate(prompts, GREEDY)  # 40 + 8 = 48: the whole window, not past it
     assert [list(c.output_token_ids) for c in completions] == hf_greedy(model_dir, prompts, GREEDY.max_tokens)
-    with pytest.raises(ValueError, match="context of 48 tokens"):
+    with pytest.raises(ValueError, match="context length of 48 tokens"):
         engine.generate(random_prompts([41], 1000), GREEDY)
     assert engine.block_pool.is_whole()
 
