@@ -12,11 +12,14 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,6 +117,22 @@ class LocalRayCluster:
             if node.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{what} did not start; see {node.log}: {node.log.read_text()[-2000:]}")
             time.sleep(0.3)
+
+
+@contextlib.contextmanager
+def running_cluster(prefix: str, *nodes: dict[str, float], num_cpus: int = 1) -> Iterator[LocalRayCluster]:
+    """A head and one worker node per resource dict in `nodes` (each with `num_cpus`), all stopped after.
+    The work directory is short (`/tmp/<prefix>…`): Ray's socket paths must stay short."""
+    work_dir = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    cluster = LocalRayCluster(work_dir)
+    try:
+        cluster.start_head()
+        for resources in nodes:
+            cluster.add_node(resources, num_cpus)
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 def kill_tree(pid: int) -> None:

@@ -8,8 +8,6 @@ why, its actor is gone and the layout is what it was."""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster.local_cluster import LocalRayCluster
+from tests.cluster.local_cluster import LocalRayCluster, running_cluster
 from tests.cluster.test_multi_node import DECODE, PREFILL, greedy_over_http, pdserve, wait_for
 from tests.conftest import hf_greedy, random_prompts
 
@@ -29,16 +27,8 @@ AUTOSCALE_WAIT_S = 90
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalRayCluster]:
-    work_dir = Path(tempfile.mkdtemp(prefix="pda-", dir="/tmp"))  # short: Ray's socket paths must stay short
-    ray_cluster = LocalRayCluster(work_dir)
-    try:
-        ray_cluster.start_head()
-        ray_cluster.add_node(PREFILL)
-        ray_cluster.add_node(DECODE)
+    with running_cluster("pda-", PREFILL, DECODE) as ray_cluster:
         yield ray_cluster
-    finally:
-        ray_cluster.stop()
-        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 def put_in_background(url: str, layout: dict[str, int]) -> tuple[threading.Thread, list[httpx.Response]]:

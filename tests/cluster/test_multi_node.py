@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +22,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from tests.cluster.local_cluster import REPO, LocalRayCluster, RayNode, free_port, kill_tree
+from tests.cluster.local_cluster import REPO, LocalRayCluster, RayNode, free_port, kill_tree, running_cluster
 from tests.conftest import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
@@ -36,16 +34,8 @@ DECODE = {"pdserve_decode": 1.0}
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalRayCluster]:
-    work_dir = Path(tempfile.mkdtemp(prefix="pdc-", dir="/tmp"))  # short: Ray's socket paths must stay short
-    ray_cluster = LocalRayCluster(work_dir)
-    try:
-        ray_cluster.start_head()
-        ray_cluster.add_node(PREFILL)
-        ray_cluster.add_node(DECODE)
+    with running_cluster("pdc-", PREFILL, DECODE) as ray_cluster:
         yield ray_cluster
-    finally:
-        ray_cluster.stop()
-        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager

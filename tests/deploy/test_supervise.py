@@ -8,11 +8,9 @@ local_cluster.py) stands for the head's Ray, which outlives the gateway process 
 from __future__ import annotations
 
 import contextlib
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.cluster.local_cluster import REPO, LocalRayCluster, free_port, kill_tree
+from tests.cluster.local_cluster import REPO, LocalRayCluster, free_port, kill_tree, running_cluster
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
@@ -30,15 +28,8 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalRayCluster]:
-    work_dir = Path(tempfile.mkdtemp(prefix="pds-", dir="/tmp"))  # short: Ray's socket paths must stay short
-    ray_cluster = LocalRayCluster(work_dir)
-    try:
-        ray_cluster.start_head()
-        ray_cluster.add_node({}, num_cpus=2)
+    with running_cluster("pds-", {}, num_cpus=2) as ray_cluster:
         yield ray_cluster
-    finally:
-        ray_cluster.stop()
-        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 def wait_for(what: str, check: Any, timeout_s: float, log: Path) -> None:
