@@ -16,13 +16,11 @@ its request on both workers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -36,6 +34,7 @@ from gateway.api.admin import router as admin_routes
 from gateway.api.auth import require_api_key
 from gateway.api.body_guard import BodyGuard
 from gateway.api.delivery import BoundedStreamingResponse
+from gateway.api.disconnect import ClientGone, unless_client_leaves
 from gateway.api.errors import documented, install_error_handlers, without_validation_422
 from gateway.api.http_counts import HttpCounts
 from gateway.api.logprob_format import TokenTexts
@@ -55,44 +54,19 @@ from gateway.control.plane import ControlPlane, build_planner, decode_kv_tokens
 from gateway.control.remote_fleet import FleetLink, RemoteFleet
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.view import FleetView
-from gateway.fleet.workers import Worker
 from gateway.requests.admission import Admission, admission_capacity
 from gateway.requests.service import GatewayService, PreparedRequest
+from gateway.startup import announce, announce_kv, resolve_model_dir
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.tracing import RequestTracer, trace_headers
-from llm_engine.model_files import ModelNotFoundError, resolve_model, served_name
-from llm_engine.model_loader import load_tokenizer, read_model_spec
+from llm_engine.model_files import served_name
+from llm_engine.model_loader import load_tokenizer
 from pool_worker import Role
-from pool_worker.runtime.process_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 RAY_NAMESPACE = "pdserve"
-
-
-def resolve_model_dir(config: ServeConfig) -> str:
-    """The gateway's own copy of the model's config and tokenizer: a directory as given, a Hugging Face id
-    through this machine's cache (each worker resolves the weights on its node: ModelSource).
-
-    Raises:
-        ModelNotFoundError: the id cannot be resolved here; the message names --model.
-        ValueError: the model's architecture is not one the engine serves; the message names --model.
-    """
-    if config.model is None:
-        from llm_engine.default_model import prepare_default_model
-
-        return str(prepare_default_model())
-    try:
-        model_dir = str(resolve_model(config.model, config.revision, weights=False))
-    except ModelNotFoundError as error:
-        raise ModelNotFoundError(f"--model {error}") from None
-    try:
-        read_model_spec(model_dir)  # here, not in every worker's traceback
-    except ValueError as error:
-        raise ValueError(f"--model {config.model}: {error}") from None
-    config.model_spec(model_dir)  # a --max-model-len beyond an id's context is refused here too
-    return model_dir
 
 
 # What each kind of route documents beyond its 200 (errors.documented gives OpenAI's error body).
@@ -100,35 +74,6 @@ _GENERATE = documented(400, 401, 404, 413, 415, 429, 503)
 # With "stream": true: events whose data is a JSON chunk of the 200 model, the last one "[DONE]".
 _SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
                                          "properties": {"data": {"type": "string"}}}}}
-
-
-class ClientGone(Exception):
-    """The client closed its connection before its response started."""
-
-
-async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it if the client disconnects first (then ClientGone)."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        # The body is already read: the next ASGI message is the disconnect, whenever it comes.
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()  # or the work's own exception
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    raise ClientGone()
 
 
 @dataclass(frozen=True)
@@ -182,25 +127,6 @@ def traced(service: GatewayService, prepared: PreparedRequest, request: Request)
     if service.tracer is None:
         return prepared
     return dataclasses.replace(prepared, trace_headers=trace_headers(request.headers))
-
-
-def announce(app: FastAPI, config: ServeConfig, backend: str, frontends: str = "") -> None:
-    freeze_startup_heap()  # a full collection over the imported libraries would stall every stream
-    app.state.started = time.time()
-    layout = (f"{config.prefill or 0} prefill + {config.decode or 0} decode + {config.mixed or 0} "
-              f"mixed workers (KV transfer: {backend}; ratio {config.ratio})")
-    print(f"pdserve: serving {app.state.service.model_name} on http://{config.host}:{config.port} "
-          f"with {layout}{frontends}", flush=True)
-
-
-def announce_kv(workers: list[Worker]) -> None:
-    """One line per worker: its KV capacity and how it was sized (also in GET /admin/pools)."""
-    for worker in workers:
-        kv = worker.runtime
-        if kv is not None:
-            print(f"pdserve: {worker.worker_id} ({worker.role.value}): KV cache {kv.num_kv_blocks} blocks = "
-                  f"{kv.num_kv_tokens} tokens, {kv.kv_cache_bytes / (1 << 20):.1f} MiB "
-                  f"(from {kv.kv_cache_source})", flush=True)
 
 
 def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> FastAPI:

@@ -69,7 +69,7 @@ def serve_frontends(config: ServeConfig) -> None:
     import uvicorn
     from uvicorn.supervisors import Multiprocess
 
-    from gateway.app import resolve_model_dir
+    from gateway.startup import resolve_model_dir
 
     started_ray = not ray.is_initialized()
     if started_ray:

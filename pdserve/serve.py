@@ -65,7 +65,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"pdserve serve: error: {error}", file=sys.stderr)
         return 2
-    from gateway.app import resolve_model_dir
+    from gateway.startup import resolve_model_dir
 
     # Before Ray starts: a model id that cannot be resolved fails here, naming --model.
     resolve_model_dir(config)

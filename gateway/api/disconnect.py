@@ -1,0 +1,42 @@
+"""A client that leaves before its response starts: the work it asked for is cancelled (ClientGone), so a
+request nobody waits for any more frees its place in the line and its workers at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its response started."""
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first (then ClientGone)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        # The body is already read: the next ASGI message is the disconnect, whenever it comes.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()  # or the work's own exception
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientGone()

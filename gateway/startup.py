@@ -1,0 +1,58 @@
+"""What the gateway does before it serves, whichever way it runs (one process, or a fleet and frontends):
+find the model's config and tokenizer here (resolve_model_dir), then say what it serves (announce, and each
+worker's KV capacity: announce_kv)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI
+
+from gateway.config import ServeConfig
+from gateway.fleet.workers import Worker
+from llm_engine.model_files import ModelNotFoundError, resolve_model
+from llm_engine.model_loader import read_model_spec
+from pool_worker.runtime.process_heap import freeze_startup_heap
+
+
+def resolve_model_dir(config: ServeConfig) -> str:
+    """The gateway's own copy of the model's config and tokenizer: a directory as given, a Hugging Face id
+    through this machine's cache (each worker resolves the weights on its node: ModelSource).
+
+    Raises:
+        ModelNotFoundError: the id cannot be resolved here; the message names --model.
+        ValueError: the model's architecture is not one the engine serves; the message names --model.
+    """
+    if config.model is None:
+        from llm_engine.default_model import prepare_default_model
+
+        return str(prepare_default_model())
+    try:
+        model_dir = str(resolve_model(config.model, config.revision, weights=False))
+    except ModelNotFoundError as error:
+        raise ModelNotFoundError(f"--model {error}") from None
+    try:
+        read_model_spec(model_dir)  # here, not in every worker's traceback
+    except ValueError as error:
+        raise ValueError(f"--model {config.model}: {error}") from None
+    config.model_spec(model_dir)  # a --max-model-len beyond an id's context is refused here too
+    return model_dir
+
+
+def announce(app: FastAPI, config: ServeConfig, backend: str, frontends: str = "") -> None:
+    freeze_startup_heap()  # a full collection over the imported libraries would stall every stream
+    app.state.started = time.time()
+    layout = (f"{config.prefill or 0} prefill + {config.decode or 0} decode + {config.mixed or 0} "
+              f"mixed workers (KV transfer: {backend}; ratio {config.ratio})")
+    print(f"pdserve: serving {app.state.service.model_name} on http://{config.host}:{config.port} "
+          f"with {layout}{frontends}", flush=True)
+
+
+def announce_kv(workers: list[Worker]) -> None:
+    """One line per worker: its KV capacity and how it was sized (also in GET /admin/pools)."""
+    for worker in workers:
+        kv = worker.runtime
+        if kv is not None:
+            print(f"pdserve: {worker.worker_id} ({worker.role.value}): KV cache {kv.num_kv_blocks} blocks = "
+                  f"{kv.num_kv_tokens} tokens, {kv.kv_cache_bytes / (1 << 20):.1f} MiB "
+                  f"(from {kv.kv_cache_source})", flush=True)
