@@ -23,7 +23,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TypeVar
 
 import ray
 from fastapi import Depends, FastAPI, Request
@@ -65,7 +64,6 @@ from llm_engine.model_loader import load_tokenizer
 from pool_worker import Role
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 RAY_NAMESPACE = "pdserve"
 
 
