@@ -32,10 +32,10 @@ def resolve_model_dir(config: ServeConfig) -> str:
     except ModelNotFoundError as error:
         raise ModelNotFoundError(f"--model {error}") from None
     try:
-        read_model_spec(model_dir)  # here, not in every worker's traceback
+        spec = read_model_spec(model_dir)  # here, not in every worker's traceback
     except ValueError as error:
         raise ValueError(f"--model {config.model}: {error}") from None
-    config.model_spec(model_dir)  # a --max-model-len beyond an id's context is refused here too
+    spec.with_max_model_len(config.max_model_len)  # a --max-model-len beyond the context: refused here too
     return model_dir
 
 
