@@ -28,6 +28,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -157,14 +158,20 @@ def measure(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     config = EngineConfig(args.model, dtype=args.dtype, device="cpu",
                           kv_cache_bytes=max(1 << 30, tokens_needed * spec_bytes * 11 // 10),
                           max_num_batched_tokens=max(2048, *args.prefill_lens), max_num_seqs=64)
+    load_start = time.perf_counter()
     engine = LLMEngine(config)
+    load_s = time.perf_counter() - load_start
     kernel = getattr(engine, "linear_kernel", None)
+    compilation = getattr(engine, "compilation", None)
     vocab = engine.spec.vocab_size
     generator = torch.Generator().manual_seed(seed)
     result: dict[str, Any] = {
         "engine_file": llm_engine.__file__, "decode": {}, "prefill": {}, "gemm": {},
         "kernel": None if kernel is None else f"{kernel.kernel.value} ({kernel.reason})",
-        "weight_bytes": weight_bytes(bare), "kv_bytes_per_token": spec_bytes,
+        "weight_bytes": weight_bytes(bare), "kv_bytes_per_token": spec_bytes, "load_s": load_s,
+        "compile": "eager (no lean body in this tree)" if compilation is None
+        else f"{compilation.mode} ({compilation.reason})",
+        "decode_attention": getattr(engine.runner, "decode_attention", "?"),
     }
     for batch, context in decode_shapes:
         prompts = torch.randint(0, vocab, (batch, context), generator=generator)
@@ -192,12 +199,16 @@ def copy_bandwidth(threads: int) -> float:
     return 2 * src.numel() * 4 / best
 
 
-def run_child(tree: Path, args: argparse.Namespace, dtype: str, threads: int, seed: int) -> dict[str, Any]:
+def run_child(tree: Path, mode: str, args: argparse.Namespace, dtype: str, threads: int, seed: int,
+              cache_dir: Path) -> dict[str, Any]:
     command = [sys.executable, str(HERE), "--child", "--seed", str(seed), "--model", args.model,
                "--dtypes", dtype, "--threads", str(threads), "--decode", ",".join(args.decode),
                "--prefill-lens", ",".join(map(str, args.prefill_lens)),
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # --compile by environment (a tree from before the flag ignores it); one inductor cache per setting, new
+    # for the run: a compiled engine's first round is a cold start, its later rounds warm ones.
+    env = {**os.environ, "PYTHONPATH": str(tree), "PDSERVE_COMPILE": mode,
+           "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{tree} ({dtype}, {threads} threads) failed:\n{done.stderr[-3000:]}")
@@ -256,6 +267,17 @@ def report(rounds: dict[str, list[dict[str, Any]]], vllm: dict[str, Any] | None,
     return lines
 
 
+def startup(rounds: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Each engine's load time per round (weights, linear probe, compile and warm-up; the first round of a
+    compiled engine starts with an empty inductor cache, later ones with a warm one) and what it ran."""
+    lines = ["Engine start (LLMEngine construction), s per round: "]
+    for name, per_round in rounds.items():
+        loads = ", ".join(f"{r.get('load_s', float('nan')):.1f}" for r in per_round)
+        lines.append(f"- {name}: {loads}; body {per_round[0].get('compile', '?')}; decode attention "
+                     f"{per_round[0].get('decode_attention', '?')}")
+    return lines
+
+
 def _vllm_notes(vllm: dict[str, Any]) -> str:
     """vLLM's version, kernels and compilation, as its run reported them."""
     gemms = sorted(set(dict(vllm.get("gemm", {})).values()))
@@ -293,6 +315,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="decode steps run first and not counted")
     parser.add_argument("--repeats", type=int, default=2, help="rounds (per tree)")
     parser.add_argument("--against", type=Path, default=None, help="a tree holding an earlier llm_engine/")
+    parser.add_argument("--compile-modes", type=words, default=["on", "auto"],
+                        help="--compile values each tree runs with, side by side (eager vs compiled)")
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's column")
     parser.add_argument("--vllm-venv", type=Path, default=Path("/work/vllm-venv"))
     parser.add_argument("--seed", type=int, default=0)
@@ -312,14 +336,17 @@ def main() -> None:
     from benchmarks.vllm_baseline import measure_vllm_engine
     from llm_engine.hardware import cpu_flags
 
-    trees = {"before": args.against.resolve()} if args.against else {}
-    trees["after" if args.against else "this"] = THIS_TREE
+    tree_paths = {"before": args.against.resolve()} if args.against else {}
+    tree_paths["after" if args.against else "this"] = THIS_TREE
+    # Engines side by side: each tree with each --compile mode ("this off", "this on", ...).
+    trees = {(f"{name} {mode}" if len(args.compile_modes) > 1 else name): (path, mode)
+             for name, path in tree_paths.items() for mode in args.compile_modes}
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
     lines = [
         f"# Engine step time ({datetime.now(UTC):%Y-%m-%d}, {platform.node()}, {cpu_name()})", "",
         f"CPU flags (vector/matrix): {' '.join(flags)}.",
         f"Model `{Path(args.model).name}`, cpu. "
-        f"Trees: {', '.join(f'{n} = `{p}`' for n, p in trees.items())}. "
+        f"Engines: {', '.join(f'{n} = `{p}` --compile {m}' for n, (p, m) in trees.items())}. "
         f"{args.repeats} rounds per tree, alternating which goes first; decode: {args.steps} steps per round "
         f"after {args.warmup} warm-up steps, median of each round (figures: median of the rounds' medians, "
         "min–max in brackets); prefill: one step per round after a warm-up prompt of the same length.",
@@ -329,24 +356,33 @@ def main() -> None:
     for dtype in args.dtypes:
         for threads in args.threads:
             rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+            cache_dir = Path(tempfile.mkdtemp(prefix="pdserve-inductor-"))
             for index in range(args.repeats):
                 order = list(trees) if index % 2 == 0 else list(reversed(trees))
                 for name in order:
-                    rounds[name].append(run_child(trees[name], args, dtype, threads, seed=index))
+                    path, mode = trees[name]
+                    rounds[name].append(run_child(path, mode, args, dtype, threads, index, cache_dir))
                     print(f"{dtype} {threads}t round {index + 1}/{args.repeats} {name}: done",
                           file=sys.stderr, flush=True)
             vllm = None
+            vllm_failure = ""
             if not args.no_vllm:
-                vllm = measure_vllm_engine(Path(args.model), dtype, threads, args.repeats,
-                                           venv=args.vllm_venv,
-                                           extra_args=["--decode-shapes", ",".join(args.decode),
-                                                       "--prefill-lens", *map(str, args.prefill_lens)])
+                try:
+                    vllm = measure_vllm_engine(Path(args.model), dtype, threads, args.repeats,
+                                               venv=args.vllm_venv,
+                                               extra_args=["--decode-shapes", ",".join(args.decode),
+                                                           "--prefill-lens", *map(str, args.prefill_lens)])
+                except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:  # our columns still stand
+                    tail = " ".join(str(error).splitlines()[-3:])[-400:]
+                    vllm_failure = f" vLLM's engine did not run here: {tail}"
+                    print(vllm_failure, file=sys.stderr)
             bandwidth = copy_bandwidth(threads)
             ours = rounds[list(trees)[-1]][0]
             lines += [f"## {dtype}, {threads} thread{'s' if threads > 1 else ''}", "",
                       f"Our linears: {ours['kernel']}. Copy bandwidth at {threads} thread(s): "
-                      f"{bandwidth / 1e9:.1f} GB/s." + (f" {_vllm_notes(vllm)}" if vllm else ""), "",
-                      *report(rounds, vllm, bandwidth), ""]
+                      f"{bandwidth / 1e9:.1f} GB/s."
+                      + (f" {_vllm_notes(vllm)}" if vllm else vllm_failure), "",
+                      *report(rounds, vllm, bandwidth), "", *startup(rounds), ""]
             results[f"{dtype}/{threads}"] = {"rounds": rounds, "vllm": vllm, "bandwidth": bandwidth}
     print("\n".join(lines))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

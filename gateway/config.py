@@ -22,7 +22,7 @@ from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.tracing import check_endpoint
 from kv_transfer import TransferConfig
 from llm_engine import EngineConfig, ModelSpec
-from llm_engine.hardware import resolve_dtype
+from llm_engine.hardware import resolve_device, resolve_dtype
 from llm_engine.kv_sizing import parse_memory
 from llm_engine.model_files import check_model_name, is_local_path
 from llm_engine.model_loader import read_model_spec
@@ -59,16 +59,24 @@ class ServeConfig(BaseSettings):
         description="auto, float32, bfloat16, or float16 (CUDA only) (default: the engine's, auto: bfloat16 "
                     "where the hardware runs it natively: AVX512_BF16 or AMX on a CPU, any CUDA GPU; else "
                     "float32)")
-    device: str | None = Field(None, description="cpu or cuda (default: the engine's, cpu)")
+    device: str | None = Field(
+        None, description="auto, cpu, cuda or cuda:N (default: the engine's, auto: cuda where this process "
+                          "sees a GPU, else cpu; on a cluster whose head has no GPU, give cuda)")
+    compile: Literal["auto", "on", "off"] | None = Field(
+        None,
+        description="the model body as one compiled graph (torch.compile, inductor): auto (compile where it "
+                    "wins: CUDA, and CPUs that compute bfloat16 natively; eager elsewhere, and eager with "
+                    "the reason logged if compiling fails), on (a failure stops the worker) or off "
+                    "(default: the engine's, auto)")
     linear_kernel: Literal["auto", "torch", "onednn-packed"] | None = Field(
         None,
         description="GEMM kernel of the linear layers: auto, torch (F.linear) or onednn-packed (CPU: weights "
                     "prepacked once) (default: the engine's, auto: probed at load, per weight shape)")
     decode_attention: Literal["auto", "sdpa", "paged-kernel"] | None = Field(
         None,
-        description="sdpa (gather + torch SDPA, bit-identical to transformers) or paged-kernel (pdserve's C++"
-                    " kernel, CPU only, experimental: no faster in whole steps yet) (default: the engine's, "
-                    "auto: sdpa)")
+        description="sdpa (gather + torch SDPA padded to the batch's longest context, bit-identical to "
+                    "transformers) or paged-kernel (pdserve's C++ kernel, CPU only: each sequence reads only "
+                    "its own context) (default: the engine's, auto: paged-kernel on a CPU where it builds)")
     threads_per_worker: int | None = Field(
         None, ge=1,
         description="torch threads per worker; each worker is pinned to its own cores (default: this "
@@ -281,7 +289,11 @@ class ServeConfig(BaseSettings):
             raise ValueError("--ratio auto moves workers between roles, which the torch backend's fixed "
                              "process group cannot: use --backend nixl")
         prefill, decode, mixed = self.prefill or 0, self.decode or 0, self.mixed or 0
-        if self.gpu_memory_utilization is not None and not (self.device or "cpu").startswith("cuda"):
+        try:
+            device = resolve_device(self.device or "auto")
+        except ValueError as error:
+            raise ValueError(f"--device: {error}") from None
+        if self.gpu_memory_utilization is not None and not device.startswith("cuda"):
             raise ValueError("--gpu-memory-utilization sizes a GPU's memory (--device cuda); on a CPU size "
                              "the KV cache with --kv-cache-memory")
         if self.model is not None and is_local_path(self.model) and self.max_model_len is not None:
@@ -290,7 +302,7 @@ class ServeConfig(BaseSettings):
             except FileNotFoundError as error:
                 raise ValueError(f"--model: {error}") from None
         try:
-            resolve_dtype(self.dtype or "auto", self.device or "cpu")
+            resolve_dtype(self.dtype or "auto", device)
         except ValueError as error:
             raise ValueError(f"--dtype {self.dtype}: {error}") from None
         if prefill + mixed < 1 or decode + mixed < 1:
@@ -377,7 +389,7 @@ class ServeConfig(BaseSettings):
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "linear_kernel": self.linear_kernel,
             "max_prefill_s_beside_decode": self.max_prefill_s_beside_decode,
-            "decode_attention": self.decode_attention,
+            "decode_attention": self.decode_attention, "compile": self.compile,
         }
         chosen = {k: v for k, v in engine_overrides.items() if v is not None}
         engine = EngineConfig(model_dir, **chosen)  # type: ignore[arg-type]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from llm_engine.hardware import DTYPES, resolve_dtype
+from llm_engine.hardware import DTYPES, resolve_device, resolve_dtype
 from llm_engine.linear_kernels import LinearKernel
 
 # Families whose attention is plain causal attention over rotary q/k (what the paged attention computes):
@@ -15,6 +16,7 @@ from llm_engine.linear_kernels import LinearKernel
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "GemmaForCausalLM", "Phi3ForCausalLM")
 DECODE_ATTENTION_CHOICES = ("auto", "sdpa", "paged-kernel")
+COMPILE_CHOICES = ("auto", "on", "off")
 MiB = 1 << 20
 # The KV cache of a CPU worker when no KV memory is named (on CUDA: gpu_memory_utilization decides).
 CPU_KV_CACHE_BYTES = 512 * MiB
@@ -29,7 +31,9 @@ class EngineConfig:
     # here, so the config that reaches a worker names a concrete dtype), "float32", "bfloat16", "float16"
     # (CUDA only).
     dtype: str = "auto"
-    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    # "auto" (the default: cuda where this process sees a GPU, else cpu; resolved here, so the config that
+    # reaches a worker names a concrete device), "cpu", "cuda" or "cuda:N".
+    device: str = "auto"
     block_size: int = 16  # tokens per KV block
     # The paged KV cache's memory (llm_engine/kv_sizing.py): bytes, or a fraction of the device's free memory
     # (RAM on a CPU, GPU memory on CUDA), at most one of them. Neither: CPU_KV_CACHE_BYTES on a CPU; on CUDA
@@ -48,15 +52,23 @@ class EngineConfig:
     max_prefill_s_beside_decode: float = 0.0
     enable_prefix_caching: bool = True  # share full blocks of identical prefixes between requests
     linear_kernel: str = "auto"  # GEMM kernel of every linear layer (llm_engine/linear_kernels.py)
-    # Decode attention: "auto" (today: SDPA, model_runner.py says why), "sdpa" (gather each sequence's KV,
-    # torch SDPA) or "paged-kernel" (pdserve's C++ kernel, llm_engine/csrc/: reads the blocks in place; CPU
-    # only; in bf16 not bit-identical to transformers).
+    # Decode attention: "auto" (the C++ kernel on a CPU where it builds, else SDPA; model_runner.py says
+    # why), "sdpa" (gather each sequence's KV, torch SDPA) or "paged-kernel" (pdserve's C++ kernel,
+    # llm_engine/csrc/: reads each sequence's own blocks in place; CPU only; in bf16 not bit-identical to
+    # transformers).
     decode_attention: str = "auto"
+    # The model body as one compiled graph (llm_engine/compilation.py): "auto" (compile where the family has
+    # the engine's own body; eager, with the reason logged, if compiling fails), "on" (a failure stops the
+    # worker) or "off". PDSERVE_COMPILE sets the default (the test suite runs eager: a compile per fleet
+    # start would cost minutes; tests/engine/test_compiled_engine.py covers the compiled path).
+    compile: str = field(default_factory=lambda: os.environ.get("PDSERVE_COMPILE", "auto"))
 
     def __post_init__(self) -> None:
         problems = []
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            problems.append(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        try:
+            object.__setattr__(self, "device", resolve_device(self.device))
+        except ValueError as error:
+            problems.append(str(error))
         else:
             try:
                 object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
@@ -67,6 +79,8 @@ class EngineConfig:
                             f"got {self.decode_attention!r}")
         elif self.decode_attention == "paged-kernel" and self.device != "cpu":
             problems.append("decode_attention 'paged-kernel' is a CPU kernel; on CUDA use auto or sdpa")
+        if self.compile not in COMPILE_CHOICES:
+            problems.append(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}")
         if self.linear_kernel not in tuple(LinearKernel):
             problems.append(f"linear_kernel must be one of {', '.join(LinearKernel)}, "
                             f"got {self.linear_kernel!r}")

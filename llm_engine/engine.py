@@ -72,7 +72,8 @@ class LLMEngine:
         # Measured after the weights are in memory: on CUDA they count against gpu_memory_utilization.
         self.kv_capacity: KVCapacity = plan_kv_cache(config, self.spec, device_memory(config.device))
         logger.info("%s", self.kv_capacity.describe())
-        self.runner = ModelRunner(loaded.model, self.spec, config, self.kv_capacity.num_blocks)
+        self.compilation = loaded.compilation
+        self.runner = ModelRunner(loaded.model, self.spec, config, self.kv_capacity.num_blocks, loaded.body)
         self.block_pool = BlockPool(self.runner.num_blocks)
         self.kv = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = self._make_scheduler(scheduler_cls, watermark)

@@ -35,6 +35,37 @@ def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     return bool(NATIVE_BF16_CPU_FLAGS & (cpu_flags() if flags is None else flags))
 
 
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str, cuda_visible: bool | None = None) -> str:
+    """The concrete device for `device`: "auto" is "cuda" where this process sees a GPU, else "cpu"
+    (`cuda_visible` injected by tests; None: ask torch).
+
+    Raises:
+        ValueError: not "auto", "cpu", "cuda" or "cuda:N".
+    """
+    if device == "auto":
+        visible = torch.cuda.is_available() if cuda_visible is None else cuda_visible
+        return "cuda" if visible else "cpu"
+    if device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        return device
+    raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+
+
+def check_device_present(device: str, cuda_visible: bool | None = None) -> None:
+    """Raises ValueError naming --device when `device` is CUDA and no GPU is visible to this process."""
+    if not device.startswith("cuda"):
+        return
+    visible = torch.cuda.is_available() if cuda_visible is None else cuda_visible
+    if not visible:
+        raise ValueError(f"--device {device}: no CUDA GPU is visible to this process "
+                         "(torch.cuda.is_available() is False); use --device auto or cpu")
+    index = int(device[5:]) if device.startswith("cuda:") else 0
+    if cuda_visible is None and index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+
+
 def resolve_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) -> str:
     """The concrete dtype name for `dtype` on `device` ("auto" resolved; `flags` injected by tests).
 

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llm_engine.custom_ops import register_packed_linear
+
 logger = logging.getLogger(__name__)
 
 # Rows per GEMM the probe times: a decode step at batch 1 and 16, a prefill chunk. Each stands for a band of
@@ -76,8 +78,14 @@ class PackedLinear(nn.Module):
         # The plain weight only where some band runs on F.linear: otherwise it is freed with the nn.Linear.
         self.weight = None if all(packed_bands) else linear.weight
         self.bias = linear.bias
+        self.handle = register_packed_linear(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features] → [..., out_features]
+        if torch.compiler.is_compiling():  # the opaque weight stays outside the graph, behind an op
+            return torch.ops.pdserve.packed_linear(x, self.handle)
+        return self.eager_forward(x)
+
+    def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None and not self.packed_bands[row_band(x.numel() // self.in_features)]:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from llm_engine import paged_attention
+from llm_engine.compilation import Body, CompileReport, compile_body
 from llm_engine.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelSpec
+from llm_engine.hardware import check_device_present
+from llm_engine.lean_model import LeanBody, has_lean_body
 from llm_engine.linear_kernels import LinearKernelReport, apply_linear_kernel
 
 if TYPE_CHECKING:
@@ -95,9 +98,13 @@ def _static_rope_limit(config: PretrainedConfig) -> int:
 class LoadedModel:
     """A model ready for the runner: weights on the device, paged attention in, linears on their kernel."""
 
-    model: PreTrainedModel
+    model: PreTrainedModel  # embeddings and lm_head always; its decoder layers only without a lean body
     spec: ModelSpec
     linear_kernel: LinearKernelReport  # which GEMM kernel its linear layers run on, and why
+    # The engine's own body (llm_engine/lean_model.py), compiled or not; None: transformers' modules, eager.
+    body: Body | None = None
+    compilation: CompileReport = field(
+        default_factory=lambda: CompileReport("off", False, "transformers", "not built", 0.0, None))
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -106,6 +113,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
     global _num_loads
+    check_device_present(config.device)
     _num_loads += 1
 
     spec = read_model_spec(config.model_dir).with_max_model_len(config.max_model_len)
@@ -117,13 +125,19 @@ def load_model(config: EngineConfig) -> LoadedModel:
     )
     model.to(torch.device(config.device))  # type: ignore[arg-type]
     model.eval()
+    lean = None
+    if has_lean_body(spec.architecture):
+        # A submodule of the model, so the linear-kernel probe below sees its fused q/k/v and gate/up.
+        lean = model.lean_body = LeanBody.from_hf(model, spec.max_model_len)
     kernel = apply_linear_kernel(model, config.linear_kernel, config.torch_dtype, torch.device(config.device))
+    body, compilation = compile_body(lean, config.compile, torch.device(config.device), config.torch_dtype,
+                                     no_lean_reason=f"no lean body for {spec.architecture}")
     logger.info(
-        "loaded %s (%d layers, %d kv heads) as %s on %s; linears on %s (%s)",
+        "loaded %s (%d layers, %d kv heads) as %s on %s; linears on %s (%s); body %s, %s (%s)",
         config.model_dir, spec.num_layers, spec.num_kv_heads, config.dtype, config.device, kernel.kernel,
-        kernel.reason,
+        kernel.reason, compilation.body, compilation.mode, compilation.reason,
     )
-    return LoadedModel(model, spec, kernel)
+    return LoadedModel(model, spec, kernel, body, compilation)
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:

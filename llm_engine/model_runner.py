@@ -16,14 +16,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from llm_engine.batch import ModelInput, ModelOutput, SampledToken, ScheduledChunk
+from llm_engine.compilation import Body
 from llm_engine.config import EngineConfig, ModelSpec
+from llm_engine.custom_ops import step_context
 from llm_engine.grammar_mask import GrammarMask
 from llm_engine.input_batch import InputBatch
 from llm_engine.kv_cache import KVCacheSpec
 from llm_engine.kv_cache_manager import blocks_for
 from llm_engine.logits_processors import LogitsPipeline, SamplingRows
 from llm_engine.logprobs import PromptLogprobsChunk, prompt_logprobs, sampled_logprobs
-from llm_engine.native_kernels import DecodeKernel, paged_decode_attention
+from llm_engine.native_kernels import DecodeKernel, kernel_unfit_reason, paged_decode_attention
 from llm_engine.sampling import SamplingParams, choose_tokens
 from llm_engine.step_timeline import StepRecord, StepTimeline
 from llm_engine.structured import GrammarCache
@@ -32,17 +34,26 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def choose_decode_attention(config: EngineConfig) -> tuple[str, DecodeKernel | None]:
-    """("paged-kernel", the kernel) or ("sdpa", None), as the config asks and the machine allows.
+def choose_decode_attention(config: EngineConfig, spec: ModelSpec | None = None
+                            ) -> tuple[str, DecodeKernel | None]:
+    """("paged-kernel", the kernel) or ("sdpa", None), as the config asks and the machine and the model's
+    shape (`spec`; None: not checked) allow.
 
     Raises:
-        RuntimeError: "paged-kernel" was asked for and does not build here.
+        RuntimeError: "paged-kernel" was asked for and does not build here or cannot serve the shape.
     """
-    # "auto" is SDPA. The kernel wins alone on one layer with its blocks warm in cache (1.7× gather + SDPA in
-    # fp32, 1.2-1.45× in bf16), but in the engine, where each layer's KV comes cold from memory, an A/B of
-    # whole steps measured it within ±5% of SDPA in fp32 and up to 25% slower in bf16; and in bf16 it rounds
-    # the output's last bit differently from SDPA, which flips greedy tokens against transformers.
-    if config.decode_attention in ("sdpa", "auto") or config.device != "cpu":
+    # "auto" is the kernel on a CPU where it builds. Gather + SDPA pads every decode row to the batch's
+    # longest context: one 1500-token stream made four 100-token streams' step 208 ms where the kernel, which
+    # reads each sequence's own blocks, took 87 (SmolLM2 fp32, 1 thread, AVX2 AMD); in batches of equal
+    # contexts it measured within ±5% of SDPA. In bf16 it rounds the output's last bit differently from
+    # SDPA: held to vLLM's standard (README, "Correctness"), not to bit parity.
+    if config.decode_attention == "sdpa" or config.device != "cpu":
+        return "sdpa", None
+    unfit = None if spec is None else kernel_unfit_reason(spec.head_dim, spec.num_heads, spec.num_kv_heads,
+                                                          config.block_size)
+    if unfit is not None:
+        if config.decode_attention == "paged-kernel":
+            raise RuntimeError(f"decode_attention 'paged-kernel': the kernel is not built for {unfit}")
         return "sdpa", None
     kernel = paged_decode_attention()
     if kernel is None and config.decode_attention == "paged-kernel":
@@ -51,13 +62,16 @@ def choose_decode_attention(config: EngineConfig) -> tuple[str, DecodeKernel | N
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, spec: ModelSpec, config: EngineConfig, num_blocks: int
-                 ) -> None:
+    def __init__(self, model: PreTrainedModel, spec: ModelSpec, config: EngineConfig, num_blocks: int,
+                 body: Body | None = None) -> None:
         """Args:
+            body: the engine's own model body, compiled or not (llm_engine/compilation.py); None: run
+                transformers' modules (`model.model`) with the paged attention plugged in.
             spec: the model's shape, its max_model_len the effective one (EngineConfig.max_model_len).
             num_blocks: KV blocks to allocate (llm_engine/kv_sizing.py plan_kv_cache).
         """
         self.model = model
+        self.body = body
         self.timeline = StepTimeline()  # every forward: when, how long, decode and prompt tokens
         self.spec = spec
         self.config = config
@@ -68,7 +82,7 @@ class ModelRunner:
         self.kv_cache = self.cache_spec.allocate(self.num_blocks, self.device)
         # A table never covers more than the model's context (check_request) nor more blocks than exist.
         max_blocks = min(blocks_for(spec.max_model_len, config.block_size), self.num_blocks)
-        self.decode_attention, kernel = choose_decode_attention(config)
+        self.decode_attention, kernel = choose_decode_attention(config, spec)
         self.inputs = InputBatch(self.kv_cache, max_blocks, config.max_num_batched_tokens,
                                  num_rows=config.max_num_seqs, decode_kernel=kernel)
         # Structured outputs: compiled grammars cached per process, a matcher per request (rebuilt from its
@@ -110,10 +124,14 @@ class ModelRunner:
             self.inputs.forget(batch.finished_request_ids)
             return ModelOutput(())
         prepared = self.inputs.prepare(batch)
-        hidden = self.model.model(
-            input_ids=prepared.input_ids, position_ids=prepared.position_ids, use_cache=False,
-            paged_metadata=prepared.metadata,
-        ).last_hidden_state  # [1, T, hidden]
+        if self.body is not None:
+            with step_context(prepared.metadata):
+                hidden = self.body(prepared.input_ids[0], prepared.position_ids[0])[None]  # [1, T, hidden]
+        else:
+            hidden = self.model.model(
+                input_ids=prepared.input_ids, position_ids=prepared.position_ids, use_cache=False,
+                paged_metadata=prepared.metadata,
+            ).last_hidden_state  # [1, T, hidden]
         scored = self._score_prompts(batch.chunks, hidden[0])
         sampling_chunks = [c for c in batch.chunks if c.sampling is not None]
         if not sampling_chunks:

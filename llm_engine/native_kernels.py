@@ -29,6 +29,11 @@ SOURCES = Path(__file__).with_name("csrc")
 # -march=native: the cache is per machine, so the build may use every instruction this CPU has (AVX-512).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
+# What the kernel is built for (csrc/paged_decode_attention.cpp): head dims, query heads per KV head, block.
+KERNEL_HEAD_DIMS = (32, 64, 96, 128, 256)
+KERNEL_MAX_GROUPS = 16
+KERNEL_MAX_BLOCK_SIZE = 256
+
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                         torch.Tensor]
 
@@ -36,6 +41,17 @@ DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 def _cpu_digest() -> str:
     """8 hex digits naming this CPU's instruction set (its /proc/cpuinfo flags)."""
     return hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+
+
+def kernel_unfit_reason(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int) -> str | None:
+    """Why the kernel cannot serve this model's shape, or None when it can."""
+    if head_dim not in KERNEL_HEAD_DIMS:
+        return f"head_dim {head_dim} (built for {', '.join(map(str, KERNEL_HEAD_DIMS))})"
+    if num_heads // num_kv_heads > KERNEL_MAX_GROUPS:
+        return f"{num_heads // num_kv_heads} query heads per KV head (at most {KERNEL_MAX_GROUPS})"
+    if block_size > KERNEL_MAX_BLOCK_SIZE:
+        return f"block size {block_size} (at most {KERNEL_MAX_BLOCK_SIZE})"
+    return None
 
 
 @functools.cache

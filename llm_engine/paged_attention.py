@@ -118,30 +118,47 @@ def paged_attention_forward(
     """
     meta: PagedAttentionMetadata = kwargs["paged_metadata"]
     layer: int = module.layer_idx  # type: ignore[assignment]
-    if kwargs.get("sliding_window") is not None:
-        _check_within_window(meta, kwargs["sliding_window"])
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention logit soft-capping is not supported by the paged attention")
-    num_tokens, num_heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
+    out = attend(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), layer, meta,
+                 scaling, kwargs.get("sliding_window"))
+    return out[None], None
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+           meta: PagedAttentionMetadata, scaling: float | None, sliding_window: int | None = None
+           ) -> torch.Tensor:
+    """One layer's paged attention over a packed batch: the engine's own model bodies call it (through the
+    `pdserve::paged_attention` op, llm_engine/custom_ops.py) and so does transformers' (above).
+
+    Args:
+        query: [T, num_heads, head_dim] after rotary embedding; key/value: [T, num_kv_heads, head_dim].
+
+    Returns:
+        [T, num_heads, head_dim].
+    """
+    if sliding_window is not None:
+        _check_within_window(meta, sliding_window)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
     # One index_copy_ of whole rows into a 2-d view of the cache, not an index_put of (block, offset) pairs
     # into the 6-d cache, which walks element by element.
     flat = meta.views.flat
-    flat.index_copy_(0, meta.layer_slot_rows[2 * layer], key[0].transpose(0, 1).reshape(num_tokens, -1))
-    flat.index_copy_(0, meta.layer_slot_rows[2 * layer + 1], value[0].transpose(0, 1).reshape(num_tokens, -1))
+    flat.index_copy_(0, meta.layer_slot_rows[2 * layer], key.reshape(num_tokens, -1))
+    flat.index_copy_(0, meta.layer_slot_rows[2 * layer + 1], value.reshape(num_tokens, -1))
 
     d = meta.decode
     layer_blocks = meta.views.blocks[layer]
     is_all_decode = d is not None and isinstance(d.q_indices, slice) and d.q_indices.stop == num_tokens
     if d is not None and is_all_decode and not meta.prefills:
         # Every row is a decode row (the slice starts at 0 then): no output buffer to allocate and fill.
-        return _decode(query, meta, layer, d, key.shape[1], scaling).reshape(1, num_tokens, num_heads,
-                                                                             head_dim), None
-    out = query.new_empty(1, num_tokens, num_heads, head_dim)
+        return _decode(query, meta, layer, d, num_kv_heads, scaling)
+    out = query.new_empty(num_tokens, num_heads, head_dim)
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        q = query[:, :, rows]  # [1, H, q_len, D]
+        q = query[rows].transpose(0, 1)[None]  # [1, H, q_len, D]
         if seg.block_ids is None:
-            k, v = key[:, :, rows], value[:, :, rows]  # [1, KVH, q_len, D]
+            k, v = key[rows].transpose(0, 1)[None], value[rows].transpose(0, 1)[None]  # [1, KVH, q_len, D]
         else:
             _, _, _, block_size, kv_heads, _ = meta.kv_cache.shape
             shape = (len(seg.block_ids) * block_size, kv_heads, head_dim)
@@ -150,10 +167,10 @@ def paged_attention_forward(
         attn = F.scaled_dot_product_attention(
             q, k, v, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scaling, enable_gqa=True
         )  # [1, H, q_len, D]
-        out[0, rows] = attn[0].transpose(0, 1)
+        out[rows] = attn[0].transpose(0, 1)
     if d is not None:
-        out[0, d.q_indices] = _decode(query, meta, layer, d, key.shape[1], scaling)
-    return out, None
+        out[d.q_indices] = _decode(query, meta, layer, d, num_kv_heads, scaling)
+    return out
 
 
 def _check_within_window(meta: PagedAttentionMetadata, window: int) -> None:
@@ -168,8 +185,8 @@ def _check_within_window(meta: PagedAttentionMetadata, window: int) -> None:
 
 def _decode(query: torch.Tensor, meta: PagedAttentionMetadata, layer: int, d: DecodeBatch,
             num_kv_heads: int, scaling: float | None) -> torch.Tensor:
-    """The single-token rows' attention over their block tables: [B, H, D]."""
-    q = query[0, :, d.q_indices].transpose(0, 1)  # [B, H, D]
+    """The single-token rows' attention over their block tables: [B, H, D]. query: [T, H, D]."""
+    q = query[d.q_indices]  # [B, H, D]
     num_batch, num_heads, head_dim = q.shape
     if meta.decode_kernel is not None:
         keys, values = meta.views.layers[layer]  # [num_blocks, block, KVH, D], read in place

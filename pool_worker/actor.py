@@ -100,6 +100,8 @@ class WorkerRuntime:
     linear_kernel_reason: str  # the probe's verdict, or why there was none
     linear_kernel_speedup: float | None  # probe: F.linear time over the chosen kernels' (None: no probe)
     decode_attention: str  # "paged-kernel" (pdserve's C++ kernel) or "sdpa" (gather + torch SDPA)
+    compile: str  # the model body: "compiled" (one inductor graph, llm_engine/compilation.py) or "eager"
+    compile_reason: str  # why (auto's verdict, a failure's reason), and which body: "lean" or "transformers"
     num_threads: int  # torch threads of the step loop
     cpu_ids: tuple[int, ...]  # cores the process is pinned to (all it may use when not pinned)
     kv_bytes_per_token: int  # KV bytes one token holds and moves between workers
@@ -195,7 +197,9 @@ class WorkerActor:
             return None
         kernel, kv = engine.linear_kernel, engine.kv_capacity
         return WorkerRuntime(engine.config.dtype, kernel.kernel.value, kernel.reason, kernel.speedup,
-                             engine.runner.decode_attention, self._num_threads, self._cpu_ids,
+                             engine.runner.decode_attention, engine.compilation.mode,
+                             f"{engine.compilation.body} body: {engine.compilation.reason}",
+                             self._num_threads, self._cpu_ids,
                              engine.runner.cache_spec.bytes_per_token, kv.num_blocks, kv.num_tokens,
                              kv.num_bytes, kv.source)
 

@@ -15,6 +15,10 @@ from llm_engine.tiny_model import build_tiny_llama
 # One torch thread per process, as in the workers: 2 cores are shared by everything in a test run.
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines run their model body eager (a compile per fleet start would cost the suite minutes); the compiled
+# path has its own tests (tests/engine/test_compiled_engine.py). Workers get it through the EngineConfig the
+# driver builds, which reads this default.
+os.environ.setdefault("PDSERVE_COMPILE", "off")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

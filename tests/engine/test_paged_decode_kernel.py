@@ -82,3 +82,34 @@ def test_bad_decode_attention_values_are_refused() -> None:
         EngineConfig("x", decode_attention="flash")
     with pytest.raises(ValueError, match="'paged-kernel' is a CPU kernel"):
         EngineConfig("x", device="cuda", decode_attention="paged-kernel")
+
+
+@needs_kernel
+def test_auto_decodes_with_the_kernel_on_a_cpu_and_sdpa_where_it_is_not_built(tmp_path: Path,
+                                                                             tiny_llama_dir: Path) -> None:
+    from llm_engine.model_loader import read_model_spec
+    from llm_engine.tiny_model import build_tiny_model
+
+    config = EngineConfig(str(tiny_llama_dir), dtype="float32", kv_cache_bytes=4 << 20)
+    assert choose_decode_attention(config, read_model_spec(tiny_llama_dir))[0] == "paged-kernel"
+    # Qwen3's tiny model has head_dim 48, which the kernel is not built for: auto keeps SDPA, forced refuses.
+    qwen3 = build_tiny_model("qwen3", tmp_path / "qwen3")
+    spec = read_model_spec(qwen3)
+    assert choose_decode_attention(EngineConfig(str(qwen3), dtype="float32"), spec) == ("sdpa", None)
+    with pytest.raises(RuntimeError, match="not built for head_dim 48"):
+        choose_decode_attention(EngineConfig(str(qwen3), dtype="float32", decode_attention="paged-kernel"),
+                                spec)
+
+
+@needs_kernel
+def test_the_kernel_serves_contexts_of_different_lengths_in_one_batch(tiny_llama_dir: Path) -> None:
+    # The interference shape: short streams decoding beside a long one, each reading only its own context.
+    from tests.conftest import hf_greedy
+
+    engine = LLMEngine(EngineConfig(str(tiny_llama_dir), dtype="float32", kv_cache_bytes=8 << 20,
+                                    decode_attention="paged-kernel"))
+    prompts = random_prompts([6, 9, 300, 4], engine.spec.vocab_size)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = [list(c.output_token_ids) for c in engine.generate(prompts, params)]
+    assert outputs == hf_greedy(tiny_llama_dir, prompts, 6, ignore_eos=True)
+    assert engine.block_pool.is_whole()

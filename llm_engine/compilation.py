@@ -1,0 +1,153 @@
+"""The model body as one compiled graph per worker (`--compile {auto,on,off}`), or eager where it cannot be.
+
+    compile_body(body, mode, ...) → torch.compile (inductor, fullgraph, the token dimension dynamic)
+        → warm-up: one forward at 1 token and one at 2 (the two graphs a step can need: inductor
+          specialises a size of 1, every larger count shares the dynamic graph) → the body + CompileReport
+    a failure at any point: "on" → CompileError naming --compile; "auto" → the eager body, the reason logged.
+The warm-up runs with no step context, so attention computes nothing (llm_engine/custom_ops.py) and no KV
+block is touched. Inductor's on-disk caches (FX graphs, AOT autograd, generated C++/Triton) go to
+$TORCHINDUCTOR_CACHE_DIR, which defaults here to ~/.cache/pdserve/inductor (not torch's /tmp default, which a
+container loses): a restart with a warm cache re-traces but does not re-generate code. On KubeRay, mount a
+volume there (deploy/kuberay/README.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llm_engine.hardware import cpu_has_native_bf16
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "pdserve" / "inductor"
+# The token counts the warm-up compiles for: 1 (a lone decode: its own graph) and 2 (the dynamic graph that
+# serves every larger batch).
+WARMUP_TOKENS = (1, 2)
+# vLLM's CPU options (its wheel, 2026-12): no size/NaN asserts in the generated code, epilogue fusion, and
+# OpenMP threads chosen at run time (a worker's thread count is set after import).
+INDUCTOR_OPTIONS: dict[str, object] = {
+    "size_asserts": False,
+    "nan_asserts": False,
+    "epilogue_fusion": True,
+    "cpp.dynamic_threads": True,
+}
+
+Body = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class CompileMode(StrEnum):
+    AUTO = "auto"  # compile the engine's own body; a failure falls back to eager with the reason logged
+    ON = "on"  # compile, and refuse to start if it fails
+    OFF = "off"  # eager
+
+
+class CompileError(RuntimeError):
+    """--compile on, and the body did not compile (the message says why)."""
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What runs a worker's forward, and why."""
+
+    requested: str  # the --compile value
+    compiled: bool
+    body: str  # "lean" (the engine's own body, llm_engine/lean_model.py) or "transformers"
+    reason: str  # one line
+    seconds: float  # compile and warm-up at load (0 when eager)
+    cache_dir: str | None  # inductor's cache directory, when compiled
+
+    @property
+    def mode(self) -> str:
+        """What the worker's info shows: "compiled", "eager"."""
+        return "compiled" if self.compiled else "eager"
+
+
+def inductor_cache_dir() -> str:
+    """$TORCHINDUCTOR_CACHE_DIR, set to pdserve's default when unset (before inductor first reads it)."""
+    os.environ.setdefault(CACHE_DIR_ENV, str(DEFAULT_CACHE_DIR))
+    return os.environ[CACHE_DIR_ENV]
+
+
+def _warm_up(compiled: Body, device: torch.device) -> None:
+    from llm_engine.custom_ops import step_context
+
+    with torch.inference_mode(), step_context(None):
+        for num_tokens in WARMUP_TOKENS:
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+            compiled(ids, torch.arange(num_tokens, device=device))
+
+
+def auto_declines(device: torch.device, dtype: torch.dtype, native_bf16: bool | None = None) -> str | None:
+    """Why `--compile auto` runs eager here, or None where it compiles: on CUDA (a step is thousands of small
+    kernel launches eager) and on a CPU in bf16 with native bf16 (elementwise work and module overhead were a
+    third of a step there, issue 30's profile). On a CPU in float32 the compiled body measured no faster
+    than the eager one (AVX2 AMD, benchmarks/results/engine_step.md: within ±3% on every row) and costs a
+    minute and a half of cold start, so auto keeps eager."""
+    if device.type == "cuda":
+        return None
+    native = cpu_has_native_bf16() if native_bf16 is None else native_bf16
+    if dtype == torch.bfloat16 and native:
+        return None
+    return (f"auto: eager on a CPU in {str(dtype).removeprefix('torch.')}"
+            + ("" if dtype == torch.bfloat16 else " (compiled measured no faster there)")
+            + ("" if native else ", without native bfloat16") + "; --compile on compiles anyway")
+
+
+def compile_body(body: nn.Module | None, requested: CompileMode | str, device: torch.device,
+                 dtype: torch.dtype = torch.float32, no_lean_reason: str | None = None,
+                 compiler: Callable[[nn.Module], Body] | None = None) -> tuple[Body | None, CompileReport]:
+    """The body to run each forward with, and the report.
+
+    Args:
+        body: the engine's own body, or None where the family has none (then `no_lean_reason` says why).
+        compiler: what compiles (tests inject a failing one); torch.compile with inductor by default.
+
+    Returns:
+        (the compiled body, or `body` itself when eager, or None when there is no lean body), report.
+
+    Raises:
+        CompileError: `requested` is "on" and compilation or its warm-up failed, or there is no lean body.
+    """
+    requested = CompileMode(requested)
+    if body is None:
+        reason = no_lean_reason or "no lean body for this model family"
+        if requested is CompileMode.ON:
+            raise CompileError(f"--compile on: {reason}; use --compile auto or off")
+        return None, CompileReport(requested.value, False, "transformers", reason, 0.0, None)
+    if requested is CompileMode.OFF:
+        return body, CompileReport(requested.value, False, "lean", "asked for", 0.0, None)
+    declined = auto_declines(device, dtype) if requested is CompileMode.AUTO else None
+    if declined:
+        return body, CompileReport(requested.value, False, "lean", declined, 0.0, None)
+    cache_dir = inductor_cache_dir()
+    start = time.perf_counter()
+    try:
+        compiled = (compiler or _inductor)(body)
+        _warm_up(compiled, device)
+    except Exception as error:  # any failure of the compiler is a slower worker, never a dead one (auto)
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        if requested is CompileMode.ON:
+            raise CompileError(f"--compile on: the model body did not compile ({reason}); "
+                               "use --compile auto to fall back to eager") from error
+        logger.warning("compiling the model body failed, running it eager (--compile auto): %s", reason)
+        return body, CompileReport(requested.value, False, "lean", f"compile failed: {reason}", 0.0, None)
+    seconds = time.perf_counter() - start
+    logger.info("model body compiled in %.1f s (inductor cache %s)", seconds, cache_dir)
+    return compiled, CompileReport(requested.value, True, "lean", "inductor, one graph per step",
+                                   seconds, cache_dir)
+
+
+def _inductor(body: nn.Module) -> Body:
+    compiled: Body = torch.compile(body, backend="inductor", fullgraph=True, dynamic=True,
+                                   options=INDUCTOR_OPTIONS)
+    return compiled

@@ -1,0 +1,79 @@
+"""The engine's two opaque ops, the only calls a compiled model body does not trace into.
+
+    with step_context(metadata):    # the runner, around one forward
+        body(input_ids, positions)  # each layer → pdserve::paged_attention(q, k, v, layer, scale)
+                                    #            → pdserve::packed_linear(x, handle) (CPU, oneDNN prepacked)
+Why ops: inductor fuses the plain torch code between them (norms, rotary, SiLU·mul, residual adds) and sees
+each op as one call with a known output shape (its fake), so the graph never breaks on the paged attention's
+Python control flow (prefill segments, the decode batch) nor on oneDNN's opaque prepacked weights. The
+attention's per-forward metadata is not an argument: it lives in a step context the runner sets around each
+forward (as vLLM's forward context does), so the compiled graph has no guards on it and never recompiles
+because a batch changed shape. With no context set (the compile warm-up), the attention returns zeros: the
+warm-up traces and compiles, it computes nothing anyone reads.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from llm_engine.linear_kernels import PackedLinear
+    from llm_engine.paged_attention import PagedAttentionMetadata
+
+_step_metadata: PagedAttentionMetadata | None = None
+# Packed linears by handle. Weak: an engine's layers go when it goes (tests build many in one process).
+_packed_linears: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+_next_handle = 0
+
+
+@contextmanager
+def step_context(metadata: PagedAttentionMetadata | None) -> Iterator[None]:
+    """Make `metadata` the one every paged_attention call of this forward reads."""
+    global _step_metadata
+    previous, _step_metadata = _step_metadata, metadata
+    try:
+        yield
+    finally:
+        _step_metadata = previous
+
+
+@torch.library.custom_op("pdserve::paged_attention", mutates_args=())
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                    scale: float) -> torch.Tensor:
+    """query: [T, H, D] after rotary; key/value: [T, KVH, D] → [T, H, D]. Writes key/value into the step's KV
+    cache slots (the cache is the context's, not an argument: no functionalization copies of it)."""
+    from llm_engine.paged_attention import attend
+
+    if _step_metadata is None:  # the compile warm-up: nothing to attend to
+        return torch.zeros_like(query)
+    return attend(query, key, value, layer, _step_metadata, scale)
+
+
+@paged_attention.register_fake
+def _paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                          scale: float) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
+def register_packed_linear(layer: PackedLinear) -> int:
+    """A handle the compiled graph names `layer` by (an opaque oneDNN weight cannot be a graph input)."""
+    global _next_handle
+    handle, _next_handle = _next_handle, _next_handle + 1
+    _packed_linears[handle] = layer
+    return handle
+
+
+@torch.library.custom_op("pdserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """x: [..., in_features] → [..., out_features] through the registered PackedLinear `handle`."""
+    return _packed_linears[handle].eager_forward(x)
+
+
+@packed_linear.register_fake
+def _packed_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], _packed_linears[handle].out_features)

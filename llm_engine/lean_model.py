@@ -1,0 +1,145 @@
+"""The engine's own model body for the Llama family (Llama, Mistral, Qwen2, Qwen3), built from the loaded
+transformers model's weights: the graph `torch.compile` turns into one program per step.
+
+    LeanBody.from_hf(model) → body(input_ids [T], positions [T]) → final-normed hidden states [T, hidden]
+Why its own body and not transformers' modules (as nano-vllm and vLLM keep theirs): a packed batch with flat
+[T, ...] tensors and no attention mask, each layer's q/k/v in one GEMM and gate/up in one GEMM, the residual
+add folded into the next RMSNorm, rotary from a table built once, and attention as one opaque op
+(llm_engine/custom_ops.py): nothing in it breaks a graph. It computes what transformers computes, op for op
+in the same order and dtype (RMSNorm in fp32, the weight applied in the model's dtype; cos/sin from the
+model's own rotary module, so every rope scaling it knows is the one used), so float32 greedy tokens equal
+transformers' (tests/engine/test_compiled_engine.py). Other families keep transformers' modules, eager.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from llm_engine.custom_ops import paged_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, step for step (its rounding, in every dtype)."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One nn.Linear whose output is the parts' outputs side by side (one GEMM, one weight read)."""
+    has_bias = parts[0].bias is not None
+    fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=has_bias,
+                      device=parts[0].weight.device, dtype=parts[0].weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if has_bias:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))  # type: ignore[misc]
+    return fused
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one of q/k: x [T, heads, D]; cos/sin [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+class LeanLayer(nn.Module):
+    def __init__(self, hf_layer: nn.Module, layer_idx: int) -> None:
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.layer_idx = layer_idx
+        self.num_heads = attn.config.num_attention_heads
+        self.num_kv_heads = attn.config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = float(attn.scaling)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = _fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.gate_up_proj = _fused_linear([mlp.gate_proj, mlp.up_proj])
+        self.intermediate = mlp.gate_proj.out_features
+        self.down_proj = mlp.down_proj
+        self.act_fn = mlp.act_fn
+        self.input_norm = hf_layer.input_layernorm.weight
+        self.post_attention_norm = hf_layer.post_attention_layernorm.weight
+        self.eps = float(hf_layer.input_layernorm.variance_epsilon)
+        # Qwen3: an RMSNorm over each head's q and k before rotary.
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.q_norm = None if q_norm is None else q_norm.weight
+        self.k_norm = None if k_norm is None else k_norm.weight
+        self.qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else self.eps
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous layer's output [T, hidden] (the embeddings for layer 0), residual its input
+        stream (None for layer 0) → (this layer's MLP output, the residual stream before it)."""
+        residual = hidden if residual is None else residual + hidden
+        x = rms_norm(residual, self.input_norm, self.eps)
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        kv_shape = (num_tokens, self.num_kv_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(kv_shape)
+        v = qkv[:, self.q_size + self.kv_size :].view(kv_shape)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rms_norm(q, self.q_norm, self.qk_eps)
+            k = rms_norm(k, self.k_norm, self.qk_eps)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        attn = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), self.layer_idx, self.scaling)
+        residual = residual + self.o_proj(attn.view(num_tokens, self.q_size))
+        x = rms_norm(residual, self.post_attention_norm, self.eps)
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
+        mlp_out = self.down_proj(self.act_fn(gate) * up)
+        return mlp_out, residual
+
+
+class LeanBody(nn.Module):
+    """Embeddings → decoder layers → final norm, over a packed batch."""
+
+    def __init__(self, hf_model: PreTrainedModel, max_positions: int) -> None:
+        super().__init__()
+        inner = hf_model.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = nn.ModuleList(LeanLayer(layer, i) for i, layer in enumerate(inner.layers))
+        self.norm = inner.norm.weight
+        self.eps = float(inner.norm.variance_epsilon)
+        # cos/sin of every position, from the model's own rotary module: [max_positions, head_dim] each,
+        # in the model's dtype as transformers casts them.
+        weight = self.embed_tokens.weight
+        positions = torch.arange(max_positions, device=weight.device)[None]
+        with torch.no_grad():
+            cos, sin = inner.rotary_emb(weight[:1][None], positions)
+        self.register_buffer("cos", cos[0], persistent=False)
+        self.register_buffer("sin", sin[0], persistent=False)
+
+    @classmethod
+    def from_hf(cls, hf_model: PreTrainedModel, max_positions: int) -> LeanBody:
+        """The lean body over `hf_model`'s weights; the transformers layers are dropped from `hf_model`
+        (their q/k/v and gate/up weights now live fused in the body), its embeddings and lm_head kept."""
+        body = cls(hf_model, max_positions)
+        hf_model.model.layers = nn.ModuleList()
+        return body
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] → [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, D]
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin)
+        assert residual is not None
+        return rms_norm(residual + hidden, self.norm, self.eps)
+
+
+def has_lean_body(architecture: str) -> bool:
+    return architecture in LEAN_ARCHITECTURES

@@ -1,0 +1,149 @@
+"""The compiled model body (llm_engine/compilation.py): float32 greedy tokens equal transformers' through chunked
+prefills, prefix hits and decodes; bfloat16 held to vLLM's standard; a compile failure is an error naming
+--compile ("on") or an eager worker with the reason ("auto"); --device auto chooses by what is visible.
+
+The suite runs eager elsewhere (PDSERVE_COMPILE=off, tests/conftest.py); these tests compile on purpose, with one
+inductor cache for the session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_engine import EngineConfig, LLMEngine, SamplingParams
+from llm_engine.compilation import CompileError, CompileMode, auto_declines, compile_body
+from llm_engine.hardware import check_device_present, resolve_device
+from llm_engine.lean_model import LeanBody
+from llm_engine.tiny_model import build_tiny_model
+from tests.conftest import hf_greedy, random_prompts
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+    yield
+    if previous is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
+def engine_for(model_dir: Path, **overrides: object) -> LLMEngine:
+    settings: dict[str, object] = {"dtype": "float32", "kv_cache_bytes": 8 << 20, "compile": "on",
+                                   "max_num_batched_tokens": 24, **overrides}
+    return LLMEngine(EngineConfig(str(model_dir), **settings))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_compiled_float32_greedy_equals_transformers(family: str, tmp_path: Path) -> None:
+    model_dir = build_tiny_model(family, tmp_path / family)
+    engine = engine_for(model_dir)
+    assert engine.compilation.compiled and engine.compilation.body == "lean"
+    prompts = random_prompts([5, 40, 19, 1], 1000)
+    # The 24-token budget prefills the 40-token prompt in two chunks while the others decode.
+    completions = engine.generate(prompts, GREEDY)
+    assert [list(c.output_token_ids) for c in completions] == hf_greedy(model_dir, prompts, 8)
+    # A second round shares the first prompts' full blocks: prefix hits, the rest prefilled over them.
+    shared = [prompts[1] + [7, 8, 9], prompts[1][:32] + [3]]
+    assert [list(c.output_token_ids) for c in engine.generate(shared, GREEDY)] == hf_greedy(model_dir, shared, 8)
+    assert engine.block_pool.is_whole()
+
+
+def hf_greedy_top5(model_dir: Path, prompt: list[int], steps: int, dtype: torch.dtype
+                   ) -> tuple[list[int], list[set[int]]]:
+    """transformers' greedy tokens for `prompt`, and its top-5 token ids at each step."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps,
+                             do_sample=False, output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, [set(scores[0].topk(5).indices.tolist()) for scores in out.scores]
+
+
+def assert_close_as_vllm_does(ours: list[int], our_top: list[set[int]], theirs: list[int],
+                              their_top: list[set[int]]) -> None:
+    """vLLM's check_logprobs_close: equal up to the first difference, and there each side's token is in the
+    other's top-5 (nothing is compared after it: the contexts differ from then on)."""
+    for position, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        if a != b:
+            assert a in their_top[position] and b in our_top[position], f"diverged at {position}"
+            return
+
+
+@pytest.mark.parametrize("compile_mode", ["on", "off"])
+def test_bfloat16_is_close_to_transformers_by_vllms_standard(compile_mode: str, tmp_path: Path) -> None:
+    model_dir = build_tiny_model("llama", tmp_path / "llama")
+    engine = engine_for(model_dir, dtype="bfloat16", compile=compile_mode)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)
+    for prompt in random_prompts([7, 30, 12], 1000, seed=3):
+        [completion] = engine.generate([prompt], params)
+        our_top = [{t for t, _ in step} for step in completion.output_top_logprobs]
+        theirs, their_top = hf_greedy_top5(model_dir, prompt, 16, torch.bfloat16)
+        assert_close_as_vllm_does(list(completion.output_token_ids), our_top, theirs, their_top)
+    assert engine.block_pool.is_whole()
+
+
+def _failing_compiler(body: torch.nn.Module) -> object:
+    raise RuntimeError("inductor: C++ compile failed (no compiler)")
+
+
+def test_a_compile_failure_stops_on_and_falls_back_under_auto(tiny_llama_dir: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    body = LeanBody.from_hf(model, 64)
+    cpu = torch.device("cpu")
+    with pytest.raises(CompileError, match="--compile on: the model body did not compile .*no compiler"):
+        compile_body(body, CompileMode.ON, cpu, compiler=_failing_compiler)  # type: ignore[arg-type]
+    # auto on a CPU in float32 stays eager without trying; where it would compile, a failure is eager + why
+    _, declined = compile_body(body, CompileMode.AUTO, cpu)
+    assert not declined.compiled and declined.reason.startswith("auto: eager on a CPU in float32")
+    fell_back, report = compile_body(body, CompileMode.AUTO, cpu, torch.bfloat16,
+                                     compiler=_failing_compiler)  # type: ignore[arg-type]
+    if auto_declines(cpu, torch.bfloat16) is None:  # a CPU with native bf16: auto tried, and fell back
+        assert fell_back is body and not report.compiled and "no compiler" in report.reason
+        assert "running it eager" in caplog.text
+    else:
+        assert not report.compiled and report.reason.startswith("auto: eager")
+
+
+def test_compile_on_without_a_lean_body_is_refused_at_start(tmp_path: Path) -> None:
+    model_dir = build_tiny_model("gemma", tmp_path / "gemma")
+    with pytest.raises(CompileError, match="--compile on: no lean body for GemmaForCausalLM"):
+        engine_for(model_dir)
+    engine = engine_for(model_dir, compile="auto")  # transformers' modules, eager, and says so
+    assert engine.compilation.body == "transformers" and not engine.compilation.compiled
+
+
+def test_compile_auto_chooses_by_device_and_dtype() -> None:
+    assert auto_declines(torch.device("cuda"), torch.bfloat16) is None
+    assert auto_declines(torch.device("cpu"), torch.bfloat16, native_bf16=True) is None
+    assert "float32" in str(auto_declines(torch.device("cpu"), torch.float32, native_bf16=True))
+    assert "without native bfloat16" in str(auto_declines(torch.device("cpu"), torch.bfloat16,
+                                                          native_bf16=False))
+    with pytest.raises(ValueError, match="compile must be one of auto, on, off"):
+        EngineConfig("x", compile="always")
+
+
+def test_device_auto_follows_what_is_visible(tiny_llama_dir: Path) -> None:
+    assert resolve_device("auto", cuda_visible=True) == "cuda"
+    assert resolve_device("auto", cuda_visible=False) == "cpu"
+    assert resolve_device("cuda:1") == "cuda:1"
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
+        resolve_device("tpu")
+    with pytest.raises(ValueError, match="--device cuda: no CUDA GPU is visible"):
+        check_device_present("cuda", cuda_visible=False)
+    assert EngineConfig(str(tiny_llama_dir)).device == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cuda: no CUDA GPU is visible"):
+            LLMEngine(EngineConfig(str(tiny_llama_dir), device="cuda", dtype="float32"))
