@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "pdserve" / "inductor"
 WARMUP_TOKENS = (1, 2)
 # vLLM's CPU options (its wheel, 2026-12): no size/NaN asserts in the generated code, epilogue fusion, and
 # OpenMP threads chosen at run time (a worker's thread count is set after import).
-INDUCTOR_OPTIONS: dict[str, object] = {
+INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {
     "size_asserts": False,
     "nan_asserts": False,
     "epilogue_fusion": True,

@@ -13,7 +13,7 @@ transformers' (tests/engine/test_compiled_engine.py). Other families keep transf
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     with torch.no_grad():
         fused.weight.copy_(torch.cat([p.weight for p in parts]))
         if has_bias:
-            fused.bias.copy_(torch.cat([p.bias for p in parts]))  # type: ignore[misc]
+            fused.bias.copy_(torch.cat([p.bias for p in parts if p.bias is not None]))
     return fused
 
 
@@ -54,7 +54,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class LeanLayer(nn.Module):
-    def __init__(self, hf_layer: nn.Module, layer_idx: int) -> None:
+    qkv_proj: nn.Module  # nn.Linear, or the PackedLinear the kernel probe put in its place
+    o_proj: nn.Module
+    gate_up_proj: nn.Module
+    down_proj: nn.Module
+    act_fn: nn.Module
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+    def __init__(self, hf_layer: Any, layer_idx: int) -> None:
         super().__init__()
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.layer_idx = layer_idx
@@ -106,16 +116,21 @@ class LeanLayer(nn.Module):
 class LeanBody(nn.Module):
     """Embeddings → decoder layers → final norm, over a packed batch."""
 
+    embed_tokens: nn.Module
+    norm: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, hf_model: PreTrainedModel, max_positions: int) -> None:
         super().__init__()
-        inner = hf_model.model
+        inner: Any = hf_model.model
         self.embed_tokens = inner.embed_tokens
         self.layers = nn.ModuleList(LeanLayer(layer, i) for i, layer in enumerate(inner.layers))
         self.norm = inner.norm.weight
         self.eps = float(inner.norm.variance_epsilon)
         # cos/sin of every position, from the model's own rotary module: [max_positions, head_dim] each,
         # in the model's dtype as transformers casts them.
-        weight = self.embed_tokens.weight
+        weight: torch.Tensor = inner.embed_tokens.weight
         positions = torch.arange(max_positions, device=weight.device)[None]
         with torch.no_grad():
             cos, sin = inner.rotary_emb(weight[:1][None], positions)
@@ -127,7 +142,8 @@ class LeanBody(nn.Module):
         """The lean body over `hf_model`'s weights; the transformers layers are dropped from `hf_model`
         (their q/k/v and gate/up weights now live fused in the body), its embeddings and lm_head kept."""
         body = cls(hf_model, max_positions)
-        hf_model.model.layers = nn.ModuleList()
+        inner: Any = hf_model.model
+        inner.layers = nn.ModuleList()
         return body
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -58,8 +58,10 @@ class FleetCollector(Collector):
             usage.add_metric(labels, load.kv_occupancy)
         # How each worker computes (1 per live worker; the labels carry the facts, Prometheus' info idiom).
         runtime = self._gauge("worker_runtime_info",
-                              "A worker's dtype, GEMM kernel, decode attention, compiled or eager body, torch threads",
-                              ["worker", "dtype", "linear_kernel", "decode_attention", "compile", "threads"])
+                              "A worker's dtype, GEMM kernel, decode attention, compiled or eager body, "
+                              "torch threads",
+                              ["worker", "dtype", "linear_kernel", "decode_attention", "compile",
+                               "threads"])
         speedup = self._gauge("linear_kernel_speedup",
                               "Load-time probe: F.linear time over the chosen GEMM kernels'", ["worker"])
         for worker_id, facts in status.runtimes.items():

@@ -63,7 +63,8 @@ FLEET_METRICS = (
     _m("kv_cache_usage_perc", "gauge", ("worker", "role"), vllm="kv_cache_usage_perc"),
     _m("pool_workers", "gauge", ("role",)),
     _m("queued_prompt_tokens", "gauge", ("pool",)),
-    _m("worker_runtime_info", "gauge", ("worker", "dtype", "linear_kernel", "decode_attention", "compile", "threads")),
+    _m("worker_runtime_info", "gauge",
+       ("worker", "dtype", "linear_kernel", "decode_attention", "compile", "threads")),
     _m("linear_kernel_speedup", "gauge", ("worker",)),
     _m("ratio_changes_total", "counter", ("from", "to", "reason")),
 )

@@ -71,6 +71,31 @@ def p2p_backend(device: str | torch.device) -> str:
     raise ValueError(f"the torch KV transfer backend supports cpu and cuda KV caches, not {device_type}")
 
 
+def warm_up_pairs(rank: int, world_size: int, device: str | torch.device) -> None:
+    """Open the connection of every pair of ranks once, right after the group starts.
+
+    NCCL builds a pair's p2p connection lazily, on that pair's first send/recv, and the first `isend`
+    blocks until the peer joins it (PyTorch issues 136248, 108378). A pull posts its irecv only after the
+    sender's reply, so without this the first NCCL pull between two workers deadlocks. Every rank must call
+    it (a collective). Pairs go in lexicographic order: the smallest pair not yet done is the next one for
+    both of its ranks, so the exchange cannot deadlock.
+    """
+    import torch.distributed as dist
+
+    for low in range(world_size):
+        for high in range(low + 1, world_size):
+            if rank not in (low, high):
+                continue
+            peer = high if rank == low else low
+            outgoing = torch.full((1,), rank, dtype=torch.int32, device=device)
+            incoming = torch.empty(1, dtype=torch.int32, device=device)
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, peer),
+                                                dist.P2POp(dist.irecv, incoming, peer)]):
+                work.wait()
+            if int(incoming.item()) != peer:
+                raise RuntimeError(f"torch group warm-up: rank {rank} got {int(incoming.item())} from {peer}")
+
+
 def check_group_backend(backend_config: str, device: str | torch.device) -> None:
     """Refuse a process group that would move `device` tensors with the wrong backend (e.g. gloo for CUDA).
 

@@ -1,9 +1,9 @@
-"""The compiled model body (llm_engine/compilation.py): float32 greedy tokens equal transformers' through chunked
-prefills, prefix hits and decodes; bfloat16 held to vLLM's standard; a compile failure is an error naming
---compile ("on") or an eager worker with the reason ("auto"); --device auto chooses by what is visible.
+"""The compiled model body (llm_engine/compilation.py): float32 greedy tokens equal transformers' through
+chunked prefills, prefix hits and decodes; bfloat16 held to vLLM's standard; a compile failure is an error
+naming --compile ("on") or an eager worker with the reason ("auto"); --device auto chooses by what is visible.
 
-The suite runs eager elsewhere (PDSERVE_COMPILE=off, tests/conftest.py); these tests compile on purpose, with one
-inductor cache for the session."""
+The suite runs eager elsewhere (PDSERVE_COMPILE=off, tests/conftest.py); these tests compile on purpose, with
+one inductor cache for the module."""
 
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ def test_compiled_float32_greedy_equals_transformers(family: str, tmp_path: Path
     completions = engine.generate(prompts, GREEDY)
     assert [list(c.output_token_ids) for c in completions] == hf_greedy(model_dir, prompts, 8)
     # A second round shares the first prompts' full blocks: prefix hits, the rest prefilled over them.
-    shared = [prompts[1] + [7, 8, 9], prompts[1][:32] + [3]]
-    assert [list(c.output_token_ids) for c in engine.generate(shared, GREEDY)] == hf_greedy(model_dir, shared, 8)
+    shared = [[*prompts[1], 7, 8, 9], [*prompts[1][:32], 3]]
+    outputs = [list(c.output_token_ids) for c in engine.generate(shared, GREEDY)]
+    assert outputs == hf_greedy(model_dir, shared, 8)
     assert engine.block_pool.is_whole()
 
 
@@ -103,7 +104,7 @@ def test_a_compile_failure_stops_on_and_falls_back_under_auto(tiny_llama_dir: Pa
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
     body = LeanBody.from_hf(model, 64)
     cpu = torch.device("cpu")
-    with pytest.raises(CompileError, match="--compile on: the model body did not compile .*no compiler"):
+    with pytest.raises(CompileError, match=r"--compile on: the model body did not compile .*no compiler"):
         compile_body(body, CompileMode.ON, cpu, compiler=_failing_compiler)  # type: ignore[arg-type]
     # auto on a CPU in float32 stays eager without trying; where it would compile, a failure is eager + why
     _, declined = compile_body(body, CompileMode.AUTO, cpu)
