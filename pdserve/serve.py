@@ -60,8 +60,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from gateway.app import create_app
 
+    from llm_engine.hardware import check_device_present, resolve_device
+
     try:
         config = load_serve_config(args)
+        if config.ray_address is None:  # the workers run on this machine: a missing GPU is known now
+            check_device_present(resolve_device(config.device or "auto"))
     except ValueError as error:
         print(f"pdserve serve: error: {error}", file=sys.stderr)
         return 2

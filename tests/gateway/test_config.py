@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from gateway.config import ServeConfig
@@ -67,6 +68,10 @@ def test_cli_names_the_bad_flag() -> None:
     (["--gpu-memory-utilization", "1.5", "--device", "cuda"],
      "--gpu-memory-utilization: Input should be less"),
     (["--max-num-seqs", "0"], "--max-num-seqs: Input should be greater than or equal to 1"),
+    (["--device", "tpu"], "--device: device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    pytest.param(["--device", "cuda"], "--device cuda: no CUDA GPU is visible to this process",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")),
+    (["--compile", "always"], "--compile: Input should be 'auto', 'on' or 'off'"),
 ])
 def test_cli_refuses_bad_engine_settings_naming_the_flag(flags: list[str], needle: str) -> None:
     result = subprocess.run([sys.executable, "-m", "pdserve", "serve", *flags], capture_output=True,
