@@ -75,6 +75,7 @@ class Load:
     long_in: int = 1500
     long_out: int = 8
     long_delay_s: float = 1.0  # after the slowest stream's first token
+    interference_rounds: int = 3  # (c) runs this many times on each server: median and spread reported
 
 
 class Prompts:
@@ -186,11 +187,29 @@ async def measure(url: str, model: str, load: Load, vocab_size: int, seed: int) 
         warmup = [prompts.spec(load.single_in, 16) for _ in range(2)]  # first requests pay one-off costs
         now = time.perf_counter()
         _checked(await asyncio.gather(*(send_one(client, s, model, now) for s in warmup)), "warm-up")
-        return {
-            "single": await run_single(client, model, load, prompts),
-            "concurrent": await run_concurrent(client, model, load, prompts),
-            "interference": await run_interference(client, model, load, prompts),
-        }
+        single = await run_single(client, model, load, prompts)
+        concurrent = await run_concurrent(client, model, load, prompts)
+        rounds = [await run_interference(client, model, load, prompts)
+                  for _ in range(load.interference_rounds)]
+        return {"single": single, "concurrent": concurrent, "interference": summarize_rounds(rounds)}
+
+
+def summarize_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds of (c) as one result: each figure's median, its [min, max] under `<key>_range`, whether
+    every round had all streams running when the long prompts came, and each round's figures as they were."""
+    summary: dict[str, Any] = {"rounds": rounds}
+    for key in ("itl_ms_p99_alone", "itl_ms_max_alone", "itl_ms_p50_alone", "itl_ms_p99", "itl_ms_max",
+                "itl_ms_p50"):
+        values = [r[key] for r in rounds]
+        summary[key], summary[key + "_range"] = statistics.median(values), [min(values), max(values)]
+    summary["all_streaming_at_long_arrival"] = all(r["all_streaming_at_long_arrival"] for r in rounds)
+    summary["long_ttft_ms"] = [t for r in rounds for t in r["long_ttft_ms"]]
+    return summary
+
+
+def _spread(c: dict[str, Any], key: str) -> str:
+    low, high = c.get(key + "_range", [c[key], c[key]])
+    return f"{c[key]:.0f} [{low:.0f}–{high:.0f}]"
 
 
 def free_port() -> int:
@@ -242,7 +261,8 @@ def write_report(results: dict[str, dict[str, Any]], args: argparse.Namespace, l
         f"{load.single_in} in / {load.single_out} out. (c) {load.stream_count} streams {load.stream_in} in / "
         f"{load.stream_out} out, alone, then with {load.long_count} × {load.long_in}-token prompts "
         f"(max_tokens {load.long_out}) arriving {load.long_delay_s} s after the streams' slowest first "
-        "token: the streams' inter-token gaps.",
+        f"token: the streams' inter-token gaps, {load.interference_rounds} rounds on each server, median "
+        "[min–max] of the rounds; the long prompts' TTFT of every round.",
         "",
         "| server | (a) TTFT ms | (a) TPOT ms | (b) out tok/s | (b) TTFT p90 ms | (c) ITL p99 / max ms alone "
         "| (c) ITL p99 / max ms with long prompts | (c) long prompts' TTFT ms | all streaming? |",
@@ -253,8 +273,9 @@ def write_report(results: dict[str, dict[str, Any]], args: argparse.Namespace, l
         lines.append(
             f"| {result['label']} | {a['ttft_ms_p50']:.0f} | {a['tpot_ms_p50']:.1f} | "
             f"{b['output_tok_per_s']:.0f} | {b['ttft_ms_p90']:.0f} | "
-            f"{c['itl_ms_p99_alone']:.0f} / {c['itl_ms_max_alone']:.0f} | {c['itl_ms_p99']:.0f} / "
-            f"{c['itl_ms_max']:.0f} | {', '.join(f'{t:.0f}' for t in c['long_ttft_ms'])} | "
+            f"{_spread(c, 'itl_ms_p99_alone')} / {_spread(c, 'itl_ms_max_alone')} | "
+            f"{_spread(c, 'itl_ms_p99')} / {_spread(c, 'itl_ms_max')} | "
+            f"{', '.join(f'{t:.0f}' for t in c['long_ttft_ms'])} | "
             f"{'yes' if c['all_streaming_at_long_arrival'] else 'no'} |"
         )
     lines += ["", "Settings:"]

@@ -20,6 +20,7 @@ import torch
 from llm_engine.batch import ModelInput
 from llm_engine.native_kernels import DecodeKernel
 from llm_engine.paged_attention import DecodeBatch, PagedAttentionMetadata, PrefillSegment, cache_views
+from llm_engine.varlen_attention import VarlenKernel, varlen_batch
 
 
 @dataclass(frozen=True)
@@ -34,16 +35,20 @@ class PreparedInput:
 
 class InputBatch:
     def __init__(self, kv_cache: torch.Tensor, max_blocks_per_seq: int, max_num_tokens: int,
-                 num_rows: int = 64, decode_kernel: DecodeKernel | None = None) -> None:
+                 num_rows: int = 64, decode_kernel: DecodeKernel | None = None,
+                 varlen_kernel: VarlenKernel | None = None) -> None:
         """Args:
         kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; metadata points at it.
         decode_kernel: the C++ paged decode attention, passed to every layer; None: gather + SDPA.
+        varlen_kernel: FlashAttention's varlen_attn (CUDA): every chunk in one call per layer; None: the
+            per-segment SDPA and the decode path above.
         max_blocks_per_seq: the longest table a request can have (the model's context in blocks).
         max_num_tokens: tokens one forward may carry; larger batches grow the buffers.
         num_rows: initial number of table rows; doubled when more requests hold tables at once.
         """
         self.kv_cache = kv_cache
         self.decode_kernel = decode_kernel
+        self.varlen_kernel = varlen_kernel
         self.device = kv_cache.device
         self.block_size = kv_cache.shape[3]
         self._block_rows = kv_cache.shape[1] * 2 * self.block_size  # rows of one block in [-1, kvh * D]
@@ -134,6 +139,9 @@ class InputBatch:
         slot_offsets = positions % self.block_size  # [T]
         sample_ends = (q_starts + counts - 1)[samples]
         slot_rows = self._tensor(slot_blocks * self._block_rows + slot_offsets)
+        varlen = None if self.varlen_kernel is None else varlen_batch(
+            self.tables, rows, starts, counts, self.block_size, self._block_rows,
+            self.cache_views.row_offsets, self.varlen_kernel, self._tensor)
         metadata = PagedAttentionMetadata(
             kv_cache=self.kv_cache,
             views=self.cache_views,
@@ -141,9 +149,10 @@ class InputBatch:
             slot_offsets=self._tensor(slot_offsets),
             slot_rows=slot_rows,
             layer_slot_rows=(slot_rows[None] + self.cache_views.row_offsets[:, None]).unbind(0),
-            prefills=self._prefills(rows, starts, counts, q_starts),
-            decode=self._decode(rows, starts, counts, q_starts),
+            prefills=() if varlen else self._prefills(rows, starts, counts, q_starts),
+            decode=None if varlen else self._decode(rows, starts, counts, q_starts),
             decode_kernel=self.decode_kernel,
+            varlen=varlen,
         )
         return PreparedInput(
             input_ids=self._tensor(input_ids)[None],

@@ -29,6 +29,7 @@ from llm_engine.native_kernels import DecodeKernel, kernel_unfit_reason, paged_d
 from llm_engine.sampling import SamplingParams, choose_tokens
 from llm_engine.step_timeline import StepRecord, StepTimeline
 from llm_engine.structured import GrammarCache
+from llm_engine.varlen_attention import varlen_fits, varlen_kernel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -83,8 +84,11 @@ class ModelRunner:
         # A table never covers more than the model's context (check_request) nor more blocks than exist.
         max_blocks = min(blocks_for(spec.max_model_len, config.block_size), self.num_blocks)
         self.decode_attention, kernel = choose_decode_attention(config, spec)
+        varlen = None if varlen_fits(self.device, self.kv_cache.dtype, spec.head_dim) else varlen_kernel()
+        if varlen is not None:  # CUDA: prefill chunks and decode tokens in one FlashAttention call
+            self.decode_attention = "flash-varlen"
         self.inputs = InputBatch(self.kv_cache, max_blocks, config.max_num_batched_tokens,
-                                 num_rows=config.max_num_seqs, decode_kernel=kernel)
+                                 num_rows=config.max_num_seqs, decode_kernel=kernel, varlen_kernel=varlen)
         # Structured outputs: compiled grammars cached per process, a matcher per request (rebuilt from its
         # tokens wherever it runs); llguidance is loaded with the first request that has a grammar.
         self.grammar_mask = GrammarMask(GrammarCache(config.model_dir, spec.vocab_size, spec.eos_token_ids))

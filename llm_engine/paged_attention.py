@@ -13,6 +13,8 @@ Per layer:
     2. prefill chunks: attend causally to (cached context + the chunk itself), one SDPA per chunk;
     3. decode tokens: with pdserve's C++ kernel (llm_engine/csrc/, CPU), one call reading every sequence's
        blocks in place; else gather all their block tables at once, one batched SDPA with a length mask.
+On CUDA in float16/bfloat16, steps 2 and 3 are one FlashAttention call over the whole packed batch
+(llm_engine/varlen_attention.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from llm_engine.native_kernels import DecodeKernel
+from llm_engine.varlen_attention import VarlenBatch, attend_varlen
 
 ATTENTION_NAME = "pdserve_paged"
 
@@ -88,6 +91,9 @@ class PagedAttentionMetadata:
     prefills: tuple[PrefillSegment, ...]
     decode: DecodeBatch | None
     decode_kernel: DecodeKernel | None  # the C++ paged decode attention; None: gather + SDPA
+    # CUDA: the whole batch in one FlashAttention call per layer (llm_engine/varlen_attention.py); then
+    # `prefills` and `decode` are empty.
+    varlen: VarlenBatch | None = None
 
 
 def _gather(blocks: torch.Tensor, block_ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -146,6 +152,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
     flat = meta.views.flat
     flat.index_copy_(0, meta.layer_slot_rows[2 * layer], key.reshape(num_tokens, -1))
     flat.index_copy_(0, meta.layer_slot_rows[2 * layer + 1], value.reshape(num_tokens, -1))
+    if meta.varlen is not None:
+        return attend_varlen(query, flat, layer, meta.varlen, num_kv_heads, scaling)
 
     d = meta.decode
     layer_blocks = meta.views.blocks[layer]
