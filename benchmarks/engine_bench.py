@@ -167,7 +167,8 @@ def measure(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(seed)
     result: dict[str, Any] = {
         "engine_file": llm_engine.__file__, "decode": {}, "prefill": {}, "gemm": {},
-        "kernel": None if kernel is None else f"{kernel.kernel.value} ({kernel.reason})",
+        "kernel": None if kernel is None
+        else f"{getattr(kernel, 'label', kernel.kernel.value)} ({kernel.reason})",
         "weight_bytes": weight_bytes(bare), "kv_bytes_per_token": spec_bytes, "load_s": load_s,
         "compile": "eager (no lean body in this tree)" if compilation is None
         else f"{compilation.mode} ({compilation.reason})",

@@ -68,10 +68,11 @@ class ServeConfig(BaseSettings):
                     "wins: CUDA, and CPUs that compute bfloat16 natively; eager elsewhere, and eager with "
                     "the reason logged if compiling fails), on (a failure stops the worker) or off "
                     "(default: the engine's, auto)")
-    linear_kernel: Literal["auto", "torch", "onednn-packed"] | None = Field(
+    linear_kernel: Literal["auto", "torch", "onednn-packed", "zentorch"] | None = Field(
         None,
-        description="GEMM kernel of the linear layers: auto, torch (F.linear) or onednn-packed (CPU: weights "
-                    "prepacked once) (default: the engine's, auto: probed at load, per weight shape)")
+        description="GEMM kernel of the linear layers: auto, torch (F.linear), onednn-packed (CPU: weights "
+                    "prepacked once) or zentorch (AMD CPUs, the extra pdserve[zen]) (default: the engine's, "
+                    "auto: probed at load, per weight shape and band of row counts)")
     decode_attention: Literal["auto", "sdpa", "paged-kernel"] | None = Field(
         None,
         description="sdpa (gather + torch SDPA padded to the batch's longest context, bit-identical to "

@@ -31,6 +31,16 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("AuthenticAMD", "GenuineIntel"; "" where there is none)."""
+    path = Path("/proc/cpuinfo")
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
 def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     return bool(NATIVE_BF16_CPU_FLAGS & (cpu_flags() if flags is None else flags))
 

@@ -1,7 +1,10 @@
 """Every linear layer on the fastest GEMM kernel the device has, chosen by a short probe at load.
 
-    apply_linear_kernel(model, config) → probe each distinct weight shape at 1, 16 and 256 rows with both
-    kernels → each shape runs, in each band of row counts, on the kernel that won there → LinearKernelReport.
+    apply_linear_kernel(model, config) → probe each distinct weight shape at 1, 16 and 256 rows with every
+    kernel that runs here → each shape runs, in each band of row counts, on the kernel that won there →
+    LinearKernelReport.
+The kernels: `F.linear` as torch dispatches it; oneDNN with the weight prepacked once; and, on AMD CPUs with
+the optional extra `pdserve[zen]` installed, ZenDNN's linear (`zentorch`, as vLLM's "Zen platform" runs).
 Why: on a CPU, `F.linear` sends fp32 GEMMs to MKL, whose path is slow on some CPUs (AMD: 105 GFLOP/s per
 core against 268 through oneDNN with prepacked weights); bf16 `F.linear` goes to oneDNN but reorders the
 weight on every call. Which kernel wins depends on the CPU, the dtype, the shape and the row count (on an
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llm_engine.custom_ops import register_packed_linear
+from llm_engine.hardware import cpu_flags, cpu_vendor
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +51,14 @@ def row_band(num_rows: int) -> int:
 
 
 class LinearKernel(StrEnum):
-    AUTO = "auto"  # probe at load and keep the faster (CPU); cuBLAS on CUDA
+    AUTO = "auto"  # probe at load and keep the fastest per shape and band (CPU); cuBLAS on CUDA
     TORCH = "torch"  # F.linear as torch dispatches it: MKL (CPU fp32), oneDNN (CPU bf16), cuBLAS (CUDA)
     ONEDNN_PACKED = "onednn-packed"  # oneDNN with weights reordered once at load (CPU only)
+    ZENTORCH = "zentorch"  # ZenDNN's linear (AMD CPUs, the optional extra pdserve[zen])
+
+
+Bands = tuple[LinearKernel, LinearKernel, LinearKernel]  # the kernel of each band of row counts
+ZEN_INSTALL = "pip install 'pdserve[zen]'"
 
 
 def onednn_unavailable_reason(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -65,18 +74,61 @@ def onednn_unavailable_reason(dtype: torch.dtype, device: torch.device) -> str |
     return None
 
 
-class PackedLinear(nn.Module):
-    """An nn.Linear whose weight oneDNN reordered once, dispatching each call by its row count: bands where
-    the probe found F.linear faster keep using the plain weight."""
+def zentorch_unavailable_reason(dtype: torch.dtype, device: torch.device,
+                                flags: frozenset[str] | None = None, vendor: str | None = None) -> str | None:
+    """Why zentorch's linears cannot run here, or None when they can (`flags`, `vendor` injected by tests).
+    It is imported only here, on an AMD CPU: vLLM too uses it only on its Zen platform."""
+    if device.type != "cpu":
+        return f"zentorch is a CPU kernel; the device is {device.type}"
+    if (cpu_vendor() if vendor is None else vendor) != "AuthenticAMD":
+        return "zentorch (ZenDNN) is for AMD CPUs"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"zentorch linears take float32 or bfloat16, not {dtype}"
+    if dtype == torch.bfloat16 and "avx512_bf16" not in (cpu_flags() if flags is None else flags):
+        return "zentorch's bfloat16 path needs AVX512_BF16"
+    try:
+        import zentorch  # noqa: F401  # registers torch.ops.zentorch
+    except ImportError as error:
+        return f"zentorch is not installed ({ZEN_INSTALL}): {error}"
+    return None
 
-    def __init__(self, linear: nn.Linear, packed_bands: tuple[bool, bool, bool] = (True, True, True)) -> None:
+
+def _onednn_packed(x: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
+
+
+def _zentorch(x: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
+    return torch.ops.zentorch.zentorch_linear_unary(x, layer.zen_weight, layer.bias, is_weight_prepacked=True)
+
+
+def _torch(x: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)  # type: ignore[arg-type]  # kept wherever a band reads it
+
+
+KERNEL_CALLS: dict[LinearKernel, Callable[[torch.Tensor, PackedLinear], torch.Tensor]] = {
+    LinearKernel.TORCH: _torch, LinearKernel.ONEDNN_PACKED: _onednn_packed, LinearKernel.ZENTORCH: _zentorch,
+}
+
+
+class PackedLinear(nn.Module):
+    """An nn.Linear that dispatches each call by its row count to the kernel the probe chose for that band:
+    oneDNN with a weight reordered once, zentorch, or F.linear."""
+
+    def __init__(self, linear: nn.Linear, bands: Bands = (LinearKernel.ONEDNN_PACKED,) * 3) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_bands = packed_bands
+        self.bands = bands
+        self.calls = tuple(KERNEL_CALLS[kernel] for kernel in bands)
         # A plain attribute, not a parameter: an opaque oneDNN tensor has no strides for state_dict or .to().
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_BATCH_HINT)
-        # The plain weight only where some band runs on F.linear: otherwise it is freed with the nn.Linear.
-        self.weight = None if all(packed_bands) else linear.weight
+        self.packed_weight = (torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_BATCH_HINT)
+                              if LinearKernel.ONEDNN_PACKED in bands else None)
+        # zentorch's weight reordered once and held here. Not its implicit weight cache: that one is keyed by
+        # the weight's address, and handed a freed-and-reused address another model's weights (wrong tokens
+        # from the first one, seen in this suite, where many engines come and go in one process).
+        self.zen_weight = (torch.ops.zentorch.zentorch_weight_prepack_for_linear(linear.weight.detach())
+                           if LinearKernel.ZENTORCH in bands else None)
+        # The plain weight only where some band runs F.linear: otherwise it is freed with the nn.Linear.
+        self.weight = linear.weight if LinearKernel.TORCH in bands else None
         self.bias = linear.bias
         self.handle = register_packed_linear(self)
 
@@ -86,12 +138,10 @@ class PackedLinear(nn.Module):
         return self.eager_forward(x)
 
     def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None and not self.packed_bands[row_band(x.numel() // self.in_features)]:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return self.calls[row_band(x.numel() // self.in_features)](x, self)
 
     def extra_repr(self) -> str:
-        bands = "/".join("packed" if b else "torch" for b in self.packed_bands)
+        bands = "/".join(kernel.value for kernel in self.bands)
         return f"in_features={self.in_features}, out_features={self.out_features}, rows 1/16/256: {bands}"
 
 
@@ -99,14 +149,21 @@ class PackedLinear(nn.Module):
 class LinearKernelReport:
     """Which GEMM kernel a worker's linears run on, and why."""
 
-    kernel: LinearKernel  # TORCH, or ONEDNN_PACKED when any layer runs packed
+    kernel: LinearKernel  # TORCH; else the kernel other than F.linear that most layer bands run on
     requested: LinearKernel  # what the config asked for
     reason: str  # one line: the probe's verdict, or why there was none
-    num_swapped: int  # linear layers on the packed kernel
+    num_swapped: int  # linear layers with some band on a kernel other than F.linear
     num_linears: int  # linear layers in the model, lm_head included
     # Probe: ms of one pass over every linear layer at each row count, all on F.linear, and as chosen.
     torch_ms: dict[int, float] = field(default_factory=dict)
     chosen_ms: dict[int, float] = field(default_factory=dict)
+    kernels_in_use: tuple[LinearKernel, ...] = ()  # every kernel some layer band runs on, most used first
+
+    @property
+    def label(self) -> str:
+        """What the worker's info and metrics show: the kernels other than F.linear in use, most used first
+        ("onednn-packed+zentorch"), or "torch"."""
+        return "+".join(k.value for k in self.kernels_in_use if k is not LinearKernel.TORCH) or "torch"
 
     @property
     def speedup(self) -> float | None:
@@ -128,16 +185,18 @@ class _ShapeProbe:
     layer: nn.Linear
     count: int
     is_head: bool
-    torch_s: dict[int, float] = field(default_factory=dict)
-    packed_s: dict[int, float] = field(default_factory=dict)
+    seconds: dict[LinearKernel, dict[int, float]] = field(default_factory=dict)  # kernel → rows → s
 
-    def packed_bands(self) -> tuple[bool, bool, bool]:
-        """Per band of row counts: does the packed kernel win? (The head's top band: its 16-row verdict.)"""
-        wins = {rows: self.packed_s[rows] < self.torch_s[rows] for rows in self.torch_s}
-        return (wins[1], wins[16], wins.get(256, wins[16]))
+    def winner(self, rows: int) -> LinearKernel:
+        """The fastest kernel at `rows` (F.linear on a tie)."""
+        return min(self.seconds, key=lambda k: (self.seconds[k][rows], k is not LinearKernel.TORCH))
+
+    def bands(self) -> Bands:
+        """Per band of row counts, the winner. (The head's top band: its 16-row verdict.)"""
+        return (self.winner(1), self.winner(16), self.winner(16 if self.is_head else 256))
 
     def chosen_s(self, rows: int) -> float:
-        return min(self.packed_s[rows], self.torch_s[rows])
+        return self.seconds[self.winner(rows)][rows]
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -156,15 +215,17 @@ def _best_of(fn: Callable[[], torch.Tensor]) -> float:
     return best
 
 
-def _probe(shapes: dict[tuple[int, int], _ShapeProbe], dtype: torch.dtype, device: torch.device) -> None:
-    """Time one layer of each distinct shape with both kernels at each row count it will see."""
+def _probe(shapes: dict[tuple[int, int], _ShapeProbe], kernel: LinearKernel, dtype: torch.dtype,
+           device: torch.device) -> None:
+    """Time one layer of each distinct shape on `kernel` at each row count it will see."""
     with torch.inference_mode():
         for probe in shapes.values():
-            layer, packed = probe.layer, PackedLinear(probe.layer)
+            layer = probe.layer
+            wrapped = PackedLinear(layer, (kernel,) * 3)
+            timings = probe.seconds.setdefault(kernel, {})
             for rows in HEAD_PROBE_ROWS if probe.is_head else PROBE_ROWS:
                 x = torch.randn(rows, layer.in_features, dtype=dtype, device=device)
-                probe.torch_s[rows] = _best_of(partial(F.linear, x, layer.weight, layer.bias))
-                probe.packed_s[rows] = _best_of(partial(packed, x))
+                timings[rows] = _best_of(partial(wrapped.eager_forward, x))
 
 
 def _pass_ms(shapes: dict[tuple[int, int], _ShapeProbe], seconds: Callable[[_ShapeProbe, int], float]
@@ -176,51 +237,90 @@ def _pass_ms(shapes: dict[tuple[int, int], _ShapeProbe], seconds: Callable[[_Sha
             for rows in PROBE_ROWS}
 
 
+def kernel_unavailable_reason(kernel: LinearKernel, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why `kernel` cannot run here, or None when it can (F.linear runs everywhere)."""
+    if kernel is LinearKernel.ONEDNN_PACKED:
+        return onednn_unavailable_reason(dtype, device)
+    if kernel is LinearKernel.ZENTORCH:
+        return zentorch_unavailable_reason(dtype, device)
+    return None
+
+
 def apply_linear_kernel(model: nn.Module, requested: LinearKernel | str, dtype: torch.dtype,
                         device: torch.device) -> LinearKernelReport:
     """Put the linear layers of `model` on the kernel `requested` names. "auto": each distinct weight
-    shape, in each band of row counts, on whichever kernel the probe found faster there.
+    shape, in each band of row counts, on whichever kernel the probe found fastest there, among those that
+    run here (F.linear, oneDNN prepacked, zentorch).
 
     Raises:
-        ValueError: `requested` is ONEDNN_PACKED and oneDNN cannot run here (the message says why).
+        ValueError: `requested` names a kernel that cannot run here (the message says why).
     """
     requested = LinearKernel(requested)
     layers = _linears(model)
-    unavailable = onednn_unavailable_reason(dtype, device)
-    if requested is LinearKernel.TORCH or (requested is LinearKernel.AUTO and unavailable):
-        reason = "asked for" if requested is LinearKernel.TORCH else str(unavailable)
-        return LinearKernelReport(LinearKernel.TORCH, requested, reason, 0, len(layers))
-    if unavailable:
-        raise ValueError(f"linear kernel {requested.value!r}: {unavailable}")
+    if requested is LinearKernel.TORCH:
+        return LinearKernelReport(LinearKernel.TORCH, requested, "asked for", 0, len(layers),
+                                  kernels_in_use=(LinearKernel.TORCH,))
+    if requested is not LinearKernel.AUTO:
+        unavailable = kernel_unavailable_reason(requested, dtype, device)
+        if unavailable:
+            raise ValueError(f"linear kernel {requested.value!r}: {unavailable}")
+        return _swap(layers, {}, requested, "asked for", {}, {}, fixed=requested)
+    skipped = {k: r for k in (LinearKernel.ONEDNN_PACKED, LinearKernel.ZENTORCH)
+               if (r := kernel_unavailable_reason(k, dtype, device))}
+    candidates = [k for k in (LinearKernel.ONEDNN_PACKED, LinearKernel.ZENTORCH) if k not in skipped]
+    if not candidates:
+        return LinearKernelReport(LinearKernel.TORCH, requested, "; ".join(skipped.values()), 0, len(layers),
+                                  kernels_in_use=(LinearKernel.TORCH,))
     head = getattr(model, "lm_head", None)
     shapes: dict[tuple[int, int], _ShapeProbe] = {}
     for _, _, layer in layers:
         key = (layer.out_features, layer.in_features)
         shapes.setdefault(key, _ShapeProbe(layer, 0, layer is head)).count += 1
-    bands = dict.fromkeys(shapes, (True, True, True))
-    torch_ms: dict[int, float] = {}
-    chosen_ms: dict[int, float] = {}
-    reason = "asked for"
-    if requested is LinearKernel.AUTO:
+    _probe(shapes, LinearKernel.TORCH, dtype, device)
+    for kernel in candidates:
         try:
-            _probe(shapes, dtype, device)
-        except RuntimeError as error:  # a oneDNN that imports but cannot run these shapes
-            logger.warning("oneDNN probe failed, linears stay on F.linear: %s", error)
-            return LinearKernelReport(LinearKernel.TORCH, requested, f"oneDNN probe failed: {error}", 0,
-                                      len(layers))
-        bands = {key: p.packed_bands() for key, p in shapes.items()}
-        torch_ms = _pass_ms(shapes, lambda p, rows: p.torch_s[rows])
-        chosen_ms = _pass_ms(shapes, _ShapeProbe.chosen_s)
-        packed_at = ", ".join(f"{rows}: {sum(b[i] for b in bands.values())}/{len(shapes)}"
-                              for i, rows in enumerate(PROBE_ROWS))
-        reason = (f"probe: shapes faster packed at rows {packed_at}; a pass "
-                  + "/".join(f"{torch_ms[r] / chosen_ms[r]:.2f}" for r in PROBE_ROWS) + "× F.linear's")
+            _probe(shapes, kernel, dtype, device)
+        except RuntimeError as error:  # a library that imports but cannot run these shapes here
+            logger.warning("%s probe failed, not used: %s", kernel.value, error)
+            skipped[kernel] = f"{kernel.value} probe failed: {error}"
+            for probe in shapes.values():
+                probe.seconds.pop(kernel, None)
+    torch_ms = _pass_ms(shapes, lambda p, rows: p.seconds[LinearKernel.TORCH][rows])
+    chosen_ms = _pass_ms(shapes, _ShapeProbe.chosen_s)
+    wins = ", ".join(f"{rows}: " + " ".join(f"{k.value} {n}" for k, n in _band_counts(shapes, i).items())
+                     for i, rows in enumerate(PROBE_ROWS))
+    timed = ", ".join(k.value for k in next(iter(shapes.values())).seconds)
+    reason = (f"probe of {timed}: shapes' fastest at rows {wins}; a pass "
+              + "/".join(f"{torch_ms[r] / chosen_ms[r]:.2f}" for r in PROBE_ROWS) + "× F.linear's"
+              + "".join(f"; {why}" for why in skipped.values()))
+    bands = {key: p.bands() for key, p in shapes.items()}
+    return _swap(layers, bands, requested, reason, torch_ms, chosen_ms)
+
+
+def _band_counts(shapes: dict[tuple[int, int], _ShapeProbe], band: int) -> dict[LinearKernel, int]:
+    counts: dict[LinearKernel, int] = {}
+    for probe in shapes.values():
+        counts[probe.bands()[band]] = counts.get(probe.bands()[band], 0) + 1
+    return counts
+
+
+def _swap(layers: list[tuple[nn.Module, str, nn.Linear]], bands: dict[tuple[int, int], Bands],
+          requested: LinearKernel, reason: str, torch_ms: dict[int, float], chosen_ms: dict[int, float],
+          fixed: LinearKernel | None = None) -> LinearKernelReport:
+    """Wrap every layer whose bands (or `fixed`) use a kernel other than F.linear; the report."""
     num_swapped = 0
+    uses: dict[LinearKernel, int] = {}
     for parent, name, layer in layers:
-        layer_bands = bands[(layer.out_features, layer.in_features)]
-        if any(layer_bands):
+        layer_bands: Bands = (fixed,) * 3 if fixed else bands[(layer.out_features, layer.in_features)]
+        for kernel in layer_bands:
+            uses[kernel] = uses.get(kernel, 0) + 1
+        if any(k is not LinearKernel.TORCH for k in layer_bands):
             setattr(parent, name, PackedLinear(layer, layer_bands))
             num_swapped += 1
-    kernel = LinearKernel.ONEDNN_PACKED if num_swapped else LinearKernel.TORCH
-    logger.info("linear kernel %s (%d of %d layers packed): %s", kernel, num_swapped, len(layers), reason)
-    return LinearKernelReport(kernel, requested, reason, num_swapped, len(layers), torch_ms, chosen_ms)
+    in_use = tuple(sorted(uses, key=lambda k: -uses[k]))
+    kernel = next((k for k in in_use if k is not LinearKernel.TORCH), LinearKernel.TORCH)
+    report = LinearKernelReport(kernel, requested, reason, num_swapped, len(layers), torch_ms, chosen_ms,
+                                in_use)
+    logger.info("linear kernels %s (%d of %d layers wrapped): %s", report.label, num_swapped, len(layers),
+                reason)
+    return report

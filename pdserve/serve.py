@@ -59,7 +59,6 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
-
     from llm_engine.hardware import check_device_present, resolve_device
 
     try:

@@ -96,7 +96,7 @@ class WorkerRuntime:
     """How the worker computes: its dtype, GEMM kernel and cores (in /admin/pools and the metrics)."""
 
     dtype: str  # of weights and KV cache, "auto" resolved
-    linear_kernel: str  # "torch" or "onednn-packed" (llm_engine/linear_kernels.py)
+    linear_kernel: str  # "torch", or the kernels in use ("onednn-packed+zentorch"; llm_engine/linear_kernels)
     linear_kernel_reason: str  # the probe's verdict, or why there was none
     linear_kernel_speedup: float | None  # probe: F.linear time over the chosen kernels' (None: no probe)
     decode_attention: str  # "paged-kernel" (pdserve's C++ kernel) or "sdpa" (gather + torch SDPA)
@@ -196,7 +196,7 @@ class WorkerActor:
         if engine is None:
             return None
         kernel, kv = engine.linear_kernel, engine.kv_capacity
-        return WorkerRuntime(engine.config.dtype, kernel.kernel.value, kernel.reason, kernel.speedup,
+        return WorkerRuntime(engine.config.dtype, kernel.label, kernel.reason, kernel.speedup,
                              engine.runner.decode_attention, engine.compilation.mode,
                              f"{engine.compilation.body} body: {engine.compilation.reason}",
                              self._num_threads, self._cpu_ids,

@@ -1,9 +1,11 @@
 """The engine's fast paths keep transformers' greedy tokens, per dtype and per linear kernel; `auto` choices.
 
-- fp32: a batch of requests of different lengths, with linears on F.linear and on oneDNN prepacked weights.
+- fp32: a batch of requests of different lengths, with linears on F.linear, on oneDNN prepacked weights and
+  (on AMD CPUs with the extra installed) on zentorch.
 - bf16: each request served alone is token-identical to transformers in bf16 with either kernel (in a batch,
   bf16 GEMM rounding depends on the batch's shape, as in every batched server: README, "dtype").
-- The probe falls back to F.linear where oneDNN is missing or fails; `--dtype auto` reads the CPU's flags.
+- The probe falls back to F.linear where oneDNN is missing or fails, and leaves zentorch out where it cannot
+  run (not AMD, not installed, bf16 without AVX512_BF16); `--dtype auto` reads the CPU's flags.
 """
 
 from __future__ import annotations
@@ -13,17 +15,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_engine import EngineConfig, KVCacheSpec, LLMEngine, SamplingParams
+from llm_engine import EngineConfig, KVCacheSpec, LLMEngine, SamplingParams, linear_kernels
 from llm_engine.hardware import resolve_dtype
-from llm_engine.linear_kernels import LinearKernel, PackedLinear, onednn_unavailable_reason
+from llm_engine.linear_kernels import (
+    LinearKernel,
+    PackedLinear,
+    onednn_unavailable_reason,
+    zentorch_unavailable_reason,
+)
 from llm_engine.model_loader import read_model_spec
 from llm_engine.native_kernels import paged_decode_attention
 from pool_worker.runtime.worker_setup import cores_for_slot
 from tests.conftest import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+CPU = torch.device("cpu")
 KERNELS = ["torch", pytest.param("onednn-packed", marks=pytest.mark.skipif(
-    onednn_unavailable_reason(torch.float32, torch.device("cpu")) is not None, reason="no oneDNN here"))]
+    onednn_unavailable_reason(torch.float32, CPU) is not None, reason="no oneDNN here")),
+    pytest.param("zentorch", marks=pytest.mark.skipif(
+        zentorch_unavailable_reason(torch.float32, CPU) is not None, reason="no zentorch here"))]
 
 
 @pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
@@ -44,7 +54,7 @@ def test_float32_batch_is_token_identical_on_each_kernel(model_dir: Path, kernel
     engine = engine_for(model_dir, "float32", kernel, attention)
     assert engine.linear_kernel.kernel == kernel and engine.runner.decode_attention == attention
     is_packed = [isinstance(m, PackedLinear) for m in engine.runner.model.modules()]
-    assert sum(is_packed) == (engine.linear_kernel.num_linears if kernel == "onednn-packed" else 0)
+    assert sum(is_packed) == (0 if kernel == "torch" else engine.linear_kernel.num_linears)
     prompts = random_prompts([5, 17, 40, 90], engine.spec.vocab_size, seed=3)
     # Stopping at EOS, as the engine suite does: past an EOS, random prompts leave near-ties in any dtype.
     completions = engine.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0))
@@ -73,7 +83,7 @@ def test_auto_kernel_probes_and_says_why(tiny_llama_dir: Path) -> None:
     assert report.requested is LinearKernel.AUTO
     if onednn_unavailable_reason(torch.float32, torch.device("cpu")) is None:
         assert set(report.torch_ms) == {1, 16, 256} and report.speedup is not None and report.speedup >= 1.0
-        assert report.reason.startswith("probe:")
+        assert report.reason.startswith("probe of torch, onednn-packed")
     # The lean body's qkv, o, gate_up, down per layer (q/k/v and gate/up fused), and the lm_head.
     assert report.num_linears == 4 * 4 + 1
 
@@ -81,6 +91,7 @@ def test_auto_kernel_probes_and_says_why(tiny_llama_dir: Path) -> None:
 def test_probe_falls_back_to_torch_without_onednn(tiny_llama_dir: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    monkeypatch.setattr(linear_kernels, "zentorch_unavailable_reason", lambda *args: "no zentorch either")
     engine = engine_for(tiny_llama_dir, "float32", "auto")
     assert engine.linear_kernel.kernel is LinearKernel.TORCH
     assert "no oneDNN" in engine.linear_kernel.reason
@@ -95,10 +106,45 @@ def test_probe_that_fails_keeps_torch(tiny_llama_dir: Path, monkeypatch: pytest.
         raise RuntimeError("could not create a primitive")
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", broken)
+    monkeypatch.setattr(linear_kernels, "zentorch_unavailable_reason", lambda *args: "no zentorch either")
     engine = engine_for(tiny_llama_dir, "float32", "auto")
     assert engine.linear_kernel.kernel is LinearKernel.TORCH
     assert "probe failed: could not create a primitive" in engine.linear_kernel.reason
     assert not any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
+
+
+def test_zentorch_is_left_out_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    amd, avx2 = "AuthenticAMD", frozenset({"avx2", "fma"})
+    assert "for AMD CPUs" in str(zentorch_unavailable_reason(torch.float32, CPU, avx2, "GenuineIntel"))
+    assert "needs AVX512_BF16" in str(zentorch_unavailable_reason(torch.bfloat16, CPU, avx2, amd))
+    assert "CPU kernel" in str(zentorch_unavailable_reason(torch.float32, torch.device("cuda"), avx2, amd))
+    monkeypatch.setitem(__import__("sys").modules, "zentorch", None)  # as if not installed: import fails
+    reason = str(zentorch_unavailable_reason(torch.float32, CPU, avx2, amd))
+    assert "zentorch is not installed (pip install 'pdserve[zen]')" in reason
+
+
+def test_a_machine_without_zentorch_probes_the_others(tiny_llama_dir: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "zentorch", None)
+    monkeypatch.setattr(linear_kernels, "cpu_vendor", lambda: "AuthenticAMD")
+    engine = engine_for(tiny_llama_dir, "float32", "auto")
+    report = engine.linear_kernel
+    assert LinearKernel.ZENTORCH not in report.kernels_in_use
+    assert "zentorch is not installed" in report.reason
+    with pytest.raises(ValueError, match="linear kernel 'zentorch': zentorch is not installed"):
+        engine_for(tiny_llama_dir, "float32", "zentorch")
+
+
+@pytest.mark.skipif(zentorch_unavailable_reason(torch.float32, CPU) is not None, reason="no zentorch here")
+def test_the_probe_weighs_zentorch_beside_onednn(tiny_llama_dir: Path) -> None:
+    engine = engine_for(tiny_llama_dir, "float32", "auto")
+    report = engine.linear_kernel
+    assert "zentorch" in report.reason  # timed: each shape's winner per band is listed
+    bands = [m.bands for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
+    assert set(report.kernels_in_use) == {k for b in bands for k in b} | (
+        {LinearKernel.TORCH} if len(bands) < report.num_linears else set())
+    assert report.label == "+".join(k.value for k in report.kernels_in_use if k is not LinearKernel.TORCH) \
+        or report.label == "torch"
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
