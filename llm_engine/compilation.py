@@ -8,7 +8,7 @@ The warm-up runs with no step context, so attention computes nothing (llm_engine
 block is touched. Inductor's on-disk caches (FX graphs, AOT autograd, generated C++/Triton) go to
 $TORCHINDUCTOR_CACHE_DIR, which defaults here to ~/.cache/pdserve/inductor (not torch's /tmp default, which a
 container loses): a restart with a warm cache re-traces but does not re-generate code. On KubeRay, mount a
-volume there (deploy/kuberay/README.md).
+volume there (deploy/README.md, "The compile cache on every node").
 """
 
 from __future__ import annotations
@@ -91,9 +91,11 @@ def _warm_up(compiled: Body, device: torch.device) -> None:
 def auto_declines(device: torch.device, dtype: torch.dtype, native_bf16: bool | None = None) -> str | None:
     """Why `--compile auto` runs eager here, or None where it compiles: on CUDA (a step is thousands of small
     kernel launches eager) and on a CPU in bf16 with native bf16 (elementwise work and module overhead were a
-    third of a step there, issue 30's profile). On a CPU in float32 the compiled body measured no faster
-    than the eager one (AVX2 AMD, benchmarks/results/engine_step.md: within ±3% on every row) and costs a
-    minute and a half of cold start, so auto keeps eager."""
+    third of a step there, issue 30's profile). Elsewhere on a CPU the compiled body gains on decode only,
+    and costs minutes of start-up: SmolLM2 on an AVX2 AMD, 1 thread (benchmarks/results/
+    engine_step_compiled_amd_avx2.md), fp32 decode 1@256 64.5 → 57.2 ms and 16@256 190 → 184, prefill
+    unchanged; each start 130-150 s (52 s with a warm cache in bf16) against 2-3 s eager. So auto keeps
+    eager there, and `--compile on` is the choice for a server that runs long."""
     if device.type == "cuda":
         return None
     native = cpu_has_native_bf16() if native_bf16 is None else native_bf16
