@@ -56,7 +56,7 @@ def main() -> None:
     for mode in args.compile_modes.split(","):
         engine = LLMEngine(EngineConfig(str(model_dir), dtype="bfloat16", compile=mode,
                                         kv_cache_bytes=256 << 20))
-        params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True, logprobs=True,
+        params = SamplingParams(max_tokens=args.tokens, temperature=0.0, logprobs=True,
                                 top_logprobs=5)
         rows = []
         for prompt, (ref, top) in zip(prompts, expected, strict=True):

@@ -99,7 +99,7 @@ def main() -> None:
             expected = reference(model_dir, prompts, 24, getattr(torch, dtype), device)
             for mode in ("on", "off"):
                 engine = engine_for(model_dir, dtype, device, mode)
-                params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True,
+                params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=True,
                                         top_logprobs=5)
                 done = engine.generate(prompts, params)
                 rows = [first_divergence(list(c.output_token_ids),
