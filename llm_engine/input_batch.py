@@ -162,8 +162,13 @@ class InputBatch:
         )
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        # from_numpy shares the persistent buffer's memory: no copy on the CPU; one upload on an accelerator.
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        # from_numpy shares the persistent buffer's memory: no copy on the CPU; one upload on an accelerator,
+        # staged through pinned memory (torch's caching host allocator): from pageable memory a non_blocking
+        # copy is a synchronous one.
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
 
     def _prefills(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
                   q_starts: np.ndarray) -> tuple[PrefillSegment, ...]:
