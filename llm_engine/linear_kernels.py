@@ -300,7 +300,8 @@ def apply_linear_kernel(model: nn.Module, requested: LinearKernel | str, dtype: 
 def _band_counts(shapes: dict[tuple[int, int], _ShapeProbe], band: int) -> dict[LinearKernel, int]:
     counts: dict[LinearKernel, int] = {}
     for probe in shapes.values():
-        counts[probe.bands()[band]] = counts.get(probe.bands()[band], 0) + 1
+        kernel = probe.bands()[band]
+        counts[kernel] = counts.get(kernel, 0) + 1
     return counts
 
 
