@@ -49,6 +49,7 @@ class RayNode:
     process: subprocess.Popen[bytes]  # `ray start --block`: parent of the node's raylet and its workers
     resources: dict[str, float]
     log: Path
+    node_manager_port: str  # in the raylet's command line: finds a failed start's stragglers
 
 
 class LocalRayCluster:
@@ -85,7 +86,7 @@ class LocalRayCluster:
         log = self.work_dir / f"{name}.log"
         process = subprocess.Popen(command, env=self.env, cwd=REPO, stdout=log.open("wb"),
                                    stderr=subprocess.STDOUT)
-        return RayNode(process, resources, log)
+        return RayNode(process, resources, log, ports["--node-manager-port"])
 
     def start_head(self) -> None:
         """A head with no CPU: the gateway (a driver) runs there, no worker does."""
@@ -94,12 +95,35 @@ class LocalRayCluster:
                                 {}, "head")
         self._wait_started(self.head, "the Ray head")
 
-    def add_node(self, resources: dict[str, float], num_cpus: int = 1) -> RayNode:
-        node = self._start(["--address", self.address, "--num-cpus", str(num_cpus)], resources,
-                           f"node{len(self.nodes)}")
-        self.nodes.append(node)
-        self._wait_started(node, f"the Ray node {resources}")
-        return node
+    def add_node(self, resources: dict[str, float], num_cpus: int = 1, attempts: int = 3) -> RayNode:
+        """A worker node, started again (fresh ports) when `ray start` gives up: it waits a fixed 30 s for the
+        raylet to register with the GCS, which a loaded 2-core machine can miss (seen in CI)."""
+        name = f"node{len(self.nodes)}"
+        for attempt in range(1, attempts + 1):
+            node = self._start(["--address", self.address, "--num-cpus", str(num_cpus)], resources,
+                               name if attempt == 1 else f"{name}-try{attempt}")
+            try:
+                self._wait_started(node, f"the Ray node {resources}")
+            except RuntimeError:
+                self._kill_stragglers(node)
+                if attempt == attempts:
+                    raise
+                continue
+            self.nodes.append(node)
+            return node
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _kill_stragglers(node: RayNode) -> None:
+        """A failed start's raylet may outlive `ray start` and register late, a second node with the same
+        resources: kill every process started for it, found by its unique node-manager port."""
+        kill_tree(node.process.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            node.process.wait(30)
+        marker = f"--node_manager_port={node.node_manager_port}"
+        for process in psutil.process_iter(["cmdline"]):
+            if marker in " ".join(process.info["cmdline"] or []):
+                kill_tree(process.pid)
 
     def kill_node(self, node: RayNode) -> None:
         """The node dies at once: its raylet, its agents and its workers get SIGKILL (a machine lost)."""
