@@ -25,6 +25,8 @@ MAX_STOP_CHARS = 256  # per stop string: text that could start one is held back 
 MAX_MESSAGES = 2048
 MAX_LOGPROBS = 20  # top_logprobs / completions logprobs, as OpenAI's top_logprobs (the engine's bound too)
 MAX_LOGIT_BIAS = 1024  # entries; each costs one scatter per step
+# Of a logit_bias key: any vocabulary's ids have fewer, and int() refuses keys of more than 4300 digits.
+MAX_TOKEN_ID_DIGITS = 10
 MAX_STOP_TOKEN_IDS = 64
 MAX_PROMPTS = 64  # prompts in one completions batch
 
@@ -92,9 +94,12 @@ class _Request(BaseModel):
             return None
         if len(bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are allowed, got {len(bias)}")
-        bad = [key for key in bias if not key.isascii() or not key.isdigit()]
+        bad = [key for key in bias
+               if not key.isascii() or not key.isdigit() or len(key) > MAX_TOKEN_ID_DIGITS]
         if bad:
-            raise ValueError(f"keys must be token ids (non-negative integers as strings), got {bad[0]!r}")
+            shown = bad[0] if len(bad[0]) <= 20 else f"{bad[0][:20]}..."  # not 5000 digits back
+            raise ValueError(f"keys must be token ids (non-negative integers as strings, at most "
+                             f"{MAX_TOKEN_ID_DIGITS} digits), got {shown!r}")
         return bias
 
     @property

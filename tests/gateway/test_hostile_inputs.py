@@ -160,6 +160,9 @@ def test_a_hundred_thousand_stop_strings_get_400_naming_stop(client: httpx.Clien
         ("completions", {"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
         ("completions", {"logit_bias": {"50": 101}}, "logit_bias", "100"),
         ("completions", {"logit_bias": {str(VOCAB_SIZE): 1}}, "logit_bias", "vocabulary"),
+        # More digits than int() converts (4300): was a ValueError outside the checks, a 500.
+        ("completions", {"logit_bias": {"1" * 5000: 1}}, "logit_bias", "token ids"),
+        ("chat", {"logit_bias": {"1" * 5000: 1}}, "logit_bias", "token ids"),
         ("completions", {"stop_token_ids": [VOCAB_SIZE]}, "stop_token_ids", "vocabulary"),
         ("completions", {"min_tokens": 5, "max_tokens": 2}, "min_tokens", "exceeds max_tokens"),
         ("completions", {"presence_penalty": 2.5}, "presence_penalty", "2"),
