@@ -249,6 +249,14 @@ class ServeConfig(BaseSettings):
             raise ValueError(f"profile {profile!r} does not exist (make one with `pdserve tune profile`)")
         return profile
 
+    @field_validator("api_key")
+    @classmethod
+    def _api_key_is_a_key(cls, key: str | None) -> str | None:
+        # An empty key (PDSERVE_API_KEY from a Secret with no value) would otherwise turn the check off.
+        if key is not None and not key.strip():
+            raise ValueError("--api-key is empty: give a key, or leave it unset to serve /v1 without one")
+        return key
+
     @field_validator("otlp_traces_endpoint")
     @classmethod
     def _traces_can_be_sent(cls, endpoint: str | None) -> str | None:

@@ -3,7 +3,8 @@ is open, as vLLM's, because Prometheus scrapers send no key); /admin routes want
 when none is set, a server bound to loopback and a request from loopback that no proxy forwarded (a
 same-host reverse proxy or sidecar connects from loopback too, on behalf of anyone). Neither key opens the
 other's routes. Compared in constant
-time. Both are Bearer tokens, declared as security schemes so the OpenAPI description shows them.
+time, both sides stripped of blanks. Both are Bearer tokens, declared as security schemes so the OpenAPI
+description shows them.
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ _admin_key = HTTPBearer(scheme_name="admin_key", auto_error=False, description="
 
 
 def _matches(given: HTTPAuthorizationCredentials | None, expected: str) -> bool:
+    # Both sides stripped: a key read from a file or a Kubernetes Secret often ends in a newline.
     token = given.credentials.strip() if given is not None else ""
-    return bool(token) and hmac.compare_digest(token.encode(), expected.encode())
+    return bool(token) and hmac.compare_digest(token.encode(), expected.strip().encode())
 
 
 async def require_api_key(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_api_key)]
 ) -> None:
     expected = request.app.state.config.api_key
-    if expected and not _matches(credentials, expected):
+    # `is not None`: a key that is empty (the config refuses one) locks everyone out rather than no one.
+    if expected is not None and not _matches(credentials, expected):
         raise HTTPException(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
 

@@ -125,3 +125,10 @@ def test_a_named_fleet_needs_a_cluster_that_outlives_the_gateway() -> None:
     with pytest.raises(ValueError, match="fleet_name"):
         ServeConfig(fleet_name="no spaces", ray_address="auto")
     assert ServeConfig(fleet_name="main", ray_address="auto").fleet_name == "main"
+
+
+@pytest.mark.parametrize("key", ["", "   ", "\n"])
+def test_an_empty_api_key_is_refused_not_taken_for_none(key: str) -> None:
+    # An empty PDSERVE_API_KEY (a Secret with no value) used to turn the key check off.
+    with pytest.raises(ValidationError, match="api-key is empty"):
+        ServeConfig(api_key=key)

@@ -9,7 +9,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import Depends, FastAPI
+from fastapi.testclient import TestClient
 
+from gateway.api.auth import require_admin, require_api_key
+from gateway.config import ServeConfig
 from tests.gateway.conftest import API_KEY, MODEL, serve_config, serving
 
 ADMIN_KEY = "sk-admin-key"
@@ -99,3 +103,21 @@ def test_openapi_declares_both_keys(keyed_server: str) -> None:
         assert openapi["paths"][path][method]["security"] == [{"api_key": []}], path
     assert openapi["paths"]["/admin/pools"]["get"]["security"] == [{"admin_key": []}]
     assert "security" not in openapi["paths"]["/health"]["get"]
+
+
+def test_a_configured_key_ending_in_a_newline_is_the_key() -> None:
+    """A key read from a file or a Kubernetes Secret often ends in a newline: stripped as the one sent is, it
+    no longer locks everyone out. No server: the check alone, on a bare app."""
+    app = FastAPI()
+    app.state.config = ServeConfig(api_key=f"{API_KEY}\n", admin_key=f" {ADMIN_KEY}\n")
+
+    @app.get("/v1/guarded", dependencies=[Depends(require_api_key)])
+    @app.get("/admin/guarded", dependencies=[Depends(require_admin)])
+    async def guarded() -> dict[str, str]:
+        return {}
+
+    with TestClient(app) as client:
+        for path, key in (("/v1/guarded", API_KEY), ("/admin/guarded", ADMIN_KEY)):
+            assert client.get(path, headers={"Authorization": f"Bearer {key}"}).status_code == 200, path
+            assert client.get(path, headers={"Authorization": f"Bearer {key}x"}).status_code == 401, path
+            assert client.get(path).status_code == 401, path
