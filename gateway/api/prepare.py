@@ -115,7 +115,7 @@ class Preparer:
 
     async def _prompt_tokens(self, item: str | list[int]) -> list[int]:
         if isinstance(item, str):
-            return await self._off_loop_if(len(item) > LONG_PROMPT_CHARS, lambda: self._encode(item))
+            return await self.encode(item)
         vocab = self.spec.vocab_size
         bad = [t for t in item if not 0 <= t < vocab]
         if bad:
@@ -153,8 +153,14 @@ class Preparer:
         limit = min(self.spec.max_model_len, self.max_request_tokens)
         return max(1, min(default, limit - len(prompt)))
 
-    def encode(self, text: str) -> list[int]:
-        return self._encode(text)
+    async def encode(self, text: str) -> list[int]:
+        """The text's token ids, as a completion's prompt is tokenized (in the worker thread when long)."""
+        return await self._off_loop_if(len(text) > LONG_PROMPT_CHARS, lambda: self._encode(text))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The ids' text (in the worker thread when they are many)."""
+        return await self._off_loop_if(len(token_ids) > LONG_PROMPT_TOKENS,
+                                       lambda: str(self.tokenizer.decode(token_ids)))
 
     async def render_chat(self, request_messages: list[ChatMessage], add_generation_prompt: bool = True,
                           plan: ToolPlan | None = None) -> list[int]:

@@ -5,6 +5,8 @@ POST /tokenize     {"prompt": text} or {"messages": [...]} → {"tokens", "count
                    template applied as for /v1/chat/completions); vLLM's shape, which `vllm bench serve` reads
 POST /detokenize   {"tokens": [ids]} → {"prompt": text}
 GET  /version      {"version": pdserve's}
+Long text and many ids are (de)tokenized in gateway/api/prepare.py's worker thread, as a request's prompt is,
+so that the event loop keeps streaming; more than a long context's worth of either is refused (400).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from gateway.api.prepare import Preparer
 from gateway.api.protocol import ChatMessage, Text
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
+
+# A long context's worth (256k tokens, at ~4 characters each): more is only work for the gateway.
+MAX_TOKENIZE_CHARS = 1 << 20  # of the prompt, or of the messages' content together
+MAX_DETOKENIZE_IDS = 1 << 18
 
 
 class TokenizeRequest(BaseModel):
@@ -63,9 +69,11 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, object]
     if (body.prompt is None) == (body.messages is None):
         raise BadRequest("give exactly one of prompt and messages", param="prompt")
     if body.prompt is not None:
-        tokens = preparer.encode(body.prompt)
+        _check_size("prompt", len(body.prompt))
+        tokens = await preparer.encode(body.prompt)
     else:
         assert body.messages is not None
+        _check_size("messages", sum(len(m.text) for m in body.messages))
         tokens = await preparer.render_chat(body.messages, body.add_generation_prompt)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": preparer.spec.max_model_len}
 
@@ -73,11 +81,20 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, object]
 @router.post("/detokenize", responses=documented(400, 401, 404))
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, object]:
     preparer = _preparer(request, body.model)
+    if len(body.tokens) > MAX_DETOKENIZE_IDS:
+        raise BadRequest(f"at most {MAX_DETOKENIZE_IDS} token ids can be detokenized, got "
+                         f"{len(body.tokens)}", param="tokens")
     bad = [t for t in body.tokens if not 0 <= t < preparer.spec.vocab_size]
     if bad:
         raise BadRequest(f"token ids outside the vocabulary [0, {preparer.spec.vocab_size}): {bad[:5]}",
                          param="tokens")
-    return {"prompt": preparer.tokenizer.decode(body.tokens)}
+    return {"prompt": await preparer.decode(body.tokens)}
+
+
+def _check_size(param: str, num_chars: int) -> None:
+    if num_chars > MAX_TOKENIZE_CHARS:
+        raise BadRequest(f"at most {MAX_TOKENIZE_CHARS} characters can be tokenized, got {num_chars}",
+                         param=param)
 
 
 @router.get("/version", responses=documented(401))

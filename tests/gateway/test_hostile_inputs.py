@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from gateway.api.prepare import Preparer
+from gateway.api.prepare import LONG_PROMPT_TOKENS, Preparer
 from gateway.api.protocol import ChatCompletionRequest, ChatMessage
 from llm_engine.model_loader import load_tokenizer, read_model_spec
 from tests.gateway.conftest import MODEL, wait_until_no_blocks_used
@@ -281,3 +281,38 @@ def test_a_conversation_of_many_short_messages_is_rendered_off_the_event_loop(
     prepared = asyncio.run(preparer.prepare_chat(body))
     assert len(prepared.prompt_token_ids) > 40
     assert rendered_on and rendered_on[0].startswith("prompt-prep"), rendered_on
+
+
+def test_tokenize_and_detokenize_refuse_oversized_input_naming_the_field(client: httpx.Client) -> None:
+    # 1 MiB of text and 256k ids (a long context's worth): more is only work for the gateway.
+    too_long = {"model": MODEL, "prompt": "a" * ((1 << 20) + 1)}
+    assert_error(client.post("/tokenize", json=too_long), 400, "at most 1048576", param="prompt")
+    half = "a" * (1 << 19)
+    messages = [{"role": "user", "content": half}, {"role": "assistant", "content": half},
+                {"role": "user", "content": [{"type": "text", "text": "a"}]}]
+    response = client.post("/tokenize", json={"model": MODEL, "messages": messages})
+    assert_error(response, 400, "at most 1048576", param="messages")
+    too_many = {"model": MODEL, "tokens": [0] * ((1 << 18) + 1)}
+    assert_error(client.post("/detokenize", json=too_many), 400, "at most 262144", param="tokens")
+
+
+def test_long_text_is_tokenized_and_long_ids_decoded_off_the_event_loop(tiny_chat_model_dir: Path) -> None:
+    """/tokenize and /detokenize (gateway/api/utility_routes.py) go through these, as requests do."""
+    tokenizer = load_tokenizer(str(tiny_chat_model_dir))
+    preparer = Preparer(tokenizer, read_model_spec(str(tiny_chat_model_dir)), MODEL, 4096, 16, 16)
+    ran_on: list[str] = []
+
+    def recorded(work: Callable[..., Any]) -> Callable[..., Any]:
+        def spy(*args: Any) -> Any:
+            ran_on.append(threading.current_thread().name)
+            return work(*args)
+        return spy
+
+    preparer._encode = recorded(preparer._encode)
+    tokenizer.decode = recorded(tokenizer.decode)
+    text = "The quick brown fox. " * 500  # past LONG_PROMPT_CHARS
+    tokens = asyncio.run(preparer.encode(text))
+    assert tokens == tokenizer.encode(text) and len(tokens) > LONG_PROMPT_TOKENS
+    assert asyncio.run(preparer.decode(tokens)) == text
+    assert asyncio.run(preparer.encode("short")) == tokenizer.encode("short")
+    assert [name.startswith("prompt-prep") for name in ran_on] == [True, True, False], ran_on
