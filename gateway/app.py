@@ -177,7 +177,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
             service.on_prompt.append(fleet.note_prompt)
             service.router.on_local_prefill.append(fleet.note_prompt)
             service.on_finished.append(fleet.note_finished)
-            app.state.control = FleetLink(handle)
+            app.state.control = FleetLink(fleet)
             announce(app, config, info.backend, f" (frontend pid {os.getpid()} of {frontend.num_frontends})")
             yield
         finally:
@@ -272,7 +272,8 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
         prepared = await request.app.state.preparer.prepare_chat(body, request_id_of(request.state))
         return await respond(service, body, traced(service, prepared, request), request)
 
-    @app.get("/health", responses={503: {"description": "unavailable: a role has no live worker"}})
+    @app.get("/health", responses={503: {"description": "unavailable: no live worker can decode, or the "
+                                                        "fleet actor does not answer (see reason)"}})
     async def health(request: Request) -> JSONResponse:
         """ok (200), degraded (200: serving, some workers being replaced or not placed on a node yet),
         unavailable (503)."""
@@ -283,6 +284,8 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
         body = {"status": pools.status,
                 "active_workers": pools.active, "target_workers": pools.target,
                 "replacing": pools.num_replacing, "pending": pools.num_pending}
+        if pools.reason:
+            body["reason"] = pools.reason
         return JSONResponse(body, status_code=503 if pools.status == "unavailable" else 200)
 
     # Open unless asked (scrapers send no key); its OpenAPI entry declares the key only when it wants it.

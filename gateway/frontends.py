@@ -7,6 +7,11 @@
       → uvicorn's Multiprocess supervisor: N frontend processes accept on that socket (the kernel spreads
         connections across them); one that dies is started again (its own connections are lost: the
         fleet ends its streams on the workers once it stops reporting; the other frontends' carry on)
+      → a watch thread: should the fleet actor die (a crash, Ray's memory monitor), Ray restarts it empty
+        (max_restarts; its workers died with their owner) and the watch starts its fleet again (the workers
+        load again); meanwhile the frontends' /health says "unavailable", and they follow the new epoch
+        once it answers. A fleet actor dead for good (ray.kill) stops this supervisor with an error, so
+        that whatever supervises it (deploy/supervise.py, the kubelet) starts a new one
       → on SIGINT / SIGTERM: the frontends stop, then the fleet (every worker), then Ray if ours.
     A named fleet (--fleet-name, on a cluster: --address) is a detached actor instead: it outlives this
     process, which leaves it running when it ends. The next supervisor with the same settings rejoins it
@@ -22,11 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -37,6 +45,11 @@ from gateway.fleet.config import DeploymentConfig
 
 # The child reads its settings from here: uvicorn builds each frontend from an import string.
 FRONTEND_ENV = "PDSERVE_FRONTEND"
+FLEET_WATCH_S = 1.0
+FLEET_PROBE_TIMEOUT_S = 10.0  # a paused fleet is the frontends' to report (/health), not a death
+FLEET_GONE_S = 60.0  # a fleet actor that fails every probe this long is not restarting: dead for good
+
+logger = logging.getLogger(__name__)
 
 
 def frontend_app() -> object:
@@ -80,12 +93,19 @@ def serve_frontends(config: ServeConfig) -> None:
     name = f"pdserve-fleet-{config.fleet_name if is_named else uuid.uuid4().hex[:6]}"
     fleet, is_rejoined = open_fleet(name, deployment, outlives=is_named)
     metrics_dir = tempfile.mkdtemp(prefix="pdserve-metrics-")
+    stopping = threading.Event()
+
+    def start(fleet: Any) -> None:
+        ray.get(fleet.start.remote(deployment, config.controller_policy(), config.local_prefill_policy(),
+                                   config.ratio == "auto", config.planner_settings()))
+
+    lost: list[str] = []  # why the fleet is gone for good (the watch says)
+
     try:
         if is_rejoined:
             print(f"pdserve: rejoined fleet {name} and its workers", flush=True)
         else:
-            ray.get(fleet.start.remote(deployment, config.controller_policy(), config.local_prefill_policy(),
-                                       config.ratio == "auto", config.planner_settings()))
+            start(fleet)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         os.environ[FRONTEND_ENV] = json.dumps({
             "config": config.model_dump(mode="json"), "fleet_actor": name,
@@ -95,13 +115,61 @@ def serve_frontends(config: ServeConfig) -> None:
                                 workers=config.api_server_count)
         print(f"pdserve: fleet {name} is up; starting {config.api_server_count} frontends on "
               f"http://{config.host}:{config.port}", flush=True)
-        Multiprocess(server, sockets=[server.bind_socket()]).run()
+        frontends = Multiprocess(server, sockets=[server.bind_socket()])
+
+        def on_lost(why: str) -> None:
+            lost.append(why)
+            frontends.should_exit.set()
+
+        threading.Thread(target=watch_fleet, args=(fleet, start, on_lost, stopping), name="fleet-watch",
+                         daemon=True).start()
+        frontends.run()
+        if lost:
+            raise SystemExit(f"pdserve: {lost[0]}: stopping, so that this gateway is started again")
     finally:
+        stopping.set()
         if not is_named:  # a named fleet outlives this process (see the module's docstring)
             stop_fleet(fleet)
         shutil.rmtree(metrics_dir, ignore_errors=True)
         if started_ray:
             ray.shutdown()
+
+
+def watch_fleet(fleet: Any, start: Callable[[Any], None], on_lost: Callable[[str], None],
+                stopping: threading.Event) -> None:
+    """Until `stopping`, probe the fleet actor every FLEET_WATCH_S: one that Ray restarted (it answers, not
+    started) is started again (retried until it starts); one that fails every probe for FLEET_GONE_S is
+    gone for good: on_lost. A probe that times out is neither: a paused or busy fleet is left alone (the
+    frontends' /health reports it)."""
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    failing_since: float | None = None
+    while not stopping.wait(FLEET_WATCH_S):
+        try:
+            started = ray.get(fleet.started_config.remote(), timeout=FLEET_PROBE_TIMEOUT_S)
+        except GetTimeoutError:
+            continue
+        except RayActorError as error:  # died: restarting, or gone for good
+            failing_since = failing_since or time.monotonic()
+            if time.monotonic() - failing_since > FLEET_GONE_S and not stopping.is_set():
+                on_lost(f"the fleet actor is gone ({type(error).__name__})")
+                return
+            continue
+        except Exception:
+            logger.exception("the fleet probe failed")
+            continue
+        failing_since = None
+        if started is not None:
+            continue
+        print("pdserve: the fleet actor was restarted (its workers died with it): starting the fleet again",
+              flush=True)
+        began = time.monotonic()
+        try:
+            start(fleet)
+        except Exception:  # Ray itself may be struggling: the next round tries again
+            logger.exception("the fleet did not start")
+            continue
+        print(f"pdserve: the fleet serves again ({time.monotonic() - began:.0f} s to start)", flush=True)
 
 
 def open_fleet(name: str, deployment: DeploymentConfig, outlives: bool) -> tuple[Any, bool]:
@@ -111,7 +179,8 @@ def open_fleet(name: str, deployment: DeploymentConfig, outlives: bool) -> tuple
     from gateway.control.fleet_actor import FleetActor
 
     # The fleet's loop does control work only (no request passes through it): it needs no CPU of its own.
-    options: dict[str, Any] = {"name": name, "num_cpus": 0, "max_concurrency": 1000}
+    # Ray restarts it should it die (empty: the supervisor's watch starts its fleet again).
+    options: dict[str, Any] = {"name": name, "num_cpus": 0, "max_concurrency": 1000, "max_restarts": -1}
     if not outlives:
         return ray.remote(FleetActor).options(**options).remote(), False
     options.update(lifetime="detached", get_if_exists=True)

@@ -157,6 +157,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestFailed)
     async def request_failed(_: Request, exc: RequestFailed) -> JSONResponse:
         # Its message is written for the client (see RequestFailed).
+        if exc.status != 503:
+            return error(exc.status, str(exc), code=exc.code)
         return error(503, str(exc), code=exc.code, headers={"Retry-After": "1"})
 
     @app.exception_handler(ResizeRefused)

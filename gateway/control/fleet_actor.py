@@ -3,18 +3,25 @@
 
     FleetActor() → start(config, policy, auto): the deployment's workers placed, started and wired; the
         control plane (pool watch, resizer, ratio controller) running → FleetInfo
-    frontends: info() once → view(after_version) (a long poll: the next snapshot once the fleet changed,
-        or the same one after a while) → report() twice a second (their routers' counts, finished
-        requests' timings: the controller's signals) → note_prompt() for a long prompt (the controller
-        looks at once) → mark_failed() when a call to a worker failed
+    frontends: info() once → view(after_version, epoch) (a long poll: the next snapshot once the fleet
+        changed, or the same one after a while) → report() twice a second (their routers' counts, finished
+        requests' timings: the controller's signals) → heartbeat() twice a second from a thread of their
+        own (their liveness, which a busy event loop cannot starve) → note_prompt() for a long prompt (the
+        controller looks at once) → mark_failed() when a call to a worker failed: the fleet confirms it
+        with its own probe of the worker (load()) before it replaces anything, so that a failure seen by
+        one frontend alone (its own streams cut) never costs a healthy worker
     admin: pools() / put_pools() / status(), as the ControlPlane answers them
-    a frontend silent for FRONTEND_SILENT_S is taken for dead: every worker ends its output channels,
-        aborting what it was streaming to it (its admission shares died with its process)
+    a frontend not heard for FRONTEND_SILENT_S is taken for dead: every worker ends its output channels,
+        aborting what it was streaming to it (its admission shares died with its process); one that was
+        only paused reads that its streams were closed, and starts its requests again
     shutdown(): every worker actor stopped.
 It outlives any frontend: a frontend that dies loses only its own connections, and its restart joins the
-same fleet. The actor runs in the supervisor's Ray job; the supervisor kills it at the end, unless it is a
-named fleet (--fleet-name): then it is detached and outlives the supervisor too, and a supervisor started
-again with the same DeploymentConfig (started_config()) rejoins it, workers and all (gateway/frontends.py).
+same fleet. Should it die itself (a crash, Ray's memory monitor), Ray restarts it empty (max_restarts), its
+workers having died with it; the supervisor sees it unstarted and starts it again (gateway/frontends.py),
+and the frontends, whose /health says "unavailable" meanwhile, follow its new epoch. The actor runs in the
+supervisor's Ray job; the supervisor kills it at the end, unless it is a named fleet (--fleet-name): then it
+is detached and outlives the supervisor too, and a supervisor started again with the same DeploymentConfig
+(started_config()) rejoins it, workers and all (gateway/frontends.py).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 
 from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport, WorkerEntry
 from gateway.control.plane import ControlPlane, PlannerSettings, build_planner, decode_kv_tokens
@@ -41,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 VIEW_POLL_S = 10.0  # a long poll answers after this even when nothing changed (the frontend asks again)
 EXPIRY_CHECK_S = 1.0
+CONFIRM_TIMEOUT_S = 10.0  # a reported worker that does not answer its load() probe within this is failed
 
 
 class FleetActor:
@@ -53,6 +62,7 @@ class FleetActor:
         self._traffic = RecentTraffic()
         self._expiry: asyncio.Task[None] | None = None
         self._config: DeploymentConfig | None = None  # what start() was given: a rejoining gateway compares
+        self._epoch = uuid.uuid4().hex[:12]  # a fresh one after Ray restarts this actor
 
     async def start(self, config: DeploymentConfig, policy: ControllerPolicy,
                     local_prefill: LocalPrefillPolicy, auto: bool, planning: PlannerSettings | None = None
@@ -94,9 +104,10 @@ class FleetActor:
             raise RuntimeError("the fleet has not started")
         return self._info
 
-    async def view(self, after_version: int) -> FleetSnapshot:
-        """The fleet, once its version is past `after_version` (or after VIEW_POLL_S, as it is)."""
-        if self._version <= after_version:
+    async def view(self, after_version: int, epoch: str = "") -> FleetSnapshot:
+        """The fleet, once its version is past `after_version` of `epoch` (or after VIEW_POLL_S, as it is);
+        at once for a caller that knew another epoch."""
+        if epoch == self._epoch and self._version <= after_version:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), VIEW_POLL_S)
         return self._snapshot()
@@ -104,6 +115,7 @@ class FleetActor:
     def _snapshot(self) -> FleetSnapshot:
         deployment = self.plane.deployment
         return FleetSnapshot(
+            epoch=self._epoch,
             version=self._version,
             workers=tuple(WorkerEntry(w.worker_id, w.role.value, w.state.value,
                                       w.next_role.value if w.next_role else None, w.client.handle)
@@ -124,11 +136,33 @@ class FleetActor:
         for arrival in report.arrivals:
             self._traffic.add(arrival)
 
+    def heartbeat(self, frontend_id: str) -> bool:
+        """A frontend is alive; False: the fleet does not know it (new, or taken for dead since)."""
+        books = self.plane.books
+        assert isinstance(books, ReportedBooks)
+        return books.heard(frontend_id)
+
     def note_prompt(self, num_tokens: int) -> None:
         self.plane.controller.note_prompt(num_tokens)
 
-    def mark_failed(self, worker_id: str, why: str) -> None:
-        self.plane.deployment.mark_failed(worker_id, why)
+    async def mark_failed(self, worker_id: str, why: str) -> None:
+        """A frontend saw a call to the worker fail: replace the worker if the fleet's own probe confirms
+        it (no answer within CONFIRM_TIMEOUT_S, or a dead step loop); otherwise keep it and publish a
+        snapshot, so that the frontend routes to it again."""
+        deployment = self.plane.deployment
+        worker = deployment.workers.get(worker_id)
+        if worker is None:
+            return
+        try:
+            load = await asyncio.wait_for(worker.client.load(), CONFIRM_TIMEOUT_S)
+        except Exception as error:  # dead, or hung
+            deployment.mark_failed(worker_id, f"{why}; its probe: {type(error).__name__}")
+            return
+        if load.failure:
+            deployment.mark_failed(worker_id, load.failure)
+            return
+        logger.warning("worker %s was reported failed (%s) but answers its probe: it stays", worker_id, why)
+        self._bump()
 
     async def pools(self) -> dict[str, object]:
         return await self.plane.pools()

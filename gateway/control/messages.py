@@ -37,6 +37,7 @@ class WorkerEntry:
 
 @dataclass(frozen=True)
 class FleetSnapshot:
+    epoch: str  # one per start of the fleet: a fleet actor restarted by Ray counts its versions anew
     version: int
     workers: tuple[WorkerEntry, ...]
     replacing: tuple[str, ...]  # roles with a failed worker's replacement starting

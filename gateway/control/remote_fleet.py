@@ -1,14 +1,19 @@
 """A frontend's side of a fleet owned by the fleet actor (`--api-server-count N`).
 
 RemoteFleet is the FleetView the frontend's request path runs on:
-    start() → FleetInfo → the first snapshot → two tasks for the frontend's life:
-      follow: long-polls view(version); each snapshot updates the mirror: a worker new to it gets this
+    start() → FleetInfo → the first snapshot → a heartbeat thread and two tasks for the frontend's life:
+      heartbeat (a thread, so that a busy event loop cannot starve it): twice a second tells the fleet this
+              frontend lives, and notes when the fleet last answered: a fleet silent for FLEET_SILENT_S
+              (dead, or paused) turns /health "unavailable" (503) until it answers again
+      follow: long-polls view(version); a snapshot of a new epoch (the fleet actor was restarted and its
+              fleet started again) replaces the mirror whatever its version;
+              each snapshot updates the mirror: a worker new to it gets this
               frontend's own WorkerClient (its own output stream and submissions, under this frontend's
               gateway id); one gone from it is closed and forgotten (on_remove); a role change is
               on_remove too (the router forgets its prefix-cache beliefs); the router takes the
               snapshot's local-prefill policy; on_change when the active set moved
       report: twice a second, this frontend's routers' counts and its finished requests' timings (the
-              fleet's controller reads them; the report is also the frontend's heartbeat)
+              fleet's controller reads them)
     mark_failed(): the worker leaves this frontend's routing at once, and the fleet is told (it replaces it)
 The mirror's states are the fleet's: only the fleet moves a worker through its lifecycle.
 FleetLink is the admin routes' FleetControl: each call is the fleet actor's.
@@ -18,10 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+import ray
 from ray.exceptions import RayTaskError
 
 from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport
@@ -37,6 +46,9 @@ from pool_worker import Role
 logger = logging.getLogger(__name__)
 
 REPORT_S = 0.5
+HEARTBEAT_S = 0.5
+FLEET_SILENT_S = 5.0  # the fleet actor has not answered a heartbeat for this long: /health says so
+FOLLOW_RETRY_S = 1.0
 
 
 class RemoteFleet:
@@ -47,6 +59,10 @@ class RemoteFleet:
         """
         self.fleet = fleet
         self.frontend_id = frontend_id
+        self.fleet_heard_at = time.monotonic()  # when the fleet last answered a heartbeat
+        self._stopping = threading.Event()
+        self._view_failing_since: float | None = None  # the follow loop's view calls fail (since when)
+        self._heartbeat: threading.Thread | None = None
         self.workers: dict[str, Worker] = {}
         self.on_change: list[Callable[[], None]] = []
         self.on_remove: list[Callable[[str], None]] = []
@@ -64,12 +80,16 @@ class RemoteFleet:
 
     async def start(self) -> FleetInfo:
         self.info = await self.fleet.info.remote()
-        self._apply(await self.fleet.view.remote(-1))
+        self._apply(await self.fleet.view.remote(-1, ""))
+        self.fleet_heard_at = time.monotonic()
         self._tasks = [asyncio.create_task(self._follow(), name="fleet-follow"),
                        asyncio.create_task(self._report(), name="fleet-report")]
+        self._heartbeat = threading.Thread(target=self._beat, name="fleet-heartbeat", daemon=True)
+        self._heartbeat.start()
         return self.info
 
     async def stop(self) -> None:
+        self._stopping.set()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -101,6 +121,13 @@ class RemoteFleet:
 
     def health(self) -> PoolHealth:
         assert self._snapshot is not None, "start() first"
+        silent_s = time.monotonic() - self.fleet_heard_at
+        if silent_s > FLEET_SILENT_S:
+            return dataclasses.replace(self._snapshot.health, status="unavailable",
+                                       reason=f"the fleet has not answered for {silent_s:.0f} s")
+        if self._view_failing_since is not None:  # its workers as this mirror holds them may be gone
+            return dataclasses.replace(self._snapshot.health, status="unavailable",
+                                       reason="the fleet is starting again")
         return self._snapshot.health
 
     # What this frontend tells the fleet.
@@ -113,19 +140,34 @@ class RemoteFleet:
         self._finished.append(timings)
         self._arrivals.append(arrival)
 
-    # The two loops.
+    # The heartbeat thread and the two loops.
+    def _beat(self) -> None:
+        while not self._stopping.wait(HEARTBEAT_S):
+            try:
+                is_known = ray.get(self.fleet.heartbeat.remote(self.frontend_id), timeout=FLEET_SILENT_S)
+            except Exception:  # gone, paused, restarting or not started again yet: /health tells
+                continue
+            self.fleet_heard_at = time.monotonic()
+            if not is_known:
+                logger.info("the fleet did not know this frontend (new to it, or taken for dead): joined")
+
     async def _follow(self) -> None:
         while True:
-            version = self._snapshot.version if self._snapshot is not None else -1
             try:
-                snapshot = await self.fleet.view.remote(version)
+                snapshot = await self.fleet.view.remote(*self._seen())
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the fleet actor is gone or restarting: try again
-                logger.exception("fleet view failed")
-                await asyncio.sleep(1.0)
+            except Exception as error:  # the fleet actor is gone or restarting: try again
+                if self._view_failing_since is None:
+                    self._view_failing_since = time.monotonic()
+                    logger.warning("fleet view failed: %s", type(error).__name__)  # once, not every second
+                await asyncio.sleep(FOLLOW_RETRY_S)
                 continue
             self._apply(snapshot)
+            if self._view_failing_since is not None:
+                logger.warning("the fleet answers again after %.1f s",
+                               time.monotonic() - self._view_failing_since)
+                self._view_failing_since = None
 
     async def _report(self) -> None:
         while True:
@@ -134,6 +176,10 @@ class RemoteFleet:
                 self.fleet.report.remote(self._build_report())
             except Exception:
                 logger.exception("fleet report failed")
+
+    def _seen(self) -> tuple[int, str]:
+        """The latest snapshot's version and epoch (the long poll answers once the fleet is past them)."""
+        return (self._snapshot.version, self._snapshot.epoch) if self._snapshot is not None else (-1, "")
 
     def _build_report(self) -> FrontendReport:
         finished, self._finished = self._finished, []
@@ -150,7 +196,8 @@ class RemoteFleet:
 
     def _apply(self, snapshot: FleetSnapshot) -> None:
         """The mirror takes the snapshot's workers, roles and states."""
-        if self._snapshot is not None and snapshot.version < self._snapshot.version:
+        if self._snapshot is not None and snapshot.epoch == self._snapshot.epoch and (
+                snapshot.version < self._snapshot.version):
             return
         before = {w.worker_id for w in self.workers.values() if w.is_active}
         seen = set()
@@ -182,10 +229,14 @@ class RemoteFleet:
 
 
 class FleetLink:
-    """The admin routes' FleetControl in a frontend: the fleet actor answers."""
+    """The admin routes' FleetControl in a frontend: the fleet actor answers (the one the mirror follows)."""
 
-    def __init__(self, fleet: Any) -> None:
-        self.fleet = fleet
+    def __init__(self, remote: RemoteFleet) -> None:
+        self._remote = remote
+
+    @property
+    def fleet(self) -> Any:
+        return self._remote.fleet
 
     async def pools(self) -> dict[str, object]:
         return await self._call(self.fleet.pools.remote())

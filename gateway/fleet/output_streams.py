@@ -8,9 +8,11 @@
       → unsubscribe() when the request is done with that worker (prefilled, finished, moved, client left)
       → close() when the worker leaves the deployment: the reader stops and the remote stream is cancelled
         (ray.cancel), so that no generator stays parked on the worker.
-A reader whose stream fails (the worker's actor died) hands WorkerLost to every request it carries; the next
-subscriber starts a fresh reader under a new channel id. Nothing here aborts a request: the orchestrator
-does that, and closing a stream aborts what it carries on the worker's side.
+A reader whose stream fails (the worker's actor died) hands WorkerLost to every request it carries; one the
+fleet closed (it took this frontend for gone: closed_by_fleet) hands ChannelClosed instead, which marks no
+worker failed. Either way the next subscriber starts a fresh reader under a new channel id. Nothing here
+aborts a request: the orchestrator does that, and closing a stream aborts what it carries on the worker's
+side.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 import ray
 
 from decode_pool.messages import DecodeOutput, coalesce
-from gateway.fleet.worker_errors import WorkerLost
+from gateway.fleet.worker_errors import ChannelClosed, WorkerLost
 from pool_worker.runtime.output_channels import OutputBatch
 from prefill_pool.messages import PrefillResult
 
@@ -35,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutputs:
-    """One request's outputs from one worker, in order; WorkerLost if the worker's stream failed."""
+    """One request's outputs from one worker, in order; WorkerLost if the worker's stream failed,
+    ChannelClosed if the fleet closed it."""
 
     request_id: str
     channel_id: str  # the stream they arrive on
@@ -128,7 +131,7 @@ class OutputStream:
 
     async def _read(self, reader: _Reader) -> None:
         reader.stream = self._open_stream(reader.channel_id)
-        error: BaseException
+        error: BaseException = WorkerLost(f"the output stream of {self.worker_id} ended")
         try:
             async for ref in reader.stream:
                 batch: OutputBatch = await ref
@@ -136,7 +139,8 @@ class OutputStream:
                     outputs = reader.requests.get(output.request_id)
                     if outputs is not None:
                         outputs.queue.put_nowait(output)
-            error = WorkerLost(f"the output stream of {self.worker_id} ended")
+                if batch.closed_by_fleet:
+                    error = ChannelClosed(f"the fleet ended this frontend's stream from {self.worker_id}")
         except asyncio.CancelledError:
             raise
         except Exception as failure:  # the actor died (RayActorError), or its call failed

@@ -15,3 +15,9 @@ class WrongRoleError(RuntimeError):
 
 class SubmissionRefused(ValueError):
     """The worker refused the request (it can never be served there, or it was aborted before it came)."""
+
+
+class ChannelClosed(ConnectionError):
+    """The fleet took this gateway (a frontend) for gone and had the worker end its output stream, aborting
+    what it carried there: the worker is fine and serves on; the request starts again on it (a frontend that
+    was only paused)."""

@@ -85,6 +85,7 @@ class PoolHealth:
     target: dict[str, int]  # role → workers the deployment should have
     num_replacing: int  # failed workers whose replacement is starting
     num_pending: int  # workers no node can take yet (not enough nodes with their role's resources)
+    reason: str = ""  # why unavailable, where it is not the workers (the fleet actor is unreachable)
 
     @staticmethod
     def of(workers: list[Worker], target: dict[Role, int], num_replacing: int) -> PoolHealth:

@@ -23,6 +23,9 @@ Evacuation (a decode or mixed worker changing role or leaving hands its requests
     started) the next worker pulls it instead of recomputing it;
     a request with no token yet is routed again from the start (to the prefill pool, if the new layout has
     one).
+Fleet-closed streams (ChannelClosed: the fleet took this frontend for gone, e.g. while it was paused, and had
+    the workers end its streams and abort their requests): no worker is marked failed; the request starts
+    again where it was, recomputing prompt + the tokens the client has (a prefill is simply submitted again).
 Leaving the stream early (client gone, error) aborts the request on whichever workers hold it, and tells the
 prefill worker to free a KV handle nobody will pull.
 """
@@ -37,7 +40,7 @@ from typing import TypeVar
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
 from gateway.fleet.output_streams import RequestOutputs
-from gateway.fleet.worker_errors import WorkerLost, WrongRoleError
+from gateway.fleet.worker_errors import ChannelClosed, SubmissionRefused, WorkerLost, WrongRoleError
 from gateway.fleet.workers import Worker
 from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.requests.router import Router
@@ -58,9 +61,10 @@ WORKER_POLL_S = 0.1  # while waiting for a replacement worker
 class RequestFailed(Exception):
     """The request cannot finish; the message is safe to show the client (no internals)."""
 
-    def __init__(self, message: str, code: str) -> None:
+    def __init__(self, message: str, code: str, status: int = 503) -> None:
         super().__init__(message)
-        self.code = code  # "worker_failed", "no_worker" or "deadline_exceeded"
+        self.code = code  # "worker_failed", "no_worker", "deadline_exceeded" or "refused"
+        self.status = status  # HTTP: 503 (try again), or 400 for a request no worker will ever take
 
 
 class _WorkerLost(Exception):
@@ -72,12 +76,13 @@ class _WorkerLost(Exception):
 
 
 class _Evacuated(Exception):
-    """The decode worker is changing role or leaving and handed the request back (internal: it migrates,
-    and the worker is not marked failed)."""
+    """The decode worker is changing role or leaving and handed the request back, or the fleet closed the
+    stream carrying it (internal: it migrates, and the worker is not marked failed)."""
 
-    def __init__(self, kv_handle: KVHandle | None) -> None:
+    def __init__(self, kv_handle: KVHandle | None, may_stay: bool = False) -> None:
         super().__init__("evacuated")
         self.kv_handle = kv_handle  # the stream's KV, offered by the worker it left; None: recompute it
+        self.may_stay = may_stay  # the worker serves on (a closed stream): it may take the request again
 
 
 class _Misrouted(Exception):
@@ -249,6 +254,11 @@ class RequestRun:
                 continue
             except WrongRoleError:  # it changed role since it was picked: another one
                 continue
+            except ChannelClosed:  # the worker is fine and aborted it: submit it again, there or elsewhere
+                tried.discard(prefill.worker_id)
+                continue
+            except SubmissionRefused as refused:  # e.g. a grammar that does not compile: its fault alone
+                raise RequestFailed(f"the request was refused: {refused}", "refused", 400) from None
             except asyncio.CancelledError:  # the client went away: stop the prefill (and free its KV)
                 client.abort(self.request_id)
                 raise
@@ -272,6 +282,7 @@ class RequestRun:
             handle: KVHandle | None = None
             if submitted is None and not (decode.is_active and decode.role.can_decode):  # it left meanwhile
                 decode = await self._pick_decode(self.deadlines.finish_by)
+            left = {decode.worker_id}  # the worker the request moves away from
             try:
                 async for event in self._decode_once(decode, request, submitted):
                     yield event
@@ -300,10 +311,12 @@ class RequestRun:
                     raise _Requeued from None
                 self.num_moves += 1
                 handle = evacuated.kv_handle
+                if evacuated.may_stay:
+                    left = set()
             # Continue elsewhere from what the client has: the new worker pulls the KV of prompt + those
             # tokens from the evacuated worker, or recomputes it (no handle: that worker failed).
             try:
-                decode = await self._pick_decode(self.deadlines.finish_by, {decode.worker_id})
+                decode = await self._pick_decode(self.deadlines.finish_by, left)
             except BaseException:
                 # Nobody will pull it: its holder (the worker left, or the prefill worker when the handoff
                 # had not been pulled yet) may free it now.
@@ -337,8 +350,14 @@ class RequestRun:
             except WrongRoleError:
                 is_finished = True  # it never took the request: nothing to abort there
                 raise _Misrouted from None
+            except SubmissionRefused as refused:
+                is_finished = True
+                raise RequestFailed(f"the request was refused: {refused}", "refused", 400) from None
             while not is_finished:
-                output = await self._call_worker(outputs.next())
+                try:
+                    output = await self._call_worker(outputs.next())
+                except ChannelClosed:  # the worker aborted it and serves on: the request starts again
+                    raise _Evacuated(None, may_stay=True) from None
                 if output.finish_reason == "error":
                     raise _WorkerLost(output.error or "decode worker failed", output.in_failed_step)
                 is_evacuated = output.finish_reason == "migrate"

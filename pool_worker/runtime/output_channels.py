@@ -7,8 +7,10 @@
     event loop:       _publish(batch) sorts them by channel → each open stream yields everything queued for
                       it as one OutputBatch (a reader that fell behind catches up in one item)
     stream closed:    (the gateway left or cancelled it) every request it was carrying is aborted
-    close_channels(): a gateway known to be gone (a frontend process that died: its streams may stay
-                      parked here) → its channels end as if it had closed them
+    close_channels(): a gateway taken for gone (a frontend that stopped reporting: it died, or is paused)
+                      → its channels end as if it had closed them, each open stream's last item marked
+                      `closed_by_fleet`: a gateway that was only paused reads that it lost its streams
+                      (and its requests here), not that this worker died
 The step loop never waits on a reader: flush() only schedules a callback, and a channel's queue grows until
 its stream takes it. The channels belong to the worker actor, not to a role, so a gateway's stream stays open
 across role changes: a prefill worker sends each prompt's result on it, a decode or mixed worker each
@@ -35,6 +37,7 @@ class OutputBatch:
     requests of one subscriber (several outputs of one request when its reader fell behind)."""
 
     outputs: tuple[Any, ...]  # the roles' messages (PrefillResult, DecodeOutput)
+    closed_by_fleet: bool = False  # the stream's last item: close_channels() ended it, the worker serves on
 
 
 @dataclasses.dataclass
@@ -80,6 +83,7 @@ class OutputChannels:
                 await channel.ready.wait()
                 channel.ready.clear()
                 if channel.is_closed:
+                    yield OutputBatch((), closed_by_fleet=True)
                     return
                 outputs, channel.pending = channel.pending, []
                 yield OutputBatch(tuple(outputs))

@@ -36,6 +36,23 @@ def test_books_sum_the_live_frontends_and_forget_a_silent_one(monkeypatch: pytes
     assert books.in_flight("w1") == 0 and books.frontends() == ["frontend-a"]
 
 
+def test_a_heartbeat_keeps_a_frontend_whose_reports_stall_and_one_taken_for_dead_is_told(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review N1: a frontend's event loop may be busy for seconds (its reports stall), while its heartbeat
+    thread goes on: it is not taken for dead. One silent in both ways is; its next heartbeat learns so."""
+    monkeypatch.setattr(reported_books, "FRONTEND_SILENT_S", 0.05)
+    books = ReportedBooks(LocalPrefillPolicy(), on_policy=lambda: None)
+    assert books.heard("frontend-a") is False  # new to the fleet
+    books.report(report("frontend-a", {"w0": 3}, {}, 0))
+    books.report(report("frontend-b", {"w0": 4}, {}, 0))
+    for _ in range(4):  # a's loop is stuck: no report, only heartbeats
+        time.sleep(0.03)
+        assert books.heard("frontend-a") is True
+        books.expire()
+    assert books.frontends() == ["frontend-a"] and books.in_flight("w0") == 3  # b expired, a kept
+    assert books.heard("frontend-b") is False  # b wakes up: the fleet had taken it for dead
+
+
 def test_setting_the_policy_tells_the_fleet_only_when_it_changes() -> None:
     told = []
     books = ReportedBooks(LocalPrefillPolicy(), on_policy=lambda: told.append(1))
@@ -57,11 +74,11 @@ def test_closing_a_gone_gateways_channels_aborts_its_requests_and_ends_its_strea
         for request_id, channel_id in (("a1", "frontend-a-w0-0"), ("a2", "frontend-a-w0-0"),
                                        ("b1", "frontend-b-w0-0")):
             channels.subscribe(request_id, channel_id)
-        batches: list[int] = []
+        batches: list[tuple[str, int, bool]] = []
 
         async def read(channel_id: str) -> None:
             async for batch in channels.stream(channel_id):
-                batches.append(len(batch.outputs))
+                batches.append((channel_id[:10], len(batch.outputs), batch.closed_by_fleet))
 
         reader_a = asyncio.create_task(read("frontend-a-w0-0"))
         reader_b = asyncio.create_task(read("frontend-b-w0-0"))
@@ -77,4 +94,5 @@ def test_closing_a_gone_gateways_channels_aborts_its_requests_and_ends_its_strea
 
     aborted, batches, other_stream_open = asyncio.run(scenario())
     assert sorted(aborted) == ["a1", "a2", "b1"]  # b1 only once its own stream was cancelled at the end
-    assert batches == [1] and other_stream_open
+    # The closed stream's last item says so (its reader must not take the worker for dead: review N1).
+    assert batches == [("frontend-a", 0, True), ("frontend-b", 1, False)] and other_stream_open

@@ -9,6 +9,7 @@ admission reservation is left.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -68,9 +69,9 @@ class Stream:
             self.error = type(error).__name__
 
 
-def open_stream(port: int) -> Stream:
+def open_stream(port: int, max_tokens: int = MAX_TOKENS) -> Stream:
     sock = socket.create_connection(("127.0.0.1", port))
-    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -186,3 +187,68 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
     assert samples and all(f'model_name="{MODEL}"' in line for line in samples)
     finished = [line for line in samples if line.startswith("pdserve:request_success_total{")]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in finished) >= 6, finished
+
+
+def worker_pids(client: httpx.Client) -> dict[str, int]:
+    return {w["worker_id"]: w["pid"] for w in client.get("/admin/pools").json()["workers"]}
+
+
+def fleet_actor_pid(supervisor: psutil.Process) -> int:
+    """The fleet actor's process (Ray names it after the class), among the server's descendants."""
+    for process in supervisor.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "FleetActor" in " ".join(process.cmdline()):
+                return process.pid
+    raise AssertionError("no FleetActor process")
+
+
+def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_health_tells(
+        two_frontends: tuple[int, psutil.Process]) -> None:
+    """Review N1 and N2. A frontend paused for 6 s (SIGSTOP: uvicorn's supervisor may kill it, the fleet may
+    take it for dead) costs at most its own streams: the other frontend's finish whole, no worker is
+    replaced. The fleet actor killed: /health turns 503 within seconds, a new fleet is started, and the
+    server answers again."""
+    port, supervisor = two_frontends
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    expected = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    before = worker_pids(client)
+    pids = frontend_pids(supervisor)
+    streams: dict[int, list[Stream]] = {pid: [] for pid in pids}
+    for _ in range(40):
+        if all(len(s) >= 2 for s in streams.values()):
+            break
+        stream = open_stream(port)
+        until(lambda port=stream.port: owner(port, pids) is not None, 10,  # type: ignore[misc]
+              "the connection to be accepted")
+        streams[owner(stream.port, pids)].append(stream)  # type: ignore[index]
+    everyone = [s for group in streams.values() for s in group]
+    readers = [threading.Thread(target=s.read, daemon=True) for s in everyone]
+    for reader in readers:
+        reader.start()
+    until(lambda: all(len(s.texts) >= 5 for s in everyone), 60, "every stream to be running")
+    victim, survivor = pids
+    os.kill(victim, signal.SIGSTOP)
+    time.sleep(6)
+    with contextlib.suppress(ProcessLookupError):  # uvicorn may have killed it meanwhile
+        os.kill(victim, signal.SIGCONT)
+    for reader in readers:
+        reader.join(120)
+    for stream in streams[survivor]:
+        assert stream.done and "".join(stream.texts) == expected
+    for stream in streams[victim]:  # cut with its process, or resumed: never a wrong token
+        assert expected.startswith("".join(stream.texts))
+    until(lambda: client.get("/health").status_code == 200, 60, "health")
+    assert worker_pids(client) == before, "a healthy worker was replaced"
+
+    os.kill(fleet_actor_pid(supervisor), signal.SIGKILL)
+    until(lambda: client.get("/health").status_code == 503, 15, "/health to say the fleet is gone")
+    assert "fleet" in client.get("/health").json().get("reason", "")
+    # Every frontend (fresh connections spread over both) says so once it follows the new fleet.
+    until(lambda: all(httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+                      for _ in range(6)), 180, "a new fleet")
+    answer = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16,
+                                                  "temperature": 0})
+    assert answer.status_code == 200 and expected.startswith(answer.json()["choices"][0]["text"])
+    assert set(worker_pids(client)).isdisjoint(before)  # the old workers died with their owner
+    client.close()
