@@ -156,10 +156,27 @@ class DecodeWorker:
             self._inbox.post(lambda: migration.release(transfer_id, why))
 
     def add_peer(self, peer: PeerInfo) -> None:
-        self._inbox.post(lambda: self._with_receiver(lambda: self.receiver.add_peer(peer)))
+        """Learn a sender. A peer this worker can never pull from (another layout, another backend) is
+        refused here, in the caller (the fleet's wiring fails, not this worker); an error of the transfer
+        library while adding it is logged on the step thread and the peer stays unknown (pulls from it are
+        refused and recomputed): neither kills the step loop.
+
+        Raises:
+            IncompatibleLayoutError, ValueError: as KVReceiver.check_peer.
+        """
+        self.receiver.check_peer(peer)
+        self._inbox.post(lambda: self._peer_command(f"adding peer {peer.worker_id}",
+                                                    lambda: self.receiver.add_peer(peer)))
 
     def remove_peer(self, worker_id: str) -> None:
-        self._inbox.post(lambda: self._with_receiver(lambda: self.receiver.remove_peer(worker_id)))
+        self._inbox.post(lambda: self._peer_command(f"removing peer {worker_id}",
+                                                    lambda: self.receiver.remove_peer(worker_id)))
+
+    def _peer_command(self, what: str, call: Callable[[], None]) -> None:
+        try:
+            self._with_receiver(call)
+        except Exception:  # one peer's trouble, not this worker's: its streams go on
+            logger.exception("%s failed; the worker serves on without it", what)
 
     def on_pull_reply(self, reply: PullReply) -> None:
         self._inbox.post(lambda: self._with_receiver(lambda: self.receiver.on_pull_reply(reply)))

@@ -219,6 +219,10 @@ class ServeConfig(BaseSettings):
     queue_timeout_s: float = Field(
         60.0, gt=0,
         description="seconds a request may wait for capacity before 429")
+    step_watchdog_s: float = Field(
+        120.0, ge=0,
+        description="a worker whose step has run this long, and 10x its longest finished step, is taken "
+                    "for hung: replaced, its requests moved (0: never)")
     deadline_slack_s: float | None = Field(
         None, gt=0,
         description="request deadlines: slack per stage, s (default: gateway/requests/deadlines.py's)")
@@ -407,6 +411,7 @@ class ServeConfig(BaseSettings):
         placement: dict[str, object] = {
             "num_gpus_per_worker": self.gpus_per_worker, "num_cpus_per_worker": self.cpus_per_worker,
             "placement_timeout_s": self.placement_timeout_s, "autoscale_wait_s": self.autoscale_wait_s,
+            "step_watchdog_s": self.step_watchdog_s,
         }
         if self.gpus_per_worker is None and engine.device.startswith("cuda"):
             placement["num_gpus_per_worker"] = 1.0

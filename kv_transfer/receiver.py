@@ -85,9 +85,7 @@ class KVReceiver(TransferEndpoint, ABC):
             IncompatibleLayoutError: the peer's blocks do not mean the same bytes as ours.
             ValueError: the peer was built for another backend.
         """
-        if peer.backend != self.backend:
-            raise ValueError(f"peer {peer.worker_id} uses backend {peer.backend}, receiver {self.backend}")
-        check_compatible(peer.layout, self.layout)
+        self.check_peer(peer)
         known = self.peers.get(peer.worker_id)
         if known == peer:
             return
@@ -95,6 +93,17 @@ class KVReceiver(TransferEndpoint, ABC):
             self.remove_peer(peer.worker_id)
         self._on_add_peer(peer)
         self.peers[peer.worker_id] = peer
+
+    def check_peer(self, peer: PeerInfo) -> None:
+        """Whether add_peer() would refuse this sender for what it is (any thread: it reads no state).
+
+        Raises:
+            IncompatibleLayoutError: the peer's blocks do not mean the same bytes as ours.
+            ValueError: the peer was built for another backend.
+        """
+        if peer.backend != self.backend:
+            raise ValueError(f"peer {peer.worker_id} uses backend {peer.backend}, receiver {self.backend}")
+        check_compatible(peer.layout, self.layout)
 
     def remove_peer(self, worker_id: str) -> None:
         """Forget a sender that left (a drained worker); later handles from it are refused (KeyError).

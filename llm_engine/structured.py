@@ -16,6 +16,7 @@ triton (~1 GB) into a CPU install. It is imported only when a request asks for a
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ class GrammarCache:
         self._compiled: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
         self._tokenizer: llguidance.LLTokenizer | None = None
         self.num_compiled = 0  # compilations done (cache misses)
+        self._lock = threading.Lock()  # the step thread and the compiling thread share the cache
 
     def _get_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
@@ -122,23 +124,33 @@ class GrammarCache:
                                                            eos_token=eos)
         return self._tokenizer
 
-    def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
-        """A fresh matcher for `spec` (a copy of the cached one). Raises GrammarError (the gateway checks
-        specs first, so a worker sees this only for a spec that did not come through it)."""
+    def compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        """The spec's matcher in its start state, compiled once (cached). Safe from any thread: a worker
+        compiles a request's grammar on a thread of its own before the request reaches the step loop, so
+        that the loop (every stream of the worker) never waits for a compilation. Raises GrammarError."""
         import llguidance
 
-        found = self._compiled.get(spec)
-        if found is not None:
-            self._compiled.move_to_end(spec)
-            return found.deep_copy()
-        compiled = llguidance.LLMatcher(self._get_tokenizer(), build_grammar(spec))
+        with self._lock:
+            found = self._compiled.get(spec)
+            if found is not None:
+                self._compiled.move_to_end(spec)
+                return found
+            tokenizer = self._get_tokenizer()
+        compiled = llguidance.LLMatcher(tokenizer, build_grammar(spec))  # outside the lock: it takes long
         if compiled.is_error():
             raise GrammarError(compiled.get_error())
-        self.num_compiled += 1
-        self._compiled[spec] = compiled
-        if len(self._compiled) > self.max_entries:
-            self._compiled.popitem(last=False)
-        return compiled.deep_copy()
+        with self._lock:
+            self.num_compiled += 1
+            self._compiled[spec] = compiled
+            if len(self._compiled) > self.max_entries:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        """A fresh matcher for `spec` (a copy of the cached one; compiled here if it is not cached). Raises
+        GrammarError (the gateway checks specs first, and the worker compiles each request's before it
+        admits it, so the step loop sees this only for a spec that did not come through them)."""
+        return self.compile(spec).deep_copy()
 
     def __len__(self) -> int:
         return len(self._compiled)

@@ -26,6 +26,7 @@ Wrapped with ray.remote(...) by the pool, which sets its resources and name.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -40,6 +41,7 @@ from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, Transf
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.model_loader import num_model_loads
 from llm_engine.step_timeline import StepRecord
+from llm_engine.structured import GrammarError
 from pool_worker.roles import Role
 from pool_worker.runtime.aborted import AbortedIds
 from pool_worker.runtime.load import WorkerLoad
@@ -58,13 +60,17 @@ def _is_final(output: PrefillResult | DecodeOutput) -> bool:
     return isinstance(output, PrefillResult) or output.finish_reason is not None
 
 
-def _each(requests: Sequence[RequestT], submit: Callable[[RequestT], None], aborted: AbortedIds) -> list[str]:
-    """submit() each request; per request, why it was refused (its ValueError's message, or an abort that
-    came first) or ""."""
+def _each(requests: Sequence[RequestT], submit: Callable[[RequestT], None], aborted: AbortedIds,
+          refused: dict[str, str]) -> list[str]:
+    """submit() each request; per request, why it was refused (`refused`'s reason, its ValueError's message,
+    or an abort that came first) or ""."""
     refusals = []
     for request in requests:
         if aborted.take(request.request_id):
             refusals.append(f"{request.request_id} was aborted before it arrived")
+            continue
+        if request.request_id in refused:
+            refusals.append(refused[request.request_id])
             continue
         try:
             submit(request)
@@ -72,6 +78,9 @@ def _each(requests: Sequence[RequestT], submit: Callable[[RequestT], None], abor
         except ValueError as error:
             refusals.append(str(error))
     return refusals
+
+
+GRAMMAR_COMPILE_TIMEOUT_S = 30.0
 
 
 class WrongRole(RuntimeError):
@@ -231,8 +240,11 @@ class WorkerActor:
         self._started().abort(request_id)
 
     def load(self) -> WorkerLoad:
-        """The worker's latest load; `failure` is set once its step loop has died."""
-        return replace(self._started().load(), role=self.role.value)
+        """The worker's latest load (`failure` is set once its step loop has died), with how long its
+        running step has run (answered here, on the actor's loop: a hung step cannot stop it)."""
+        front = self._started()
+        return replace(front.load(), role=self.role.value, step_running_s=front.loop.running_s(),
+                       longest_step_s=front.loop.longest_step_s)
 
     def step_timeline(self, since: float = 0.0) -> list[StepRecord]:
         """This worker's forwards that started at or after `since` (time.time()), in any role."""
@@ -268,7 +280,8 @@ class WorkerActor:
         Returns, per request, why it was refused ("" if it started); WorkerFailed (the step loop died) is
         raised for the whole batch."""
         prefill = self._prefill()
-        return _each(requests, lambda request: prefill.submit(request, channel_id), self._aborted)
+        refused = await self._compile_grammars(requests)
+        return _each(requests, lambda request: prefill.submit(request, channel_id), self._aborted, refused)
 
     def accept_pull(self, pull: PullRequest) -> PullReply:
         return self._prefill().accept_pull(pull)
@@ -313,7 +326,8 @@ class WorkerActor:
         request, why it was refused ("" if it started); WorkerFailed (the step loop died) is raised for the
         whole batch."""
         decode = self._decode()
-        return _each(requests, lambda request: decode.submit(request, channel_id), self._aborted)
+        refused = await self._compile_grammars(requests)
+        return _each(requests, lambda request: decode.submit(request, channel_id), self._aborted, refused)
 
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate": the gateway continues them elsewhere."""
@@ -325,6 +339,25 @@ class WorkerActor:
         to continue elsewhere: it clears this worker for a long prompt. Streams whose KV cannot move stay."""
         if isinstance(self._front, DecodeRole):
             self._front.move_out(request_ids)
+
+    async def _compile_grammars(self, requests: Sequence[PrefillRequest | DecodeRequest]) -> dict[str, str]:
+        """Compile each request's grammar (cached after the first) on a thread, neither the step loop's
+        (every stream here would wait) nor this event loop; a grammar that does not compile, or takes over
+        GRAMMAR_COMPILE_TIMEOUT_S, refuses its request alone. Returns the refusals by request id."""
+        cache = self.engine.runner.grammar_mask.cache
+        refused = {}
+        for request in requests:
+            spec = request.sampling.grammar
+            if spec is None:
+                continue
+            try:
+                await asyncio.wait_for(asyncio.to_thread(cache.compile, spec), GRAMMAR_COMPILE_TIMEOUT_S)
+            except GrammarError as error:
+                refused[request.request_id] = f"its grammar was refused: {error}"
+            except TimeoutError:
+                refused[request.request_id] = (f"its grammar took over {GRAMMAR_COMPILE_TIMEOUT_S:.0f} s "
+                                               "to compile")
+        return refused
 
     def _started(self) -> PrefillRole | DecodeRole:
         if self._front is None:

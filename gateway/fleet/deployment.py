@@ -23,7 +23,8 @@ mixed. Lifecycle of a worker (WorkerState):
     answering): not routable; the actor is killed and a new worker of the same role is started in its place
     (retried with backoff until it comes up), so the pools return to their target size by themselves.
 Failures are noticed two ways: the orchestrator reports a worker whose call failed (mark_failed), and
-watch() polls every worker's load once a second. health() says ok / degraded / unavailable from the states.
+watch() polls every worker's load once a second: no answer, a dead step loop, or a step running far past
+the worker's own (hung: step_watchdog_s) fail it. health() says ok / degraded / unavailable from the states.
 start() waits up to placement_timeout_s for Ray to place every worker, then serves with those placed if
 they can serve; the others stay PENDING and join when a node takes them. A worker on a node that dies is
 FAILED like any other (Ray reports its actor dead); its replacement stays PENDING until capacity returns.
@@ -74,6 +75,7 @@ __all__ = ["DeploymentConfig", "PDDeployment"]
 # A worker that does not answer a load query for this long is taken for dead (a dead actor fails at once).
 LOAD_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 30.0  # workers that have not closed their fronts by then are killed anyway
+STEP_WATCHDOG_FACTOR = 10.0  # a step 10× the worker's longest finished one (and past the floor) is hung
 
 
 class PDDeployment:
@@ -467,10 +469,25 @@ class PDDeployment:
                 self.mark_failed(worker.worker_id, f"no load report: {type(answer).__name__}")
             elif answer.failure:
                 self.mark_failed(worker.worker_id, answer.failure)
+            elif hung := self._hung(answer):
+                self.mark_failed(worker.worker_id, hung)
             else:
                 loads.append(answer)
         self.last_loads = loads
         return loads
+
+    def _hung(self, load: WorkerLoad) -> str:
+        """Why the worker's running step counts as hung (empty: it does not): it has run past both the
+        configured floor and STEP_WATCHDOG_FACTOR times the longest step the worker has finished, so a
+        worker whose steps are slow by nature (long prefill chunks on a CPU) is judged by its own."""
+        floor = self.config.step_watchdog_s
+        if not floor:
+            return ""
+        bound = max(floor, STEP_WATCHDOG_FACTOR * load.longest_step_s)
+        if load.step_running_s <= bound:
+            return ""
+        return (f"hung: its step has run {load.step_running_s:.0f} s (its longest finished step "
+                f"{load.longest_step_s:.1f} s; bound {bound:.0f} s)")
 
     async def shutdown(self) -> None:
         self._is_closing = True

@@ -167,6 +167,7 @@ class NixlReceiver(KVReceiver):
         self._workers: dict[str, str] = {}  # NIXL agent name -> source worker id
         self._answered: set[str] = set()  # source workers that answered a claim: they can reach us
         self._unreleased: list[int] = []  # handles of finished READs that NIXL refused to release yet
+        self._retiring: dict[str, int | None] = {}  # agent name of a removed peer → its prepared list
 
     def _on_add_peer(self, peer: PeerInfo) -> None:
         agent_name = self.agent.add_remote(peer.backend_metadata)
@@ -181,6 +182,9 @@ class NixlReceiver(KVReceiver):
         agent_name = self._agent_names.pop(worker_id, None)
         if agent_name is not None:
             self._workers.pop(agent_name, None)
+            # Released once no READ of it is in flight, not leaked per role change (the worker's next
+            # endpoint gets its own list and metadata).
+            self._retiring[agent_name] = self._remote_dlists.pop(worker_id, None)
 
     def _start(self, pull: Pull, peer: PeerInfo) -> None:
         now = time.monotonic()
@@ -193,6 +197,11 @@ class NixlReceiver(KVReceiver):
 
     def _progress(self) -> None:
         self._unreleased = [xfer for xfer in self._unreleased if not self.agent.release(xfer)]
+        if self._retiring and not self._unreleased:
+            reading = {pull.backend_state.agent_name for pull in self._pulls.values()
+                       if isinstance(pull.backend_state, _Read)}
+            for agent_name in [name for name in self._retiring if name not in reading]:
+                self.agent.forget_remote(agent_name, self._retiring.pop(agent_name))
         for agent_name, messages in self.agent.notifications().items():
             worker_id = self._workers.get(agent_name)
             if worker_id is None:

@@ -96,6 +96,19 @@ class NixlAgent:
         self._dlists.append(handle)
         return handle
 
+    def forget_remote(self, agent_name: str, dlist: int | None) -> None:
+        """A peer left: release its prepared list and drop its metadata (a re-add loads them anew)."""
+        if dlist is not None and dlist in self._dlists:
+            self._dlists.remove(dlist)
+            try:
+                self._agent.releasedDlistH(dlist)
+            except Exception as exc:  # in use by a READ still posted: NIXL keeps it, we stop tracking it
+                logger.warning("NIXL kept the descriptor list of %s: %s", agent_name, exc)
+        try:
+            self._agent.invalidateRemoteMD(agent_name)
+        except Exception as exc:
+            logger.warning("NIXL could not drop the metadata of %s: %s", agent_name, exc)
+
     def read(self, local_dlist: int, local_ids: tuple[int, ...], remote_dlist: int,
              remote_ids: tuple[int, ...], notif: bytes) -> tuple[int, XferStatus]:
         """Post a READ of remote blocks into local blocks; the peer gets `notif` when it completes.

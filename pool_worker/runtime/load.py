@@ -24,6 +24,10 @@ class WorkerLoad:
     # Requests the worker holds in any state (inbox, waiting, prefilling, offered or pulling KV, decoding):
     # a draining worker may stop only at 0.
     num_requests: int = 0
+    # The watchdog's inputs (filled by the actor when asked, not by the loop that may be stuck): how long the
+    # step now running has run (0: between steps), and the longest step that finished.
+    step_running_s: float = 0.0
+    longest_step_s: float = 0.0
 
     @property
     def kv_occupancy(self) -> float:

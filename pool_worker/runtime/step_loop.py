@@ -5,12 +5,16 @@
 Only the loop thread touches engine state; other threads hand it commands through the worker's inbox.
 A step that raises ends the loop: `on_error` runs on the loop thread (the worker ends every request it
 holds with an error) and `error` stays set, so the actor reports itself failed and the gateway replaces it.
+A step that never returns (a hung native call, a driver hang) raises nothing: running_s() tells how long the
+current step has run, and longest_step_s the longest that finished, so that the fleet's watchdog
+(gateway/fleet/deployment.py loads()) can take a step far past the worker's own for hung.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -40,6 +44,8 @@ class StepLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: BaseException | None = None
+        self._step_began: float | None = None  # time.monotonic() at the running step's start; None: between
+        self.longest_step_s = 0.0  # of the steps that finished
 
     def start(self) -> None:
         self._thread.start()
@@ -57,10 +63,16 @@ class StepLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def running_s(self) -> float:
+        """How long the step now running has run; 0 between steps."""
+        began = self._step_began
+        return 0.0 if began is None else time.monotonic() - began
+
     def _run(self) -> None:
         if self._num_threads is not None:
             torch.set_num_threads(self._num_threads)
         while not self._stopped.is_set():
+            self._step_began = began = time.monotonic()
             try:
                 delay = self._step()
             except BaseException as error:  # a dead loop must be visible, not a silent hang
@@ -72,6 +84,9 @@ class StepLoop:
                     except Exception:
                         logger.exception("step loop %s: failing its requests raised too", self._thread.name)
                 return
+            finally:
+                self._step_began = None
+            self.longest_step_s = max(self.longest_step_s, time.monotonic() - began)
             if delay == 0:
                 continue
             self._wake.wait(delay)

@@ -135,3 +135,14 @@ def heal(actor: Any) -> None:
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def refuse_grammars(actor: Any) -> None:
+    """Every grammar fails to compile on this worker, as one the gateway's check accepts but the worker's
+    vocabulary-bound compilation refuses would."""
+    from llm_engine.structured import GrammarError
+
+    def refuse(spec: Any) -> Any:
+        raise GrammarError("injected fault: the grammar does not compile against this vocabulary")
+
+    actor.engine.runner.grammar_mask.cache.compile = refuse

@@ -4,6 +4,7 @@ is safe from another thread while the loop runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 from decode_pool.messages import DecodeOutput, DecodeRequest
 from gateway.requests.orchestrator import StreamEvent
 from gateway.requests.stage_timings import token_times
-from kv_transfer import KVHandle
+from kv_transfer import IncompatibleLayoutError, KVHandle
 from llm_engine import SamplingParams
 from pool_worker.runtime.step_loop import StepLoop, WorkerFailed
 from prefill_pool.messages import PrefillRequest, PrefillResult
@@ -204,6 +205,33 @@ def test_load_is_safe_to_read_while_the_loop_runs(tiny_llama_dir: Path) -> None:
         num_reads += 1
     loop.stop()
     assert loop.error is None and num_reads > 0
+
+
+def test_a_peer_with_another_layout_is_refused_to_the_caller_and_the_worker_serves_on(
+        tiny_llama_dir: Path) -> None:
+    """Review N8: adding a peer whose KV blocks mean other bytes raised on the step thread and killed the
+    decode worker (and every replacement, wired to the same peer). It is refused to the caller now; a
+    transfer-library error while adding one is logged; the step loop lives on either way."""
+    prefill, decode = make_pair(tiny_llama_dir)
+    peer = prefill.sender.peer_info()
+    odd = dataclasses.replace(peer, worker_id="p-odd", layout=dataclasses.replace(peer.layout, block_size=32))
+    with pytest.raises(IncompatibleLayoutError, match="block_size"):
+        decode.add_peer(odd)
+
+    def broken_add(peer: Any) -> None:
+        raise RuntimeError("injected fault: loadRemoteMD failed")
+
+    decode.receiver.add_peer = broken_add  # type: ignore[method-assign]
+    decode.add_peer(dataclasses.replace(peer, worker_id="p-broken"))
+    prompt = random_prompts([12], 1000)[0]
+    [result] = prefill_all(prefill, [prompt])
+    outputs: list[DecodeOutput] = []
+    decode.submit(decode_request(result, prompt), outputs.append)
+    while not outputs or outputs[-1].finish_reason is None:
+        decode.step()  # the posted add ran here, raised, and was logged
+    assert decode.failure == "" and "p-broken" not in decode.receiver.peers
+    tokens = [result.first_token_id] + [t for o in outputs for t in o.token_ids]
+    assert tokens == hf_greedy(tiny_llama_dir, [prompt], GREEDY.max_tokens)[0]
 
 
 def test_each_token_of_a_merged_event_gets_its_own_time() -> None:
