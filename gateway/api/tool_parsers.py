@@ -8,8 +8,9 @@ grammar (for `tool_choice` required or a named function) and history text in the
                  several, optionally after `<|python_tag|>`); anything else is content.
 A parser's `scan(text, is_final)` reads the output so far and says what is known: the content that can be
 shown (text that might still become a call's opening is held back until it is decided) and each call's name
-and arguments text once written. A whole response scans once; a stream scans after each delta and sends what
-is new (gateway/api/tool_responses.py), so both read the same calls from the same text.
+and arguments text once written. A whole response scans once. A stream is read by
+gateway/api/tool_stream_scan.py, which resumes after each delta and says what scan() says of the text so
+far; gateway/api/tool_responses.py sends what is new. Both read the same calls from the same text.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.api.call_reader import NOT_JSON
 from gateway.api.protocol_tools import Tool
 from llm_engine.structured import GrammarSpec
 
@@ -58,7 +60,7 @@ def scan_call_object(text: str, args_keys: tuple[str, ...]) -> CallSoFar | None:
             pos = _SPACE.match(text, pos + 1).end()  # type: ignore[union-attr]
         try:
             key, pos = _DECODER.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except NOT_JSON:
             return CallSoFar(name, arguments, False)
         pos = _SPACE.match(text, pos).end()  # type: ignore[union-attr]
         if pos >= len(text) or text[pos] != ":":
@@ -66,7 +68,7 @@ def scan_call_object(text: str, args_keys: tuple[str, ...]) -> CallSoFar | None:
         pos = _SPACE.match(text, pos + 1).end()  # type: ignore[union-attr]
         try:
             value, end = _DECODER.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except NOT_JSON:
             # A value still being written: an object's or array's text so far is the arguments' prefix.
             if key in args_keys and pos < len(text) and text[pos] in "{[":
                 arguments = text[pos:].rstrip()
@@ -78,8 +80,10 @@ def scan_call_object(text: str, args_keys: tuple[str, ...]) -> CallSoFar | None:
         pos = end
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """How many characters at the end of `text` could be the start of `marker`."""
+    if marker[0] not in text[1 - len(marker) :]:
+        return 0
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
             return size
@@ -123,7 +127,7 @@ class HermesParser(ToolCallParser):
             if is_final:
                 return Scan(text, ())
             # Newlines before a call are not content: held back too until something else follows.
-            return Scan(text[: len(text) - _held_back(text, self.OPEN)].rstrip("\n"), ())
+            return Scan(text[: len(text) - held_back(text, self.OPEN)].rstrip("\n"), ())
         calls: list[CallSoFar] = []
         pos = start
         while pos >= 0:
@@ -178,7 +182,7 @@ def _split_objects(text: str) -> list[str]:
         pos = _SPACE.match(text, pos).end()  # type: ignore[union-attr]
         try:
             _, end = _DECODER.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except NOT_JSON:
             pieces.append(text[pos:])
             return pieces
         pieces.append(text[pos:end])
