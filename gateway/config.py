@@ -421,7 +421,7 @@ class ServeConfig(BaseSettings):
                                 worker_env=dict(self.worker_env or {}),
                                 # Each worker finds the model on its own node
                                 # (pool_worker/runtime/model_source.py).
-                                model_source=ModelSource.named(self.model, self.revision),
+                                model_source=ModelSource.named(self.model, self.revision, model_dir),
                                 num_threads=self.default_threads_per_worker(), pin_cpus=self.pin_cpus,
                                 **{k: v for k, v in placement.items() if v is not None})  # type: ignore[arg-type]
 

@@ -104,6 +104,9 @@ def serve_frontends(config: ServeConfig) -> None:
     try:
         if is_rejoined:
             print(f"pdserve: rejoined fleet {name} and its workers", flush=True)
+            for note in ray.get(fleet.rejoin.remote(config.controller_policy(), config.local_prefill_policy(),
+                                                    config.ratio == "auto", config.planner_settings())):
+                print(f"pdserve: fleet {name}: {note}", flush=True)
         else:
             start(fleet)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir

@@ -1,7 +1,7 @@
 """The `pdserve` command line: the composition root of the product. Each command lives in its own module
 (serve, bench, tune) and registers its flags here; nothing below the command line imports this package.
 
-    pdserve prepare-model | serve | bench | tune {profile, plan, validate}
+    pdserve prepare-model | serve | bench | tune {profile, plan, validate} | fleet {list, stop}
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from pdserve import __version__
 from pdserve.bench import add_bench_parser
+from pdserve.fleet import add_fleet_parser
 from pdserve.serve import add_serve_parser
 from pdserve.tune import add_tune_parser
 
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(commands)
     add_bench_parser(commands)
     add_tune_parser(commands)
+    add_fleet_parser(commands)
     return parser
 
 

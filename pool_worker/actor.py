@@ -66,7 +66,10 @@ def _each(requests: Sequence[RequestT], submit: Callable[[RequestT], None], abor
     or an abort that came first) or ""."""
     refusals = []
     for request in requests:
-        if aborted.take(request.request_id):
+        # A group of choices (n > 1) is aborted under its choices' ids: any of them refuses the group (the
+        # gateway starts each choice again on its own), and every remembered id is forgotten.
+        output_ids: tuple[str, ...] = getattr(request, "output_request_ids", ())
+        if [i for i in {request.request_id, *output_ids} if aborted.take(i)]:
             refusals.append(f"{request.request_id} was aborted before it arrived")
             continue
         if request.request_id in refused:
@@ -85,6 +88,11 @@ GRAMMAR_COMPILE_TIMEOUT_S = 30.0
 
 class WrongRole(RuntimeError):
     """A call meant for another role reached this worker."""
+
+
+class StillHoldsWork(RuntimeError):
+    """set_role() refused: the worker holds requests or KV blocks (a submission landed after the fleet saw
+    it empty); nothing changed: drain it again, then ask again."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +221,7 @@ class WorkerActor:
                              kv.num_bytes, kv.source)
 
     async def set_role(self, role: str) -> WorkerInfo:
-        """Serve as `role` from now on (see the lifecycle); raises RuntimeError if the worker still holds
+        """Serve as `role` from now on (see the lifecycle); raises StillHoldsWork if the worker still holds
         work and the change needs a new front."""
         new = Role(role)
         if new is self.role:
@@ -223,7 +231,7 @@ class WorkerActor:
         else:
             load = self._started().load()
             if load.num_requests or not self.engine.block_pool.is_whole():
-                raise RuntimeError(
+                raise StillHoldsWork(
                     f"{self.worker_id} still holds {load.num_requests} requests and "
                     f"{self.engine.block_pool.num_used_blocks} KV blocks; drain it before it changes role"
                 )

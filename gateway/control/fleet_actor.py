@@ -62,6 +62,7 @@ class FleetActor:
         self._traffic = RecentTraffic()
         self._expiry: asyncio.Task[None] | None = None
         self._config: DeploymentConfig | None = None  # what start() was given: a rejoining gateway compares
+        self._planning: PlannerSettings | None = None
         self._epoch = uuid.uuid4().hex[:12]  # a fresh one after Ray restarts this actor
 
     async def start(self, config: DeploymentConfig, policy: ControllerPolicy,
@@ -81,8 +82,32 @@ class FleetActor:
             raise
         deployment.on_change.append(self._bump)
         self._expiry = asyncio.create_task(self._expire_frontends())
-        self._config = config
+        self._config, self._planning = config, planning
         return self._info
+
+    async def rejoin(self, policy: ControllerPolicy, local_prefill: LocalPrefillPolicy, auto: bool,
+                     planning: PlannerSettings | None) -> list[str]:
+        """A supervisor started again over this fleet (same DeploymentConfig): its gateway-side settings
+        (the controller's policy, the routers' local-prefill rule, auto on or off) are applied now; the
+        planner's are fixed at start. Returns what changed, and what could not, for the supervisor to
+        print."""
+        plane, notes = self.plane, []
+        if policy != plane.controller.policy:
+            plane.controller.set_policy(policy)
+            notes.append("the ratio controller's policy was changed")
+        if not plane.controller.is_on and local_prefill != plane.books.local_prefill:
+            plane.books.local_prefill = local_prefill
+            notes.append("the local-prefill rule was changed")
+        if auto != plane.controller.is_on:
+            if auto:
+                plane.controller.start()
+            else:
+                await plane.controller.stop()
+            notes.append(f"--ratio {'auto' if auto else 'fixed'} applied")
+        if planning != self._planning:
+            notes.append("the planner's settings differ and are NOT applied (they are fixed when the fleet "
+                         "starts): `pdserve fleet stop` it, then serve again")
+        return notes
 
     def started_config(self) -> DeploymentConfig | None:
         """The settings this fleet started with; None: not started (or stopped)."""
@@ -189,7 +214,7 @@ class FleetActor:
                         worker.client.close_channels(frontend_id)
 
     async def shutdown(self) -> None:
-        self._config = None
+        self._config = self._planning = None
         if self._expiry is not None:
             self._expiry.cancel()
         if self._plane is not None:

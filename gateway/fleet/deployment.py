@@ -58,6 +58,7 @@ from gateway.fleet.placement import (
     wait_placed,
 )
 from gateway.fleet.worker_client import WorkerClient
+from gateway.fleet.worker_errors import StillBusy
 from gateway.fleet.workers import PoolHealth, Worker, WorkerState, can_transition, transition
 from kv_transfer import can_move_kv_between_decode_workers, capabilities
 from pool_worker import Role, WorkerActor
@@ -75,6 +76,7 @@ __all__ = ["DeploymentConfig", "PDDeployment"]
 # A worker that does not answer a load query for this long is taken for dead (a dead actor fails at once).
 LOAD_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 30.0  # workers that have not closed their fronts by then are killed anyway
+SET_ROLE_ATTEMPTS = 5  # a role change refused because work landed late is asked again this often
 STEP_WATCHDOG_FACTOR = 10.0  # a step 10× the worker's longest finished one (and past the floor) is hung
 
 
@@ -264,7 +266,17 @@ class PDDeployment:
             await wait_until_empty(worker, in_flight, grace_s, timeout_s)
             self._unwire(worker)  # its endpoint closes with its old front
             is_unwired = is_sent = True
-            await worker.client.set_role(role)
+            for attempt in range(1, SET_ROLE_ATTEMPTS + 1):
+                try:
+                    await worker.client.set_role(role)
+                    break
+                except StillBusy:
+                    # A submission in flight landed after the books read empty (several frontends report
+                    # every 0.5 s): the worker changed nothing; drained again (no more grace), it is asked
+                    # again, rather than taken for broken.
+                    if attempt == SET_ROLE_ATTEMPTS:
+                        raise
+                    await wait_until_empty(worker, in_flight, 0.0, timeout_s)
         except BaseException as error:
             if worker.state is not WorkerState.CHANGING_ROLE:  # it failed meanwhile: being replaced
                 raise

@@ -22,11 +22,11 @@ from ray.exceptions import RayActorError, RayTaskError
 from decode_pool.messages import DecodeRequest
 from gateway.fleet.output_streams import OutputStream, RequestOutputs
 from gateway.fleet.submissions import Submissions
-from gateway.fleet.worker_errors import WorkerLost, WrongRoleError
+from gateway.fleet.worker_errors import StillBusy, WorkerLost, WrongRoleError
 from kv_transfer import PeerInfo, TransferRecord
 from llm_engine.step_timeline import StepRecord
 from pool_worker import Role
-from pool_worker.actor import WrongRole
+from pool_worker.actor import StillHoldsWork, WrongRole
 from pool_worker.runtime.load import WorkerLoad
 from pool_worker.runtime.step_loop import WorkerFailed
 from pool_worker.runtime.worker_setup import TorchGroupSpec
@@ -171,4 +171,6 @@ class WorkerClient:
                 raise WorkerLost(f"{self.worker_id} failed: {cause}") from error
             if isinstance(cause, WrongRole):
                 raise WrongRoleError(str(cause)) from error
+            if isinstance(cause, StillHoldsWork):
+                raise StillBusy(str(cause)) from error
             raise

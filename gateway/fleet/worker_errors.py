@@ -21,3 +21,7 @@ class ChannelClosed(ConnectionError):
     """The fleet took this gateway (a frontend) for gone and had the worker end its output stream, aborting
     what it carried there: the worker is fine and serves on; the request starts again on it (a frontend that
     was only paused)."""
+
+
+class StillBusy(RuntimeError):
+    """The worker refused to change role: work landed on it after it was seen empty (nothing changed)."""

@@ -26,6 +26,8 @@ Evacuation (a decode or mixed worker changing role or leaving hands its requests
 Fleet-closed streams (ChannelClosed: the fleet took this frontend for gone, e.g. while it was paused, and had
     the workers end its streams and abort their requests): no worker is marked failed; the request starts
     again where it was, recomputing prompt + the tokens the client has (a prefill is simply submitted again).
+Refusals (a worker will not take the request: a grammar it cannot compile, more KV than it holds): another
+    worker of the role takes it if there is one; when none is left, HTTP 400 with code "refused".
 Leaving the stream early (client gone, error) aborts the request on whichever workers hold it, and tells the
 prefill worker to free a KV handle nobody will pull.
 """
@@ -87,6 +89,10 @@ class _Evacuated(Exception):
 
 class _Misrouted(Exception):
     """The decode worker no longer decodes (it changed role after it was picked): pick another (internal)."""
+
+
+class _Refused(Exception):
+    """The decode worker refused the request (internal: another one may take it; none: a 400)."""
 
 
 class _Requeued(Exception):
@@ -257,8 +263,10 @@ class RequestRun:
             except ChannelClosed:  # the worker is fine and aborted it: submit it again, there or elsewhere
                 tried.discard(prefill.worker_id)
                 continue
-            except SubmissionRefused as refused:  # e.g. a grammar that does not compile: its fault alone
-                raise RequestFailed(f"the request was refused: {refused}", "refused", 400) from None
+            except SubmissionRefused as refused:  # a grammar that does not compile, too few KV blocks there
+                if not any(w.worker_id not in tried for w in self.fleet.active(Role.PREFILL)):
+                    raise RequestFailed(f"the request was refused: {refused}", "refused", 400) from None
+                continue  # another worker may take it (one started later may have fewer blocks)
             except asyncio.CancelledError:  # the client went away: stop the prefill (and free its KV)
                 client.abort(self.request_id)
                 raise
@@ -278,6 +286,7 @@ class RequestRun:
                       ) -> AsyncGenerator[StreamEvent, None]:
         """`submitted`: the request's outputs, when it was submitted to `decode` already (a choice of a
         request with several, gateway/requests/choices.py); `request` is then what a move sends on."""
+        refusers: set[str] = set()  # decode workers that refused it (too few KV blocks, a grammar)
         while True:
             handle: KVHandle | None = None
             if submitted is None and not (decode.is_active and decode.role.can_decode):  # it left meanwhile
@@ -290,6 +299,13 @@ class RequestRun:
             except _Misrouted:  # the same request (its prefill KV included) goes to another decode worker
                 submitted = None
                 decode = await self._pick_decode(self.deadlines.finish_by, {decode.worker_id})
+                continue
+            except _Refused as refused:  # another worker may take it; when none is left, it is a 400
+                submitted = None
+                refusers.add(decode.worker_id)
+                if not any(w.worker_id not in refusers for w in self.fleet.active(Role.DECODE, Role.MIXED)):
+                    raise RequestFailed(f"the request was refused: {refused}", "refused", 400) from None
+                decode = await self._pick_decode(self.deadlines.finish_by, refusers)
                 continue
             except _WorkerLost as lost:
                 submitted = None
@@ -351,8 +367,8 @@ class RequestRun:
                 is_finished = True  # it never took the request: nothing to abort there
                 raise _Misrouted from None
             except SubmissionRefused as refused:
-                is_finished = True
-                raise RequestFailed(f"the request was refused: {refused}", "refused", 400) from None
+                is_finished = True  # it never took the request
+                raise _Refused(str(refused)) from None
             while not is_finished:
                 try:
                     output = await self._call_worker(outputs.next())

@@ -103,3 +103,19 @@ def test_a_killed_frontend_or_gateway_comes_back_to_the_same_workers(cluster: Lo
         except subprocess.TimeoutExpired:
             kill_tree(supervisor.pid)
             supervisor.wait()
+
+    # Review N13: stopped on purpose, the named fleet is ended by `pdserve fleet stop`, workers and all.
+    def fleet(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pdserve", "fleet", *args, "--address", cluster.address],
+                              env=cluster.env, cwd=REPO, capture_output=True, text=True, timeout=180)
+
+    assert fleet("list").stdout.startswith("supervised\t")
+    missing = fleet("stop", "nobody")
+    assert missing.returncode == 2 and "no fleet named 'nobody'" in missing.stderr
+    assert fleet("stop", "supervised").returncode == 0
+    assert "supervised" not in fleet("list").stdout
+    [(_, worker_pid)] = before
+    deadline = time.monotonic() + 60
+    while psutil.pid_exists(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not psutil.pid_exists(worker_pid)

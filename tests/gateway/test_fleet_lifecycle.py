@@ -26,6 +26,7 @@ from gateway.requests.orchestrator import StreamEvent, run_request
 from gateway.requests.router import Router
 from gateway.telemetry.recent import RecentLatencies
 from llm_engine import EngineConfig, SamplingParams
+from llm_engine.choices import FirstToken
 from pool_worker import Role
 from pool_worker.runtime.model_source import ModelSource
 from prefill_pool.messages import PrefillRequest
@@ -93,16 +94,21 @@ def test_an_abort_that_overtakes_its_submission_still_holds(tiny_llama_dir: Path
         [prefill], [decode] = deployment.active(Role.PREFILL), deployment.active(Role.DECODE)
         prompt = tuple(random_prompts([30], 1000)[0])
         refusals = {}
+        # Review N6: a group of choices (n > 1) is aborted under its choices' ids, not its own.
+        group = DecodeRequest("gone-3", prompt, dataclasses.replace(LONG, n=2),
+                              choices=(FirstToken(0, 5, None), FirstToken(1, 6, None)))
         for worker, submit, request in (
                 (decode, decode.client.submit_decode, DecodeRequest("gone-1", prompt, LONG)),
-                (prefill, prefill.client.submit_prefill, PrefillRequest("gone-2", prompt, LONG))):
-            worker.client.abort(request.request_id)
+                (prefill, prefill.client.submit_prefill, PrefillRequest("gone-2", prompt, LONG)),
+                (decode, decode.client.submit_decode, group)):
+            for request_id in getattr(request, "output_request_ids", (request.request_id,)):
+                worker.client.abort(request_id)
             await worker.client.is_whole()  # the abort has run on the worker
             outputs = worker.client.subscribe(request.request_id)
             try:
                 await submit(request, outputs)  # type: ignore[operator]
             except SubmissionRefused as refusal:
-                refusals[worker.role] = str(refusal)
+                refusals[request.request_id] = str(refusal)
             finally:
                 worker.client.unsubscribe(outputs)
         loads = {w.role: await w.client.load() for w in (prefill, decode)}
@@ -111,7 +117,7 @@ def test_an_abort_that_overtakes_its_submission_still_holds(tiny_llama_dir: Path
         return {"refusals": refusals, "loads": loads, "whole": whole, "served": served}
 
     result = with_deployment(tiny_llama_dir, scenario)
-    assert set(result["refusals"]) == {Role.PREFILL, Role.DECODE}
+    assert set(result["refusals"]) == {"gone-1", "gone-2", "gone-3"}
     assert all("aborted before it arrived" in r for r in result["refusals"].values())
     assert all(load.num_requests == 0 for load in result["loads"].values())
     assert all(result["whole"].values())

@@ -74,6 +74,20 @@ def test_an_id_resolves_offline_from_the_cache(hub_cache: Path, tiny_chat_model_
     assert served_name(str(tiny_chat_model_dir), tiny_chat_model_dir) == tiny_chat_model_dir.name
 
 
+def test_every_worker_loads_the_commit_the_gateway_resolved(hub_cache: Path, tiny_chat_model_dir: Path
+                                                            ) -> None:
+    """Review N9: the workers resolved the id's default branch each on their own, whenever they started;
+    they are given the commit the gateway's copy is at, so that a node started later loads the same."""
+    snapshot = fill_hub_cache(hub_cache, REPO_ID, tiny_chat_model_dir)
+    source = ServeConfig(model=REPO_ID).deployment_config(str(snapshot)).model_source
+    assert source == ModelSource(hub_id=REPO_ID, revision=COMMIT)
+    assert source.resolve_here("node-1") == str(snapshot)
+    # A branch given as --revision is pinned the same way; a directory is never a commit.
+    assert ServeConfig(model=REPO_ID, revision="main").deployment_config(str(snapshot)).model_source.revision \
+        == COMMIT
+    assert ModelSource.named(REPO_ID, "v1", str(tiny_chat_model_dir)).revision == "v1"
+
+
 def test_an_unknown_id_offline_says_why(hub_cache: Path) -> None:
     with pytest.raises(ModelNotFoundError, match=r"acme/nothing is not \(wholly\) in the Hugging Face cache.*"
                                                  "HF_HUB_OFFLINE"):
