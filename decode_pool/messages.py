@@ -30,6 +30,9 @@ class DecodeRequest:
     # its own, forked from the pulled blocks, under choice_request_id(request_id, index) with
     # sampling.for_choice(index): its outputs, its abort, its migration (llm_engine/choices.py).
     choices: tuple[FirstToken, ...] = ()
+    # It was in the batch of a decode step that failed on another worker: it computes alone here (a second
+    # failure then names it, and no request beside it shares the blame).
+    is_suspect: bool = False
 
     @property
     def output_request_ids(self) -> tuple[str, ...]:

@@ -366,6 +366,7 @@ class DecodeWorker:
             frozenset(self.engine.spec.eos_token_ids), output_token_ids=output_token_ids,
             output_logprobs=output_logprobs,
             output_top_logprobs=[request.first_top_logprobs] if request.first_top_logprobs else [],
+            is_suspect=request.is_suspect,
         )
         if state is TransferState.DONE:
             engine_request.num_computed_tokens = request.kv_handle.num_tokens
@@ -407,7 +408,8 @@ class DecodeWorker:
         request = entry.request
         eos = frozenset(self.engine.spec.eos_token_ids)
         self.engine.scheduler.add(Request(request_id, list(request.prompt_token_ids), request.sampling, eos,
-                                          output_token_ids=list(request.generated_token_ids)))
+                                          output_token_ids=list(request.generated_token_ids),
+                                          is_suspect=request.is_suspect))
 
     def _release_unpulled(self, request: DecodeRequest, why: str) -> None:
         if request.kv_handle is not None and self.release_source is not None:

@@ -17,6 +17,9 @@ schedule() remembers that, and until a request comes or goes or blocks are freed
 once, without looking for cached prefixes again (a worker polling for transfers would otherwise re-hash the
 head prompt every poll); while others run, a waiting request's block hashes are kept on it
 (Request.block_hashes), so looking up its cached prefix again costs dict lookups, not hashing.
+A suspect (Request.is_suspect: it was in the batch of a step that failed on another worker) never shares a
+forward: it computes alone, on every other step while others run, so that if it breaks the next forward too,
+only it is to blame, and the requests that happened to share its failed batch are not failed with it.
 Each chunk carries only the blocks its request's table gained since its previous chunk (the runner keeps
 the tables), and each forward names the requests that left since the last one, so the runner can drop
 their tables. Plain Python: no tensors, no model.
@@ -53,6 +56,7 @@ class Scheduler:
         # Prompt tokens one forward may carry while any running request decodes (None: no limit beyond
         # max_num_batched_tokens).
         self.prefill_budget_beside_decode: int | None = None
+        self._num_turns = 0  # steps since a suspect was first seen: suspects' turns alternate with the rest
 
     @property
     def num_unfinished(self) -> int:
@@ -180,7 +184,22 @@ class Scheduler:
         """Its next chunk is its one newest token (not a prompt's, nor a recomputation after preemption)."""
         return request.num_output_tokens > 0 and request.num_tokens - request.num_computed_tokens == 1
 
+    def _suspect_turn(self) -> Request | None:
+        """The suspect that computes alone this step, or None (this step is the others')."""
+        suspects = [r for r in self.running if r.is_suspect and r.status is RequestStatus.RUNNING]
+        if self.waiting and self.waiting[0].is_suspect:
+            suspects.append(self.waiting[0])
+        if not suspects:
+            return None
+        has_others = (any(not r.is_suspect for r in self.running)
+                      or bool(self.waiting and not self.waiting[0].is_suspect))
+        self._num_turns += 1
+        if has_others and self._num_turns % 2:
+            return None
+        return suspects[(self._num_turns // 2) % len(suspects)]
+
     def _schedule(self) -> ModelInput:
+        alone = self._suspect_turn()
         budget = self.max_num_batched_tokens
         prefill_budget = budget
         if self.prefill_budget_beside_decode is not None and any(map(self._is_decoding, self.running)):
@@ -192,6 +211,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older request
+            if (request.is_suspect or alone is not None) and request is not alone:
+                continue  # a suspect computes alone, on its turn; the others without it
             is_decoding = self._is_decoding(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget,
                           budget if is_decoding else prefill_budget)
@@ -215,6 +236,8 @@ class Scheduler:
         while (self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.max_num_seqs
                and not preempted):
             request = self.waiting[0]
+            if (request is not alone) if alone is not None else request.is_suspect:
+                break  # a suspect is admitted alone, on its turn; nobody joins it then
             token_ids = request.all_token_ids
             hashes = self._prefix_hashes(request)
             cached = len(self.kv.find_cached_prefix(token_ids, hashes)) * self.kv.block_size

@@ -12,7 +12,9 @@ Failures (a worker's actor died, its step loop died, or it answered with finish_
     DECODE:  the worker is marked failed; the request migrates to another decode worker with the tokens the
              client already has (that worker recomputes prompt + those tokens), and the stream goes on
              without a duplicate or missing token. Up to MAX_MIGRATIONS times, and at most once after a
-             failed step that computed it (it may be what breaks the steps: MAX_FAILED_STEPS).
+             failed step that computed it (it may be what breaks the steps: MAX_FAILED_STEPS); after such a
+             step it is a suspect, computed alone on the next worker, so that a second failure is its own
+             and an innocent request that shared the first batch is never failed for it.
     With no live worker of the role needed (1P+1D), it waits for the replacement the pool starts, until the
     stage's deadline; then, and whenever a deadline passes, it raises RequestFailed (a clear error).
 Clearing: a long prompt that a worker will prefill itself while it decodes streams has those streams moved
@@ -339,7 +341,8 @@ class RequestRun:
                 self._release(handle, "the request found no worker to move to")
                 raise
             request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
-                                    generated_token_ids=tuple(self.generated), kv_handle=handle)
+                                    generated_token_ids=tuple(self.generated), kv_handle=handle,
+                                    is_suspect=self.num_failed_steps > 0)
 
     def _release(self, handle: KVHandle | None, why: str) -> None:
         """Tell the worker holding `handle`'s KV that nobody will pull it (a lease being pulled, or already

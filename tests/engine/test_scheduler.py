@@ -136,3 +136,21 @@ def test_prompts_beside_decoding_requests_are_sliced_to_the_prefill_budget() -> 
     assert first.num_output_tokens == 5
     run_to_end(scheduler)
     assert scheduler.kv.pool.is_whole()
+
+
+def test_a_suspect_computes_alone_and_every_request_finishes() -> None:
+    """Review N5: a request that was in a failed step's batch on another worker is recomputed here alone,
+    never beside another request, so a second failure names it and no innocent request shares the blame."""
+    scheduler = make(budget=64)
+    innocents = [add(scheduler, f"r{i}", 6, max_tokens=6) for i in range(3)]
+    scheduler.schedule()  # (the innocents' prompts, batched)
+    suspect = Request("q", list(range(9)), SamplingParams(max_tokens=6), is_suspect=True)
+    scheduler.add(suspect)  # it arrives while the others run, as a migrated request does
+    batches = run_to_end(scheduler)
+    with_suspect = [b for b in batches if any(c.request_id == "q" for c in b.chunks)]
+    assert with_suspect and all(len(b.chunks) == 1 for b in with_suspect)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in [*innocents, suspect])
+    assert len(suspect.output_token_ids) == 6
+    # Its turns alternate with the others' while they run: neither side waits for the other to finish.
+    first = batches.index(with_suspect[0])
+    assert any(c.request_id.startswith("r") for b in batches[first + 1:] for c in b.chunks)
