@@ -33,7 +33,7 @@ from gateway.api.admin import router as admin_routes
 from gateway.api.auth import require_api_key
 from gateway.api.body_guard import BodyGuard
 from gateway.api.delivery import BoundedStreamingResponse
-from gateway.api.disconnect import ClientGone, unless_client_leaves
+from gateway.api.disconnect import ClientGone, all_or_none, unless_client_leaves
 from gateway.api.errors import documented, install_error_handlers, without_validation_422
 from gateway.api.http_counts import HttpCounts
 from gateway.api.logprob_format import TokenTexts
@@ -172,7 +172,8 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
             info = await fleet.start()
             service = serve_requests(app, config, fleet, info.model_dir, info.kv_tokens_per_decode_worker,
                                      frontend.num_frontends)
-            fleet.router = service.router
+            fleet.router, fleet.admission = service.router, service.admission
+            fleet.on_share.append(service.set_share)
             service.router.local_prefill = fleet.local_prefill
             service.on_prompt.append(fleet.note_prompt)
             service.router.on_local_prefill.append(fleet.note_prompt)
@@ -246,7 +247,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
             finally:
                 await deltas.aclose()  # aborts both workers unless the request finished
 
-        answers = await unless_client_leaves(request, asyncio.gather(*(one(p) for p in batch)))
+        answers = await unless_client_leaves(request, all_or_none([one(p) for p in batch]))
         usages = [a.usage for a in answers if a.usage is not None]
         usage = Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
                       completion_tokens=sum(u.completion_tokens for u in usages),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
 from fastapi import Request
@@ -40,3 +40,18 @@ async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     with contextlib.suppress(BaseException):
         await task
     raise ClientGone()
+
+
+async def all_or_none(work: Sequence[Awaitable[T]]) -> list[T]:
+    """Every result, in order; on the first failure the rest are cancelled (a batch of prompts whose one
+    fails stops generating the others for nobody) and that failure raises as itself."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_awaited(w)) for w in work]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
+async def _awaited(work: Awaitable[T]) -> T:
+    return await work

@@ -150,7 +150,9 @@ class FleetActor:
             local_prefill=self.plane.books.local_prefill,
             long_prompt_tokens=self.plane.controller.policy.long_prompt_tokens)
 
-    def report(self, report: FrontendReport) -> None:
+    def report(self, report: FrontendReport) -> int:
+        """A frontend's counts; answers its admission share (decode KV tokens it may reserve until its next
+        report: ReportedBooks.admission_share over the live decode and mixed workers' capacity)."""
         books = self.plane.books
         assert isinstance(books, ReportedBooks)
         if report.frontend_id not in books.frontends():
@@ -160,6 +162,9 @@ class FleetActor:
             self._recent.add(timings)
         for arrival in report.arrivals:
             self._traffic.add(arrival)
+        per_worker = self.info().kv_tokens_per_decode_worker
+        total = per_worker * len(self.plane.deployment.active(Role.DECODE, Role.MIXED))
+        return books.admission_share(report.frontend_id, total, floor=per_worker)
 
     def heartbeat(self, frontend_id: str) -> bool:
         """A frontend is alive; False: the fleet does not know it (new, or taken for dead since)."""

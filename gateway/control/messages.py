@@ -56,3 +56,7 @@ class FrontendReport:
     longest_prefill_beside_streams: int
     finished: list[Timings] = field(default_factory=list)  # requests finished since the last report
     arrivals: list[Arrival] = field(default_factory=list)  # ... when each arrived, and its lengths
+    # Its admission book: decode KV tokens reserved by its running requests, and those its waiting line
+    # asks for on top (the fleet leases each frontend its share of the one capacity from these).
+    reserved_tokens: int = 0
+    waiting_tokens: int = 0

@@ -1,7 +1,9 @@
 """A frontend's side of a fleet owned by the fleet actor (`--api-server-count N`).
 
 RemoteFleet is the FleetView the frontend's request path runs on:
-    start() → FleetInfo → the first snapshot → a heartbeat thread and two tasks for the frontend's life:
+    start() → (the fleet started: a frontend started while the fleet actor restarts waits for the supervisor
+      to start it again) → FleetInfo → the first snapshot → a heartbeat thread and two tasks for the
+      frontend's life:
       heartbeat (a thread, so that a busy event loop cannot starve it): twice a second tells the fleet this
               frontend lives, and notes when the fleet last answered: a fleet silent for FLEET_SILENT_S
               (dead, or paused) turns /health "unavailable" (503) until it answers again
@@ -12,8 +14,9 @@ RemoteFleet is the FleetView the frontend's request path runs on:
               gateway id); one gone from it is closed and forgotten (on_remove); a role change is
               on_remove too (the router forgets its prefix-cache beliefs); the router takes the
               snapshot's local-prefill policy; on_change when the active set moved
-      report: twice a second, this frontend's routers' counts and its finished requests' timings (the
-              fleet's controller reads them)
+      report: twice a second, this frontend's routers' counts, its admission book and its finished
+              requests' timings (the fleet's controller reads them); the answer is this frontend's admission
+              share until the next report (on_share)
     mark_failed(): the worker leaves this frontend's routing at once, and the fleet is told (it replaces it)
 The mirror's states are the fleet's: only the fleet moves a worker through its lifecycle.
 FleetLink is the admin routes' FleetControl: each call is the fleet actor's.
@@ -31,12 +34,13 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport
 from gateway.fleet.worker_client import WorkerClient
 from gateway.fleet.workers import PoolHealth, Worker, WorkerState
 from gateway.ratio.resize import PoolLayout, ResizeConflict, ResizeRefused
+from gateway.requests.admission import Admission
 from gateway.requests.router import LocalPrefillPolicy, Router
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.timings import Timings
@@ -49,6 +53,8 @@ REPORT_S = 0.5
 HEARTBEAT_S = 0.5
 FLEET_SILENT_S = 5.0  # the fleet actor has not answered a heartbeat for this long: /health says so
 FOLLOW_RETRY_S = 1.0
+REPORT_TIMEOUT_S = 5.0
+JOIN_RETRY_S = 1.0
 
 
 class RemoteFleet:
@@ -67,6 +73,8 @@ class RemoteFleet:
         self.on_change: list[Callable[[], None]] = []
         self.on_remove: list[Callable[[str], None]] = []
         self.router: Router | None = None  # its policy follows the fleet's
+        self.admission: Admission | None = None  # its book goes in every report
+        self.on_share: list[Callable[[int], None]] = []  # the admission share each report's answer sets
         self.info: FleetInfo | None = None
         self._snapshot: FleetSnapshot | None = None
         self._finished: list[Timings] = []
@@ -79,14 +87,38 @@ class RemoteFleet:
         return self.info.block_size
 
     async def start(self) -> FleetInfo:
-        self.info = await self.fleet.info.remote()
-        self._apply(await self.fleet.view.remote(-1, ""))
+        while True:
+            await self._until_fleet_started()
+            try:
+                self.info = await self.fleet.info.remote()
+                snapshot = await self.fleet.view.remote(-1, "")
+                break
+            except RayActorError:  # it died again just now: wait for it again
+                continue
+        self._apply(snapshot)
         self.fleet_heard_at = time.monotonic()
         self._tasks = [asyncio.create_task(self._follow(), name="fleet-follow"),
                        asyncio.create_task(self._report(), name="fleet-report")]
         self._heartbeat = threading.Thread(target=self._beat, name="fleet-heartbeat", daemon=True)
         self._heartbeat.start()
         return self.info
+
+    async def _until_fleet_started(self) -> None:
+        """Wait while the fleet actor is restarting, or restarted and not started again yet. Failing this
+        frontend's startup instead (info(): "the fleet has not started") would make uvicorn's supervisor
+        stop the whole server ("failed to start"), every frontend with it. A fleet gone for good is the
+        supervisor's to end (gateway/frontends.py): it stops this frontend then."""
+        is_told = False
+        while True:
+            try:
+                if await self.fleet.started_config.remote() is not None:
+                    return
+            except RayActorError:  # restarting (ActorUnavailableError is one)
+                pass
+            if not is_told:
+                logger.warning("the fleet is not started (it is restarting): this frontend waits for it")
+                is_told = True
+            await asyncio.sleep(JOIN_RETRY_S)
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -173,9 +205,14 @@ class RemoteFleet:
         while True:
             await asyncio.sleep(REPORT_S)
             try:
-                self.fleet.report.remote(self._build_report())
-            except Exception:
-                logger.exception("fleet report failed")
+                report = self._build_report()
+                share = await asyncio.wait_for(self.fleet.report.remote(report), REPORT_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # gone, paused, restarting: the last share stands (the heartbeat tells /health)
+                continue
+            for callback in self.on_share:
+                callback(share)
 
     def _seen(self) -> tuple[int, str]:
         """The latest snapshot's version and epoch (the long poll answers once the fleet is past them)."""
@@ -184,15 +221,17 @@ class RemoteFleet:
     def _build_report(self) -> FrontendReport:
         finished, self._finished = self._finished, []
         arrivals, self._arrivals = self._arrivals, []
-        router = self.router
+        router, admission = self.router, self.admission
+        reserved, waiting = (admission.reserved_tokens, admission.waiting_tokens) if admission else (0, 0)
         if router is None:
-            return FrontendReport(self.frontend_id, {}, {}, {}, 0, 0, finished, arrivals)
+            return FrontendReport(self.frontend_id, {}, {}, {}, 0, 0, finished, arrivals, reserved, waiting)
         in_flight = {worker_id: router.in_flight(worker_id) for worker_id in self.workers}
         return FrontendReport(
             self.frontend_id, {w: n for w, n in in_flight.items() if n},
             {w: n for w, n in router.prefill_tokens.items() if n},
             {w: n for w, n in router.local_prefill_tokens.items() if n},
-            router.longest_local_prefill(), router.longest_prefill_beside_streams(), finished, arrivals)
+            router.longest_local_prefill(), router.longest_prefill_beside_streams(), finished, arrivals,
+            reserved, waiting)
 
     def _apply(self, snapshot: FleetSnapshot) -> None:
         """The mirror takes the snapshot's workers, roles and states."""

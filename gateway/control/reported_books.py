@@ -7,6 +7,11 @@ controller and resizer).
     expire(): a frontend not heard for FRONTEND_SILENT_S is taken for dead (its process died or is paused):
               its counts are dropped and its id returned (the fleet actor then has every worker end that
               frontend's output channels; if it was only paused, it resumes its requests when it wakes)
+admission_share(frontend_id, total, floor): the decode KV tokens that frontend may reserve, from the one
+    capacity of the fleet: what each live frontend holds now stays its own; the rest goes to the frontends
+    whose lines wait, in proportion to what they wait for (evenly when none waits), never below `floor`
+    (one request's worth). Renewed with every report (a lease of 0.5 s): a frontend whose clients' connections
+    pin their requests to it gets the capacity the others leave idle.
 Setting local_prefill (the controller does, as it turns on and off) calls on_policy: the fleet publishes a
 new snapshot, and every frontend's router takes the policy from it.
 """
@@ -62,6 +67,17 @@ class ReportedBooks:
             del self._heard[frontend_id]
             self._reports.pop(frontend_id, None)
         return gone
+
+    def admission_share(self, frontend_id: str, total: int, floor: int) -> int:
+        reports = list(self._reports.values())
+        reserved = {r.frontend_id: r.reserved_tokens for r in reports}
+        wanted = {r.frontend_id: r.waiting_tokens for r in reports}
+        if frontend_id not in reserved:  # not reported yet: an even share beside the others
+            return max(floor, total // (len(reports) + 1))
+        free = max(0, total - sum(reserved.values()))
+        num_wanted = sum(wanted.values())
+        extra = free * wanted[frontend_id] // num_wanted if num_wanted else free // len(reports)
+        return max(floor, reserved[frontend_id] + extra)
 
     def _sum(self, field: str) -> Counter[str]:
         total: Counter[str] = Counter()

@@ -117,6 +117,7 @@ class GatewayService:
         self.tracer = tracer
         self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
         self.num_frontends = num_frontends
+        self.admission_share: int | None = None  # several frontends: leased by the fleet (set_share)
         self.deadline_policy = deadline_policy or DeadlinePolicy()
         # Past the request's finish_by, how long a client may take to read the rest before it is cut.
         self.delivery_grace_s = DELIVERY_GRACE_S
@@ -286,6 +287,15 @@ class GatewayService:
 
     def capacity(self) -> int:
         """Decode KV tokens this gateway may reserve: the active decode and mixed workers' (less their
-        watermarks), or this frontend's share of them."""
+        watermarks), or this frontend's share of them: leased by the fleet with every report (set_share),
+        an even share until the first."""
+        if self.admission_share is not None:
+            return self.admission_share
         return admission_capacity(self.max_request_tokens, len(self.fleet.active(Role.DECODE, Role.MIXED)),
                                   self.num_frontends)
+
+    def set_share(self, tokens: int) -> None:
+        """The fleet's answer to this frontend's report: its share of the one admission capacity."""
+        if tokens != self.admission_share:
+            self.admission_share = tokens
+            self.admission.set_capacity(tokens)

@@ -4,6 +4,7 @@ worker ending the output channels of a gateway that is gone."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -51,6 +52,24 @@ def test_a_heartbeat_keeps_a_frontend_whose_reports_stall_and_one_taken_for_dead
         books.expire()
     assert books.frontends() == ["frontend-a"] and books.in_flight("w0") == 3  # b expired, a kept
     assert books.heard("frontend-b") is False  # b wakes up: the fleet had taken it for dead
+
+
+def test_admission_is_one_book_leased_by_demand_across_frontends() -> None:
+    """Review N4: the capacity was split evenly per frontend, so one whose clients' connections pinned their
+    requests to it answered 429 while the other's half sat idle. The fleet leases each frontend its share
+    with every report: what it holds stays its own, the rest goes to whoever waits."""
+    books = ReportedBooks(LocalPrefillPolicy(), on_policy=lambda: None)
+    total, floor = 65536, 8192
+    books.report(dataclasses.replace(report("frontend-a", {}, {}, 0), reserved_tokens=32768,
+                                     waiting_tokens=8192))
+    books.report(report("frontend-b", {}, {}, 0))  # idle: nothing held, nothing waiting
+    assert books.admission_share("frontend-a", total, floor) == 65536  # everything free goes to a
+    assert books.admission_share("frontend-b", total, floor) == floor  # b keeps one request's worth
+    books.report(dataclasses.replace(report("frontend-b", {}, {}, 0), reserved_tokens=8192,
+                                     waiting_tokens=24576))
+    # Both wait: the free 24576 split 1:3 by what each waits for, on top of what each holds.
+    assert books.admission_share("frontend-a", total, floor) == 32768 + 6144
+    assert books.admission_share("frontend-b", total, floor) == 8192 + 18432
 
 
 def test_setting_the_policy_tells_the_fleet_only_when_it_changes() -> None:

@@ -83,8 +83,8 @@ def test_every_worker_loads_the_commit_the_gateway_resolved(hub_cache: Path, tin
     assert source == ModelSource(hub_id=REPO_ID, revision=COMMIT)
     assert source.resolve_here("node-1") == str(snapshot)
     # A branch given as --revision is pinned the same way; a directory is never a commit.
-    assert ServeConfig(model=REPO_ID, revision="main").deployment_config(str(snapshot)).model_source.revision \
-        == COMMIT
+    on_main = ServeConfig(model=REPO_ID, revision="main").deployment_config(str(snapshot))
+    assert on_main.model_source.revision == COMMIT
     assert ModelSource.named(REPO_ID, "v1", str(tiny_chat_model_dir)).revision == "v1"
 
 
