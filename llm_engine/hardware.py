@@ -107,20 +107,44 @@ class DeviceMemory:
     held: int  # CUDA: what torch's allocator reserves for this process (free to us, though not free); CPU: 0
 
 
-def ram() -> tuple[int, int]:
+def ram(cgroup_root: Path = Path("/sys/fs/cgroup")) -> tuple[int, int]:
     """(total, available) RAM in bytes: /proc/meminfo's MemTotal and MemAvailable (what can be allocated
-    without swapping, page cache included), else the free pages where there is none."""
+    without swapping, page cache included), else the free pages where there is none; within this process's
+    cgroup memory limit where it has one (a container's: /proc/meminfo shows the host's, and a fraction of
+    the host's RAM gets a pod OOM-killed)."""
     path = Path("/proc/meminfo")
+    total = available = 0
     if path.is_file():
         fields = {}
         for line in path.read_text().splitlines():
             name, _, value = line.partition(":")
             if value.strip().endswith("kB"):
                 fields[name] = int(value.split()[0]) * 1024
-        if "MemTotal" in fields and "MemAvailable" in fields:
-            return fields["MemTotal"], fields["MemAvailable"]
-    page = os.sysconf("SC_PAGE_SIZE")
-    return os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+        total, available = fields.get("MemTotal", 0), fields.get("MemAvailable", 0)
+    if not (total and available):
+        page = os.sysconf("SC_PAGE_SIZE")
+        total, available = os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+    limit = cgroup_memory(cgroup_root)
+    if limit is not None:
+        limit_bytes, used_bytes = limit
+        total, available = min(total, limit_bytes), min(available, max(0, limit_bytes - used_bytes))
+    return total, available
+
+
+def cgroup_memory(root: Path = Path("/sys/fs/cgroup")) -> tuple[int, int] | None:
+    """(limit, usage) in bytes of this process's memory cgroup (v2: memory.max and memory.current; v1:
+    memory/memory.limit_in_bytes and memory.usage_in_bytes); None where there is no limit."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit_text = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= 1 << 60:  # v1: "no limit"
+            return None
+        return int(limit_text), usage
+    return None
 
 
 def device_memory(device: str) -> DeviceMemory:

@@ -10,7 +10,7 @@ import pytest
 
 from llm_engine import EngineConfig, LLMEngine, ModelSpec, SamplingParams
 from llm_engine.config import CPU_KV_CACHE_BYTES
-from llm_engine.hardware import DeviceMemory
+from llm_engine.hardware import DeviceMemory, cgroup_memory, ram
 from llm_engine.kv_sizing import (
     NON_TORCH_BYTES,
     MemoryAmount,
@@ -56,6 +56,25 @@ def test_a_cpu_fraction_of_free_ram_gives_its_blocks() -> None:
     assert capacity.num_blocks == 4 * GiB // BLOCK_BYTES == 2048
     assert (capacity.num_tokens, capacity.num_bytes) == (2048 * 16, 4 * GiB)
     assert "0.25 of 16.00 GiB free RAM" in capacity.describe()
+
+
+def test_ram_is_the_containers_where_a_cgroup_limits_it(tmp_path: Path) -> None:
+    """Review N12: /proc/meminfo shows the host's RAM; in a pod limited to less, a fraction of the host's
+    got the pod OOM-killed. The cgroup's limit (v2, or v1) bounds both figures; no limit changes nothing."""
+    host_total, host_available = ram(tmp_path)  # no cgroup files here: the host's figures
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{4 << 30}\n")
+    (v2 / "memory.current").write_text(f"{1 << 30}\n")
+    assert cgroup_memory(v2) == (4 << 30, 1 << 30)
+    assert ram(v2) == (min(host_total, 4 << 30), min(host_available, 3 << 30))
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2 << 30))
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(str(2 << 30))
+    assert ram(v1)[1] == 0  # at its limit: nothing is available, whatever the host has free
+    (v2 / "memory.max").write_text("max\n")
+    assert cgroup_memory(v2) is None and ram(v2)[0] == host_total
 
 
 def test_cpu_bytes_and_the_cpu_default() -> None:
