@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -43,8 +44,10 @@ from gateway.app import RAY_NAMESPACE
 from gateway.config import ServeConfig
 from gateway.fleet.config import DeploymentConfig
 
-# The child reads its settings from here: uvicorn builds each frontend from an import string.
-FRONTEND_ENV = "PDSERVE_FRONTEND"
+# The child reads its settings from the file named here (uvicorn builds each frontend from an import string):
+# a file only this user can read, not the environment, which would show the API keys to anyone who can
+# read the processes' environments.
+FRONTEND_ENV = "PDSERVE_FRONTEND_SPEC"
 FLEET_WATCH_S = 1.0
 FLEET_PROBE_TIMEOUT_S = 10.0  # a paused fleet is the frontends' to report (/health), not a death
 FLEET_GONE_S = 60.0  # a fleet actor that fails every probe this long is not restarting: dead for good
@@ -58,7 +61,7 @@ def frontend_app() -> object:
 
     forget_dead_frontends(os.environ["PROMETHEUS_MULTIPROC_DIR"])
 
-    spec = json.loads(os.environ[FRONTEND_ENV])
+    spec = json.loads(Path(os.environ[FRONTEND_ENV]).read_text())
     config = ServeConfig.model_validate(spec.pop("config"))
     return create_app(config, FrontendSpec(**spec))
 
@@ -110,9 +113,12 @@ def serve_frontends(config: ServeConfig) -> None:
         else:
             start(fleet)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-        os.environ[FRONTEND_ENV] = json.dumps({
+        spec_path = Path(metrics_dir) / "frontend.json"  # in a directory of mode 0700, removed at the end
+        spec_path.touch(mode=0o600)
+        spec_path.write_text(json.dumps({
             "config": config.model_dump(mode="json"), "fleet_actor": name,
-            "ray_address": ray.get_runtime_context().gcs_address, "num_frontends": config.api_server_count})
+            "ray_address": ray.get_runtime_context().gcs_address, "num_frontends": config.api_server_count}))
+        os.environ[FRONTEND_ENV] = str(spec_path)
         server = uvicorn.Config("gateway.frontends:frontend_app", factory=True, host=config.host,
                                 port=config.port, loop="uvloop", log_level="info",
                                 workers=config.api_server_count)
