@@ -36,11 +36,30 @@ class ChaosConfig:
     deadline_decode_s_per_token: float = 1.0
     rss_growth_limit_mib: float | None = 256.0  # gateway RSS growth first → last sample; None: not checked
     api_key: str | None = None  # Bearer key of /v1 and /metrics, when the server has one
+    # The deployed configuration (--api-server-count N --fleet-name): N > 1 draws the frontend and fleet
+    # faults too (driver.FRONTENDS_ONLY), and every request opens its own connection (spread over them).
+    num_frontends: int = 1
+    min_each_fault: int = 0  # each drawable kind at least this often, where the run's time allows
+    health_down_s: float = 15.0  # the fleet actor killed: /health answers 503 within this
+    fleet_recovery_s: float = 120.0  # ... and 200 again (the fleet and its workers started) within this
+    replacement_window_s: float = 30.0  # a worker replaced up to this long after a fault that may kill one
+
+    @property
+    def has_frontends(self) -> bool:
+        return self.num_frontends > 1
 
     def deadline_s(self, num_prompt_tokens: int, max_tokens: int) -> float:
         """The server's bound on a request's last token after its arrival, plus the hang grace."""
         return (2 * self.deadline_slack_s + num_prompt_tokens * self.deadline_prefill_s_per_token
                 + max_tokens * self.deadline_decode_s_per_token + self.hang_grace_s)
+
+
+def _no_pids() -> list[int]:
+    return []
+
+
+def _no_pid() -> int | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -49,5 +68,7 @@ class ChaosTarget:
 
     url: str
     model_dir: Path  # for the greedy reference
-    gateway_pid: int  # whose RSS is sampled
+    gateway_pid: int  # whose RSS is sampled (with the frontends')
     owns: Callable[[int], bool]  # whether a pid belongs to this run's server (only those are ever killed)
+    frontend_pids: Callable[[], list[int]] = _no_pids  # the frontend processes now (N > 1 only)
+    fleet_pid: Callable[[], int | None] = _no_pid  # the fleet actor's process now (N > 1 only)

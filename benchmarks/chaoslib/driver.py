@@ -10,13 +10,23 @@
                       auto off while it does
   grace_past_timeout  PUT a layout with drain_grace_s past the drain timeout: refused (4xx), or applied
                       within the bounds like any other change
-Every PUT must answer within state_bound_s (+ its grace, at most the drain timeout) + 60 s. The last layout
-answered 200 with no error is the one the end check expects.
+With several frontends (ChaosConfig.num_frontends > 1), also (FRONTENDS_ONLY):
+  kill_frontend, pause_frontend   benchmarks/chaoslib/frontends.py
+  kill_fleet, pause_fleet         benchmarks/chaoslib/fleet_faults.py (a killed fleet is waited for: its
+                                  recovery is measured, no other fault meanwhile)
+  pause_worker                    SIGSTOP a busy worker for 8 s (fleet_faults.py)
+  loop_burst                      large distinct schemas and MiB-sized /tokenize at once (burst.py)
+Each drawable kind is drawn at least min_each_fault times where the run's time allows: once the kinds
+still short of it need half the draws the rest of the run is likely to have, they are drawn first.
+Every PUT must answer within state_bound_s (+ its grace, at most the drain timeout) + 60 s, and never with a
+connection error unless a frontend fault struck its connection. The last layout answered 200 with no error
+is the one the end check expects (after a fleet kill: the layout the fleet started again with).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -26,14 +36,29 @@ from typing import Any
 
 import httpx
 
+from benchmarks.chaoslib.burst import LoopBurst
 from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
+from benchmarks.chaoslib.connections import PORTS
+from benchmarks.chaoslib.fleet_faults import FleetFaults
+from benchmarks.chaoslib.frontends import FrontendMap
 from benchmarks.chaoslib.log import ChaosLog
 from benchmarks.chaoslib.watch import PoolWatch
 
-# Of the fault kinds; ChaosConfig.skip_faults leaves some out.
+# Of the fault kinds; ChaosConfig.skip_faults leaves some out. One process draws the first six only.
 WEIGHTS = {"kill_busy": 0.3, "put_layout": 0.25, "auto_on": 0.08, "auto_off": 0.07,
-           "auto_off_mid_move": 0.2, "grace_past_timeout": 0.1}
+           "auto_off_mid_move": 0.2, "grace_past_timeout": 0.1,
+           "kill_frontend": 0.1, "pause_frontend": 0.12, "loop_burst": 0.1, "kill_fleet": 0.06,
+           "pause_fleet": 0.08, "pause_worker": 0.1}
+# Drawn only against several frontends and a fleet actor (a paused worker and a burst make sense in one
+# process too, but one process's run stays as it was).
+FRONTENDS_ONLY = ("kill_frontend", "pause_frontend", "loop_burst", "kill_fleet", "pause_fleet",
+                  "pause_worker")
 ROLES = ("prefill", "decode", "mixed")
+
+
+def drawable(config: ChaosConfig) -> list[str]:
+    return [k for k in WEIGHTS if k not in config.skip_faults
+            and (config.has_frontends or k not in FRONTENDS_ONLY)]
 
 
 def valid_layouts(max_workers: int) -> list[dict[str, int]]:
@@ -51,7 +76,11 @@ class FaultDriver:
     log: ChaosLog
     watch: PoolWatch
     rng: random.Random
+    frontends: FrontendMap | None  # several frontends only
+    fleet: FleetFaults
+    burst: LoopBurst
     faults: Counter[str] = field(default_factory=Counter)  # by kind and result, e.g. "kill_busy:decode"
+    injected: Counter[str] = field(default_factory=Counter)  # by kind, those not skipped
     last_accepted: dict[str, int] | None = None  # the layout of the last PUT answered 200 with no error
     put_errors: list[dict[str, Any]] = field(default_factory=list)  # PUTs answered 200 with an error
     _puts: list[asyncio.Task[int | None]] = field(default_factory=list)
@@ -64,11 +93,17 @@ class FaultDriver:
             await asyncio.sleep(self.rng.uniform(self.config.fault_min_s, self.config.fault_max_s))
             if self.log.now() >= until_s:
                 return
-            kinds = [k for k in WEIGHTS if k not in self.config.skip_faults]
-            kind = self.rng.choices(kinds, [WEIGHTS[k] for k in kinds])[0]
+            kind = self._draw(drawable(self.config), until_s)
             try:
+                if kind in FRONTENDS_ONLY:
+                    result = await self._process_fault(kind)
+                    self.faults[f"{kind}:{result}"] += 1
+                    self.injected[kind] += not result.startswith("skipped")
+                    continue
+                self.injected[kind] += 1
                 if kind == "kill_busy":
-                    await self.kill_busy()
+                    if not await self.kill_busy():
+                        self.injected[kind] -= 1
                 elif kind == "put_layout":
                     self.put_layout(self.rng.choice((0.0, 0.5, 2.0, 5.0)), kind)
                 elif kind in ("auto_on", "auto_off"):
@@ -81,9 +116,41 @@ class FaultDriver:
             except (httpx.HTTPError, ValueError, KeyError) as error:  # answers are checked elsewhere
                 self.log.event("driver_error", fault=kind, error=f"{type(error).__name__}: {error}")
 
+    def _draw(self, kinds: list[str], until_s: float) -> str:
+        """By weight; kinds short of min_each_fault first once they need half the draws likely left."""
+        short = {k: self.config.min_each_fault - self.injected[k] for k in kinds
+                 if self.injected[k] < self.config.min_each_fault}
+        num_drawn = sum(self.injected.values())
+        if short and num_drawn:
+            draws_left = (until_s - self.log.now()) * num_drawn / max(self.log.now(), 1.0)
+            if sum(short.values()) >= draws_left / 2:
+                return self.rng.choice(sorted(short))
+        return self.rng.choices(kinds, [WEIGHTS[k] for k in kinds])[0]
+
+    async def _process_fault(self, kind: str) -> str:
+        """One of FRONTENDS_ONLY; returns its result ("skipped ..." when nothing was done)."""
+        if kind == "loop_burst":
+            return self.burst.start()
+        if kind == "pause_worker":
+            victim = await self._busy_worker(decoding=False, wait_s=3.0)
+            return await self.fleet.pause_worker(victim) if victim else "skipped (no busy worker)"
+        if kind == "kill_fleet":  # let the PUTs in flight answer first: the fleet would take them along
+            await asyncio.gather(*self._puts, return_exceptions=True)
+            result = await self.fleet.kill_fleet()
+            with contextlib.suppress(httpx.HTTPError, ValueError):  # not back: a violation already
+                pools = await self.watch.fetch_pools()
+                self.last_accepted = {role: int(pools.get(role, 0)) for role in ROLES}  # as it restarted
+            return result
+        if kind == "pause_fleet":
+            return await self.fleet.pause_fleet()
+        assert self.frontends is not None, "frontend faults need several frontends"
+        return await (self.frontends.kill_frontend() if kind == "kill_frontend"
+                      else self.frontends.pause_frontend())
+
     # --- kills -------------------------------------------------------------------------------------------
-    async def kill_busy(self, decoding: bool = False, wait_s: float = 3.0) -> bool:
-        """SIGKILL a worker with requests running or waiting now (decoding: one running decode streams)."""
+    async def _busy_worker(self, decoding: bool, wait_s: float) -> dict[str, Any] | None:
+        """A worker with requests running or waiting now (decoding: one running decode streams), waiting up to
+        `wait_s` for one."""
         waited = 0.0
         while True:
             pools = await self.watch.fetch_pools()
@@ -95,11 +162,15 @@ class FaultDriver:
                 break
             await asyncio.sleep(0.1)
             waited += 0.1
-        if not busy:
+        return self.rng.choice(busy) if busy else None
+
+    async def kill_busy(self, decoding: bool = False, wait_s: float = 3.0) -> bool:
+        """SIGKILL a worker with requests running or waiting now (decoding: one running decode streams)."""
+        victim = await self._busy_worker(decoding, wait_s)
+        if victim is None:
             self.faults["kill_busy:skipped (no busy worker)"] += 1
             self.log.event("kill_skipped", why="no worker with running or waiting requests")
             return False
-        victim = self.rng.choice(busy)
         pid = int(victim["pid"])
         if not self.target.owns(pid):  # the machine is shared: never signal a process not of this run
             self.log.event("kill_skipped", why=f"pid {pid} is not a process of this run", worker=victim)
@@ -129,6 +200,8 @@ class FaultDriver:
         self._graces.append(grace_s)
         self.watch.extra_bound_s = max(self._graces)
         sent = self.log.now()
+        ports: list[int] = []
+        PORTS.set(ports)
         try:
             async with asyncio.timeout(bound_s):
                 response = await self.client.put("/admin/pools", json=body, timeout=None)
@@ -136,6 +209,17 @@ class FaultDriver:
             self.faults[f"{kind}:unanswered"] += 1
             self.log.violate("put_answers", f"PUT /admin/pools {body} unanswered after {bound_s:.0f} s",
                              recent_actions=self.log.recent(bound_s))
+            return None
+        except httpx.HTTPError as error:  # what it changed is unknown: the end check expects the final PUT's
+            cut = self.frontends.cut_of(ports[-1] if ports else None, sent, self.log.now()) if (
+                self.frontends is not None) else None
+            self.faults[f"{kind}:{'cut by a frontend fault' if cut else 'connection failed'}"] += 1
+            self.log.event("put", fault=kind, body=body, status=None, error=f"{type(error).__name__}",
+                           cut_by=cut and f"{cut.kind} of {cut.pid}", seconds=round(self.log.now() - sent, 2))
+            if cut is None:
+                self.log.violate("put_answers", f"PUT /admin/pools {body}: the connection failed without "
+                                 f"an answer: {type(error).__name__}: {error}",
+                                 recent_actions=self.log.recent())
             return None
         finally:
             self._graces.remove(grace_s)
@@ -204,7 +288,7 @@ class FaultDriver:
         status = None
         for _ in range(60):
             status = await self._put({**final_layout, "drain_grace_s": 0.0}, "final")
-            if status != 409:
+            if status not in (409, None):
                 break
             await asyncio.sleep(1.0)
         return status

@@ -31,7 +31,17 @@ def summarize(result: ChaosResult) -> dict[str, Any]:
                                   for r in records),
         },
         "faults": result.faults,
+        "injected_by_kind": result.injected,
         "num_busy_kills": result.num_busy_kills,
+        "frontends": {
+            "num": result.config.num_frontends,
+            "requests_seen_by_frontend": {str(pid): n for pid, n in result.requests_by_frontend.items()},
+            "faults": [{"kind": c.kind, "pid": c.pid, "t_s": round(c.start_s, 2), "connections": len(c.ports),
+                        "requests_cut": sum(r.cut_by == c.name for r in records)} for c in result.cuts],
+            "requests_cut": sum(r.outcome == "cut" for r in records),
+        },
+        "fleet_kills": result.recoveries,
+        "departures": result.departures,
         "migrations": {"pdserve:migrations_total": result.counters.get("pdserve:migrations_total", 0),
                        "stream_moves_seen_by_clients": sum(r.num_moves or 0 for r in records),
                        "layout_moves_done": len(result.layout_moves)},
@@ -40,7 +50,8 @@ def summarize(result: ChaosResult) -> dict[str, Any]:
         "end": {"settle_s": result.end["settle_s"], "problems": result.end["problems"],
                 "layout": {k: result.end["pools"].get(k) for k in ("prefill", "decode", "mixed", "status")}},
         "gateway_rss_mib": {"first": rss[0] if rss else None, "last": rss[-1] if rss else None,
-                            "max": max(rss) if rss else None, "samples": len(rss)},
+                            "max": max(rss) if rss else None, "samples": len(rss),
+                            "every_20th": [(round(t), round(mib)) for t, mib in result.rss_mib[::20]]},
         "server_counters": result.counters,
         "violations_by_invariant": dict(Counter(v["invariant"] for v in result.violations)),
         "violations": result.violations,
@@ -59,6 +70,10 @@ def _md(summary: dict[str, Any]) -> str:
             req["errors_by_code"].items())), ""]
     lines += ["## Faults injected", "", "| fault:result | count |", "|---|---:|"]
     lines += [f"| {k} | {n} |" for k, n in sorted(summary["faults"].items())]
+    if summary["injected_by_kind"]:
+        lines += ["", "Injected, by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(
+            summary["injected_by_kind"].items()))]
+    lines += _frontends_md(summary)
     mig = summary["migrations"]
     lines += ["", "## Moves", "", f"- failure migrations (pdserve:migrations_total): "
               f"{mig['pdserve:migrations_total']:g}",
@@ -86,6 +101,31 @@ def _md(summary: dict[str, Any]) -> str:
             lines.append(f"    - t={action['t_s']} s {action['kind']}: "
                          f"{json.dumps({k: x for k, x in action.items() if k not in ('t_s', 'kind')})[:300]}")
     return "\n".join(lines) + "\n"
+
+
+def _frontends_md(summary: dict[str, Any]) -> list[str]:
+    """The frontends, the fleet's kills and recoveries, and every worker that left (with its cause)."""
+    fronts, lines = summary["frontends"], []
+    if fronts["num"] > 1:
+        lines += ["", f"## {fronts['num']} frontends", "",
+                  "Requests a sample saw on each frontend (pid): " + (", ".join(
+                      f"{pid} {n}" for pid, n in fronts["requests_seen_by_frontend"].items()) or "none"),
+                  f"Requests cut by a frontend fault (their connection was on the frontend when it struck): "
+                  f"{fronts['requests_cut']}", "", "| t (s) | fault | frontend pid | its connections | "
+                  "requests cut |", "|---:|---|---:|---:|---:|"]
+        lines += [f"| {f['t_s']} | {f['kind']} | {f['pid']} | {f['connections']} | {f['requests_cut']} |"
+                  for f in fronts["faults"]]
+    if summary["fleet_kills"]:
+        lines += ["", "## Fleet actor kills", "",
+                  "| t (s) | /health 503 after (s) | serving again after (s) |", "|---:|---:|---:|"]
+        lines += [f"| {k['start_s']} | {k['to_503_s']} | {k['to_healthy_s']} |"
+                  for k in summary["fleet_kills"]]
+    if summary["departures"]:
+        lines += ["", "## Workers that left", "", "| gone at t (s) | worker | role | pid | cause |",
+                  "|---:|---|---|---:|---|"]
+        lines += [f"| {d['gone_s']} | {d['worker_id']} | {d['role']} | {d['pid']} | "
+                  f"{d['cause'] or '**none: a violation**'} |" for d in summary["departures"]]
+    return lines
 
 
 def write_report(result: ChaosResult, out_dir: Path) -> tuple[dict[str, Any], str]:

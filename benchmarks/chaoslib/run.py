@@ -1,11 +1,15 @@
 """run_chaos(): the whole run against a server that is already up (benchmarks/chaos.py, the slow test).
 
   1. the greedy reference (transformers, float32) and the request mix;
-  2. for duration_s: every request on its own client, the FaultDriver's faults, the PoolWatch's looks;
+  2. for duration_s: every request on its own client, the FaultDriver's faults, the PoolWatch's looks
+     (with several frontends: each request on a fresh connection, and the FrontendMap's samples of which
+     frontend holds which);
   3. the driver's PUTs answer, auto goes off and the starting layout is set again (the last accepted
-     target); every request ends (each within its deadline + hang_grace_s);
+     target); every request ends (each within its deadline + hang_grace_s), the loop bursts' too;
   4. end checks, for up to settle_s: the layout is the last accepted target, every worker active, /health
      "ok", no change in progress, 0 KV blocks used and nothing running, waiting or moving on any worker;
+     every worker that left was drained or killed by a fault that may kill one (departures.py); with
+     several frontends, more than one served requests;
   5. the gateway's counters (/metrics) → ChaosResult.
 """
 
@@ -19,8 +23,13 @@ from typing import Any
 
 import httpx
 
+from benchmarks.chaoslib.burst import LoopBurst
 from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
+from benchmarks.chaoslib.connections import chaos_client
+from benchmarks.chaoslib.departures import check_departures
 from benchmarks.chaoslib.driver import ROLES, FaultDriver
+from benchmarks.chaoslib.fleet_faults import FleetFaults
+from benchmarks.chaoslib.frontends import FrontendCut, FrontendMap
 from benchmarks.chaoslib.log import ChaosLog
 from benchmarks.chaoslib.reference import greedy_prompts, greedy_reference
 from benchmarks.chaoslib.traffic import ChaosRecord, build_specs, send
@@ -39,6 +48,11 @@ class ChaosResult:
     end: dict[str, Any]  # the end checks: what /admin/pools showed, how long the settle took
     rss_mib: list[tuple[float, float]]  # the gateway's (t_s, RSS)
     counters: dict[str, float] = field(default_factory=dict)  # /metrics at the end
+    injected: dict[str, int] = field(default_factory=dict)  # faults by kind, those not skipped
+    recoveries: list[dict[str, Any]] = field(default_factory=list)  # each kill_fleet: to 503, to healthy
+    departures: list[dict[str, Any]] = field(default_factory=list)  # workers gone, each with its cause
+    cuts: list[FrontendCut] = field(default_factory=list)  # the frontend faults and connections they held
+    requests_by_frontend: dict[int, int] = field(default_factory=dict)  # pid → requests a sample saw on it
 
     @property
     def violations(self) -> list[dict[str, Any]]:
@@ -121,10 +135,19 @@ def server_counters(text: str) -> dict[str, float]:
     return counters
 
 
+def requests_by_frontend(records: list[ChaosRecord], frontends: FrontendMap) -> dict[int, int]:
+    """Each record's frontend (where a sample saw its connection), counted by pid."""
+    counts: dict[int, int] = {}
+    for record in records:
+        record.frontend_pid = frontends.frontend_of(record.client_port, record.sent_s, record.ended_s)
+        if record.frontend_pid is not None:
+            counts[record.frontend_pid] = counts.get(record.frontend_pid, 0) + 1
+    return counts
+
+
 async def run_chaos(config: ChaosConfig, target: ChaosTarget) -> ChaosResult:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=target.url, timeout=None, limits=limits, headers=headers) as client:
+    async with chaos_client(target.url, headers, config.has_frontends) as client:
         listed = (await client.get("/v1/models", timeout=30)).json()["data"][0]
         model, max_model_len = listed["id"], int(listed.get("max_model_len") or 2048)
         vocab_size = int(json.loads((target.model_dir / "config.json").read_text())["vocab_size"])
@@ -136,21 +159,32 @@ async def run_chaos(config: ChaosConfig, target: ChaosTarget) -> ChaosResult:
         log = ChaosLog()
         watch = PoolWatch(config, target, client, log)
         initial = _layout(await watch.fetch_pools())
-        driver = FaultDriver(config, target, client, log, watch, random.Random(config.seed + 1))
-        log.event("start", layout=initial, num_requests=len(specs))
-        watching = asyncio.create_task(watch.watch_forever())
+        frontends = FrontendMap(config, target, log, random.Random(config.seed + 2)) if (
+            config.has_frontends) else None
+        burst = LoopBurst(config, client, log, frontends, model, random.Random(config.seed + 3))
+        driver = FaultDriver(config, target, client, log, watch, random.Random(config.seed + 1), frontends,
+                             FleetFaults(config, target, client, log, watch), burst)
+        log.event("start", layout=initial, num_requests=len(specs), frontends=target.frontend_pids())
+        watching = [asyncio.create_task(watch.watch_forever())]
+        if frontends is not None:
+            watching.append(asyncio.create_task(frontends.watch_forever()))
         in_flight = [0]
-        sending = [asyncio.create_task(send(client, s, model, log.start, config, in_flight)) for s in specs]
+        sending = [asyncio.create_task(send(client, s, model, log.start, config, in_flight, frontends))
+                   for s in specs]
         try:
             await driver.drive(until_s=config.duration_s)
         except Exception as error:  # report what the run saw rather than lose it
             log.event("driver_failed", error=f"{type(error).__name__}: {error}")
         log.event("faults_end", in_flight=in_flight[0])
-        await driver.finish(initial)
-        records = list(await asyncio.gather(*sending))
+        try:
+            await driver.finish(initial)
+        except (httpx.HTTPError, ValueError) as error:  # the server is gone: the end checks say so
+            log.event("finish_failed", error=f"{type(error).__name__}: {error}")
+        records = list(await asyncio.gather(*sending)) + await burst.records()
         log.event("traffic_end")
         end = await end_checks(config, watch, log, driver.last_accepted)
-        watching.cancel()
+        for task in watching:
+            task.cancel()
         watch.sample_rss()
         try:
             counters = server_counters((await client.get("/metrics", timeout=30)).text)
@@ -161,10 +195,18 @@ async def run_chaos(config: ChaosConfig, target: ChaosTarget) -> ChaosResult:
             log.violate("request_ends_clean", why, request=record.index, kind=record.kind,
                         stream=record.is_stream, behaviour=record.behaviour, sent_s=round(record.sent_s, 2),
                         ended_s=round(record.ended_s, 2), error_code=record.error_code)
+    departures = check_departures(watch.ledger, log, config)
+    by_frontend: dict[int, int] = {}
+    if frontends is not None:
+        by_frontend = requests_by_frontend(records, frontends)
+        if len(by_frontend) < 2:
+            log.violate("traffic_spread", f"requests were seen on {len(by_frontend)} frontend(s) in "
+                        f"{frontends.num_samples} samples: {by_frontend}")
     if config.rss_growth_limit_mib is not None and watch.rss_mib:
         first, last = watch.rss_mib[0][1], watch.rss_mib[-1][1]
         if last - first > config.rss_growth_limit_mib:
             log.violate("gateway_rss_flat", f"gateway RSS {first:.0f} → {last:.0f} MiB "
                         f"(> {config.rss_growth_limit_mib:g} MiB growth)")
     return ChaosResult(config, model, records, log, dict(driver.faults), driver.put_errors,
-                       driver.last_accepted, end, watch.rss_mib, counters)
+                       driver.last_accepted, end, watch.rss_mib, counters, dict(driver.injected),
+                       driver.fleet.recoveries, departures, frontends.cuts if frontends else [], by_frontend)

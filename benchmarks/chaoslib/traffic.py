@@ -10,6 +10,8 @@ A request's outcome, set once it ends:
   ok         every token asked for (or a finish_reason "stop"), a finish_reason, [DONE] for a stream
   cancelled  the client left on purpose
   error      a clear error: HTTP 4xx/5xx with an OpenAI-shaped body, or an SSE error event
+  cut        its connection failed, and it was a connection a frontend fault struck (kill or SIGSTOP of the
+             frontend holding it: benchmarks/chaoslib/frontends.py); only with several frontends
   violation  anything else: hung past its deadline, a stream cut without an error, a body that is not an
              OpenAI error, wrong tokens, too few tokens (the `violations` field says which)
 """
@@ -26,6 +28,8 @@ from typing import Any
 import httpx
 
 from benchmarks.chaoslib.config import ChaosConfig
+from benchmarks.chaoslib.connections import PORTS
+from benchmarks.chaoslib.frontends import FrontendMap
 from benchmarks.chaoslib.reference import GreedyPrompt
 from benchmarks.soaklib.traffic import WORDS  # about one token each with SmolLM2's tokenizer
 
@@ -41,7 +45,7 @@ class ChaosSpec:
     behaviour: str  # see the module docstring
     prompt_token_ids: tuple[int, ...]  # for chat: one word per id
     max_tokens: int
-    reference: tuple[int, ...]  # greedy: the tokens it must get (first max_tokens); else empty
+    reference: tuple[int, ...]  # greedy: the tokens it must get (the first max_tokens at most); else empty
     leave_after_tokens: int = 0  # cancel_after / stall_*: tokens read before leaving or stalling
     leave_after_s: float = 0.0  # give_up: seconds; stall_*: seconds left unread
 
@@ -63,6 +67,9 @@ class ChaosRecord:
     num_tokens: int = 0  # token ids received
     finish_reason: str | None = None
     num_moves: int | None = None  # timings.num_moves: decode workers the stream left (failures and moves)
+    client_port: int | None = None  # its connection's local port (several frontends: fresh connections)
+    frontend_pid: int | None = None  # the frontend that held that connection, where a sample saw it
+    cut_by: str = ""  # outcome "cut": the frontend fault that struck its connection
     violations: list[str] = field(default_factory=list)
 
     def violate(self, why: str) -> None:
@@ -84,7 +91,7 @@ def build_specs(config: ChaosConfig, pool: list[GreedyPrompt], vocab_size: int,
         if draw < config.greedy_fraction:
             kind, greedy = "greedy", rng.choice(pool)
             prompt, reference = greedy.prompt_token_ids, greedy.reference
-            max_tokens = rng.randint(1, len(reference))
+            max_tokens = rng.randint(1, config.max_greedy_tokens)  # the reference may stop short (a tie)
             reference = reference[:max_tokens]
         else:
             kind = "chat" if draw < config.greedy_fraction + (1 - config.greedy_fraction) / 2 else "sampled"
@@ -122,7 +129,7 @@ def request_body(spec: ChaosSpec, model: str) -> dict[str, Any]:
     return body
 
 
-def _error_body(record: ChaosRecord, status: int, body: bytes) -> None:
+def error_answer(record: ChaosRecord, status: int, body: bytes) -> None:
     """An HTTP error: a clear one has OpenAI's shape, {"error": {"message": str, "type": str, ...}}."""
     record.outcome = "error"
     try:
@@ -137,12 +144,14 @@ def _error_body(record: ChaosRecord, status: int, body: bytes) -> None:
 
 
 def _check_tokens(record: ChaosRecord, spec: ChaosSpec, tokens: list[int], is_whole: bool) -> None:
-    """A greedy request's tokens must be the reference's (a prefix of them when cut short); a whole answer
-    must have every token asked for (or stop at EOS when ignore_eos is off)."""
+    """A greedy request's tokens must be the reference's (a prefix of them when cut short; as far as the
+    reference goes, which stops before a near-tie); a whole answer must have every token asked for (or stop
+    at EOS when ignore_eos is off)."""
     record.num_tokens = len(tokens)
-    if spec.kind == "greedy" and tuple(tokens) != spec.reference[:len(tokens)]:
+    num_checked = min(len(tokens), len(spec.reference))
+    if spec.kind == "greedy" and tuple(tokens[:num_checked]) != spec.reference[:num_checked]:
         pairs = zip(tokens, spec.reference, strict=False)
-        first = next((i for i, (got, want) in enumerate(pairs) if got != want), len(spec.reference))
+        first = next(i for i, (got, want) in enumerate(pairs) if got != want)
         record.violate(f"greedy tokens differ from transformers' at token {first} of {len(tokens)}")
     if is_whole and record.outcome == "ok":
         if record.finish_reason is None:
@@ -160,7 +169,7 @@ async def _stream(client: httpx.AsyncClient, path: str, spec: ChaosSpec, body: d
     async with client.stream("POST", path, json=body) as response:
         record.status = response.status_code
         if response.status_code != 200:
-            _error_body(record, response.status_code, await response.aread())
+            error_answer(record, response.status_code, await response.aread())
             return
         if spec.behaviour == "cancel_first":  # admitted (headers came), no token read: leave
             record.outcome = "cancelled"
@@ -215,7 +224,7 @@ async def _whole(client: httpx.AsyncClient, path: str, spec: ChaosSpec, body: di
         return
     record.status = response.status_code
     if response.status_code != 200:
-        _error_body(record, response.status_code, response.content)
+        error_answer(record, response.status_code, response.content)
         return
     data = response.json()
     choice = data["choices"][0]
@@ -225,10 +234,26 @@ async def _whole(client: httpx.AsyncClient, path: str, spec: ChaosSpec, body: di
     _check_tokens(record, spec, list(choice.get("token_ids") or ()), is_whole=True)
 
 
+def connection_failed(record: ChaosRecord, error: httpx.HTTPError, frontends: FrontendMap | None,
+                      now_s: float) -> None:
+    """A transport error: "cut" when a frontend fault struck this request's connection, else a violation."""
+    record.error_code = f"transport:{type(error).__name__}"
+    record.error_message = str(error)[:300]
+    cut = frontends.cut_of(record.client_port, record.sent_s, now_s) if frontends is not None else None
+    if cut is not None:
+        record.outcome = "cut"
+        record.cut_by = cut.name
+    else:
+        record.violate(f"the connection failed without an error: {type(error).__name__}: {error}")
+
+
 async def send(client: httpx.AsyncClient, spec: ChaosSpec, model: str, start: float,
-               config: ChaosConfig, in_flight: list[int]) -> ChaosRecord:
+               config: ChaosConfig, in_flight: list[int], frontends: FrontendMap | None = None
+               ) -> ChaosRecord:
     """Send one request at its arrival time; it must end by its server deadline plus the hang grace."""
     await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
+    ports: list[int] = []
+    PORTS.set(ports)  # this task's: its connection's port lands here
     num_in = len(spec.prompt_token_ids) + (CHAT_TEMPLATE_TOKENS if spec.kind == "chat" else 0)
     record = ChaosRecord(spec.index, spec.kind, spec.is_stream, spec.behaviour, num_in, spec.max_tokens,
                          sent_s=time.perf_counter() - start)
@@ -244,14 +269,14 @@ async def send(client: httpx.AsyncClient, spec: ChaosSpec, model: str, start: fl
         record.error_code = "hung"
         record.violate(f"still open {bound_s:.0f} s after it was sent (deadline + {config.hang_grace_s:g} s)")
     except httpx.HTTPError as error:
-        record.error_code = f"transport:{type(error).__name__}"
-        record.error_message = str(error)[:300]
-        record.violate(f"the connection failed without an error: {type(error).__name__}: {error}")
+        record.client_port = ports[-1] if ports else None
+        connection_failed(record, error, frontends, time.perf_counter() - start)
     except (ValueError, KeyError, IndexError) as error:  # a chunk or body that is not what OpenAI sends
         record.violate(f"a malformed response: {type(error).__name__}: {error}")
     finally:
         in_flight[0] -= 1
         record.ended_s = time.perf_counter() - start
+        record.client_port = ports[-1] if ports else None
     return record
 
 

@@ -3,8 +3,10 @@
 Invariants it checks while the run goes on:
   - no worker stays outside `active` (starting, pending, draining, changing_role, failed) longer than
     state_bound_s plus the grace of the change that moved it (at most the drain timeout);
-  - /admin/pools answers (unreachable for longer than state_bound_s is a violation).
-It also keeps the latest /admin/pools body for the driver (which workers are busy, their pids).
+  - /admin/pools answers (unreachable for longer than state_bound_s is a violation; not while the driver
+    has killed the fleet actor on purpose: is_fleet_down, its own bound applies).
+It also keeps the latest /admin/pools body for the driver (which workers are busy, their pids), and every
+worker's id and pid over time (departures.WorkerLedger: which were replaced, checked at the end).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import httpx
 import psutil
 
 from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
+from benchmarks.chaoslib.departures import WorkerLedger
 from benchmarks.chaoslib.log import ChaosLog
 
 
@@ -30,6 +33,8 @@ class PoolWatch:
     extra_bound_s: float = 0.0  # the grace of the layout change applying now (set by the driver)
     rss_mib: list[tuple[float, float]] = field(default_factory=list)  # (t_s, gateway RSS)
     health: str = ""
+    is_fleet_down: bool = False  # the driver killed the fleet actor and waits for it (fleet_faults.py)
+    ledger: WorkerLedger = field(default_factory=WorkerLedger)
     _outside: dict[str, dict[str, Any]] = field(default_factory=dict)  # worker id → its time outside active
     _unreachable_since: float | None = None
 
@@ -52,11 +57,23 @@ class PoolWatch:
             await asyncio.sleep(self.config.watch_every_s)
 
     def sample_rss(self) -> None:
+        """The gateway's RSS: its process's, plus its frontends' (each restarted one counts from anew)."""
         try:
-            rss = psutil.Process(self.target.gateway_pid).memory_info().rss
-            self.rss_mib.append((self.log.now(), rss / 2**20))
+            gateway = psutil.Process(self.target.gateway_pid)
+            if gateway.status() == psutil.STATUS_ZOMBIE:  # exited, not reaped yet (our child)
+                raise psutil.NoSuchProcess(gateway.pid)
+            rss = gateway.memory_info().rss
         except psutil.NoSuchProcess:
-            self.log.violate("gateway_alive", "the gateway process is gone")
+            if not any(v["invariant"] == "gateway_alive" for v in self.log.violations):
+                self.log.violate("gateway_alive", "the gateway process is gone",
+                                 recent_actions=self.log.recent(60.0))
+            return
+        for pid in self.target.frontend_pids():
+            try:
+                rss += psutil.Process(pid).memory_info().rss
+            except psutil.NoSuchProcess:  # killed by a fault just now
+                continue
+        self.rss_mib.append((self.log.now(), rss / 2**20))
 
     async def look(self) -> None:
         try:
@@ -64,6 +81,9 @@ class PoolWatch:
             status = (await self.client.get("/health", timeout=15)).json().get("status", "?")
         except (httpx.HTTPError, ValueError) as error:
             now = self.log.now()
+            if self.is_fleet_down:
+                self._unreachable_since = None
+                return
             self._unreachable_since = self._unreachable_since if self._unreachable_since is not None else now
             if now - self._unreachable_since > self.config.state_bound_s:
                 self.log.violate("admin_answers", f"/admin/pools or /health unanswered for "
@@ -71,6 +91,7 @@ class PoolWatch:
                 self._unreachable_since = now
             return
         self._unreachable_since = None
+        self.ledger.observe(self.log.now(), pools)
         if status != self.health:
             self.log.event("health", status=status)
             self.health = status

@@ -6,6 +6,7 @@ model directory the server is given. Nothing here touches a process this soak di
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -100,6 +101,26 @@ class SoakSystem:
             except psutil.NoSuchProcess:
                 continue
         return found
+
+    def frontend_pids(self) -> list[int]:
+        """`--api-server-count N`: uvicorn's spawned children of the server (its frontends), not Ray's."""
+        if self.server is None or self.server.poll() is not None:
+            return []
+        pids = []
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for child in psutil.Process(self.server.pid).children():
+                with contextlib.suppress(psutil.Error):
+                    if "spawn_main" in " ".join(child.cmdline()):
+                        pids.append(child.pid)
+        return pids
+
+    def fleet_actor_pid(self) -> int | None:
+        """`--api-server-count N`: the fleet actor's process (Ray titles it after the class), if up now."""
+        for process in self.processes():
+            with contextlib.suppress(psutil.Error):
+                if "FleetActor" in " ".join(process.cmdline()):
+                    return process.pid
+        return None
 
     def stop(self) -> None:
         """The server first (it shuts its actors down), then the Ray head; stragglers get SIGKILL by pid."""

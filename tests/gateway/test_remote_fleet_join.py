@@ -1,0 +1,81 @@
+"""A frontend that starts while the fleet actor is restarting waits for its fleet to be started again.
+
+Found by the chaos run of the deployed configuration (benchmarks/chaos.py --frontends 2): a frontend
+killed just before the fleet actor was, restarted by uvicorn while the supervisor was starting the fleet
+again, failed its startup ("the fleet has not started" from info()); uvicorn's supervisor took that exit
+status for a broken app and stopped the whole server. No Ray here: the fleet is a fake handle that answers
+as the restarting actor does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from ray.exceptions import ActorUnavailableError
+
+from gateway.control import remote_fleet
+from gateway.control.messages import FleetInfo, FleetSnapshot
+from gateway.control.remote_fleet import RemoteFleet
+from gateway.fleet.workers import PoolHealth
+from gateway.requests.router import LocalPrefillPolicy
+
+INFO = FleetInfo("/model", 4096, 16, "nixl")
+
+
+class _Method:
+    def __init__(self, call: Callable[..., Any]) -> None:
+        self.remote = call
+
+
+class RestartingFleet:
+    """Restarting for `num_down` probes, then up but not started for `num_unstarted`, then started."""
+
+    def __init__(self, num_down: int, num_unstarted: int) -> None:
+        self.num_down, self.num_unstarted = num_down, num_unstarted
+        self.num_probes = 0
+        self.started_config = _Method(self._started_config)
+        self.info = _Method(self._info)
+        self.view = _Method(self._view)
+        self.report = _Method(lambda report: None)
+        self.heartbeat = _Method(lambda frontend_id: None)  # ray.get() of it fails: the thread shrugs
+        self._num_views = 0
+
+    def _is_started(self) -> bool:
+        return self.num_probes > self.num_down + self.num_unstarted
+
+    async def _started_config(self) -> object | None:
+        self.num_probes += 1
+        if self.num_probes <= self.num_down:
+            raise ActorUnavailableError("The actor is restarting", None)
+        return "config" if self._is_started() else None
+
+    async def _info(self) -> FleetInfo:
+        if not self._is_started():
+            raise RuntimeError("the fleet has not started")
+        return INFO
+
+    async def _view(self, version: int, epoch: str) -> FleetSnapshot:
+        self._num_views += 1
+        if self._num_views > 1:  # the follow loop's long poll: nothing changes
+            await asyncio.sleep(3600)
+        health = PoolHealth("ok", {"prefill": 1, "decode": 1}, {"prefill": 1, "decode": 1}, 0, 0)
+        return FleetSnapshot("epoch", 1, (), (), health, LocalPrefillPolicy(), 1 << 20)
+
+
+def test_a_frontend_started_while_the_fleet_restarts_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote_fleet, "JOIN_RETRY_S", 0.01)
+    handle = RestartingFleet(num_down=3, num_unstarted=4)
+    fleet = RemoteFleet(handle, "frontend-test")
+
+    async def join() -> FleetInfo:
+        try:
+            return await fleet.start()
+        finally:
+            await fleet.stop()
+
+    assert asyncio.run(join()) == INFO
+    assert handle.num_probes == 8  # 3 restarting, 4 not started, then started
+    assert fleet.health().status == "ok"
