@@ -64,7 +64,7 @@ def cause_of(departure: dict[str, Any], events: list[dict[str, Any]], window_s: 
     worker_id, role, gone_s = departure["worker_id"], departure["role"], departure["gone_s"]
     faults = [e for e in events if e["kind"] in KILLS_WORKERS
               and (e["kind"] != "put" or e.get("status") == 200) and _span(e)[0] <= gone_s]
-    for event in faults:
+    for event in sorted(faults, key=lambda e: -_span(e)[0]):  # the latest fault that explains it
         if event["kind"] in ("kill", "pause_worker") and event.get("worker_id") == worker_id:
             return f"killed ({event['kind']} at t={_span(event)[0]:.1f} s)"
         if event["kind"] == "kill_fleet" and _span(event)[0] >= departure["first_seen_s"]:

@@ -37,6 +37,10 @@ def test_a_worker_gone_is_explained_only_by_a_fault_that_may_kill_one() -> None:
     assert departure_after([{"t_s": 12.0, "kind": "kill", "worker_id": "w-1"}]).startswith("killed")
     assert departure_after([{"t_s": 12.0, "kind": "kill_fleet", "start_s": 12.0, "end_s": 40.0}]
                            ).startswith("fleet")
+    # Paused (and resumed), then the fleet killed: the fleet's kill is what took it.
+    assert departure_after([{"t_s": 12.0, "kind": "pause_worker", "worker_id": "w-1", "start_s": 4.0},
+                            {"t_s": 12.0, "kind": "kill_fleet", "start_s": 12.0, "end_s": 40.0}]
+                           ).startswith("fleet")
     assert departure_after([{"t_s": 5.0, "kind": "kill", "worker_id": "w-9"}]).startswith("after kill")
     assert departure_after([{"t_s": -30.0, "kind": "kill", "worker_id": "w-9"}]) == ""  # too long before
     assert departure_after([], last_state="draining").startswith("layout")
