@@ -41,6 +41,7 @@ from gateway.fleet.worker_client import WorkerClient
 from gateway.fleet.workers import PoolHealth, Worker, WorkerState
 from gateway.ratio.resize import PoolLayout, ResizeConflict, ResizeRefused
 from gateway.requests.admission import Admission
+from gateway.requests.orchestrator import RequestFailed
 from gateway.requests.router import LocalPrefillPolicy, Router
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.timings import Timings
@@ -55,6 +56,8 @@ FLEET_SILENT_S = 5.0  # the fleet actor has not answered a heartbeat for this lo
 FOLLOW_RETRY_S = 1.0
 REPORT_TIMEOUT_S = 5.0
 JOIN_RETRY_S = 1.0
+FLEET_RESTARTING = "the fleet is starting again (its actor restarted): try again shortly"
+REPORTED_FAILED_S = 15.0  # the fleet's probe of a reported worker (10 s at most) and its next snapshot
 
 
 class RemoteFleet:
@@ -77,6 +80,7 @@ class RemoteFleet:
         self.on_share: list[Callable[[int], None]] = []  # the admission share each report's answer sets
         self.info: FleetInfo | None = None
         self._snapshot: FleetSnapshot | None = None
+        self._reported_failed: dict[str, tuple[Role, float]] = {}  # worker id → (its role, when reported)
         self._finished: list[Timings] = []
         self._arrivals: list[Arrival] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -135,6 +139,14 @@ class RemoteFleet:
         return [w for w in self.workers.values() if w.role in roles and w.state is WorkerState.ACTIVE]
 
     def is_replacing(self, *roles: Role) -> bool:
+        """The fleet's snapshot says so, or this frontend reported a worker of the role failed in the last
+        REPORTED_FAILED_S: the fleet is confirming it (its probe takes up to 10 s) and will start its
+        replacement, which the next snapshot shows; meanwhile requests wait for it rather than fail."""
+        now = time.monotonic()
+        self._reported_failed = {w: (role, at) for w, (role, at) in self._reported_failed.items()
+                                 if now - at < REPORTED_FAILED_S}
+        if any(role in roles for role, _ in self._reported_failed.values()):
+            return True
         return self._snapshot is not None and any(Role(r) in roles for r in self._snapshot.replacing)
 
     def mark_failed(self, worker_id: str, why: str) -> None:
@@ -142,6 +154,7 @@ class RemoteFleet:
         if worker is None or worker.state is not WorkerState.ACTIVE:
             return
         worker.state = WorkerState.FAILED  # out of this frontend's routing until the fleet says otherwise
+        self._reported_failed[worker_id] = (worker.next_role or worker.role, time.monotonic())
         self.fleet.mark_failed.remote(worker_id, why)
         self._changed()
 
@@ -291,11 +304,16 @@ class FleetLink:
 
     @staticmethod
     async def _call(ref: Any) -> Any:
-        """The fleet's refusals raise here as themselves (the API maps them to 400 and 409)."""
+        """The fleet's refusals raise here as themselves (the API maps them to 400 and 409); a fleet actor
+        that is restarting, or not started again yet, is a 503 that says so (not "a worker failed")."""
         try:
             return await ref
+        except RayActorError:
+            raise RequestFailed(FLEET_RESTARTING, "fleet_unavailable") from None
         except RayTaskError as error:
             cause = getattr(error, "cause", None)
             if isinstance(cause, (ResizeRefused, ResizeConflict, ValueError, KeyError)):
                 raise cause from None
+            if isinstance(cause, RuntimeError) and "has not started" in str(cause):
+                raise RequestFailed(FLEET_RESTARTING, "fleet_unavailable") from None
             raise

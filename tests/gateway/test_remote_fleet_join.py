@@ -79,3 +79,27 @@ def test_a_frontend_started_while_the_fleet_restarts_waits_for_it(monkeypatch: p
     assert asyncio.run(join()) == INFO
     assert handle.num_probes == 8  # 3 restarting, 4 not started, then started
     assert fleet.health().status == "ok"
+
+
+def test_a_worker_this_frontend_reported_failed_counts_as_being_replaced(monkeypatch: pytest.MonkeyPatch
+                                                                         ) -> None:
+    """Found by the same chaos run: with frontends, the only decode worker killed mid-stream failed its
+    streams at once ("none is starting"): the fleet confirms a reported failure with its own probe before
+    it starts the replacement, and the frontend's last snapshot did not show one yet. The frontend now
+    counts its own report as a replacement coming (for REPORTED_FAILED_S), so its requests wait for it."""
+    from gateway.control.messages import WorkerEntry
+    from pool_worker import Role
+
+    reported: list[str] = []
+    handle = RestartingFleet(num_down=0, num_unstarted=0)
+    handle.mark_failed = _Method(lambda worker_id, why: reported.append(worker_id))
+    fleet = RemoteFleet(handle, "frontend-test")
+    health = PoolHealth("ok", {"prefill": 1, "decode": 1}, {"prefill": 1, "decode": 1}, 0, 0)
+    fleet._apply(FleetSnapshot("epoch", 1, (WorkerEntry("w-decode", "decode", "active", None, None),), (),
+                               health, LocalPrefillPolicy(), 1 << 20))
+    assert not fleet.is_replacing(Role.DECODE, Role.MIXED)
+    fleet.mark_failed("w-decode", "decode worker lost: its output stream failed")
+    assert reported == ["w-decode"] and not fleet.active(Role.DECODE)
+    assert fleet.is_replacing(Role.DECODE, Role.MIXED) and not fleet.is_replacing(Role.PREFILL)
+    monkeypatch.setattr(remote_fleet, "REPORTED_FAILED_S", 0.0)
+    assert not fleet.is_replacing(Role.DECODE)  # the fleet had its time to say so itself
