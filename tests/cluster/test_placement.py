@@ -64,7 +64,7 @@ def test_a_worker_no_node_can_take_is_pending_and_the_rest_serve(tiny_chat_model
     pytest.importorskip("nixl")
     # The local Ray instance has 4 CPUs: two workers of 1.5 fit, the third waits for a node that never comes.
     config = serve_config(tiny_chat_model_dir, backend="nixl", prefill=1, decode=2, cpus_per_worker=1.5,
-                          placement_timeout_s=20)  # worker processes start in seconds here
+                          placement_timeout_s=45)  # seconds here; more when the machine is loaded
     with serving(config) as (url, _), httpx.Client(base_url=url, timeout=60,
                                                    headers={"Authorization": f"Bearer {API_KEY}"}) as client:
         health = client.get("/health")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from typing import Any
 
 import httpx
@@ -114,6 +115,11 @@ def test_usage_counts_the_prompt_once(sdk: openai.OpenAI, client: httpx.Client) 
 def test_the_decode_worker_holds_the_prompt_once(client: httpx.Client) -> None:
     """Mid-stream, the decode worker's blocks: the prompt's full blocks once, each with one reference per
     choice, and per choice only its own tail (the partial prompt block's copy, then its own tokens)."""
+    # The server is shared: a worker an earlier test failed may still be starting. Every decode worker must
+    # be slowed, or the request may finish on an unslowed one before the first snapshot is taken.
+    deadline = time.monotonic() + 180
+    while client.get("/health").json()["status"] != "ok" and time.monotonic() < deadline:
+        time.sleep(0.2)
     for worker in decode_workers(client):
         on_actor(worker, faults.slow_steps, 0.2)
     prompt = random_prompts([100], VOCAB, seed=34)[0]  # 6 full blocks + 4 tokens
