@@ -99,6 +99,26 @@ def until(condition: object, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def two_streams_on_each(port: int, pids: list[int]) -> tuple[dict[int, list[Stream]], list[threading.Thread]]:
+    """Streams opened until each frontend holds two (the kernel hands each connection to whichever accepts
+    first), their readers started, every stream running; by frontend pid."""
+    streams: dict[int, list[Stream]] = {pid: [] for pid in pids}
+    for _ in range(40):
+        if all(len(s) >= 2 for s in streams.values()):
+            break
+        stream = open_stream(port)
+        until(lambda port=stream.port: owner(port, pids) is not None, 10,
+              "the connection to be accepted")
+        streams[owner(stream.port, pids)].append(stream)  # type: ignore[index]
+    assert all(len(s) >= 2 for s in streams.values()), {pid: len(s) for pid, s in streams.items()}
+    everyone = [s for group in streams.values() for s in group]
+    readers = [threading.Thread(target=s.read, daemon=True) for s in everyone]
+    for reader in readers:
+        reader.start()
+    until(lambda: all(len(s.texts) >= 5 for s in everyone), 60, "every stream to be running")
+    return streams, readers
+
+
 @pytest.fixture()
 def two_frontends(tiny_chat_model_dir: Path) -> Iterator[tuple[int, psutil.Process]]:
     port = free_port()
@@ -135,21 +155,7 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
                                                          "max_tokens": MAX_TOKENS, "temperature": 0}).json()
     expected = reference["choices"][0]["text"]
     pids = frontend_pids(supervisor)
-    streams: dict[int, list[Stream]] = {pid: [] for pid in pids}
-    # Connections until each frontend holds two streams (the kernel hands each to whichever accepts first).
-    for _ in range(40):
-        if all(len(s) >= 2 for s in streams.values()):
-            break
-        stream = open_stream(port)
-        until(lambda port=stream.port: owner(port, pids) is not None, 10,  # type: ignore[misc]
-              "the connection to be accepted")
-        streams[owner(stream.port, pids)].append(stream)  # type: ignore[index]
-    assert all(len(s) >= 2 for s in streams.values()), {pid: len(s) for pid, s in streams.items()}
-    everyone = [s for group in streams.values() for s in group]
-    readers = [threading.Thread(target=s.read, daemon=True) for s in everyone]
-    for reader in readers:
-        reader.start()
-    until(lambda: all(len(s.texts) >= 5 for s in everyone), 60, "every stream to be running")
+    streams, readers = two_streams_on_each(port, pids)
     victim, survivor = pids
     os.kill(victim, signal.SIGKILL)
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
@@ -214,19 +220,7 @@ def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_hea
     expected = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
     before = worker_pids(client)
     pids = frontend_pids(supervisor)
-    streams: dict[int, list[Stream]] = {pid: [] for pid in pids}
-    for _ in range(40):
-        if all(len(s) >= 2 for s in streams.values()):
-            break
-        stream = open_stream(port)
-        until(lambda port=stream.port: owner(port, pids) is not None, 10,  # type: ignore[misc]
-              "the connection to be accepted")
-        streams[owner(stream.port, pids)].append(stream)  # type: ignore[index]
-    everyone = [s for group in streams.values() for s in group]
-    readers = [threading.Thread(target=s.read, daemon=True) for s in everyone]
-    for reader in readers:
-        reader.start()
-    until(lambda: all(len(s.texts) >= 5 for s in everyone), 60, "every stream to be running")
+    streams, readers = two_streams_on_each(port, pids)
     victim, survivor = pids
     os.kill(victim, signal.SIGSTOP)
     time.sleep(6)
