@@ -24,6 +24,8 @@ def summarize(result: ChaosResult) -> dict[str, Any]:
         "requests": {
             "total": len(records),
             "by_outcome": dict(Counter(r.outcome for r in records)),
+            "by_kind": {kind: dict(Counter(r.outcome for r in records if r.kind == kind))
+                        for kind in sorted({r.kind for r in records})},
             "by_kind_and_outcome": dict(Counter(f"{r.kind}/{'stream' if r.is_stream else 'whole'}/"
                                                 f"{r.behaviour}: {r.outcome}" for r in records)),
             "errors_by_code": dict(Counter(r.error_code for r in records if r.outcome == "error")),
@@ -64,7 +66,9 @@ def _md(summary: dict[str, Any]) -> str:
              f"**Invariant violations: {len(summary['violations'])}** "
              f"({', '.join(f'{k}: {n}' for k, n in summary['violations_by_invariant'].items()) or 'none'})",
              "", "## Requests", "", f"{req['total']} requests; by outcome: "
-             + ", ".join(f"{k} {n}" for k, n in sorted(req["by_outcome"].items())), ""]
+             + ", ".join(f"{k} {n}" for k, n in sorted(req["by_outcome"].items())), "",
+             "By kind: " + "; ".join(f"{kind} " + ", ".join(f"{k} {n}" for k, n in sorted(outcomes.items()))
+                                     for kind, outcomes in req["by_kind"].items()), ""]
     if req["errors_by_code"]:
         lines += ["Clear errors by code: " + ", ".join(f"`{k}` {n}" for k, n in sorted(
             req["errors_by_code"].items())), ""]

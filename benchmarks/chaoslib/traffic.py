@@ -1,7 +1,9 @@
 """What the chaos run sends, one client per request, and each request checked as it ends.
 
 Kinds: "greedy" (token-id prompt from the reference pool, temperature 0, ignore_eos: compared token for
-token), "sampled" (random token ids, temperature 0.8 with a seed), "chat" (words through the chat template).
+token), "sampled" (random token ids, temperature 0.8 with a seed), "chat" (words through the chat template);
+and, a share of EXTRA_FRACTION of the arrivals, the kinds of benchmarks/chaoslib/extra_traffic.py (n_group,
+best_of, tool_call, biased, echo_logprobs, max_tokens_0, batched), each checked in its own way there.
 Client behaviours: "read" (reads to the end), "cancel_first" (leaves before the first token), "cancel_after"
 (leaves after some tokens), "give_up" (a whole response abandoned after a delay), "stall_leave" and
 "stall_resume" (a stream left unread for a few seconds, then closed, or read on to its end).
@@ -23,7 +25,7 @@ import json
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -33,6 +35,9 @@ from benchmarks.chaoslib.frontends import FrontendMap
 from benchmarks.chaoslib.reference import GreedyPrompt
 from benchmarks.soaklib.traffic import WORDS  # about one token each with SmolLM2's tokenizer
 
+if TYPE_CHECKING:
+    from benchmarks.chaoslib.extra_traffic import ExtraRequest
+
 CHAT_TEMPLATE_TOKENS = 40  # what the chat template adds around the words, at most (for the deadline)
 
 
@@ -40,7 +45,7 @@ CHAT_TEMPLATE_TOKENS = 40  # what the chat template adds around the words, at mo
 class ChaosSpec:
     index: int
     arrival_s: float
-    kind: str  # "greedy", "sampled", "chat"
+    kind: str  # "greedy", "sampled", "chat", or one of extra_traffic.EXTRA_KINDS
     is_stream: bool
     behaviour: str  # see the module docstring
     prompt_token_ids: tuple[int, ...]  # for chat: one word per id
@@ -48,6 +53,7 @@ class ChaosSpec:
     reference: tuple[int, ...]  # greedy: the tokens it must get (the first max_tokens at most); else empty
     leave_after_tokens: int = 0  # cancel_after / stall_*: tokens read before leaving or stalling
     leave_after_s: float = 0.0  # give_up: seconds; stall_*: seconds left unread
+    extra: ExtraRequest | None = None  # an extra kind's request (benchmarks/chaoslib/extra_traffic.py)
 
 
 @dataclass
@@ -79,6 +85,8 @@ class ChaosRecord:
 
 def build_specs(config: ChaosConfig, pool: list[GreedyPrompt], vocab_size: int,
                 max_model_len: int) -> list[ChaosSpec]:
+    from benchmarks.chaoslib.extra_traffic import EXTRA_FRACTION, extra_spec  # it imports this module
+
     rng = random.Random(config.seed)
     specs: list[ChaosSpec] = []
     now = 0.0
@@ -86,6 +94,9 @@ def build_specs(config: ChaosConfig, pool: list[GreedyPrompt], vocab_size: int,
         now += rng.expovariate(config.rate)
         if now >= config.duration_s:
             return specs
+        if rng.random() < EXTRA_FRACTION:
+            specs.append(extra_spec(rng, len(specs), now, vocab_size))
+            continue
         is_stream = rng.random() < 0.7
         draw = rng.random()
         if draw < config.greedy_fraction:
@@ -143,6 +154,16 @@ def error_answer(record: ChaosRecord, status: int, body: bytes) -> None:
         record.violate(f"HTTP {status} without an OpenAI-shaped error: {body[:200]!r}")
 
 
+def error_event(record: ChaosRecord, chunk: dict[str, Any]) -> None:
+    """An SSE error event: a clear one has a message."""
+    error = chunk["error"]
+    record.outcome = "error"
+    record.error_code = f"stream:{error.get('code') or error.get('type')}"
+    record.error_message = str(error.get("message"))[:300]
+    if not isinstance(error.get("message"), str):
+        record.violate(f"an SSE error event without a message: {chunk}")
+
+
 def _check_tokens(record: ChaosRecord, spec: ChaosSpec, tokens: list[int], is_whole: bool) -> None:
     """A greedy request's tokens must be the reference's (a prefix of them when cut short; as far as the
     reference goes, which stops before a near-tie); a whole answer must have every token asked for (or stop
@@ -183,12 +204,7 @@ async def _stream(client: httpx.AsyncClient, path: str, spec: ChaosSpec, body: d
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("error"):
-                error = chunk["error"]
-                record.outcome = "error"
-                record.error_code = f"stream:{error.get('code') or error.get('type')}"
-                record.error_message = str(error.get("message"))[:300]
-                if not isinstance(error.get("message"), str):
-                    record.violate(f"an SSE error event without a message: {chunk}")
+                error_event(record, chunk)
                 continue
             if chunk.get("timings"):
                 record.num_moves = chunk["timings"].get("num_moves")
@@ -252,9 +268,13 @@ async def send(client: httpx.AsyncClient, spec: ChaosSpec, model: str, start: fl
                ) -> ChaosRecord:
     """Send one request at its arrival time; it must end by its server deadline plus the hang grace."""
     await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
+    from benchmarks.chaoslib import extra_traffic  # it imports this module
+
     ports: list[int] = []
     PORTS.set(ports)  # this task's: its connection's port lands here
     num_in = len(spec.prompt_token_ids) + (CHAT_TEMPLATE_TOKENS if spec.kind == "chat" else 0)
+    if spec.extra is not None:
+        num_in = extra_traffic.num_prompt_tokens(spec)
     record = ChaosRecord(spec.index, spec.kind, spec.is_stream, spec.behaviour, num_in, spec.max_tokens,
                          sent_s=time.perf_counter() - start)
     path = "/v1/chat/completions" if spec.kind == "chat" else "/v1/completions"
@@ -263,8 +283,11 @@ async def send(client: httpx.AsyncClient, spec: ChaosSpec, model: str, start: fl
     in_flight[0] += 1
     try:
         async with asyncio.timeout(bound_s):
-            body = request_body(spec, model)
-            await (_stream if spec.is_stream else _whole)(client, path, spec, body, record)
+            if spec.extra is not None:
+                await extra_traffic.run_extra(client, spec, extra_traffic.extra_body(spec, model), record)
+            else:
+                body = request_body(spec, model)
+                await (_stream if spec.is_stream else _whole)(client, path, spec, body, record)
     except TimeoutError:
         record.error_code = "hung"
         record.violate(f"still open {bound_s:.0f} s after it was sent (deadline + {config.hang_grace_s:g} s)")
