@@ -53,6 +53,7 @@ from gateway.control.plane import ControlPlane, build_planner, decode_kv_tokens
 from gateway.control.remote_fleet import FleetLink, RemoteFleet
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.view import FleetView
+from gateway.ray_join import join_ray
 from gateway.requests.admission import Admission, admission_capacity
 from gateway.requests.service import GatewayService, PreparedRequest
 from gateway.startup import announce, announce_kv, resolve_model_dir
@@ -137,7 +138,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
         if started_ray:
             # A fixed namespace, so that operators' tools find the workers: ray.get_actor("pdserve-worker-…",
             # namespace="pdserve") (worker ids are unique per gateway, so gateways may share it).
-            ray.init(address=config.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
+            join_ray(address=config.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
                      configure_logging=False)
         deployment = PDDeployment(config.deployment_config(resolve_model_dir(config)))
         await deployment.start()
@@ -164,7 +165,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
     @asynccontextmanager
     async def join_fleet(app: FastAPI) -> AsyncIterator[None]:
         assert frontend is not None
-        ray.init(address=frontend.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
+        join_ray(address=frontend.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
                  configure_logging=False, log_to_driver=False)
         handle = ray.get_actor(frontend.fleet_actor)
         fleet = RemoteFleet(handle, f"frontend-{uuid.uuid4().hex[:12]}")

@@ -43,6 +43,7 @@ import ray
 from gateway.app import RAY_NAMESPACE
 from gateway.config import ServeConfig
 from gateway.fleet.config import DeploymentConfig
+from gateway.ray_join import SHUTDOWN_GRACE_S
 
 # The child reads its settings from the file named here (uvicorn builds each frontend from an import string):
 # a file only this user can read, not the environment, which would show the API keys to anyone who can
@@ -121,7 +122,7 @@ def serve_frontends(config: ServeConfig) -> None:
         os.environ[FRONTEND_ENV] = str(spec_path)
         server = uvicorn.Config("gateway.frontends:frontend_app", factory=True, host=config.host,
                                 port=config.port, loop="uvloop", log_level="info",
-                                workers=config.api_server_count)
+                                workers=config.api_server_count, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
         print(f"pdserve: fleet {name} is up; starting {config.api_server_count} frontends on "
               f"http://{config.host}:{config.port}", flush=True)
         frontends = Multiprocess(server, sockets=[server.bind_socket()])

@@ -77,5 +77,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
         serve_frontends(config)
         return 0
-    uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop", log_level="info")
+    from gateway.ray_join import SHUTDOWN_GRACE_S
+
+    uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop", log_level="info",
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return 0

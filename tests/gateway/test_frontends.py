@@ -4,7 +4,7 @@ A real server in its own process group (the supervisor, its frontends, the fleet
 raw-socket SSE clients, so that each stream's connection can be traced to the frontend process that holds it.
 SIGKILL one frontend mid-stream: only its streams are cut; the other frontend's finish whole and identical;
 the dead frontend is back within seconds; once idle no worker holds a KV block or a request, and no
-admission reservation is left.
+admission reservation is left. SIGTERM one mid-stream: a graceful stop, every stream finishes whole.
 """
 
 from __future__ import annotations
@@ -79,8 +79,14 @@ def open_stream(port: int, max_tokens: int = MAX_TOKENS) -> Stream:
 
 
 def frontend_pids(supervisor: psutil.Process) -> list[int]:
-    """uvicorn's spawned children (the frontends), not Ray's processes."""
-    return [p.pid for p in supervisor.children() if "spawn_main" in " ".join(p.cmdline())]
+    """uvicorn's spawned children (the frontends), not Ray's processes; one that has exited (a zombie until
+    uvicorn reaps it) is not a frontend."""
+    pids = []
+    for child in supervisor.children():
+        with contextlib.suppress(psutil.Error):
+            if "spawn_main" in " ".join(child.cmdline()):
+                pids.append(child.pid)
+    return pids
 
 
 def owner(port: int, pids: list[int]) -> int | None:
@@ -193,6 +199,19 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
     assert samples and all(f'model_name="{MODEL}"' in line for line in samples)
     finished = [line for line in samples if line.startswith("pdserve:request_success_total{")]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in finished) >= 6, finished
+    # SIGTERM (how uvicorn's supervisor, and Kubernetes, stop a process) is a graceful stop: the frontend
+    # takes no new connection and its streams finish whole, rather than Ray's SIGTERM handler ending the
+    # process at once with each request a bare 500 (gateway/ray_join.py).
+    pids = frontend_pids(supervisor)
+    streams, readers = two_streams_on_each(port, pids)
+    stopped = pids[0]
+    os.kill(stopped, signal.SIGTERM)
+    for reader in readers:
+        reader.join(120)
+    for stream in (s for group in streams.values() for s in group):
+        assert stream.done and "".join(stream.texts) == expected, (stream.error, len(stream.texts))
+    until(lambda: len(frontend_pids(supervisor)) == 2 and stopped not in frontend_pids(supervisor), 60,
+          "the stopped frontend's restart")
 
 
 def worker_pids(client: httpx.Client) -> dict[str, int]:
