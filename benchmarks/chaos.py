@@ -6,8 +6,11 @@ past the drain timeout; invariants are checked throughout and at the end.
 
 The deployed configuration (issue 31): `--frontends 2` serves with `--api-server-count 2 --fleet-name chaos`
 and also SIGKILLs and SIGSTOPs (4, 6, 12 s) frontends, sends loop-heavy bursts (large distinct schemas,
-MiB-sized /tokenize), SIGKILLs and SIGSTOPs the fleet actor and SIGSTOPs busy workers; each kind at least
---min-each times. Every request opens its own connection (the frontends share one listening socket).
+MiB-sized /tokenize), SIGKILLs and SIGSTOPs the fleet actor and SIGSTOPs busy workers, and plants faults in
+the workers and their KV transfers through Ray (hung and raising steps, a query of death, stalled pulls,
+lost releases with expiring leases, a peer of another KV layout, forged claims:
+benchmarks/chaoslib/worker_faults.py); each kind at least --min-each times. Every request opens its own
+connection (the frontends share one listening socket).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/chaos.py --frontends 2 --duration-s 600 --out ...
 
@@ -35,6 +38,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +49,7 @@ from benchmarks.chaoslib.departures import server_log_lines
 from benchmarks.chaoslib.driver import WEIGHTS
 from benchmarks.chaoslib.report import write_report
 from benchmarks.chaoslib.run import ChaosResult, run_chaos
-from benchmarks.soaklib.cluster import SoakSystem, prepare_model
+from benchmarks.soaklib.cluster import BIN, REPO, SoakSystem, prepare_model
 from benchmarks.soaklib.config import SoakConfig
 
 
@@ -87,6 +91,14 @@ def parse_args() -> tuple[ChaosConfig, argparse.Namespace]:
     return config, a
 
 
+def has_serve_flag(flag: str) -> bool:
+    """Whether this checkout's `pdserve serve` knows `flag` (a run against an older commit: the report of the
+    code before a fix is made with the same harness)."""
+    pdserve = [str(BIN / "pdserve")] if (BIN / "pdserve").exists() else [sys.executable, "-m", "pdserve"]
+    help_text = subprocess.run([*pdserve, "serve", "--help"], capture_output=True, text=True, cwd=REPO).stdout
+    return flag in help_text
+
+
 def serve_args(config: ChaosConfig, is_tiny: bool) -> list[str]:
     """float32 (greedy parity with transformers in batches), nixl (layouts change at runtime), and the
     deadline policy the clients' hang bounds are computed from; several frontends over a named fleet (as
@@ -97,7 +109,10 @@ def serve_args(config: ChaosConfig, is_tiny: bool) -> list[str]:
     if is_tiny:  # prompts take several steps: workers are busy long enough to be caught busy
         args += ["--kv-cache-mib", "8", "--max-num-batched-tokens", "64"]
     if config.has_frontends:
+        # The step watchdog's floor low enough that hang_step's hung worker is replaced within the run.
         args += ["--api-server-count", str(config.num_frontends), "--fleet-name", "chaos"]
+        if has_serve_flag("--step-watchdog-s"):
+            args += ["--step-watchdog-s", "10"]
     return args
 
 
@@ -141,8 +156,13 @@ def main() -> None:
 
         target = ChaosTarget(system.url, model_dir, system.server.pid, owns)
         if config.has_frontends:
+            def restart_server(extra_args: tuple[str, ...]) -> float:
+                system.stop_server()
+                return system.start_server(model_dir, extra_args, append_log=True)
+
             target = ChaosTarget(system.url, model_dir, system.server.pid, owns, system.frontend_pids,
-                                 system.fleet_actor_pid)
+                                 system.fleet_actor_pid, f"127.0.0.1:{system.ray_port}", restart_server,
+                                 lambda: system.server.pid if system.server else None, out_dir / "server.log")
         result = asyncio.run(run_chaos(config, target))  # steps 2 to 4
     except BaseException:
         print(f"the chaos run failed; Ray's logs are kept in {work_dir / 'ray'}", file=sys.stderr, flush=True)

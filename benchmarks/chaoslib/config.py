@@ -72,3 +72,13 @@ class ChaosTarget:
     owns: Callable[[int], bool]  # whether a pid belongs to this run's server (only those are ever killed)
     frontend_pids: Callable[[], list[int]] = _no_pids  # the frontend processes now (N > 1 only)
     fleet_pid: Callable[[], int | None] = _no_pid  # the fleet actor's process now (N > 1 only)
+    ray_address: str | None = None  # the run's own Ray cluster (the worker faults join it as a driver)
+    # restart_supervisor: stop the server and start it again with these extra flags; returns the seconds
+    # until /health said ok. None: the run cannot (the fault is skipped).
+    restart_server: Callable[[tuple[str, ...]], float] | None = None
+    server_pid: Callable[[], int | None] | None = None  # the supervisor's pid now (it changes on a restart)
+    server_log: Path | None = None
+
+    def gateway_pid_now(self) -> int:
+        pid = self.server_pid() if self.server_pid is not None else None
+        return pid if pid is not None else self.gateway_pid

@@ -3,7 +3,8 @@
 
 A departure is allowed, with its cause, when:
   layout   it was last seen draining or changing role, or its role's target fell (a layout change removed it)
-  killed   the driver killed or paused that very worker (kill_busy, pause_worker)
+  killed   the driver killed, paused or broke that very worker (kill_busy, pause_worker, hang_step,
+           step_error, query_of_death)
   fleet    the fleet actor was killed after the worker was first seen (its workers die with their owner)
   after    a fault that may kill workers (kill_busy, pause_worker, kill_fleet, a layout change applied: a PUT
            answered 200, auto on/off) was under way within replacement_window_s before the worker was last
@@ -21,7 +22,9 @@ from typing import Any
 from benchmarks.chaoslib.config import ChaosConfig
 from benchmarks.chaoslib.log import ChaosLog
 
-KILLS_WORKERS = ("kill", "pause_worker", "kill_fleet", "put", "auto_off_mid_move")
+KILLS_WORKERS = ("kill", "pause_worker", "kill_fleet", "put", "auto_off_mid_move", "hang_step", "step_error",
+                 "query_of_death")
+TOUCHES_ITS_WORKERS = ("kill", "pause_worker", "hang_step", "step_error", "query_of_death")
 
 
 @dataclass
@@ -65,7 +68,8 @@ def cause_of(departure: dict[str, Any], events: list[dict[str, Any]], window_s: 
     faults = [e for e in events if e["kind"] in KILLS_WORKERS
               and (e["kind"] != "put" or e.get("status") == 200) and _span(e)[0] <= gone_s]
     for event in sorted(faults, key=lambda e: -_span(e)[0]):  # the latest fault that explains it
-        if event["kind"] in ("kill", "pause_worker") and event.get("worker_id") == worker_id:
+        if event["kind"] in TOUCHES_ITS_WORKERS and worker_id in (event.get("worker_id"),
+                                                                   *event.get("worker_ids", ())):
             return f"killed ({event['kind']} at t={_span(event)[0]:.1f} s)"
         if event["kind"] == "kill_fleet" and _span(event)[0] >= departure["first_seen_s"]:
             return f"fleet (killed at t={_span(event)[0]:.1f} s)"

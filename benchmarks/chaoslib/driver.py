@@ -16,6 +16,9 @@ With several frontends (ChaosConfig.num_frontends > 1), also (FRONTENDS_ONLY):
                                   recovery is measured, no other fault meanwhile)
   pause_worker                    SIGSTOP a busy worker for 8 s (fleet_faults.py)
   loop_burst                      large distinct schemas and MiB-sized /tokenize at once (burst.py)
+  restart_supervisor              stop `pdserve serve` and start it again over its fleet (supervisor.py)
+  hang_step, step_error, query_of_death, stall_pulls, lost_release, mismatched_peer, forged_claim
+                                  inside the workers and their transfers (worker_faults.py)
 Each drawable kind is drawn at least min_each_fault times where the run's time allows: once the kinds
 still short of it need half the draws the rest of the run is likely to have, they are drawn first.
 Every PUT must answer within state_bound_s (+ its grace, at most the drain timeout) + 60 s, and never with a
@@ -42,17 +45,22 @@ from benchmarks.chaoslib.connections import PORTS
 from benchmarks.chaoslib.fleet_faults import FleetFaults
 from benchmarks.chaoslib.frontends import FrontendMap
 from benchmarks.chaoslib.log import ChaosLog
+from benchmarks.chaoslib.supervisor import SupervisorRestarts
 from benchmarks.chaoslib.watch import PoolWatch
+from benchmarks.chaoslib.worker_faults import KINDS as WORKER_FAULT_KINDS
+from benchmarks.chaoslib.worker_faults import WorkerFaults
 
 # Of the fault kinds; ChaosConfig.skip_faults leaves some out. One process draws the first six only.
 WEIGHTS = {"kill_busy": 0.3, "put_layout": 0.25, "auto_on": 0.08, "auto_off": 0.07,
            "auto_off_mid_move": 0.2, "grace_past_timeout": 0.1,
            "kill_frontend": 0.1, "pause_frontend": 0.12, "loop_burst": 0.1, "kill_fleet": 0.06,
-           "pause_fleet": 0.08, "pause_worker": 0.1}
+           "pause_fleet": 0.08, "pause_worker": 0.1,
+           "hang_step": 0.06, "step_error": 0.06, "query_of_death": 0.05, "stall_pulls": 0.06,
+           "lost_release": 0.05, "mismatched_peer": 0.04, "forged_claim": 0.04, "restart_supervisor": 0.04}
 # Drawn only against several frontends and a fleet actor (a paused worker and a burst make sense in one
 # process too, but one process's run stays as it was).
 FRONTENDS_ONLY = ("kill_frontend", "pause_frontend", "loop_burst", "kill_fleet", "pause_fleet",
-                  "pause_worker")
+                  "pause_worker", "restart_supervisor", *WORKER_FAULT_KINDS)
 ROLES = ("prefill", "decode", "mixed")
 
 
@@ -79,6 +87,8 @@ class FaultDriver:
     frontends: FrontendMap | None  # several frontends only
     fleet: FleetFaults
     burst: LoopBurst
+    workers: WorkerFaults
+    supervisor: SupervisorRestarts | None  # several frontends only
     faults: Counter[str] = field(default_factory=Counter)  # by kind and result, e.g. "kill_busy:decode"
     injected: Counter[str] = field(default_factory=Counter)  # by kind, those not skipped
     last_accepted: dict[str, int] | None = None  # the layout of the last PUT answered 200 with no error
@@ -88,12 +98,16 @@ class FaultDriver:
 
     async def drive(self, until_s: float) -> None:
         await asyncio.sleep(max(0.0, self.config.first_kill_s - self.log.now()))
-        await self.kill_busy(decoding=True, wait_s=15.0)
+        if "kill_busy" not in self.config.skip_faults:
+            await self.kill_busy(decoding=True, wait_s=15.0)
+        kinds = drawable(self.config)
         while True:
             await asyncio.sleep(self.rng.uniform(self.config.fault_min_s, self.config.fault_max_s))
             if self.log.now() >= until_s:
                 return
-            kind = self._draw(drawable(self.config), until_s)
+            if not kinds:  # every kind skipped: traffic alone
+                continue
+            kind = self._draw(kinds, until_s)
             try:
                 if kind in FRONTENDS_ONLY:
                     result = await self._process_fault(kind)
@@ -143,6 +157,12 @@ class FaultDriver:
             return result
         if kind == "pause_fleet":
             return await self.fleet.pause_fleet()
+        if kind == "restart_supervisor":  # as kill_fleet: the PUTs in flight answer first
+            await asyncio.gather(*self._puts, return_exceptions=True)
+            assert self.supervisor is not None, "a supervisor restart needs several frontends"
+            return await self.supervisor.restart()
+        if kind in WORKER_FAULT_KINDS:
+            return await self.workers.inject(kind)
         assert self.frontends is not None, "frontend faults need several frontends"
         return await (self.frontends.kill_frontend() if kind == "kill_frontend"
                       else self.frontends.pause_frontend())

@@ -9,7 +9,9 @@ say that both frontends served, and which. Its faults, both on a frontend drawn 
                   supervisor, which pings its children every 0.5 s with a 5 s timeout, may kill it
                   meanwhile: allowed)
 A request whose connection was one of those noted and that ended in a connection error is "cut by a
-frontend fault" (FrontendMap.cut_of): allowed. A connection error on any other connection stays a violation.
+frontend fault" (FrontendMap.cut_of): allowed; so is any request open during a supervisor restart
+(benchmarks/chaoslib/supervisor.py), which stops every frontend. A connection error on any other
+connection stays a violation.
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ PAUSES_S = (4.0, 6.0, 12.0)
 class FrontendCut:
     """A frontend fault, and the connections the frontend held when it struck."""
 
-    kind: str  # kill_frontend, pause_frontend
+    kind: str  # kill_frontend, pause_frontend, restart_supervisor
     pid: int
     start_s: float
     ports: frozenset[int]  # client ports of its connections, read while it was stopped
+    # restart_supervisor: every frontend stops, so every connection open at start_s or opened before
+    # until_s (the server answering again) is struck, whatever its port
+    until_s: float | None = None
 
     @property
     def name(self) -> str:
@@ -87,6 +92,8 @@ class FrontendMap:
         """The frontend fault that held the request's connection when it struck, if one did."""
         for cut in self.cuts:
             if port in cut.ports and sent_s <= cut.start_s <= ended_s:
+                return cut
+            if cut.until_s is not None and sent_s <= cut.until_s and cut.start_s <= ended_s:
                 return cut
         return None
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from benchmarks.chaoslib.run import ChaosResult
 from benchmarks.chaoslib.traffic import record_row
+from benchmarks.chaoslib.worker_faults import KINDS as WORKER_FAULT_KINDS
 
 
 def summarize(result: ChaosResult) -> dict[str, Any]:
@@ -43,6 +44,9 @@ def summarize(result: ChaosResult) -> dict[str, Any]:
             "requests_cut": sum(r.outcome == "cut" for r in records),
         },
         "fleet_kills": result.recoveries,
+        "supervisor_restarts": result.restarts,
+        "worker_faults": [e for e in result.log.events if e["kind"] in WORKER_FAULT_KINDS],
+        "worker_rss_mib": result.worker_rss,
         "departures": result.departures,
         "migrations": {"pdserve:migrations_total": result.counters.get("pdserve:migrations_total", 0),
                        "stream_moves_seen_by_clients": sum(r.num_moves or 0 for r in records),
@@ -124,6 +128,28 @@ def _frontends_md(summary: dict[str, Any]) -> list[str]:
                   "| t (s) | /health 503 after (s) | serving again after (s) |", "|---:|---:|---:|"]
         lines += [f"| {k['start_s']} | {k['to_503_s']} | {k['to_healthy_s']} |"
                   for k in summary["fleet_kills"]]
+    if summary["supervisor_restarts"]:
+        lines += ["", "## Supervisor restarts", "", "| t (s) | settings | /health ok after (s) | connections "
+                  "cut | what it printed |", "|---:|---|---:|---:|---|"]
+        lines += [f"| {r['start_s']} | {r['settings']} {' '.join(r['extra_args'])} | {r['to_healthy_s']} | "
+                  f"{r['num_connections']} | {'; '.join(r['notes'])} |"
+                  for r in summary["supervisor_restarts"]]
+    if summary["worker_faults"]:
+        lines += ["", "## Worker and transfer faults", "", "| t (s) | fault | workers | what happened |",
+                  "|---:|---|---|---|"]
+        for e in summary["worker_faults"]:
+            workers = e.get("worker_ids") or [e.get("worker_id")]
+            detail = {k: v for k, v in e.items() if k not in ("t_s", "kind", "worker_id", "worker_ids",
+                                                              "start_s", "end_s", "pid", "answer")}
+            lines.append(f"| {e.get('start_s', e['t_s'])} | {e['kind']} | {', '.join(map(str, workers))} | "
+                         f"{json.dumps(detail)[:240]} |")
+    if summary["worker_rss_mib"]:
+        grew = max((w["last_mib"] - w["first_mib"] for w in summary["worker_rss_mib"]), default=0)
+        lines += ["", f"Worker RSS (each process, from {60:g} s after it was first seen): largest growth "
+                  f"{grew} MiB over {len(summary['worker_rss_mib'])} worker processes; the longest-lived: "
+                  + ", ".join(f"{w['worker_id']} {w['first_mib']} → {w['last_mib']} MiB ({w['from_s']}-"
+                              f"{w['to_s']} s)" for w in sorted(summary["worker_rss_mib"],
+                                                                key=lambda w: w["from_s"] - w["to_s"])[:3])]
     if summary["departures"]:
         lines += ["", "## Workers that left", "", "| gone at t (s) | worker | role | pid | cause |",
                   "|---:|---|---|---:|---|"]

@@ -32,8 +32,10 @@ from benchmarks.chaoslib.fleet_faults import FleetFaults
 from benchmarks.chaoslib.frontends import FrontendCut, FrontendMap
 from benchmarks.chaoslib.log import ChaosLog
 from benchmarks.chaoslib.reference import greedy_prompts, greedy_reference
+from benchmarks.chaoslib.supervisor import SupervisorRestarts
 from benchmarks.chaoslib.traffic import ChaosRecord, build_specs, send
 from benchmarks.chaoslib.watch import PoolWatch
+from benchmarks.chaoslib.worker_faults import WorkerFaults
 
 
 @dataclass
@@ -53,6 +55,8 @@ class ChaosResult:
     departures: list[dict[str, Any]] = field(default_factory=list)  # workers gone, each with its cause
     cuts: list[FrontendCut] = field(default_factory=list)  # the frontend faults and connections they held
     requests_by_frontend: dict[int, int] = field(default_factory=dict)  # pid → requests a sample saw on it
+    worker_rss: list[dict[str, Any]] = field(default_factory=list)  # each worker process: RSS after warm-up
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # each restart_supervisor
 
     @property
     def violations(self) -> list[dict[str, Any]]:
@@ -145,6 +149,42 @@ def requests_by_frontend(records: list[ChaosRecord], frontends: FrontendMap) -> 
     return counts
 
 
+WORKER_WARMUP_S = 60.0  # a worker's RSS counts from this long after it was first seen (its compile, caches)
+
+
+def worker_rss(watch: PoolWatch, config: ChaosConfig, log: ChaosLog) -> list[dict[str, Any]]:
+    """Each worker process's RSS from WORKER_WARMUP_S after it was first seen to its last sample; growth
+    past the limit over a life of 5 minutes or more is a violation (a short life shows no trend)."""
+    rows = []
+    for (worker_id, pid), samples in sorted(watch.worker_rss_mib.items(), key=lambda item: item[1][0][0]):
+        warm = [(t, mib) for t, mib in samples if t >= samples[0][0] + WORKER_WARMUP_S]
+        if len(warm) < 2:
+            continue
+        (t0, first), (t1, last) = warm[0], warm[-1]
+        row = {"worker_id": worker_id, "pid": pid, "from_s": round(t0), "to_s": round(t1),
+               "first_mib": round(first), "last_mib": round(last), "max_mib": round(max(m for _, m in warm))}
+        rows.append(row)
+        if (config.rss_growth_limit_mib is not None and t1 - t0 >= 300.0
+                and last - first > config.rss_growth_limit_mib):
+            log.violate("worker_rss_flat", f"{worker_id} (pid {pid}) RSS {first:.0f} → {last:.0f} MiB over "
+                        f"{t1 - t0:.0f} s (> {config.rss_growth_limit_mib:g} MiB growth)", **row)
+    return rows
+
+
+def check_innocents(records: list[ChaosRecord], windows: list[tuple[float, float, int]],
+                    log: ChaosLog) -> None:
+    """No request but the query of death fails for it: a `worker_failed` error ending inside a query of
+    death's window is an innocent one it took down (they must move to another worker instead)."""
+    for record in records:
+        if "worker_failed" not in record.error_code:
+            continue
+        for started, ended, seed in windows:
+            if started <= record.ended_s <= ended + 5.0:
+                log.violate("innocent_survives", f"request {record.index} ({record.kind}) failed with "
+                            f"{record.error_code} during the query of death of seed {seed}: "
+                            f"{record.error_message[:200]}", request=record.index)
+
+
 async def run_chaos(config: ChaosConfig, target: ChaosTarget) -> ChaosResult:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     async with chaos_client(target.url, headers, config.has_frontends) as client:
@@ -162,8 +202,13 @@ async def run_chaos(config: ChaosConfig, target: ChaosTarget) -> ChaosResult:
         frontends = FrontendMap(config, target, log, random.Random(config.seed + 2)) if (
             config.has_frontends) else None
         burst = LoopBurst(config, client, log, frontends, model, random.Random(config.seed + 3))
+        workers = WorkerFaults(config, target, client, log, watch, model, random.Random(config.seed + 4))
+        if config.has_frontends:  # the worker faults reach the actors through Ray (before any traffic)
+            workers.connect()
         driver = FaultDriver(config, target, client, log, watch, random.Random(config.seed + 1), frontends,
-                             FleetFaults(config, target, client, log, watch), burst)
+                             FleetFaults(config, target, client, log, watch), burst,
+                             workers,
+                             SupervisorRestarts(config, target, log, watch, frontends) if frontends else None)
         log.event("start", layout=initial, num_requests=len(specs), frontends=target.frontend_pids())
         watching = [asyncio.create_task(watch.watch_forever())]
         if frontends is not None:
@@ -195,6 +240,7 @@ async def run_chaos(config: ChaosConfig, target: ChaosTarget) -> ChaosResult:
             log.violate("request_ends_clean", why, request=record.index, kind=record.kind,
                         stream=record.is_stream, behaviour=record.behaviour, sent_s=round(record.sent_s, 2),
                         ended_s=round(record.ended_s, 2), error_code=record.error_code)
+    check_innocents(records, driver.workers.windows, log)
     departures = check_departures(watch.ledger, log, config)
     by_frontend: dict[int, int] = {}
     if frontends is not None:
@@ -207,6 +253,8 @@ async def run_chaos(config: ChaosConfig, target: ChaosTarget) -> ChaosResult:
         if last - first > config.rss_growth_limit_mib:
             log.violate("gateway_rss_flat", f"gateway RSS {first:.0f} → {last:.0f} MiB "
                         f"(> {config.rss_growth_limit_mib:g} MiB growth)")
+    rss_by_worker = worker_rss(watch, config, log)
     return ChaosResult(config, model, records, log, dict(driver.faults), driver.put_errors,
                        driver.last_accepted, end, watch.rss_mib, counters, dict(driver.injected),
-                       driver.fleet.recoveries, departures, frontends.cuts if frontends else [], by_frontend)
+                       driver.fleet.recoveries, departures, frontends.cuts if frontends else [], by_frontend,
+                       rss_by_worker, driver.supervisor.restarts if driver.supervisor else [])

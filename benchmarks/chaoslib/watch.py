@@ -34,6 +34,9 @@ class PoolWatch:
     rss_mib: list[tuple[float, float]] = field(default_factory=list)  # (t_s, gateway RSS)
     health: str = ""
     is_fleet_down: bool = False  # the driver killed the fleet actor and waits for it (fleet_faults.py)
+    is_gateway_restarting: bool = False  # the driver restarts the supervisor (supervisor.py)
+    # (worker id, pid) → [(t_s, RSS MiB)]: each worker process's own, from the pids /admin/pools lists
+    worker_rss_mib: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
     ledger: WorkerLedger = field(default_factory=WorkerLedger)
     _outside: dict[str, dict[str, Any]] = field(default_factory=dict)  # worker id → its time outside active
     _unreachable_since: float | None = None
@@ -57,9 +60,13 @@ class PoolWatch:
             await asyncio.sleep(self.config.watch_every_s)
 
     def sample_rss(self) -> None:
-        """The gateway's RSS: its process's, plus its frontends' (each restarted one counts from anew)."""
+        """The gateway's RSS: its process's, plus its frontends' (each restarted one counts from anew); and
+        each worker's."""
+        self._sample_workers()
+        if self.is_gateway_restarting:
+            return
         try:
-            gateway = psutil.Process(self.target.gateway_pid)
+            gateway = psutil.Process(self.target.gateway_pid_now())
             if gateway.status() == psutil.STATUS_ZOMBIE:  # exited, not reaped yet (our child)
                 raise psutil.NoSuchProcess(gateway.pid)
             rss = gateway.memory_info().rss
@@ -74,6 +81,18 @@ class PoolWatch:
             except psutil.NoSuchProcess:  # killed by a fault just now
                 continue
         self.rss_mib.append((self.log.now(), rss / 2**20))
+
+    def _sample_workers(self) -> None:
+        now = self.log.now()
+        for worker in self.pools.get("workers", []):
+            pid = worker.get("pid")
+            if not pid or not self.target.owns(int(pid)):
+                continue
+            try:
+                rss = psutil.Process(int(pid)).memory_info().rss
+            except psutil.NoSuchProcess:
+                continue
+            self.worker_rss_mib.setdefault((worker["worker_id"], int(pid)), []).append((now, rss / 2**20))
 
     async def look(self) -> None:
         try:

@@ -70,24 +70,38 @@ class SoakSystem:
                 raise SystemExit(f"the Ray head did not start; see {self.config.out_dir / 'ray_head.log'}")
             time.sleep(0.5)
 
-    def start_server(self, model_dir: Path) -> None:
+    def start_server(self, model_dir: Path, extra_args: tuple[str, ...] = (),
+                     append_log: bool = False) -> float:
+        """Start `pdserve serve` and wait until /health says ok; returns the seconds that took."""
         pdserve = [str(BIN / "pdserve")] if (BIN / "pdserve").exists() else [sys.executable, "-m",
                                                                              "pdserve"]
         command = [*pdserve, "serve", "--model", str(model_dir), "--port", str(self.http_port),
                    "--address", f"127.0.0.1:{self.ray_port}", "--prefill", str(self.config.num_prefill),
-                   "--decode", str(self.config.num_decode), *self.config.serve_args]
-        log = (self.config.out_dir / "server.log").open("wb")
+                   "--decode", str(self.config.num_decode), *self.config.serve_args, *extra_args]
+        log = (self.config.out_dir / "server.log").open("ab" if append_log else "wb")
+        started = time.monotonic()
         self.server = subprocess.Popen(command, env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
+        deadline = started + 600
         while True:
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).json().get("status") == "ok":
-                    return
+                    return time.monotonic() - started
             except (httpx.HTTPError, ValueError):
                 pass
             if self.server.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"pdserve serve did not come up; see {self.config.out_dir / 'server.log'}")
             time.sleep(1)
+
+    def stop_server(self, timeout_s: float = 90.0) -> None:
+        """SIGINT the server (the supervisor stops its frontends; a named fleet outlives it) and wait."""
+        if self.server is None or self.server.poll() is not None:
+            return
+        self.server.send_signal(signal.SIGINT)
+        try:
+            self.server.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.server.kill()
+            self.server.wait()
 
     def processes(self) -> list[psutil.Process]:
         """Every live process of the system: the server and the Ray head, with all their descendants."""
@@ -125,13 +139,7 @@ class SoakSystem:
     def stop(self) -> None:
         """The server first (it shuts its actors down), then the Ray head; stragglers get SIGKILL by pid."""
         leftovers = self.processes()
-        if self.server is not None and self.server.poll() is None:
-            self.server.send_signal(signal.SIGINT)
-            try:
-                self.server.wait(90)
-            except subprocess.TimeoutExpired:
-                self.server.kill()
-                self.server.wait()
+        self.stop_server()
         if self.ray_head is not None and self.ray_head.poll() is None:
             self.ray_head.send_signal(signal.SIGTERM)  # `ray start --block` then stops what it started
             try:

@@ -74,9 +74,11 @@ def test_frontend_faults_are_drawn_only_with_several_frontends_and_each_gets_its
     config = ChaosConfig(num_frontends=2, min_each_fault=2, skip_faults=("kill_fleet",))
     assert set(drawable(config)) == set(WEIGHTS) - {"kill_fleet"}
     log = ChaosLog()
-    driver = FaultDriver(config, None, None, log, None, random.Random(0), None, None, None)  # type: ignore[arg-type]
+    driver = FaultDriver(config, None, None, log, None, random.Random(0), None, None, None, None, None)  # type: ignore[arg-type]
     driver.injected.update({kind: 2 for kind in drawable(config) if kind != "pause_fleet"})
-    log.start -= 500.0  # 500 s in, 26 faults so far: about 5 left in the last 100 s
+    num_drawn = sum(driver.injected.values())
+    log.start -= 570.0  # 570 s in: about num_drawn / 19 draws left, fewer than twice the 2 still short
+    assert (30.0 * num_drawn / 570.0) / 2 <= 2
     assert {driver._draw(drawable(config), until_s=600.0) for _ in range(20)} == {"pause_fleet"}
-    log.start += 400.0  # 100 s in: there is time, the weights decide
+    log.start += 470.0  # 100 s in: there is time, the weights decide
     assert len({driver._draw(drawable(config), until_s=600.0) for _ in range(50)}) > 1
