@@ -1,5 +1,5 @@
 """Which request fields pdserve honours, refuses and ignores: the one place that decides, so that nothing a
-client sends is dropped in silence (README's "Request fields" table lists the same).
+client sends is dropped in silence (docs/api.md's "Request fields" table lists the same).
 
     supported            declared on the request models (gateway/api/protocol.py) and applied;
     ignored by design    declared too, and documented as having no effect here (`user`, `metadata`, `store`);
@@ -54,5 +54,5 @@ def check_fields(extra: Mapping[str, Any] | None, where: str = "",
             if not asks_nothing(value):
                 raise BadRequest(f"{param}: {why}", param=param, code="unsupported_field")
             continue
-        raise BadRequest(f"{param}: unknown field; pdserve does not support it (see the README's request "
-                         "fields table)", param=param, code="unsupported_field")
+        raise BadRequest(f"{param}: unknown field; pdserve does not support it (see docs/api.md, "
+                         "\"Request fields\")", param=param, code="unsupported_field")

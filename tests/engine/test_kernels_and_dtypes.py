@@ -3,7 +3,7 @@
 - fp32: a batch of requests of different lengths, with linears on F.linear, on oneDNN prepacked weights and
   (on AMD CPUs with the extra installed) on zentorch.
 - bf16: each request served alone is token-identical to transformers in bf16 with either kernel (in a batch,
-  bf16 GEMM rounding depends on the batch's shape, as in every batched server: README, "dtype").
+  bf16 GEMM rounding depends on the batch's shape, as in every batched server: docs/design.md, "Speed").
 - The probe falls back to F.linear where oneDNN is missing or fails, and leaves zentorch out where it cannot
   run (not AMD, not installed, bf16 without AVX512_BF16); `--dtype auto` reads the CPU's flags.
 """

@@ -192,8 +192,8 @@ def test_a_tool_message_without_a_matching_call_gets_400_naming_it(client: httpx
 
 
 def test_fields_ignored_by_design_and_values_that_ask_nothing_are_served(client: httpx.Client) -> None:
-    """user, metadata and store change nothing by design (README); n: 1, tools: [], response_format text and
-    the like ask for nothing, so they are served."""
+    """user, metadata and store change nothing by design (docs/api.md); n: 1, tools: [], response_format text
+    and the like ask for nothing, so they are served."""
     harmless = {"user": "u-1", "metadata": {"a": "b"}, "store": False, "n": 1}
     completion = {"model": MODEL, "prompt": "x", "max_tokens": 2, "suffix": None, "echo": False, "best_of": 1,
                   **harmless}

@@ -1,7 +1,7 @@
 """/metrics of a real server after a few requests: every series is in the list kept in the repo
-(gateway/telemetry/metric_names.py) with its labels and `model_name`, counts match what was served, the
-README names every series, the Grafana dashboard asks only for series the server exports, and /metrics
-needs no key (unless --metrics-require-key: tests/gateway/test_security.py).
+(gateway/telemetry/metric_names.py) with its labels and `model_name`, counts match what was served,
+docs/metrics.md names every series, the Grafana dashboard asks only for series the server exports, and
+/metrics needs no key (unless --metrics-require-key: tests/gateway/test_security.py).
 X-Request-Id: a client's value comes back and names the request; one is minted when absent."""
 
 from __future__ import annotations
@@ -141,9 +141,9 @@ def test_metrics_are_open_without_the_api_key_by_default(server: str) -> None:
     assert "security" not in openapi["paths"]["/metrics"]["get"]
 
 
-def test_the_readmes_metrics_table_is_the_list() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Metrics reference"):readme.index("**Grafana**")]
+def test_the_docs_metrics_table_is_the_list() -> None:
+    page = (ROOT / "docs" / "metrics.md").read_text()
+    section = page[page.index("# Metrics reference"):page.index("**Grafana**")]
     # | `pdserve:name` | kind | `label`, `label` (or —) | vLLM's | what |
     rows = re.findall(r"^\| `(pdserve:[a-z0-9_:]+)` \| (\w+) \| ([^|]*) \|", section, re.MULTILINE)
     table = {name: (kind, set(re.findall(r"`(\w+)`", labels))) for name, kind, labels in rows}
