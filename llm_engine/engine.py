@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from llm_engine.block_pool import BlockPool
 from llm_engine.config import EngineConfig, ModelSpec
 from llm_engine.hardware import device_memory
+from llm_engine.kv_cache import KVCacheSpec
 from llm_engine.kv_cache_manager import KVCacheManager, blocks_for
 from llm_engine.kv_sizing import KVCapacity, plan_kv_cache
 from llm_engine.logprobs import PromptLogprobs, TopLogprobs
 from llm_engine.model_loader import LoadedModel, load_model
 from llm_engine.model_runner import ModelRunner
+from llm_engine.node_locks import node_memory_lock
 from llm_engine.request import Request
 from llm_engine.sampling import SamplingParams
 from llm_engine.scheduler import Scheduler
@@ -69,11 +71,17 @@ class LLMEngine:
         self.config = config
         self.spec: ModelSpec = loaded.spec.with_max_model_len(config.max_model_len)  # as load_model's
         self.linear_kernel = loaded.linear_kernel
-        # Measured after the weights are in memory: on CUDA they count against gpu_memory_utilization.
-        self.kv_capacity: KVCapacity = plan_kv_cache(config, self.spec, device_memory(config.device))
+        # Measured after the weights are in memory: on CUDA they count against gpu_memory_utilization. Under
+        # the node's lock until the cache is allocated, so that workers starting together do not share
+        # the same free memory.
+        with node_memory_lock(config.device):
+            self.kv_capacity: KVCapacity = plan_kv_cache(config, self.spec, device_memory(config.device))
+            kv_cache = KVCacheSpec.from_model(self.spec, config).allocate(self.kv_capacity.num_blocks,
+                                                                          config.device)
         logger.info("%s", self.kv_capacity.describe())
         self.compilation = loaded.compilation
-        self.runner = ModelRunner(loaded.model, self.spec, config, self.kv_capacity.num_blocks, loaded.body)
+        self.runner = ModelRunner(loaded.model, self.spec, config, self.kv_capacity.num_blocks, loaded.body,
+                                  kv_cache)
         self.block_pool = BlockPool(self.runner.num_blocks)
         self.kv = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = self._make_scheduler(scheduler_cls, watermark)

@@ -157,3 +157,4 @@ def device_memory(device: str) -> DeviceMemory:
     free, total = torch.cuda.mem_get_info(cuda)
     return DeviceMemory(total=total, free=free, weights=torch.cuda.memory_allocated(cuda),
                         held=torch.cuda.memory_reserved(cuda))
+

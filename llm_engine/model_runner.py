@@ -64,12 +64,14 @@ def choose_decode_attention(config: EngineConfig, spec: ModelSpec | None = None
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, spec: ModelSpec, config: EngineConfig, num_blocks: int,
-                 body: Body | None = None) -> None:
+                 body: Body | None = None, kv_cache: torch.Tensor | None = None) -> None:
         """Args:
             body: the engine's own model body, compiled or not (llm_engine/compilation.py); None: run
                 transformers' modules (`model.model`) with the paged attention plugged in.
             spec: the model's shape, its max_model_len the effective one (EngineConfig.max_model_len).
             num_blocks: KV blocks to allocate (llm_engine/kv_sizing.py plan_kv_cache).
+            kv_cache: those blocks, allocated by the caller (LLMEngine, under the node's memory lock);
+                None: allocated here.
         """
         self.model = model
         self.body = body
@@ -80,7 +82,8 @@ class ModelRunner:
         self.cache_spec = KVCacheSpec.from_model(spec, config)
         self.num_blocks = num_blocks
         # kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        self.kv_cache = self.cache_spec.allocate(self.num_blocks, self.device)
+        self.kv_cache = (self.cache_spec.allocate(self.num_blocks, self.device) if kv_cache is None
+                         else kv_cache)
         # A table never covers more than the model's context (check_request) nor more blocks than exist.
         max_blocks = min(blocks_for(spec.max_model_len, config.block_size), self.num_blocks)
         self.decode_attention, kernel = choose_decode_attention(config, spec)

@@ -3,7 +3,8 @@
     paged_decode_attention() → the kernel, or None where it cannot be built (no compiler, no headers): the
     engine then keeps the gather + SDPA path, and says which one it runs in the worker's info.
 The build (about 25 s, once per machine and torch version) goes to torch's extension cache
-(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); processes that start together wait on its lock. The
+(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); processes that start together wait on a flock
+(llm_engine/node_locks.py), which a builder killed mid-build does not leave held. The
 build uses every instruction this CPU has (-march=native), so its name carries a digest of the CPU's flags:
 a home directory shared by nodes of different CPUs never hands one a binary built for another.
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from llm_engine.hardware import cpu_flags
+from llm_engine.node_locks import build_lock
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +65,17 @@ def paged_decode_attention() -> DecodeKernel | None:
     if shutil.which("ninja") is None and shutil.which("ninja", path=venv_bin) is not None:
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        module = load(f"pdserve_paged_attention_{_cpu_digest()}",
-                      [str(SOURCES / "paged_decode_attention.cpp")],
-                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        name = f"pdserve_paged_attention_{_cpu_digest()}"
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        with build_lock(build_dir):
+            # torch's own lock is a file whose existence is the lock: a builder killed mid-build (a worker
+            # replaced while it started) leaves it, and every later process waits on it for ever. Under our
+            # flock nobody else is building, so such a file is stale.
+            (build_dir / "lock").unlink(missing_ok=True)
+            module = load(name, [str(SOURCES / "paged_decode_attention.cpp")],
+                          extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # a missing compiler or header is a slower engine, not a dead one
         logger.warning("pdserve's paged decode attention kernel did not build (%s: %s); decode attention "
                        "gathers each sequence's KV and runs SDPA instead", type(error).__name__, error)

@@ -4,11 +4,15 @@ engine's context can be shortened but not lengthened."""
 
 from __future__ import annotations
 
+import fcntl
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from llm_engine import EngineConfig, LLMEngine, ModelSpec, SamplingParams
+from llm_engine import EngineConfig, LLMEngine, ModelSpec, SamplingParams, node_locks
+from llm_engine import engine as engine_module
 from llm_engine.config import CPU_KV_CACHE_BYTES
 from llm_engine.hardware import DeviceMemory, cgroup_memory, ram
 from llm_engine.kv_sizing import (
@@ -19,6 +23,7 @@ from llm_engine.kv_sizing import (
     parse_memory,
     plan_kv_cache,
 )
+from llm_engine.node_locks import node_memory_lock
 
 GiB, MiB = 1 << 30, 1 << 20
 # An 8B Llama's shape: 32 layers × 8 KV heads × 128 head dim × 2 (K, V) × 2 bytes (bf16) = 128 KiB per token,
@@ -167,3 +172,36 @@ def test_an_engine_with_a_short_context_refuses_longer_requests(tiny_llama_dir: 
     with pytest.raises(ValueError, match="--max-model-len 2000 exceeds the model's context of 1024"):
         LLMEngine(EngineConfig(str(tiny_llama_dir), dtype="float32", kv_cache_bytes=4 * MiB,
                                max_model_len=2000))
+
+
+def test_workers_on_one_node_measure_and_allocate_one_after_the_other(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path) -> None:
+    """Review N12: two workers starting at once with a fraction each measured the same free memory. The
+    node's lock makes the second measure only once the first has allocated its cache."""
+    monkeypatch.setattr(node_locks, "MEMORY_LOCK_DIR", tmp_path)
+    steps: list[tuple[str, str]] = []
+
+    def start(name: str) -> None:
+        with node_memory_lock("cpu"):
+            steps.append((name, "measured"))
+            time.sleep(0.3)  # an allocation being written
+            steps.append((name, "allocated"))
+
+    workers = [threading.Thread(target=start, args=(name,)) for name in ("a", "b")]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert [step for _, step in steps] == ["measured", "allocated"] * 2
+    assert steps[0][0] == steps[1][0] and steps[2][0] == steps[3][0]
+
+    # The engine measures the free memory under that lock: another worker's attempt to take it fails then.
+    def measured_while_locked(device: str) -> DeviceMemory:
+        with (tmp_path / "pdserve-kv-sizing-cpu.lock").open("a") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return ram_now(device)
+
+    ram_now = engine_module.device_memory
+    monkeypatch.setattr(engine_module, "device_memory", measured_while_locked)
+    engine = LLMEngine(EngineConfig(str(tiny_llama_dir), dtype="float32", kv_cache_fraction=0.001))
+    assert engine.kv_capacity.num_blocks >= 1

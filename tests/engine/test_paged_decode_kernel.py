@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,3 +114,22 @@ def test_the_kernel_serves_contexts_of_different_lengths_in_one_batch(tiny_llama
     outputs = [list(c.output_token_ids) for c in engine.generate(prompts, params)]
     assert outputs == hf_greedy(tiny_llama_dir, prompts, 6, ignore_eos=True)
     assert engine.block_pool.is_whole()
+
+
+def test_a_build_lock_left_by_a_killed_builder_does_not_hang_the_next_start() -> None:
+    """torch's build lock is a file whose existence is the lock: a worker killed while it built the kernel
+    left it, and every worker after it waited at start for ever (seen in a chaos run). The build runs
+    under a flock instead, which a dead process does not hold, and the stale file is cleared under it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(f"pdserve_paged_attention_{native_kernels._cpu_digest()}",
+                                          verbose=False))
+    (build_dir / "lock").touch()  # as the killed builder left it
+    loaded: list[object] = []
+    build = native_kernels.paged_decode_attention.__wrapped__  # past the per-process cache
+    loader = threading.Thread(target=lambda: loaded.append(build()), daemon=True)
+    loader.start()
+    loader.join(600)  # a first build on this machine takes about 25 s
+    assert not loader.is_alive(), "the kernel's load waited on the stale lock"
+    assert loaded and loaded[0] is not None
+    assert not (build_dir / "lock").exists()
