@@ -1,6 +1,6 @@
 """restart_supervisor: the gateway's supervisor process (`pdserve serve`) stopped and started again over its
-named fleet, in turn with the same settings and with changed ones (`--ratio auto` added, then taken away:
-a setting the rejoin applies).
+named fleet, in turn with the same settings and with changed ones (`--ratio auto` or `--ratio fixed`, the
+opposite of the controller's state then: a setting the rejoin applies).
 
 The supervisor is stopped with SIGINT, as an operator or a rolling update would: its frontends stop (every
 connection is cut: FrontendCut with until_s), the named fleet and its workers go on. The same command,
@@ -21,8 +21,6 @@ from benchmarks.chaoslib.frontends import FrontendCut, FrontendMap
 from benchmarks.chaoslib.log import ChaosLog
 from benchmarks.chaoslib.watch import PoolWatch
 
-CHANGED_SETTINGS = ("--ratio", "auto")
-
 
 @dataclass
 class SupervisorRestarts:
@@ -37,9 +35,9 @@ class SupervisorRestarts:
     async def restart(self) -> str:
         if self.target.restart_server is None:
             return "skipped (the run cannot restart its server)"
-        changed = len(self.restarts) % 2 == 1  # same, changed, same (as changed), changed back, ...
-        if changed:
-            self._extra = () if self._extra else CHANGED_SETTINGS
+        changed = len(self.restarts) % 2 == 1  # same, changed, same (as changed), changed again, ...
+        if changed:  # the opposite of the controller's state now (a PUT may have turned it either way)
+            self._extra = ("--ratio", "fixed" if self.watch.pools.get("auto") else "auto")
         ports = frozenset(p for pid in self.target.frontend_pids() for p in self.frontends.ports_of(pid))
         pid = self.target.gateway_pid_now()
         log_size = self.target.server_log.stat().st_size if self.target.server_log else 0
@@ -65,7 +63,7 @@ class SupervisorRestarts:
                              f"rejoin its fleet: {notes}", **row)
         if changed and not any("applied" in n for n in notes):
             self.log.violate("supervisor_rejoins", f"the restart at t={started:.1f} s changed "
-                             f"{' '.join(CHANGED_SETTINGS)} and printed no note that it was applied", **row)
+                             f"{' '.join(self._extra)} and printed no note that it was applied", **row)
         return f"{row['settings']}, {'rejoined' if rejoined else 'NOT rejoined'} in {to_healthy_s:.1f} s"
 
     def _notes(self, since_byte: int) -> list[str]:

@@ -11,8 +11,9 @@ tests/gateway/actor_faults.py), and in the KV transfers between them; only worke
                    request is sent beside the traffic: it must end with a clear error or on a replacement
                    that lacks the fault, and no other request may fail for it (run.py checks `worker_failed`
                    errors inside the window); at most one worker more than it broke is replaced
-  stall_pulls      every decode worker's pulls of the next STALL_S send no claim and are never answered (a
-                   lost claim or grant; a READ that hangs): each ends by its deadline, its request recomputed
+  stall_pulls      every decode worker's pulls of the next STALL_S (and of the pull timeout after it)
+                   are posted and never heard of again (a lost claim or grant; a READ that hangs): each
+                   ends by its deadline, its request recomputed
   lost_release     a prefill worker's explicit releases are lost and its leases shortened to 1 s for
                    LEASE_FAULT_S (handles expire before they are pulled): the leases free the blocks, and
                    requests whose handle expired are recomputed; 0 blocks used at the end
@@ -44,6 +45,7 @@ RAY_NAMESPACE = "pdserve"  # gateway/app.py's: the workers' actors are named pds
 CALL_TIMEOUT_S = 20.0
 HANG_WAIT_S = 75.0  # the watchdog's floor (chaos serves with --step-watchdog-s 10) + the load poll, and room
 STALL_S = 6.0
+TRANSFER_TIMEOUT_S = 10.0  # a pull's own bound (kv_transfer's default transfer_timeout_s)
 LEASE_FAULT_S = 8.0
 QUERY_OF_DEATH_SEED_BASE = 9_000_000  # far from the traffic's seeds (its request indices)
 KINDS = ("hang_step", "step_error", "query_of_death", "stall_pulls", "lost_release", "mismatched_peer",
@@ -182,12 +184,19 @@ class WorkerFaults:
         return f"answered {status} {code or ''}".strip()
 
     async def stall_pulls(self) -> str:
+        """tests/gateway/actor_faults.py's stall_pulls (the one the product's own fault test runs) on every
+        decode worker for STALL_S, then healed once every pull it stalled has passed its deadline (a heal
+        before would hand the backend a pull it never started)."""
         decoders = self._workers(("decode", "mixed"))
         started = self.log.now()
         for worker in decoders:
-            await self._call(worker["worker_id"], _injectors().stall_new_pulls, STALL_S)
+            await self._call(worker["worker_id"], _actor_faults().stall_pulls)
+        await asyncio.sleep(STALL_S + TRANSFER_TIMEOUT_S + 2.0)
+        for worker in decoders:
+            with contextlib.suppress(Exception):  # replaced meanwhile: its replacement never had it
+                await self._call(worker["worker_id"], _actor_faults().heal)
         self.log.event("stall_pulls", worker_ids=[w["worker_id"] for w in decoders], stall_s=STALL_S,
-                       start_s=round(started, 3), end_s=round(started + STALL_S, 3))
+                       start_s=round(started, 3), end_s=round(self.log.now(), 3))
         return f"{len(decoders)} decode workers"
 
     async def lost_release(self) -> str:
