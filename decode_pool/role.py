@@ -36,9 +36,9 @@ from kv_transfer import (
 )
 from llm_engine import LLMEngine
 from llm_engine.scheduler import Scheduler
-from pool_worker.runtime.load import WorkerLoad
-from pool_worker.runtime.output_channels import OutputChannels
-from pool_worker.runtime.step_loop import StepLoop
+from worker_runtime.load import WorkerLoad
+from worker_runtime.output_channels import OutputChannels
+from worker_runtime.step_loop import StepLoop
 
 logger = logging.getLogger(__name__)
 

@@ -48,9 +48,9 @@ from kv_transfer import KVHandle, KVReceiver, PeerInfo, PullReply, PullRequest, 
 from llm_engine import LLMEngine
 from llm_engine.kv_cache_manager import blocks_for
 from llm_engine.request import Request
-from pool_worker.runtime.inbox import WorkerInbox
-from pool_worker.runtime.load import WorkerLoad
-from pool_worker.runtime.prefill_slicer import PrefillSlicer
+from worker_runtime.inbox import WorkerInbox
+from worker_runtime.load import WorkerLoad
+from worker_runtime.prefill_slicer import PrefillSlicer
 
 logger = logging.getLogger(__name__)
 OutputCallback = Callable[[DecodeOutput], None]

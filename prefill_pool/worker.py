@@ -26,10 +26,10 @@ from kv_transfer import KVHandle, KVSender, PullReply, PullRequest, ReleasedBloc
 from llm_engine import LLMEngine
 from llm_engine.choices import FirstToken
 from llm_engine.request import Request, RequestStatus
-from pool_worker.runtime.inbox import WorkerInbox
-from pool_worker.runtime.load import WorkerLoad
 from prefill_pool.messages import PrefillRequest, PrefillResult, PrefillTimes
 from prefill_pool.scheduler import PrefillScheduler
+from worker_runtime.inbox import WorkerInbox
+from worker_runtime.load import WorkerLoad
 
 logger = logging.getLogger(__name__)
 ResultCallback = Callable[[PrefillResult], None]

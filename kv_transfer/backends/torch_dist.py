@@ -61,7 +61,7 @@ def p2p_backend(device: str | torch.device) -> str:
 
     Returns:
         "nccl" or "gloo", to pass to init_process_group
-        (pool_worker.runtime.worker_setup.TorchGroupSpec.backend).
+        (worker_runtime.worker_setup.TorchGroupSpec.backend).
     """
     device_type = torch.device(device).type
     if device_type == "cuda":
