@@ -148,7 +148,7 @@ class PDDeployment:
 
     async def _start_torch_group(self, workers: list[Worker]) -> None:
         """Start every rank at once: each one's start() blocks until every rank has joined the group."""
-        from kv_transfer.backends.torch_dist import p2p_backend
+        from kv_transfer.backends.torch_group import p2p_backend
 
         self.torch_rendezvous = await torch_rendezvous(workers[0])
         group_backend = p2p_backend(self.config.engine.device)  # NCCL for a CUDA KV cache, else gloo
