@@ -36,7 +36,7 @@ import ray
 
 from decode_pool.messages import DecodeRequest
 from decode_pool.role import DecodeRole
-from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord
+from kv_transfer import BackendName, PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.model_loader import num_model_loads
 from llm_engine.step_timeline import StepRecord
@@ -48,6 +48,7 @@ from worker_runtime.info import WorkerInfo, WorkerPlacement, WorkerRuntime
 from worker_runtime.load import WorkerLoad
 from worker_runtime.model_source import ModelSource
 from worker_runtime.output_channels import OutputBatch, OutputChannels
+from worker_runtime.peer_client import PeerClient
 from worker_runtime.process_heap import freeze_startup_heap
 from worker_runtime.roles import Role
 from worker_runtime.worker_setup import TorchGroupSpec, setup_worker_process
@@ -63,13 +64,13 @@ class StillHoldsWork(RuntimeError):
 
 
 class WorkerActor:
-    def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, backend: str,
-                 transfer_config: TransferConfig, watermark: float = 0.05, num_threads: int = 1,
+    def __init__(self, worker_id: str, role: Role, engine_config: EngineConfig, backend: BackendName,
+                 transfer_config: TransferConfig, watermark: float, num_threads: int = 1,
                  model_source: ModelSource | None = None) -> None:
         self.worker_id = worker_id
         self._engine_config = engine_config
         self._model_source = model_source or ModelSource(engine_config.model_dir)
-        self._backend = backend
+        self._backend = BackendName(backend)  # the gateway may send the value, as it once did
         self._transfer_config = transfer_config
         self._watermark = watermark
         self._num_threads = num_threads
@@ -82,7 +83,7 @@ class WorkerActor:
         # not keep an async actor's call order, so a remove sent before an add may arrive after it; the
         # higher generation wins whatever the order (kept across role changes, like the worker).
         self._peer_generations: dict[str, int] = {}
-        self.role = Role(role)
+        self.role = Role(role)  # likewise
         self._placement = WorkerPlacement(ray.get_runtime_context().get_node_id(),
                                           ray.util.get_node_ip_address(), os.getpid())
         self._front: PrefillRole | DecodeRole | None = None  # built by start()
@@ -135,7 +136,7 @@ class WorkerActor:
         engine: LLMEngine | None = getattr(self, "engine", None)
         return None if engine is None else WorkerRuntime.of(engine, self._num_threads, self._cpu_ids)
 
-    async def set_role(self, role: str) -> WorkerInfo:
+    async def set_role(self, role: Role) -> WorkerInfo:
         """Serve as `role` from now on (see the lifecycle); raises StillHoldsWork if the worker still holds
         work and the change needs a new front."""
         new = Role(role)
@@ -166,7 +167,7 @@ class WorkerActor:
         """The worker's latest load (`failure` is set once its step loop has died), with how long its
         running step has run (answered here, on the actor's loop: a hung step cannot stop it)."""
         front = self._started()
-        return replace(front.load(), role=self.role.value, step_running_s=front.loop.running_s(),
+        return replace(front.load(), role=self.role, step_running_s=front.loop.running_s(),
                        longest_step_s=front.loop.longest_step_s)
 
     def step_timeline(self, since: float = 0.0) -> list[StepRecord]:
@@ -217,7 +218,7 @@ class WorkerActor:
         decode = self._decode()
         if not self._is_newest_wiring(peer.worker_id, generation):
             return
-        await decode.add_peer(peer, actor)
+        await decode.add_peer(peer, PeerClient(peer.worker_id, actor) if actor is not None else None)
 
     def remove_peer(self, worker_id: str, generation: int = 0) -> None:
         """Forget a worker's endpoint, unless a later wiring of it has been applied already."""
