@@ -37,7 +37,7 @@ import httpx
 
 from llm_engine.default_model import prepare_default_model
 from llm_engine.tiny_model import build_tiny_llama
-from pool_worker.runtime.process_heap import freeze_startup_heap
+from worker_runtime.process_heap import freeze_startup_heap
 
 WORKER_STAGES = ("prefill_queue_ms", "prefill_ms", "transfer_ms", "decode_queue_ms", "decode_ms")
 
@@ -185,7 +185,7 @@ def main() -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy2(smol / name, model_dir / name)
     # The client's own full collections over what setup imported (torch, transformers) would count as
-    # the server's overhead; the servers freeze theirs the same way (pool_worker/runtime/process_heap.py).
+    # the server's overhead; the servers freeze theirs the same way (worker_runtime/process_heap.py).
     freeze_startup_heap()
     streams = [int(n) for n in args.streams.split(",")]
     here = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ Steps, each reported as it ends (a failure is recorded and the next step still r
   2. step times: engine step vs the bare transformers forward, prefill 256/1024/2048, decode 1/16/64 at
      context 256, bf16, compiled and eager (medians of --repeats);
   3. NCCL: two processes on one GPU (distinct NCCL_HOSTID per rank, over loopback: the code path, not the
-     speed), the pair warm-up (kv_transfer/backends/torch_dist.py warm_up_pairs), then a 64 MiB isend/irecv
+     speed), the pair warm-up (kv_transfer/backends/torch_group.py warm_up_pairs), then a 64 MiB isend/irecv
      byte-checked, with GB/s beside a device copy.
 Runs on a CPU too (`--device cpu --layers 2`: a dry run of the script itself; NCCL becomes gloo). Not yet
 here: NIXL VRAM→VRAM between two processes, and call B (Ray + the gateway end to end: a served greedy request,
@@ -189,7 +189,7 @@ def _nccl_rank(rank: int, init_file: str, device: str, queue: Any) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kv_transfer.backends.torch_dist import warm_up_pairs
+    from kv_transfer.backends.torch_group import warm_up_pairs
 
     is_cuda = device.startswith("cuda")
     os.environ["NCCL_HOSTID"] = f"pdserve-rank-{rank}"  # two ranks on one GPU: NCCL refuses them otherwise

@@ -32,7 +32,7 @@ from gateway.requests.orchestrator import run_request
 from gateway.requests.router import Router
 from llm_engine import EngineConfig, SamplingParams
 from llm_engine.default_model import prepare_default_model
-from pool_worker import Role
+from worker_runtime.roles import Role
 
 
 def percentile(values: list[float], q: float) -> float:

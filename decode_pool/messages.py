@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kv_transfer import KVHandle
 from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
 from llm_engine.choices import FirstToken, choice_request_id
+from llm_engine.finish_reason import FinishReason
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class DecodeRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams  # the whole request's parameters (max_tokens counts the first token)
     # The prefill worker's first token and the handle to its prompt KV. Both None: this worker prefills
-    # the prompt itself (colocated mode) and streams the first token too.
+    # the prompt itself (the mixed role) and streams the first token too.
     first_token_id: int | None = None
     first_logprob: float | None = None
     kv_handle: KVHandle | None = None
@@ -62,7 +63,7 @@ class DecodeOutput:
     logprobs: tuple[float, ...]  # their log-probabilities, when asked for
     emitted_at: float  # wall clock when the step produced the last of them
     token_times: tuple[float, ...] = ()  # wall clock when each token was produced (several once coalesced)
-    finish_reason: str | None = None  # "stop", "length", "abort", "error" or "migrate" (handed back)
+    finish_reason: FinishReason | None = None  # set on the last output
     times: DecodeTimes | None = None  # on the final output
     transfer_bytes: int = 0  # KV bytes pulled for this request (final output)
     num_preemptions: int = 0  # times recomputed after losing its blocks (final output)

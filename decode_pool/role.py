@@ -17,13 +17,12 @@ Lifecycle:  DecodeRole(engine, outputs) — the engine's scheduler becomes the d
 from __future__ import annotations
 
 import asyncio
-import logging
-from typing import Any
 
 from decode_pool.messages import DecodeRequest
 from decode_pool.migration import MigrationOffers
 from decode_pool.worker import DecodeWorker
 from kv_transfer import (
+    BackendName,
     KVHandle,
     PeerInfo,
     PullReply,
@@ -36,16 +35,20 @@ from kv_transfer import (
 )
 from llm_engine import LLMEngine
 from llm_engine.scheduler import Scheduler
-from pool_worker.runtime.load import WorkerLoad
-from pool_worker.runtime.output_channels import OutputChannels
-from pool_worker.runtime.step_loop import StepLoop
-
-logger = logging.getLogger(__name__)
+from worker_runtime.load import WorkerLoad
+from worker_runtime.output_channels import OutputChannels
+from worker_runtime.peer_client import PeerClient
+from worker_runtime.step_loop import StepLoop
 
 
 class DecodeRole:
-    def __init__(self, worker_id: str, engine: LLMEngine, backend: str, transfer_config: TransferConfig,
-                 outputs: OutputChannels, watermark: float = 0.05, num_threads: int = 1) -> None:
+    def __init__(self, worker_id: str, engine: LLMEngine, backend: BackendName,
+                 transfer_config: TransferConfig, outputs: OutputChannels, watermark: float,
+                 num_threads: int = 1) -> None:
+        """Args:
+        watermark: the share of blocks kept free when admitting pulls (its default lives in the fleet's
+            config, gateway/fleet/config.py).
+        """
         engine.use_scheduler(Scheduler, watermark)
         receiver = make_receiver(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
         migration = None
@@ -56,23 +59,23 @@ class DecodeRole:
         self.worker = DecodeWorker(worker_id, engine, receiver, deliver_pull=self._deliver_pull,
                                    release_source=self._release_source, on_step_end=outputs.flush,
                                    wake=lambda: self.loop.wake(), migration=migration)
-        self._peer_actors: dict[str, Any] = {}  # id of a worker this one pulls from → its actor handle
+        self._peers: dict[str, PeerClient | None] = {}  # id of a worker this one pulls from → its client
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.loop = StepLoop(f"decode-{worker_id}", self.worker.step, num_threads, on_error=self.worker.fail)
         self.loop.start()
         self.worker.start_watching()
 
-    async def add_peer(self, peer: PeerInfo, actor: Any = None) -> None:
-        """Learn a worker to pull from (once); `actor` is told about handles nobody will pull, and carries
-        pulls where the sender takes part."""
+    async def add_peer(self, peer: PeerInfo, client: PeerClient | None = None) -> None:
+        """Learn a worker to pull from (once); `client` tells it about handles nobody will pull, and carries
+        pulls where the sender takes part (None: tests that wire in-process peers)."""
         self._event_loop = asyncio.get_running_loop()
-        self._peer_actors[peer.worker_id] = actor
+        self._peers[peer.worker_id] = client
         self.worker.add_peer(peer)
         self.loop.wake()
 
     def remove_peer(self, worker_id: str) -> None:
         """A worker left its role or the deployment: forget its endpoint."""
-        self._peer_actors.pop(worker_id, None)
+        self._peers.pop(worker_id, None)
         self.worker.remove_peer(worker_id)
         self.loop.wake()
 
@@ -130,25 +133,23 @@ class DecodeRole:
 
     def _deliver_pull(self, pull: PullRequest) -> None:
         # Called on the step loop thread: hop to the actor's event loop to make the actor call.
-        assert self._event_loop is not None, "add_prefill_peer() comes before any pull"
+        assert self._event_loop is not None, "add_peer() comes before any pull"
         asyncio.run_coroutine_threadsafe(self._carry_pull(pull), self._event_loop)
 
     def _release_source(self, handle: KVHandle, why: str) -> None:
         # Called on the step loop thread; fire and forget (if the source worker is gone, so are its blocks).
-        actor = self._peer_actors.get(handle.source_worker_id)
-        if actor is not None and self._event_loop is not None:
-            self._event_loop.call_soon_threadsafe(actor.release_kv.remote, handle.transfer_id, why)
+        client = self._peers.get(handle.source_worker_id)
+        if client is not None and self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(client.release_kv, handle.transfer_id, why)
 
     async def _carry_pull(self, pull: PullRequest) -> None:
-        # Nobody reads this coroutine's future: an error must end the pull here (refused: the prompt is
-        # recomputed now), not vanish and leave the pull to wait for its deadline.
-        try:
-            reply = await self._peer_actors[pull.source_worker_id].accept_pull.remote(pull)
-        except Exception as error:
-            logger.warning("pull %s from %s could not be carried (%s); it is refused", pull.transfer_id,
-                           pull.source_worker_id, type(error).__name__)
+        # Nobody reads this coroutine's future: the client turns a failed call into a refused reply (the
+        # prompt is recomputed now) rather than leaving the pull to wait for its deadline.
+        client = self._peers.get(pull.source_worker_id)
+        if client is None:
             reply = PullReply(pull.source_worker_id, pull.transfer_id, is_accepted=False,
-                              reason=f"the pull request failed: {type(error).__name__}", send_seq=-1,
-                              num_blocks=0)
+                              reason="no client for the peer", send_seq=-1, num_blocks=0)
+        else:
+            reply = await client.accept_pull(pull)
         self.worker.on_pull_reply(reply)
         self.loop.wake()

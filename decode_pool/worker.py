@@ -1,27 +1,24 @@
-"""Decode worker: requests with a KV handle in, tokens out, one step at a time.
+"""(Over 300 lines: the step and the request's ends (emit, abort, finish, fail) share one entry table; its
+queues, engine admission and evacuation are split out.)
 
-Lifecycle of a request on this worker:
-    submit() → INBOX → AWAITING_BLOCKS (admission: prompt blocks + the watermark reserve must be free)
-      → TRANSFERRING (blocks allocated, pull started; polled by the PullWatcher's thread as it runs and at
-        every step, never awaited: its end is stamped when seen and wakes the loop)
-      → RUNNING (joins the engine's running batch at the next step: iteration-level batching)
-      → FINISHED (stop, length, abort); blocks freed.
-    A request without a handle is prefilled here (colocated mode, or a request migrated from a failed worker
-    with the tokens it already generated) and joins the engine's WAITING queue. A request moved from a
-    worker that evacuated it comes with the tokens so far and a handle to their KV: it is pulled like a
-    prefill worker's (and recomputed here if that fails).
+Decode worker: requests with a KV handle in, tokens out, one step at a time (schedule → execute → emit).
+
+Lifecycle of a request on this worker, one line per queue:
+    1. INBOX            submit() from any thread; taken by the loop at its next step
+    2. AWAITING_BLOCKS  (pull_queue.py) until blocks for the prompt + the watermark reserve are free
+    3. TRANSFERRING     (pull_queue.py) blocks allocated, pull started; polled, never awaited
+    4. RUNNING          (engine_admission.py) in the engine's batch from the next step (or WAITING: prefill)
+    5. FINISHED         finish_reason "stop" or "length" (the engine), "abort", "error" (fail()) or
+                        "migrate" (handed back: evacuation.py); its blocks freed, or offered (migration.py)
+    A request without a handle (the mixed role, or one migrated from a failed worker with the tokens it
+    already generated) is prefilled here: the engine's WAITING queue. One moved from a worker that evacuated
+    it comes with the tokens so far and a handle to their KV: it is pulled like a prefill worker's.
     A FAILED pull is not fatal: the blocks are freed and the prompt recomputed here.
     A request with several choices (DecodeRequest.choices) is one group until its pull ends, then one request
     per choice forked from the pulled blocks (decode_pool/choice_groups.py).
     Preemption (blocks ran short) is the engine's: recompute, tokens kept, nothing lost.
     abort() works in every state; an aborted TRANSFERRING request's pull is cancelled where it can be, and its
     blocks are freed when the pull ends (at the next step when cancelled).
-    evacuate() ends every request here as abort() does, but with finish_reason "migrate": the gateway
-    continues each on another worker from the tokens the client has (a worker changing role leaves now).
-    A request still AWAITING_BLOCKS goes back with its handle unused, so the next worker pulls its KV.
-    With a migration sender, a RUNNING stream's blocks are kept and offered instead (decode_pool.migration):
-    its last output carries the KVHandle, the next worker pulls it, and the blocks are freed when its lease
-    ends; the worker holds work (num_requests) until then.
     Whenever a handle will not be pulled (aborted before its pull, pull FAILED), release_source() tells the
     prefill side at once, so its blocks do not wait for the lease to end.
     fail() (the step loop died) ends every request here with finish_reason "error" (those in the batch of the
@@ -34,45 +31,34 @@ last step.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import time
 from collections.abc import Callable
 
 from decode_pool.choice_groups import ChoiceGroups
+from decode_pool.engine_admission import EngineAdmission
+from decode_pool.entry import DecodeEntry, OutputCallback
+from decode_pool.evacuation import Evacuation
 from decode_pool.messages import DecodeOutput, DecodeRequest, DecodeTimes
 from decode_pool.migration import MigrationOffers
-from decode_pool.pull_watcher import PullWatcher
+from decode_pool.pull_queue import PullEnd, PullQueue
 from kv_transfer import KVHandle, KVReceiver, PeerInfo, PullReply, PullRequest, TransferState
 from llm_engine import LLMEngine
-from llm_engine.kv_cache_manager import blocks_for
+from llm_engine.finish_reason import FinishReason
 from llm_engine.request import Request
-from pool_worker.runtime.inbox import WorkerInbox
-from pool_worker.runtime.load import WorkerLoad
-from pool_worker.runtime.prefill_slicer import PrefillSlicer
+from worker_runtime.inbox import WorkerInbox
+from worker_runtime.load import WorkerLoad
+from worker_runtime.prefill_slicer import PrefillSlicer
+from worker_runtime.roles import Role
 
 logger = logging.getLogger(__name__)
-OutputCallback = Callable[[DecodeOutput], None]
 TRANSFER_POLL_S = 0.001  # the idle loop's poll while pulls run, when no PullWatcher thread wakes it
 # At a step's start, a pull just started is waited for at most this long, and at most this share of the
 # last step: the request it carries then joins this step, at that small cost to the others in it.
 MAX_JOIN_WAIT_S = 0.015
 JOIN_WAIT_SHARE = 0.2
 WITHDRAWN_CLAIM_POLL_S = 0.05  # the idle loop's poll while only claims for withdrawn KV may still come
-
-
-@dataclasses.dataclass
-class _Entry:
-    request: DecodeRequest
-    on_output: OutputCallback
-    queued: float
-    transfer_started: float | None = None
-    transfer_finished: float | None = None
-    admitted: float | None = None
-    transfer_bytes: int = 0
-    is_aborted: bool = False
-    abort_reason: str = "abort"  # the finish_reason an aborted request ends with ("migrate": evacuated)
 
 
 class DecodeWorker:
@@ -101,15 +87,15 @@ class DecodeWorker:
         self.on_step_end = on_step_end or (lambda: None)
         self.migration = migration
         self._wake = wake or (lambda: None)
-        self._pulls = PullWatcher(receiver, self._wake, deliver_pull, f"pulls-{worker_id}")
-        self._is_watching = False
+        self._pulls = PullQueue(engine, receiver, self._wake, deliver_pull, f"pulls-{worker_id}")
         # Commands from other threads, run by the loop thread at the start of its next step.
         self._inbox: WorkerInbox[tuple[DecodeRequest, OutputCallback, float]] = WorkerInbox(
             f"decode worker {worker_id}")
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, DecodeEntry] = {}
         self._groups = ChoiceGroups()  # requests with several choices, until their pull ends
-        self._awaiting_blocks: collections.deque[str] = collections.deque()
-        self._transferring: dict[tuple[str, int], str] = {}
+        self._admission = EngineAdmission(engine, self._entries, self._groups)
+        self._evacuation = Evacuation(engine, self._entries, self._pulls, self._groups, migration,
+                                      self._finish, self._abort)
         self._in_step: tuple[str, ...] = ()  # the requests of the forward under way (suspects if it raises)
         config = engine.config
         self._slicer = PrefillSlicer(config.max_prefill_s_beside_decode, config.max_num_batched_tokens)
@@ -130,24 +116,23 @@ class DecodeWorker:
     def start_watching(self) -> None:
         """Watch pulls on a thread of their own (see the PullWatcher), and poll the migration sender on one
         (decode_pool.migration); stop_watching() before closing."""
-        self._pulls.start()
-        self._is_watching = True
+        self._pulls.start_watching()
         if self.migration is not None:
             self.migration.start_polling(self._wake)
 
     def stop_watching(self) -> None:
-        self._pulls.stop()
+        self._pulls.stop_watching()
 
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate", freeing its blocks (see the lifecycle)."""
-        self._inbox.post(self._evacuate)
+        self._inbox.post(self._evacuation.evacuate)
 
     def move_out(self, request_ids: list[str]) -> None:
         """Hand these requests back (finish_reason "migrate"), as evacuate() does, for the gateway to continue
         on another worker: a running stream with its KV offered, a prompt not started yet as it came (the
         gateway routes it again). One mid-prefill, or whose KV cannot be offered (no migration sender),
         stays here."""
-        self._inbox.post(lambda: self._move_out(request_ids))
+        self._inbox.post(lambda: self._evacuation.move_out(request_ids))
 
     def release(self, transfer_id: int, why: str) -> None:
         """Nobody will pull this migrating stream's KV: free its blocks now rather than at the lease's end."""
@@ -174,16 +159,12 @@ class DecodeWorker:
 
     def _peer_command(self, what: str, call: Callable[[], None]) -> None:
         try:
-            self._with_receiver(call)
+            self._pulls.with_receiver(call)
         except Exception:  # one peer's trouble, not this worker's: its streams go on
             logger.exception("%s failed; the worker serves on without it", what)
 
     def on_pull_reply(self, reply: PullReply) -> None:
-        self._inbox.post(lambda: self._with_receiver(lambda: self.receiver.on_pull_reply(reply)))
-
-    def _with_receiver(self, call: Callable[[], None]) -> None:
-        with self._pulls.lock:
-            call()
+        self._inbox.post(lambda: self._pulls.with_receiver(lambda: self.receiver.on_pull_reply(reply)))
 
     @property
     def failure(self) -> str:
@@ -197,13 +178,14 @@ class DecodeWorker:
         message = f"decode worker failed: {self.failure}"
         for request, on_output, _ in arriving:
             self._release_unpulled(request, "the decode worker failed")
-            on_output(DecodeOutput(request.request_id, (), (), now, finish_reason="error", error=message))
+            on_output(DecodeOutput(request.request_id, (), (), now, finish_reason=FinishReason.ERROR,
+                                   error=message))
         suspects = set(self._in_step)
         for request_id, entry in list(self._entries.items()):
             if entry.transfer_finished is None:
                 self._release_unpulled(entry.request, "the decode worker failed")
-            self._finish(request_id, "error", now, DecodeOutput(
-                request_id, (), (), now, finish_reason="error", error=message,
+            self._finish(request_id, FinishReason.ERROR, now, DecodeOutput(
+                request_id, (), (), now, finish_reason=FinishReason.ERROR, error=message,
                 in_failed_step=request_id in suspects))
         self._load = dataclasses.replace(self._load, failure=self.failure)
         self.on_step_end()
@@ -220,14 +202,13 @@ class DecodeWorker:
         self._inbox.drain()
         if self.migration is not None:
             self.migration.poll()
-        num_started = self._admit()
-        if num_started and self._is_watching and self.engine.scheduler.running:
+        num_started = self._pulls.admit(self._entries, self._on_pull_refused)
+        if num_started and self._pulls.is_watching and self.engine.scheduler.running:
             # A pull takes milliseconds: wait for it (briefly) so that the request joins this step rather
             # than the next; a moved stream would otherwise miss one more of this worker's steps.
             self._pulls.wait_finished(min(MAX_JOIN_WAIT_S, JOIN_WAIT_SHARE * self._last_step_s))
-        for result, finished_at in self._pulls.take():
-            self._on_transfer_result(result.source_worker_id, result.transfer_id, result.state, result.reason,
-                                     finished_at=finished_at)
+        for ended in self._pulls.take_ended():
+            self._on_pull_end(ended)
         scheduler = self.engine.scheduler
         scheduler.prefill_budget_beside_decode = self._slicer.budget()
         batch = scheduler.schedule() if scheduler.num_unfinished else None
@@ -252,7 +233,7 @@ class DecodeWorker:
         # an abort, the end of a pull), since a pull's end is what frees or fills blocks; without a watcher
         # thread, poll the receiver while pulls run.
         # The migration sender answers pulls from this loop: poll it while its leases are out.
-        is_polling = (self._transferring and not self._is_watching) or self._num_offered
+        is_polling = (self._pulls.num_transferring and not self._pulls.is_watching) or self._num_offered
         if is_polling:
             return TRANSFER_POLL_S
         # A claim for withdrawn migration KV may still come: refuse it soon, whoever waits for it.
@@ -271,10 +252,10 @@ class DecodeWorker:
     def _snapshot(self) -> WorkerLoad:
         scheduler = self.engine.scheduler
         return WorkerLoad(
-            worker_id=self.worker_id, role="decode",
-            num_waiting=len(self._awaiting_blocks) + len(scheduler.waiting),
+            worker_id=self.worker_id, role=Role.DECODE,
+            num_waiting=self._pulls.num_awaiting_blocks + len(scheduler.waiting),
             num_queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting),
-            num_running=len(scheduler.running), num_transferring=len(self._transferring),
+            num_running=len(scheduler.running), num_transferring=self._pulls.num_transferring,
             num_free_blocks=self.engine.block_pool.num_free_blocks,
             num_total_blocks=self.engine.block_pool.num_blocks,
             num_outstanding_tokens=sum(e.request.sampling.max_tokens * self._groups.num_choices(r)
@@ -284,7 +265,7 @@ class DecodeWorker:
 
     def _accept(self, request: DecodeRequest, on_output: OutputCallback, queued: float) -> None:
         self._inbox.take(request.request_id)
-        self._entries[request.request_id] = _Entry(request, on_output, queued)
+        self._entries[request.request_id] = DecodeEntry(request, on_output, queued)
         if request.choices:
             self._groups.add(request)
         handle = request.kv_handle
@@ -294,122 +275,33 @@ class DecodeWorker:
             logger.warning("migrated KV of %s covers %d tokens, not prompt + tokens so far - 1; recomputing",
                            request.request_id, handle.num_tokens)
             self._release_unpulled(request, "the KV does not match the tokens so far")
-            self._start_local(request.request_id)
+            self._admission.start_local(request.request_id)
         elif handle is None:
             if request.choices:  # the gateway sends groups with a handle only; recompute each choice
-                self._split(request.request_id, pulled=False)
+                self._admission.split(request.request_id, is_pulled=False)
             else:
-                self._start_local(request.request_id)
+                self._admission.start_local(request.request_id)
         else:
-            self._awaiting_blocks.append(request.request_id)
+            self._pulls.add(request.request_id)
 
-    def _admit(self) -> int:
-        """Start pulls, oldest first, while blocks for the prompt plus the watermark reserve are free;
-        returns how many started."""
-        pool = self.engine.block_pool
-        num_started = 0
-        while self._awaiting_blocks:
-            entry = self._entries[self._awaiting_blocks[0]]
-            handle = entry.request.kv_handle
-            assert handle is not None
-            busy = self.engine.scheduler.num_unfinished or self._transferring
-            reserve = self.engine.scheduler.watermark_blocks if busy else 0
-            # Several choices: room for each one's copy of the partial last block too (fork_blocks).
-            num_copies = self.engine.kv.num_fork_blocks(handle.num_tokens, len(entry.request.choices) or 1)
-            num_blocks = blocks_for(handle.num_tokens, self.engine.config.block_size) + num_copies
-            if not pool.can_allocate(num_blocks + reserve):
-                return num_started
-            self._awaiting_blocks.popleft()
-            request_id = entry.request.request_id
-            dst = self.engine.kv.allocate_blocks(request_id, handle.num_tokens)
-            entry.transfer_started = time.time()
-            entry.transfer_bytes = len(dst) * self.engine.runner.cache_spec.block_bytes
-            try:
-                with self._pulls.lock:
-                    self.receiver.start_pull(handle, dst)
-                    self._pulls.watch()
-            except (KeyError, ValueError) as error:
-                logger.warning("pull for %s refused (%s); recomputing the prompt here", request_id, error)
-                self._on_transfer_result(handle.source_worker_id, handle.transfer_id, TransferState.FAILED,
-                                         str(error), request_id)
-                continue
-            self._transferring[(handle.source_worker_id, handle.transfer_id)] = request_id
-            num_started += 1
-        return num_started
+    def _on_pull_refused(self, request_id: str, why: str) -> None:
+        self._on_pull_end(PullEnd(request_id, TransferState.FAILED, why, time.time()))
 
-    def _on_transfer_result(self, source: str, transfer_id: int, state: TransferState, reason: str,
-                            request_id: str | None = None, finished_at: float | None = None) -> None:
-        request_id = request_id or self._transferring.pop((source, transfer_id), None)
-        if request_id is None:
-            return
+    def _on_pull_end(self, ended: PullEnd) -> None:
+        """A pull ended: the request joins the running batch (DONE) or is recomputed here (FAILED)."""
+        request_id, state, reason = ended.request_id, ended.state, ended.reason
         entry = self._entries[request_id]
-        entry.transfer_finished = finished_at or time.time()
+        entry.transfer_finished = ended.finished_at
         if state is not TransferState.DONE:
             self._release_unpulled(entry.request, "aborted during the pull" if entry.is_aborted else reason)
         if entry.is_aborted:
             self.engine.kv.free(request_id)
             self._finish(request_id, entry.abort_reason, entry.transfer_finished)
             return
-        request = entry.request
-        assert request.kv_handle is not None
-        if request.choices:
-            self._split(request_id, pulled=state is TransferState.DONE)
-            return
-        if request.generated_token_ids:  # a stream moved here from a worker that evacuated it
-            output_token_ids, output_logprobs = list(request.generated_token_ids), []
+        if entry.request.choices:
+            self._admission.split(request_id, is_pulled=state is TransferState.DONE)
         else:
-            assert request.first_token_id is not None
-            output_token_ids = [request.first_token_id]
-            output_logprobs = [] if request.first_logprob is None else [request.first_logprob]
-        engine_request = Request(
-            request_id, list(request.prompt_token_ids), request.sampling,
-            frozenset(self.engine.spec.eos_token_ids), output_token_ids=output_token_ids,
-            output_logprobs=output_logprobs,
-            output_top_logprobs=[request.first_top_logprobs] if request.first_top_logprobs else [],
-            is_suspect=request.is_suspect,
-        )
-        if state is TransferState.DONE:
-            engine_request.num_computed_tokens = request.kv_handle.num_tokens
-            self.engine.scheduler.add_running(engine_request)
-            entry.admitted = time.time()
-        else:
-            logger.warning("pull for %s failed (%s); recomputing the prompt here", request_id, reason)
-            self.engine.kv.free(request_id)
-            entry.transfer_bytes = 0
-            self.engine.scheduler.add(engine_request)
-
-    def _split(self, group_id: str, pulled: bool) -> None:
-        """A group's pull ended (or it never had one): each remaining choice goes on as a request of its own,
-        forked from the pulled blocks when `pulled` and there is room for the copies, else recomputed."""
-        entry = self._entries.pop(group_id)
-        handle = entry.request.kv_handle
-        parts = self._groups.split(entry.request, frozenset(self.engine.spec.eos_token_ids))
-        kv = self.engine.kv
-        num_tokens = handle.num_tokens if handle is not None else 0
-        pulled = pulled and self.engine.block_pool.can_allocate(kv.num_fork_blocks(num_tokens, len(parts)))
-        if pulled and parts:
-            self.engine.fork_blocks(group_id, [request.request_id for request, _ in parts], num_tokens)
-        else:
-            kv.free(group_id)
-        now = time.time()
-        for request, engine_request in parts:
-            # Each choice reports the group's one pull (the gateway's timings read one choice's).
-            self._entries[request.request_id] = dataclasses.replace(
-                entry, request=request, admitted=now if pulled else None,
-                transfer_bytes=entry.transfer_bytes if pulled else 0)
-            if pulled:
-                engine_request.num_computed_tokens = num_tokens
-                self.engine.scheduler.add_running(engine_request)
-            else:
-                self.engine.scheduler.add(engine_request)
-
-    def _start_local(self, request_id: str) -> None:
-        entry = self._entries[request_id]
-        request = entry.request
-        eos = frozenset(self.engine.spec.eos_token_ids)
-        self.engine.scheduler.add(Request(request_id, list(request.prompt_token_ids), request.sampling, eos,
-                                          output_token_ids=list(request.generated_token_ids),
-                                          is_suspect=request.is_suspect))
+            self._admission.start_pulled(request_id, is_pulled=state is TransferState.DONE, reason=reason)
 
     def _release_unpulled(self, request: DecodeRequest, why: str) -> None:
         if request.kv_handle is not None and self.release_source is not None:
@@ -424,54 +316,14 @@ class DecodeWorker:
                               top_logprobs=tuple(request.output_top_logprobs[-1:]) if logprobs else (),
                               prompt_logprobs=request.scored_prompt() if is_first else None)
         if request.is_finished:
-            output = dataclasses.replace(output, finish_reason=request.status.value,
+            output = dataclasses.replace(output, finish_reason=request.status.finish_reason,
                                          num_preemptions=request.num_preemptions,
                                          num_cached_tokens=request.num_cached_tokens)
-            self._finish(request.request_id, request.status.value, now, output)
+            self._finish(request.request_id, request.status.finish_reason, now, output)
         else:
             entry.on_output(output)
 
-    def _evacuate(self) -> None:
-        for request_id in list(self._entries):
-            if not (self._hand_back_unpulled(request_id) or self._offer_for_migration(request_id)):
-                self._abort(request_id, "migrate")
-
-    def _move_out(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            if request_id not in self._entries or self._offer_for_migration(request_id):
-                continue
-            request = self.engine.scheduler.requests.get(request_id)
-            if request is not None and not request.num_computed_tokens and not request.num_output_tokens:
-                self._abort(request_id, "migrate")  # a prompt not started here: the gateway routes it again
-
-    def _hand_back_unpulled(self, request_id: str) -> bool:
-        """Hand a request whose pull has not started back with its handle, unused: the next worker pulls the
-        KV from where it is (the prefill worker) instead of recomputing it. False: its pull has started."""
-        if request_id not in self._awaiting_blocks or self._groups.is_group(request_id):
-            return False  # pulling already; or several choices, which cannot share one handle elsewhere
-        self._awaiting_blocks.remove(request_id)
-        handle = self._entries[request_id].request.kv_handle
-        now = time.time()
-        self._finish(request_id, "migrate", now,
-                     DecodeOutput(request_id, (), (), now, finish_reason="migrate", kv_handle=handle))
-        return True
-
-    def _offer_for_migration(self, request_id: str) -> bool:
-        """Hand a running stream back with its KV offered (see the lifecycle); False: not possible here."""
-        scheduler = self.engine.scheduler
-        request = scheduler.requests.get(request_id)
-        if (self.migration is None or request is None or not request.num_output_tokens
-                or request.num_computed_tokens != request.num_tokens - 1):
-            return False  # no sender, not running, or mid-prefill: evacuated without KV
-        if scheduler.detach(request_id) is None:
-            return False
-        handle = self.migration.offer(request)
-        now = time.time()
-        self._finish(request_id, "migrate", now,
-                     DecodeOutput(request_id, (), (), now, finish_reason="migrate", kv_handle=handle))
-        return True
-
-    def _abort(self, request_id: str, reason: str = "abort") -> None:
+    def _abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         group_id = self._groups.group_of(request_id)
         if group_id is not None:  # one choice of a group still pulling: it ends alone, unless it was the last
             group = self._entries[group_id]
@@ -486,23 +338,20 @@ class DecodeWorker:
         if entry is None:
             return
         entry.abort_reason = reason
-        if request_id in self._awaiting_blocks:
-            self._awaiting_blocks.remove(request_id)
+        if self._pulls.withdraw(request_id):
             self._release_unpulled(entry.request, "aborted before its pull")
-        elif request_id in self._transferring.values():
+        elif self._pulls.is_transferring(request_id):
             # The pull may still write into the blocks: free them when it ends, now if it can be stopped
             # (before its READ, or a READ NIXL cancels), else at its end or deadline.
             entry.is_aborted = True
-            handle = entry.request.kv_handle
-            assert handle is not None
-            with self._pulls.lock:
-                self.receiver.cancel(handle.source_worker_id, handle.transfer_id, "the request was aborted")
+            assert entry.request.kv_handle is not None
+            self._pulls.cancel(entry.request.kv_handle, "the request was aborted")
             return
         else:
             self.engine.scheduler.abort(request_id)
         self._finish(request_id, reason, time.time())
 
-    def _finish(self, request_id: str, reason: str, now: float, output: DecodeOutput | None = None,
+    def _finish(self, request_id: str, reason: FinishReason, now: float, output: DecodeOutput | None = None,
                 error: str = "") -> None:
         entry = self._entries.pop(request_id)
         times = DecodeTimes(entry.queued, entry.transfer_started, entry.transfer_finished, entry.admitted,

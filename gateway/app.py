@@ -62,7 +62,7 @@ from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.tracing import RequestTracer, trace_headers
 from llm_engine.model_files import served_name
 from llm_engine.model_loader import load_tokenizer
-from pool_worker import Role
+from worker_runtime.roles import Role
 
 logger = logging.getLogger(__name__)
 RAY_NAMESPACE = "pdserve"

@@ -26,8 +26,8 @@ from llm_engine.hardware import resolve_device, resolve_dtype
 from llm_engine.kv_sizing import parse_memory
 from llm_engine.model_files import check_model_name, is_local_path
 from llm_engine.model_loader import read_model_spec
-from pool_worker import Role
-from pool_worker.runtime.model_source import ModelSource
+from worker_runtime.model_source import ModelSource
+from worker_runtime.roles import Role
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 ENV_PREFIX = "PDSERVE_"  # a field's environment variable: PDSERVE_<FIELD NAME>
@@ -420,7 +420,7 @@ class ServeConfig(BaseSettings):
                                 role_resources={r: x for r, x in chosen_resources.items() if x},
                                 worker_env=dict(self.worker_env or {}),
                                 # Each worker finds the model on its own node
-                                # (pool_worker/runtime/model_source.py).
+                                # (worker_runtime/model_source.py).
                                 model_source=ModelSource.named(self.model, self.revision, model_dir),
                                 num_threads=self.default_threads_per_worker(), pin_cpus=self.pin_cpus,
                                 **{k: v for k, v in placement.items() if v is not None})  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from gateway.config import ServeConfig
 from gateway.fleet.workers import Worker
 from llm_engine.model_files import ModelNotFoundError, resolve_model
 from llm_engine.model_loader import read_model_spec
-from pool_worker.runtime.process_heap import freeze_startup_heap
+from worker_runtime.process_heap import freeze_startup_heap
 
 
 def resolve_model_dir(config: ServeConfig) -> str:

@@ -20,14 +20,14 @@ blocks (nixl answers the receiver's claim there), so keep polling it while lease
 
 from __future__ import annotations
 
+from kv_transfer.capabilities import BackendCapabilities
 from kv_transfer.config import TransferConfig
-from kv_transfer.enums import BackendName, ReleaseReason, TransferState
+from kv_transfer.enums import BackendName, ReleaseReason, TransferSide, TransferState
 from kv_transfer.layout import IncompatibleLayoutError, KVLayout, MemoryRegion, layout_from_tensor
 from kv_transfer.messages import KVHandle, PeerInfo, PullReply, PullRequest, ReleasedBlocks, TransferResult
 from kv_transfer.metrics import TransferRecord, TransferRecorder
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.registry import (
-    BackendCapabilities,
     BackendChoice,
     BackendUnavailableError,
     UnknownBackendError,
@@ -59,6 +59,7 @@ __all__ = [
     "TransferRecord",
     "TransferRecorder",
     "TransferResult",
+    "TransferSide",
     "TransferState",
     "UnknownBackendError",
     "can_move_kv_between_decode_workers",

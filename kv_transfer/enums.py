@@ -13,6 +13,13 @@ class BackendName(StrEnum):
     TORCH = "torch"  # torch.distributed isend/irecv (gloo on CPU, NCCL on GPU): both sides take part
 
 
+class TransferSide(StrEnum):
+    """Which side of a transfer a TransferRecord was kept on."""
+
+    SEND = "send"  # the sender (prefill side, or a decode worker offering a moved stream), at release
+    RECV = "recv"  # the receiver (decode side), at DONE or FAILED
+
+
 class TransferState(IntEnum):
     """Lifecycle of one pull on the receiver side: PENDING -> TRANSFERRING -> DONE | FAILED."""
 

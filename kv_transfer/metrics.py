@@ -6,14 +6,14 @@ import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kv_transfer.enums import BackendName
+from kv_transfer.enums import BackendName, TransferSide
 
 
 @dataclass(frozen=True)
 class TransferRecord:
     """One finished transfer, as seen by one side."""
 
-    role: str  # "send" (prefill side, at release) or "recv" (decode side, at DONE/FAILED)
+    role: TransferSide  # the side that kept the record
     backend: BackendName  # backend that moved (or was to move) the bytes
     source_worker_id: str  # worker that held the blocks
     transfer_id: int  # KVHandle.transfer_id

@@ -18,17 +18,14 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
+from kv_transfer.capabilities import CAPABILITIES, BackendCapabilities
 from kv_transfer.endpoint import TransferEndpoint
-from kv_transfer.enums import BackendName, TransferState
+from kv_transfer.enums import BackendName, TransferSide, TransferState
 from kv_transfer.layout import IncompatibleLayoutError, check_block_ids, check_compatible
 from kv_transfer.messages import KVHandle, PeerInfo, PullReply, PullRequest, TransferResult
 from kv_transfer.metrics import TransferRecord
-
-if TYPE_CHECKING:
-
-    from kv_transfer.registry import BackendCapabilities
 
 PullKey = tuple[str, int]  # (source_worker_id, transfer_id)
 
@@ -69,10 +66,8 @@ class KVReceiver(TransferEndpoint, ABC):
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        """This backend's declared capabilities (see kv_transfer.registry)."""
-        from kv_transfer.registry import capabilities
-
-        return capabilities(self.backend)
+        """This backend's declared capabilities (kv_transfer/capabilities.py)."""
+        return CAPABILITIES[self.backend]
 
     def add_peer(self, peer: PeerInfo) -> None:
         """Learn a sender (idempotent; a new endpoint under a known worker id replaces the old one); refuses
@@ -211,7 +206,7 @@ class KVReceiver(TransferEndpoint, ABC):
 
     def _record(self, pull: Pull) -> None:
         self.recorder.add(TransferRecord(
-            role="recv",
+            role=TransferSide.RECV,
             backend=self.backend,
             source_worker_id=pull.handle.source_worker_id,
             transfer_id=pull.handle.transfer_id,

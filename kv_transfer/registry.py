@@ -1,13 +1,5 @@
-"""Backend registry: names (BackendName) -> capabilities and lazily imported sender/receiver classes.
-
-Backends differ only by two declared capabilities (after Ray Serve LLM's KV connectors):
-    needs_peer_bound_up_front  the peer set is fixed when the backend starts (torch process-group ranks),
-                               instead of peers being added at any time through add_peer() (nixl, local)
-    sender_takes_part          each pull needs the caller to carry PullRequest -> accept_pull -> PullReply,
-                               instead of the backend reaching the sender itself (nixl: a claim notification
-                               answered in sender.poll(), then a READ; local: a copy)
-Callers orchestrate by the flags, never by the backend's name.
-"""
+"""Backend registry: names (BackendName) -> capabilities (kv_transfer/capabilities.py) and lazily imported
+sender/receiver classes; an unknown name is an error that lists the known ones."""
 
 from __future__ import annotations
 
@@ -19,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kv_transfer.capabilities import CAPABILITIES, BackendCapabilities
 from kv_transfer.enums import BackendName
 
 if TYPE_CHECKING:
@@ -37,15 +30,6 @@ class BackendUnavailableError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class BackendCapabilities:
-    """What the orchestration must do differently for a backend."""
-
-    needs_peer_bound_up_front: bool  # peers fixed at start (ranks of a group) rather than added any time
-    sender_takes_part: bool  # each pull needs a PullRequest/PullReply round trip through the sender
-    crosses_processes: bool  # sender and receiver may live in different processes (or hosts)
-
-
-@dataclass(frozen=True)
 class BackendSpec:
     """One registry entry; the module is imported only when the backend is used."""
 
@@ -53,7 +37,7 @@ class BackendSpec:
     module: str  # module holding the two classes
     sender_class: str  # KVSender subclass name in `module`
     receiver_class: str  # KVReceiver subclass name in `module`
-    capabilities: BackendCapabilities  # see the module docstring
+    capabilities: BackendCapabilities  # see kv_transfer/capabilities.py
     is_available: Callable[[], bool]  # cheap check that the backend can run in this process
 
 
@@ -78,19 +62,15 @@ def _torch_dist_is_available() -> bool:
 BACKENDS: dict[BackendName, BackendSpec] = {
     BackendName.LOCAL: BackendSpec(
         BackendName.LOCAL, "kv_transfer.backends.local", "LocalSender", "LocalReceiver",
-        BackendCapabilities(needs_peer_bound_up_front=False, sender_takes_part=False,
-                            crosses_processes=False),
-        lambda: True,
+        CAPABILITIES[BackendName.LOCAL], lambda: True,
     ),
     BackendName.NIXL: BackendSpec(
         BackendName.NIXL, "kv_transfer.backends.nixl", "NixlSender", "NixlReceiver",
-        BackendCapabilities(needs_peer_bound_up_front=False, sender_takes_part=False, crosses_processes=True),
-        _nixl_is_available,
+        CAPABILITIES[BackendName.NIXL], _nixl_is_available,
     ),
     BackendName.TORCH: BackendSpec(
         BackendName.TORCH, "kv_transfer.backends.torch_dist", "TorchSender", "TorchReceiver",
-        BackendCapabilities(needs_peer_bound_up_front=True, sender_takes_part=True, crosses_processes=True),
-        _torch_dist_is_available,
+        CAPABILITIES[BackendName.TORCH], _torch_dist_is_available,
     ),
 }
 

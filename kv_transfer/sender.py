@@ -18,18 +18,15 @@ import os
 import socket
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
+from kv_transfer.capabilities import CAPABILITIES, BackendCapabilities
 from kv_transfer.endpoint import TransferEndpoint
-from kv_transfer.enums import BackendName, ReleaseReason
+from kv_transfer.enums import BackendName, ReleaseReason, TransferSide
 from kv_transfer.layout import check_block_ids
 from kv_transfer.lease import Lease, LeaseTable
 from kv_transfer.messages import KVHandle, PeerInfo, PullReply, PullRequest, ReleasedBlocks
 from kv_transfer.metrics import TransferRecord
-
-if TYPE_CHECKING:
-
-    from kv_transfer.registry import BackendCapabilities
 
 
 class KVSender(TransferEndpoint, ABC):
@@ -46,10 +43,8 @@ class KVSender(TransferEndpoint, ABC):
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        """This backend's declared capabilities (see kv_transfer.registry)."""
-        from kv_transfer.registry import capabilities
-
-        return capabilities(self.backend)
+        """This backend's declared capabilities (kv_transfer/capabilities.py)."""
+        return CAPABILITIES[self.backend]
 
     @property
     def num_outstanding(self) -> int:
@@ -151,7 +146,7 @@ class KVSender(TransferEndpoint, ABC):
 
     def _release(self, lease: Lease, reason: ReleaseReason, why: str) -> ReleasedBlocks:
         self.recorder.add(TransferRecord(
-            role="send",
+            role=TransferSide.SEND,
             backend=self.backend,
             source_worker_id=self.worker_id,
             transfer_id=lease.transfer_id,

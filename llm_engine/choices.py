@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llm_engine.finish_reason import FinishReason
 from llm_engine.logprobs import TopLogprobs
 
 MAX_CHOICES = 16  # choices one request may ask for (the gateway refuses more: 400 naming `n`)
@@ -32,4 +33,4 @@ class FirstToken:
     logprob: float | None  # when the request asked for logprobs
     top_logprobs: TopLogprobs = ()  # when it asked for top_logprobs
     # "stop" (EOS or a stop token), "length" (max_tokens 1), or None: the choice decodes on.
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None

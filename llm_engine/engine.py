@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from llm_engine.block_pool import BlockPool
 from llm_engine.config import EngineConfig, ModelSpec
+from llm_engine.finish_reason import FinishReason
 from llm_engine.hardware import device_memory
 from llm_engine.kv_cache import KVCacheSpec
 from llm_engine.kv_cache_manager import KVCacheManager, blocks_for
@@ -34,7 +35,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: tuple[int, ...]  # tokens gained this step
     new_logprobs: tuple[float, ...]  # their log-probabilities, when asked for
-    finish_reason: str | None  # None while running; "stop", "length" or "abort" when finished
+    finish_reason: FinishReason | None  # None while running; STOP, LENGTH or ABORT when finished
     new_top_logprobs: tuple[TopLogprobs, ...] = ()  # per new token, when sampling.top_logprobs > 0
     prompt_logprobs: PromptLogprobs | None = None  # with the first token, when sampling.prompt_logprobs
 
@@ -51,7 +52,7 @@ class Completion:
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
     output_logprobs: tuple[float, ...]
-    finish_reason: str
+    finish_reason: FinishReason
     num_preemptions: int  # times the request lost its blocks and recomputed them
     output_top_logprobs: tuple[TopLogprobs, ...] = ()
     prompt_logprobs: PromptLogprobs | None = None
@@ -156,7 +157,7 @@ class LLMEngine:
                 request_id=r.request_id,
                 new_token_ids=(r.output_token_ids[-1],),
                 new_logprobs=tuple(r.output_logprobs[-1:]) if r.sampling.logprobs else (),
-                finish_reason=r.status.value if r.is_finished else None,
+                finish_reason=r.status.finish_reason if r.is_finished else None,
                 new_top_logprobs=tuple(r.output_top_logprobs[-1:]),
                 prompt_logprobs=r.scored_prompt() if r.num_output_tokens == 1 else None,
             )
@@ -177,7 +178,7 @@ class LLMEngine:
             self.step()
         return [
             Completion(r.request_id, tuple(r.prompt_token_ids), tuple(r.output_token_ids),
-                       tuple(r.output_logprobs), r.status.value, r.num_preemptions,
+                       tuple(r.output_logprobs), r.status.finish_reason, r.num_preemptions,
                        tuple(r.output_top_logprobs), r.scored_prompt())
             for r in requests
         ]

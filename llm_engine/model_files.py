@@ -7,7 +7,7 @@ file) for private and gated models, and `HF_ENDPOINT`. Only what the engine read
 tokenizer files, and with `weights=True` the top-level safetensors.
 
 Each process resolves the id for itself: the gateway for the tokenizer and chat template (`weights=False`),
-each worker on its own node for the weights (pool_worker/runtime/model_source.py), so the nodes of a cluster
+each worker on its own node for the weights (worker_runtime/model_source.py), so the nodes of a cluster
 need no shared disk: each fills its own cache, or finds it filled.
 """
 

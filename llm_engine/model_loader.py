@@ -16,7 +16,7 @@ from llm_engine.compilation import Body, CompileReport, compile_body
 from llm_engine.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelSpec
 from llm_engine.hardware import check_device_present
 from llm_engine.lean_model import LeanBody, has_lean_body
-from llm_engine.linear_kernels import LinearKernelReport, apply_linear_kernel
+from llm_engine.linear_probe import LinearKernelReport, apply_linear_kernel
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase

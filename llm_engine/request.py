@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from llm_engine.batch import SampledToken
+from llm_engine.finish_reason import FinishReason
 from llm_engine.logprobs import PromptLogprobs, PromptLogprobsChunk, TopLogprobs
 from llm_engine.sampling import SamplingParams
 
@@ -19,13 +20,18 @@ from llm_engine.sampling import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
+    FINISHED_STOPPED = FinishReason.STOP.value
+    FINISHED_LENGTH = FinishReason.LENGTH.value
+    FINISHED_ABORTED = FinishReason.ABORT.value
 
     @property
     def is_finished(self) -> bool:
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        """What a finished request reports (ValueError while it is not finished)."""
+        return FinishReason(self.value)
 
 
 @dataclass(eq=False)  # identity, not field equality: `in`/`remove` on queues must not compare token lists

@@ -20,70 +20,38 @@ Lifecycle:  WorkerActor(role): cheap, so that the gateway learns at once that Ra
 Calls meant for another role (submit_prefills on a decode worker, ...) raise WrongRole: the gateway picks
 another worker (this one changed role since it was picked).
 Aborts are sticky: an abort that overtakes its submission (Ray does not order an async actor's calls) is
-remembered, and the submission is refused when it comes (runtime/aborted.py).
+remembered, and the submission is refused when it comes (worker_runtime/aborted.py, submissions.py).
 Wrapped with ray.remote(...) by the pool, which sets its resources and name.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
 
 import ray
 
-from decode_pool.messages import DecodeOutput, DecodeRequest
+from decode_pool.messages import DecodeRequest
 from decode_pool.role import DecodeRole
-from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord
+from kv_transfer import BackendName, PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.model_loader import num_model_loads
 from llm_engine.step_timeline import StepRecord
-from llm_engine.structured import GrammarError
-from pool_worker.roles import Role
-from pool_worker.runtime.aborted import AbortedIds
-from pool_worker.runtime.load import WorkerLoad
-from pool_worker.runtime.model_source import ModelSource
-from pool_worker.runtime.output_channels import OutputBatch, OutputChannels
-from pool_worker.runtime.process_heap import freeze_startup_heap
-from pool_worker.runtime.worker_setup import TorchGroupSpec, setup_worker_process
-from prefill_pool.messages import PrefillRequest, PrefillResult
+from pool_worker.submissions import compile_grammars, is_final, submit_each
+from prefill_pool.messages import PrefillRequest
 from prefill_pool.role import PrefillRole
-
-RequestT = TypeVar("RequestT", PrefillRequest, DecodeRequest)
-
-
-def _is_final(output: PrefillResult | DecodeOutput) -> bool:
-    """A prompt's result is its only output on a prefill worker; a decode output is final when finished."""
-    return isinstance(output, PrefillResult) or output.finish_reason is not None
-
-
-def _each(requests: Sequence[RequestT], submit: Callable[[RequestT], None], aborted: AbortedIds,
-          refused: dict[str, str]) -> list[str]:
-    """submit() each request; per request, why it was refused (`refused`'s reason, its ValueError's message,
-    or an abort that came first) or ""."""
-    refusals = []
-    for request in requests:
-        # A group of choices (n > 1) is aborted under its choices' ids: any of them refuses the group (the
-        # gateway starts each choice again on its own), and every remembered id is forgotten.
-        output_ids: tuple[str, ...] = getattr(request, "output_request_ids", ())
-        if [i for i in {request.request_id, *output_ids} if aborted.take(i)]:
-            refusals.append(f"{request.request_id} was aborted before it arrived")
-            continue
-        if request.request_id in refused:
-            refusals.append(refused[request.request_id])
-            continue
-        try:
-            submit(request)
-            refusals.append("")
-        except ValueError as error:
-            refusals.append(str(error))
-    return refusals
-
-
-GRAMMAR_COMPILE_TIMEOUT_S = 30.0
+from worker_runtime.aborted import AbortedIds
+from worker_runtime.info import WorkerInfo, WorkerPlacement, WorkerRuntime
+from worker_runtime.load import WorkerLoad
+from worker_runtime.model_source import ModelSource
+from worker_runtime.output_channels import OutputBatch, OutputChannels
+from worker_runtime.peer_client import PeerClient
+from worker_runtime.process_heap import freeze_startup_heap
+from worker_runtime.roles import Role
+from worker_runtime.worker_setup import TorchGroupSpec, setup_worker_process
 
 
 class WrongRole(RuntimeError):
@@ -95,71 +63,27 @@ class StillHoldsWork(RuntimeError):
     it empty); nothing changed: drain it again, then ask again."""
 
 
-@dataclass(frozen=True)
-class WorkerInfo:
-    """Who the worker is, for /admin/pools and for tests that check a role change kept the process."""
-
-    worker_id: str
-    role: Role
-    actor_id: str  # Ray's id of this actor: the same after any number of role changes
-    pid: int
-    num_model_loads: int  # weight loads in this process: 1 however often the role changed
-    num_role_changes: int
-    runtime: WorkerRuntime | None = None  # what the engine runs on; None until start()
-
-
-@dataclass(frozen=True)
-class WorkerRuntime:
-    """How the worker computes: its dtype, GEMM kernel and cores (in /admin/pools and the metrics)."""
-
-    dtype: str  # of weights and KV cache, "auto" resolved
-    linear_kernel: str  # "torch", or the kernels in use ("onednn-packed+zentorch"; llm_engine/linear_kernels)
-    linear_kernel_reason: str  # the probe's verdict, or why there was none
-    linear_kernel_speedup: float | None  # probe: F.linear time over the chosen kernels' (None: no probe)
-    decode_attention: str  # "paged-kernel" (pdserve's C++ kernel) or "sdpa" (gather + torch SDPA)
-    compile: str  # the model body: "compiled" (one inductor graph, llm_engine/compilation.py) or "eager"
-    compile_reason: str  # why (auto's verdict, a failure's reason), and which body: "lean" or "transformers"
-    num_threads: int  # torch threads of the step loop
-    cpu_ids: tuple[int, ...]  # cores the process is pinned to (all it may use when not pinned)
-    kv_bytes_per_token: int  # KV bytes one token holds and moves between workers
-    num_kv_blocks: int
-    num_kv_tokens: int  # what those blocks hold: the most one request may use here
-    kv_cache_bytes: int
-    kv_cache_source: str  # how its memory was sized (llm_engine/kv_sizing.py), e.g. "0.2 of 20 GiB free RAM"
-
-
-@dataclass(frozen=True)
-class WorkerPlacement:
-    """Where Ray placed the worker: answered by the constructor's process before any model loads."""
-
-    node_id: str  # Ray's node id (hex)
-    node_ip: str  # the node's address as Ray knows it: what peers on other nodes connect to
-    pid: int
-
-
 class WorkerActor:
-    def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, backend: str,
-                 transfer_config: TransferConfig, watermark: float = 0.05, num_threads: int = 1,
+    def __init__(self, worker_id: str, role: Role, engine_config: EngineConfig, backend: BackendName,
+                 transfer_config: TransferConfig, watermark: float, num_threads: int = 1,
                  model_source: ModelSource | None = None) -> None:
-        import ray
-
         self.worker_id = worker_id
         self._engine_config = engine_config
         self._model_source = model_source or ModelSource(engine_config.model_dir)
-        self._backend = backend
+        self._backend = BackendName(backend)  # the gateway may send the value, as it once did
         self._transfer_config = transfer_config
         self._watermark = watermark
         self._num_threads = num_threads
         self._num_role_changes = 0
         self._cpu_ids: tuple[int, ...] = ()
         # Outlives the roles: a gateway's output stream stays open across role changes.
-        self._outputs = OutputChannels(abort=self.abort, is_final=_is_final)
+        self._outputs = OutputChannels(abort=self.abort, is_final=is_final)
         self._aborted = AbortedIds()  # aborts of requests perhaps not here yet
         # Peer worker id → the wiring generation of the last add_peer or remove_peer applied for it: Ray does
         # not keep an async actor's call order, so a remove sent before an add may arrive after it; the
         # higher generation wins whatever the order (kept across role changes, like the worker).
         self._peer_generations: dict[str, int] = {}
-        self.role = Role(role)
+        self.role = Role(role)  # likewise
         self._placement = WorkerPlacement(ray.get_runtime_context().get_node_id(),
                                           ray.util.get_node_ip_address(), os.getpid())
         self._front: PrefillRole | DecodeRole | None = None  # built by start()
@@ -178,7 +102,7 @@ class WorkerActor:
 
         Args:
             cpu_slot: this worker's slot among the live workers of its node: it pins itself to that slot's
-                cores (pool_worker/runtime/worker_setup.py); None: not pinned.
+                cores (worker_runtime/worker_setup.py); None: not pinned.
 
         Raises:
             FileNotFoundError: the model is not on this node (the message names the node).
@@ -210,17 +134,9 @@ class WorkerActor:
 
     def _runtime(self) -> WorkerRuntime | None:
         engine: LLMEngine | None = getattr(self, "engine", None)
-        if engine is None:
-            return None
-        kernel, kv = engine.linear_kernel, engine.kv_capacity
-        return WorkerRuntime(engine.config.dtype, kernel.label, kernel.reason, kernel.speedup,
-                             engine.runner.decode_attention, engine.compilation.mode,
-                             f"{engine.compilation.body} body: {engine.compilation.reason}",
-                             self._num_threads, self._cpu_ids,
-                             engine.runner.cache_spec.bytes_per_token, kv.num_blocks, kv.num_tokens,
-                             kv.num_bytes, kv.source)
+        return None if engine is None else WorkerRuntime.of(engine, self._num_threads, self._cpu_ids)
 
-    async def set_role(self, role: str) -> WorkerInfo:
+    async def set_role(self, role: Role) -> WorkerInfo:
         """Serve as `role` from now on (see the lifecycle); raises StillHoldsWork if the worker still holds
         work and the change needs a new front."""
         new = Role(role)
@@ -251,7 +167,7 @@ class WorkerActor:
         """The worker's latest load (`failure` is set once its step loop has died), with how long its
         running step has run (answered here, on the actor's loop: a hung step cannot stop it)."""
         front = self._started()
-        return replace(front.load(), role=self.role.value, step_running_s=front.loop.running_s(),
+        return replace(front.load(), role=self.role, step_running_s=front.loop.running_s(),
                        longest_step_s=front.loop.longest_step_s)
 
     def step_timeline(self, since: float = 0.0) -> list[StepRecord]:
@@ -288,8 +204,9 @@ class WorkerActor:
         Returns, per request, why it was refused ("" if it started); WorkerFailed (the step loop died) is
         raised for the whole batch."""
         prefill = self._prefill()
-        refused = await self._compile_grammars(requests)
-        return _each(requests, lambda request: prefill.submit(request, channel_id), self._aborted, refused)
+        refused = await compile_grammars(self.engine.runner.grammar_mask.cache, requests)
+        return submit_each(requests, lambda request: prefill.submit(request, channel_id), self._aborted,
+                           refused)
 
     def accept_pull(self, pull: PullRequest) -> PullReply:
         return self._prefill().accept_pull(pull)
@@ -301,7 +218,7 @@ class WorkerActor:
         decode = self._decode()
         if not self._is_newest_wiring(peer.worker_id, generation):
             return
-        await decode.add_peer(peer, actor)
+        await decode.add_peer(peer, PeerClient(peer.worker_id, actor) if actor is not None else None)
 
     def remove_peer(self, worker_id: str, generation: int = 0) -> None:
         """Forget a worker's endpoint, unless a later wiring of it has been applied already."""
@@ -334,8 +251,9 @@ class WorkerActor:
         request, why it was refused ("" if it started); WorkerFailed (the step loop died) is raised for the
         whole batch."""
         decode = self._decode()
-        refused = await self._compile_grammars(requests)
-        return _each(requests, lambda request: decode.submit(request, channel_id), self._aborted, refused)
+        refused = await compile_grammars(self.engine.runner.grammar_mask.cache, requests)
+        return submit_each(requests, lambda request: decode.submit(request, channel_id), self._aborted,
+                           refused)
 
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate": the gateway continues them elsewhere."""
@@ -347,25 +265,6 @@ class WorkerActor:
         to continue elsewhere: it clears this worker for a long prompt. Streams whose KV cannot move stay."""
         if isinstance(self._front, DecodeRole):
             self._front.move_out(request_ids)
-
-    async def _compile_grammars(self, requests: Sequence[PrefillRequest | DecodeRequest]) -> dict[str, str]:
-        """Compile each request's grammar (cached after the first) on a thread, neither the step loop's
-        (every stream here would wait) nor this event loop; a grammar that does not compile, or takes over
-        GRAMMAR_COMPILE_TIMEOUT_S, refuses its request alone. Returns the refusals by request id."""
-        cache = self.engine.runner.grammar_mask.cache
-        refused = {}
-        for request in requests:
-            spec = request.sampling.grammar
-            if spec is None:
-                continue
-            try:
-                await asyncio.wait_for(asyncio.to_thread(cache.compile, spec), GRAMMAR_COMPILE_TIMEOUT_S)
-            except GrammarError as error:
-                refused[request.request_id] = f"its grammar was refused: {error}"
-            except TimeoutError:
-                refused[request.request_id] = (f"its grammar took over {GRAMMAR_COMPILE_TIMEOUT_S:.0f} s "
-                                               "to compile")
-        return refused
 
     def _started(self) -> PrefillRole | DecodeRole:
         if self._front is None:

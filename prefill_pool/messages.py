@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kv_transfer import KVHandle
 from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
 from llm_engine.choices import FirstToken
+from llm_engine.finish_reason import FinishReason
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class PrefillResult:
     first_logprob: float | None  # when the request asked for logprobs
     # Set when the request needs no decode: "stop" (EOS or stop token first), "length" (max_tokens 1),
     # "abort", "error" (the worker failed; see `error`). None means: decode continues from kv_handle.
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     kv_handle: KVHandle | None  # the prompt's KV, offered under a lease; None when finished here
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     times: PrefillTimes

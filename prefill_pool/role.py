@@ -15,21 +15,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from kv_transfer import PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord, make_sender
+from kv_transfer import (
+    BackendName,
+    PeerInfo,
+    PullReply,
+    PullRequest,
+    TransferConfig,
+    TransferRecord,
+    make_sender,
+)
 from llm_engine import LLMEngine
-from pool_worker.runtime.load import WorkerLoad
-from pool_worker.runtime.output_channels import OutputChannels
-from pool_worker.runtime.step_loop import StepLoop
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.scheduler import PrefillScheduler
 from prefill_pool.worker import TRANSFER_POLL_S, PrefillWorker
+from worker_runtime.load import WorkerLoad
+from worker_runtime.output_channels import OutputChannels
+from worker_runtime.step_loop import StepLoop
 
 IDLE_POLL_S = 0.05  # with no KV offered, the poller waits this long for news that some is (a safety net)
 
 
 class PrefillRole:
-    def __init__(self, worker_id: str, engine: LLMEngine, backend: str, transfer_config: TransferConfig,
-                 outputs: OutputChannels, num_threads: int = 1) -> None:
+    def __init__(self, worker_id: str, engine: LLMEngine, backend: BackendName,
+                 transfer_config: TransferConfig, outputs: OutputChannels, num_threads: int = 1) -> None:
         engine.use_scheduler(PrefillScheduler)
         sender = make_sender(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
         # The role polls the sender from the actor's event loop (_poll_transfers): the loop thread sleeps

@@ -25,11 +25,13 @@ from collections.abc import Callable
 from kv_transfer import KVHandle, KVSender, PullReply, PullRequest, ReleasedBlocks
 from llm_engine import LLMEngine
 from llm_engine.choices import FirstToken
+from llm_engine.finish_reason import FinishReason
 from llm_engine.request import Request, RequestStatus
-from pool_worker.runtime.inbox import WorkerInbox
-from pool_worker.runtime.load import WorkerLoad
 from prefill_pool.messages import PrefillRequest, PrefillResult, PrefillTimes
 from prefill_pool.scheduler import PrefillScheduler
+from worker_runtime.inbox import WorkerInbox
+from worker_runtime.load import WorkerLoad
+from worker_runtime.roles import Role
 
 logger = logging.getLogger(__name__)
 ResultCallback = Callable[[PrefillResult], None]
@@ -95,11 +97,11 @@ class PrefillWorker:
         answers = [(p.request, p.on_result, p.queued) for p in self._pending.values()] + arriving
         self._pending.clear()
         for request, on_result, queued in answers:
-            result = self._result(request.request_id, -1, None, "error", None, 0, queued, now)
+            result = self._result(request.request_id, -1, None, FinishReason.ERROR, None, 0, queued, now)
             on_result(dataclasses.replace(result, error=f"prefill worker failed: {self.failure}"))
         self._load = dataclasses.replace(self._load, failure=self.failure)
 
-    # Called only from the step loop's thread.
+    # The sender, from any thread (each call holds _sender_lock).
     def poll_transfers(self) -> bool:
         """Advance the sender (answer NIXL claims, see pulls finish) from any thread, so that a decode
         worker's pull does not wait for a forward to end; the blocks are freed by the loop thread.
@@ -123,6 +125,7 @@ class PrefillWorker:
         claim must be refused at once). Safe from any thread."""
         return self.sender.expects_claims
 
+    # Called only from the step loop's thread (and accept_pull, load: from any thread, as marked).
     def step(self) -> float | None:
         """Run the inbox, release pulled/expired leases, run one forward; returns the wait before the next."""
         self._inbox.drain()
@@ -152,12 +155,12 @@ class PrefillWorker:
         return TRANSFER_POLL_S if self._offered and not self.is_sender_polled_elsewhere else None
 
     def accept_pull(self, pull: PullRequest) -> PullReply:
-        """For backends whose sender takes part (torch): post the send leg of a pull."""
+        """For backends whose sender takes part (torch): post the send leg of a pull (any thread)."""
         with self._sender_lock:
             return self.sender.accept_pull(pull)
 
     def load(self) -> WorkerLoad:
-        """The loop thread's latest snapshot, plus prompt tokens still in the inbox."""
+        """The loop thread's latest snapshot, plus prompt tokens still in the inbox (any thread)."""
         load = self._load
         queued = load.num_queued_prompt_tokens + self._inbox.num_tokens
         return dataclasses.replace(load, num_queued_prompt_tokens=queued,
@@ -166,7 +169,7 @@ class PrefillWorker:
     def _snapshot(self) -> WorkerLoad:
         scheduler = self.engine.scheduler
         return WorkerLoad(
-            worker_id=self.worker_id, role="prefill", num_waiting=len(scheduler.waiting),
+            worker_id=self.worker_id, role=Role.PREFILL, num_waiting=len(scheduler.waiting),
             num_queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens
                                          for r in scheduler.requests.values()),
             num_running=len(scheduler.running), num_transferring=len(self._offered),
@@ -183,7 +186,7 @@ class PrefillWorker:
             self.engine.add_request(request.prompt_token_ids, one_token, request_id=request.request_id)
         except ValueError as error:
             logger.warning("prefill of %s refused: %s", request.request_id, error)
-            on_result(self._result(request.request_id, -1, None, "abort", None, 0, queued, queued))
+            on_result(self._result(request.request_id, -1, None, FinishReason.ABORT, None, 0, queued, queued))
             return
         self._pending[request.request_id] = _Pending(request, on_result, queued)
 
@@ -196,7 +199,7 @@ class PrefillWorker:
             return
         self.engine.scheduler.abort(request_id)
         self.engine.kv.free(request_id)
-        pending.on_result(self._result(request_id, -1, None, "abort", None, 0, pending.queued,
+        pending.on_result(self._result(request_id, -1, None, FinishReason.ABORT, None, 0, pending.queued,
                                        pending.started or time.time()))
 
     def _release(self, transfer_id: int, why: str) -> None:
@@ -210,16 +213,16 @@ class PrefillWorker:
         request_id = request.request_id
         pending = self._pending.pop(request_id)
         sampling = pending.request.sampling
-        finish_reason: str | None = None
+        finish_reason: FinishReason | None = None
         if request.status is RequestStatus.FINISHED_STOPPED:
-            finish_reason = "stop"
+            finish_reason = FinishReason.STOP
         elif sampling.max_tokens == 1:
-            finish_reason = "length"
+            finish_reason = FinishReason.LENGTH
         # n > 1: every choice's first token came from these logits; the KV is offered while any goes on.
         others = tuple(
             FirstToken(i, t.token_id, t.logprob, t.top_logprobs,
-                       "stop" if request.is_stop_token(t.token_id) else "length" if sampling.max_tokens == 1
-                       else None)
+                       FinishReason.STOP if request.is_stop_token(t.token_id)
+                       else FinishReason.LENGTH if sampling.max_tokens == 1 else None)
             for i, t in enumerate(request.other_first_tokens, start=1))
         handle = None
         if finish_reason is None or any(c.finish_reason is None for c in others):
@@ -237,7 +240,7 @@ class PrefillWorker:
             prompt_logprobs=request.scored_prompt(), other_choices=others))
 
     @staticmethod
-    def _result(request_id: str, token: int, logprob: float | None, finish_reason: str | None,
+    def _result(request_id: str, token: int, logprob: float | None, finish_reason: FinishReason | None,
                 handle: KVHandle | None, cached: int, queued: float, started: float) -> PrefillResult:
         return PrefillResult(request_id, token, logprob, finish_reason, handle, cached,
                              PrefillTimes(queued, started, time.time()))

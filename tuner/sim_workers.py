@@ -8,7 +8,7 @@ what llm_engine/scheduler.py would build, within the same budgets:
     runs) last; no admission in a step that preempted; when blocks for the decode tokens run short the
     newest running request is preempted (blocks freed, re-queued at the front, recomputed later); while any
     request decodes, prompt tokens also fit the slice that max_prefill_s_beside_decode buys at the fitted
-    prefill cost per token (pool_worker/runtime/prefill_slicer.py does the same from measured steps).
+    prefill cost per token (worker_runtime/prefill_slicer.py does the same from measured steps).
 Prefill worker: WAITING → RUNNING (chunks) → first token; its blocks stay held until the decode side's pull
     ends (the lease), so a backed-up decode pool stalls prefill, as in the real system.
 Decode worker: AWAITING_BLOCKS (a handed-off request; a pull starts when its prompt's blocks plus the

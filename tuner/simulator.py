@@ -34,7 +34,7 @@ from tuner.sim_workers import DecodeWorkerSim, PrefillWorkerSim, SimRequest
 # One Ray actor call or reply plus the gateway's own work around it (the actor round trip alone is ~0.8 ms
 # here, DESIGN.md); every stage boundary of a request crosses one.
 DEFAULT_HOP_S = 0.001
-PREFILL_SLICE_MIN_TOKENS = 16  # pool_worker/runtime/prefill_slicer.py's floor
+PREFILL_SLICE_MIN_TOKENS = 16  # worker_runtime/prefill_slicer.py's floor
 
 
 @dataclass(frozen=True, order=True)

@@ -43,7 +43,7 @@ from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.traffic import RecentTraffic
-from pool_worker import Role
+from worker_runtime.roles import Role
 
 logger = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.traffic import RecentTraffic
 from loadgen.summary import SLO
-from pool_worker import Role
 from tuner.profile import load_profile
 from tuner.simulator import Layout, SimConfig
+from worker_runtime.roles import Role
 
 
 class FleetControl(Protocol):

@@ -46,7 +46,7 @@ from gateway.requests.router import LocalPrefillPolicy, Router
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.timings import Timings
 from gateway.telemetry.traffic import Arrival
-from pool_worker import Role
+from worker_runtime.roles import Role
 
 logger = logging.getLogger(__name__)
 

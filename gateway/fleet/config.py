@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from kv_transfer import BackendName, TransferConfig
 from kv_transfer.registry import resolve
 from llm_engine import EngineConfig
-from pool_worker import Role
-from pool_worker.runtime.model_source import ModelSource
+from worker_runtime.model_source import ModelSource
+from worker_runtime.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class DeploymentConfig:
     model_source: ModelSource | None = None
     num_threads: int = 1  # torch threads per worker (ServeConfig: the node's cores split over its workers)
     pin_cpus: bool = True  # each worker pins its process to its own cores
-                           # (pool_worker/runtime/worker_setup.py)
+                           # (worker_runtime/worker_setup.py)
     # How long start-up waits for Ray to place every worker; then it serves with those placed if they can
     # serve (the rest stay pending), else fails naming what no node offers. Autoscaled nodes take minutes.
     placement_timeout_s: float = 300.0

@@ -1,6 +1,6 @@
 """The pools of worker actors and the wiring between them; sets the prefill:decode ratio.
 
-Every worker is the same kind of actor (pool_worker.WorkerActor) serving in a role: prefill, decode or
+Every worker is the same kind of actor (pool_worker.actor.WorkerActor) serving in a role: prefill, decode or
 mixed. Lifecycle of a worker (WorkerState):
     add() → PENDING (created; Ray places it on a node that offers its role's resources:
     gateway/fleet/placement.py)
@@ -61,9 +61,10 @@ from gateway.fleet.worker_client import WorkerClient
 from gateway.fleet.worker_errors import StillBusy
 from gateway.fleet.workers import PoolHealth, Worker, WorkerState, can_transition, transition
 from kv_transfer import can_move_kv_between_decode_workers, capabilities
-from pool_worker import Role, WorkerActor
-from pool_worker.runtime.load import WorkerLoad
-from pool_worker.runtime.worker_setup import TorchGroupSpec
+from pool_worker.actor import WorkerActor
+from worker_runtime.load import WorkerLoad
+from worker_runtime.roles import Role
+from worker_runtime.worker_setup import TorchGroupSpec
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -147,7 +148,7 @@ class PDDeployment:
 
     async def _start_torch_group(self, workers: list[Worker]) -> None:
         """Start every rank at once: each one's start() blocks until every rank has joined the group."""
-        from kv_transfer.backends.torch_dist import p2p_backend
+        from kv_transfer.backends.torch_group import p2p_backend
 
         self.torch_rendezvous = await torch_rendezvous(workers[0])
         group_backend = p2p_backend(self.config.engine.device)  # NCCL for a CUDA KV cache, else gloo

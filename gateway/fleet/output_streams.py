@@ -29,8 +29,8 @@ import ray
 
 from decode_pool.messages import DecodeOutput, coalesce
 from gateway.fleet.worker_errors import ChannelClosed, WorkerLost
-from pool_worker.runtime.output_channels import OutputBatch
 from prefill_pool.messages import PrefillResult
+from worker_runtime.output_channels import OutputBatch
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import ray
 
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.workers import Worker, WorkerState, transition
-from pool_worker import Role
+from worker_runtime.roles import Role
 
 # Ray's own bookkeeping resources: not what an operator gives a node, so not worth listing in an error.
 _BOOKKEEPING_PREFIXES = ("node:", "memory", "object_store_memory", "accelerator_type:")

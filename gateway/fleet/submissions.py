@@ -12,7 +12,7 @@ Requests arrive together (a burst of clients; a prefill step finishing many prom
 at once): one call per batch costs the gateway and the busy worker process one message instead of one per
 request. A submitter cancelled meanwhile (its client left) still has its request sent, and the abort the
 orchestrator then sends may overtake it (Ray does not keep call order for async actors): the worker
-remembers aborts of requests it has not seen and refuses them when they come (pool_worker/runtime/aborted.py).
+remembers aborts of requests it has not seen and refuses them when they come (worker_runtime/aborted.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from gateway.fleet.workers import PoolHealth, Worker
-from pool_worker import Role
+from worker_runtime.roles import Role
 
 
 class FleetView(Protocol):

@@ -25,17 +25,18 @@ from gateway.fleet.submissions import Submissions
 from gateway.fleet.worker_errors import StillBusy, WorkerLost, WrongRoleError
 from kv_transfer import PeerInfo, TransferRecord
 from llm_engine.step_timeline import StepRecord
-from pool_worker import Role
 from pool_worker.actor import StillHoldsWork, WrongRole
-from pool_worker.runtime.load import WorkerLoad
-from pool_worker.runtime.step_loop import WorkerFailed
-from pool_worker.runtime.worker_setup import TorchGroupSpec
 from prefill_pool.messages import PrefillRequest
+from worker_runtime.load import WorkerLoad
+from worker_runtime.roles import Role
+from worker_runtime.step_loop import WorkerFailed
+from worker_runtime.worker_setup import TorchGroupSpec
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-    from pool_worker.actor import WorkerActor, WorkerInfo, WorkerPlacement
+    from pool_worker.actor import WorkerActor
+    from worker_runtime.info import WorkerInfo, WorkerPlacement
 
 T = TypeVar("T")
 
@@ -43,7 +44,7 @@ T = TypeVar("T")
 class WorkerClient:
     def __init__(self, worker_id: str, handle: ActorHandle[WorkerActor], gateway_id: str) -> None:
         """Args:
-        handle: the Ray actor (pool_worker.WorkerActor).
+        handle: the Ray actor (pool_worker.actor.WorkerActor).
         gateway_id: names this gateway to the worker (its output channel ids start with it).
         """
         self.worker_id = worker_id

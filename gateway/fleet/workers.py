@@ -14,7 +14,8 @@ import enum
 from dataclasses import dataclass
 
 from gateway.fleet.worker_client import WorkerClient
-from pool_worker import Role, WorkerRuntime
+from worker_runtime.info import WorkerRuntime
+from worker_runtime.roles import Role
 
 
 class WorkerState(enum.Enum):

@@ -53,9 +53,9 @@ from gateway.ratio.resize import Move, PoolResizer, plan_moves
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.traffic import RecentTraffic
 from loadgen.summary import DEFAULT_ITL_SLO_S, DEFAULT_TTFT_SLO_S
-from pool_worker import Role
-from pool_worker.runtime.load import WorkerLoad
 from tuner.simulator import Layout
+from worker_runtime.load import WorkerLoad
+from worker_runtime.roles import Role
 
 logger = logging.getLogger(__name__)
 

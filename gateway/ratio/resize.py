@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.placement import PlacementTimeout
 from gateway.ratio.books import RoutingBooks
-from pool_worker import Role
+from worker_runtime.roles import Role
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from gateway.requests.orchestrator import RequestRun, StreamEvent
 from gateway.requests.router import Router
 from llm_engine import SamplingParams
 from llm_engine.choices import FirstToken, choice_request_id
-from pool_worker import Role
 from prefill_pool.messages import PrefillResult
+from worker_runtime.roles import Role
 
 ChoiceStream = tuple[int, AsyncGenerator[StreamEvent, None]]
 

@@ -50,8 +50,8 @@ from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.requests.router import Router
 from kv_transfer import KVHandle
 from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
-from pool_worker import Role
 from prefill_pool.messages import PrefillRequest, PrefillResult
+from worker_runtime.roles import Role
 
 T = TypeVar("T")
 MAX_PREFILL_ATTEMPTS = 2  # the first try and one retry on another worker

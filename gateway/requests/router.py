@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from gateway.fleet.view import FleetView
 from gateway.fleet.workers import Worker
 from llm_engine.kv_cache_manager import prefix_hashes
-from pool_worker import Role
+from worker_runtime.roles import Role
 
 # Block hashes remembered per prefill worker; beyond this the oldest are forgotten (as the worker evicts).
 MAX_REMEMBERED_BLOCKS = 65536

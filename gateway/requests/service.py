@@ -41,8 +41,8 @@ from gateway.telemetry.timings import Timings
 from gateway.telemetry.tracing import RequestTracer, TracedRequest
 from gateway.telemetry.traffic import Arrival, RecentTraffic
 from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
-from pool_worker import Role
 from prefill_pool.messages import PrefillResult
+from worker_runtime.roles import Role
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

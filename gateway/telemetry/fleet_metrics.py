@@ -15,8 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.telemetry.metric_names import MODEL_LABEL, PREFIX
-from pool_worker import WorkerRuntime
-from pool_worker.runtime.load import WorkerLoad
+from worker_runtime.info import WorkerRuntime
+from worker_runtime.load import WorkerLoad
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""NIXL backend: the receiver READs the sender's blocks over UCX, once the sender has granted the READ.
+"""(Over 300 lines: the two halves of one claim/grant protocol, which read best beside its table below.)
+
+NIXL backend: the receiver READs the sender's blocks over UCX, once the sender has granted the READ.
 
 A READ is one-sided: once posted, the sender cannot stop it. So before any READ the receiver asks, and the
 sender's own clock decides (NIXL notifications, kv_transfer.backends.nixl_notif):

@@ -19,7 +19,8 @@ pull's bytes into another's blocks, and an unmatched isend holds up every later 
       their irecv posted (replies may arrive in any order; the caller must deliver every one);
     - an accepted reply whose pull already FAILED (deadline) still gets its irecv, into a discarded buffer.
 Gloo matches by tag (the transfer id), so for gloo the invariant is harmless rather than required.
-The group's backend must be the one `p2p_backend()` names for the KV cache's device (checked at construction).
+The group's backend must be the one `torch_group.p2p_backend()` names for the KV cache's device (checked at
+construction).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer import wire
+from kv_transfer.backends.torch_group import require_group
 from kv_transfer.enums import BackendName, ReleaseReason, TransferState
 from kv_transfer.messages import PullReply, PullRequest
 from kv_transfer.receiver import KVReceiver, Pull
-from kv_transfer.registry import BackendUnavailableError
 from kv_transfer.sender import KVSender
 
 if TYPE_CHECKING:
@@ -51,68 +52,6 @@ class TorchPeerMetadata:
     """PeerInfo.backend_metadata of the torch backend."""
 
     rank: int  # global torch.distributed rank of the worker
-
-
-def p2p_backend(device: str | torch.device) -> str:
-    """The torch.distributed backend that moves KV blocks living on `device`: NCCL for CUDA, gloo for CPU.
-
-    Args:
-        device: the KV cache's device ("cpu", "cuda", "cuda:1" or a torch.device).
-
-    Returns:
-        "nccl" or "gloo", to pass to init_process_group
-        (pool_worker.runtime.worker_setup.TorchGroupSpec.backend).
-    """
-    device_type = torch.device(device).type
-    if device_type == "cuda":
-        return "nccl"
-    if device_type == "cpu":
-        return "gloo"
-    raise ValueError(f"the torch KV transfer backend supports cpu and cuda KV caches, not {device_type}")
-
-
-def warm_up_pairs(rank: int, world_size: int, device: str | torch.device) -> None:
-    """Open the connection of every pair of ranks once, right after the group starts.
-
-    NCCL builds a pair's p2p connection lazily, on that pair's first send/recv, and the first `isend`
-    blocks until the peer joins it (PyTorch issues 136248, 108378). A pull posts its irecv only after the
-    sender's reply, so without this the first NCCL pull between two workers deadlocks. Every rank must call
-    it (a collective). Pairs go in lexicographic order: the smallest pair not yet done is the next one for
-    both of its ranks, so the exchange cannot deadlock.
-    """
-    import torch.distributed as dist
-
-    for low in range(world_size):
-        for high in range(low + 1, world_size):
-            if rank not in (low, high):
-                continue
-            peer = high if rank == low else low
-            outgoing = torch.full((1,), rank, dtype=torch.int32, device=device)
-            incoming = torch.empty(1, dtype=torch.int32, device=device)
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, peer),
-                                                dist.P2POp(dist.irecv, incoming, peer)]):
-                work.wait()
-            if int(incoming.item()) != peer:
-                raise RuntimeError(f"torch group warm-up: rank {rank} got {int(incoming.item())} from {peer}")
-
-
-def check_group_backend(backend_config: str, device: str | torch.device) -> None:
-    """Refuse a process group that would move `device` tensors with the wrong backend (e.g. gloo for CUDA).
-
-    Args:
-        backend_config: dist.get_backend_config(group), e.g. "cpu:gloo,cuda:gloo" or "cuda:nccl".
-        device: the KV cache's device.
-
-    Raises:
-        BackendUnavailableError: the group has no backend, or another one, for that device.
-    """
-    device_type = torch.device(device).type
-    by_device = dict(entry.split(":", 1) for entry in backend_config.split(","))
-    needed = p2p_backend(device_type)
-    if by_device.get(device_type) != needed:
-        raise BackendUnavailableError(
-            f"the torch KV transfer backend needs {needed} for a {device_type} KV cache, but the process "
-            f"group uses {backend_config!r}; initialise it with backend={needed!r}")
 
 
 class _Completion:
@@ -160,12 +99,6 @@ class _SendOrder:
     waiting: dict[int, PullReply] = field(default_factory=dict)  # accepted replies that arrived early
 
 
-def _require_group(group: Any, kv_cache: torch.Tensor) -> None:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("the torch backend needs torch.distributed.init_process_group() first")
-    check_group_backend(dist.get_backend_config(group), kv_cache.device)
-
-
 class TorchSender(KVSender):
     """Sender that isends gathered blocks to the rank that asked for them."""
 
@@ -174,7 +107,7 @@ class TorchSender(KVSender):
     def __init__(self, *args: Any, group: Any = None, **kwargs: Any) -> None:
         """Args as KVSender, plus group: the torch.distributed group (default: the world)."""
         super().__init__(*args, **kwargs)
-        _require_group(group, self.kv_cache)
+        require_group(group, self.kv_cache)
         self._group = group
         self._rank = dist.get_rank()
         self._sends: dict[int, _Send] = {}
@@ -232,7 +165,7 @@ class TorchReceiver(KVReceiver):
     def __init__(self, *args: Any, group: Any = None, **kwargs: Any) -> None:
         """Args as KVReceiver, plus group: the torch.distributed group (default: the world)."""
         super().__init__(*args, **kwargs)
-        _require_group(group, self.kv_cache)
+        require_group(group, self.kv_cache)
         self._group = group
         self._rank = dist.get_rank()
         self._ranks: dict[str, int] = {}

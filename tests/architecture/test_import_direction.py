@@ -12,41 +12,43 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # Each unit may import the units listed for it (and itself); anything else in this table is forbidden.
+# The worker side reads top-down: pool_worker (the Ray actor) → prefill_pool / decode_pool (the roles) →
+# worker_runtime (what runs an engine in a worker process; its `roles` module, the Role enum, is a leaf).
 ALLOWED: dict[str, set[str]] = {
     "pdserve": {"gateway", "gateway.api", "gateway.control", "gateway.ratio", "gateway.requests",
                  "gateway.fleet",
-                 "gateway.telemetry", "pool_worker.actor", "pool_worker.runtime", "pool_worker.roles",
+                 "gateway.telemetry", "pool_worker", "worker_runtime", "worker_runtime.roles",
                  "kv_transfer", "llm_engine", "loadgen", "tuner"},
     # app.py and config.py: the composition root of the server
     "gateway": {"gateway.api", "gateway.control", "gateway.ratio", "gateway.requests", "gateway.fleet",
                 "gateway.telemetry",
-                "pool_worker.actor", "pool_worker.runtime", "pool_worker.roles", "kv_transfer", "llm_engine"},
+                "pool_worker", "worker_runtime", "worker_runtime.roles", "kv_transfer", "llm_engine"},
     "gateway.api": {"gateway.control", "gateway.ratio", "gateway.requests", "gateway.fleet",
                     "gateway.telemetry",
-                    "pool_worker.roles", "llm_engine"},
+                    "worker_runtime.roles", "llm_engine"},
     # the fleet's owner (in this process or a named actor) and the frontends' link to it
     "gateway.control": {"gateway.ratio", "gateway.requests", "gateway.fleet", "gateway.telemetry",
-                        "pool_worker.roles", "pool_worker.runtime", "tuner", "loadgen"},
+                        "worker_runtime.roles", "worker_runtime", "tuner", "loadgen"},
     # the controller's planner replays traffic through the tuner's simulator
-    "gateway.ratio": {"gateway.requests", "gateway.fleet", "gateway.telemetry", "pool_worker.roles",
-                      "pool_worker.runtime", "tuner", "loadgen"},
-    "gateway.requests": {"gateway.fleet", "gateway.telemetry", "pool_worker.roles", "pool_worker.runtime",
+    "gateway.ratio": {"gateway.requests", "gateway.fleet", "gateway.telemetry", "worker_runtime.roles",
+                      "worker_runtime", "tuner", "loadgen"},
+    "gateway.requests": {"gateway.fleet", "gateway.telemetry", "worker_runtime.roles", "worker_runtime",
                          "prefill_pool.messages", "decode_pool.messages", "kv_transfer", "llm_engine"},
-    "gateway.fleet": {"pool_worker.actor", "pool_worker.roles", "pool_worker.runtime",
+    "gateway.fleet": {"pool_worker", "worker_runtime.roles", "worker_runtime",
                       "prefill_pool.messages", "decode_pool.messages", "kv_transfer", "llm_engine"},
-    "gateway.telemetry": {"pool_worker.actor", "pool_worker.runtime", "pool_worker.roles"},
-    "pool_worker.actor": {"prefill_pool", "decode_pool", "prefill_pool.messages", "decode_pool.messages",
-                          "pool_worker.runtime", "pool_worker.roles", "kv_transfer", "llm_engine"},
-    "prefill_pool": {"prefill_pool.messages", "pool_worker.runtime", "pool_worker.roles", "kv_transfer",
+    "gateway.telemetry": {"worker_runtime", "worker_runtime.roles"},
+    "pool_worker": {"prefill_pool", "decode_pool", "prefill_pool.messages", "decode_pool.messages",
+                    "worker_runtime", "worker_runtime.roles", "kv_transfer", "llm_engine"},
+    "prefill_pool": {"prefill_pool.messages", "worker_runtime", "worker_runtime.roles", "kv_transfer",
                      "llm_engine"},
     "prefill_pool.messages": {"kv_transfer", "llm_engine"},
-    "decode_pool": {"decode_pool.messages", "prefill_pool.messages", "pool_worker.runtime",
-                    "pool_worker.roles", "kv_transfer", "llm_engine"},
+    "decode_pool": {"decode_pool.messages", "prefill_pool.messages", "worker_runtime",
+                    "worker_runtime.roles", "kv_transfer", "llm_engine"},
     "decode_pool.messages": {"kv_transfer", "llm_engine"},
-    "pool_worker.runtime": {"pool_worker.roles", "kv_transfer", "llm_engine"},
+    "worker_runtime": {"worker_runtime.roles", "kv_transfer", "llm_engine"},
     "tuner": {"loadgen", "kv_transfer", "llm_engine"},  # the simulator and profiler; never the gateway
     "loadgen": {"llm_engine"},
-    "pool_worker.roles": set(),
+    "worker_runtime.roles": set(),
     "kv_transfer": set(),
     "llm_engine": set(),
 }
@@ -56,13 +58,9 @@ PACKAGES = {unit.split(".")[0] for unit in ALLOWED}
 
 
 def unit_of(module: str) -> str | None:
-    if module in ("pool_worker", "pool_worker.__init__"):
-        return "pool_worker.roles"  # the package itself re-exports Role and imports the actor lazily
     for unit in UNITS:
         if module == unit or module.startswith(unit + "."):
             return unit
-    if module.startswith("pool_worker."):
-        return "pool_worker.actor"
     return None
 
 
@@ -92,8 +90,6 @@ def wrong_way_imports() -> list[str]:
     problems = []
     for package in sorted(PACKAGES):
         for path in sorted((ROOT / package).rglob("*.py")):
-            if path == ROOT / "pool_worker" / "__init__.py":
-                continue  # it imports the actor lazily, on first use of pool_worker.WorkerActor
             source = unit_of(module_name(path))
             assert source is not None, path
             for line, target_module in imported_modules(path):
@@ -114,8 +110,9 @@ def test_the_pass_sees_a_wrong_way_import(tmp_path: Path) -> None:
     # The checker itself: an engine module that imports the gateway is reported.
     assert "gateway" not in ALLOWED["llm_engine"]
     assert unit_of("gateway.requests.router") == "gateway.requests"
-    assert unit_of("pool_worker.actor") == "pool_worker.actor"
-    assert unit_of("pool_worker.runtime.step_loop") == "pool_worker.runtime"
+    assert unit_of("pool_worker.actor") == "pool_worker"
+    assert unit_of("worker_runtime.step_loop") == "worker_runtime"
+    assert unit_of("worker_runtime.roles") == "worker_runtime.roles"
     bad = tmp_path / "bad.py"
     bad.write_text("from gateway.fleet.deployment import PDDeployment\nimport llm_engine\n")
     assert sorted({m for _, m in imported_modules(bad)}) == ["gateway.fleet.deployment", "llm_engine"]

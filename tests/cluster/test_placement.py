@@ -17,9 +17,9 @@ from pydantic import ValidationError
 from gateway.config import ServeConfig
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.placement import PlacementTimeout
-from pool_worker import Role
-from pool_worker.runtime.model_source import ModelSource
 from tests.gateway.conftest import API_KEY, MODEL, serve_config, serving
+from worker_runtime.model_source import ModelSource
+from worker_runtime.roles import Role
 
 
 def test_role_resources_gpus_and_worker_env_reach_the_deployment(tiny_llama_dir: Path) -> None:

@@ -16,7 +16,6 @@ import pytest
 import yaml
 
 from gateway.config import ServeConfig
-from pool_worker import Role
 from tests.deploy.kuberay import (
     DEPLOY,
     KUBERAY,
@@ -31,6 +30,7 @@ from tests.deploy.kuberay import (
     walk,
 )
 from tests.deploy.kustomize import render_here
+from worker_runtime.roles import Role
 
 K8S_VERSION = kubernetes_validate.latest_version()
 SECRET_LIKE = ("KEY", "TOKEN", "SECRET", "PASSWORD")

@@ -19,8 +19,8 @@ import yaml
 
 from gateway.config import ServeConfig
 from pdserve.main import build_parser
-from pool_worker import Role
 from tests.deploy.kuberay import DEPLOY, OVERLAYS, REPO, gateway_container, image_reference, raycluster_of
+from worker_runtime.roles import Role
 
 # Where the manifests find the checkout: ray up copies it to ~/pdserve, the image holds it at /app.
 CHECKOUT_PREFIXES = ("~/pdserve/", "/app/")

@@ -25,8 +25,8 @@ from llm_engine.linear_kernels import (
 )
 from llm_engine.model_loader import read_model_spec
 from llm_engine.native_kernels import paged_decode_attention
-from pool_worker.runtime.worker_setup import cores_for_slot
 from tests.conftest import hf_greedy, random_prompts
+from worker_runtime.worker_setup import cores_for_slot
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 CPU = torch.device("cpu")

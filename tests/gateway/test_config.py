@@ -12,7 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from gateway.config import ServeConfig
-from pool_worker import Role
+from worker_runtime.roles import Role
 
 EXAMPLE = Path(__file__).parents[2] / "deploy" / "serve.example.yaml"
 

@@ -14,7 +14,7 @@ from gateway.control import reported_books
 from gateway.control.messages import FrontendReport
 from gateway.control.reported_books import ReportedBooks
 from gateway.requests.router import LocalPrefillPolicy
-from pool_worker.runtime.output_channels import OutputChannels
+from worker_runtime.output_channels import OutputChannels
 
 
 def report(frontend_id: str, in_flight: dict[str, int], prefill: dict[str, int], longest: int

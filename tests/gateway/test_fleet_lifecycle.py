@@ -27,11 +27,11 @@ from gateway.requests.router import Router
 from gateway.telemetry.recent import RecentLatencies
 from llm_engine import EngineConfig, SamplingParams
 from llm_engine.choices import FirstToken
-from pool_worker import Role
-from pool_worker.runtime.model_source import ModelSource
 from prefill_pool.messages import PrefillRequest
 from tests.conftest import random_prompts
 from tests.gateway import actor_faults as faults
+from worker_runtime.model_source import ModelSource
+from worker_runtime.roles import Role
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)

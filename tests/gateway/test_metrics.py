@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.metrics import Metrics
-from pool_worker.runtime.load import WorkerLoad
+from worker_runtime.load import WorkerLoad
 
 
 def load(worker_id: str, role: str, running: int) -> WorkerLoad:

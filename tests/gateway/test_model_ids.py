@@ -22,9 +22,9 @@ from llm_engine import model_files
 from llm_engine.model_files import ModelNotFoundError, resolve_model, served_name
 from llm_engine.model_loader import load_tokenizer
 from pdserve.main import main
-from pool_worker.runtime.model_source import ModelSource
 from tests.conftest import hf_greedy
 from tests.gateway.conftest import API_KEY, serve_config, serving
+from worker_runtime.model_source import ModelSource
 
 REPO_ID = "acme/tiny-chat"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from gateway.ratio.controller import ControllerPolicy, Ladder, Signals
 from gateway.ratio.resize import Move, PoolLayout, plan_moves
-from pool_worker import Role
+from worker_runtime.roles import Role
 
 POLICY = ControllerPolicy(interval_s=1.0, min_dwell_s=5.0, calm_s=10.0, long_prompt_tokens=1000,
                           ttft_slo_s=2.0, itl_slo_s=0.2)

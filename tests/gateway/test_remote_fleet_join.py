@@ -88,7 +88,7 @@ def test_a_worker_this_frontend_reported_failed_counts_as_being_replaced(monkeyp
     it starts the replacement, and the frontend's last snapshot did not show one yet. The frontend now
     counts its own report as a replacement coming (for REPORTED_FAILED_S), so its requests wait for it."""
     from gateway.control.messages import WorkerEntry
-    from pool_worker import Role
+    from worker_runtime.roles import Role
 
     reported: list[str] = []
     handle = RestartingFleet(num_down=0, num_unstarted=0)

@@ -19,10 +19,10 @@ from gateway.fleet.deployment import DeploymentConfig, PDDeployment
 from gateway.ratio.resize import PoolLayout, PoolResizer, ResizeConflict
 from gateway.requests.router import LocalPrefillPolicy, Router
 from llm_engine import EngineConfig
-from pool_worker import WorkerInfo
 from tests.conftest import hf_greedy, random_prompts
 from tests.gateway import actor_faults as faults
 from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
+from worker_runtime.info import WorkerInfo
 
 pytestmark = pytest.mark.slow
 VOCAB = 49152

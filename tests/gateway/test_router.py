@@ -9,7 +9,7 @@ from gateway.fleet.deployment import DeploymentConfig
 from gateway.fleet.workers import Worker, WorkerState
 from gateway.requests.router import DecoderShape, LocalPrefillPolicy, Router, streams_to_clear
 from llm_engine import EngineConfig
-from pool_worker import Role
+from worker_runtime.roles import Role
 
 
 @dataclass

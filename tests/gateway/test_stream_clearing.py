@@ -13,10 +13,10 @@ import pytest
 from gateway.fleet.deployment import PDDeployment
 from gateway.requests.router import LocalPrefillPolicy, Router
 from llm_engine import SamplingParams
-from pool_worker import Role
 from tests.conftest import random_prompts
 from tests.gateway import actor_faults as faults
 from tests.gateway.test_fleet_lifecycle import call_on, events_of, tokens, until, with_deployment
+from worker_runtime.roles import Role
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 STREAM = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.fleet.workers import TRANSITIONS, IllegalTransition, Worker, WorkerState, transition
-from pool_worker import Role
-from pool_worker.runtime.aborted import AbortedIds
+from worker_runtime.aborted import AbortedIds
+from worker_runtime.roles import Role
 
 S = WorkerState
 

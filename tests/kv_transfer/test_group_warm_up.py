@@ -1,4 +1,4 @@
-"""The torch group's pair warm-up (kv_transfer/backends/torch_dist.py warm_up_pairs): every pair of ranks
+"""The torch group's pair warm-up (kv_transfer/backends/torch_group.py warm_up_pairs): every pair of ranks
 exchanges once, in an order that cannot deadlock, here over gloo with three real processes (NCCL, where the
 warm-up is what keeps the first pull from deadlocking, needs GPUs: benchmarks/gpu_check.py)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 def _rank(rank: int, world_size: int, init_file: str, results: mp.Queue) -> None:  # type: ignore[type-arg]
     import torch.distributed as dist
 
-    from kv_transfer.backends.torch_dist import warm_up_pairs
+    from kv_transfer.backends.torch_group import warm_up_pairs
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     warm_up_pairs(rank, world_size, "cpu")

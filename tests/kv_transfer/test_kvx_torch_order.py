@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer import BackendUnavailableError, ReleaseReason, TransferState, make_receiver, make_sender
-from kv_transfer.backends.torch_dist import check_group_backend, p2p_backend
+from kv_transfer.backends.torch_group import check_group_backend, p2p_backend
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
 

@@ -11,8 +11,8 @@ from gateway.fleet.deployment import DeploymentConfig, PDDeployment
 from gateway.requests.orchestrator import StreamEvent, run_request
 from gateway.requests.router import Router
 from llm_engine import EngineConfig, SamplingParams
-from pool_worker import Role
 from tests.conftest import random_prompts
+from worker_runtime.roles import Role
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

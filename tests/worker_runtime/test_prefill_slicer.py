@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pool_worker.runtime.prefill_slicer import MIN_TOKENS, PrefillSlicer
+from worker_runtime.prefill_slicer import MIN_TOKENS, PrefillSlicer
 
 
 def test_the_budget_is_the_prompt_tokens_that_fit_the_target_beside_a_decode_step() -> None:

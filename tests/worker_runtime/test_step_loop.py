@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from pool_worker.runtime.step_loop import StepLoop
+from worker_runtime.step_loop import StepLoop
 
 
 def cpu_per_wall_second_of_matmuls_in_loop(num_threads: int | None) -> float:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker_runtime.roles import Role
+
 
 @dataclass(frozen=True)
 class WorkerLoad:
     worker_id: str
-    role: str  # "prefill", "decode" or "mixed"
+    role: Role  # the actor sets MIXED on a decode worker serving mixed
     num_waiting: int  # requests queued, not yet computing
     num_queued_prompt_tokens: int  # prompt tokens still to prefill (queued + partly chunked)
     num_running: int  # requests holding blocks and computing

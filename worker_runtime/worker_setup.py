@@ -66,7 +66,7 @@ def setup_worker_process(num_threads: int, group: TorchGroupSpec | None = None,
         dist.init_process_group(group.backend, init_method=group.init_method, rank=group.rank,
                                 world_size=group.world_size)
         if group.backend == "nccl":  # NCCL connects pairs lazily: the first pull would deadlock
-            from kv_transfer.backends.torch_dist import warm_up_pairs
+            from kv_transfer.backends.torch_group import warm_up_pairs
 
             warm_up_pairs(group.rank, group.world_size, torch.device("cuda", torch.cuda.current_device()))
         logger.info("joined torch.distributed group as rank %d of %d", group.rank, group.world_size)

@@ -1,0 +1,64 @@
+"""Who a worker is and where and how it runs: the records the actor answers with and the gateway reads
+(/admin/pools, the metrics, placement), torch-free so that the gateway reads them without the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from worker_runtime.roles import Role
+
+if TYPE_CHECKING:
+    from llm_engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Who the worker is, for /admin/pools and for tests that check a role change kept the process."""
+
+    worker_id: str
+    role: Role
+    actor_id: str  # Ray's id of this actor: the same after any number of role changes
+    pid: int
+    num_model_loads: int  # weight loads in this process: 1 however often the role changed
+    num_role_changes: int
+    runtime: WorkerRuntime | None = None  # what the engine runs on; None until start()
+
+
+@dataclass(frozen=True)
+class WorkerRuntime:
+    """How the worker computes: its dtype, GEMM kernel and cores (in /admin/pools and the metrics)."""
+
+    dtype: str  # of weights and KV cache, "auto" resolved
+    linear_kernel: str  # "torch", or the kernels in use ("onednn-packed+zentorch"; llm_engine/linear_kernels)
+    linear_kernel_reason: str  # the probe's verdict, or why there was none
+    linear_kernel_speedup: float | None  # probe: F.linear time over the chosen kernels' (None: no probe)
+    decode_attention: str  # "paged-kernel" (pdserve's C++ kernel) or "sdpa" (gather + torch SDPA)
+    compile: str  # the model body: "compiled" (one inductor graph, llm_engine/compilation.py) or "eager"
+    compile_reason: str  # why (auto's verdict, a failure's reason), and which body: "lean" or "transformers"
+    num_threads: int  # torch threads of the step loop
+    cpu_ids: tuple[int, ...]  # cores the process is pinned to (all it may use when not pinned)
+    kv_bytes_per_token: int  # KV bytes one token holds and moves between workers
+    num_kv_blocks: int
+    num_kv_tokens: int  # what those blocks hold: the most one request may use here
+    kv_cache_bytes: int
+    kv_cache_source: str  # how its memory was sized (llm_engine/kv_sizing.py), e.g. "0.2 of 20 GiB free RAM"
+
+    @classmethod
+    def of(cls, engine: LLMEngine, num_threads: int, cpu_ids: tuple[int, ...]) -> WorkerRuntime:
+        """Read from a loaded engine and the process's thread and core settings."""
+        kernel, kv = engine.linear_kernel, engine.kv_capacity
+        return cls(engine.config.dtype, kernel.label, kernel.reason, kernel.speedup,
+                   engine.runner.decode_attention, engine.compilation.mode,
+                   f"{engine.compilation.body} body: {engine.compilation.reason}", num_threads, cpu_ids,
+                   engine.runner.cache_spec.bytes_per_token, kv.num_blocks, kv.num_tokens, kv.num_bytes,
+                   kv.source)
+
+
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """Where Ray placed the worker: answered by the constructor's process before any model loads."""
+
+    node_id: str  # Ray's node id (hex)
+    node_ip: str  # the node's address as Ray knows it: what peers on other nodes connect to
+    pid: int
