@@ -195,8 +195,12 @@ class WorkerFaults:
         for worker in decoders:
             with contextlib.suppress(Exception):  # replaced meanwhile: its replacement never had it
                 await self._call(worker["worker_id"], _actor_faults().heal)
+        pools = await self.watch.fetch_pools()
         self.log.event("stall_pulls", worker_ids=[w["worker_id"] for w in decoders], stall_s=STALL_S,
-                       start_s=round(started, 3), end_s=round(self.log.now(), 3))
+                       start_s=round(started, 3), end_s=round(self.log.now(), 3),
+                       workers_after=[{k: w.get(k) for k in ("worker_id", "role", "running_requests",
+                                                             "waiting_requests", "used_kv_blocks")}
+                                      for w in pools.get("workers", [])])
         return f"{len(decoders)} decode workers"
 
     async def lost_release(self) -> str:
