@@ -43,7 +43,7 @@ class DeploymentConfig:
     autoscale_wait_s: float | None = None
     start_timeout_s: float = 300.0  # a placed worker that has not loaded its model by then is given up
     # A step running this long, and STEP_WATCHDOG_FACTOR × the worker's longest finished step, is taken for
-    # hung: the worker is replaced and its requests move (gateway/fleet/deployment.py). 0: never.
+    # hung: the worker is replaced and its requests move (gateway/fleet/recovery.py). 0: never.
     step_watchdog_s: float = 120.0
 
     def __post_init__(self) -> None:

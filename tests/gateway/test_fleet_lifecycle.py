@@ -17,7 +17,8 @@ import pytest
 import ray
 
 from decode_pool.messages import DecodeRequest
-from gateway.fleet.deployment import DeploymentConfig, PDDeployment
+from gateway.fleet.config import DeploymentConfig
+from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.worker_errors import SubmissionRefused
 from gateway.fleet.workers import Worker, WorkerState
 from gateway.ratio.controller import ControllerPolicy, RatioController

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.fleet.deployment import DeploymentConfig, PDDeployment
+from gateway.fleet.config import DeploymentConfig
+from gateway.fleet.deployment import PDDeployment
 from gateway.requests.orchestrator import StreamEvent, run_request
 from gateway.requests.router import Router
 from llm_engine import EngineConfig, SamplingParams
