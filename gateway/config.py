@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDic
 
 from gateway.control.plane import PlannerSettings
 from gateway.fleet.config import DeploymentConfig
-from gateway.ratio.controller import ControllerPolicy
+from gateway.ratio.ladder import ControllerPolicy
 from gateway.requests.deadlines import DeadlinePolicy
 from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.tracing import check_endpoint

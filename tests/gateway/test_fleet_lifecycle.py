@@ -21,7 +21,8 @@ from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.worker_errors import SubmissionRefused
 from gateway.fleet.workers import Worker, WorkerState
-from gateway.ratio.controller import ControllerPolicy, RatioController
+from gateway.ratio.controller import RatioController
+from gateway.ratio.ladder import ControllerPolicy
 from gateway.ratio.resize import Move, PoolLayout, PoolResizer, ResizeConflict, ResizeRefused
 from gateway.requests.orchestrator import StreamEvent, run_request
 from gateway.requests.router import Router
