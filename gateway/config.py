@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from gateway.control.plane import PlannerSettings
-from gateway.fleet.config import DeploymentConfig
+from gateway.fleet.config import CANNOT_SERVE, DeploymentConfig, can_serve
 from gateway.ratio.ladder import ControllerPolicy
 from gateway.requests.deadlines import DeadlinePolicy
 from gateway.requests.router import LocalPrefillPolicy
@@ -318,11 +318,9 @@ class ServeConfig(BaseSettings):
             resolve_dtype(self.dtype or "auto", device)
         except ValueError as error:
             raise ValueError(f"--dtype {self.dtype}: {error}") from None
-        if prefill + mixed < 1 or decode + mixed < 1:
+        if not can_serve({Role.PREFILL: prefill, Role.DECODE: decode, Role.MIXED: mixed}):
             raise ValueError(f"--prefill/--decode/--mixed: {prefill} prefill + {decode} decode + {mixed} "
-                             "mixed cannot serve: "
-                             "it needs a worker that can prefill (prefill or mixed) and one that can decode "
-                             "(decode or mixed)")
+                             f"mixed {CANNOT_SERVE}")
         return self
 
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kv_transfer import BackendName, TransferConfig
@@ -12,6 +13,19 @@ from pool_worker import Role
 from pool_worker.runtime.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
+
+CANNOT_SERVE = ("cannot serve: it needs at least one worker that can prefill (prefill or mixed) and one that "
+                "can decode (decode or mixed)")
+
+
+def can_serve(layout: Mapping[Role, int]) -> bool:
+    """Whether a layout one asks for (at start, or PUT /admin/pools) can serve: some worker prefills and some
+    decodes. A decode worker prefills its own requests only as a fallback (Role.can_prefill), while a
+    prefill pool is being replaced or drained; a layout may not rely on it. (A running fleet asks less:
+    PoolHealth and start-up need only a worker that can decode.)"""
+    num_can_prefill = sum(n for role, n in layout.items() if role.can_prefill)
+    num_can_decode = sum(n for role, n in layout.items() if role.can_decode)
+    return num_can_prefill >= 1 and num_can_decode >= 1
 
 
 @dataclass(frozen=True)
@@ -49,10 +63,8 @@ class DeploymentConfig:
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_mixed) < 0:
             raise ValueError(f"worker counts must be >= 0, got {self.layout()}")
-        if self.num_prefill + self.num_mixed < 1 or self.num_decode + self.num_mixed < 1:
-            raise ValueError("the layout cannot serve: it needs at least one worker that can prefill "
-                             "(prefill or mixed) and one that can decode (decode or mixed), got "
-                             f"{self.layout()}")
+        if not can_serve(self.layout()):
+            raise ValueError(f"the layout {CANNOT_SERVE}, got {self.layout()}")
         if self.num_threads < 1:
             raise ValueError(f"threads per worker must be >= 1, got {self.num_threads}")
         if not 0.0 <= self.watermark < 1.0:

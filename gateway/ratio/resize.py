@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gateway.fleet.config import CANNOT_SERVE, can_serve
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.drain import DRAIN_GRACE_S, DRAIN_TIMEOUT_S
 from gateway.fleet.placement import PlacementTimeout
@@ -140,9 +141,8 @@ class PoolResizer:
             raise ResizeRefused(f"drain_grace_s ({layout.drain_grace_s:g} s) must be below the drain timeout "
                                 f"({self.drain_timeout_s:g} s)")
         target = layout.by_role()
-        if target[Role.PREFILL] + target[Role.MIXED] < 1 or target[Role.DECODE] + target[Role.MIXED] < 1:
-            raise ResizeRefused("the layout cannot serve: it needs at least one worker that can prefill "
-                                "(prefill or mixed) and one that can decode (decode or mixed)")
+        if not can_serve(target):
+            raise ResizeRefused(f"the layout {CANNOT_SERVE}")
         if (target[Role.PREFILL] or target[Role.DECODE]) and self.deployment.backend.value == "local":
             raise ResizeConflict("this server was started with only mixed workers and no KV transfer "
                                  "backend; serve with --backend nixl to add prefill or decode workers")
