@@ -49,8 +49,9 @@ from gateway.api.request_id import RequestIdMiddleware, install_log_prefix, requ
 from gateway.api.responses import chat_response, chat_stream, completion_response, completion_stream
 from gateway.api.utility_routes import router as utility_routes
 from gateway.config import ServeConfig
+from gateway.control.fleet_client import FleetClient
 from gateway.control.plane import ControlPlane, build_planner, decode_kv_tokens
-from gateway.control.remote_fleet import FleetLink, RemoteFleet
+from gateway.control.remote_fleet import RemoteFleet
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.view import FleetView
 from gateway.requests.admission import Admission, admission_capacity
@@ -166,8 +167,8 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
         assert frontend is not None
         ray.init(address=frontend.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
                  configure_logging=False, log_to_driver=False)
-        handle = ray.get_actor(frontend.fleet_actor)
-        fleet = RemoteFleet(handle, f"frontend-{uuid.uuid4().hex[:12]}")
+        client = FleetClient(ray.get_actor(frontend.fleet_actor))
+        fleet = RemoteFleet(client, f"frontend-{uuid.uuid4().hex[:12]}")
         try:
             info = await fleet.start()
             service = serve_requests(app, config, fleet, info.model_dir, info.kv_tokens_per_decode_worker,
@@ -178,7 +179,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
             service.on_prompt.append(fleet.note_prompt)
             service.router.on_local_prefill.append(fleet.note_prompt)
             service.on_finished.append(fleet.note_finished)
-            app.state.control = FleetLink(fleet)
+            app.state.control = client  # the admin routes ask the fleet actor
             announce(app, config, info.backend, f" (frontend pid {os.getpid()} of {frontend.num_frontends})")
             yield
         finally:
