@@ -95,7 +95,6 @@ class ServeConfig(BaseSettings):
     mixed: int | None = Field(
         None, ge=0,
         description="workers that prefill and decode their own requests (the colocated layout; default: 0)")
-    colocated: int | None = Field(None, ge=0, description="the old name of --mixed (default: unset)")
     backend: Literal["auto", "nixl", "torch", "local"] = Field(
         "auto",
         description="KV transfer backend: auto, nixl, torch or local")
@@ -289,10 +288,6 @@ class ServeConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _layout_can_serve(self) -> ServeConfig:
-        if self.colocated is not None:
-            if self.mixed is not None and self.mixed != self.colocated:
-                raise ValueError("--colocated is the old name of --mixed: give one of them")
-            self.mixed, self.colocated = self.colocated, None
         if self.prefill is None and self.decode is None and self.mixed is None:
             self.prefill, self.decode = 1, 1
         if self.fleet_name is not None and self.ray_address is None:

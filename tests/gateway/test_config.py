@@ -31,8 +31,6 @@ def test_unknown_and_invalid_settings_are_rejected(tmp_path: Path) -> None:
         ServeConfig(decode=-1)
     with pytest.raises(ValidationError, match="cannot serve"):
         ServeConfig(decode=0)
-    with pytest.raises(ValidationError, match="old name of --mixed"):
-        ServeConfig(mixed=2, colocated=3)
     with pytest.raises(ValidationError, match="torch backend"):
         ServeConfig(ratio="auto", backend="torch")
 
@@ -40,8 +38,8 @@ def test_unknown_and_invalid_settings_are_rejected(tmp_path: Path) -> None:
 def test_roles_not_named_are_zero_unless_none_is() -> None:
     default = ServeConfig()
     assert (default.prefill, default.decode, default.mixed) == (1, 1, None)
-    assert ServeConfig(mixed=2).deployment_config("m").layout() == ServeConfig(colocated=2).deployment_config(
-        "m").layout() == {Role.PREFILL: 0, Role.DECODE: 0, Role.MIXED: 2}
+    assert ServeConfig(mixed=2).deployment_config("m").layout() == {Role.PREFILL: 0, Role.DECODE: 0,
+                                                                    Role.MIXED: 2}
     assert ServeConfig(prefill=1, mixed=1).deployment_config("m").layout() == {
         Role.PREFILL: 1, Role.DECODE: 0, Role.MIXED: 1}
 
