@@ -35,7 +35,7 @@ from gateway.api.protocol import (
 )
 from gateway.api.tool_parsers import ToolCallParser
 from gateway.api.tool_responses import ToolCallStream, whole_message
-from gateway.requests.orchestrator import RequestFailed
+from gateway.requests.events import RequestFailed
 from gateway.requests.service import GatewayService, PreparedRequest, TextDelta
 from gateway.telemetry.timings import Timings
 from llm_engine import TopLogprobs

@@ -23,7 +23,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport
 from gateway.ratio.ladder import ControllerPolicy
 from gateway.ratio.resize import PoolLayout, ResizeConflict, ResizeRefused
-from gateway.requests.orchestrator import RequestFailed
+from gateway.requests.events import RequestFailed
 from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.fleet_metrics import FleetStatus
 

@@ -32,7 +32,8 @@ from gateway.requests.admission import Admission, Reservation, admission_capacit
 from gateway.requests.choices import ChoicesRun
 from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.requests.detokenizer import IncrementalDetokenizer
-from gateway.requests.orchestrator import RequestFailed, RequestRun
+from gateway.requests.events import RequestFailed
+from gateway.requests.orchestrator import RequestRun
 from gateway.requests.router import LocalPrefillPolicy, Router
 from gateway.requests.stage_timings import stage_timings, token_times
 from gateway.telemetry.metrics import Metrics

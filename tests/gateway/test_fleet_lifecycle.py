@@ -24,7 +24,8 @@ from gateway.fleet.workers import Worker, WorkerState
 from gateway.ratio.controller import RatioController
 from gateway.ratio.ladder import ControllerPolicy
 from gateway.ratio.resize import Move, PoolLayout, PoolResizer, ResizeConflict, ResizeRefused
-from gateway.requests.orchestrator import StreamEvent, run_request
+from gateway.requests.events import StreamEvent
+from gateway.requests.orchestrator import run_request
 from gateway.requests.router import Router
 from gateway.telemetry.recent import RecentLatencies
 from llm_engine import EngineConfig, SamplingParams

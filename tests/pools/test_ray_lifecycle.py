@@ -9,7 +9,8 @@ import pytest
 
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.deployment import PDDeployment
-from gateway.requests.orchestrator import StreamEvent, run_request
+from gateway.requests.events import StreamEvent
+from gateway.requests.orchestrator import run_request
 from gateway.requests.router import Router
 from llm_engine import EngineConfig, SamplingParams
 from pool_worker import Role
