@@ -40,10 +40,10 @@ from typing import Any
 
 import ray
 
-from gateway.app import RAY_NAMESPACE
 from gateway.config import ServeConfig
 from gateway.control.fleet_client import FleetClient
 from gateway.fleet.config import DeploymentConfig
+from gateway.lifespans import RAY_NAMESPACE
 
 # The child reads its settings from the file named here (uvicorn builds each frontend from an import string):
 # a file only this user can read, not the environment, which would show the API keys to anyone who can
@@ -58,7 +58,8 @@ logger = logging.getLogger(__name__)
 
 def frontend_app() -> object:
     """uvicorn's app factory in each frontend process."""
-    from gateway.app import FrontendSpec, create_app
+    from gateway.app import create_app
+    from gateway.lifespans import FrontendSpec
 
     forget_dead_frontends(os.environ["PROMETHEUS_MULTIPROC_DIR"])
 

@@ -28,9 +28,9 @@ def add_fleet_parser(commands: Any) -> None:
 def run_fleet(args: argparse.Namespace) -> int:
     import ray
 
-    from gateway.app import RAY_NAMESPACE
     from gateway.control.fleet_client import FleetClient
     from gateway.frontends import stop_fleet
+    from gateway.lifespans import RAY_NAMESPACE
 
     try:
         ray.init(address=args.address, namespace=RAY_NAMESPACE, include_dashboard=False,
