@@ -44,6 +44,12 @@ from gateway.config import ServeConfig
 from gateway.control.fleet_client import FleetClient
 from gateway.fleet.config import DeploymentConfig
 from gateway.lifespans import RAY_NAMESPACE
+from gateway.serve_settings import (
+    controller_policy,
+    deployment_config,
+    local_prefill_policy,
+    planner_settings,
+)
 
 # The child reads its settings from the file named here (uvicorn builds each frontend from an import string):
 # a file only this user can read, not the environment, which would show the API keys to anyone who can
@@ -93,7 +99,7 @@ def serve_frontends(config: ServeConfig) -> None:
     if started_ray:
         ray.init(address=config.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
                  configure_logging=False)
-    deployment = config.deployment_config(resolve_model_dir(config))
+    deployment = deployment_config(config, resolve_model_dir(config))
     is_named = config.fleet_name is not None
     name = f"pdserve-fleet-{config.fleet_name if is_named else uuid.uuid4().hex[:6]}"
     fleet, is_rejoined = open_fleet(name, deployment, outlives=is_named)
@@ -101,16 +107,16 @@ def serve_frontends(config: ServeConfig) -> None:
     stopping = threading.Event()
 
     def start(fleet: FleetClient) -> None:
-        fleet.start(deployment, config.controller_policy(), config.local_prefill_policy(),
-                    config.ratio == "auto", config.planner_settings())
+        fleet.start(deployment, controller_policy(config), local_prefill_policy(config),
+                    config.ratio == "auto", planner_settings(config))
 
     lost: list[str] = []  # why the fleet is gone for good (the watch says)
 
     try:
         if is_rejoined:
             print(f"pdserve: rejoined fleet {name} and its workers", flush=True)
-            for note in fleet.rejoin(config.controller_policy(), config.local_prefill_policy(),
-                                     config.ratio == "auto", config.planner_settings()):
+            for note in fleet.rejoin(controller_policy(config), local_prefill_policy(config),
+                                     config.ratio == "auto", planner_settings(config)):
                 print(f"pdserve: fleet {name}: {note}", flush=True)
         else:
             start(fleet)

@@ -27,6 +27,13 @@ from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.view import FleetView
 from gateway.requests.admission import Admission, admission_capacity
 from gateway.requests.service import GatewayService
+from gateway.serve_settings import (
+    controller_policy,
+    deadline_policy,
+    deployment_config,
+    local_prefill_policy,
+    planner_settings,
+)
 from gateway.startup import announce, announce_kv, resolve_model_dir
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.tracing import RequestTracer
@@ -70,7 +77,7 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
         tokenizer=tokenizer, model_name=model_name, fleet=fleet,
         admission=Admission(capacity, config.max_waiting, config.queue_timeout_s, config.max_waiting_tokens),
         max_request_tokens=kv_tokens_per_worker,
-        deadline_policy=config.deadline_policy(), local_prefill=config.local_prefill_policy(),
+        deadline_policy=deadline_policy(config), local_prefill=local_prefill_policy(config),
         num_frontends=num_frontends, metrics=Metrics(model_name, spec.max_model_len),
         tracer=RequestTracer(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None,
     )
@@ -99,14 +106,14 @@ def own_fleet(config: ServeConfig) -> Lifespan:
         if started_ray:
             ray.init(address=config.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
                      configure_logging=False)
-        deployment = PDDeployment(config.deployment_config(resolve_model_dir(config)))
+        deployment = PDDeployment(deployment_config(config, resolve_model_dir(config)))
         await deployment.start()
         plane: ControlPlane | None = None
         try:
             service = serve_requests(app, config, deployment, deployment.config.engine.model_dir,
                                      min(await decode_kv_tokens(deployment)), num_frontends=1)
-            policy = config.controller_policy()
-            planning = config.planner_settings()
+            policy = controller_policy(config)
+            planning = planner_settings(config)
             planner = build_planner(planning, deployment, policy) if planning is not None else None
             plane = ControlPlane(deployment, service.router, service.recent, policy, service.traffic, planner)
             service.on_prompt.append(plane.controller.note_prompt)
