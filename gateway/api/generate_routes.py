@@ -28,7 +28,8 @@ from gateway.api.protocol import (
 )
 from gateway.api.request_id import request_id_of
 from gateway.api.responses import chat_response, chat_stream, completion_response, completion_stream
-from gateway.requests.service import GatewayService, PreparedRequest
+from gateway.requests.prepared import PreparedRequest
+from gateway.requests.service import GatewayService
 from gateway.telemetry.tracing import trace_headers
 
 router = APIRouter()
