@@ -273,7 +273,7 @@ class ServeConfig(BaseSettings):
     @classmethod
     def _model_is_a_dir_or_an_id(cls, model: str | None) -> str | None:
         if model is not None:
-            check_model_name(model)  # its form only: the id is resolved at start (gateway/app.py)
+            check_model_name(model)  # its form only: the id is resolved at start (gateway/startup.py)
         return model
 
     @model_validator(mode="after")

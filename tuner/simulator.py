@@ -68,7 +68,7 @@ class SimConfig:
     """The serving settings the simulation mirrors; the gateway's own defaults are passed in, not copied."""
 
     shape: WorkerShape  # each worker's engine (from the profile)
-    watermark: float  # fraction of decode blocks kept free when admitting (gateway/fleet/deployment.py)
+    watermark: float  # fraction of decode blocks kept free when admitting (gateway/fleet/config.py)
     max_waiting: int  # requests that may wait for decode KV capacity (gateway/config.py)
     queue_timeout_s: float  # how long one may wait before a 429
     hop_s: float = DEFAULT_HOP_S

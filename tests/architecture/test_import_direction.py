@@ -1,4 +1,4 @@
-"""Dependencies flow one way (README, "Where the code lives"): a small AST pass over every product module
+"""Dependencies flow one way (README, "How a request travels"): a small AST pass over every product module
 fails when a package, or a wing of the gateway, imports against the allowed direction.
 
 Imports inside `if TYPE_CHECKING:` count too: a type-only import upward is still a wrong-way dependency.
