@@ -18,9 +18,9 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 
 from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport
+from gateway.fleet.ray_calls import translated
 from gateway.ratio.ladder import ControllerPolicy
 from gateway.ratio.resize import PoolLayout, ResizeConflict, ResizeRefused
 from gateway.requests.events import RequestFailed
@@ -94,17 +94,8 @@ class FleetClient:
     async def _admin(call: Awaitable[T]) -> T:
         """The fleet's refusals raise here as themselves (the API maps them to 400 and 409); a fleet actor
         that is restarting, or not started again yet, is a 503 that says so (not "a worker failed")."""
-        try:
-            return await call
-        except RayActorError:
-            raise RequestFailed(FLEET_RESTARTING, "fleet_unavailable") from None
-        except RayTaskError as error:
-            cause = getattr(error, "cause", None)
-            if isinstance(cause, (ResizeRefused, ResizeConflict, ValueError, KeyError)):
-                raise cause from None
-            if isinstance(cause, RuntimeError) and "has not started" in str(cause):
-                raise RequestFailed(FLEET_RESTARTING, "fleet_unavailable") from None
-            raise
+        return await translated(call, lambda _: RequestFailed(FLEET_RESTARTING, "fleet_unavailable"),
+                                _admin_cause)
 
     # The supervisor (blocking).
     def start(self, config: DeploymentConfig, policy: ControllerPolicy, local_prefill: LocalPrefillPolicy,
@@ -130,3 +121,11 @@ class FleetClient:
 
     def kill(self) -> None:
         ray.kill(self.handle)
+
+
+def _admin_cause(cause: BaseException) -> BaseException | None:
+    if isinstance(cause, (ResizeRefused, ResizeConflict, ValueError, KeyError)):
+        return cause
+    if isinstance(cause, RuntimeError) and "has not started" in str(cause):
+        return RequestFailed(FLEET_RESTARTING, "fleet_unavailable")
+    return None
