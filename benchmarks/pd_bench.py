@@ -27,7 +27,8 @@ import ray
 import torch
 
 from decode_pool.messages import DecodeRequest
-from gateway.fleet.deployment import DeploymentConfig, PDDeployment
+from gateway.fleet.config import DeploymentConfig
+from gateway.fleet.deployment import PDDeployment
 from gateway.requests.orchestrator import run_request
 from gateway.requests.router import Router
 from llm_engine import EngineConfig, SamplingParams

@@ -1,12 +1,14 @@
+# Over 300 lines: one settings model of ~50 fields, each with its flag's help (translators: serve_settings.py)
 """`pdserve serve` settings: from flags, environment variables (PDSERVE_<FIELD>) or a YAML file, validated
 by pydantic, once, at load. Precedence: flags > environment > YAML > defaults.
 
-Engine and transfer defaults are not repeated here: a field left unset takes the engine's own default.
+Engine and transfer defaults are not repeated here: a field left unset takes the engine's own default. What
+the settings become in each part's own (DeploymentConfig, the router's and controller's policies, ...):
+gateway/serve_settings.py.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -14,19 +16,14 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
-from gateway.control.plane import PlannerSettings
-from gateway.fleet.config import DeploymentConfig
-from gateway.ratio.controller import ControllerPolicy
-from gateway.requests.deadlines import DeadlinePolicy
-from gateway.requests.router import LocalPrefillPolicy
+from gateway.fleet.config import CANNOT_SERVE, can_serve
+from gateway.ratio.ladder import ControllerPolicy
 from gateway.telemetry.tracing import check_endpoint
-from kv_transfer import TransferConfig
-from llm_engine import EngineConfig, ModelSpec
+from llm_engine import ModelSpec
 from llm_engine.hardware import resolve_device, resolve_dtype
 from llm_engine.kv_sizing import parse_memory
 from llm_engine.model_files import check_model_name, is_local_path
 from llm_engine.model_loader import read_model_spec
-from worker_runtime.model_source import ModelSource
 from worker_runtime.roles import Role
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -95,7 +92,6 @@ class ServeConfig(BaseSettings):
     mixed: int | None = Field(
         None, ge=0,
         description="workers that prefill and decode their own requests (the colocated layout; default: 0)")
-    colocated: int | None = Field(None, ge=0, description="the old name of --mixed (default: unset)")
     backend: Literal["auto", "nixl", "torch", "local"] = Field(
         "auto",
         description="KV transfer backend: auto, nixl, torch or local")
@@ -277,7 +273,7 @@ class ServeConfig(BaseSettings):
     @classmethod
     def _model_is_a_dir_or_an_id(cls, model: str | None) -> str | None:
         if model is not None:
-            check_model_name(model)  # its form only: the id is resolved at start (gateway/app.py)
+            check_model_name(model)  # its form only: the id is resolved at start (gateway/startup.py)
         return model
 
     @model_validator(mode="after")
@@ -288,11 +284,8 @@ class ServeConfig(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _layout_can_serve(self) -> ServeConfig:
-        if self.colocated is not None:
-            if self.mixed is not None and self.mixed != self.colocated:
-                raise ValueError("--colocated is the old name of --mixed: give one of them")
-            self.mixed, self.colocated = self.colocated, None
+    def _check_layout(self) -> ServeConfig:
+        """The roles (none given: 1 prefill + 1 decode), and the settings that go with a layout."""
         if self.prefill is None and self.decode is None and self.mixed is None:
             self.prefill, self.decode = 1, 1
         if self.fleet_name is not None and self.ray_address is None:
@@ -301,7 +294,11 @@ class ServeConfig(BaseSettings):
         if self.ratio == "auto" and self.backend == "torch":
             raise ValueError("--ratio auto moves workers between roles, which the torch backend's fixed "
                              "process group cannot: use --backend nixl")
-        prefill, decode, mixed = self.prefill or 0, self.decode or 0, self.mixed or 0
+        return self
+
+    @model_validator(mode="after")
+    def _check_device_and_model(self) -> ServeConfig:
+        """The device, its memory setting, the model's context and the dtype the device runs."""
         try:
             device = resolve_device(self.device or "auto")
         except ValueError as error:
@@ -318,11 +315,14 @@ class ServeConfig(BaseSettings):
             resolve_dtype(self.dtype or "auto", device)
         except ValueError as error:
             raise ValueError(f"--dtype {self.dtype}: {error}") from None
-        if prefill + mixed < 1 or decode + mixed < 1:
+        return self
+
+    @model_validator(mode="after")
+    def _layout_can_serve(self) -> ServeConfig:
+        prefill, decode, mixed = self.prefill or 0, self.decode or 0, self.mixed or 0
+        if not can_serve({Role.PREFILL: prefill, Role.DECODE: decode, Role.MIXED: mixed}):
             raise ValueError(f"--prefill/--decode/--mixed: {prefill} prefill + {decode} decode + {mixed} "
-                             "mixed cannot serve: "
-                             "it needs a worker that can prefill (prefill or mixed) and one that can decode "
-                             "(decode or mixed)")
+                             f"mixed {CANNOT_SERVE}")
         return self
 
     @classmethod
@@ -351,77 +351,6 @@ class ServeConfig(BaseSettings):
         """
         return read_model_spec(model_dir).with_max_model_len(self.max_model_len)
 
-    def kv_memory_settings(self) -> dict[str, int | float]:
-        """The engine's KV memory fields for --kv-cache-memory (or the old --kv-cache-mib); empty: neither."""
-        if self.kv_cache_memory is not None:
-            amount = parse_memory(self.kv_cache_memory)
-            if amount.fraction is not None:
-                return {"kv_cache_fraction": amount.fraction}
-            return {"kv_cache_bytes": amount.num_bytes or 0}
-        return {} if self.kv_cache_mib is None else {"kv_cache_bytes": self.kv_cache_mib << 20}
-
-    def local_prefill_policy(self) -> LocalPrefillPolicy:
-        chosen = {"max_uncached_tokens": self.local_prefill_max_tokens,
-                  "min_prefill_queue_tokens": self.local_prefill_queue_tokens}
-        return LocalPrefillPolicy(**{k: v for k, v in chosen.items() if v is not None})
-
-    def controller_policy(self) -> ControllerPolicy:
-        return ControllerPolicy(ttft_slo_s=self.ttft_slo_s, itl_slo_s=self.itl_slo_s)
-
-    def planner_settings(self) -> PlannerSettings | None:
-        if self.profile is None:
-            return None
-        local_prefill = self.local_prefill_policy()
-        return PlannerSettings(self.profile, self.max_waiting, self.queue_timeout_s,
-                               local_prefill.isolate_prompts_from_tokens,
-                               local_prefill.move_streams_from_tokens)
-
-    def deadline_policy(self) -> DeadlinePolicy:
-        chosen = {"slack_s": self.deadline_slack_s, "prefill_s_per_token": self.deadline_prefill_s_per_token,
-                  "decode_s_per_token": self.deadline_decode_s_per_token}
-        return DeadlinePolicy(**{k: v for k, v in chosen.items() if v is not None})
-
-    def default_threads_per_worker(self) -> int:
-        """--threads-per-worker, else this machine's cores split over the layout's workers (a cluster's
-        nodes are not this machine: there, the CPUs each worker asks Ray for)."""
-        if self.threads_per_worker is not None:
-            return self.threads_per_worker
-        if self.ray_address is not None:
-            return max(1, int(self.cpus_per_worker or 1))
-        num_workers = (self.prefill or 0) + (self.decode or 0) + (self.mixed or 0)
-        return max(1, len(os.sched_getaffinity(0)) // max(1, num_workers))
-
     @property
     def is_loopback(self) -> bool:
         return self.host in LOOPBACK_HOSTS
-
-    def deployment_config(self, model_dir: str) -> DeploymentConfig:
-        engine_overrides: dict[str, object] = {
-            "dtype": self.dtype, "device": self.device, "block_size": self.block_size,
-            **self.kv_memory_settings(), "gpu_memory_utilization": self.gpu_memory_utilization,
-            "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens, "linear_kernel": self.linear_kernel,
-            "max_prefill_s_beside_decode": self.max_prefill_s_beside_decode,
-            "decode_attention": self.decode_attention, "compile": self.compile,
-        }
-        chosen = {k: v for k, v in engine_overrides.items() if v is not None}
-        engine = EngineConfig(model_dir, **chosen)  # type: ignore[arg-type]
-        chosen_resources = {Role.PREFILL: self.prefill_resources, Role.DECODE: self.decode_resources,
-                            Role.MIXED: self.mixed_resources}
-        placement: dict[str, object] = {
-            "num_gpus_per_worker": self.gpus_per_worker, "num_cpus_per_worker": self.cpus_per_worker,
-            "placement_timeout_s": self.placement_timeout_s, "autoscale_wait_s": self.autoscale_wait_s,
-            "step_watchdog_s": self.step_watchdog_s,
-        }
-        if self.gpus_per_worker is None and engine.device.startswith("cuda"):
-            placement["num_gpus_per_worker"] = 1.0
-        return DeploymentConfig(engine, num_prefill=self.prefill or 0, num_decode=self.decode or 0,
-                                num_mixed=self.mixed or 0, backend=self.backend, transfer=TransferConfig(),
-                                role_resources={r: x for r, x in chosen_resources.items() if x},
-                                worker_env=dict(self.worker_env or {}),
-                                # Each worker finds the model on its own node
-                                # (worker_runtime/model_source.py).
-                                model_source=ModelSource.named(self.model, self.revision, model_dir),
-                                num_threads=self.default_threads_per_worker(), pin_cpus=self.pin_cpus,
-                                **{k: v for k, v in placement.items() if v is not None})  # type: ignore[arg-type]
-

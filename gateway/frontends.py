@@ -40,10 +40,17 @@ from typing import Any
 
 import ray
 
-from gateway.app import RAY_NAMESPACE
 from gateway.config import ServeConfig
+from gateway.control.fleet_client import FleetClient
 from gateway.fleet.config import DeploymentConfig
+from gateway.lifespans import RAY_NAMESPACE
 from gateway.ray_join import SHUTDOWN_GRACE_S
+from gateway.serve_settings import (
+    controller_policy,
+    deployment_config,
+    local_prefill_policy,
+    planner_settings,
+)
 
 # The child reads its settings from the file named here (uvicorn builds each frontend from an import string):
 # a file only this user can read, not the environment, which would show the API keys to anyone who can
@@ -58,7 +65,8 @@ logger = logging.getLogger(__name__)
 
 def frontend_app() -> object:
     """uvicorn's app factory in each frontend process."""
-    from gateway.app import FrontendSpec, create_app
+    from gateway.app import create_app
+    from gateway.lifespans import FrontendSpec
 
     forget_dead_frontends(os.environ["PROMETHEUS_MULTIPROC_DIR"])
 
@@ -92,24 +100,24 @@ def serve_frontends(config: ServeConfig) -> None:
     if started_ray:
         ray.init(address=config.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
                  configure_logging=False)
-    deployment = config.deployment_config(resolve_model_dir(config))
+    deployment = deployment_config(config, resolve_model_dir(config))
     is_named = config.fleet_name is not None
     name = f"pdserve-fleet-{config.fleet_name if is_named else uuid.uuid4().hex[:6]}"
     fleet, is_rejoined = open_fleet(name, deployment, outlives=is_named)
     metrics_dir = tempfile.mkdtemp(prefix="pdserve-metrics-")
     stopping = threading.Event()
 
-    def start(fleet: Any) -> None:
-        ray.get(fleet.start.remote(deployment, config.controller_policy(), config.local_prefill_policy(),
-                                   config.ratio == "auto", config.planner_settings()))
+    def start(fleet: FleetClient) -> None:
+        fleet.start(deployment, controller_policy(config), local_prefill_policy(config),
+                    config.ratio == "auto", planner_settings(config))
 
     lost: list[str] = []  # why the fleet is gone for good (the watch says)
 
     try:
         if is_rejoined:
             print(f"pdserve: rejoined fleet {name} and its workers", flush=True)
-            for note in ray.get(fleet.rejoin.remote(config.controller_policy(), config.local_prefill_policy(),
-                                                    config.ratio == "auto", config.planner_settings())):
+            for note in fleet.rejoin(controller_policy(config), local_prefill_policy(config),
+                                     config.ratio == "auto", planner_settings(config)):
                 print(f"pdserve: fleet {name}: {note}", flush=True)
         else:
             start(fleet)
@@ -145,7 +153,7 @@ def serve_frontends(config: ServeConfig) -> None:
             ray.shutdown()
 
 
-def watch_fleet(fleet: Any, start: Callable[[Any], None], on_lost: Callable[[str], None],
+def watch_fleet(fleet: FleetClient, start: Callable[[FleetClient], None], on_lost: Callable[[str], None],
                 stopping: threading.Event) -> None:
     """Until `stopping`, probe the fleet actor every FLEET_WATCH_S: one that Ray restarted (it answers, not
     started) is started again (retried until it starts); one that fails every probe for FLEET_GONE_S is
@@ -156,7 +164,7 @@ def watch_fleet(fleet: Any, start: Callable[[Any], None], on_lost: Callable[[str
     failing_since: float | None = None
     while not stopping.wait(FLEET_WATCH_S):
         try:
-            started = ray.get(fleet.started_config.remote(), timeout=FLEET_PROBE_TIMEOUT_S)
+            started = fleet.probe_started(FLEET_PROBE_TIMEOUT_S)
         except GetTimeoutError:
             continue
         except RayActorError as error:  # died: restarting, or gone for good
@@ -182,7 +190,7 @@ def watch_fleet(fleet: Any, start: Callable[[Any], None], on_lost: Callable[[str
         print(f"pdserve: the fleet serves again ({time.monotonic() - began:.0f} s to start)", flush=True)
 
 
-def open_fleet(name: str, deployment: DeploymentConfig, outlives: bool) -> tuple[Any, bool]:
+def open_fleet(name: str, deployment: DeploymentConfig, outlives: bool) -> tuple[FleetClient, bool]:
     """The fleet actor `name`, and whether it has started already: a new one; or, when it `outlives` this
     process (detached), the one running under that name if it started with these settings, else a new one
     in its place."""
@@ -192,10 +200,10 @@ def open_fleet(name: str, deployment: DeploymentConfig, outlives: bool) -> tuple
     # Ray restarts it should it die (empty: the supervisor's watch starts its fleet again).
     options: dict[str, Any] = {"name": name, "num_cpus": 0, "max_concurrency": 1000, "max_restarts": -1}
     if not outlives:
-        return ray.remote(FleetActor).options(**options).remote(), False
+        return FleetClient(ray.remote(FleetActor).options(**options).remote()), False
     options.update(lifetime="detached", get_if_exists=True)
-    fleet: Any = ray.remote(FleetActor).options(**options).remote()
-    started = ray.get(fleet.started_config.remote())
+    fleet = FleetClient(ray.remote(FleetActor).options(**options).remote())
+    started = fleet.probe_started()
     if started is None or started == deployment:
         return fleet, started is not None
     print(f"pdserve: fleet {name} runs other settings: replacing it and its workers", flush=True)
@@ -203,7 +211,7 @@ def open_fleet(name: str, deployment: DeploymentConfig, outlives: bool) -> tuple
     deadline = time.monotonic() + 60
     while _is_named_actor(name) and time.monotonic() < deadline:  # the name is free once it is gone
         time.sleep(0.5)
-    return ray.remote(FleetActor).options(**options).remote(), False
+    return FleetClient(ray.remote(FleetActor).options(**options).remote()), False
 
 
 def _is_named_actor(name: str) -> bool:
@@ -214,7 +222,7 @@ def _is_named_actor(name: str) -> bool:
     return True
 
 
-def stop_fleet(fleet: Any) -> None:
+def stop_fleet(fleet: FleetClient) -> None:
     with contextlib.suppress(Exception):  # already gone, or stuck: the kill below ends it
-        ray.get(fleet.shutdown.remote(), timeout=60)
-    ray.kill(fleet)
+        fleet.shutdown(timeout_s=60)
+    fleet.kill()

@@ -28,12 +28,10 @@ from kv_transfer.messages import KVHandle, PeerInfo, PullReply, PullRequest, Rel
 from kv_transfer.metrics import TransferRecord, TransferRecorder
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.registry import (
-    BackendChoice,
     BackendUnavailableError,
     UnknownBackendError,
     can_move_kv_between_decode_workers,
     capabilities,
-    choose_backend,
     make_receiver,
     make_sender,
 )
@@ -41,7 +39,6 @@ from kv_transfer.sender import KVSender
 
 __all__ = [
     "BackendCapabilities",
-    "BackendChoice",
     "BackendName",
     "BackendUnavailableError",
     "IncompatibleLayoutError",
@@ -64,7 +61,6 @@ __all__ = [
     "UnknownBackendError",
     "can_move_kv_between_decode_workers",
     "capabilities",
-    "choose_backend",
     "layout_from_tensor",
     "make_receiver",
     "make_sender",

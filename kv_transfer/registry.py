@@ -106,48 +106,6 @@ def can_move_kv_between_decode_workers(name: str | BackendName) -> bool:
     return caps.crosses_processes and not caps.needs_peer_bound_up_front and not caps.sender_takes_part
 
 
-@dataclass(frozen=True)
-class BackendChoice:
-    """The backend picked for a sender/receiver pair, and why (for the log)."""
-
-    name: BackendName  # the backend to build both halves with
-    reason: str  # human-readable reason, logged at INFO
-
-
-def choose_backend(is_same_process: bool, forced: str | BackendName | None = None) -> BackendChoice:
-    """Pick the best backend for a peer pair: same process -> local; nixl importable -> nixl; else torch.
-
-    Args:
-        is_same_process: both halves live in this process (colocated mode).
-        forced: a backend name to use instead of choosing; never silently replaced.
-
-    Returns:
-        The choice and its reason.
-
-    Raises:
-        UnknownBackendError: `forced` is not a known name.
-        BackendUnavailableError: `forced` (or every candidate) cannot run here.
-    """
-    if forced is not None:
-        spec = resolve(forced)
-        if not spec.is_available():
-            raise BackendUnavailableError(f"forced KV transfer backend {spec.name} is not available here")
-        if spec.name == BackendName.LOCAL and not is_same_process:
-            raise BackendUnavailableError("forced backend local needs sender and receiver in one process")
-        choice = BackendChoice(spec.name, "forced by configuration")
-    elif is_same_process:
-        choice = BackendChoice(BackendName.LOCAL, "sender and receiver share this process")
-    elif BACKENDS[BackendName.NIXL].is_available():
-        choice = BackendChoice(BackendName.NIXL, "nixl is importable (one-sided READ over UCX)")
-    elif BACKENDS[BackendName.TORCH].is_available():
-        choice = BackendChoice(BackendName.TORCH, "nixl not importable; torch.distributed group initialised")
-    else:
-        raise BackendUnavailableError("no KV transfer backend available: nixl does not import and "
-                                      "torch.distributed is not initialised")
-    logger.info("KV transfer backend %s: %s", choice.name, choice.reason)
-    return choice
-
-
 def _load(name: str | BackendName, attr: str) -> Any:
     spec = resolve(name)
     if not spec.is_available():

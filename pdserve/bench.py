@@ -100,10 +100,6 @@ class BenchSettings(BaseSettings):
 
 
 ALIASES = {"base_url": ["--url"]}
-HIDDEN_ALIASES = {"request_rate": ["--rate"], "num_prompts": ["--num-requests"], "duration_s": ["--duration"],
-                  "random_input_len": ["--input-len"], "random_output_len": ["--output-len"],
-                  "dataset_path": ["--trace"], "ttft_slo_s": ["--ttft-slo"], "itl_slo_s": ["--itl-slo"],
-                  "disable_tqdm": ["--no-progress"]}
 
 
 def add_bench_parser(commands: Any) -> None:
@@ -112,7 +108,7 @@ def add_bench_parser(commands: Any) -> None:
         epilog=f"Every flag is also an environment variable {ENV_PREFIX}<FLAG NAME> (e.g. "
                f"{ENV_PREFIX}REQUEST_RATE). Precedence: flags > environment > defaults. Exit status 1 when "
                "any request failed, 2 for a bad flag or a server that does not answer.")
-    add_model_flags(bench, BenchSettings, aliases=ALIASES, hidden_aliases=HIDDEN_ALIASES)
+    add_model_flags(bench, BenchSettings, aliases=ALIASES)
     bench.set_defaults(handler=run_bench_command)
 
 

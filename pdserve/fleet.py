@@ -28,8 +28,9 @@ def add_fleet_parser(commands: Any) -> None:
 def run_fleet(args: argparse.Namespace) -> int:
     import ray
 
-    from gateway.app import RAY_NAMESPACE
+    from gateway.control.fleet_client import FleetClient
     from gateway.frontends import stop_fleet
+    from gateway.lifespans import RAY_NAMESPACE
 
     try:
         ray.init(address=args.address, namespace=RAY_NAMESPACE, include_dashboard=False,
@@ -41,7 +42,7 @@ def run_fleet(args: argparse.Namespace) -> int:
                        if a["namespace"] == RAY_NAMESPACE and a["name"].startswith(FLEET_PREFIX))
         if args.action == "list":
             for name in names:
-                config: Any = ray.get(ray.get_actor(name).started_config.remote(), timeout=30)
+                config = FleetClient(ray.get_actor(name)).probe_started(timeout_s=30)
                 layout = (f"{config.num_prefill} prefill + {config.num_decode} decode + {config.num_mixed} "
                           f"mixed at start, {config.engine.model_dir}" if config else "not started")
                 print(f"{name.removeprefix(FLEET_PREFIX)}\t{layout}")
@@ -50,7 +51,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         if name not in names:
             known = ", ".join(n.removeprefix(FLEET_PREFIX) for n in names) or "none"
             raise ValueError(f"no fleet named {args.name!r} (named fleets: {known})")
-        stop_fleet(ray.get_actor(name))
+        stop_fleet(FleetClient(ray.get_actor(name)))
         print(f"pdserve: fleet {args.name} stopped")
         return 0
     finally:

@@ -10,10 +10,8 @@ from typing import Any
 
 from pdserve.settings_cli import PRECEDENCE, add_model_flags, error_message, given_flags, layer_sources
 
-# Flags that are not `--field-name`, and old names that still work.
-RENAMED: dict[str, str] = {}
+# Flags beside `--field-name`, shown in the help.
 ALIASES = {"ray_address": ["--address"]}
-HIDDEN_ALIASES: dict[str, list[str]] = {}
 
 
 def add_serve_parser(commands: Any) -> None:
@@ -29,7 +27,7 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--config", default=None,
                        help="YAML file of the same settings, keys as the flags with underscores "
                             "(default: none)")
-    add_model_flags(serve, ServeConfig, RENAMED, ALIASES, HIDDEN_ALIASES)
+    add_model_flags(serve, ServeConfig, aliases=ALIASES)
     serve.set_defaults(handler=run_serve)
 
 
@@ -52,7 +50,7 @@ def load_serve_config(args: argparse.Namespace) -> Any:
         return ServeConfig.from_yaml(args.config, **flags)
     except ValidationError as error:
         sources = layer_sources(ServeConfig, flags, ServeConfig.env_values(), args.config)
-        raise ValueError(error_message(error, sources, RENAMED)) from None
+        raise ValueError(error_message(error, sources)) from None
 
 
 def run_serve(args: argparse.Namespace) -> int:

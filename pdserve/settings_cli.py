@@ -32,8 +32,8 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def flag_name(field: str, renamed: Mapping[str, str] | None = None) -> str:
-    return (renamed or {}).get(field, "--" + field.replace("_", "-"))
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
 def env_name(model: type[BaseSettings], field: str) -> str:
@@ -62,15 +62,11 @@ def _default_text(info: FieldInfo) -> str:
 
 
 def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseSettings],
-                    renamed: Mapping[str, str] | None = None,
-                    aliases: Mapping[str, Sequence[str]] | None = None,
-                    hidden_aliases: Mapping[str, Sequence[str]] | None = None) -> None:
+                    aliases: Mapping[str, Sequence[str]] | None = None) -> None:
     """One flag per field of `model`.
 
     Args:
-        renamed: field → its flag, where it is not `--field-name`.
-        aliases: field → more flags shown in the help.
-        hidden_aliases: field → old flags that still work, not shown.
+        aliases: field → more flags beside `--field-name`, shown in the help.
     """
     for field, info in model.model_fields.items():
         kind = _value_type(info.annotation)
@@ -87,13 +83,8 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseSettings],
         elif origin is typing.Literal:  # shown as choices; pydantic checks them (its error names the flag)
             options["metavar"] = "{" + ",".join(str(c) for c in typing.get_args(kind)) + "}"
         help_text = (info.description or "") + _default_text(info) + f" [env {env_name(model, field)}]"
-        flags = [flag_name(field, renamed), *(aliases or {}).get(field, ())]
+        flags = [flag_name(field), *(aliases or {}).get(field, ())]
         parser.add_argument(*flags, help=help_text.replace("%", "%%"), **options)
-        for old in (hidden_aliases or {}).get(field, ()):
-            if kind is bool:  # an old switch (e.g. --no-progress) turns its field on
-                parser.add_argument(old, dest=field, action="store_const", const=True, help=argparse.SUPPRESS)
-            else:
-                parser.add_argument(old, help=argparse.SUPPRESS, **options)
 
 
 def given_flags(args: argparse.Namespace, model: type[BaseSettings]) -> dict[str, Any]:
@@ -101,8 +92,7 @@ def given_flags(args: argparse.Namespace, model: type[BaseSettings]) -> dict[str
     return {field: value for field in model.model_fields if (value := getattr(args, field, None)) is not None}
 
 
-def error_message(error: ValidationError, source_of: Callable[[str], str],
-                  renamed: Mapping[str, str] | None = None) -> str:
+def error_message(error: ValidationError, source_of: Callable[[str], str]) -> str:
     """The first validation error, naming the flag (and where its value came from, if not a flag)."""
     first = error.errors()[0]
     message = str(first["msg"]).removeprefix("Value error, ")
@@ -110,7 +100,7 @@ def error_message(error: ValidationError, source_of: Callable[[str], str],
         return message
     field = str(first["loc"][0])
     source = source_of(field)
-    return f"{flag_name(field, renamed)}: {message}" + (f" (from {source})" if source else "")
+    return f"{flag_name(field)}: {message}" + (f" (from {source})" if source else "")
 
 
 def layer_sources(model: type[BaseSettings], flags: Mapping[str, Any], env: Mapping[str, Any],

@@ -29,7 +29,7 @@ def _fail(args: argparse.Namespace, message: str) -> None:
 def _serving_defaults() -> dict[str, float]:
     """The gateway's own defaults of what the simulator mirrors (one place for each, theirs)."""
     from gateway.config import ServeConfig
-    from gateway.fleet.deployment import DeploymentConfig
+    from gateway.fleet.config import DeploymentConfig
     from gateway.requests.router import LocalPrefillPolicy
     from llm_engine import EngineConfig
 

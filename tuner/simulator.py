@@ -23,7 +23,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from loadgen.workload import RequestShape
@@ -51,7 +51,8 @@ class Layout:
 
     @property
     def can_serve(self) -> bool:
-        """Someone prefills and someone decodes (what the gateway's pool health asks)."""
+        """Someone prefills and someone decodes: the gateway's rule for a layout (gateway/fleet/config.py
+        can_serve), written again here because the tuner never imports the gateway."""
         return self.prefill + self.mixed >= 1 and self.decode + self.mixed >= 1
 
     def label(self) -> str:
@@ -67,17 +68,18 @@ class SimConfig:
     """The serving settings the simulation mirrors; the gateway's own defaults are passed in, not copied."""
 
     shape: WorkerShape  # each worker's engine (from the profile)
-    watermark: float  # fraction of decode blocks kept free when admitting (gateway/fleet/deployment.py)
+    watermark: float  # fraction of decode blocks kept free when admitting (gateway/fleet/config.py)
     max_waiting: int  # requests that may wait for decode KV capacity (gateway/config.py)
     queue_timeout_s: float  # how long one may wait before a 429
     hop_s: float = DEFAULT_HOP_S
     # Seconds of prompt work a step may add beside decoding requests (EngineConfig's; 0: no limit).
     max_prefill_s_beside_decode: float = 0.0
     # A prompt this long goes to the mixed worker with the fewest requests (the router's LocalPrefillPolicy
-    # isolate_prompts_from_tokens; 0: off).
-    isolate_prompts_from_tokens: int = 1024
+    # isolate_prompts_from_tokens; 0: off). No default: the gateway's (gateway/requests/router.py
+    # LONG_PROMPT_TOKENS) is handed in by whoever simulates it, so that the bound has one home.
+    isolate_prompts_from_tokens: int = field(kw_only=True)
     # ... and the streams decoding there move to the other workers first (move_streams_from_tokens; 0: off).
-    move_streams_from_tokens: int = 1024
+    move_streams_from_tokens: int = field(kw_only=True)
 
     def __post_init__(self) -> None:
         is_valid = 0.0 <= self.watermark < 1.0 and self.max_waiting >= 0 and self.hop_s >= 0

@@ -30,7 +30,7 @@ from gateway.api.protocol import (
 )
 from gateway.ratio.resize import PoolLayout, ResizeConflict, ResizeRefused
 from gateway.requests.admission import Overloaded
-from gateway.requests.orchestrator import RequestFailed
+from gateway.requests.events import RequestFailed
 
 logger = logging.getLogger(__name__)
 

@@ -35,8 +35,9 @@ from gateway.api.protocol import (
 )
 from gateway.api.tool_parsers import ToolCallParser
 from gateway.api.tool_responses import ToolCallStream, whole_message
-from gateway.requests.orchestrator import RequestFailed
-from gateway.requests.service import GatewayService, PreparedRequest, TextDelta
+from gateway.requests.events import RequestFailed
+from gateway.requests.prepared import PreparedRequest, TextDelta
+from gateway.requests.service import GatewayService
 from gateway.telemetry.timings import Timings
 from llm_engine import TopLogprobs
 

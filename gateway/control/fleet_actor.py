@@ -37,7 +37,7 @@ from gateway.control.reported_books import ReportedBooks
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.workers import WorkerState
-from gateway.ratio.controller import ControllerPolicy
+from gateway.ratio.ladder import ControllerPolicy
 from gateway.ratio.resize import PoolLayout
 from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.fleet_metrics import FleetStatus

@@ -26,7 +26,8 @@ from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.placement import pending_reason
 from gateway.fleet.workers import WorkerState
 from gateway.ratio.books import RoutingBooks
-from gateway.ratio.controller import ControllerPolicy, Decision, RatioController
+from gateway.ratio.controller import RatioController
+from gateway.ratio.ladder import ControllerPolicy, Decision
 from gateway.ratio.planner import LayoutPlanner
 from gateway.ratio.resize import PoolLayout, PoolResizer
 from gateway.telemetry.fleet_metrics import FleetStatus

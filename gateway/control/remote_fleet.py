@@ -19,7 +19,8 @@ RemoteFleet is the FleetView the frontend's request path runs on:
               share until the next report (on_share)
     mark_failed(): the worker leaves this frontend's routing at once, and the fleet is told (it replaces it)
 The mirror's states are the fleet's: only the fleet moves a worker through its lifecycle.
-FleetLink is the admin routes' FleetControl: each call is the fleet actor's.
+Every call to the fleet actor goes through its FleetClient (gateway/control/fleet_client.py), which is also
+the admin routes' FleetControl in a frontend.
 """
 
 from __future__ import annotations
@@ -31,19 +32,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
-import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError
 
+from gateway.control.fleet_client import FleetClient
 from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport
 from gateway.fleet.worker_client import WorkerClient
 from gateway.fleet.workers import PoolHealth, Worker, WorkerState
-from gateway.ratio.resize import PoolLayout, ResizeConflict, ResizeRefused
 from gateway.requests.admission import Admission
-from gateway.requests.orchestrator import RequestFailed
 from gateway.requests.router import LocalPrefillPolicy, Router
-from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.timings import Timings
 from gateway.telemetry.traffic import Arrival
 from worker_runtime.roles import Role
@@ -56,14 +53,13 @@ FLEET_SILENT_S = 5.0  # the fleet actor has not answered a heartbeat for this lo
 FOLLOW_RETRY_S = 1.0
 REPORT_TIMEOUT_S = 5.0
 JOIN_RETRY_S = 1.0
-FLEET_RESTARTING = "the fleet is starting again (its actor restarted): try again shortly"
 REPORTED_FAILED_S = 15.0  # the fleet's probe of a reported worker (10 s at most) and its next snapshot
 
 
 class RemoteFleet:
-    def __init__(self, fleet: Any, frontend_id: str) -> None:
+    def __init__(self, fleet: FleetClient, frontend_id: str) -> None:
         """Args:
-        fleet: the fleet actor's handle.
+        fleet: the fleet actor's client.
         frontend_id: names this frontend to the workers (the prefix of its output channels) and the fleet.
         """
         self.fleet = fleet
@@ -94,8 +90,8 @@ class RemoteFleet:
         while True:
             await self._until_fleet_started()
             try:
-                self.info = await self.fleet.info.remote()
-                snapshot = await self.fleet.view.remote(-1, "")
+                self.info = await self.fleet.info()
+                snapshot = await self.fleet.view(-1, "")
                 break
             except RayActorError:  # it died again just now: wait for it again
                 continue
@@ -115,7 +111,7 @@ class RemoteFleet:
         is_told = False
         while True:
             try:
-                if await self.fleet.started_config.remote() is not None:
+                if await self.fleet.started_config() is not None:
                     return
             except RayActorError:  # restarting (ActorUnavailableError is one)
                 pass
@@ -155,7 +151,7 @@ class RemoteFleet:
             return
         worker.state = WorkerState.FAILED  # out of this frontend's routing until the fleet says otherwise
         self._reported_failed[worker_id] = (worker.next_role or worker.role, time.monotonic())
-        self.fleet.mark_failed.remote(worker_id, why)
+        self.fleet.mark_failed(worker_id, why)
         self._changed()
 
     @property
@@ -179,7 +175,7 @@ class RemoteFleet:
     def note_prompt(self, num_tokens: int) -> None:
         """A prompt was routed (or a decode worker started prefilling one): a long one is told at once."""
         if self._snapshot is not None and num_tokens >= self._snapshot.long_prompt_tokens:
-            self.fleet.note_prompt.remote(num_tokens)
+            self.fleet.note_prompt(num_tokens)
 
     def note_finished(self, timings: Timings, arrival: Arrival) -> None:
         self._finished.append(timings)
@@ -189,7 +185,7 @@ class RemoteFleet:
     def _beat(self) -> None:
         while not self._stopping.wait(HEARTBEAT_S):
             try:
-                is_known = ray.get(self.fleet.heartbeat.remote(self.frontend_id), timeout=FLEET_SILENT_S)
+                is_known = self.fleet.heartbeat(self.frontend_id, FLEET_SILENT_S)
             except Exception:  # gone, paused, restarting or not started again yet: /health tells
                 continue
             self.fleet_heard_at = time.monotonic()
@@ -199,7 +195,7 @@ class RemoteFleet:
     async def _follow(self) -> None:
         while True:
             try:
-                snapshot = await self.fleet.view.remote(*self._seen())
+                snapshot = await self.fleet.view(*self._seen())
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the fleet actor is gone or restarting: try again
@@ -219,7 +215,7 @@ class RemoteFleet:
             await asyncio.sleep(REPORT_S)
             try:
                 report = self._build_report()
-                share = await asyncio.wait_for(self.fleet.report.remote(report), REPORT_TIMEOUT_S)
+                share = await asyncio.wait_for(self.fleet.report(report), REPORT_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
             except Exception:  # gone, paused, restarting: the last share stands (the heartbeat tells /health)
@@ -279,41 +275,3 @@ class RemoteFleet:
         for callback in self.on_change:
             callback()
 
-
-class FleetLink:
-    """The admin routes' FleetControl in a frontend: the fleet actor answers (the one the mirror follows)."""
-
-    def __init__(self, remote: RemoteFleet) -> None:
-        self._remote = remote
-
-    @property
-    def fleet(self) -> Any:
-        return self._remote.fleet
-
-    async def pools(self) -> dict[str, object]:
-        return await self._call(self.fleet.pools.remote())
-
-    async def put_pools(self, layout: PoolLayout) -> dict[str, object]:
-        return await self._call(self.fleet.put_pools.remote(layout))
-
-    async def status(self) -> FleetStatus:
-        return await self._call(self.fleet.status.remote())
-
-    async def steps(self, worker_id: str, since: float) -> list[dict[str, object]]:
-        return await self._call(self.fleet.steps.remote(worker_id, since))
-
-    @staticmethod
-    async def _call(ref: Any) -> Any:
-        """The fleet's refusals raise here as themselves (the API maps them to 400 and 409); a fleet actor
-        that is restarting, or not started again yet, is a 503 that says so (not "a worker failed")."""
-        try:
-            return await ref
-        except RayActorError:
-            raise RequestFailed(FLEET_RESTARTING, "fleet_unavailable") from None
-        except RayTaskError as error:
-            cause = getattr(error, "cause", None)
-            if isinstance(cause, (ResizeRefused, ResizeConflict, ValueError, KeyError)):
-                raise cause from None
-            if isinstance(cause, RuntimeError) and "has not started" in str(cause):
-                raise RequestFailed(FLEET_RESTARTING, "fleet_unavailable") from None
-            raise

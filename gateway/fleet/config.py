@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kv_transfer import BackendName, TransferConfig
@@ -12,6 +13,19 @@ from worker_runtime.model_source import ModelSource
 from worker_runtime.roles import Role
 
 logger = logging.getLogger(__name__)
+
+CANNOT_SERVE = ("cannot serve: it needs at least one worker that can prefill (prefill or mixed) and one that "
+                "can decode (decode or mixed)")
+
+
+def can_serve(layout: Mapping[Role, int]) -> bool:
+    """Whether a layout one asks for (at start, or PUT /admin/pools) can serve: some worker prefills and some
+    decodes. A decode worker prefills its own requests only as a fallback (Role.can_prefill), while a
+    prefill pool is being replaced or drained; a layout may not rely on it. (A running fleet asks less:
+    PoolHealth and start-up need only a worker that can decode.)"""
+    num_can_prefill = sum(n for role, n in layout.items() if role.can_prefill)
+    num_can_decode = sum(n for role, n in layout.items() if role.can_decode)
+    return num_can_prefill >= 1 and num_can_decode >= 1
 
 
 @dataclass(frozen=True)
@@ -43,16 +57,14 @@ class DeploymentConfig:
     autoscale_wait_s: float | None = None
     start_timeout_s: float = 300.0  # a placed worker that has not loaded its model by then is given up
     # A step running this long, and STEP_WATCHDOG_FACTOR × the worker's longest finished step, is taken for
-    # hung: the worker is replaced and its requests move (gateway/fleet/deployment.py). 0: never.
+    # hung: the worker is replaced and its requests move (gateway/fleet/recovery.py). 0: never.
     step_watchdog_s: float = 120.0
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_mixed) < 0:
             raise ValueError(f"worker counts must be >= 0, got {self.layout()}")
-        if self.num_prefill + self.num_mixed < 1 or self.num_decode + self.num_mixed < 1:
-            raise ValueError("the layout cannot serve: it needs at least one worker that can prefill "
-                             "(prefill or mixed) and one that can decode (decode or mixed), got "
-                             f"{self.layout()}")
+        if not can_serve(self.layout()):
+            raise ValueError(f"the layout {CANNOT_SERVE}, got {self.layout()}")
         if self.num_threads < 1:
             raise ValueError(f"threads per worker must be >= 1, got {self.num_threads}")
         if not 0.0 <= self.watermark < 1.0:

@@ -12,6 +12,9 @@ from collections.abc import Callable
 
 from gateway.fleet.workers import Worker
 
+DRAIN_GRACE_S = 30.0  # how long a draining worker's decode streams run on before they are evacuated
+DRAIN_TIMEOUT_S = 300.0  # a drain or role change still holding requests by then is rolled back
+
 
 def check_grace(grace_s: float, timeout_s: float) -> None:
     """A grace at or past the timeout would time every busy drain out before its streams ever moved."""

@@ -17,10 +17,10 @@ import contextlib
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 
 from decode_pool.messages import DecodeRequest
 from gateway.fleet.output_streams import OutputStream, RequestOutputs
+from gateway.fleet.ray_calls import translated
 from gateway.fleet.submissions import Submissions
 from gateway.fleet.worker_errors import StillBusy, WorkerLost, WrongRoleError
 from kv_transfer import PeerInfo, TransferRecord
@@ -162,16 +162,17 @@ class WorkerClient:
 
     async def _call(self, ref: Any) -> Any:
         """Await an actor call, its Ray errors translated (others raise as they are)."""
-        try:
-            return await ref
-        except RayActorError as error:
-            raise WorkerLost(f"{self.worker_id} is gone: {type(error).__name__}") from error
-        except RayTaskError as error:
-            cause = getattr(error, "cause", None)
-            if isinstance(cause, WorkerFailed):
-                raise WorkerLost(f"{self.worker_id} failed: {cause}") from error
-            if isinstance(cause, WrongRole):
-                raise WrongRoleError(str(cause)) from error
-            if isinstance(cause, StillHoldsWork):
-                raise StillBusy(str(cause)) from error
-            raise
+        return await translated(ref, self._when_gone, self._from_cause)
+
+    def _when_gone(self, error: BaseException) -> BaseException:
+        return WorkerLost(f"{self.worker_id} is gone: {type(error).__name__}")
+
+    def _from_cause(self, cause: BaseException) -> BaseException | None:
+        """What the worker's own refusal or failure is to the gateway (None: it raises as a RayTaskError)."""
+        if isinstance(cause, WorkerFailed):
+            return WorkerLost(f"{self.worker_id} failed: {cause}")
+        if isinstance(cause, WrongRole):
+            return WrongRoleError(str(cause))
+        if isinstance(cause, StillHoldsWork):
+            return StillBusy(str(cause))
+        return None

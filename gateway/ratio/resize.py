@@ -26,15 +26,14 @@ from dataclasses import dataclass, field
 import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gateway.fleet.config import CANNOT_SERVE, can_serve
 from gateway.fleet.deployment import PDDeployment
+from gateway.fleet.drain import DRAIN_GRACE_S, DRAIN_TIMEOUT_S
 from gateway.fleet.placement import PlacementTimeout
 from gateway.ratio.books import RoutingBooks
 from worker_runtime.roles import Role
 
 logger = logging.getLogger(__name__)
-
-# How long a PUT lets a leaving worker's decode streams run on before they move to other workers.
-DRAIN_GRACE_S = 30.0
 
 
 class PoolLayout(BaseModel):
@@ -48,7 +47,8 @@ class PoolLayout(BaseModel):
     decode: int = Field(default=0, ge=0, le=1024)
     mixed: int = Field(default=0, ge=0, le=1024)
     # How long a leaving worker's decode streams may run on before they move to other workers (they lose no
-    # token either way: the new worker recomputes what the client has).
+    # token either way: the new worker continues from the tokens the client has, pulling the KV the leaving
+    # worker offers).
     drain_grace_s: float = Field(default=DRAIN_GRACE_S, ge=0, le=3600)
     auto: bool | None = None
 
@@ -118,7 +118,8 @@ def plan_moves(current: dict[Role, int], target: dict[Role, int]) -> list[Move]:
 
 
 class PoolResizer:
-    def __init__(self, deployment: PDDeployment, books: RoutingBooks, drain_timeout_s: float = 300.0) -> None:
+    def __init__(self, deployment: PDDeployment, books: RoutingBooks,
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         self.deployment = deployment
         self.books = books
         self.drain_timeout_s = drain_timeout_s
@@ -140,9 +141,8 @@ class PoolResizer:
             raise ResizeRefused(f"drain_grace_s ({layout.drain_grace_s:g} s) must be below the drain timeout "
                                 f"({self.drain_timeout_s:g} s)")
         target = layout.by_role()
-        if target[Role.PREFILL] + target[Role.MIXED] < 1 or target[Role.DECODE] + target[Role.MIXED] < 1:
-            raise ResizeRefused("the layout cannot serve: it needs at least one worker that can prefill "
-                                "(prefill or mixed) and one that can decode (decode or mixed)")
+        if not can_serve(target):
+            raise ResizeRefused(f"the layout {CANNOT_SERVE}")
         if (target[Role.PREFILL] or target[Role.DECODE]) and self.deployment.backend.value == "local":
             raise ResizeConflict("this server was started with only mixed workers and no KV transfer "
                                  "backend; serve with --backend nixl to add prefill or decode workers")

@@ -7,8 +7,8 @@ its choice's index.
       → DECODE: one DecodeRequest for the choices that go on; the decode worker pulls the prompt's KV once
         and forks it (full blocks shared, the partial last block copied), one request per choice, whose
         outputs arrive under choice_request_id(request_id, index)
-      → from there each choice is a stream of its own (RequestRun._decode, pumped into one queue): its own
-        retries and migrations (a moved choice takes its KV, or recomputes prompt + its tokens, where it
+      → from there each choice is a stream of its own (decode_stage.decode_stream, pumped into one queue): its
+        own retries and migrations (a moved choice takes its KV, or recomputes prompt + its tokens, where it
         goes), its own abort (stop(index), e.g. at a stop string), its own finish_reason.
 The request ends when every choice has. Whatever stops the choices' streams (the end, the client leaving, a
 choice that cannot finish: RequestFailed) stops them all, aborting each on the worker that holds it.
@@ -27,8 +27,10 @@ from decode_pool.messages import DecodeRequest
 from gateway.fleet.output_streams import RequestOutputs
 from gateway.fleet.worker_errors import SubmissionRefused, WorkerLost, WrongRoleError
 from gateway.fleet.workers import Worker
+from gateway.requests import decode_stage, prefill_stage
 from gateway.requests.deadlines import RequestDeadlines
-from gateway.requests.orchestrator import RequestRun, StreamEvent
+from gateway.requests.events import StreamEvent
+from gateway.requests.orchestrator import RequestRun
 from gateway.requests.router import Router
 from llm_engine import SamplingParams
 from llm_engine.choices import FirstToken, choice_request_id
@@ -78,8 +80,8 @@ class ChoicesRun(RequestRun):
                 task.cancel()
             await asyncio.gather(*self._pumps.values(), return_exceptions=True)
             for run in self._choices:
-                run._book(None)
-            self._book(None)
+                run.book(None)
+            self.book(None)
             if self._prefilled is not None and self._prefilled[1].kv_handle is not None:
                 # Pulled already, being pulled, or never to be: the sender leaves the first two alone.
                 prefill, result = self._prefilled
@@ -108,13 +110,13 @@ class ChoicesRun(RequestRun):
     async def _start(self) -> tuple[list[StreamEvent], list[ChoiceStream]]:
         """Prefill once and hand the choices that go on to one decode worker: their first events and the
         streams that follow; or, where the decode worker would prefill, n requests of their own."""
-        decode = await self._pick_decode(self.deadlines.prefill_by)
+        decode = await self.pick_decode(self.deadlines.prefill_by)
         has_prefill_pool = (self.fleet.active(Role.PREFILL) or self.fleet.is_replacing(Role.PREFILL)
-                            or self._is_prefill_coming())
+                            or self.is_prefill_coming())
         if decode.role is Role.MIXED or not has_prefill_pool:
-            self._book(None)  # each choice books its own worker
+            self.book(None)  # each choice books its own worker
             return [], [(i, self._choice_run(i).events()) for i in range(self.sampling.n)]
-        prefill, result = await self._prefill()
+        prefill, result = await prefill_stage.prefill(self)
         self._prefilled = (prefill, result)
         if result.finish_reason == "abort":  # refused by the worker: no token to send
             return [StreamEvent(choice_request_id(self.request_id, i), (), (), (), "abort", prefill=result,
@@ -133,7 +135,8 @@ class ChoicesRun(RequestRun):
             # Used only if the choice must start again elsewhere: prompt + its first token, recomputed.
             request = DecodeRequest(run.request_id, self.prompt_token_ids, run.sampling,
                                     generated_token_ids=(choice.token_id,))
-            streams.append((choice.index, run._decode(decode, request, submitted.get(run.request_id))))
+            stream = decode_stage.decode_stream(run, decode, request, submitted.get(run.request_id))
+            streams.append((choice.index, stream))
         return firsts, streams
 
     def _first_event(self, prefill: Worker, result: PrefillResult, choice: FirstToken) -> StreamEvent:

@@ -30,6 +30,10 @@ from worker_runtime.roles import Role
 
 # Block hashes remembered per prefill worker; beyond this the oldest are forgotten (as the worker evicts).
 MAX_REMEMBERED_BLOCKS = 65536
+# A long prompt: prefilled beside decoding streams it stalls them (the router isolates it or moves the streams
+# first; the ratio controller's ladder splits a prefill pool off for such prompts). The one home of the bound:
+# LocalPrefillPolicy and ControllerPolicy default from it, the tuner's planner is handed it.
+LONG_PROMPT_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,11 @@ class LocalPrefillPolicy:
     queue_rule_below_tokens: int = 0
     # A prompt this long, prefilled by the mixed worker that decodes it, goes to the mixed worker with the
     # fewest requests (the least to protect), not the fewest tokens (0: off).
-    isolate_prompts_from_tokens: int = 1024
+    isolate_prompts_from_tokens: int = LONG_PROMPT_TOKENS
     # A prompt this long, prefilled by a worker that is decoding streams, has those streams moved to other
     # decode or mixed workers first (with their KV, where the backend can move it; 0: off). A move costs a
-    # stream about two of its new worker's steps; a 1024-token prefill beside it costs it more.
-    move_streams_from_tokens: int = 1024
+    # stream about two of its new worker's steps; a LONG_PROMPT_TOKENS prefill beside it costs it more.
+    move_streams_from_tokens: int = LONG_PROMPT_TOKENS
 
     def __post_init__(self) -> None:
         if min(self.max_uncached_tokens, self.min_prefill_queue_tokens, self.queue_rule_below_tokens,

@@ -32,7 +32,9 @@ from gateway.requests.admission import Admission, Reservation, admission_capacit
 from gateway.requests.choices import ChoicesRun
 from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.requests.detokenizer import IncrementalDetokenizer
-from gateway.requests.orchestrator import RequestFailed, RequestRun
+from gateway.requests.events import RequestFailed
+from gateway.requests.orchestrator import RequestRun
+from gateway.requests.prepared import PreparedRequest, TextDelta
 from gateway.requests.router import LocalPrefillPolicy, Router
 from gateway.requests.stage_timings import stage_timings, token_times
 from gateway.telemetry.metrics import Metrics
@@ -40,7 +42,6 @@ from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.timings import Timings
 from gateway.telemetry.tracing import RequestTracer, TracedRequest
 from gateway.telemetry.traffic import Arrival, RecentTraffic
-from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
 from prefill_pool.messages import PrefillResult
 from worker_runtime.roles import Role
 
@@ -50,21 +51,6 @@ if TYPE_CHECKING:
 DELIVERY_GRACE_S = 30.0
 
 
-@dataclass(frozen=True)
-class PreparedRequest:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    stop_strings: list[str]
-    arrival: float  # time.time() when the gateway received it
-    block_hashes: list[bytes] | None = None  # prefix_hashes of the prompt (the router's cache matching)
-    # max_tokens 0 (completions: score the prompt): the one token the engine samples is not shown.
-    is_prompt_only: bool = False
-    batch_index: int = 0  # its prompt's place in a completions batch (the choice's index)
-    parses_tool_calls: bool = False  # chat with tools: the output is read for tool calls
-    trace_headers: tuple[tuple[str, str], ...] = ()  # W3C traceparent/tracestate of its HTTP request
-
-
 @dataclass
 class _Choice:
     """One choice's way through the gateway: its text so far, and when each of its tokens left."""
@@ -72,20 +58,6 @@ class _Choice:
     detokenizer: IncrementalDetokenizer
     sent: list[float] = dataclasses.field(default_factory=list)  # ≤ max_tokens entries
     is_finished: bool = False
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish_reason: str | None = None
-    num_output_tokens: int = 0  # tokens generated so far
-    timings: Timings | None = None  # on the last delta
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (on the last delta)
-    top_logprobs: tuple[TopLogprobs, ...] = ()  # per token, when sampling.top_logprobs > 0
-    prompt_logprobs: PromptLogprobs | None = None  # on the first delta, when sampling.prompt_logprobs
-    index: int = 0  # the choice (sampling.n > 1)
 
 
 class GatewayService:

@@ -13,7 +13,7 @@ import itertools
 import time
 
 from decode_pool.messages import DecodeOutput
-from gateway.requests.orchestrator import StreamEvent
+from gateway.requests.events import StreamEvent
 from gateway.telemetry.timings import Timings
 from prefill_pool.messages import PrefillResult
 

@@ -5,8 +5,6 @@ Names follow vLLM's (`vllm:time_to_first_token_seconds` → `pdserve:time_to_fir
 the dashboards and autoscaling rules people run for vLLM work after a change of prefix; every series has a
 `model_name` label (the served model name), as vLLM's do. The series vLLM has no name for (stages, KV
 transfer, pools, ratio changes) use the same prefix and label. Counters are listed with their `_total`.
-
-The names before this scheme (`pdserve_ttft_seconds`, ...) are in OLD_NAMES, for the README's table.
 """
 
 from __future__ import annotations
@@ -70,31 +68,3 @@ FLEET_METRICS = (
 )
 
 ALL_METRICS = REQUEST_METRICS + FLEET_METRICS
-
-# Before the vLLM-style names (the README's deprecation table): old name → new name.
-OLD_NAMES = {
-    "pdserve_requests_total{outcome}": "pdserve:request_success_total{finished_reason}",
-    "pdserve_ttft_seconds": "pdserve:time_to_first_token_seconds",
-    "pdserve_itl_seconds": "pdserve:inter_token_latency_seconds",
-    "pdserve_e2e_seconds": "pdserve:e2e_request_latency_seconds",
-    "pdserve_stage_seconds{stage}": "pdserve:request_stage_seconds{stage}",
-    "pdserve_prompt_tokens_total": "pdserve:prompt_tokens_total",
-    "pdserve_output_tokens_total": "pdserve:generation_tokens_total",
-    "pdserve_kv_transfer_bytes_total": "pdserve:kv_transfer_bytes_total",
-    "pdserve_admission_waiting": "pdserve:admission_waiting_requests",
-    "pdserve_admission_reserved_tokens": "pdserve:admission_reserved_tokens",
-    "pdserve_request_errors_total{code}": "pdserve:request_errors_total{code}",
-    "pdserve_migrations_total": "pdserve:migrations_total",
-    "pdserve_stalled_streams_total": "pdserve:stalled_streams_total",
-    "pdserve_prefix_cache_prompt_tokens_total{worker}": "pdserve:prefix_cache_queries_total{worker}",
-    "pdserve_prefix_cache_hit_tokens_total{worker}": "pdserve:prefix_cache_hits_total{worker}",
-    "pdserve_prefix_cache_hit_rate{worker}": "rate(pdserve:prefix_cache_hits_total) / "
-                                             "rate(pdserve:prefix_cache_queries_total)",
-    "pdserve_pool_workers{role}": "pdserve:pool_workers{role}",
-    "pdserve_queued_prompt_tokens{pool}": "pdserve:queued_prompt_tokens{pool}",
-    "pdserve_running_requests{worker,role}": "pdserve:num_requests_running{worker,role}",
-    "pdserve_kv_occupancy{worker,role}": "pdserve:kv_cache_usage_perc{worker,role}",
-    "pdserve_worker_runtime_info": "pdserve:worker_runtime_info",
-    "pdserve_linear_kernel_speedup{worker}": "pdserve:linear_kernel_speedup{worker}",
-    "pdserve_ratio_changes_total{from,to,reason}": "pdserve:ratio_changes_total{from,to,reason}",
-}

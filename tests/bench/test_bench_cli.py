@@ -71,17 +71,14 @@ def test_the_result_carries_vllms_keys() -> None:
     assert figures["p50_tpot_ms"] == pytest.approx(100.0)
 
 
-def test_old_flags_are_aliases_and_env_vars_set_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    old = settings("--url", "http://h:1", "--rate", "inf", "--num-requests", "5", "--input-len", "7",
-                   "--output-len", "3", "--ttft-slo", "4", "--no-progress")
-    new = settings("--base-url", "http://h:1", "--request-rate", "inf", "--num-prompts", "5",
-                   "--random-input-len", "7", "--random-output-len", "3", "--ttft-slo-s", "4",
-                   "--disable-tqdm")
-    assert old == new and math.isinf(bench_config(new).rate)
+def test_the_url_alias_and_env_vars_set_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    alias = settings("--url", "http://h:1", "--request-rate", "inf")
+    named = settings("--base-url", "http://h:1", "--request-rate", "inf")
+    assert alias == named and math.isinf(bench_config(named).rate)
     monkeypatch.setenv("PDSERVE_BENCH_MAX_CONCURRENCY", "8")
     assert settings().max_concurrency == 8
     assert settings("--max-concurrency", "2").max_concurrency == 2
-    trace = settings("--trace", "t.csv")
+    trace = settings("--dataset-path", "t.csv")
     assert (bench_config(trace).dataset, bench_config(trace).rate) == ("trace", None)
 
 

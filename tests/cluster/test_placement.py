@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from gateway.config import ServeConfig
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.placement import PlacementTimeout
+from gateway.serve_settings import deployment_config
 from tests.gateway.conftest import API_KEY, MODEL, serve_config, serving
 from worker_runtime.model_source import ModelSource
 from worker_runtime.roles import Role
@@ -26,15 +27,15 @@ def test_role_resources_gpus_and_worker_env_reach_the_deployment(tiny_llama_dir:
     config = ServeConfig(dtype="float32", model=str(tiny_llama_dir), prefill_resources={"pdserve_prefill": 1},
                          decode_resources={"pdserve_decode": 0.5}, gpus_per_worker=0.5,
                          worker_env={"UCX_NET_DEVICES": "mlx5_0:1"}, placement_timeout_s=7)
-    deployment = config.deployment_config(str(tiny_llama_dir))
+    deployment = deployment_config(config, str(tiny_llama_dir))
     assert deployment.role_resources == {Role.PREFILL: {"pdserve_prefill": 1.0},
                                          Role.DECODE: {"pdserve_decode": 0.5}}
     assert (deployment.num_gpus_per_worker, deployment.placement_timeout_s) == (0.5, 7.0)
     assert deployment.worker_env == {"UCX_NET_DEVICES": "mlx5_0:1"}
     assert deployment.model_source == ModelSource(str(tiny_llama_dir))
-    assert ServeConfig().deployment_config(str(tiny_llama_dir)).model_source == ModelSource(None)
+    assert deployment_config(ServeConfig(), str(tiny_llama_dir)).model_source == ModelSource(None)
     with pytest.raises(ValueError, match="CPU/GPU per worker"):
-        ServeConfig(decode_resources={"GPU": 1}).deployment_config(str(tiny_llama_dir))
+        deployment_config(ServeConfig(decode_resources={"GPU": 1}), str(tiny_llama_dir))
     with pytest.raises(ValidationError):
         ServeConfig(decode_resources={"pdserve_decode": "many"})  # type: ignore[dict-item]
 
@@ -83,7 +84,7 @@ def test_start_fails_naming_what_no_node_offers(tiny_chat_model_dir: Path) -> No
     pytest.importorskip("nixl")
     config = serve_config(tiny_chat_model_dir, backend="nixl", decode_resources={"pdserve_decode": 1},
                           placement_timeout_s=1)
-    deployment = PDDeployment(config.deployment_config(str(tiny_chat_model_dir)))
+    deployment = PDDeployment(deployment_config(config, str(tiny_chat_model_dir)))
 
     async def start_then_shut_down() -> None:
         try:

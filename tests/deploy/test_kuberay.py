@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from gateway.config import ServeConfig
+from gateway.serve_settings import deployment_config
 from tests.deploy.kuberay import (
     DEPLOY,
     KUBERAY,
@@ -133,7 +134,8 @@ def test_the_pvc_overlay_mounts_the_model_read_only_wherever_it_is_loaded() -> N
 def test_autoscaling_is_on_and_each_role_has_a_worker_group_offering_its_resources() -> None:
     cluster = raycluster_of(OVERLAYS[0])
     assert cluster["spec"]["enableInTreeAutoscaling"] is True
-    roles = ServeConfig.from_yaml(DEPLOY / "serve.multi-node.yaml").deployment_config("unused").role_resources
+    multi_node = ServeConfig.from_yaml(DEPLOY / "serve.multi-node.yaml")
+    roles = deployment_config(multi_node, "unused").role_resources
     offered = {}
     for group in cluster["spec"]["workerGroupSpecs"]:
         assert group["minReplicas"] <= group["replicas"] < group["maxReplicas"]

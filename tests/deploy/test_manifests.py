@@ -18,6 +18,7 @@ import ray
 import yaml
 
 from gateway.config import ServeConfig
+from gateway.serve_settings import deployment_config
 from pdserve.main import build_parser
 from tests.deploy.kuberay import DEPLOY, OVERLAYS, REPO, gateway_container, image_reference, raycluster_of
 from worker_runtime.roles import Role
@@ -33,7 +34,7 @@ def load(name: str) -> Any:
 
 def multi_node_roles() -> dict[Role, dict[str, float]]:
     config = ServeConfig.from_yaml(DEPLOY / "serve.multi-node.yaml")
-    return config.deployment_config("unused").role_resources
+    return deployment_config(config, "unused").role_resources
 
 
 def test_serving_examples_load_and_pin_roles_to_resources() -> None:

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from gateway.api.disconnect import all_or_none
-from gateway.requests.orchestrator import RequestFailed
+from gateway.requests.events import RequestFailed
 
 
 def test_the_first_failure_cancels_the_rest_and_raises_as_itself() -> None:

@@ -32,8 +32,8 @@ def bench(server: str, out: Path, *flags: str) -> subprocess.CompletedProcess[st
 def test_pdserve_bench_writes_results_matching_what_it_sent(server: str, tmp_path: Path) -> None:
     out = tmp_path / "bench"
     # The old flag names, still aliases.
-    result = bench(server, out, "--rate", "8", "--num-requests", "12", "--input-len", "20",
-                   "--output-len", "6", "--ignore-eos", "--ttft-slo", "5", "--itl-slo", "1")
+    result = bench(server, out, "--request-rate", "8", "--num-prompts", "12", "--random-input-len", "20",
+                   "--random-output-len", "6", "--ignore-eos", "--ttft-slo-s", "5", "--itl-slo-s", "1")
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
@@ -95,7 +95,7 @@ def test_bench_flag_errors_name_the_flag() -> None:
 def colocated_server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
     config = ServeConfig(dtype="float32", model=str(tiny_chat_model_dir),
         served_model_name=MODEL,
-        colocated=2,
+        mixed=2,
         port=free_port(),
         kv_cache_mib=4,
         max_num_batched_tokens=64,

@@ -12,6 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from gateway.config import ServeConfig
+from gateway.serve_settings import deployment_config
 from worker_runtime.roles import Role
 
 EXAMPLE = Path(__file__).parents[2] / "deploy" / "serve.example.yaml"
@@ -31,8 +32,6 @@ def test_unknown_and_invalid_settings_are_rejected(tmp_path: Path) -> None:
         ServeConfig(decode=-1)
     with pytest.raises(ValidationError, match="cannot serve"):
         ServeConfig(decode=0)
-    with pytest.raises(ValidationError, match="old name of --mixed"):
-        ServeConfig(mixed=2, colocated=3)
     with pytest.raises(ValidationError, match="torch backend"):
         ServeConfig(ratio="auto", backend="torch")
 
@@ -40,9 +39,9 @@ def test_unknown_and_invalid_settings_are_rejected(tmp_path: Path) -> None:
 def test_roles_not_named_are_zero_unless_none_is() -> None:
     default = ServeConfig()
     assert (default.prefill, default.decode, default.mixed) == (1, 1, None)
-    assert ServeConfig(mixed=2).deployment_config("m").layout() == ServeConfig(colocated=2).deployment_config(
-        "m").layout() == {Role.PREFILL: 0, Role.DECODE: 0, Role.MIXED: 2}
-    assert ServeConfig(prefill=1, mixed=1).deployment_config("m").layout() == {
+    assert deployment_config(ServeConfig(mixed=2), "m").layout() == {Role.PREFILL: 0, Role.DECODE: 0,
+                                                                    Role.MIXED: 2}
+    assert deployment_config(ServeConfig(prefill=1, mixed=1), "m").layout() == {
         Role.PREFILL: 1, Role.DECODE: 0, Role.MIXED: 1}
 
 
@@ -83,11 +82,11 @@ def test_cli_refuses_bad_engine_settings_naming_the_flag(flags: list[str], needl
 
 def test_threads_default_to_the_cores_split_over_the_workers() -> None:
     cores = len(os.sched_getaffinity(0))
-    assert ServeConfig().deployment_config("m").num_threads == max(1, cores // 2)  # 1 prefill + 1 decode
-    assert ServeConfig(mixed=1).deployment_config("m").num_threads == cores
-    assert ServeConfig(threads_per_worker=3).deployment_config("m").num_threads == 3
-    assert ServeConfig(ray_address="auto", cpus_per_worker=4).deployment_config("m").num_threads == 4
-    assert ServeConfig(pin_cpus=False).deployment_config("m").pin_cpus is False
+    assert deployment_config(ServeConfig(), "m").num_threads == max(1, cores // 2)  # 1 prefill + 1 decode
+    assert deployment_config(ServeConfig(mixed=1), "m").num_threads == cores
+    assert deployment_config(ServeConfig(threads_per_worker=3), "m").num_threads == 3
+    assert deployment_config(ServeConfig(ray_address="auto", cpus_per_worker=4), "m").num_threads == 4
+    assert deployment_config(ServeConfig(pin_cpus=False), "m").pin_cpus is False
 
 
 def test_metrics_require_key_is_a_switch_off_by_default() -> None:
@@ -99,16 +98,16 @@ def test_metrics_require_key_is_a_switch_off_by_default() -> None:
 
 
 def test_sizing_settings_reach_the_engine() -> None:
-    engine = ServeConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
-                         kv_cache_memory="3GiB", kv_cache_mib=5).deployment_config("m").engine
+    engine = deployment_config(ServeConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
+                         kv_cache_memory="3GiB", kv_cache_mib=5), "m").engine
     assert (engine.max_model_len, engine.max_num_seqs, engine.max_num_batched_tokens) == (256, 8, 128)
     assert (engine.kv_cache_bytes, engine.kv_cache_fraction) == (3 << 30, None)  # --kv-cache-memory wins
-    assert ServeConfig(kv_cache_mib=5).deployment_config("m").engine.kv_cache_bytes == 5 << 20
-    fraction = ServeConfig(kv_cache_memory="0.2").deployment_config("m").engine
+    assert deployment_config(ServeConfig(kv_cache_mib=5), "m").engine.kv_cache_bytes == 5 << 20
+    fraction = deployment_config(ServeConfig(kv_cache_memory="0.2"), "m").engine
     assert (fraction.kv_cache_bytes, fraction.kv_cache_fraction) == (None, 0.2)
-    cuda = ServeConfig(device="cuda", gpu_memory_utilization=0.5).deployment_config("m").engine
+    cuda = deployment_config(ServeConfig(device="cuda", gpu_memory_utilization=0.5), "m").engine
     assert cuda.gpu_memory_utilization == 0.5
-    default = ServeConfig().deployment_config("m").engine
+    default = deployment_config(ServeConfig(), "m").engine
     assert (default.kv_cache_bytes, default.kv_cache_fraction, default.max_model_len) == (None, None, None)
 
 

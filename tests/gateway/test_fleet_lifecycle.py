@@ -17,12 +17,15 @@ import pytest
 import ray
 
 from decode_pool.messages import DecodeRequest
-from gateway.fleet.deployment import DeploymentConfig, PDDeployment
+from gateway.fleet.config import DeploymentConfig
+from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.worker_errors import SubmissionRefused
 from gateway.fleet.workers import Worker, WorkerState
-from gateway.ratio.controller import ControllerPolicy, RatioController
+from gateway.ratio.controller import RatioController
+from gateway.ratio.ladder import ControllerPolicy
 from gateway.ratio.resize import Move, PoolLayout, PoolResizer, ResizeConflict, ResizeRefused
-from gateway.requests.orchestrator import StreamEvent, run_request
+from gateway.requests.events import StreamEvent
+from gateway.requests.orchestrator import run_request
 from gateway.requests.router import Router
 from gateway.telemetry.recent import RecentLatencies
 from llm_engine import EngineConfig, SamplingParams

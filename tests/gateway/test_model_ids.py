@@ -18,6 +18,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.config import ServeConfig
+from gateway.serve_settings import deployment_config
 from llm_engine import model_files
 from llm_engine.model_files import ModelNotFoundError, resolve_model, served_name
 from llm_engine.model_loader import load_tokenizer
@@ -79,11 +80,11 @@ def test_every_worker_loads_the_commit_the_gateway_resolved(hub_cache: Path, tin
     """Review N9: the workers resolved the id's default branch each on their own, whenever they started;
     they are given the commit the gateway's copy is at, so that a node started later loads the same."""
     snapshot = fill_hub_cache(hub_cache, REPO_ID, tiny_chat_model_dir)
-    source = ServeConfig(model=REPO_ID).deployment_config(str(snapshot)).model_source
+    source = deployment_config(ServeConfig(model=REPO_ID), str(snapshot)).model_source
     assert source == ModelSource(hub_id=REPO_ID, revision=COMMIT)
     assert source.resolve_here("node-1") == str(snapshot)
     # A branch given as --revision is pinned the same way; a directory is never a commit.
-    on_main = ServeConfig(model=REPO_ID, revision="main").deployment_config(str(snapshot))
+    on_main = deployment_config(ServeConfig(model=REPO_ID, revision="main"), str(snapshot))
     assert on_main.model_source.revision == COMMIT
     assert ModelSource.named(REPO_ID, "v1", str(tiny_chat_model_dir)).revision == "v1"
 
@@ -103,7 +104,7 @@ def test_a_worker_refuses_a_cached_copy_without_weights(hub_cache: Path, tiny_ll
 
 def test_serve_config_takes_an_id_or_a_directory(tiny_llama_dir: Path) -> None:
     assert ServeConfig(model=REPO_ID, revision="v1").model == REPO_ID  # its form only: no network here
-    assert ServeConfig(model=REPO_ID, revision="v1").deployment_config(str(tiny_llama_dir)).model_source == \
+    assert deployment_config(ServeConfig(model=REPO_ID, revision="v1"), str(tiny_llama_dir)).model_source == \
         ModelSource(hub_id=REPO_ID, revision="v1")
     with pytest.raises(ValidationError, match="--revision applies to a Hugging Face model id"):
         ServeConfig(model=str(tiny_llama_dir), revision="v1")

@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from gateway.ratio.controller import ControllerPolicy, RatioController, Signals
+from gateway.ratio.controller import RatioController
+from gateway.ratio.ladder import ControllerPolicy, Signals
 from gateway.ratio.planner import LayoutPlanner
 from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.recent import RecentLatencies

@@ -16,7 +16,7 @@ import ray
 from fastapi import FastAPI
 
 from gateway.config import ServeConfig
-from gateway.ratio.controller import ControllerPolicy
+from gateway.ratio.ladder import ControllerPolicy
 from gateway.requests.router import LocalPrefillPolicy
 from tests.conftest import hf_greedy, random_prompts
 from tests.gateway import actor_faults as faults

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from pydantic import ValidationError
 
-from gateway.ratio.controller import ControllerPolicy, Ladder, Signals
+from gateway.ratio.ladder import ControllerPolicy, Ladder, Signals
 from gateway.ratio.resize import Move, PoolLayout, plan_moves
 from worker_runtime.roles import Role
 

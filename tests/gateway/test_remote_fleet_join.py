@@ -3,8 +3,8 @@
 Found by the chaos run of the deployed configuration (benchmarks/chaos.py --frontends 2): a frontend
 killed just before the fleet actor was, restarted by uvicorn while the supervisor was starting the fleet
 again, failed its startup ("the fleet has not started" from info()); uvicorn's supervisor took that exit
-status for a broken app and stopped the whole server. No Ray here: the fleet is a fake handle that answers
-as the restarting actor does.
+status for a broken app and stopped the whole server. No Ray here: the fleet client wraps a fake handle that
+answers as the restarting actor does.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 from ray.exceptions import ActorUnavailableError
 
 from gateway.control import remote_fleet
+from gateway.control.fleet_client import FleetClient
 from gateway.control.messages import FleetInfo, FleetSnapshot
 from gateway.control.remote_fleet import RemoteFleet
 from gateway.fleet.workers import PoolHealth
@@ -68,7 +69,7 @@ class RestartingFleet:
 def test_a_frontend_started_while_the_fleet_restarts_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(remote_fleet, "JOIN_RETRY_S", 0.01)
     handle = RestartingFleet(num_down=3, num_unstarted=4)
-    fleet = RemoteFleet(handle, "frontend-test")
+    fleet = RemoteFleet(FleetClient(handle), "frontend-test")
 
     async def join() -> FleetInfo:
         try:
@@ -93,7 +94,7 @@ def test_a_worker_this_frontend_reported_failed_counts_as_being_replaced(monkeyp
     reported: list[str] = []
     handle = RestartingFleet(num_down=0, num_unstarted=0)
     handle.mark_failed = _Method(lambda worker_id, why: reported.append(worker_id))
-    fleet = RemoteFleet(handle, "frontend-test")
+    fleet = RemoteFleet(FleetClient(handle), "frontend-test")
     health = PoolHealth("ok", {"prefill": 1, "decode": 1}, {"prefill": 1, "decode": 1}, 0, 0)
     fleet._apply(FleetSnapshot("epoch", 1, (WorkerEntry("w-decode", "decode", "active", None, None),), (),
                                health, LocalPrefillPolicy(), 1 << 20))

@@ -15,7 +15,8 @@ import ray
 from fastapi import FastAPI
 
 from gateway.config import ServeConfig
-from gateway.fleet.deployment import DeploymentConfig, PDDeployment
+from gateway.fleet.config import DeploymentConfig
+from gateway.fleet.deployment import PDDeployment
 from gateway.ratio.resize import PoolLayout, PoolResizer, ResizeConflict
 from gateway.requests.router import LocalPrefillPolicy, Router
 from llm_engine import EngineConfig

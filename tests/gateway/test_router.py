@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.fleet.deployment import DeploymentConfig
+from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.workers import Worker, WorkerState
 from gateway.requests.router import DecoderShape, LocalPrefillPolicy, Router, streams_to_clear
 from llm_engine import EngineConfig

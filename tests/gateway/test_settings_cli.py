@@ -54,20 +54,16 @@ def as_text(value: Any) -> str:
 
 
 def base_flags(field: str) -> list[str]:
-    # A layout that serves whatever one role count is set to; the old name `colocated` stands alone.
+    # A layout that serves whatever one role count is set to.
     # --revision goes with a model id (its form is checked here; nothing is fetched).
     model = ["--model", "org/name"] if field == "revision" else []
     model += ["--device", "cuda"] if field == "gpu_memory_utilization" else []
     model += ["--address", "auto"] if field == "fleet_name" else []
-    return model + ([] if field in ("colocated", "prefill", "decode", "mixed") else ["--mixed", "1"])
+    return model + ([] if field in ("prefill", "decode", "mixed") else ["--mixed", "1"])
 
 
 def parsed(argv: list[str]) -> ServeConfig:
     return typing.cast(ServeConfig, load_serve_config(build_parser().parse_args(["serve", *argv])))
-
-
-def expected(field: str, value: Any) -> tuple[str, Any]:
-    return ("mixed", value) if field == "colocated" else (field, value)  # the old name lands on `mixed`
 
 
 @pytest.mark.parametrize("field", FIELDS)
@@ -79,8 +75,7 @@ def test_every_field_has_a_flag(field: str, tmp_path: Path) -> None:
         argv.append(as_text(value))
     if field in ("prefill", "decode"):
         argv += ["--mixed", "1"]
-    name, want = expected(field, value)
-    assert getattr(parsed(base_flags(field) + argv), name) == want
+    assert getattr(parsed(base_flags(field) + argv), field) == value
 
 
 @pytest.mark.parametrize("field", FIELDS)
@@ -88,9 +83,8 @@ def test_every_field_has_an_env_var(field: str, tmp_path: Path, monkeypatch: pyt
     value = sample(field, tmp_path)
     monkeypatch.setenv(env_name(ServeConfig, field), as_text(value).lower() if isinstance(value, bool)
                        else as_text(value))
-    name, want = expected(field, value)
     extra = ["--mixed", "1"] if field in ("prefill", "decode") else []
-    assert getattr(parsed(base_flags(field) + extra), name) == want
+    assert getattr(parsed(base_flags(field) + extra), field) == value
 
 
 @pytest.mark.parametrize("field", FIELDS)
@@ -117,7 +111,7 @@ def test_flags_beat_env_beat_yaml_beat_defaults(tmp_path: Path, monkeypatch: pyt
     assert parsed(["--config", str(config), "--port", "7002"]).port == 7002
 
 
-def test_old_names_still_work() -> None:
+def test_aliases_and_negations_work() -> None:
     assert parsed(["--address", "auto"]).ray_address == "auto"
     assert parsed(["--ray-address", "auto"]).ray_address == "auto"
     assert parsed(["--no-pin-cpus"]).pin_cpus is False

@@ -1,4 +1,4 @@
-"""Backend registry: names, capabilities, automatic and forced choice."""
+"""Backend registry: names, capabilities, availability; the deployment's automatic choice from it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from kv_transfer import BackendName, BackendUnavailableError, UnknownBackendError, choose_backend, registry
+from kv_transfer import BackendName, BackendUnavailableError, UnknownBackendError, registry
 
 
 def test_unknown_name_lists_the_known_ones():
@@ -28,38 +28,26 @@ def _set_available(monkeypatch: pytest.MonkeyPatch, name: BackendName, is_availa
     monkeypatch.setitem(registry.BACKENDS, name, spec)
 
 
-def test_same_process_pairs_use_local():
-    assert choose_backend(is_same_process=True).name == BackendName.LOCAL
-
-
-def test_nixl_is_preferred_then_torch(monkeypatch: pytest.MonkeyPatch):
-    _set_available(monkeypatch, BackendName.NIXL, True)
-    _set_available(monkeypatch, BackendName.TORCH, True)
-    assert choose_backend(is_same_process=False).name == BackendName.NIXL
+def test_a_backend_that_cannot_run_here_is_an_error_not_a_fallback(monkeypatch: pytest.MonkeyPatch):
     _set_available(monkeypatch, BackendName.NIXL, False)
-    choice = choose_backend(is_same_process=False)
-    assert choice.name == BackendName.TORCH and "nixl" in choice.reason
-    _set_available(monkeypatch, BackendName.TORCH, False)
-    with pytest.raises(BackendUnavailableError, match="no KV transfer backend"):
-        choose_backend(is_same_process=False)
-
-
-def test_forced_unavailable_backend_is_an_error_not_a_fallback(monkeypatch: pytest.MonkeyPatch):
-    _set_available(monkeypatch, BackendName.NIXL, False)
-    with pytest.raises(BackendUnavailableError, match="forced KV transfer backend nixl"):
-        choose_backend(is_same_process=False, forced="nixl")
     with pytest.raises(BackendUnavailableError, match="nixl is not available"):
         registry.make_receiver("nixl", "d", None)
-    with pytest.raises(BackendUnavailableError, match="one process"):
-        choose_backend(is_same_process=False, forced="local")
-    with pytest.raises(UnknownBackendError):
-        choose_backend(is_same_process=True, forced="shm")
 
 
-def test_forced_available_backend_is_used(monkeypatch: pytest.MonkeyPatch):
-    _set_available(monkeypatch, BackendName.TORCH, True)
-    choice = choose_backend(is_same_process=True, forced=BackendName.TORCH)
-    assert choice.name == BackendName.TORCH and "forced" in choice.reason
+def test_the_deployment_prefers_nixl_then_torch_and_needs_none_for_mixed_workers(
+        monkeypatch: pytest.MonkeyPatch):
+    """The automatic choice the product makes (gateway/fleet/config.py), from the registry's availability."""
+    from gateway.fleet.config import DeploymentConfig
+    from llm_engine import EngineConfig
+
+    _set_available(monkeypatch, BackendName.NIXL, True)
+    assert DeploymentConfig(EngineConfig("m")).resolve_backend() is BackendName.NIXL
+    _set_available(monkeypatch, BackendName.NIXL, False)
+    assert DeploymentConfig(EngineConfig("m")).resolve_backend() is BackendName.TORCH
+    all_mixed = DeploymentConfig(EngineConfig("m"), num_prefill=0, num_decode=0, num_mixed=2)
+    assert all_mixed.resolve_backend() is BackendName.LOCAL
+    with pytest.raises(UnknownBackendError, match="known: local, nixl, torch"):
+        DeploymentConfig(EngineConfig("m"), backend="shm").resolve_backend()
 
 
 def test_halves_expose_their_backend_capabilities():

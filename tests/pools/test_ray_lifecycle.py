@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.fleet.deployment import DeploymentConfig, PDDeployment
-from gateway.requests.orchestrator import StreamEvent, run_request
+from gateway.fleet.config import DeploymentConfig
+from gateway.fleet.deployment import PDDeployment
+from gateway.requests.events import StreamEvent
+from gateway.requests.orchestrator import run_request
 from gateway.requests.router import Router
 from llm_engine import EngineConfig, SamplingParams
 from tests.conftest import random_prompts

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
-from gateway.requests.orchestrator import StreamEvent
+from gateway.requests.events import StreamEvent
 from gateway.requests.stage_timings import token_times
 from kv_transfer import IncompatibleLayoutError, KVHandle
 from llm_engine import SamplingParams

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.requests.router import LONG_PROMPT_TOKENS
 from tuner.fits import (
     DECODE_FEATURES,
     MIXED_FEATURES,
@@ -31,7 +32,9 @@ def step_model(prefill: tuple[float, float, float] = (0.01, 0.0, 0.0),
 def sim_config(num_blocks: int = 4096, block_size: int = 16, budget: int = 512, max_num_seqs: int = 64,
                watermark: float = 0.0, hop_s: float = 0.0) -> SimConfig:
     shape = WorkerShape(block_size, num_blocks, 1024, budget, max_num_seqs)
-    return SimConfig(shape, watermark, max_waiting=100_000, queue_timeout_s=1e9, hop_s=hop_s)
+    return SimConfig(shape, watermark, max_waiting=100_000, queue_timeout_s=1e9, hop_s=hop_s,
+                     isolate_prompts_from_tokens=LONG_PROMPT_TOKENS,
+                     move_streams_from_tokens=LONG_PROMPT_TOKENS)
 
 
 def profile(model: StepModel, config: SimConfig, name: str = "tiny") -> Profile:

@@ -1,0 +1,98 @@
+"""What `pdserve serve`'s settings (ServeConfig, gateway/config.py) become in each part's own settings: the
+fleet's DeploymentConfig, the router's LocalPrefillPolicy, the ratio controller's ControllerPolicy, the
+planner's PlannerSettings and the request deadlines' DeadlinePolicy. A setting left unset defers to that
+part's own default, which is not repeated here.
+"""
+
+from __future__ import annotations
+
+import os
+
+from gateway.config import ServeConfig
+from gateway.control.plane import PlannerSettings
+from gateway.fleet.config import DeploymentConfig
+from gateway.ratio.ladder import ControllerPolicy
+from gateway.requests.deadlines import DeadlinePolicy
+from gateway.requests.router import LocalPrefillPolicy
+from kv_transfer import TransferConfig
+from llm_engine import EngineConfig
+from llm_engine.kv_sizing import parse_memory
+from worker_runtime.model_source import ModelSource
+from worker_runtime.roles import Role
+
+
+def kv_memory_settings(config: ServeConfig) -> dict[str, int | float]:
+    """The engine's KV memory fields for --kv-cache-memory (or the old --kv-cache-mib); empty: neither."""
+    if config.kv_cache_memory is not None:
+        amount = parse_memory(config.kv_cache_memory)
+        if amount.fraction is not None:
+            return {"kv_cache_fraction": amount.fraction}
+        return {"kv_cache_bytes": amount.num_bytes or 0}
+    return {} if config.kv_cache_mib is None else {"kv_cache_bytes": config.kv_cache_mib << 20}
+
+
+def local_prefill_policy(config: ServeConfig) -> LocalPrefillPolicy:
+    chosen = {"max_uncached_tokens": config.local_prefill_max_tokens,
+              "min_prefill_queue_tokens": config.local_prefill_queue_tokens}
+    return LocalPrefillPolicy(**{k: v for k, v in chosen.items() if v is not None})
+
+
+def controller_policy(config: ServeConfig) -> ControllerPolicy:
+    return ControllerPolicy(ttft_slo_s=config.ttft_slo_s, itl_slo_s=config.itl_slo_s)
+
+
+def planner_settings(config: ServeConfig) -> PlannerSettings | None:
+    if config.profile is None:
+        return None
+    local_prefill = local_prefill_policy(config)
+    return PlannerSettings(config.profile, config.max_waiting, config.queue_timeout_s,
+                           local_prefill.isolate_prompts_from_tokens, local_prefill.move_streams_from_tokens)
+
+
+def deadline_policy(config: ServeConfig) -> DeadlinePolicy:
+    chosen = {"slack_s": config.deadline_slack_s, "prefill_s_per_token": config.deadline_prefill_s_per_token,
+              "decode_s_per_token": config.deadline_decode_s_per_token}
+    return DeadlinePolicy(**{k: v for k, v in chosen.items() if v is not None})
+
+
+def threads_per_worker(config: ServeConfig) -> int:
+    """--threads-per-worker, else this machine's cores split over the layout's workers (a cluster's
+    nodes are not this machine: there, the CPUs each worker asks Ray for)."""
+    if config.threads_per_worker is not None:
+        return config.threads_per_worker
+    if config.ray_address is not None:
+        return max(1, int(config.cpus_per_worker or 1))
+    num_workers = (config.prefill or 0) + (config.decode or 0) + (config.mixed or 0)
+    return max(1, len(os.sched_getaffinity(0)) // max(1, num_workers))
+
+
+def deployment_config(config: ServeConfig, model_dir: str) -> DeploymentConfig:
+    """The fleet's settings: the layout, each worker's engine, placement and transfer."""
+    engine_overrides: dict[str, object] = {
+        "dtype": config.dtype, "device": config.device, "block_size": config.block_size,
+        **kv_memory_settings(config), "gpu_memory_utilization": config.gpu_memory_utilization,
+        "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens, "linear_kernel": config.linear_kernel,
+        "max_prefill_s_beside_decode": config.max_prefill_s_beside_decode,
+        "decode_attention": config.decode_attention, "compile": config.compile,
+    }
+    chosen = {k: v for k, v in engine_overrides.items() if v is not None}
+    engine = EngineConfig(model_dir, **chosen)  # type: ignore[arg-type]
+    chosen_resources = {Role.PREFILL: config.prefill_resources, Role.DECODE: config.decode_resources,
+                        Role.MIXED: config.mixed_resources}
+    placement: dict[str, object] = {
+        "num_gpus_per_worker": config.gpus_per_worker, "num_cpus_per_worker": config.cpus_per_worker,
+        "placement_timeout_s": config.placement_timeout_s, "autoscale_wait_s": config.autoscale_wait_s,
+        "step_watchdog_s": config.step_watchdog_s,
+    }
+    if config.gpus_per_worker is None and engine.device.startswith("cuda"):
+        placement["num_gpus_per_worker"] = 1.0
+    return DeploymentConfig(engine, num_prefill=config.prefill or 0, num_decode=config.decode or 0,
+                            num_mixed=config.mixed or 0, backend=config.backend, transfer=TransferConfig(),
+                            role_resources={r: x for r, x in chosen_resources.items() if x},
+                            worker_env=dict(config.worker_env or {}),
+                            # Each worker finds the model on its own node
+                            # (pool_worker/runtime/model_source.py).
+                            model_source=ModelSource.named(config.model, config.revision, model_dir),
+                            num_threads=threads_per_worker(config), pin_cpus=config.pin_cpus,
+                            **{k: v for k, v in placement.items() if v is not None})  # type: ignore[arg-type]
