@@ -1,10 +1,13 @@
-"""Shared fixtures: small real models built in the test session, and the default model when marked slow."""
+"""Shared fixtures: small real models built in the test session, and the default model when marked slow;
+the order that lets the suites of one shared server shape run together (tests/helpers/servers.py), and the
+cost markers (pyproject.toml)."""
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+import sys
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,13 +24,69 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PDSERVE_COMPILE", "off")
 
 
+# The fixtures that hand out a shared server (by their function's name), and the shape each one serves.
+SHARED_SHAPES = {"shared_default_server": "default", "shared_two_stage_server": "two_stage"}
+# The shared shape of a test's module (any of its tests asking for one), set at collection.
+MODULE_SHAPE = pytest.StashKey[str | None]()
+
+
+def shared_shape(item: pytest.Item) -> str | None:
+    """The shared server shape `item` asks for, or None."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    for definitions in info.name2fixturedefs.values():
+        if definitions and (shape := SHARED_SHAPES.get(definitions[-1].func.__name__)):
+            return shape
+    return None
+
+
+def group_shared_shapes(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The modules of one shared shape one after another, where the first of them stood; a module's own
+    order, and every other module's place, kept. Each test's stash gets its module's shape."""
+    modules: dict[object, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.getparent(pytest.Module), []).append(item)
+    shape_of = {module: next(filter(None, map(shared_shape, its)), None) for module, its in modules.items()}
+    ordered: list[pytest.Item] = []
+    placed: set[str] = set()
+    for module, its in modules.items():
+        for item in its:
+            item.stash[MODULE_SHAPE] = shape_of[module]
+        shape = shape_of[module]
+        if shape is None:
+            ordered += its
+        elif shape not in placed:
+            placed.add(shape)
+            ordered += [i for m, mine in modules.items() if shape_of[m] == shape for i in mine]
+    return ordered
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items[:] = group_shared_shapes(items)
+    for item in items:
+        # Cost markers: `ray` on every test that starts a local Ray (through the fixture; the modules that
+        # start Ray another way mark themselves), `cluster` (several raylets) implies `ray`.
+        if "ray_local" in getattr(item, "fixturenames", ()) or "cluster" in item.keywords:
+            item.add_marker(pytest.mark.ray)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    # The shared server closes once the next test's module is not one of its shape (before the session's Ray
+    # goes, and so that the suites counting the local Ray's free CPUs see only their own fleets).
+    servers = sys.modules.get("tests.helpers.servers")  # not imported: no shared server was started
+    shared = servers.SHARED if servers is not None else None
+    next_shape = nextitem.stash.get(MODULE_SHAPE, None) if nextitem is not None else None
+    if shared is not None and shared.shape is not None and next_shape != shared.shape:
+        shared.close()
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Faults the chaos run plants inside real worker actors through Ray's `__ray_call__` (a function run on the
-actor instance), beside tests/gateway/actor_faults.py's (slow, raising and held steps; lost releases).
+actor instance), beside tests/helpers/actor_faults.py's (slow, raising and held steps; lost releases).
 Pickled by value: the workers do not import the benchmarks.
 
 Each injector acts on the worker's step thread where it touches the transfer library (posted to the worker's

@@ -1,5 +1,5 @@
 """Faults planted inside the workers (through Ray, benchmarks/chaoslib/injectors.py and
-tests/gateway/actor_faults.py), and in the KV transfers between them; only workers of this run's own fleet.
+tests/helpers/actor_faults.py), and in the KV transfers between them; only workers of this run's own fleet.
 
   hang_step        a busy decode worker's next step waits at a gate (no error, no dead process): the fleet's
                    step watchdog (`--step-watchdog-s`) must take it for hung and replace it, its requests
@@ -53,7 +53,7 @@ KINDS = ("hang_step", "step_error", "query_of_death", "stall_pulls", "lost_relea
 
 
 def _actor_faults() -> Any:
-    from tests.gateway import actor_faults  # imports ray: only once connected
+    from tests.helpers import actor_faults  # imports ray: only once connected
 
     return actor_faults
 
@@ -184,7 +184,7 @@ class WorkerFaults:
         return f"answered {status} {code or ''}".strip()
 
     async def stall_pulls(self) -> str:
-        """tests/gateway/actor_faults.py's stall_pulls (the one the product's own fault test runs) on every
+        """tests/helpers/actor_faults.py's stall_pulls (the one the product's own fault test runs) on every
         decode worker for STALL_S, then healed once every pull it stalled has passed its deadline (a heal
         before would hand the backend a pull it never started)."""
         decoders = self._workers(("decode", "mixed"))

@@ -38,7 +38,7 @@ def main(argv: list[str]) -> None:
                          "outcome": r.outcome, "num_bytes": r.num_bytes} for r in records],
         }
     for worker_id, seconds in slow.items():
-        from tests.gateway import actor_faults
+        from tests.helpers import actor_faults
 
         ray.get(ray.get_actor(f"pdserve-{worker_id}").__ray_call__.remote(actor_faults.slow_steps, seconds))
     print(json.dumps({"nodes": nodes, "workers": workers}))

@@ -19,7 +19,7 @@ from tests.cluster.local_cluster import LocalRayCluster, running_cluster
 from tests.cluster.test_multi_node import DECODE, PREFILL, greedy_over_http, pdserve, wait_for
 from tests.conftest import hf_greedy, random_prompts
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 VOCAB = 49152
 # Long enough for `ray start` of a node on a loaded machine; the give-up at the end waits all of it.
 AUTOSCALE_WAIT_S = 90

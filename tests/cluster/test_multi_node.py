@@ -25,7 +25,7 @@ import pytest
 from tests.cluster.local_cluster import REPO, LocalRayCluster, RayNode, free_port, kill_tree, running_cluster
 from tests.conftest import hf_greedy, random_prompts
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 MODEL = "tiny"
 VOCAB = 49152
 PREFILL = {"pdserve_prefill": 1.0}

@@ -18,7 +18,7 @@ from gateway.config import ServeConfig
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.placement import PlacementTimeout
 from gateway.serve_settings import deployment_config
-from tests.gateway.conftest import API_KEY, MODEL, serve_config, serving
+from tests.helpers.servers import API_KEY, MODEL, serve_config, serving
 from worker_runtime.model_source import ModelSource
 from worker_runtime.roles import Role
 

@@ -22,7 +22,7 @@ import pytest
 
 from tests.cluster.local_cluster import REPO, LocalRayCluster, free_port, kill_tree, running_cluster
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 MODEL = "tiny"
 
 

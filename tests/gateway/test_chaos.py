@@ -18,7 +18,7 @@ from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
 from benchmarks.chaoslib.report import write_report
 from benchmarks.chaoslib.run import run_chaos
 from gateway.config import ServeConfig
-from tests.gateway.conftest import MODEL, free_port, serving
+from tests.helpers.servers import MODEL, free_port, serving
 
 pytestmark = pytest.mark.slow
 

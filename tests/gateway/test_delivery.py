@@ -16,7 +16,7 @@ from fastapi import FastAPI
 
 from gateway.requests.deadlines import DeadlinePolicy
 from tests.conftest import random_prompts
-from tests.gateway.conftest import API_KEY, MODEL, serve_config, serving, wait_until_no_blocks_used
+from tests.helpers.servers import API_KEY, MODEL, serve_config, serving, wait_until_no_blocks_used
 
 pytestmark = pytest.mark.slow
 VOCAB = 49152

@@ -26,8 +26,8 @@ from gateway.requests.deadlines import DeadlinePolicy
 from gateway.requests.router import LocalPrefillPolicy
 from kv_transfer import TransferConfig
 from tests.conftest import hf_greedy, random_prompts
-from tests.gateway import actor_faults as faults
-from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
+from tests.helpers import actor_faults as faults
+from tests.helpers.servers import MODEL, free_port, serving, wait_until_no_blocks_used
 
 pytestmark = pytest.mark.slow
 VOCAB = 49152

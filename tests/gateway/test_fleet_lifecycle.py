@@ -32,7 +32,7 @@ from llm_engine import EngineConfig, SamplingParams
 from llm_engine.choices import FirstToken
 from prefill_pool.messages import PrefillRequest
 from tests.conftest import random_prompts
-from tests.gateway import actor_faults as faults
+from tests.helpers import actor_faults as faults
 from worker_runtime.model_source import ModelSource
 from worker_runtime.roles import Role
 

@@ -26,9 +26,9 @@ import httpx
 import psutil
 import pytest
 
-from tests.gateway.conftest import MODEL, free_port
+from tests.helpers.servers import MODEL, free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 MAX_TOKENS = 1000  # about 14 s for six streams on this tiny model: the kill lands mid-stream
 PROMPT = "The quick brown fox"

@@ -16,7 +16,7 @@ import pytest
 from gateway.api.prepare import LONG_PROMPT_TOKENS, Preparer
 from gateway.api.protocol import ChatCompletionRequest, ChatMessage
 from llm_engine.model_loader import load_tokenizer, read_model_spec
-from tests.gateway.conftest import MODEL, wait_until_no_blocks_used
+from tests.helpers.servers import MODEL, wait_until_no_blocks_used
 
 VOCAB_SIZE = 49152  # the tiny chat model's (SmolLM2's tokenizer)
 JSON = {"content-type": "application/json"}

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llm_engine.model_loader import load_tokenizer
 from tests.conftest import hf_greedy
-from tests.gateway.conftest import API_KEY, MODEL, wait_until_no_blocks_used
+from tests.helpers.servers import API_KEY, MODEL, wait_until_no_blocks_used
 
 STAGES = ("gateway_queue_ms", "prefill_queue_ms", "prefill_ms", "transfer_ms", "decode_queue_ms", "decode_ms")
 HOPS = ("to_prefill_ms", "handoff_ms", "delivery_ms")

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.api.request_id import current_request_id, install_log_prefix
 from gateway.telemetry.metric_names import ALL_METRICS, MODEL_LABEL, MetricName
-from tests.gateway.conftest import API_KEY, MODEL, wait_until_no_blocks_used
 from tests.gateway.test_http_api import burst
+from tests.helpers.servers import API_KEY, MODEL, wait_until_no_blocks_used
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "pdserve-dashboard.json"
@@ -133,7 +133,7 @@ def test_refusals_are_counted_by_status(server: str, served: tuple[str, Samples,
 
 
 def test_metrics_are_open_without_the_api_key_by_default(server: str) -> None:
-    # This server wants an API key on /v1 (tests/gateway/conftest.py); scrapers send none.
+    # This server wants an API key on /v1 (tests/helpers/servers.py); scrapers send none.
     assert httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
     response = httpx.get(f"{server}/metrics", timeout=60)
     assert response.status_code == 200 and "pdserve:time_to_first_token_seconds" in response.text

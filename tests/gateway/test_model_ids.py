@@ -24,7 +24,7 @@ from llm_engine.model_files import ModelNotFoundError, resolve_model, served_nam
 from llm_engine.model_loader import load_tokenizer
 from pdserve.main import main
 from tests.conftest import hf_greedy
-from tests.gateway.conftest import API_KEY, serve_config, serving
+from tests.helpers.servers import API_KEY, serve_config, serving
 from worker_runtime.model_source import ModelSource
 
 REPO_ID = "acme/tiny-chat"

@@ -18,13 +18,13 @@ import openai
 import pytest
 
 from tests.conftest import random_prompts
-from tests.gateway import actor_faults as faults
-from tests.gateway import two_stage_server
-from tests.gateway.conftest import MODEL
-from tests.gateway.forced_migration import decode_workers, on_actor, stream_across_a_failure
+from tests.helpers import actor_faults as faults
+from tests.helpers import two_stage_server
+from tests.helpers.forced_migration import decode_workers, on_actor, stream_across_a_failure
+from tests.helpers.servers import MODEL
 
-# The shared server shape's fixtures (tests/gateway/two_stage_server.py), under the names the tests ask for.
-server, sdk, client = two_stage_server.server, two_stage_server.sdk, two_stage_server.client
+# The shared server shape's fixtures (tests/helpers/two_stage_server.py), under the names the tests ask for.
+server, sdk, client = two_stage_server.shared_two_stage_server, two_stage_server.sdk, two_stage_server.client
 VOCAB = 49152
 BLOCK = 16
 CHAT = [{"role": "user", "content": "Tell me a story about a fox."}]

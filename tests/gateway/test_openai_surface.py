@@ -17,12 +17,12 @@ import torch
 from llm_engine import SamplingParams
 from tests.conftest import random_prompts
 from tests.engine.test_engine_correctness import make_engine
-from tests.gateway import two_stage_server
-from tests.gateway.conftest import MODEL
-from tests.gateway.forced_migration import stream_across_a_failure
+from tests.helpers import two_stage_server
+from tests.helpers.forced_migration import stream_across_a_failure
+from tests.helpers.servers import MODEL
 
-# The shared server shape's fixtures (tests/gateway/two_stage_server.py), under the names the tests ask for.
-server, sdk, client = two_stage_server.server, two_stage_server.sdk, two_stage_server.client
+# The shared server shape's fixtures (tests/helpers/two_stage_server.py), under the names the tests ask for.
+server, sdk, client = two_stage_server.shared_two_stage_server, two_stage_server.sdk, two_stage_server.client
 VOCAB = 49152
 PENALISED = {"presence_penalty": 1.5, "frequency_penalty": 0.8, "logit_bias": {"5": 6.0, "17": -100.0}}
 REPETITION = {"repetition_penalty": 0.5}  # < 1 favours seen tokens (this random model never repeats alone)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.conftest import free_port, serve_config, serving
+from tests.helpers.servers import free_port, serve_config, serving
 
 pytestmark = pytest.mark.slow
 

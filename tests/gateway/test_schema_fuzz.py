@@ -9,8 +9,6 @@ body and headers as documented, and every non-2xx body in OpenAI's error shape w
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,11 +16,14 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.strategies import SearchStrategy
 
-from tests.gateway.conftest import API_KEY, MODEL, serve_config, serving, wait_until_no_blocks_used
+from tests.helpers.servers import API_KEY, MODEL, SHARED_DEFAULT_MAX_TOKENS, wait_until_no_blocks_used
 
 schemathesis = pytest.importorskip("schemathesis")
 
-MAX_FUZZ_TOKENS = 4  # generation stays cheap: every valid request makes at most this many tokens
+# Generation stays cheap: every valid request makes at most this many tokens. The shared default server
+# (tests/gateway/conftest.py) gives chat requests that name no max_tokens as many (negative cases that the
+# server rightly accepts, such as one with an empty-named extra field, are served).
+MAX_FUZZ_TOKENS = SHARED_DEFAULT_MAX_TOKENS
 GENERATE_ROUTES = ("/v1/completions", "/v1/chat/completions")
 NUM_EXAMPLES = {"positive": 100, "negative": 100}  # per route; the module takes well under 2 minutes
 # Nothing of the process may show in an error body.
@@ -74,14 +75,6 @@ def fuzz(strategy: SearchStrategy[Any], server: str, num_examples: int) -> None:
         check_error_body(response)
 
     one()
-
-
-@pytest.fixture(scope="module")
-def server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
-    # A chat request that names no max_tokens generates default_max_tokens: keep those cheap too (negative
-    # cases that the server rightly accepts, such as one with an empty-named extra field, are served).
-    with serving(serve_config(tiny_chat_model_dir, default_max_tokens=MAX_FUZZ_TOKENS)) as (url, _):
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from gateway.api.auth import require_admin, require_api_key
 from gateway.config import ServeConfig
-from tests.gateway.conftest import API_KEY, MODEL, serve_config, serving
+from tests.helpers.servers import API_KEY, MODEL, serve_config, serving
 
 ADMIN_KEY = "sk-admin-key"
 WRONG_KEYS = {

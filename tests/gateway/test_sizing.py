@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.conftest import MODEL, serve_config, serving, whole_after
+from tests.helpers.servers import MODEL, serve_config, serving, whole_after
 
 MAX_MODEL_LEN = 128
 

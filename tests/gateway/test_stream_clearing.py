@@ -14,8 +14,8 @@ from gateway.fleet.deployment import PDDeployment
 from gateway.requests.router import LocalPrefillPolicy, Router
 from llm_engine import SamplingParams
 from tests.conftest import random_prompts
-from tests.gateway import actor_faults as faults
 from tests.gateway.test_fleet_lifecycle import call_on, events_of, tokens, until, with_deployment
+from tests.helpers import actor_faults as faults
 from worker_runtime.roles import Role
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]

@@ -24,9 +24,9 @@ import pytest
 from llm_engine import SamplingParams
 from llm_engine.structured import GrammarSpec
 from tests.engine.test_engine_correctness import make_engine
-from tests.gateway.conftest import MODEL, serving, two_stage_config, whole_after
-from tests.gateway.forced_migration import stream_across_a_failure
-from tests.gateway.structured_schemas import SCHEMAS
+from tests.helpers.forced_migration import stream_across_a_failure
+from tests.helpers.servers import MODEL, serving, two_stage_config, whole_after
+from tests.helpers.structured_schemas import SCHEMAS
 
 EOS = 2  # the tokenizer's <|im_end|>: the tiny model's config names none, so the gateway adds it
 MAX_TOKENS = 400  # far more than any of SCHEMAS' documents needs: each must end at the grammar's end

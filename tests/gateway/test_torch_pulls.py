@@ -13,8 +13,8 @@ import ray
 
 from gateway.config import ServeConfig
 from tests.conftest import hf_greedy, random_prompts
-from tests.gateway import actor_faults as faults
-from tests.gateway.conftest import MODEL, free_port, serving, wait_until_no_blocks_used
+from tests.helpers import actor_faults as faults
+from tests.helpers.servers import MODEL, free_port, serving, wait_until_no_blocks_used
 
 pytestmark = pytest.mark.slow
 VOCAB = 49152

@@ -20,8 +20,8 @@ from pydantic import ValidationError
 from gateway.config import ServeConfig
 from gateway.telemetry.timings import Timings
 from gateway.telemetry.tracing import ALWAYS_TRACED, INSTALL_HINT, ROOT_SPAN, STAGE_ORDER, stage_spans
-from tests.gateway.conftest import API_KEY, MODEL, serve_config, serving
-from tests.gateway.otlp_receiver import OtlpReceiver, ReceivedSpan, receiving
+from tests.helpers.otlp_receiver import OtlpReceiver, ReceivedSpan, receiving
+from tests.helpers.servers import API_KEY, MODEL, serve_config, serving
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"

@@ -17,8 +17,8 @@ import httpx
 import pytest
 import ray
 
-from tests.gateway import actor_faults as faults
-from tests.gateway.conftest import API_KEY, MODEL, serve_config, serving, wait_until_no_blocks_used
+from tests.helpers import actor_faults as faults
+from tests.helpers.servers import API_KEY, MODEL, serve_config, serving, wait_until_no_blocks_used
 
 pytestmark = pytest.mark.slow
 

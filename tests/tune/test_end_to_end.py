@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.conftest import serve_config, serving
+from tests.helpers.servers import serve_config, serving
 from tests.tune.test_cli import tune
 
 

@@ -1,5 +1,5 @@
 """Fixtures of the OpenAI-surface suites that share one server shape (two_stage_config: 1 prefill + 2 decode,
-float32): a module's server, the openai SDK on it, and a client that checks the fleet ends whole. A test
+float32): the shared server, the openai SDK on it, and a client that checks the fleet ends whole. A test
 module imports the three names; pytest finds fixtures among a module's globals."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import serving, two_stage_config, whole_after
+from tests.helpers.servers import SHARED, two_stage_config, whole_after
 
 
-@pytest.fixture(scope="module")
-def server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
-    with serving(two_stage_config(tiny_chat_model_dir)) as (url, _):
-        yield url
+# The function's name tells tests/conftest.py which shared shape a test uses (to run them together).
+@pytest.fixture(scope="module", name="server")
+def shared_two_stage_server(tiny_chat_model_dir: Path, ray_local: None) -> str:
+    return SHARED.url("two_stage", lambda: two_stage_config(tiny_chat_model_dir))
 
 
 @pytest.fixture

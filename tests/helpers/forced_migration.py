@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import ray
 
-from tests.gateway import actor_faults as faults
+from tests.helpers import actor_faults as faults
 
 
 def on_actor(worker_id: str, fn: Any, *args: object) -> Any:

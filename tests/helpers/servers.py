@@ -1,0 +1,170 @@
+"""Real pdserve servers for the tests (uvicorn on a thread, the app's lifespan: a fleet of Ray actors on the
+tiny random Llama with SmolLM2's tokenizer), their settings, and the checks that a fleet ends whole.
+
+A fleet start costs 20–35 s on 2 cores, so the suites that leave the fleet whole share one server per shape
+(`SharedServers`): tests/conftest.py runs the modules of one shape one after another and closes the server
+when the next test asks for another shape or for none (at most one shared fleet lives at a time, so the
+suites that count the free CPUs of the local Ray see what they saw before). Each shared client checks after
+every test that no KV block is held and every worker is active (`whole_after`): a test that leaks fails
+itself, not the next module."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from gateway.app import create_app
+from gateway.config import ServeConfig
+
+API_KEY = "sk-test-key"
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serving(config: ServeConfig, send_buffer_bytes: int | None = None) -> Iterator[tuple[str, FastAPI]]:
+    """A real server on its own thread (uvicorn, the app's lifespan: Ray actors); yields (url, app).
+
+    `send_buffer_bytes`: the kernel's send buffer of every connection (fixed: no autotuning to megabytes),
+    so that a client that stops reading blocks the server's sends soon."""
+    app = create_app(config)
+    uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                       lifespan="on"))
+    sockets = None
+    if send_buffer_bytes is not None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)  # accepted ones inherit
+        listener.bind((config.host, config.port))
+        sockets = [listener]
+    thread = threading.Thread(target=lambda: uv.run(sockets=sockets), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not uv.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("pdserve did not start")
+        time.sleep(0.1)
+    try:
+        yield f"http://{config.host}:{config.port}", app
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+
+
+def serve_config(model_dir: Path, **overrides: object) -> ServeConfig:
+    """The default shape: 1 prefill + 1 decode, an API key, a queue of one (easy to overload on purpose)."""
+    settings: dict[str, object] = {
+        # nixl where it imports, else the torch backend: the HTTP suite runs either way.
+        # float32 on every CPU kind: the reference tokens are transformers' in float32.
+        "model": str(model_dir), "dtype": "float32", "served_model_name": MODEL, "backend": "auto",
+        "port": free_port(),
+        "kv_cache_mib": 2,  # 64 blocks of 16 tokens per worker: small enough to overload on purpose
+        "max_num_batched_tokens": 256, "api_key": API_KEY, "max_waiting": 1, "queue_timeout_s": 30,
+    }
+    return ServeConfig(**{**settings, **overrides})  # type: ignore[arg-type]
+
+
+# Chat requests that name no max_tokens generate this many on the shared default server (the flag's default is
+# 512): the schema fuzz sends such requests and keeps them cheap; no suite on that server asks for the 512.
+SHARED_DEFAULT_MAX_TOKENS = 4
+
+
+def shared_default_config(model_dir: Path) -> ServeConfig:
+    """The shared server of the default shape (tests/gateway/conftest.py)."""
+    return serve_config(model_dir, default_max_tokens=SHARED_DEFAULT_MAX_TOKENS)
+
+
+def two_stage_config(model_dir: Path, **overrides: object) -> ServeConfig:
+    """1 prefill + 2 decode workers in float32, no API key: the OpenAI-surface suites' server (a forced
+    migration has a second decode worker to go to)."""
+    settings: dict[str, object] = {
+        "dtype": "float32", "model": str(model_dir), "served_model_name": MODEL, "prefill": 1, "decode": 2,
+        "port": free_port(), "kv_cache_mib": 2, "max_num_batched_tokens": 64, "max_waiting": 8,
+        "queue_timeout_s": 30,
+    }
+    return ServeConfig(**{**settings, **overrides})  # type: ignore[arg-type]
+
+
+def used_blocks(client: httpx.Client) -> int:
+    pools = client.get("/admin/pools").json()
+    return sum(w.get("used_kv_blocks", 0) for w in pools["workers"])  # a starting worker has no load yet
+
+
+def wait_until_no_blocks_used(client: httpx.Client, timeout_s: float = 10.0) -> int:
+    used = -1
+    for _ in range(int(timeout_s / 0.05)):
+        used = used_blocks(client)
+        if used == 0:
+            break
+        time.sleep(0.05)
+    return used
+
+
+def not_whole(client: httpx.Client) -> str | None:
+    """What keeps the fleet from being whole (a worker not active, one missing, KV blocks held), or None."""
+    health = client.get("/health").json()
+    if health["status"] != "ok" or health["active_workers"] != health["target_workers"]:
+        return f"/health: {health}"
+    workers = client.get("/admin/pools").json()["workers"]
+    if [w for w in workers if w["state"] != "active"]:
+        return f"workers not active: {[(w['worker_id'], w['state']) for w in workers]}"
+    if used := sum(w.get("used_kv_blocks", 0) for w in workers):
+        return f"{used} KV blocks held"
+    return None
+
+
+def wait_until_whole(client: httpx.Client, timeout_s: float = 60.0) -> str | None:
+    """Waits (a replaced worker takes a model load to come back) until the fleet is whole; returns None, or
+    what still keeps it from being whole at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while (problem := not_whole(client)) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return problem
+
+
+@contextlib.contextmanager
+def whole_after(url: str, headers: dict[str, str] | None = None) -> Iterator[httpx.Client]:
+    """A client of the server that checks, when the test is done, that no worker holds a KV block and every
+    worker is active."""
+    with httpx.Client(base_url=url, timeout=120, headers=headers) as c:
+        yield c
+        assert wait_until_no_blocks_used(c, timeout_s=20) == 0  # the fleet ends whole
+        assert wait_until_whole(c) is None, wait_until_whole(c, timeout_s=0)
+
+
+class SharedServers:
+    """At most one shared server, of the shape the running tests ask for; another shape closes it first."""
+
+    def __init__(self) -> None:
+        self.shape: str | None = None
+        self._url = ""
+        self._stack = contextlib.ExitStack()
+
+    def url(self, shape: str, config: Callable[[], ServeConfig]) -> str:
+        """The url of the shared server of `shape` (a name for the settings `config` builds); started here
+        when another shape's or none is running."""
+        if shape != self.shape:
+            self.close()
+            self._url, _ = self._stack.enter_context(serving(config()))
+            self.shape = shape
+        return self._url
+
+    def close(self) -> None:
+        self._stack.close()
+        self.shape = None
+
+
+SHARED = SharedServers()
