@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install test serve lint typecheck unit bench-engine bench-transfer bench-pd clean
+.PHONY: install test test-fast serve lint typecheck unit bench-engine bench-transfer bench-pd clean
 
 # The runtime set: what `pdserve serve/bench/tune` need (deploy/Dockerfile and `ray up` nodes install this).
 $(STAMP): pyproject.toml Makefile
@@ -39,6 +39,11 @@ unit: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q --durations=20
 
 test: lint typecheck unit
+
+# The loop to run after an edit (a few minutes): no Ray, no fleet, not the real model; `make test` runs them all.
+test-fast: $(DEV_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q --durations=10 -m "not slow and not ray"
 
 serve: $(STAMP)
 	$(BIN)/pdserve prepare-model
