@@ -17,23 +17,41 @@ import uvicorn
 from gateway.app import create_app
 from gateway.config import ServeConfig
 from llm_engine.model_loader import load_tokenizer
+from pdserve.main import main
 from tests.conftest import hf_greedy
 from tests.helpers.servers import API_KEY, MODEL, free_port, wait_until_no_blocks_used
 
 pytestmark = pytest.mark.slow
 
 
+def bench_argv(server: str, out: Path, *flags: str) -> list[str]:
+    return ["bench", "--base-url", server, "--vocab-size", "49152", "--api-key", API_KEY, "--out", str(out),
+            "--disable-tqdm", *flags]
+
+
 def bench(server: str, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "pdserve", "bench", "--base-url", server, "--vocab-size", "49152",
-               "--api-key", API_KEY, "--out", str(out), "--disable-tqdm", *flags]
+    """`pdserve bench` as its own process: where the exit status is what is tested."""
+    command = [sys.executable, "-m", "pdserve", *bench_argv(server, out, *flags)]
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
-def test_pdserve_bench_writes_results_matching_what_it_sent(server: str, tmp_path: Path) -> None:
+def bench_here(capsys: pytest.CaptureFixture[str], server: str, out: Path, *flags: str
+               ) -> subprocess.CompletedProcess[str]:
+    """`pdserve bench` called in this process (the same main() the command runs, without a Python start and
+    its imports per run), its output as a process's."""
+    capsys.readouterr()
+    returncode = main(bench_argv(server, out, *flags))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["pdserve", "bench"], returncode, captured.out, captured.err)
+
+
+def test_pdserve_bench_writes_results_matching_what_it_sent(server: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench"
     # The old flag names, still aliases.
-    result = bench(server, out, "--request-rate", "8", "--num-prompts", "12", "--random-input-len", "20",
-                   "--random-output-len", "6", "--ignore-eos", "--ttft-slo-s", "5", "--itl-slo-s", "1")
+    result = bench_here(capsys, server, out, "--request-rate", "8", "--num-prompts", "12",
+                        "--random-input-len", "20", "--random-output-len", "6", "--ignore-eos",
+                        "--ttft-slo-s", "5", "--itl-slo-s", "1")
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
@@ -47,12 +65,14 @@ def test_pdserve_bench_writes_results_matching_what_it_sent(server: str, tmp_pat
     assert (out / "metrics.jsonl").read_text().strip()
 
 
-def test_all_at_once_under_a_concurrency_cap_with_vllms_result_keys(server: str, tmp_path: Path) -> None:
-    result = bench(server, tmp_path / "bench", "--request-rate", "inf", "--max-concurrency", "8",
-                   "--num-prompts", "16", "--random-input-len", "24", "--random-output-len", "5",
-                   "--ignore-eos",
-                   "--temperature", "0", "--num-warmups", "1", "--goodput", "ttft:60000", "tpot:60000",
-                   "--save-result", "--result-dir", str(tmp_path / "results"), "--result-filename", "r.json")
+def test_all_at_once_under_a_concurrency_cap_with_vllms_result_keys(
+        server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = bench_here(capsys, server, tmp_path / "bench", "--request-rate", "inf", "--max-concurrency", "8",
+                        "--num-prompts", "16", "--random-input-len", "24", "--random-output-len", "5",
+                        "--ignore-eos",
+                        "--temperature", "0", "--num-warmups", "1", "--goodput", "ttft:60000", "tpot:60000",
+                        "--save-result", "--result-dir", str(tmp_path / "results"),
+                        "--result-filename", "r.json")
     assert result.returncode == 0, result.stderr
     saved = json.loads((tmp_path / "results" / "r.json").read_text())
     assert (saved["completed"], saved["failed"], saved["max_concurrency"], saved["request_rate"]) == (
@@ -68,9 +88,11 @@ def test_all_at_once_under_a_concurrency_cap_with_vllms_result_keys(server: str,
     assert sorted(r["sent_s"] for r in records)[8] >= finished[0]
 
 
-def test_chat_endpoint_counts_tokens_from_usage(server: str, tmp_path: Path) -> None:
-    result = bench(server, tmp_path / "bench", "--endpoint", "/v1/chat/completions", "--num-prompts", "3",
-                   "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos")
+def test_chat_endpoint_counts_tokens_from_usage(server: str, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    result = bench_here(capsys, server, tmp_path / "bench", "--endpoint", "/v1/chat/completions",
+                        "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "4",
+                        "--ignore-eos")
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "bench" / "summary.json").read_text())
     assert summary["completed"] == 3 and summary["total_output_tokens"] == 12
