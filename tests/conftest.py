@@ -122,23 +122,3 @@ def smollm2_dir() -> Path:
 
     return prepare_default_model()
 
-
-def random_prompts(lengths: list[int], vocab_size: int, seed: int = 1) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
-              dtype: torch.dtype = torch.float32, ignore_eos: bool = False) -> list[list[int]]:
-    """Reference: transformers `generate`, one prompt at a time (no padding), greedy, stopping at EOS
-    (unless `ignore_eos`: then exactly max_new_tokens)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 min_new_tokens=max_new_tokens if ignore_eos else 0)
-            outputs.append(ids[0, len(prompt):].tolist())
-    return outputs

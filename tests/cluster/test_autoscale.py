@@ -17,7 +17,7 @@ import pytest
 
 from tests.cluster.local_cluster import LocalRayCluster, running_cluster
 from tests.cluster.test_multi_node import DECODE, PREFILL, greedy_over_http, pdserve, wait_for
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers.reference import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 VOCAB = 49152

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.cluster.local_cluster import REPO, LocalRayCluster, RayNode, free_port, kill_tree, running_cluster
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers.reference import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 MODEL = "tiny"

@@ -14,8 +14,8 @@ from llm_engine.choices import choice_request_id
 from llm_engine.request import Request
 from llm_engine.sampling import choice_seed
 from prefill_pool.scheduler import PrefillScheduler
-from tests.conftest import random_prompts
-from tests.engine.test_engine_correctness import make_engine
+from tests.helpers.engines import make_engine
+from tests.helpers.reference import random_prompts
 
 BLOCK = 16
 

@@ -19,7 +19,7 @@ from llm_engine.compilation import CompileError, CompileMode, auto_declines, com
 from llm_engine.hardware import check_device_present, resolve_device
 from llm_engine.lean_model import LeanBody
 from llm_engine.tiny_model import build_tiny_model
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers.reference import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llm_engine import EngineConfig, LLMEngine, SamplingParams
-from tests.conftest import random_prompts
+from tests.helpers.reference import random_prompts
 
 pytestmark = pytest.mark.gpu
 

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_engine import EngineConfig, KVCacheSpec, LLMEngine, SamplingParams
+from llm_engine import SamplingParams
 from llm_engine.model_loader import read_model_spec
 from llm_engine.scheduler import Scheduler
 from prefill_pool.scheduler import PrefillScheduler
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers.engines import make_engine
+from tests.helpers.reference import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -24,16 +25,6 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 @pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
 def model_dir(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue("tiny_llama_dir" if request.param == "tiny" else "smollm2_dir")
-
-
-def make_engine(model_dir: Path, num_blocks: int = 256, **overrides: object) -> LLMEngine:
-    spec = read_model_spec(model_dir)
-    cache_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, 16, torch.float32)
-    block_bytes = cache_spec.block_bytes
-    # float32 unless a test names another: the reference is transformers in float32.
-    settings: dict[str, object] = {"dtype": "float32", "kv_cache_bytes": num_blocks * block_bytes}
-    settings.update(overrides)
-    return LLMEngine(EngineConfig(str(model_dir), **settings))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from llm_engine.linear_kernels import (
 )
 from llm_engine.model_loader import read_model_spec
 from llm_engine.native_kernels import paged_decode_attention
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers.reference import hf_greedy, random_prompts
 from worker_runtime.worker_setup import cores_for_slot
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from llm_engine import SamplingParams
-from tests.conftest import random_prompts
-from tests.engine.test_engine_correctness import make_engine
+from tests.helpers.engines import make_engine
+from tests.helpers.reference import random_prompts
 
 VOCAB = 1000
 

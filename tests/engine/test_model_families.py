@@ -13,7 +13,7 @@ from llm_engine import EngineConfig, LLMEngine, SamplingParams
 from llm_engine.config import SUPPORTED_ARCHITECTURES
 from llm_engine.model_loader import read_model_spec
 from llm_engine.tiny_model import TINY_FAMILIES, build_tiny_model
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers.reference import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 

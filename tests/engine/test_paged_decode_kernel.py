@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from llm_engine import EngineConfig, LLMEngine, SamplingParams, native_kernels
 from llm_engine.model_runner import choose_decode_attention
-from tests.conftest import random_prompts
+from tests.helpers.reference import random_prompts
 
 kernel = native_kernels.paged_decode_attention()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the C++ kernel does not build here")
@@ -105,7 +105,7 @@ def test_auto_decodes_with_the_kernel_on_a_cpu_and_sdpa_where_it_is_not_built(tm
 @needs_kernel
 def test_the_kernel_serves_contexts_of_different_lengths_in_one_batch(tiny_llama_dir: Path) -> None:
     # The interference shape: short streams decoding beside a long one, each reading only its own context.
-    from tests.conftest import hf_greedy
+    from tests.helpers.reference import hf_greedy
 
     engine = LLMEngine(EngineConfig(str(tiny_llama_dir), dtype="float32", kv_cache_bytes=8 << 20,
                                     decode_attention="paged-kernel"))

@@ -18,8 +18,8 @@ from llm_engine.batch import TokenHistory
 from llm_engine.grammar_mask import GrammarMask
 from llm_engine.logits_processors import SamplingRows
 from llm_engine.structured import GrammarCache, GrammarError, GrammarSpec, check_grammar
-from tests.conftest import random_prompts
-from tests.engine.test_engine_correctness import make_engine
+from tests.helpers.engines import make_engine
+from tests.helpers.reference import random_prompts
 
 SCHEMA: dict[str, Any] = {
     "type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from llm_engine import EngineConfig, LLMEngine, SamplingParams
 from llm_engine.varlen_attention import varlen_fits
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers.reference import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

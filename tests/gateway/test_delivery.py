@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI
 
 from gateway.requests.deadlines import DeadlinePolicy
-from tests.conftest import random_prompts
+from tests.helpers.reference import random_prompts
 from tests.helpers.servers import API_KEY, MODEL, serve_config, serving, wait_until_no_blocks_used
 
 pytestmark = pytest.mark.slow

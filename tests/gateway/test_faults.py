@@ -25,8 +25,8 @@ from gateway.config import ServeConfig
 from gateway.requests.deadlines import DeadlinePolicy
 from gateway.requests.router import LocalPrefillPolicy
 from kv_transfer import TransferConfig
-from tests.conftest import hf_greedy, random_prompts
 from tests.helpers import actor_faults as faults
+from tests.helpers.reference import hf_greedy, random_prompts
 from tests.helpers.servers import MODEL, free_port, serving, wait_until_no_blocks_used
 
 pytestmark = pytest.mark.slow

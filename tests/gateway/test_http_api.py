@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import os
@@ -16,8 +15,8 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_engine.model_loader import load_tokenizer
-from tests.conftest import hf_greedy
-from tests.helpers.servers import API_KEY, MODEL, wait_until_no_blocks_used
+from tests.helpers.reference import hf_greedy
+from tests.helpers.servers import API_KEY, MODEL, burst, wait_until_no_blocks_used
 
 STAGES = ("gateway_queue_ms", "prefill_queue_ms", "prefill_ms", "transfer_ms", "decode_queue_ms", "decode_ms")
 HOPS = ("to_prefill_ms", "handoff_ms", "delivery_ms")
@@ -262,18 +261,6 @@ def test_keys_are_required(server: str) -> None:
     assert httpx.get(f"{server}/health").status_code == 200  # no key needed
     assert httpx.get(f"{server}/metrics").status_code == 200  # open to scrapers, as vLLM's (unless told)
     assert httpx.get(f"{server}/admin/pools").status_code == 200  # loopback, no admin key configured
-
-
-def burst(server: str, body: dict, count: int) -> list[httpx.Response]:
-    """`count` identical completions sent at the same moment."""
-
-    async def send_all() -> list[httpx.Response]:
-        headers = {"Authorization": f"Bearer {API_KEY}"}
-        async with httpx.AsyncClient(base_url=server, headers=headers, timeout=120) as aclient:
-            posts = (aclient.post("/v1/completions", json=body) for _ in range(count))
-            return list(await asyncio.gather(*posts))
-
-    return asyncio.run(send_all())
 
 
 def test_overload_gets_429_and_the_server_keeps_serving(server: str, client: httpx.Client) -> None:

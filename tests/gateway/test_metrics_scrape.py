@@ -17,8 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.api.request_id import current_request_id, install_log_prefix
 from gateway.telemetry.metric_names import ALL_METRICS, MODEL_LABEL, MetricName
-from tests.gateway.test_http_api import burst
-from tests.helpers.servers import API_KEY, MODEL, wait_until_no_blocks_used
+from tests.helpers.servers import API_KEY, MODEL, burst, wait_until_no_blocks_used
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "pdserve-dashboard.json"

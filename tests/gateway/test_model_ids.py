@@ -23,7 +23,7 @@ from llm_engine import model_files
 from llm_engine.model_files import ModelNotFoundError, resolve_model, served_name
 from llm_engine.model_loader import load_tokenizer
 from pdserve.main import main
-from tests.conftest import hf_greedy
+from tests.helpers.reference import hf_greedy
 from tests.helpers.servers import API_KEY, serve_config, serving
 from worker_runtime.model_source import ModelSource
 

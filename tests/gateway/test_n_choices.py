@@ -17,10 +17,10 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import random_prompts
 from tests.helpers import actor_faults as faults
 from tests.helpers import two_stage_server
 from tests.helpers.forced_migration import decode_workers, on_actor, stream_across_a_failure
+from tests.helpers.reference import random_prompts
 from tests.helpers.servers import MODEL
 
 # The shared server shape's fixtures (tests/helpers/two_stage_server.py), under the names the tests ask for.

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from llm_engine import SamplingParams
-from tests.conftest import random_prompts
-from tests.engine.test_engine_correctness import make_engine
 from tests.helpers import two_stage_server
+from tests.helpers.engines import make_engine
 from tests.helpers.forced_migration import stream_across_a_failure
+from tests.helpers.reference import random_prompts
 from tests.helpers.servers import MODEL
 
 # The shared server shape's fixtures (tests/helpers/two_stage_server.py), under the names the tests ask for.

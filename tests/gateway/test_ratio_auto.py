@@ -18,8 +18,8 @@ from fastapi import FastAPI
 from gateway.config import ServeConfig
 from gateway.ratio.ladder import ControllerPolicy
 from gateway.requests.router import LocalPrefillPolicy
-from tests.conftest import hf_greedy, random_prompts
 from tests.helpers import actor_faults as faults
+from tests.helpers.reference import hf_greedy, random_prompts
 from tests.helpers.servers import MODEL, free_port, serving, wait_until_no_blocks_used
 
 pytestmark = pytest.mark.slow

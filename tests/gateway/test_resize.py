@@ -20,8 +20,8 @@ from gateway.fleet.deployment import PDDeployment
 from gateway.ratio.resize import PoolLayout, PoolResizer, ResizeConflict
 from gateway.requests.router import LocalPrefillPolicy, Router
 from llm_engine import EngineConfig
-from tests.conftest import hf_greedy, random_prompts
 from tests.helpers import actor_faults as faults
+from tests.helpers.reference import hf_greedy, random_prompts
 from tests.helpers.servers import MODEL, free_port, serving, wait_until_no_blocks_used
 from worker_runtime.info import WorkerInfo
 

@@ -13,9 +13,9 @@ import pytest
 from gateway.fleet.deployment import PDDeployment
 from gateway.requests.router import LocalPrefillPolicy, Router
 from llm_engine import SamplingParams
-from tests.conftest import random_prompts
-from tests.gateway.test_fleet_lifecycle import call_on, events_of, tokens, until, with_deployment
 from tests.helpers import actor_faults as faults
+from tests.helpers.fleets import call_on, events_of, tokens, until, with_deployment
+from tests.helpers.reference import random_prompts
 from worker_runtime.roles import Role
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]

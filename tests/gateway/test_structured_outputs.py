@@ -23,7 +23,7 @@ import pytest
 
 from llm_engine import SamplingParams
 from llm_engine.structured import GrammarSpec
-from tests.engine.test_engine_correctness import make_engine
+from tests.helpers.engines import make_engine
 from tests.helpers.forced_migration import stream_across_a_failure
 from tests.helpers.servers import MODEL, serving, two_stage_config, whole_after
 from tests.helpers.structured_schemas import SCHEMAS

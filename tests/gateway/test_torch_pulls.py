@@ -12,8 +12,8 @@ import pytest
 import ray
 
 from gateway.config import ServeConfig
-from tests.conftest import hf_greedy, random_prompts
 from tests.helpers import actor_faults as faults
+from tests.helpers.reference import hf_greedy, random_prompts
 from tests.helpers.servers import MODEL, free_port, serving, wait_until_no_blocks_used
 
 pytestmark = pytest.mark.slow

@@ -10,6 +10,7 @@ itself, not the next module."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -143,6 +144,18 @@ def whole_after(url: str, headers: dict[str, str] | None = None) -> Iterator[htt
         yield c
         assert wait_until_no_blocks_used(c, timeout_s=20) == 0  # the fleet ends whole
         assert wait_until_whole(c) is None, wait_until_whole(c, timeout_s=0)
+
+
+def burst(server: str, body: dict, count: int) -> list[httpx.Response]:
+    """`count` identical completions sent at the same moment."""
+
+    async def send_all() -> list[httpx.Response]:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=server, headers=headers, timeout=120) as aclient:
+            posts = (aclient.post("/v1/completions", json=body) for _ in range(count))
+            return list(await asyncio.gather(*posts))
+
+    return asyncio.run(send_all())
 
 
 class SharedServers:

@@ -13,8 +13,8 @@ from llm_engine import SamplingParams
 from llm_engine.choices import choice_request_id
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.worker import PrefillWorker
-from tests.conftest import random_prompts
-from tests.pools.test_handoff_in_process import make_pair
+from tests.helpers.engines import make_pair
+from tests.helpers.reference import random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -8,39 +8,14 @@ import pytest
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
 from decode_pool.worker import DecodeWorker
-from kv_transfer import TransferConfig, make_receiver, make_sender
-from llm_engine import EngineConfig, LLMEngine, SamplingParams
+from llm_engine import SamplingParams
 from llm_engine.tiny_model import TINY_FAMILIES, build_tiny_model
 from prefill_pool.messages import PrefillRequest, PrefillResult
-from prefill_pool.scheduler import PrefillScheduler
 from prefill_pool.worker import PrefillWorker
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers.engines import make_pair
+from tests.helpers.reference import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
-
-
-def make_pair(model_dir: Path, decode_blocks: int = 256, lease_s: float = 30.0,
-              budget: int = 64, prefill_blocks: int | None = None, backend: str = "local"
-              ) -> tuple[PrefillWorker, DecodeWorker]:
-    prefill_config = EngineConfig(str(model_dir), dtype="float32",
-                                  kv_cache_bytes=8 << 20, max_num_batched_tokens=budget)
-    if prefill_blocks is not None:
-        block_bytes = LLMEngine(prefill_config).runner.cache_spec.block_bytes
-        prefill_config = EngineConfig(str(model_dir), dtype="float32",
-                                      kv_cache_bytes=prefill_blocks * block_bytes,
-                                      max_num_batched_tokens=budget)
-    prefill_engine = LLMEngine(prefill_config, scheduler_cls=PrefillScheduler)
-    block_bytes = prefill_engine.runner.cache_spec.block_bytes
-    decode_engine = LLMEngine(EngineConfig(str(model_dir), dtype="float32",
-                                           kv_cache_bytes=decode_blocks * block_bytes),
-                              watermark=0.05)
-    config = TransferConfig(lease_s=lease_s)
-    sender = make_sender(backend, "p0", prefill_engine.runner.kv_cache, config=config)
-    receiver = make_receiver(backend, "d0", decode_engine.runner.kv_cache, config=config)
-    prefill = PrefillWorker("p0", prefill_engine, sender)
-    decode = DecodeWorker("d0", decode_engine, receiver)
-    decode.add_peer(sender.peer_info())
-    return prefill, decode
 
 
 def run(prefill: PrefillWorker, decode: DecodeWorker, prompts: list[list[int]],

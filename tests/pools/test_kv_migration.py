@@ -14,7 +14,7 @@ from decode_pool.migration import MigrationOffers
 from decode_pool.worker import DecodeWorker
 from kv_transfer import TransferConfig, make_receiver, make_sender
 from llm_engine import EngineConfig, LLMEngine, SamplingParams
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers.reference import hf_greedy, random_prompts
 
 pytest.importorskip("nixl._bindings")
 

@@ -15,7 +15,7 @@ from gateway.requests.orchestrator import run_request
 from gateway.requests.router import Router
 from llm_engine import EngineConfig, SamplingParams
 from llm_engine.tiny_model import TINY_FAMILIES, build_tiny_model
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers.reference import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

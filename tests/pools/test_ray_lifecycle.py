@@ -13,7 +13,7 @@ from gateway.requests.events import StreamEvent
 from gateway.requests.orchestrator import run_request
 from gateway.requests.router import Router
 from llm_engine import EngineConfig, SamplingParams
-from tests.conftest import random_prompts
+from tests.helpers.reference import random_prompts
 from worker_runtime.roles import Role
 
 pytestmark = pytest.mark.usefixtures("ray_local")

@@ -18,8 +18,8 @@ from kv_transfer import IncompatibleLayoutError, KVHandle
 from llm_engine import SamplingParams
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.worker import PrefillWorker
-from tests.conftest import hf_greedy, random_prompts
-from tests.pools.test_handoff_in_process import make_pair
+from tests.helpers.engines import make_pair
+from tests.helpers.reference import hf_greedy, random_prompts
 from worker_runtime.step_loop import StepLoop, WorkerFailed
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)

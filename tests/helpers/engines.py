@@ -1,0 +1,49 @@
+"""Engines and worker pairs built in the test process (no Ray): an LLMEngine on a model folder, and a prefill
+and a decode worker wired over a transfer backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from decode_pool.worker import DecodeWorker
+from kv_transfer import TransferConfig, make_receiver, make_sender
+from llm_engine import EngineConfig, KVCacheSpec, LLMEngine
+from llm_engine.model_loader import read_model_spec
+from prefill_pool.scheduler import PrefillScheduler
+from prefill_pool.worker import PrefillWorker
+
+
+def make_engine(model_dir: Path, num_blocks: int = 256, **overrides: object) -> LLMEngine:
+    spec = read_model_spec(model_dir)
+    cache_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, 16, torch.float32)
+    block_bytes = cache_spec.block_bytes
+    # float32 unless a test names another: the reference is transformers in float32.
+    settings: dict[str, object] = {"dtype": "float32", "kv_cache_bytes": num_blocks * block_bytes}
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(str(model_dir), **settings))  # type: ignore[arg-type]
+
+
+def make_pair(model_dir: Path, decode_blocks: int = 256, lease_s: float = 30.0,
+              budget: int = 64, prefill_blocks: int | None = None, backend: str = "local"
+              ) -> tuple[PrefillWorker, DecodeWorker]:
+    prefill_config = EngineConfig(str(model_dir), dtype="float32",
+                                  kv_cache_bytes=8 << 20, max_num_batched_tokens=budget)
+    if prefill_blocks is not None:
+        block_bytes = LLMEngine(prefill_config).runner.cache_spec.block_bytes
+        prefill_config = EngineConfig(str(model_dir), dtype="float32",
+                                      kv_cache_bytes=prefill_blocks * block_bytes,
+                                      max_num_batched_tokens=budget)
+    prefill_engine = LLMEngine(prefill_config, scheduler_cls=PrefillScheduler)
+    block_bytes = prefill_engine.runner.cache_spec.block_bytes
+    decode_engine = LLMEngine(EngineConfig(str(model_dir), dtype="float32",
+                                           kv_cache_bytes=decode_blocks * block_bytes),
+                              watermark=0.05)
+    config = TransferConfig(lease_s=lease_s)
+    sender = make_sender(backend, "p0", prefill_engine.runner.kv_cache, config=config)
+    receiver = make_receiver(backend, "d0", decode_engine.runner.kv_cache, config=config)
+    prefill = PrefillWorker("p0", prefill_engine, sender)
+    decode = DecodeWorker("d0", decode_engine, receiver)
+    decode.add_peer(sender.peer_info())
+    return prefill, decode
