@@ -1,4 +1,4 @@
-"""Scale-out through an autoscaler, on a local multi-node Ray cluster (tests/cluster/local_cluster.py):
+"""Scale-out through an autoscaler, on a local multi-node Ray cluster (tests/helpers/local_cluster.py):
 `pdserve serve --autoscale-wait-s` accepts a layout that needs a node not there yet; the new worker waits
 pending (its resource demand is what Ray's autoscaler would add a node for) and GET /admin/pools says why;
 once a node that offers its resources joins (here started by hand, as the autoscaler would), the layout
@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster.local_cluster import LocalRayCluster, running_cluster
-from tests.cluster.test_multi_node import DECODE, PREFILL, greedy_over_http, pdserve, wait_for
+from tests.helpers.cluster_serving import DECODE, PREFILL, greedy_over_http, pdserve, wait_for
+from tests.helpers.local_cluster import LocalRayCluster, running_cluster
 from tests.helpers.reference import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]

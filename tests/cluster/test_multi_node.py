@@ -1,4 +1,4 @@
-"""pdserve on a multi-node Ray cluster (tests/cluster/local_cluster.py: a head and two worker nodes, each its
+"""pdserve on a multi-node Ray cluster (tests/helpers/local_cluster.py: a head and two worker nodes, each its
 own raylet on this machine): `pdserve serve --address` joins it, prefill and decode workers land on the
 nodes that offer their role's resources, the KV crosses nodes (torch group meeting at the first rank's node
 IP; NIXL over UCX TCP on the node's interface, not loopback), greedy output equals transformers, and when
@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -22,14 +20,20 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from tests.cluster.local_cluster import REPO, LocalRayCluster, RayNode, free_port, kill_tree, running_cluster
+from tests.helpers.cluster_serving import (
+    DECODE,
+    MODEL,
+    PREFILL,
+    greedy_over_http,
+    health_is,
+    pdserve,
+    wait_for,
+)
+from tests.helpers.local_cluster import REPO, LocalRayCluster, RayNode, running_cluster
 from tests.helpers.reference import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
-MODEL = "tiny"
 VOCAB = 49152
-PREFILL = {"pdserve_prefill": 1.0}
-DECODE = {"pdserve_decode": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -39,45 +43,8 @@ def cluster() -> Iterator[LocalRayCluster]:
 
 
 @contextlib.contextmanager
-def pdserve(cluster: LocalRayCluster, model_dir: Path, *args: str,
-            is_ready: Callable[[dict[str, Any]], bool] = lambda health: health["status"] == "ok",
-            ) -> Iterator[str]:
-    """`pdserve serve --address` joining the cluster, as its own process (a driver on the head's machine)."""
-    port = free_port()
-    command = [sys.executable, "-m", "pdserve", "serve", "--address", cluster.address, "--model",
-               str(model_dir), "--served-model-name", MODEL, "--port", str(port), "--prefill", "1",
-               "--decode", "1", "--prefill-resources", json.dumps(PREFILL), "--decode-resources",
-               json.dumps(DECODE), "--kv-cache-mib", "2", "--max-num-batched-tokens", "256",
-               "--dtype", "float32", *args]
-    log = cluster.work_dir / f"serve-{port}.log"
-    server = subprocess.Popen(command, env=cluster.env, cwd=REPO, stdout=log.open("wb"),
-                              stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while not _health_is(url, is_ready):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"pdserve serve did not come up: {log.read_text()[-4000:]}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        server.send_signal(signal.SIGINT)  # the gateway shuts its workers down
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            kill_tree(server.pid)
-            server.wait()
-
-
-def _health_is(url: str, check: Callable[[dict[str, Any]], bool]) -> bool:
-    try:
-        return check(httpx.get(f"{url}/health", timeout=5).json())
-    except (httpx.HTTPError, ValueError):
-        return False
-
-
 def _is_ok(url: str) -> bool:
-    return _health_is(url, lambda health: health["status"] == "ok")
+    return health_is(url, lambda health: health["status"] == "ok")
 
 
 def probe(cluster: LocalRayCluster, *args: str) -> dict[str, Any]:
@@ -112,14 +79,6 @@ def check_placed_by_role_and_crossed_nodes(cluster: LocalRayCluster, url: str, b
                             and r["outcome"] == "DONE" and r["num_bytes"] > 0 for r in received), found
 
 
-def greedy_over_http(url: str, prompt: list[int], max_tokens: int) -> list[int]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-    assert answer.status_code == 200, answer.text
-    return answer.json()["choices"][0]["token_ids"]
-
-
 def test_torch_group_meets_at_the_first_rank_node_ip(cluster: LocalRayCluster,
                                                       tiny_chat_model_dir: Path) -> None:
     prompts = random_prompts([40, 23], VOCAB, seed=71)
@@ -146,13 +105,6 @@ def stream(url: str, prompt: list[int], max_tokens: int, tokens: list[int], even
                 events.append(line[6:])
             if line.startswith("data: {") and "choices" in line:
                 tokens += json.loads(line[6:])["choices"][0]["token_ids"] or []
-
-
-def wait_for(what: str, check: object, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_nixl_across_nodes_then_the_decode_node_dies_and_a_new_one_restores_service(

@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.cluster.local_cluster import REPO, LocalRayCluster, free_port, kill_tree, running_cluster
+from tests.helpers.local_cluster import REPO, LocalRayCluster, free_port, kill_tree, running_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 MODEL = "tiny"

@@ -1,7 +1,7 @@
 """The controller's planner: the layout it predicts follows the traffic, and the controller moves on a
 prediction only when it is confirmed, better by the margin, and not against the ladder's guards.
 
-Pure: the tuner's simulator with known step costs (tests/tune/conftest.py), synthetic arrivals; no Ray.
+Pure: the tuner's simulator with known step costs (tests/helpers/tuning.py), synthetic arrivals; no Ray.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.traffic import Arrival, RecentTraffic
 from loadgen.summary import SLO
-from tests.tune.conftest import sim_config, step_model
+from tests.helpers.tuning import sim_config, step_model
 from tuner.simulator import Layout
 
 # Prompts cost 2 ms a token; a decode step 30 ms + 1 ms per request in the batch.

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from pdserve.tune import add_tune_parser
-from tests.tune.conftest import profile, sim_config, step_model
-
-
-def tune(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve")
-    add_tune_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["tune", *argv])
-    return int(args.handler(args))
+from tests.helpers.tuning import profile, sim_config, step_model, tune
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.helpers.servers import serve_config, serving
-from tests.tune.test_cli import tune
+from tests.helpers.tuning import tune
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tune.test_cli import tune
+from tests.helpers.tuning import tune
 from tuner.profile import load_profile
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from loadgen.summary import SLO
 from loadgen.workload import RequestShape, plan_requests
-from tests.tune.conftest import assert_blocks_whole, sim_config, step_model
+from tests.helpers.tuning import assert_blocks_whole, sim_config, step_model
 from tuner.metrics import score, token_percentile
 from tuner.simulator import Layout, Simulation
 

@@ -1,8 +1,12 @@
-"""Profiles and simulator settings with known step times: the simulator's answers can be computed by hand."""
+"""Profiles and simulator settings with known step times (the simulator's answers can be computed by hand),
+and `pdserve tune` called in-process."""
 
 from __future__ import annotations
 
+import argparse
+
 from gateway.requests.router import LONG_PROMPT_TOKENS
+from pdserve.tune import add_tune_parser
 from tuner.fits import (
     DECODE_FEATURES,
     MIXED_FEATURES,
@@ -46,3 +50,10 @@ def assert_blocks_whole(sim: Simulation) -> None:
     """Every worker's KV blocks are back (nothing leaked through preemption, transfer or finish)."""
     for worker in [*sim.prefills, *sim.decodes]:
         assert worker.num_free == sim.config.shape.num_blocks, worker.name
+
+
+def tune(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    add_tune_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["tune", *argv])
+    return int(args.handler(args))
