@@ -77,16 +77,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def close_shared_server() -> None:
+    servers = sys.modules.get("tests.helpers.servers")  # not imported: no shared server was started
+    if servers is not None:
+        servers.SHARED.close()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
-    # The shared server closes once the next test's module is not one of its shape (before the session's Ray
-    # goes, and so that the suites counting the local Ray's free CPUs see only their own fleets).
-    servers = sys.modules.get("tests.helpers.servers")  # not imported: no shared server was started
+    yield  # the test's own teardown first: its client checks the shared fleet is whole
+    # The shared server closes once the next test's module is not one of its shape (so that the suites
+    # counting the local Ray's free CPUs see only their own fleets). After the last test, ray_local closes it
+    # before Ray goes.
+    servers = sys.modules.get("tests.helpers.servers")
     shared = servers.SHARED if servers is not None else None
     next_shape = nextitem.stash.get(MODULE_SHAPE, None) if nextitem is not None else None
     if shared is not None and shared.shape is not None and next_shape != shared.shape:
         shared.close()
-    yield
 
 
 @pytest.fixture(scope="session")
@@ -103,6 +110,7 @@ def ray_local() -> Iterator[None]:
     os.environ["UCX_NET_DEVICES"] = "lo"
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
+    close_shared_server()  # its fleet's actors before the Ray they live in
     ray.shutdown()
 
 
