@@ -66,7 +66,12 @@ async def unless_stopped(work: Awaitable[T]) -> T:
     reacts to a signal only once its start-up is done, so a process waiting here for a fleet that does not
     come would otherwise never stop, and its supervisor would wait for it for ever (seen in a chaos run)."""
     task = asyncio.ensure_future(work)
-    on_stop_signal(lambda: None if task.done() else task.cancel())
+
+    def stop() -> None:
+        if not task.done():
+            task.cancel()
+
+    on_stop_signal(stop)
     return await task
 
 
