@@ -178,7 +178,7 @@ class WorkerFaults:
         self.log.event("query_of_death", worker_ids=[w["worker_id"] for w in decoders], seed=seed,
                        status=status, code=code, answer=text, start_s=round(started, 3),
                        end_s=round(ended, 3))
-        if status is not None and status >= 400 and code is None:
+        if status is not None and status >= 400 and '"error"' not in text:
             self.log.violate("request_ends_clean",
                              f"the query of death got {status} without an OpenAI error: {text}")
         return f"answered {status} {code or ''}".strip()
