@@ -221,7 +221,7 @@ def test_a_moved_streams_kv_is_freed_at_once_when_the_worker_it_was_handed_to_di
 
 
 def known_peers(actor: Any) -> list[str]:
-    return sorted(actor._front._peer_actors)
+    return sorted(actor._front._peers)
 
 
 def test_a_peer_removal_that_arrives_after_a_later_add_is_ignored(tiny_llama_dir: Path) -> None:
