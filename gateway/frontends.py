@@ -8,10 +8,11 @@
         connections across them); one that dies is started again (its own connections are lost: the
         fleet ends its streams on the workers once it stops reporting; the other frontends' carry on)
       → a watch thread: should the fleet actor die (a crash, Ray's memory monitor), Ray restarts it empty
-        (max_restarts; its workers died with their owner) and the watch starts its fleet again (the workers
-        load again); meanwhile the frontends' /health says "unavailable", and they follow the new epoch
-        once it answers. A fleet actor dead for good (ray.kill) stops this supervisor with an error, so
-        that whatever supervises it (deploy/supervise.py, the kubelet) starts a new one
+        (max_restarts; its workers, detached, live on) and the watch starts its fleet again, which adopts
+        those workers as they are (gateway/fleet/adoption.py: no weights load); meanwhile the frontends'
+        /health says "unavailable", and they follow the new epoch once it answers. A fleet actor dead for
+        good (ray.kill) stops this supervisor with an error, so that whatever supervises it
+        (deploy/supervise.py, the kubelet) starts a new one
       → on SIGINT / SIGTERM: the frontends stop, then the fleet (every worker), then Ray if ours.
     A named fleet (--fleet-name, on a cluster: --address) is a detached actor instead: it outlives this
     process, which leaves it running when it ends. The next supervisor with the same settings rejoins it
@@ -188,8 +189,8 @@ def watch_fleet(fleet: FleetClient, start: Callable[[FleetClient], None], on_los
         failing_since = restarting_since = None
         if started is not None:
             continue
-        print("pdserve: the fleet actor was restarted (its workers died with it): starting the fleet again",
-              flush=True)
+        print("pdserve: the fleet actor was restarted: starting the fleet again over the workers that live "
+              "on", flush=True)
         began = time.monotonic()
         try:
             start(fleet)

@@ -131,15 +131,15 @@ def two_streams_on_each(port: int, pids: list[int]) -> tuple[dict[int, list[Stre
 
 
 @pytest.fixture()
-def two_frontends(tiny_chat_model_dir: Path) -> Iterator[tuple[int, psutil.Process]]:
+def two_frontends(tiny_chat_model_dir: Path, tmp_path: Path) -> Iterator[tuple[int, psutil.Process]]:
     port = free_port()
+    log = (tmp_path / "server.log").open("w")  # pytest keeps the last runs' tmp_path: read it on a failure
     command = [sys.executable, "-m", "pdserve", "serve", "--model", str(tiny_chat_model_dir),
                "--served-model-name", MODEL, "--backend", "nixl", "--prefill", "1", "--decode", "1",
                "--dtype", "float32", "--kv-cache-mib", "32", "--port", str(port), "--api-server-count", "2",
                "--shutdown-grace-s", str(SHUTDOWN_GRACE_S)]
     env = {**os.environ, "UCX_NET_DEVICES": "lo"}
-    process = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     supervisor = psutil.Process(process.pid)
     try:
         def ready() -> bool:
@@ -157,6 +157,7 @@ def two_frontends(tiny_chat_model_dir: Path) -> Iterator[tuple[int, psutil.Proce
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(10)
+        log.close()
 
 
 def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: tuple[int, psutil.Process]
@@ -241,8 +242,9 @@ def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_hea
         two_frontends: tuple[int, psutil.Process]) -> None:
     """Review N1 and N2. A frontend paused for 6 s (SIGSTOP: uvicorn's supervisor may kill it, the fleet may
     take it for dead) costs at most its own streams: the other frontend's finish whole, no worker is
-    replaced. The fleet actor killed: /health turns 503 within seconds, a new fleet is started, and the
-    server answers again."""
+    replaced. The fleet actor killed: /health turns 503 within seconds, Ray restarts it and it adopts the
+    workers as they are (the same processes, no weights loaded again), the streams running meanwhile finish
+    whole, and the server answers again."""
     port, supervisor = two_frontends
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
@@ -264,14 +266,20 @@ def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_hea
     until(lambda: client.get("/health").status_code == 200, 60, "health")
     assert worker_pids(client) == before, "a healthy worker was replaced"
 
+    pids = frontend_pids(supervisor)  # uvicorn may have replaced the paused one
+    streams, readers = two_streams_on_each(port, pids)
     os.kill(fleet_actor_pid(supervisor), signal.SIGKILL)
     until(lambda: client.get("/health").status_code == 503, 15, "/health to say the fleet is gone")
     assert "fleet" in client.get("/health").json().get("reason", "")
     # Every frontend (fresh connections spread over both) says so once it follows the new fleet.
     until(lambda: all(httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
-                      for _ in range(6)), 180, "a new fleet")
+                      for _ in range(6)), 180, "the restarted fleet")
+    for reader in readers:
+        reader.join(120)
+    for group in streams.values():  # their workers lived on, streaming to the frontends
+        assert all(stream.done and "".join(stream.texts) == expected for stream in group)
     answer = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16,
                                                   "temperature": 0})
     assert answer.status_code == 200 and expected.startswith(answer.json()["choices"][0]["text"])
-    assert set(worker_pids(client)).isdisjoint(before)  # the old workers died with their owner
+    assert worker_pids(client) == before, "the restarted fleet did not adopt its workers"
     client.close()
