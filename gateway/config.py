@@ -215,6 +215,10 @@ class ServeConfig(BaseSettings):
     queue_timeout_s: float = Field(
         60.0, gt=0,
         description="seconds a request may wait for capacity before 429")
+    shutdown_grace_s: int = Field(
+        30, ge=1,
+        description="on SIGTERM/SIGINT, requests in flight may finish this long, s; those still open at "
+                    "0.8 of it end with a clear 503 (code shutting_down)")
     step_watchdog_s: float = Field(
         120.0, ge=0,
         description="a worker whose step has run this long, and 10x its longest finished step, is taken "

@@ -8,10 +8,11 @@
         connections across them); one that dies is started again (its own connections are lost: the
         fleet ends its streams on the workers once it stops reporting; the other frontends' carry on)
       → a watch thread: should the fleet actor die (a crash, Ray's memory monitor), Ray restarts it empty
-        (max_restarts; its workers died with their owner) and the watch starts its fleet again (the workers
-        load again); meanwhile the frontends' /health says "unavailable", and they follow the new epoch
-        once it answers. A fleet actor dead for good (ray.kill) stops this supervisor with an error, so
-        that whatever supervises it (deploy/supervise.py, the kubelet) starts a new one
+        (max_restarts; its workers, detached, live on) and the watch starts its fleet again, which adopts
+        those workers as they are (gateway/fleet/adoption.py: no weights load); meanwhile the frontends'
+        /health says "unavailable", and they follow the new epoch once it answers. A fleet actor dead for
+        good (ray.kill) stops this supervisor with an error, so that whatever supervises it
+        (deploy/supervise.py, the kubelet) starts a new one
       → on SIGINT / SIGTERM: the frontends stop, then the fleet (every worker), then Ray if ours.
     A named fleet (--fleet-name, on a cluster: --address) is a detached actor instead: it outlives this
     process, which leaves it running when it ends. The next supervisor with the same settings rejoins it
@@ -44,7 +45,6 @@ from gateway.config import ServeConfig
 from gateway.control.fleet_client import FleetClient
 from gateway.fleet.config import DeploymentConfig
 from gateway.lifespans import RAY_NAMESPACE
-from gateway.ray_join import SHUTDOWN_GRACE_S
 from gateway.serve_settings import (
     controller_policy,
     deployment_config,
@@ -130,7 +130,8 @@ def serve_frontends(config: ServeConfig) -> None:
         os.environ[FRONTEND_ENV] = str(spec_path)
         server = uvicorn.Config("gateway.frontends:frontend_app", factory=True, host=config.host,
                                 port=config.port, loop="uvloop", log_level="info",
-                                workers=config.api_server_count, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+                                workers=config.api_server_count,
+                                timeout_graceful_shutdown=config.shutdown_grace_s)
         print(f"pdserve: fleet {name} is up; starting {config.api_server_count} frontends on "
               f"http://{config.host}:{config.port}", flush=True)
         frontends = Multiprocess(server, sockets=[server.bind_socket()])
@@ -156,18 +157,27 @@ def serve_frontends(config: ServeConfig) -> None:
 def watch_fleet(fleet: FleetClient, start: Callable[[FleetClient], None], on_lost: Callable[[str], None],
                 stopping: threading.Event) -> None:
     """Until `stopping`, probe the fleet actor every FLEET_WATCH_S: one that Ray restarted (it answers, not
-    started) is started again (retried until it starts); one that fails every probe for FLEET_GONE_S is
-    gone for good: on_lost. A probe that times out is neither: a paused or busy fleet is left alone (the
-    frontends' /health reports it)."""
-    from ray.exceptions import GetTimeoutError, RayActorError
+    started) is started again (retried until it starts); one Ray is still restarting (ActorUnavailableError)
+    is waited for, however long; one that Ray reports dead (another RayActorError) for FLEET_GONE_S is gone
+    for good: on_lost. A probe that times out is neither: a paused or busy fleet is left alone (the
+    frontends' /health reports it). (A restart that took over 60 s on a loaded node once counted as gone, and
+    stopped the gateway: the chaos run of issue 31.)"""
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
     failing_since: float | None = None
+    restarting_since: float | None = None
     while not stopping.wait(FLEET_WATCH_S):
         try:
             started = fleet.probe_started(FLEET_PROBE_TIMEOUT_S)
         except GetTimeoutError:
             continue
-        except RayActorError as error:  # died: restarting, or gone for good
+        except ActorUnavailableError:  # Ray is restarting it, however long that takes (loaded: minutes)
+            now = time.monotonic()
+            if restarting_since is None or now - restarting_since > FLEET_GONE_S:
+                print("pdserve: the fleet actor is being restarted by Ray; waiting for it", flush=True)
+                restarting_since = now
+            continue
+        except RayActorError as error:  # died, and Ray says it will not come back
             failing_since = failing_since or time.monotonic()
             if time.monotonic() - failing_since > FLEET_GONE_S and not stopping.is_set():
                 on_lost(f"the fleet actor is gone ({type(error).__name__})")
@@ -176,11 +186,11 @@ def watch_fleet(fleet: FleetClient, start: Callable[[FleetClient], None], on_los
         except Exception:
             logger.exception("the fleet probe failed")
             continue
-        failing_since = None
+        failing_since = restarting_since = None
         if started is not None:
             continue
-        print("pdserve: the fleet actor was restarted (its workers died with it): starting the fleet again",
-              flush=True)
+        print("pdserve: the fleet actor was restarted: starting the fleet again over the workers that live "
+              "on", flush=True)
         began = time.monotonic()
         try:
             start(fleet)

@@ -25,7 +25,6 @@ from gateway.control.plane import ControlPlane, build_planner, decode_kv_tokens
 from gateway.control.remote_fleet import RemoteFleet
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.view import FleetView
-from gateway.ray_join import join_ray
 from gateway.requests.admission import Admission, admission_capacity
 from gateway.requests.service import GatewayService
 from gateway.serve_settings import (
@@ -36,6 +35,7 @@ from gateway.serve_settings import (
     planner_settings,
 )
 from gateway.startup import announce, announce_kv, resolve_model_dir
+from gateway.stop_signals import end_requests_before_the_grace, join_ray, unless_stopped
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.tracing import RequestTracer
 from llm_engine.model_files import served_name
@@ -84,6 +84,12 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
     )
     fleet.on_change.append(service.on_pool_change)
     app.state.service = service
+
+    def end_open_requests() -> None:
+        num_ended = service.end_open_requests()
+        print(f"pdserve: stopping: {num_ended} requests still open ended with a clear error", flush=True)
+
+    end_requests_before_the_grace(config.shutdown_grace_s, end_open_requests)
     return service
 
 
@@ -108,7 +114,7 @@ def own_fleet(config: ServeConfig) -> Lifespan:
             join_ray(address=config.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
                      configure_logging=False)
         deployment = PDDeployment(deployment_config(config, resolve_model_dir(config)))
-        await deployment.start()
+        await unless_stopped(deployment.start())
         plane: ControlPlane | None = None
         try:
             service = serve_requests(app, config, deployment, deployment.config.engine.model_dir,
@@ -144,7 +150,7 @@ def join_fleet(config: ServeConfig, frontend: FrontendSpec) -> Lifespan:
         client = FleetClient(ray.get_actor(frontend.fleet_actor))
         fleet = RemoteFleet(client, f"frontend-{uuid.uuid4().hex[:12]}")
         try:
-            info = await fleet.start()
+            info = await unless_stopped(fleet.start())
             service = serve_requests(app, config, fleet, info.model_dir, info.kv_tokens_per_decode_worker,
                                      frontend.num_frontends)
             fleet.router, fleet.admission = service.router, service.admission

@@ -75,8 +75,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
         serve_frontends(config)
         return 0
-    from gateway.ray_join import SHUTDOWN_GRACE_S
-
     uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop", log_level="info",
-                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+                timeout_graceful_shutdown=config.shutdown_grace_s)
     return 0

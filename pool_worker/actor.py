@@ -44,7 +44,8 @@ from pool_worker.submissions import compile_grammars, is_final, submit_each
 from prefill_pool.messages import PrefillRequest
 from prefill_pool.role import PrefillRole
 from worker_runtime.aborted import AbortedIds
-from worker_runtime.info import WorkerInfo, WorkerPlacement, WorkerRuntime
+from worker_runtime.info import WorkerInfo, WorkerPlacement, WorkerRuntime, WorkerStanding
+from worker_runtime.keeper_watch import KeeperWatch
 from worker_runtime.load import WorkerLoad
 from worker_runtime.model_source import ModelSource
 from worker_runtime.output_channels import OutputBatch, OutputChannels
@@ -66,7 +67,12 @@ class StillHoldsWork(RuntimeError):
 class WorkerActor:
     def __init__(self, worker_id: str, role: Role, engine_config: EngineConfig, backend: BackendName,
                  transfer_config: TransferConfig, watermark: float, num_threads: int = 1,
-                 model_source: ModelSource | None = None) -> None:
+                 model_source: ModelSource | None = None, keeper: str | None = None) -> None:
+        """Args:
+            keeper: the name of the fleet actor this (detached) worker outlives a restart of; the worker ends
+                itself once no actor has that name (worker_runtime/keeper_watch.py). None: Ray ends it with
+                its owner.
+        """
         self.worker_id = worker_id
         self._engine_config = engine_config
         self._model_source = model_source or ModelSource(engine_config.model_dir)
@@ -87,6 +93,8 @@ class WorkerActor:
         self._placement = WorkerPlacement(ray.get_runtime_context().get_node_id(),
                                           ray.util.get_node_ip_address(), os.getpid())
         self._front: PrefillRole | DecodeRole | None = None  # built by start()
+        self._cpu_slot: int | None = None
+        self._keeper = KeeperWatch(keeper).start() if keeper else None
 
     def placement(self) -> WorkerPlacement:
         return self._placement
@@ -110,6 +118,7 @@ class WorkerActor:
         node = f"{self._placement.node_ip} (node id {self._placement.node_id[:12]})"
         model_dir = self._model_source.resolve_here(node)  # before the group: a rank without it fails alone
         self._cpu_ids = setup_worker_process(self._num_threads, torch_group, cpu_slot)
+        self._cpu_slot = cpu_slot
         self.engine = LLMEngine(replace(self._engine_config, model_dir=model_dir))
         self._front = self._build_front(self.role)
         freeze_startup_heap()  # a full collection over the model's heap would stall the step loop
@@ -131,6 +140,10 @@ class WorkerActor:
         actor_id = ray.get_runtime_context().get_actor_id() or ""
         return WorkerInfo(self.worker_id, self.role, actor_id, os.getpid(), num_model_loads(),
                           self._num_role_changes, self._runtime())
+
+    def standing(self) -> WorkerStanding:
+        """Who and where this worker is and whether it serves: for a restarted fleet actor to adopt it."""
+        return WorkerStanding(self.info(), self._placement, self._cpu_slot, self._front is not None)
 
     def _runtime(self) -> WorkerRuntime | None:
         engine: LLMEngine | None = getattr(self, "engine", None)
@@ -182,6 +195,8 @@ class WorkerActor:
         return self._started().transfer_records()
 
     def shutdown(self) -> None:
+        if self._keeper is not None:
+            self._keeper.stop()
         if self._front is not None:
             self._front.close()
 

@@ -62,3 +62,14 @@ class WorkerPlacement:
     node_id: str  # Ray's node id (hex)
     node_ip: str  # the node's address as Ray knows it: what peers on other nodes connect to
     pid: int
+
+
+@dataclass(frozen=True)
+class WorkerStanding:
+    """What a worker tells a fleet actor that Ray restarted, for it to adopt the worker as it is
+    (gateway/fleet/adoption.py): who, where, on which cores, and whether it serves."""
+
+    info: WorkerInfo  # its runtime is None until start() has loaded the model
+    placement: WorkerPlacement
+    cpu_slot: int | None  # the slot start() pinned it to
+    is_serving: bool  # started, with a front in its role (not between two roles)

@@ -5,7 +5,8 @@ A departure is allowed, with its cause, when:
   layout   it was last seen draining or changing role, or its role's target fell (a layout change removed it)
   killed   the driver killed, paused or broke that very worker (kill_busy, pause_worker, hang_step,
            step_error, query_of_death)
-  fleet    the fleet actor was killed after the worker was first seen (its workers die with their owner)
+  fleet    the fleet actor was killed after the worker was first seen (a worker that was not active yet is
+           killed by the restart; an active one must be adopted: fleet_faults.py checks that)
   after    a fault that may kill workers (kill_busy, pause_worker, kill_fleet, a layout change applied: a PUT
            answered 200, auto on/off) was under way within replacement_window_s before the worker was last
            seen: attributed to that fault

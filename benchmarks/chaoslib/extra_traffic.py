@@ -32,7 +32,6 @@ A client that left, or an answer that is a clear error, is checked as far as it 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import random
@@ -47,6 +46,7 @@ from benchmarks.chaoslib.traffic import (
     ChaosSpec,
     error_answer,
     error_event,
+    post_whole,
 )
 from benchmarks.soaklib.traffic import WORDS
 
@@ -322,17 +322,9 @@ async def _stream(client: httpx.AsyncClient, path: str, spec: ChaosSpec, body: d
 
 async def _whole(client: httpx.AsyncClient, path: str, spec: ChaosSpec, body: dict[str, Any],
                  record: ChaosRecord) -> None:
-    try:
-        async with asyncio.timeout(spec.leave_after_s if spec.behaviour == "give_up" else None):
-            response = await client.post(path, json=body)
-    except TimeoutError:
-        record.outcome = "cancelled"
+    data = await post_whole(client, path, spec, body, record)
+    if data is None:
         return
-    record.status = response.status_code
-    if response.status_code != 200:
-        error_answer(record, response.status_code, response.content)
-        return
-    data = response.json()
     answer = Answer(usage=data.get("usage"), saw_done=True)
     for choice in data["choices"]:
         answer.add(choice, is_whole=True)

@@ -1,11 +1,11 @@
 """Faults of the fleet actor's process and of a worker's, by signal (only a pid of this run's own server).
 
-  kill_fleet    SIGKILL the fleet actor (`--fleet-name`: a detached actor, restarted by Ray); its workers die
-                with it; the supervisor starts its fleet again (every worker loads). Probed on fresh
+  kill_fleet    SIGKILL the fleet actor (restarted by Ray); its workers live on, and the supervisor starts
+                its fleet again over them (gateway/fleet/adoption.py: no weights load). Probed on fresh
                 connections every 0.5 s: /health must answer 503 within health_down_s ("/health tells the
                 truth"), and the fleet must serve again within fleet_recovery_s: /health 200 four times in
-                a row and /admin/pools answering with every worker active, none of those from before the
-                kill. Meanwhile the watch does not count /admin/pools' silence (the fleet is down on purpose).
+                a row and /admin/pools answering with every worker active; every worker active at the kill
+                must be among them, the same one ("fleet_adopts_workers"). Meanwhile the watch does not count /admin/pools' silence (the fleet is down on purpose).
   pause_fleet   SIGSTOP the fleet actor for 6 s, then SIGCONT: nothing may be replaced because of it
                 (benchmarks/chaoslib/departures.py); whether /health said 503 meanwhile is noted.
   pause_worker  SIGSTOP a busy worker for 8 s, then SIGCONT (a hung worker): the fleet may replace it or
@@ -56,27 +56,29 @@ class FleetFaults:
         except httpx.HTTPError:
             return None
 
-    async def _serves_again(self, before: set[str]) -> bool:
-        """/admin/pools answers: every worker active, none of `before` (they died with their owner)."""
+    async def _serves_again(self) -> set[str] | None:
+        """The ids of the workers once /admin/pools answers with every worker active; else None."""
         try:
             pools = await self.watch.fetch_pools()
         except (httpx.HTTPError, ValueError):
-            return False
+            return None
         workers = pools.get("workers", [])
-        return bool(workers) and all(w["state"] == "active" and w["worker_id"] not in before
-                                     for w in workers)
+        if not workers or any(w["state"] != "active" for w in workers):
+            return None
+        return {w["worker_id"] for w in workers}
 
     async def kill_fleet(self) -> str:
         fleet = self._fleet()
         if fleet is None:
             return "skipped (no fleet actor)"
-        before = {w["worker_id"] for w in self.watch.pools.get("workers", [])}
+        before = {w["worker_id"] for w in self.watch.pools.get("workers", []) if w["state"] == "active"}
         self.watch.is_fleet_down = True
         fleet.kill()
         started = self.log.now()
         down_s: float | None = None
         recovered_s: float | None = None
         in_a_row = 0
+        after: set[str] | None = None
         try:
             while self.log.now() - started < self.config.fleet_recovery_s:
                 status = await self._health()
@@ -84,14 +86,15 @@ class FleetFaults:
                 if status == 503 and down_s is None:
                     down_s = elapsed
                 in_a_row = in_a_row + 1 if status == 200 else 0
-                if in_a_row >= HEALTHY_IN_A_ROW and await self._serves_again(before):
+                if in_a_row >= HEALTHY_IN_A_ROW and (after := await self._serves_again()) is not None:
                     recovered_s = self.log.now() - started
                     break
                 await asyncio.sleep(PROBE_EVERY_S)
         finally:
             self.watch.is_fleet_down = False
         row = {"pid": fleet.pid, "start_s": round(started, 3), "to_503_s": _round(down_s),
-               "to_healthy_s": _round(recovered_s), "end_s": round(self.log.now(), 3)}
+               "to_healthy_s": _round(recovered_s), "end_s": round(self.log.now(), 3),
+               "adopted": sorted(before & (after or set())), "lost": sorted(before - (after or set()))}
         self.recoveries.append(row)
         self.log.event("kill_fleet", **row)
         killed = f"the fleet actor was killed at t={started:.1f} s"
@@ -103,7 +106,11 @@ class FleetFaults:
             self.log.violate("fleet_recovers",
                              f"{killed}: not serving again after {self.config.fleet_recovery_s:g} s", **row)
             return "killed, not recovered"
-        return "killed, recovered"
+        if row["lost"]:
+            self.log.violate("fleet_adopts_workers", f"{killed}: the restarted fleet lost the workers "
+                             f"{', '.join(row['lost'])} that were active (every one should live on)", **row)
+            return "killed, recovered without some of its workers"
+        return f"killed, recovered with its {len(before)} workers"
 
     async def pause_fleet(self) -> str:
         fleet = self._fleet()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import sys
+import time
 from typing import Any
 
 import ray
@@ -19,6 +20,43 @@ import ray
 def _on_step_thread(actor: Any, command: Any) -> None:
     actor.worker._inbox.post(command)
     actor._front.loop.wake()
+
+
+def stall_new_pulls(actor: Any, seconds: float) -> int:
+    """Pulls the decode worker starts in the next `seconds` send no claim and are never heard of again (a
+    lost claim, or a READ that hangs): only each pull's deadline ends it, then the request is recomputed.
+    Pulls started before or after the window run as usual. Returns how many wrappers are installed (1)."""
+    receiver = actor.worker.receiver
+    until = time.monotonic() + seconds
+    stalled: set[Any] = actor.__dict__.setdefault("chaos_stalled", set())
+    start, advance, abort = (type(receiver)._start, type(receiver)._advance, type(receiver)._abort)
+
+    def started(pull: Any, peer: Any) -> None:
+        if time.monotonic() < until:
+            from kv_transfer import TransferState
+
+            stalled.add(pull.key)
+            pull.state = TransferState.TRANSFERRING  # posted, and never heard of again
+            return
+        start(receiver, pull, peer)
+
+    def advanced(pull: Any) -> None:
+        if pull.key not in stalled:
+            advance(receiver, pull)
+
+    def aborted(pull: Any) -> bool:
+        if pull.key not in stalled:
+            return bool(abort(receiver, pull))
+        if time.monotonic() > pull.deadline:  # nothing was posted: done once its deadline has passed
+            stalled.discard(pull.key)
+            return True
+        return False
+
+    def install() -> None:
+        receiver._start, receiver._advance, receiver._abort = started, advanced, aborted
+
+    _on_step_thread(actor, install)
+    return 1
 
 
 def add_mismatched_peer(actor: Any) -> str:

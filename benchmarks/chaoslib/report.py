@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.chaoslib.run import ChaosResult
+from benchmarks.chaoslib.survival import survival_md, survival_rows
 from benchmarks.chaoslib.traffic import record_row
 from benchmarks.chaoslib.worker_faults import KINDS as WORKER_FAULT_KINDS
 
@@ -47,6 +48,7 @@ def summarize(result: ChaosResult) -> dict[str, Any]:
         "supervisor_restarts": result.restarts,
         "worker_faults": [e for e in result.log.events if e["kind"] in WORKER_FAULT_KINDS],
         "worker_rss_mib": result.worker_rss,
+        "survival": survival_rows(result.log.events, [asdict(r) for r in result.records]),
         "departures": result.departures,
         "migrations": {"pdserve:migrations_total": result.counters.get("pdserve:migrations_total", 0),
                        "stream_moves_seen_by_clients": sum(r.num_moves or 0 for r in records),
@@ -82,6 +84,7 @@ def _md(summary: dict[str, Any]) -> str:
         lines += ["", "Injected, by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(
             summary["injected_by_kind"].items()))]
     lines += _frontends_md(summary)
+    lines += ["", "## What survives what", "", survival_md(summary["survival"])]
     mig = summary["migrations"]
     lines += ["", "## Moves", "", f"- failure migrations (pdserve:migrations_total): "
               f"{mig['pdserve:migrations_total']:g}",

@@ -230,19 +230,28 @@ async def _stream(client: httpx.AsyncClient, path: str, spec: ChaosSpec, body: d
     _check_tokens(record, spec, tokens, is_whole=True)
 
 
-async def _whole(client: httpx.AsyncClient, path: str, spec: ChaosSpec, body: dict[str, Any],
-                 record: ChaosRecord) -> None:
+async def post_whole(client: httpx.AsyncClient, path: str, spec: ChaosSpec, body: dict[str, Any],
+                     record: ChaosRecord) -> dict[str, Any] | None:
+    """POST for a whole answer: its JSON on 200; else None, the record's outcome set (cancelled by a client
+    that gives up, or the error answer checked)."""
     try:
         async with asyncio.timeout(spec.leave_after_s if spec.behaviour == "give_up" else None):
             response = await client.post(path, json=body)
     except TimeoutError:
         record.outcome = "cancelled"
-        return
+        return None
     record.status = response.status_code
     if response.status_code != 200:
         error_answer(record, response.status_code, response.content)
+        return None
+    return dict(response.json())
+
+
+async def _whole(client: httpx.AsyncClient, path: str, spec: ChaosSpec, body: dict[str, Any],
+                 record: ChaosRecord) -> None:
+    data = await post_whole(client, path, spec, body, record)
+    if data is None:
         return
-    data = response.json()
     choice = data["choices"][0]
     record.finish_reason = choice.get("finish_reason")
     record.num_moves = (data.get("timings") or {}).get("num_moves")

@@ -16,9 +16,11 @@
         only paused reads that its streams were closed, and starts its requests again
     shutdown(): every worker actor stopped.
 It outlives any frontend: a frontend that dies loses only its own connections, and its restart joins the
-same fleet. Should it die itself (a crash, Ray's memory monitor), Ray restarts it empty (max_restarts), its
-workers having died with it; the supervisor sees it unstarted and starts it again (gateway/frontends.py),
-and the frontends, whose /health says "unavailable" meanwhile, follow its new epoch. The actor runs in the
+same fleet. Should it die itself (a crash, Ray's memory monitor), Ray restarts it empty (max_restarts); its
+workers, detached, live on (their streams with them); the supervisor sees it unstarted and starts it again
+(gateway/frontends.py), which adopts them as they are (gateway/fleet/adoption.py: no weights load again), and
+the frontends, whose /health says "unavailable" meanwhile, follow its new epoch. Killed for good, its workers
+end themselves (worker_runtime/keeper_watch.py). The actor runs in the
 supervisor's Ray job; the supervisor kills it at the end, unless it is a named fleet (--fleet-name): then it
 is detached and outlives the supervisor too, and a supervisor started again with the same DeploymentConfig
 (started_config()) rejoins it, workers and all (gateway/frontends.py).
@@ -30,6 +32,8 @@ import asyncio
 import contextlib
 import logging
 import uuid
+
+import ray
 
 from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport, WorkerEntry
 from gateway.control.plane import ControlPlane, PlannerSettings, build_planner, decode_kv_tokens
@@ -68,7 +72,8 @@ class FleetActor:
     async def start(self, config: DeploymentConfig, policy: ControllerPolicy,
                     local_prefill: LocalPrefillPolicy, auto: bool, planning: PlannerSettings | None = None
                     ) -> FleetInfo:
-        deployment = PDDeployment(config)
+        # Its workers outlive this actor, for a restart of it to adopt (gateway/fleet/adoption.py).
+        deployment = PDDeployment(config, keeper=ray.get_runtime_context().get_actor_name())
         await deployment.start()
         try:
             self._info = FleetInfo(config.engine.model_dir, min(await decode_kv_tokens(deployment)),

@@ -30,6 +30,8 @@ mixed. Lifecycle of a worker (WorkerState):
 Failures are noticed two ways: the orchestrator reports a worker whose call failed (mark_failed), and
 watch() polls every worker's load once a second: no answer, a dead step loop, or a step running far past
 the worker's own (hung: step_watchdog_s) fail it. health() says ok / degraded / unavailable from the states.
+A deployment kept by a fleet actor (keeper) starts by adopting the workers a predecessor of that actor left
+running (gateway/fleet/adoption.py: Ray restarted it), and creates only what its layout still misses.
 start() waits up to placement_timeout_s for Ray to place every worker, then serves with those placed if
 they can serve; the others stay PENDING and join when a node takes them. A worker on a node that dies is
 FAILED like any other (Ray reports its actor dead); its replacement stays PENDING until capacity returns.
@@ -51,6 +53,7 @@ from typing import TYPE_CHECKING, cast
 
 import ray
 
+from gateway.fleet.adoption import adopt_survivors, settings_digest, worker_actor_name
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.drain import DRAIN_GRACE_S, DRAIN_TIMEOUT_S
 from gateway.fleet.placement import (
@@ -82,19 +85,36 @@ __all__ = ["PDDeployment"]
 SHUTDOWN_TIMEOUT_S = 30.0  # workers that have not closed their fronts by then are killed anyway
 
 
+def layout_after_adoption(layout: dict[Role, int], adopted: list[Role]) -> dict[Role, int]:
+    """The target of a deployment that adopted workers in `adopted` roles: those roles (the layout the
+    previous fleet actor had reached, by PUTs or the ratio controller), plus, where it adopted fewer workers
+    than `layout` counts, the missing ones in the roles `layout` lacks most."""
+    target = {role: sum(r is role for r in adopted) for role in Role}
+    for _ in range(sum(layout.values()) - len(adopted)):
+        role = max(Role, key=lambda r: layout[r] - target[r])
+        target[role] += 1
+    return target
+
+
 class PDDeployment:
     """Owns every worker actor of every role: which workers there are (membership); role changes and
     drains (self.reshape), failures and replacements (self.recovery) and peer wiring (self.wiring) are its
     parts'."""
 
-    def __init__(self, config: DeploymentConfig) -> None:
+    def __init__(self, config: DeploymentConfig, keeper: str | None = None) -> None:
+        """Args:
+            keeper: the name of the fleet actor that runs this deployment: its workers are then detached
+                actors named under it, which outlive that actor's death and are adopted by its restart
+                (gateway/fleet/adoption.py). None: they die with whoever created them.
+        """
         self.config = config
+        self.keeper = keeper
         self.backend = config.resolve_backend()
         self.workers: dict[str, Worker] = {}
         # Worker ids (and so Ray actor names) are unique in the cluster: several gateways may share one.
         self._tag = uuid.uuid4().hex[:6]
         self._ids = itertools.count()
-        self._gateway_id = f"gateway-{uuid.uuid4().hex[:12]}"  # names this gateway to every worker
+        self.gateway_id = f"gateway-{uuid.uuid4().hex[:12]}"  # names this gateway to every worker
         self.torch_rendezvous: str | None = None  # the torch group's init address, once it is chosen
         self.target: dict[Role, int] = config.layout()
         self.on_change: list[Callable[[], None]] = []  # called when the set of active workers changes
@@ -126,7 +146,11 @@ class PDDeployment:
             PlacementTimeout: after placement_timeout_s, the placed workers cannot serve (or a torch
                 group lacks a rank); the message says what no node offers.
         """
-        roles = [role for role, count in self.config.layout().items() for _ in range(count)]
+        adopted = await adopt_survivors(self, self.keeper) if self.keeper else []
+        if adopted:
+            self.target = layout_after_adoption(self.config.layout(), [w.role for w in adopted])
+        missing = {role: self.target[role] - sum(w.role is role for w in adopted) for role in Role}
+        roles = [role for role, count in missing.items() for _ in range(count)]
         workers = [self.create(role) for role in roles]
         waited = await wait_all_placed(workers, self.config.placement_timeout_s)
         placed = [w for w in workers if w.state is WorkerState.STARTING]
@@ -137,13 +161,13 @@ class PDDeployment:
             await self._start_torch_group(workers)
             await self.wiring.connect(workers)
         else:
-            if not any(w.role.can_decode for w in placed):
+            if not any(w.role.can_decode for w in [*adopted, *placed]):
                 raise PlacementTimeout(describe_unplaced(unplaced, self.config, waited))
             if unplaced:
                 logger.warning("serving without %d worker(s) Ray has not placed yet: %s", len(unplaced),
                                describe_unplaced(unplaced, self.config, waited))
             await asyncio.gather(*(self._start_worker(w) for w in placed))
-            await self.wiring.connect(placed)
+            await self.wiring.connect([*adopted, *placed])
             self.recovery.late_starts = [
                 asyncio.create_task(self.recovery.start_until_up(w.role, "start-up", w)) for w in unplaced]
         for worker in workers:
@@ -180,14 +204,19 @@ class PDDeployment:
     def create(self, role: Role) -> Worker:
         """A new actor in `role`, PENDING until Ray places it (placement.wait_placed)."""
         worker_id = self._worker_id(next(self._ids))
-        options = actor_options(self.config, role, f"pdserve-{worker_id}")
+        if self.keeper:  # outlives the fleet actor, for its restart to adopt
+            name = worker_actor_name(self.keeper, settings_digest(self.config), worker_id)
+            options = actor_options(self.config, role, name)
+            options["lifetime"] = "detached"
+        else:
+            options = actor_options(self.config, role, f"pdserve-{worker_id}")
         handle: ActorHandle[WorkerActor] = cast("ActorHandle[WorkerActor]",
             ray.remote(WorkerActor)
             .options(**options)
             .remote(worker_id, role.value, self.config.engine, self.backend.value, self.config.transfer,
                     watermark=self.config.watermark, num_threads=self.config.num_threads,
-                    model_source=self.config.model_source))
-        worker = Worker(worker_id, role, WorkerClient(worker_id, handle, self._gateway_id),
+                    model_source=self.config.model_source, keeper=self.keeper))
+        worker = Worker(worker_id, role, WorkerClient(worker_id, handle, self.gateway_id),
                         state=WorkerState.PENDING)
         self.workers[worker_id] = worker
         return worker

@@ -93,6 +93,8 @@ async def wait_all_placed(workers: list[Worker], timeout_s: float) -> float:
         Exception: an actor Ray could not create at all (its constructor failed).
     """
     started = time.monotonic()
+    if not workers:  # a restarted fleet that adopted every worker (gateway/fleet/adoption.py)
+        return 0.0
     placing = [asyncio.ensure_future(wait_placed(w)) for w in workers]
     await asyncio.wait(placing, timeout=timeout_s)
     for future in placing:

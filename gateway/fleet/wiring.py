@@ -4,13 +4,16 @@ A decode or mixed worker pulls KV from every prefill worker, and (where the back
 decode workers, so that an evacuated stream's KV is pulled rather than recomputed) from every other decode
 or mixed worker. connect() adds the pairs a new or re-roled worker takes part in; unwire() removes a worker
 whose endpoint goes away (it leaves, or its role changes to or from prefill). Every add_peer and
-remove_peer call carries a number from one counter, so that each worker applies them in order.
+remove_peer call carries a number from one counter, so that each worker applies them in order. The counter
+starts at the clock (microseconds): a fleet actor restarted over the same workers (gateway/fleet/adoption.py)
+numbers its calls above any its predecessor sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable
 
 from gateway.fleet.workers import Worker, WorkerState
@@ -24,7 +27,8 @@ class PeerWiring:
     def __init__(self, workers: dict[str, Worker], backend: BackendName) -> None:
         self.workers = workers
         self.backend = backend
-        self._order = itertools.count(1)  # orders add_peer against remove_peer on each worker
+        # Orders add_peer against remove_peer on each worker.
+        self._order = itertools.count(time.time_ns() // 1000)
         self.on_remove: list[Callable[[str], None]] = []  # called with the id of a worker gone from its role
 
     async def connect(self, new: list[Worker]) -> None:

@@ -91,6 +91,7 @@ class GatewayService:
         self.num_frontends = num_frontends
         self.admission_share: int | None = None  # several frontends: leased by the fleet (set_share)
         self.deadline_policy = deadline_policy or DeadlinePolicy()
+        self._open: set[asyncio.Queue[TextDelta | Exception | None]] = set()  # each open request's deltas
         # Past the request's finish_by, how long a client may take to read the rest before it is cut.
         self.delivery_grace_s = DELIVERY_GRACE_S
         self.recent = RecentLatencies()  # the ratio controller's view of TTFT and ITL
@@ -134,6 +135,7 @@ class GatewayService:
         that far. Closing this generator early aborts the request."""
         deltas: asyncio.Queue[TextDelta | Exception | None] = asyncio.Queue()  # ≤ max_tokens + 2 items
         run = asyncio.create_task(self._run(prepared, reservation, deltas))
+        self._open.add(deltas)
         num_open = prepared.sampling.n  # choices without their final delta yet
 
         def ended(task: asyncio.Task[None]) -> None:  # last in line, whatever ended the request
@@ -150,12 +152,21 @@ class GatewayService:
                 if not num_open:
                     return
         finally:
+            self._open.discard(deltas)
             try:
                 if not run.done():
                     run.cancel()  # its own cleanup aborts both workers
                     await asyncio.wait({run})
             finally:
                 reservation.release()
+
+    def end_open_requests(self) -> int:
+        """The server is stopping (gateway/stop_signals.py): every request still open ends now with a clear
+        error, its workers aborted. Returns how many."""
+        stopping = RequestFailed("the server is shutting down: send the request again", "shutting_down")
+        for deltas in self._open:
+            deltas.put_nowait(stopping)  # read before anything the request adds after it
+        return len(self._open)
 
     async def _run(self, prepared: PreparedRequest, reservation: Reservation,
                    deltas: asyncio.Queue[TextDelta | Exception | None]) -> None:

@@ -173,7 +173,7 @@ def test_a_moved_streams_kv_is_freed_at_once_when_the_worker_it_was_handed_to_di
 
 
 def known_peers(actor: Any) -> list[str]:
-    return sorted(actor._front._peer_actors)
+    return sorted(actor._front._peers)
 
 
 def test_a_peer_removal_that_arrives_after_a_later_add_is_ignored(tiny_llama_dir: Path) -> None:
@@ -183,14 +183,16 @@ def test_a_peer_removal_that_arrives_after_a_later_add_is_ignored(tiny_llama_dir
         [prefill], [decode] = deployment.active(Role.PREFILL), deployment.active(Role.DECODE)
         peer, handle = await prefill.client.peer_info(), decode.client.handle
         before = await call_on(decode, known_peers)
-        # As delivered out of order: the add (generation 2**40 + 2) first, then the older remove.
-        await decode.client.add_peer(peer, prefill.client, 2**40 + 2)
-        handle.remove_peer.remote(prefill.worker_id, 2**40 + 1)
+        # As delivered out of order: the add first, then the older remove (generations above the
+        # deployment's own, which count from the clock in microseconds).
+        later = time.time_ns()
+        await decode.client.add_peer(peer, prefill.client, later + 2)
+        handle.remove_peer.remote(prefill.worker_id, later + 1)
         await handle.load.remote()  # after the remove
         kept = await call_on(decode, known_peers)
         prompt = random_prompts([24], 1000, seed=12)[0]
         events = await events_of(router, "after", prompt, GREEDY)  # pulled from the prefill worker
-        decode.client.remove_peer(prefill.worker_id, 2**40 + 3)  # a newer removal does apply
+        decode.client.remove_peer(prefill.worker_id, later + 3)  # a newer removal does apply
         await handle.load.remote()
         return {"before": before, "kept": kept, "gone": await call_on(decode, known_peers),
                 "prefill_on": events[0].prefill is not None, "finish": events[-1].finish_reason,

@@ -4,7 +4,8 @@ A real server in its own process group (the supervisor, its frontends, the fleet
 raw-socket SSE clients, so that each stream's connection can be traced to the frontend process that holds it.
 SIGKILL one frontend mid-stream: only its streams are cut; the other frontend's finish whole and identical;
 the dead frontend is back within seconds; once idle no worker holds a KV block or a request, and no
-admission reservation is left. SIGTERM one mid-stream: a graceful stop, every stream finishes whole.
+admission reservation is left. SIGTERM one mid-stream: a graceful stop, its streams end with a clear error
+before its grace ends, the other frontend's finish whole.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tests.helpers.servers import MODEL, free_port
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 MAX_TOKENS = 1000  # about 14 s for six streams on this tiny model: the kill lands mid-stream
+SHUTDOWN_GRACE_S = 4  # a stopped frontend's streams outlive it: they end with the clear error at 3.2 s
 PROMPT = "The quick brown fox"
 
 
@@ -42,6 +44,7 @@ class Stream:
     texts: list[str] = field(default_factory=list)
     done: bool = False  # "data: [DONE]" arrived
     error: str = ""
+    error_code: str = ""  # of an error event
 
     @property
     def port(self) -> int:
@@ -65,6 +68,8 @@ class Stream:
                         body = json.loads(data)
                         if "choices" in body:
                             self.texts.append(body["choices"][0]["text"])
+                        if "error" in body:
+                            self.error_code = body["error"]["code"]
         except OSError as error:
             self.error = type(error).__name__
 
@@ -126,14 +131,15 @@ def two_streams_on_each(port: int, pids: list[int]) -> tuple[dict[int, list[Stre
 
 
 @pytest.fixture()
-def two_frontends(tiny_chat_model_dir: Path) -> Iterator[tuple[int, psutil.Process]]:
+def two_frontends(tiny_chat_model_dir: Path, tmp_path: Path) -> Iterator[tuple[int, psutil.Process]]:
     port = free_port()
+    log = (tmp_path / "server.log").open("w")  # pytest keeps the last runs' tmp_path: read it on a failure
     command = [sys.executable, "-m", "pdserve", "serve", "--model", str(tiny_chat_model_dir),
                "--served-model-name", MODEL, "--backend", "nixl", "--prefill", "1", "--decode", "1",
-               "--dtype", "float32", "--kv-cache-mib", "32", "--port", str(port), "--api-server-count", "2"]
+               "--dtype", "float32", "--kv-cache-mib", "32", "--port", str(port), "--api-server-count", "2",
+               "--shutdown-grace-s", str(SHUTDOWN_GRACE_S)]
     env = {**os.environ, "UCX_NET_DEVICES": "lo"}
-    process = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     supervisor = psutil.Process(process.pid)
     try:
         def ready() -> bool:
@@ -151,6 +157,7 @@ def two_frontends(tiny_chat_model_dir: Path) -> Iterator[tuple[int, psutil.Proce
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(10)
+        log.close()
 
 
 def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: tuple[int, psutil.Process]
@@ -200,15 +207,19 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
     finished = [line for line in samples if line.startswith("pdserve:request_success_total{")]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in finished) >= 6, finished
     # SIGTERM (how uvicorn's supervisor, and Kubernetes, stop a process) is a graceful stop: the frontend
-    # takes no new connection and its streams finish whole, rather than Ray's SIGTERM handler ending the
-    # process at once with each request a bare 500 (gateway/ray_join.py).
+    # takes no new connection, and each of its streams still open at 0.8 of --shutdown-grace-s ends with a
+    # clear error event and [DONE] (gateway/stop_signals.py), not Ray's SIGTERM handler ending the process at
+    # once with each request a bare 500. The other frontend's streams finish whole.
     pids = frontend_pids(supervisor)
     streams, readers = two_streams_on_each(port, pids)
-    stopped = pids[0]
+    stopped, serving = pids
     os.kill(stopped, signal.SIGTERM)
     for reader in readers:
         reader.join(120)
-    for stream in (s for group in streams.values() for s in group):
+    for stream in streams[stopped]:
+        assert stream.done and stream.error_code == "shutting_down", (stream.error, stream.error_code)
+        assert expected.startswith("".join(stream.texts))  # what it got before is right
+    for stream in streams[serving]:
         assert stream.done and "".join(stream.texts) == expected, (stream.error, len(stream.texts))
     until(lambda: len(frontend_pids(supervisor)) == 2 and stopped not in frontend_pids(supervisor), 60,
           "the stopped frontend's restart")
@@ -231,8 +242,9 @@ def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_hea
         two_frontends: tuple[int, psutil.Process]) -> None:
     """Review N1 and N2. A frontend paused for 6 s (SIGSTOP: uvicorn's supervisor may kill it, the fleet may
     take it for dead) costs at most its own streams: the other frontend's finish whole, no worker is
-    replaced. The fleet actor killed: /health turns 503 within seconds, a new fleet is started, and the
-    server answers again."""
+    replaced. The fleet actor killed: /health turns 503 within seconds, Ray restarts it and it adopts the
+    workers as they are (the same processes, no weights loaded again), the streams running meanwhile finish
+    whole, and the server answers again."""
     port, supervisor = two_frontends
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
@@ -254,14 +266,20 @@ def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_hea
     until(lambda: client.get("/health").status_code == 200, 60, "health")
     assert worker_pids(client) == before, "a healthy worker was replaced"
 
+    pids = frontend_pids(supervisor)  # uvicorn may have replaced the paused one
+    streams, readers = two_streams_on_each(port, pids)
     os.kill(fleet_actor_pid(supervisor), signal.SIGKILL)
     until(lambda: client.get("/health").status_code == 503, 15, "/health to say the fleet is gone")
     assert "fleet" in client.get("/health").json().get("reason", "")
     # Every frontend (fresh connections spread over both) says so once it follows the new fleet.
     until(lambda: all(httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
-                      for _ in range(6)), 180, "a new fleet")
+                      for _ in range(6)), 180, "the restarted fleet")
+    for reader in readers:
+        reader.join(120)
+    for group in streams.values():  # their workers lived on, streaming to the frontends
+        assert all(stream.done and "".join(stream.texts) == expected for stream in group)
     answer = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16,
                                                   "temperature": 0})
     assert answer.status_code == 200 and expected.startswith(answer.json()["choices"][0]["text"])
-    assert set(worker_pids(client)).isdisjoint(before)  # the old workers died with their owner
+    assert worker_pids(client) == before, "the restarted fleet did not adopt its workers"
     client.close()

@@ -62,7 +62,7 @@ def as_run_here(command: str, url: str, model_dir: Path) -> str:
     if command.startswith("curl "):
         command = "curl --fail-with-body " + command[len("curl "):]
     if " pdserve bench" in command and "--url" not in command:
-        command += f" --url {url} --no-progress"
+        command += f" --url {url} --disable-tqdm"
     if " pdserve tune profile" in command:
         command += f" --model {shlex.quote(str(model_dir))} --no-progress"
     if " pdserve tune plan" in command:

@@ -1,0 +1,109 @@
+"""A fleet actor that Ray restarted adopts the workers its predecessor left running, weights and streams and
+all, instead of loading the model again.
+
+The workers of a fleet kept by a named actor (the FleetActor, gateway/control/fleet_actor.py) are detached Ray
+actors named "<keeper>.<settings digest>.<worker id>": they outlive the fleet actor's death, and each ends
+itself once no actor bears the keeper's name for a while (worker_runtime/keeper_watch.py).
+
+    survivors(keeper): the live actors of that prefix in this namespace; those started under other settings
+      (a fleet replaced by one with other settings, whose shutdown did not end them) are killed
+    → each asked standing() within STANDING_TIMEOUT_S
+    → one that serves, with a live step loop, becomes an ACTIVE Worker of the new deployment: its role, node,
+      process and cores as it reports them (its own id, so the frontends' mirrors, which key workers by id,
+      keep their clients and the streams open on it)
+    → any other (not started, between two roles, not answering, step loop dead) is killed: the deployment
+      starts a new one in its place if its layout misses it.
+The deployment then wires every adopted worker again (PeerWiring's generations come from the clock, above
+any its predecessor sent) and sets its target from what it adopted (gateway/fleet/deployment.py start()).
+A torch group binds its ranks at start: such a fleet adopts nothing (the survivors are killed, the fleet
+starts anew).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from typing import TYPE_CHECKING, cast
+
+import ray
+
+from gateway.fleet.worker_client import WorkerClient
+from gateway.fleet.workers import Worker, WorkerState
+from worker_runtime.info import WorkerStanding
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from gateway.fleet.config import DeploymentConfig
+    from gateway.fleet.deployment import PDDeployment
+    from pool_worker.actor import WorkerActor
+
+logger = logging.getLogger(__name__)
+
+STANDING_TIMEOUT_S = 15.0  # a survivor that cannot say who it is in this long is not adopted
+
+
+def settings_digest(config: DeploymentConfig) -> str:
+    """Names the settings a worker was started under: only a fleet with the same ones adopts it."""
+    return hashlib.sha256(repr(config).encode()).hexdigest()[:12]
+
+
+def worker_actor_name(keeper: str, digest: str, worker_id: str) -> str:
+    return f"{keeper}.{digest}.{worker_id}"
+
+
+def survivors(keeper: str, digest: str) -> dict[str, ActorHandle[WorkerActor]]:
+    """Worker id → handle of each live worker actor named under `keeper` and `digest` in this Ray namespace;
+    one under `keeper` with another digest is killed."""
+    found: dict[str, ActorHandle[WorkerActor]] = {}
+    for name in ray.util.list_named_actors():
+        parts = name.rsplit(".", 2)  # the keeper's own name may hold dots; the digest and the id do not
+        if len(parts) != 3 or parts[0] != keeper:
+            continue
+        started_under, worker_id = parts[1], parts[2]
+        try:
+            handle = cast("ActorHandle[WorkerActor]", ray.get_actor(name))
+        except ValueError:  # died between the listing and the lookup
+            continue
+        if started_under == digest:
+            found[worker_id] = handle
+        else:
+            logger.warning("a surviving worker %s was started under other settings: killed", worker_id)
+            ray.kill(handle, no_restart=True)
+    return found
+
+
+async def adopt_survivors(deployment: PDDeployment, keeper: str) -> list[Worker]:
+    """Add the survivors that serve to `deployment` as ACTIVE workers (not yet wired); kill the others."""
+    handles = survivors(keeper, settings_digest(deployment.config))
+    if not handles:
+        return []
+    standings = await asyncio.gather(*(_standing(handle) for handle in handles.values()))
+    adopted: list[Worker] = []
+    for (worker_id, handle), standing in zip(handles.items(), standings, strict=True):
+        if standing is None or not deployment.can_change:
+            ray.kill(handle, no_restart=True)
+            continue
+        info, placement = standing.info, standing.placement
+        worker = Worker(worker_id, info.role, WorkerClient(worker_id, handle, deployment.gateway_id),
+                        state=WorkerState.ACTIVE, node_id=placement.node_id, node_ip=placement.node_ip,
+                        pid=placement.pid, cpu_slot=standing.cpu_slot, runtime=info.runtime)
+        deployment.workers[worker_id] = worker
+        adopted.append(worker)
+    logger.info("adopted %d of %d surviving workers: %s", len(adopted), len(handles),
+                ", ".join(f"{w.worker_id} ({w.role.value})" for w in adopted))
+    return adopted
+
+
+async def _standing(handle: ActorHandle[WorkerActor]) -> WorkerStanding | None:
+    """The survivor's standing if it serves with a live step loop, else None."""
+    try:
+        standing: WorkerStanding = await asyncio.wait_for(handle.standing.remote(), STANDING_TIMEOUT_S)
+        if not standing.is_serving:
+            return None
+        load = await asyncio.wait_for(handle.load.remote(), STANDING_TIMEOUT_S)
+    except Exception as error:  # dead, hung, or from an older build without standing()
+        logger.warning("a surviving worker did not answer (%s): not adopted", type(error).__name__)
+        return None
+    return None if load.failure else standing
