@@ -62,7 +62,25 @@ def serving(config: ServeConfig, send_buffer_bytes: int | None = None) -> Iterat
         yield f"http://{config.host}:{config.port}", app
     finally:
         uv.should_exit = True
-        thread.join(60)
+        # The lifespan's shutdown stops every worker (a replacement still loading, too): the next server
+        # must not start before their CPUs are Ray's again, or it waits for a placement that never comes.
+        thread.join(300)
+        if thread.is_alive():
+            raise RuntimeError("pdserve did not stop within 300 s")
+        wait_for_ray_cpus()
+
+
+def wait_for_ray_cpus(timeout_s: float = 60.0) -> None:
+    """Until every CPU of the local Ray is free again (its workers' actors are reaped a little after)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("CPU", 0.0) >= ray.cluster_resources().get("CPU", 0.0):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"Ray's CPUs not all free {timeout_s:g} s after a server stopped: "
+                       f"{ray.available_resources().get('CPU', 0.0)} of {ray.cluster_resources().get('CPU')}")
 
 
 def serve_config(model_dir: Path, **overrides: object) -> ServeConfig:
@@ -127,7 +145,7 @@ def not_whole(client: httpx.Client) -> str | None:
     return None
 
 
-def wait_until_whole(client: httpx.Client, timeout_s: float = 60.0) -> str | None:
+def wait_until_whole(client: httpx.Client, timeout_s: float = 180.0) -> str | None:
     """Waits (a replaced worker takes a model load to come back) until the fleet is whole; returns None, or
     what still keeps it from being whole at the deadline."""
     deadline = time.monotonic() + timeout_s
