@@ -103,6 +103,7 @@ def main() -> None:
         for batch, context in SHAPES:
             lines.append(row(kernel, dtype, batch, context, bandwidth))
             print(lines[-1], flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

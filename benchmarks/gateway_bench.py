@@ -241,6 +241,7 @@ def main() -> None:
             medians = [statistics.median(r[concurrency][5][part] for r in runs[side]) for part in PARTS]
             lines.append(f"| {side} | {concurrency} | " + " | ".join(f"{m:.1f}" for m in medians) + " |")
     print("\n".join(lines))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
 
 

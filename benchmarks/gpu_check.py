@@ -13,8 +13,9 @@ Steps, each reported as it ends (a failure is recorded and the next step still r
      byte-checked, with GB/s beside a device copy.
 Runs on a CPU too (`--device cpu --layers 2`: a dry run of the script itself; NCCL becomes gloo). Not yet
 here: NIXL VRAM→VRAM between two processes, and call B (Ray + the gateway end to end: a served greedy request,
-a stream, n=2, 16 concurrent). Results go to benchmarks/results/gpu.md with the command, from the JSON this
-writes. What travels: the repo alone (no model, no wheels): the GPU machine has torch, transformers, msgpack.
+a stream, n=2, 16 concurrent). It writes gpu_check.json to $OUT (the device machine's folder that comes
+back), else to benchmarks/results/; its figures then go to benchmarks/README.md with the command. What
+travels: the repo alone (no model, no wheels): the GPU machine has torch, transformers, msgpack.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
+                                                      "gpu_check.json"))
     args = parser.parse_args()
     device = args.device
     work = Path(tempfile.mkdtemp(prefix="pdserve-gpu-check-"))

@@ -173,6 +173,7 @@ def main() -> None:
         "Raw control character (U+000E) allowed inside a `maxLength` string (invalid JSON if yes): "
         + ", ".join(f"{engine}: {'yes' if allowed else 'no'}" for engine, allowed in checks.items()),
     ]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
 

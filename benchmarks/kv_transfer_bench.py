@@ -302,6 +302,7 @@ def main() -> None:
     print(table)
 
     sizes_text = ", ".join(f"{s} MiB = {num_blocks_for(s)} blocks" for s in SIZES_MIB)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         "# KV transfer benchmark\n\n"
         f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Host: {platform.machine()}, "

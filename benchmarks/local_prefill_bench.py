@@ -99,6 +99,7 @@ def main() -> None:
         f"TTFT p50, local prefill / handed off (median of the two rounds each): {ratio:.2f}",
     ]
     print("\n".join(lines))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
 
 

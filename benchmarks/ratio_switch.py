@@ -8,8 +8,9 @@ On this 2-core machine with SmolLM2-135M (one torch thread per worker), each set
   closed16 16 clients, each sending 256-token prompts for 64 tokens, back to back: output tokens/s.
   burst    4 streams (256 prompt, 128 out) decoding when two 1500-token prompts arrive: the streams' ITL p99.
   alone    the same 4 streams with nothing else: their ITL p99 (the mixed path's own tails).
-"auto+plan" is auto with --profile (the controller's planner; benchmarks/results/tune/profile/profile.json,
-a bf16 profile of this machine kind, so run with the default dtype).
+"auto+plan" is auto with --profile (the controller's planner):
+benchmarks/profiles/smollm2-135m-bf16-xeon.json, `pdserve tune profile`'s bf16 profile of this machine kind
+(2026-12-01), so run with the default dtype.
 With --base DIR (a worktree of an earlier commit), "auto @base" runs `--ratio auto` from that checkout too,
 so that a change to the controller or to role changes is measured side by side.
 Writes results.json, table.md and the plots under --out.
@@ -43,7 +44,7 @@ SETUPS = {
     "2 mixed": ["--mixed", "2", "--backend", "nixl"],
     "auto": ["--mixed", "2", "--backend", "nixl", "--ratio", "auto"],
     "auto+plan": ["--mixed", "2", "--backend", "nixl", "--ratio", "auto", "--profile",
-                  "benchmarks/results/tune/profile/profile.json"],
+                  "benchmarks/profiles/smollm2-135m-bf16-xeon.json"],
 }
 # With --workers 4 (a small model, --model, so that four workers fit two cores): the issue's comparison.
 SETUPS4 = {

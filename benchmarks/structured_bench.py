@@ -106,6 +106,7 @@ def main() -> None:
         "",
         f"Schema: `{json.dumps(SCHEMA)}`",
     ]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines[4:7]))
     print(f"wrote {args.out}")

@@ -97,7 +97,9 @@ def main() -> None:
         "## A larger cluster from the same profile", "", *larger,
         "Recommended layouts: " + json.dumps(recommended), "",
     ]
-    Path("benchmarks/results/tune.md").write_text("\n".join(lines))
+    summary = Path("benchmarks/results/tune.md")
+    summary.parent.mkdir(parents=True, exist_ok=True)
+    summary.write_text("\n".join(lines))
     print("\n".join(lines))
 
 

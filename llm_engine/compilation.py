@@ -92,8 +92,8 @@ def auto_declines(device: torch.device, dtype: torch.dtype, native_bf16: bool | 
     """Why `--compile auto` runs eager here, or None where it compiles: on CUDA (a step is thousands of small
     kernel launches eager) and on a CPU in bf16 with native bf16 (elementwise work and module overhead were a
     third of a step there, issue 30's profile). Elsewhere on a CPU the compiled body gains on decode only,
-    and costs minutes of start-up: SmolLM2 on an AVX2 AMD, 1 thread (benchmarks/results/
-    engine_step_compiled_amd_avx2.md), fp32 decode 1@256 64.5 → 57.2 ms and 16@256 190 → 184, prefill
+    and costs minutes of start-up: SmolLM2 on an AVX2 AMD, 1 thread (docs/results/engine_step.md,
+    2026-12-03), fp32 decode 1@256 64.5 → 57.2 ms and 16@256 190 → 184, prefill
     unchanged; each start 130-150 s (52 s with a warm cache in bf16) against 2-3 s eager. So auto keeps
     eager there, and `--compile on` is the choice for a server that runs long."""
     if device.type == "cuda":

@@ -47,7 +47,7 @@ class EngineConfig:
     # Seconds of prompt work one forward may add while requests decode on the same worker (a mixed worker,
     # or a decode worker recomputing a moved stream): prompts are sliced to fit, from measured step times
     # (worker_runtime/prefill_slicer.py). 0 (the default): no limit beyond max_num_batched_tokens.
-    # Off by default because on a CPU small slices cost prefill throughput (benchmarks/results/mixed_stall/:
+    # Off by default because on a CPU small slices cost prefill throughput (benchmarks/README.md, mixed_stall:
     # 0.1 s bounded the largest gap from 0.65 to 0.19 s but cost a third of 16-client throughput).
     max_prefill_s_beside_decode: float = 0.0
     enable_prefix_caching: bool = True  # share full blocks of identical prefixes between requests

@@ -2,7 +2,7 @@
 for a vocabulary, cached per schema.
 
 The grammar engine is llguidance. xgrammar's per-step mask was faster on SmolLM2's 49152-token vocabulary
-(median 1-8 µs against 8-28 µs; benchmarks/results/grammar_engines.md), but both are far below a decode step
+(median 1-8 µs against 10-27 µs in the latest run; benchmarks/README.md), but both are far below a decode step
 (tens of ms here), and xgrammar 0.2.9 lets a string with `maxLength` hold raw control characters, which is not
 JSON: outputs of valid-looking schemas failed to parse. llguidance keeps JSON strings JSON, and does not pull
 triton (~1 GB) into a CPU install. It is imported only when a request asks for a grammar.

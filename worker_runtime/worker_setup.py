@@ -3,7 +3,7 @@
 Cores: a worker is given a slot on its node (0, 1, ... among the node's live workers) and pins every thread
 of its process to cores [slot × threads, (slot + 1) × threads) of the cores it may use (wrapping round when
 the workers' threads outnumber them), so that two workers never fight over one core: on 2 cores an unpinned
-pair of workers measured (benchmarks/results/) slower steps from the kernel migrating their threads.
+pair of workers measured slower steps from the kernel migrating their threads.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
                 connections every 0.5 s: /health must answer 503 within health_down_s ("/health tells the
                 truth"), and the fleet must serve again within fleet_recovery_s: /health 200 four times in
                 a row and /admin/pools answering with every worker active; every worker active at the kill
-                must be among them, the same one ("fleet_adopts_workers"). Meanwhile the watch does not count /admin/pools' silence (the fleet is down on purpose).
+                must be among them, the same one ("fleet_adopts_workers"). Meanwhile the watch does not
+                count /admin/pools' silence (the fleet is down on purpose).
   pause_fleet   SIGSTOP the fleet actor for 6 s, then SIGCONT: nothing may be replaced because of it
                 (benchmarks/chaoslib/departures.py); whether /health said 503 meanwhile is noted.
   pause_worker  SIGSTOP a busy worker for 8 s, then SIGCONT (a hung worker): the fleet may replace it or

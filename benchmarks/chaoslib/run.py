@@ -27,7 +27,7 @@ from benchmarks.chaoslib.burst import LoopBurst
 from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
 from benchmarks.chaoslib.connections import chaos_client
 from benchmarks.chaoslib.departures import check_departures
-from benchmarks.chaoslib.driver import ROLES, FaultDriver
+from benchmarks.chaoslib.driver import ROLES, FaultDriver, drawable
 from benchmarks.chaoslib.fleet_faults import FleetFaults
 from benchmarks.chaoslib.frontends import FrontendCut, FrontendMap
 from benchmarks.chaoslib.log import ChaosLog
@@ -254,6 +254,13 @@ async def run_chaos(config: ChaosConfig, target: ChaosTarget) -> ChaosResult:
             log.violate("gateway_rss_flat", f"gateway RSS {first:.0f} → {last:.0f} MiB "
                         f"(> {config.rss_growth_limit_mib:g} MiB growth)")
     rss_by_worker = worker_rss(watch, config, log)
+    # A fault kind that was drawn but never struck (its every try skipped: a harness that cannot reach the
+    # workers) proves nothing: the run falls short of what it claims to cover.
+    short = {kind: driver.injected[kind] for kind in drawable(config)
+             if driver.injected[kind] < config.min_each_fault}
+    if short:
+        log.violate("every_fault_injected", f"fault kinds injected fewer than {config.min_each_fault} times: "
+                    f"{short}; skips: { {k: n for k, n in driver.faults.items() if 'skipped' in k} }")
     return ChaosResult(config, model, records, log, dict(driver.faults), driver.put_errors,
                        driver.last_accepted, end, watch.rss_mib, counters, dict(driver.injected),
                        driver.fleet.recoveries, departures, frontends.cuts if frontends else [], by_frontend,

@@ -41,7 +41,7 @@ from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
 from benchmarks.chaoslib.log import ChaosLog
 from benchmarks.chaoslib.watch import PoolWatch
 
-RAY_NAMESPACE = "pdserve"  # gateway/app.py's: the workers' actors are named pdserve-<worker id> in it
+RAY_NAMESPACE = "pdserve"  # gateway/lifespans.py's: the workers' actors are named in it
 CALL_TIMEOUT_S = 20.0
 HANG_WAIT_S = 75.0  # the watchdog's floor (chaos serves with --step-watchdog-s 10) + the load poll, and room
 STALL_S = 6.0
@@ -92,9 +92,9 @@ class WorkerFaults:
     async def _call(self, worker_id: str, fn: Any, *args: Any) -> Any:
         if not self._is_connected:
             raise RuntimeError("not connected to the run's Ray cluster")
-        import ray
+        from gateway.fleet.adoption import worker_actor  # a fleet actor's workers carry its name
 
-        actor = ray.get_actor(f"pdserve-{worker_id}", namespace=RAY_NAMESPACE)
+        actor = worker_actor(worker_id)
         return await asyncio.wait_for(actor.__ray_call__.remote(fn, *args), CALL_TIMEOUT_S)
 
     def _workers(self, roles: tuple[str, ...], busy: bool = False) -> list[dict[str, Any]]:

@@ -1,21 +1,25 @@
-"""Draw the figures of README.md and docs/ from results already in the repository; nothing is measured here.
+"""Draw the figures of README.md and docs/ from results kept in the repository; nothing is measured here.
 
 Run from the repository root: `.venv/bin/python docs/figures/make_figures.py` (writes docs/figures/*.svg|png).
-Each figure names its source file in its caption and in SOURCES below; the pages that show it cite the same
-file.
+Each figure names its data file in its caption and in SOURCES below; the pages that show it cite the same
+file. The data files under docs/figures/data/ are cut from the benchmarks' own output, which is not kept in
+git (benchmarks/results/, ignored): after a rerun of a benchmark, `make_figures.py --refresh` cuts them
+again from benchmarks/results/ (CUTS below says from which file and what is kept of it), then draws.
 
 - request_way.svg: a request's way (gateway → prefill → KV → decode → gateway) over the stage timings one
-  1P+1D response reported (benchmarks/results/ratio_switch/results.json, the phased load's median request).
-- vs_vllm.png: pdserve beside vLLM's CPU server (benchmarks/results/vs_vllm.json).
-- ratio_timeline.png: `--ratio auto`'s layout over time on two loads
-  (benchmarks/results/ratio_switch/results.json).
+  1P+1D response reported (data/ratio_switch.json: benchmarks/ratio_switch.py's run 5, the phased load's
+  median request).
+- vs_vllm.png: pdserve beside vLLM's CPU server (data/vs_vllm.json: benchmarks/vs_vllm.py, 2026-12-01).
+- ratio_timeline.png: `--ratio auto`'s layout over time on two loads (data/ratio_switch.json).
 - stage_breakdown.png: mean time per stage by layout on the phased load (same file).
 - tuner_heatmap.png: `pdserve tune plan` over every 16-worker layout
-  (benchmarks/results/tune/*-heavy-16/plan.json).
+  (data/plan_{decode,prefill}-heavy-16.json: the plans of benchmarks/tune_accuracy.py's larger cluster).
+- pd_vs_colocated.png is not drawn here: benchmarks/pd_vs_colocated.py draws it (its comparison.png), copied.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
@@ -29,13 +33,13 @@ from matplotlib.patches import FancyBboxPatch
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent
-RESULTS = ROOT / "benchmarks" / "results"
+DATA = "docs/figures/data"
 SOURCES = {
-    "request_way.svg": "benchmarks/results/ratio_switch/results.json",
-    "vs_vllm.png": "benchmarks/results/vs_vllm.json",
-    "ratio_timeline.png": "benchmarks/results/ratio_switch/results.json",
-    "stage_breakdown.png": "benchmarks/results/ratio_switch/results.json",
-    "tuner_heatmap.png": "benchmarks/results/tune/{decode,prefill}-heavy-16/plan.json",
+    "request_way.svg": f"{DATA}/ratio_switch.json",
+    "vs_vllm.png": f"{DATA}/vs_vllm.json",
+    "ratio_timeline.png": f"{DATA}/ratio_switch.json",
+    "stage_breakdown.png": f"{DATA}/ratio_switch.json",
+    "tuner_heatmap.png": f"{DATA}/plan_{{decode,prefill}}-heavy-16.json",
 }
 # The stages and hops of a response's `timings`, in the order a request meets them; they add up to e2e_ms.
 STAGES = ["gateway_queue", "to_prefill", "prefill_queue", "prefill", "handoff", "transfer", "decode_queue",
@@ -70,6 +74,7 @@ def request_way() -> None:
     request = median_request(results["results"]["1P+1D"]["phased"]["records"])
     timings = request["timings"]
     plt.rcParams["svg.fonttype"] = "none"  # text stays text: a small file
+    plt.rcParams["svg.hashsalt"] = "pdserve"  # the same ids on every run: no diff without a change
     fig, ax = plt.subplots(figsize=(11, 4.4))
     ax.set_xlim(0, 103)
     ax.set_ylim(0, 46)
@@ -209,7 +214,7 @@ def tuner_heatmap() -> None:
               ("prefill-heavy-16", "ttft_p90_s", "TTFT p90 s")]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     for ax, (name, key, what) in zip(axes, panels, strict=True):
-        plan = load(f"benchmarks/results/tune/{name}/plan.json")
+        plan = load(f"{DATA}/plan_{name}.json")
         n = plan["num_workers"]
         grid = [[float("nan")] * (n + 1) for _ in range(n + 1)]
         for row in plan["table"]:
@@ -231,7 +236,62 @@ def tuner_heatmap() -> None:
     save(fig, "tuner_heatmap.png")
 
 
+# What the data files keep of each benchmark's output: the fields the figures draw.
+RECORD_FIELDS = ("status", "e2e_s", "input_len", "output_len")
+TIMING_FIELDS = [f"{stage}_ms" for stage in STAGES] + ["ttft_ms", "e2e_ms"]
+
+
+def cut_ratio_switch(results: dict[str, Any]) -> dict[str, Any]:
+    """Run 5's results.json (658 KB) cut to what the figures read: the phased load's requests of 1P+1D,
+    2 mixed and auto (their lengths, status, end-to-end time and stage timings), auto's timelines and
+    decisions on the phased and burst loads. The per-phase summaries are in docs/benchmarks.md."""
+    cut: dict[str, Any] = {"args": results["args"], "results": {}}
+    for setup in ("1P+1D", "2 mixed", "auto"):
+        records = results["results"][setup]["phased"]["records"]
+        kept: dict[str, Any] = {"phased": {"records": [
+            {**{k: r[k] for k in RECORD_FIELDS},
+             "timings": {k: r["timings"][k] for k in TIMING_FIELDS} if r["timings"] else None}
+            for r in records]}}
+        if setup == "auto":
+            for load_name in ("phased", "burst"):
+                run = results["results"][setup][load_name]
+                kept.setdefault(load_name, {}).update(timeline=run["timeline"], decisions=run["decisions"])
+        cut["results"][setup] = kept
+    return cut
+
+
+def cut_plan(plan: dict[str, Any]) -> dict[str, Any]:
+    """A `pdserve tune plan` plan.json without max_rate_held; each layout's row keeps what the heat map
+    draws (goodput, TTFT p90) beside its label, SLO attainment and ITL p99."""
+    row_fields = ("layout", "label", "rate", "goodput", "attainment", "ttft_p90_s", "itl_p99_s")
+    return {**{k: v for k, v in plan.items() if k not in ("table", "max_rate_held")},
+            "table": [{k: row[k] for k in row_fields} for row in plan["table"]]}
+
+
+CUTS = {  # data file: (the benchmark's output under benchmarks/results/, what is kept of it)
+    "ratio_switch.json": ("benchmarks/results/ratio_switch/results.json", cut_ratio_switch),
+    "vs_vllm.json": ("benchmarks/results/vs_vllm.json", lambda data: data),
+    "plan_decode-heavy-16.json": ("benchmarks/results/tune/decode-heavy-16/plan.json", cut_plan),
+    "plan_prefill-heavy-16.json": ("benchmarks/results/tune/prefill-heavy-16/plan.json", cut_plan),
+}
+
+
+def refresh() -> None:
+    """Cut docs/figures/data/ again from the benchmarks' output under benchmarks/results/."""
+    for name, (source, cut) in CUTS.items():
+        path = ROOT / DATA / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(cut(load(source)), indent=1) + "\n")
+        print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size // 1024} KiB) from {source}")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--refresh", action="store_true",
+                        help="cut docs/figures/data/ again from benchmarks/results/ first")
+    if parser.parse_args().refresh:
+        refresh()
     request_way()
     vs_vllm()
     ratio_timeline()

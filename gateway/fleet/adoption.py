@@ -53,6 +53,18 @@ def worker_actor_name(keeper: str, digest: str, worker_id: str) -> str:
     return f"{keeper}.{digest}.{worker_id}"
 
 
+def worker_actor(worker_id: str) -> ActorHandle[WorkerActor]:
+    """The live actor of a worker, by its id, whoever keeps it (for operators' tools and fault injection).
+
+    Raises:
+        ValueError: no live actor of that worker in this Ray namespace.
+    """
+    for name in ray.util.list_named_actors():
+        if name == f"pdserve-{worker_id}" or name.rsplit(".", 1)[-1] == worker_id:
+            return cast("ActorHandle[WorkerActor]", ray.get_actor(name))
+    raise ValueError(f"no live actor of worker {worker_id}")
+
+
 def survivors(keeper: str, digest: str) -> dict[str, ActorHandle[WorkerActor]]:
     """Worker id → handle of each live worker actor named under `keeper` and `digest` in this Ray namespace;
     one under `keeper` with another digest is killed."""

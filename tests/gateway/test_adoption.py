@@ -11,7 +11,7 @@ import time
 import pytest
 import ray
 
-from gateway.fleet.adoption import survivors, worker_actor_name
+from gateway.fleet.adoption import survivors, worker_actor, worker_actor_name
 from gateway.fleet.deployment import layout_after_adoption
 from worker_runtime.keeper_watch import KeeperWatch
 from worker_runtime.roles import Role
@@ -67,6 +67,7 @@ def test_survivors_of_other_settings_are_killed_not_adopted(ray_local: None) -> 
     ray.get([same.ping.remote(), other.ping.remote(), stranger.ping.remote()])
     try:
         assert list(survivors(keeper, "abc")) == ["worker-1-0"]
+        assert ray.get(worker_actor("worker-2-0").ping.remote())  # found by its id, whoever keeps it
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(other.ping.remote(), timeout=30)
         assert ray.get(stranger.ping.remote())  # another keeper's ("fleet"): left alone
