@@ -1,0 +1,144 @@
+"""/v1/responses end to end: 1 prefill + 1 decode Ray actor (tiny random Llama with SmolLM2's tokenizer and
+ChatML template, float32), read by the unmodified openai SDK and the openai-agents SDK's default model.
+
+The random model writes no tool call of its own: a call is forced with tool_choice (the chat path's grammar
+of one call), as tests/gateway/test_structured_outputs.py does; greedy requests give the same tokens whole and
+streamed. Every test ends with no KV block held on either worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.gateway.conftest import MODEL, serving, two_stage_config, whole_after
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                           "unit": {"enum": ["C", "F"]}},
+                          "required": ["city", "unit"]}}
+FORCED = {"type": "function", "name": "get_weather"}
+MAX_TOKENS = 200  # far more than a forced call needs: it ends at the grammar's end
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
+    config = two_stage_config(tiny_chat_model_dir, decode=1, kv_cache_mib=4, max_num_batched_tokens=128,
+                              max_waiting=16, queue_timeout_s=60)
+    with serving(config) as (url, _):
+        yield url
+
+
+@pytest.fixture
+def sdk(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def client(server: str) -> Iterator[httpx.Client]:
+    with whole_after(server) as c:  # the fleet ends whole after each test
+        yield c
+
+
+def test_text_whole_and_streamed_are_the_same_greedy_answer(sdk: openai.OpenAI, client: httpx.Client) -> None:
+    ask: dict[str, Any] = {"model": MODEL, "instructions": "Be brief.", "input": "Say hello.",
+                           "max_output_tokens": 6, "temperature": 0}
+    whole = sdk.responses.create(**ask)
+    assert whole.status in ("completed", "incomplete") and whole.output_text
+    assert (whole.status == "incomplete") == (whole.incomplete_details is not None)
+    assert whole.usage is not None and 0 < whole.usage.output_tokens <= 6
+    events: list[Any] = list(sdk.responses.create(**ask, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == f"response.{whole.status}"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_a_forced_function_call_whole_streamed_and_its_output_sent_back(sdk: openai.OpenAI,
+                                                                         client: httpx.Client) -> None:
+    ask: dict[str, Any] = {"model": MODEL, "input": "What is the weather in Paris?", "tools": [WEATHER],
+                           "tool_choice": FORCED, "max_output_tokens": MAX_TOKENS, "temperature": 0}
+    first = sdk.responses.create(**ask)
+    assert first.status == "completed"
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])  # type: ignore[arg-type]
+    events: list[Any] = list(sdk.responses.create(**ask, stream=True))
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert "".join(fragments) == done.arguments and json.loads(done.arguments) == json.loads(call.arguments)
+    assert events[-1].type == "response.completed"
+    # The result goes back as a function_call_output; tool_choice auto (the default): it answers in words.
+    second = sdk.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=8, temperature=0,  # type: ignore[list-item,unused-ignore]
+                                  input=[{"role": "user", "content": "What is the weather in Paris?"},
+                                         call.model_dump(exclude_none=True),  # type: ignore[list-item]
+                                         {"type": "function_call_output", "call_id": call.call_id,
+                                          "output": '{"temperature": 21, "sky": "clear"}'}])
+    assert second.output and second.output[0].type == "message" and second.output_text
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+
+def test_text_format_json_schema_is_held_to_the_schema(sdk: openai.OpenAI, client: httpx.Client) -> None:
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    answer = sdk.responses.create(model=MODEL, input="Yes or no?", max_output_tokens=MAX_TOKENS,
+                                  text={"format": {"type": "json_schema", "name": "a", "schema": schema,
+                                                   "strict": True}})
+    assert answer.status == "completed"
+    jsonschema.validate(json.loads(answer.output_text), schema)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"store": True}, "store"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"extra_body": {"temprature": 0}}, "temprature"),  # a typo is refused, never ignored
+    ({"input": [{"role": "user", "content": "x"},
+                {"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[1].call_id"),
+])
+def test_bad_requests_are_400s_naming_the_field(sdk: openai.OpenAI, fields: dict[str, Any], param: str
+                                                ) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        sdk.responses.create(**{"model": MODEL, "input": "x", "max_output_tokens": 2, **fields})
+    assert raised.value.body["param"] == param, raised.value.body  # type: ignore[index]
+
+
+def test_the_agents_sdk_default_model_runs_a_turn(server: str, client: httpx.Client) -> None:
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)  # no traces sent to OpenAI from a test
+    cities: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return "21 C"
+
+    async def turn(stream: bool) -> Any:
+        model = agents.OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+            base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=120))
+        # Forced, and the run ends with the tool's result: the random model never has to write the answer.
+        agent = agents.Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
+                             model=model, tool_use_behavior="stop_on_first_tool",
+                             model_settings=agents.ModelSettings(tool_choice="get_weather", temperature=0,
+                                                                 max_tokens=MAX_TOKENS))
+        if not stream:
+            return await agents.Runner.run(agent, "Weather in Paris?")
+        streamed = agents.Runner.run_streamed(agent, "Weather in Paris?")
+        async for _ in streamed.stream_events():
+            pass
+        return streamed
+
+    assert asyncio.run(turn(stream=False)).final_output == "21 C"
+    assert asyncio.run(turn(stream=True)).final_output == "21 C"
+    assert len(cities) == 2 and cities[0] == cities[1]  # greedy: the same call both times
