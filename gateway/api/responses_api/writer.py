@@ -120,8 +120,8 @@ class ResponseWriter:
 
     def _arguments(self, index: int, fragment: str) -> list[ResponseEvent]:
         output_index = self.output_index_of_call[index]
-        call = self.response.output[output_index]
-        assert isinstance(call, FunctionCallItem) and call is self.open_item  # calls come one after another
+        # ToolCallStream finishes a call's arguments before it opens the next: this is the open item.
+        call = cast(FunctionCallItem, self.response.output[output_index])
         call.arguments += fragment
         return [ArgumentsDeltaEvent(sequence_number=self._next(), item_id=call.id, output_index=output_index,
                                     delta=fragment)]
@@ -137,7 +137,7 @@ class ResponseWriter:
         item, self.open_item = self.open_item, None
         if item is None:
             return []
-        index = self.response.output.index(item)
+        index = len(self.response.output) - 1  # the open item is always the last one
         events: list[ResponseEvent] = []
         item.status = status  # type: ignore[assignment]
         if isinstance(item, OutputMessage):
