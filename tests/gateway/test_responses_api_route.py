@@ -96,6 +96,17 @@ def test_the_sdk_reads_a_whole_and_a_streamed_response(sdk: openai.OpenAI, servi
     assert events[-1].response.output_text == "Hello there."
 
 
+def test_the_sdks_stream_helper_applies_every_event(sdk: openai.OpenAI, service: ScriptedService) -> None:
+    """responses.stream() applies each event to a snapshot (an item per output_index, a part per
+    content_index, deltas appended to them): an event naming the wrong item or part raises there."""
+    service.text = "Let me look.\n" + CALL_TEXT
+    with sdk.responses.stream(model=MODEL, input="Weather?", tools=[WEATHER]) as stream:  # type: ignore[list-item]
+        rebuilt = stream.get_final_response()
+    message, call = rebuilt.output
+    assert message.type == "message" and message.content[0].text.strip() == "Let me look."  # type: ignore[union-attr]
+    assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}
+
+
 def test_a_forced_call_then_its_output_with_the_sdk(sdk: openai.OpenAI, service: ScriptedService, app: FastAPI
                                                     ) -> None:
     service.text = CALL_TEXT
