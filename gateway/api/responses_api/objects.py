@@ -85,7 +85,7 @@ class ResponseObject(BaseModel):
     # The request's settings, echoed as OpenAI does (the values applied, defaults filled in).
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float
+    temperature: float  # as the sampler applies it (0.0: greedy)
     top_p: float
     tools: list[dict[str, Any]] = Field(default_factory=list)
     tool_choice: str | dict[str, Any]

@@ -59,9 +59,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if reservation is None:
         reservation = await unless_client_leaves(request, service.admit(prepared))
     deltas = service.stream(prepared, reservation)
-    writer = ResponseWriter(_in_progress(body, chat.request.temperature, chat.request.top_p, prepared,
-                                         service.model_name),
-                            len(prepared.prompt_token_ids),
+    writer = ResponseWriter(_in_progress(body, prepared, service.model_name), len(prepared.prompt_token_ids),
                             preparer.tool_parser if prepared.parses_tool_calls else None)
     if body.stream:
         return BoundedStreamingResponse(
@@ -75,13 +73,13 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     return JSONResponse(whole.model_dump(mode="json"))
 
 
-def _in_progress(body: ResponsesRequest, temperature: float, top_p: float, prepared: PreparedRequest,
-                 model_name: str) -> ResponseObject:
-    """The response before any output: the request's settings as applied (defaults filled in)."""
+def _in_progress(body: ResponsesRequest, prepared: PreparedRequest, model_name: str) -> ResponseObject:
+    """The response before any output: the request's settings as applied (the sampler's values)."""
     tool_choice = body.tool_choice or ("auto" if body.tools else "none")
     return ResponseObject(
         id=prepared.request_id, status="in_progress", model=model_name, instructions=body.instructions,
-        max_output_tokens=prepared.sampling.max_tokens, temperature=temperature, top_p=top_p,
+        max_output_tokens=prepared.sampling.max_tokens, temperature=prepared.sampling.temperature,
+        top_p=prepared.sampling.top_p,
         tools=[t.model_dump(mode="json", exclude_none=True) for t in body.tools or []],
         tool_choice=tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(mode="json"),
         parallel_tool_calls=body.parallel_tool_calls is not False,
