@@ -20,7 +20,14 @@ import jsonschema
 import openai
 import pytest
 
-from tests.gateway.conftest import MODEL, serving, two_stage_config, wait_until_no_blocks_used, whole_after
+from tests.gateway.conftest import (
+    API_KEY,
+    MODEL,
+    serving,
+    two_stage_config,
+    wait_until_no_blocks_used,
+    whole_after,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -36,16 +43,18 @@ NUM_FUZZ_EXAMPLES = 60  # per mode
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
-    # A request that names no max_output_tokens (the fuzzer's) makes few tokens.
+    # A request that names no max_output_tokens (the fuzzer's) makes few tokens; the key: the fuzzer checks
+    # that a request without it is refused.
     config = two_stage_config(tiny_chat_model_dir, decode=1, kv_cache_mib=4, max_num_batched_tokens=128,
-                              max_waiting=16, queue_timeout_s=60, default_max_tokens=MAX_FUZZ_TOKENS)
+                              max_waiting=16, queue_timeout_s=60, default_max_tokens=MAX_FUZZ_TOKENS,
+                              api_key=API_KEY)
     with serving(config) as (url, _):
         yield url
 
 
 @pytest.fixture
 def sdk(server: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture
@@ -130,7 +139,7 @@ def test_the_agents_sdk_default_model_runs_a_turn(server: str, client: httpx.Cli
 
     async def turn(stream: bool) -> Any:
         model = agents.OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
-            base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=120))
+            base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120))
         # Forced, and the run ends with the tool's result: the random model never has to write the answer.
         agent = agents.Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
                              model=model, tool_use_behavior="stop_on_first_tool",
@@ -178,7 +187,7 @@ def test_fuzzed_requests_get_documented_answers(server: str, mode: str) -> None:
     generation_mode = GenerationMode.POSITIVE if mode == "positive" else GenerationMode.NEGATIVE
     fuzz(schema["/v1/responses"]["POST"].as_strategy(generation_mode=generation_mode), server,
          NUM_FUZZ_EXAMPLES)
-    with httpx.Client(base_url=server, timeout=120) as client:
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
         assert client.post("/v1/responses", json={"model": MODEL, "input": "still there?",
                                                   "max_output_tokens": 2}).status_code == 200
         assert wait_until_no_blocks_used(client) == 0
