@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 from gateway.api.auth import require_api_key
 from gateway.api.errors import install_error_handlers
 from gateway.api.prepare import Preparer
+from gateway.api.protocol import ChatCompletionRequest
 from gateway.api.responses_api.routes import router
 from gateway.requests.events import RequestFailed
 from gateway.requests.prepared import PreparedRequest, TextDelta
@@ -152,6 +153,8 @@ def test_a_length_cut_and_a_failure_mid_stream(sdk: openai.OpenAI, service: Scri
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_stock"}}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}}}, "text.format"),
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 3}}}, "text.format.schema"),
+    ({"tools": [{**WEATHER, "parameters": "x"}]}, "tools[0].parameters"),
     ({"model": "other"}, "model"),
 ])
 def test_bad_requests_are_400s_in_openais_shape_naming_the_field(
@@ -195,3 +198,18 @@ def test_the_agents_sdk_default_model_runs_a_turn(app: FastAPI, service: Scripte
         result = asyncio.run(turn(stream))
         assert result.final_output == "21 C"
     assert seen == ["Paris", "Paris"]
+
+
+def test_a_chat_validation_error_names_the_whole_path() -> None:
+    """The error handler keeps every request model's field names: nested tool fields included."""
+    chat = FastAPI()
+    install_error_handlers(chat)
+
+    @chat.post("/chat")
+    async def echo(body: ChatCompletionRequest) -> dict[str, str]:
+        return {}
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": "x"}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [tool]}
+    error = TestClient(chat).post("/chat", json=body).json()["error"]
+    assert error["param"] == "tools[0].function.parameters"

@@ -62,12 +62,11 @@ TEXT_NOT_SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 def _tagged_by_type(default: str | None) -> Callable[[Any], str | None]:
-    """A union's tag: the item's `type` (`default` when it names none, as a plain message may)."""
+    """A union's tag: `type=<the item's type>` (`default` when it names none, as a plain message may).
+    A tag is part of a validation error's location: spelled so, it is never taken for a field's name."""
     def tag(value: Any) -> str | None:
-        if isinstance(value, dict):
-            kind = value.get("type", default)
-            return kind if isinstance(kind, str) else None
-        return getattr(value, "type", None)
+        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
+        return f"type={kind}" if isinstance(kind, str) else None
     return tag
 
 
@@ -91,7 +90,7 @@ class OutputTextPart(_Item):
 
 
 TextPart = Annotated[
-    Annotated[InputTextPart, Tag("input_text")] | Annotated[OutputTextPart, Tag("output_text")],
+    Annotated[InputTextPart, Tag("type=input_text")] | Annotated[OutputTextPart, Tag("type=output_text")],
     Discriminator(_tagged_by_type(None), custom_error_type="unsupported_part",
                   custom_error_message="only input_text and output_text parts are supported (text only)")]
 TextParts = Annotated[list[TextPart], Field(max_length=MAX_PARTS)]
@@ -134,8 +133,8 @@ class FunctionCallOutputInput(_Item):
 
 
 InputItem = Annotated[
-    Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallInput, Tag("function_call")]
-    | Annotated[FunctionCallOutputInput, Tag("function_call_output")],
+    Annotated[InputMessage, Tag("type=message")] | Annotated[FunctionCallInput, Tag("type=function_call")]
+    | Annotated[FunctionCallOutputInput, Tag("type=function_call_output")],
     Discriminator(_tagged_by_type("message"), custom_error_type="unsupported_item",
                   custom_error_message="only items of type message, function_call and function_call_output "
                                        "are supported (text only; no items stored on the server)")]
@@ -152,7 +151,7 @@ class FunctionToolParam(_Item):
 
 
 ToolParam = Annotated[
-    Annotated[FunctionToolParam, Tag("function")],
+    Annotated[FunctionToolParam, Tag("type=function")],
     Discriminator(_tagged_by_type(None), custom_error_type="unsupported_tool",
                   custom_error_message="only tools of type function are supported (no hosted tools)")]
 
