@@ -78,6 +78,18 @@ def test_text_whole_and_streamed_are_the_same_greedy_answer(sdk: openai.OpenAI, 
     assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_a_client_that_leaves_mid_stream_frees_both_workers(server: str, client: httpx.Client) -> None:
+    body = {"model": MODEL, "input": "Tell a long story.", "max_output_tokens": 400, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server, headers=headers, timeout=120) as leaving, \
+            leaving.stream("POST", "/v1/responses", json=body) as streamed:
+        lines = streamed.iter_lines()
+        assert next(lines) == "event: response.created"
+        for _ in range(8):  # a few events in, then gone
+            next(lines)
+    # `client` checks at the end that neither worker still holds a block of it.
+
+
 def test_a_forced_function_call_whole_streamed_and_its_output_sent_back(sdk: openai.OpenAI,
                                                                          client: httpx.Client) -> None:
     ask: dict[str, Any] = {"model": MODEL, "input": "What is the weather in Paris?", "tools": [WEATHER],

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -94,10 +94,10 @@ async def _whole(writer: ResponseWriter, deltas: AsyncIterator[TextDelta]) -> Re
     return writer.response
 
 
-async def _events(writer: ResponseWriter, deltas: AsyncIterator[TextDelta]) -> AsyncIterator[str]:
-    for event in writer.start():
-        yield sse(event)
+async def _events(writer: ResponseWriter, deltas: AsyncGenerator[TextDelta, None]) -> AsyncIterator[str]:
     try:
+        for event in writer.start():
+            yield sse(event)
         async for delta in deltas:
             for event in writer.feed(delta):
                 yield sse(event)
@@ -108,3 +108,7 @@ async def _events(writer: ResponseWriter, deltas: AsyncIterator[TextDelta]) -> A
         logger.exception("a responses stream failed")
         for event in writer.fail("the server failed while generating this response", "internal_error"):
             yield sse(event)
+    finally:
+        # A client gone mid-stream closes this generator: the request is aborted on both workers now, not
+        # when the garbage collector finalizes `deltas`.
+        await deltas.aclose()
