@@ -127,6 +127,19 @@ def test_a_forced_call_then_its_output_with_the_sdk(sdk: openai.OpenAI, service:
     assert '"name": "get_weather"' in rendered  # the earlier call, written in the parser's format
 
 
+@pytest.mark.parametrize(("tool_choice", "is_forced", "is_read"), [
+    ("required", True, True), ("auto", False, True), ("none", False, False)])
+def test_tool_choice_plans_the_chat_path(sdk: openai.OpenAI, service: ScriptedService, tool_choice: str,
+                                         is_forced: bool, is_read: bool) -> None:
+    """required: a grammar of one call; auto: the output is read for calls; none: plain text."""
+    service.text = CALL_TEXT
+    answer = sdk.responses.create(model=MODEL, input="x", tools=[WEATHER], tool_choice=tool_choice)  # type: ignore[arg-type,list-item]
+    [prepared] = service.prepared
+    assert (prepared.sampling.grammar is not None, prepared.parses_tool_calls) == (is_forced, is_read)
+    assert [item.type for item in answer.output] == (["function_call"] if is_read else ["message"])
+    assert answer.tool_choice == tool_choice
+
+
 def test_a_length_cut_and_a_failure_mid_stream(sdk: openai.OpenAI, service: ScriptedService) -> None:
     service.finish_reason = "length"
     cut = sdk.responses.create(model=MODEL, input="x", max_output_tokens=3)
