@@ -242,9 +242,9 @@ def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_hea
         two_frontends: tuple[int, psutil.Process]) -> None:
     """Review N1 and N2. A frontend paused for 6 s (SIGSTOP) is neither killed by uvicorn's supervisor (it
     waits FRONTEND_UNANSWERED_S) nor given up by the fleet (its 10 s lease): it resumes, and every stream on
-    both frontends finishes whole; no worker is replaced. The fleet actor killed: /health turns 503 within seconds, Ray restarts it and it adopts the
-    workers as they are (the same processes, no weights loaded again), the streams running meanwhile finish
-    whole, and the server answers again."""
+    both frontends finishes whole; no worker is replaced. The fleet actor killed: /health turns 503 within
+    seconds, Ray restarts it and it adopts the workers as they are (the same processes, no weights loaded
+    again), the streams running meanwhile finish whole, and the server answers again."""
     port, supervisor = two_frontends
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
