@@ -100,7 +100,8 @@ class SamplingParams:
             problems.append("bad_words must be non-empty sequences of non-negative token ids")
         if self.allowed_token_ids is not None and (
                 not self.allowed_token_ids or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
-            problems.append("allowed_token_ids must be None or a non-empty sequence of non-negative token ids")
+            problems.append("allowed_token_ids must be None or a non-empty sequence of non-negative "
+                            "token ids")
         if not _is_int(self.n) or self.n < 1:
             problems.append(f"n must be an integer >= 1, got {self.n!r}")
         return problems

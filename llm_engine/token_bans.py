@@ -50,7 +50,7 @@ class BadWords(LogitsProcessor):
         keep = self._tail_length(params)
         if keep > 0:
             outputs = history.output_token_ids
-            self._tails[request_id] = list(outputs[len(outputs) - keep:]) if len(outputs) > keep else list(outputs)
+            self._tails[request_id] = list(outputs[max(0, len(outputs) - keep):])
 
     def record(self, rows: SamplingRows, token_ids: torch.Tensor) -> None:
         if not self._tails:

@@ -28,6 +28,8 @@ from gateway.api.protocol import (
     StreamOptions,
     TextPart,
 )
+from gateway.api.protocol_extensions import StructuredOutputs
+from gateway.api.protocol_tools import FunctionDefinition, JsonSchemaFormat, ResponseFormat, Tool, ToolCall
 from gateway.ratio.resize import PoolLayout, ResizeConflict, ResizeRefused
 from gateway.requests.admission import Overloaded
 from gateway.requests.events import RequestFailed
@@ -88,9 +90,10 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
 # pydantic's union-member tags such as "str" or "list[int]".
 _FIELD_NAMES = frozenset(
     name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
-                       PoolLayout)
+                       PoolLayout, StructuredOutputs, ResponseFormat, JsonSchemaFormat, Tool,
+                       FunctionDefinition, ToolCall)
     for name in model.model_fields
-)
+) | {"json", "schema"}  # the JSON keys of fields declared under another name
 
 
 def _param(loc: tuple[int | str, ...]) -> str:
@@ -116,8 +119,10 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
         return error(400, f"the request body is not valid JSON ({reason})" if reason else
                      "the request body is not valid JSON")
     param = _param(tuple(first.get("loc", ())))
-    if first.get("type") == "extra_forbidden":  # a field the model does not know: name it
-        param = str(first.get("loc", ("",))[-1])
+    if first.get("type") == "extra_forbidden":  # a field the model does not know: name it, where it is
+        loc = tuple(first.get("loc", ("",)))
+        where = _param(loc[:-1])
+        param = f"{where}.{loc[-1]}" if where else str(loc[-1])
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if not param:
         return error(400, f"the request body must be a JSON object with the request's fields: {message}")

@@ -116,7 +116,8 @@ def test_bad_words_state_travels_with_the_tokens(tiny_llama_dir: Path, prompt: l
     [head] = make_engine(tiny_llama_dir).generate([prompt], dataclasses.replace(params, max_tokens=4))
     assert head.output_token_ids == out[:4]
     second = make_engine(tiny_llama_dir)
-    request = Request("moved", list(prompt), params, frozenset(), output_token_ids=list(head.output_token_ids))
+    request = Request("moved", list(prompt), params, frozenset(),
+                      output_token_ids=list(head.output_token_ids))
     second.scheduler.add(request)
     while not request.is_finished:
         second.step()
