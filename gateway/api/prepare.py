@@ -24,9 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from jinja2 import TemplateError
-
 from gateway.api.bad_request import BadRequest
+from gateway.api.chat_render import render
 from gateway.api.extensions import (
     bad_word_token_ids,
     check_common,
@@ -192,20 +191,10 @@ class Preparer:
         is_long = (len(messages) > LONG_CONVERSATION_MESSAGES
                    or sum(len(m["content"]) for m in messages) > LONG_PROMPT_CHARS)
         # Only a template that knows tools gets them (the others have them in the system message).
-        extra: dict[str, Any] = {**(template_kwargs or {})}
-        if tools and self.template_knows_tools:
-            extra["tools"] = tools
-        try:
-            encoded = await self._off_loop_if(is_long, lambda: self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                continue_final_message=continue_final_message, **extra))
-        except TemplateError as exc:  # the template refuses the conversation (e.g. roles that must alternate)
-            raise BadRequest(f"the model's chat template refuses these messages: {exc.message}",
-                             param="messages") from None
-        except ValueError as exc:  # transformers: a final message continue_final_message cannot find
-            raise BadRequest(f"continue_final_message: {exc}", param="continue_final_message") from None
-        # transformers 5 returns a BatchEncoding here; older versions a plain list.
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)  # type: ignore[call-overload,index,arg-type]
+        extra: dict[str, Any] = {"tools": tools} if tools and self.template_knows_tools else {}
+        return await self._off_loop_if(is_long, lambda: render(
+            self.tokenizer, messages, add_generation_prompt, continue_final_message, template_kwargs or {},
+            extra))
 
     async def _hashed(self, prepared: PreparedRequest) -> PreparedRequest:
         """With the prompt's block hashes, which the router needs for every prefill pick."""
