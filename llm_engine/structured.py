@@ -94,7 +94,7 @@ def build_grammar(spec: GrammarSpec) -> str:
     if spec.kind is not GrammarKind.JSON_SCHEMA:
         try:
             grammar = llguidance.grammar_from(spec.kind.value, spec.source)
-        except (ValueError, RuntimeError) as error:  # a GBNF that does not convert, a bad choice list
+        except Exception as error:  # a GBNF that does not convert, a bad choice list: the client's input
             raise GrammarError(str(error)) from None
         problem = llguidance.LLMatcher.validate_grammar(grammar)
         if problem:
