@@ -1,12 +1,14 @@
 """Turns an OpenAI request into the request path's PreparedRequest.
 
 prepare_completion() (one PreparedRequest per prompt of a batch) / prepare_chat():
-    1. check the model name, that every field asks for something pdserve does (gateway/api/surface.py), the
-       prompt's token ids against the vocabulary, and the sampling values;
-    2. the grammar the output must follow: response_format's (gateway/api/structured.py) or a forced tool
-       call's (gateway/api/tool_prompt.py);
-    3. tokenize once (or render the chat template, with the tools), in a worker thread when the prompt or the
-       conversation is long, so the event loop keeps streaming;
+    1. check the model name (none: the served one), that every field asks for something pdserve does
+       (gateway/api/surface.py), token ids against the vocabulary, the sampling values, and vLLM's rules
+       across its extensions (gateway/api/extensions.py);
+    2. the grammar the output must follow: structured_outputs' or response_format's
+       (gateway/api/structured.py), or a forced tool call's (gateway/api/tool_prompt.py);
+    3. tokenize once (or render the chat template, with the tools and chat_template_kwargs), in a worker
+       thread when the prompt or the conversation is long, so the event loop keeps streaming; keep the last
+       truncate_prompt_tokens of it;
     4. check the context (prompt + max_tokens) against max_model_len (--max-model-len, else the model's),
        and prompt + n × max_tokens (the choices share the prompt's KV) against one decode worker's: HTTP 400
        in vLLM's words; a request that names no max_tokens gets what the context leaves (up to a default);
