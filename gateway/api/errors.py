@@ -29,6 +29,7 @@ from gateway.api.protocol import (
     StreamOptions,
     TextPart,
 )
+from gateway.api.protocol_extensions import StructuredOutputs
 from gateway.api.protocol_tools import (
     FunctionCall,
     FunctionDefinition,
@@ -102,7 +103,7 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
 _REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, PoolLayout, Tool,
     FunctionDefinition, ToolCall, FunctionCall, NamedToolChoice, FunctionName, ResponseFormat,
-    JsonSchemaFormat, *RESPONSES_REQUEST_MODELS)
+    JsonSchemaFormat, StructuredOutputs, *RESPONSES_REQUEST_MODELS)
 _FIELD_NAMES = frozenset(  # a location spells a field by its alias when it has one (`schema`)
     name for model in _REQUEST_MODELS for key, field in model.model_fields.items()
     for name in (key, field.alias) if name)
@@ -131,8 +132,10 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
         return error(400, f"the request body is not valid JSON ({reason})" if reason else
                      "the request body is not valid JSON")
     param = _param(tuple(first.get("loc", ())))
-    if first.get("type") == "extra_forbidden":  # a field the model does not know: name it
-        param = str(first.get("loc", ("",))[-1])
+    if first.get("type") == "extra_forbidden":  # a field the model does not know: name it, where it is
+        loc = tuple(first.get("loc", ("",)))
+        where = _param(loc[:-1])
+        param = f"{where}.{loc[-1]}" if where else str(loc[-1])
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if not param:
         return error(400, f"the request body must be a JSON object with the request's fields: {message}")
