@@ -185,7 +185,10 @@ def test_prompt_logprobs(sdk: openai.OpenAI, model_dir: Path, client: httpx.Clie
         entry, row = scored[position], expected[position - 1]
         token = prompt[position]
         assert entry[str(token)]["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
-        assert entry[str(token)]["rank"] == int((row > row[token]).sum()) + 1
+        # The engine's batched forward and this one differ by ~1e-5, so a rank among near-tied logprobs (a
+        # random model's tail) may move by the tokens inside that noise: it must lie in the band they allow.
+        fewest, most = int((row > row[token] + 1e-4).sum()) + 1, int((row > row[token] - 1e-4).sum()) + 1
+        assert fewest <= entry[str(token)]["rank"] <= most
         top2 = torch.topk(row, 2).indices.tolist()
         assert {str(t) for t in top2} <= set(entry) <= {str(t) for t in [*top2, token]}
         assert entry[str(top2[0])]["rank"] == 1
