@@ -58,6 +58,14 @@ from gateway.serve_settings import (
 FRONTEND_ENV = "PDSERVE_FRONTEND_SPEC"
 FLEET_WATCH_S = 1.0
 FLEET_PROBE_TIMEOUT_S = 10.0  # a paused fleet is the frontends' to report (/health), not a death
+# uvicorn's supervisor kills a frontend that leaves its ping unanswered this long (uvicorn's default is 5 s).
+# A frontend whose loop or CPU share is taken by a burst (fifty fresh schemas, four 900k-character
+# /tokenize calls on a loaded 2-core machine) was killed at 5 s in the chaos run of 2026-12-03, cutting
+# every stream it held; alive-but-slow is the fleet's lease to judge (FRONTEND_SILENT_S, 10 s), which ends
+# only that frontend's channels and lets it resume. Above it, so a frontend's process is killed only once
+# the fleet has already given it up. It also bounds a restarted frontend's start-up (joining Ray, mirroring
+# the fleet), which takes more than 5 s on a busy machine.
+FRONTEND_UNANSWERED_S = 30.0
 FLEET_GONE_S = 60.0  # a fleet actor that fails every probe this long is not restarting: dead for good
 
 logger = logging.getLogger(__name__)
@@ -131,7 +139,8 @@ def serve_frontends(config: ServeConfig) -> None:
         server = uvicorn.Config("gateway.frontends:frontend_app", factory=True, host=config.host,
                                 port=config.port, loop="uvloop", log_level="info",
                                 workers=config.api_server_count,
-                                timeout_graceful_shutdown=config.shutdown_grace_s)
+                                timeout_graceful_shutdown=config.shutdown_grace_s,
+                                timeout_worker_healthcheck=int(FRONTEND_UNANSWERED_S))
         print(f"pdserve: fleet {name} is up; starting {config.api_server_count} frontends on "
               f"http://{config.host}:{config.port}", flush=True)
         frontends = Multiprocess(server, sockets=[server.bind_socket()])

@@ -6,8 +6,9 @@ say that both frontends served, and which. Its faults, both on a frontend drawn 
   kill_frontend   SIGSTOP (it accepts nothing more), note the client ports of its connections, SIGKILL;
                   uvicorn's supervisor starts another
   pause_frontend  SIGSTOP, note its connections, sleep 4, 6 or 12 s (in turn), SIGCONT (uvicorn's
-                  supervisor, which pings its children every 0.5 s with a 5 s timeout, may kill it
-                  meanwhile: allowed)
+                  supervisor pings its children every 0.5 s and kills one silent for
+                  gateway.frontends.FRONTEND_UNANSWERED_S, 30 s: a 12 s pause is given up by the fleet's lease
+                  (10 s), not killed, and must resume serving)
 A request whose connection was one of those noted and that ended in a connection error is "cut by a
 frontend fault" (FrontendMap.cut_of): allowed; so is any request open during a supervisor restart
 (benchmarks/chaoslib/supervisor.py), which stops every frontend. A connection error on any other

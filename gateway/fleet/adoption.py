@@ -31,6 +31,7 @@ import ray
 from gateway.fleet.worker_client import WorkerClient
 from gateway.fleet.workers import Worker, WorkerState
 from worker_runtime.info import WorkerStanding
+from worker_runtime.roles import Role
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -106,6 +107,17 @@ async def adopt_survivors(deployment: PDDeployment, keeper: str) -> list[Worker]
     logger.info("adopted %d of %d surviving workers: %s", len(adopted), len(handles),
                 ", ".join(f"{w.worker_id} ({w.role.value})" for w in adopted))
     return adopted
+
+
+def layout_after_adoption(layout: dict[Role, int], adopted: list[Role]) -> dict[Role, int]:
+    """The target of a deployment that adopted workers in `adopted` roles: those roles (the layout the
+    previous fleet actor had reached, by PUTs or the ratio controller), plus, where it adopted fewer workers
+    than `layout` counts, the missing ones in the roles `layout` lacks most."""
+    target = {role: sum(r is role for r in adopted) for role in Role}
+    for _ in range(sum(layout.values()) - len(adopted)):
+        role = max(Role, key=lambda r: layout[r] - target[r])
+        target[role] += 1
+    return target
 
 
 async def _standing(handle: ActorHandle[WorkerActor]) -> WorkerStanding | None:

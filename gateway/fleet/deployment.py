@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, cast
 
 import ray
 
-from gateway.fleet.adoption import adopt_survivors, settings_digest, worker_actor_name
+from gateway.fleet.adoption import adopt_survivors, layout_after_adoption, settings_digest, worker_actor_name
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.drain import DRAIN_GRACE_S, DRAIN_TIMEOUT_S
 from gateway.fleet.placement import (
@@ -83,17 +83,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["PDDeployment"]
 
 SHUTDOWN_TIMEOUT_S = 30.0  # workers that have not closed their fronts by then are killed anyway
-
-
-def layout_after_adoption(layout: dict[Role, int], adopted: list[Role]) -> dict[Role, int]:
-    """The target of a deployment that adopted workers in `adopted` roles: those roles (the layout the
-    previous fleet actor had reached, by PUTs or the ratio controller), plus, where it adopted fewer workers
-    than `layout` counts, the missing ones in the roles `layout` lacks most."""
-    target = {role: sum(r is role for r in adopted) for role in Role}
-    for _ in range(sum(layout.values()) - len(adopted)):
-        role = max(Role, key=lambda r: layout[r] - target[r])
-        target[role] += 1
-    return target
 
 
 class PDDeployment:

@@ -13,7 +13,7 @@ import torch
 
 from llm_engine import SamplingParams
 from tests.helpers.engines import make_engine
-from tests.helpers.reference import random_prompts
+from tests.helpers.reference import hf_logits, random_prompts
 
 VOCAB = 1000
 
@@ -23,12 +23,6 @@ def hf_model(tiny_llama_dir: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-
-
-def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    """[len(token_ids), V] float32 logits of a plain forward."""
-    with torch.inference_mode():
-        return model(torch.tensor([token_ids])).logits[0].float()
 
 
 def reference_greedy(model: torch.nn.Module, prompt: list[int], p: SamplingParams) -> list[int]:

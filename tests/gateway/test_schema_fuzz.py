@@ -13,12 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis.strategies import SearchStrategy
 
-from tests.helpers.servers import API_KEY, MODEL, SHARED_DEFAULT_MAX_TOKENS, wait_until_no_blocks_used
+from tests.helpers.servers import MODEL, SHARED_DEFAULT_MAX_TOKENS, wait_until_no_blocks_used
 
 schemathesis = pytest.importorskip("schemathesis")
+from tests.helpers.schema_fuzz import fuzz  # noqa: E402  (needs schemathesis)
 
 # Generation stays cheap: every valid request makes at most this many tokens. The shared default server
 # (tests/gateway/conftest.py) gives chat requests that name no max_tokens as many (negative cases that the
@@ -26,8 +25,6 @@ schemathesis = pytest.importorskip("schemathesis")
 MAX_FUZZ_TOKENS = SHARED_DEFAULT_MAX_TOKENS
 GENERATE_ROUTES = ("/v1/completions", "/v1/chat/completions")
 NUM_EXAMPLES = {"positive": 100, "negative": 100}  # per route; the module takes well under 2 minutes
-# Nothing of the process may show in an error body.
-LEAKS = ("Traceback", "File \"", "object at 0x", "ActorID", "actor_id", "namespace", "ray::", "127.0.0.1")
 
 
 def pin(openapi: dict[str, Any], bound_max_tokens: bool) -> dict[str, Any]:
@@ -47,34 +44,6 @@ def pin(openapi: dict[str, Any], bound_max_tokens: bool) -> dict[str, Any]:
             if "max_completion_tokens" in request["properties"]:
                 request["properties"]["max_completion_tokens"] = bounded
     return pinned
-
-
-def check_error_body(response: httpx.Response | Any) -> None:
-    if response.status_code < 400:
-        return
-    body = response.json()
-    assert set(body) == {"error"}, body
-    assert set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
-    assert isinstance(body["error"]["type"], str) and body["error"]["type"], body
-    assert not any(leak in response.text for leak in LEAKS), response.text
-
-
-def fuzz(strategy: SearchStrategy[Any], server: str, num_examples: int) -> None:
-    auth = {"Authorization": f"Bearer {API_KEY}"}
-    checks = [schemathesis.checks.not_a_server_error, schemathesis.checks.status_code_conformance,
-              schemathesis.checks.content_type_conformance, schemathesis.checks.response_headers_conformance,
-              schemathesis.checks.response_schema_conformance, schemathesis.checks.negative_data_rejection]
-
-    @settings(max_examples=num_examples, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate, Phase.shrink])
-    @given(case=strategy)
-    def one(case: Any) -> None:
-        response = case.call(base_url=server, headers=auth, timeout=15)
-        case.validate_response(response, checks=checks, headers=auth)
-        check_error_body(response)
-
-    one()
 
 
 @pytest.fixture(scope="module")

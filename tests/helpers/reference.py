@@ -1,4 +1,5 @@
-"""Reference outputs the engines are held to: random prompts, and transformers' greedy `generate`."""
+"""Reference outputs the engines are held to: random prompts, transformers' greedy `generate` and its plain
+forward's logits."""
 
 from __future__ import annotations
 
@@ -26,3 +27,9 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
                                  min_new_tokens=max_new_tokens if ignore_eos else 0)
             outputs.append(ids[0, len(prompt):].tolist())
     return outputs
+
+
+def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), V] float32 logits of a plain forward."""
+    with torch.inference_mode():
+        return model(torch.tensor([token_ids])).logits[0].float()
