@@ -1,0 +1,120 @@
+"""Reasoning parsers (`--reasoning-parser`): a thinking model's output split into its reasoning and its answer.
+
+    qwen3        Qwen3 writes `<think>…</think>` then the answer. With thinking on (the default) the output
+                 is reasoning up to `</think>` (an opening `<think>` is dropped; newer Qwen3 templates put it
+                 in the prompt, so the output may have none); with `chat_template_kwargs: {"enable_thinking":
+                 false}` the template closes an empty think block in the prompt and the whole output is the
+                 answer.
+    deepseek_r1  DeepSeek-R1's template opens `<think>` in the prompt: the output starts inside the reasoning
+                 (an opening `<think>` the model writes anyway is dropped) and the answer follows `</think>`.
+In both, an output that never closes the block (cut by max_tokens) is all reasoning, and the text after the
+first `</think>` is the answer verbatim (as vLLM: its leading newlines kept). Empty parts are None, as vLLM
+reports them. The parsers read text, not token ids: a tag split over several deltas (a tokenizer without the
+tag as one token, or a detokenizer holding back a partial character) is still found; the stream holds back
+only text that could be the start of a tag.
+
+A whole answer is `split(text)`; a stream is a ReasoningStream per choice, whose pieces joined are exactly
+what split() says of the whole text (tests/gateway/test_reasoning.py checks every way of cutting it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from gateway.api.tool_parsers import held_back
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+class ReasoningParserName(StrEnum):
+    QWEN3 = "qwen3"
+    DEEPSEEK_R1 = "deepseek_r1"
+
+
+@dataclass(frozen=True)
+class Split:
+    """One answer's parts: None where a part is empty (as vLLM's message fields)."""
+
+    reasoning: str | None
+    content: str | None
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """How one model family marks its reasoning (one instance per server: `--reasoning-parser`)."""
+
+    name: ReasoningParserName
+    follows_enable_thinking: bool  # qwen3: `enable_thinking: false` makes the whole output the answer
+
+    def starts_in_reasoning(self, chat_template_kwargs: Mapping[str, Any] | None) -> bool:
+        """Whether a request's output begins inside the reasoning (its chat_template_kwargs, if any)."""
+        if not self.follows_enable_thinking or not chat_template_kwargs:
+            return True
+        return chat_template_kwargs.get("enable_thinking", True) is not False
+
+    def split(self, text: str, starts_in_reasoning: bool = True) -> Split:
+        """A whole answer's reasoning and content."""
+        stream = ReasoningStream(starts_in_reasoning)
+        reasoning, content = stream.feed(text, is_final=True)
+        return Split(reasoning or None, content or None)
+
+
+PARSERS: dict[ReasoningParserName, ReasoningParser] = {
+    ReasoningParserName.QWEN3: ReasoningParser(ReasoningParserName.QWEN3, follows_enable_thinking=True),
+    ReasoningParserName.DEEPSEEK_R1: ReasoningParser(ReasoningParserName.DEEPSEEK_R1,
+                                                     follows_enable_thinking=False),
+}
+
+
+def reasoning_parser(name: str | None) -> ReasoningParser | None:
+    """The parser of that name (None: none).
+
+    Raises:
+        ValueError: an unknown name; the message lists the known ones.
+    """
+    if name is None:
+        return None
+    try:
+        return PARSERS[ReasoningParserName(name)]
+    except ValueError:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(PARSERS)}") from None
+
+
+class ReasoningStream:
+    """One choice's output, delta by delta: what each delta adds to the reasoning and to the content.
+
+    Inside the reasoning, `<think>` is dropped and `</think>` ends it; text that could be the start of either
+    tag waits for the next delta (or the last one). After `</think>` every character is content at once.
+    """
+
+    def __init__(self, starts_in_reasoning: bool = True) -> None:
+        self.is_reasoning = starts_in_reasoning
+        self._pending = ""  # reasoning text that may still be the start of a tag (at most len("</think>") - 1)
+
+    def feed(self, text: str, is_final: bool) -> tuple[str, str]:
+        """(reasoning, content) this text adds; with is_final everything held back comes out."""
+        if not self.is_reasoning:
+            return "", text
+        pending = self._pending + text
+        self._pending = ""
+        reasoning: list[str] = []
+        while True:
+            end = pending.find(THINK_END)
+            start = pending.find(THINK_START)
+            if 0 <= start and (end < 0 or start < end):  # an opening tag inside the reasoning: dropped
+                reasoning.append(pending[:start])
+                pending = pending[start + len(THINK_START):]
+                continue
+            if end >= 0:
+                reasoning.append(pending[:end])
+                self.is_reasoning = False
+                return "".join(reasoning), pending[end + len(THINK_END):]
+            break
+        num_held = 0 if is_final else max(held_back(pending, THINK_END), held_back(pending, THINK_START))
+        reasoning.append(pending[:len(pending) - num_held])
+        self._pending = pending[len(pending) - num_held:]
+        return "".join(reasoning), ""
