@@ -234,6 +234,9 @@ class CompletionResponse(BaseModel):
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
+    # With --reasoning-parser: the model's thinking, under vLLM's name and its older one (clients read either).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[ToolCall] | list[ToolCallDelta] | None = None  # whole calls, or a stream's pieces
 

@@ -1,3 +1,5 @@
+# Over 300 lines: the chat framing moves to a module of its own once the request extensions (issue 33 item 1)
+# have landed here too.
 """OpenAI response framing of a TextDelta stream: whole responses, and SSE chunks ending in [DONE].
 
 A stream that fails after its headers went out (no worker could finish it, a deadline passed) ends with an
@@ -33,6 +35,7 @@ from gateway.api.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from gateway.api.reasoning import ReasoningParser, ReasoningStream, Split, template_kwargs, with_reasoning
 from gateway.api.tool_parsers import ToolCallParser
 from gateway.api.tool_responses import ToolCallStream, whole_message
 from gateway.requests.events import RequestFailed
@@ -225,17 +228,24 @@ async def completion_stream(service: GatewayService, texts: TokenTexts, body: Co
 
 async def chat_response(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
                         prepared: PreparedRequest, deltas: AsyncIterator[TextDelta],
-                        tool_parser: ToolCallParser | None = None) -> ChatCompletionResponse:
-    """The whole answer, one choice per index; each read for tool calls with `tool_parser`
+                        tool_parser: ToolCallParser | None = None, reasoning: ReasoningParser | None = None
+                        ) -> ChatCompletionResponse:
+    """The whole answer, one choice per index; each split into reasoning and content with `reasoning`
+    (gateway/api/reasoning.py), and its content read for tool calls with `tool_parser`
     (gateway/api/tool_responses.py)."""
     choices = await _Collected.of(deltas)
     lasts = [got.final for got in choices]
+    starts = reasoning is not None and reasoning.starts_in_reasoning(template_kwargs(body))
     answers = []
     for i, got in enumerate(choices):
-        message = ChatDelta(role="assistant", content="".join(got.text))
+        split = Split(None, "".join(got.text))
+        if reasoning is not None:
+            split = reasoning.split(split.content or "", starts)
+        message = ChatDelta(role="assistant", content=split.content)
         finish_reason = got.final.finish_reason
         if tool_parser is not None:
-            message, finish_reason = whole_message(tool_parser, "".join(got.text), finish_reason)
+            message, finish_reason = whole_message(tool_parser, split.content or "", finish_reason)
+        message = with_reasoning(message, split.reasoning)
         answers.append(ChatChoice(
             index=i, message=message, finish_reason=finish_reason,
             logprobs=ChatLogprobs(content=chat_logprobs(texts, got.token_ids, got.logprobs, got.top_logprobs))
@@ -248,9 +258,11 @@ async def chat_response(service: GatewayService, texts: TokenTexts, body: ChatCo
 
 async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
                       prepared: PreparedRequest, deltas: AsyncIterator[TextDelta], include_usage: bool,
-                      tool_parser: ToolCallParser | None = None) -> AsyncIterator[str]:
-    """The SSE chunks, the choices interleaved by index; with `tool_parser`, each choice's content and
-    tool-call deltas as gateway/api/tool_responses.py frames them."""
+                      tool_parser: ToolCallParser | None = None, reasoning: ReasoningParser | None = None
+                      ) -> AsyncIterator[str]:
+    """The SSE chunks, the choices interleaved by index; with `reasoning`, each choice's reasoning apart
+    (`delta.reasoning`); with `tool_parser`, each choice's content and tool-call deltas as
+    gateway/api/tool_responses.py frames them."""
     created = int(time.time())
 
     def response(choice: ChatChoice | None, **extra: object) -> ChatCompletionResponse:
@@ -264,8 +276,13 @@ async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatComp
     num_choices = prepared.sampling.n
     frames = [_TextFrames(response(ChatChoice(index=i, delta=ChatDelta(content="\x00"), finish_reason=None)),
                           "content") for i in range(num_choices)]
-    is_text_only = not body.logprobs and not body.return_token_ids and tool_parser is None
+    is_text_only = (not body.logprobs and not body.return_token_ids and tool_parser is None
+                    and reasoning is None)
     tools = [ToolCallStream(tool_parser) for _ in range(num_choices)] if tool_parser is not None else None
+    thoughts = None  # each choice's ReasoningStream: the reasoning is split off before tools read the rest
+    if reasoning is not None:
+        starts = reasoning.starts_in_reasoning(template_kwargs(body))
+        thoughts = [ReasoningStream(starts) for _ in range(num_choices)]
     for i in range(num_choices):  # as OpenAI: each choice's first chunk names the role
         yield chunk(ChatChoice(index=i, delta=ChatDelta(role="assistant", content=""), finish_reason=None))
     lasts: list[TextDelta] = []  # each choice's final delta
@@ -276,17 +293,23 @@ async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatComp
         if is_text_only and delta.finish_reason is None:
             yield frames[delta.index].frame(delta.text)
             continue
-        message = ChatDelta(content=delta.text)
         finish_reason = delta.finish_reason
+        thought, text = "", delta.text
+        if thoughts is not None:
+            thought, text = thoughts[delta.index].feed(text, is_final=finish_reason is not None)
         if tools is not None:
             stream = tools[delta.index]
-            pieces = stream.feed(delta.text, is_final=finish_reason is not None)
-            for piece in pieces[:-1]:
-                yield chunk(ChatChoice(index=delta.index, delta=piece, finish_reason=None))
-            message = pieces[-1] if pieces else ChatDelta(content="")
+            pieces = stream.feed(text, is_final=finish_reason is not None)
             finish_reason = stream.finish_reason(finish_reason)
-            if not pieces and finish_reason is None and not body.logprobs and not body.return_token_ids:
-                continue  # held back (it may open a call): nothing to send yet
+        else:
+            pieces = [ChatDelta(content=text)] if text or thoughts is None else []
+        if thought:  # the reasoning goes first: it was written before this delta's content
+            pieces = [with_reasoning(pieces[0] if pieces else ChatDelta(), thought), *pieces[1:]]
+        for piece in pieces[:-1]:
+            yield chunk(ChatChoice(index=delta.index, delta=piece, finish_reason=None))
+        message = pieces[-1] if pieces else ChatDelta(content="")
+        if not pieces and finish_reason is None and not body.logprobs and not body.return_token_ids:
+            continue  # held back (it may open a call, or close the reasoning): nothing to send yet
         choice = ChatChoice(
             index=delta.index, delta=message, finish_reason=finish_reason,
             logprobs=ChatLogprobs(content=chat_logprobs(texts, delta.token_ids, delta.logprobs,
