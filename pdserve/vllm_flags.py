@@ -47,7 +47,7 @@ Translate = Callable[[Any, dict[str, Any]], Outcome]  # (the flag's value, the p
 
 @dataclass(frozen=True)
 class VllmFlag:
-    names: tuple[str, ...]  # as vLLM spells them; the first is the one messages name
+    names: tuple[str, ...]  # as vLLM spells them (short form first); messages name them all
     help: str  # shown under "vLLM's flags" in `pdserve serve --help`
     translate: Translate
     takes_value: bool = True  # False: a switch (argparse store_true)
@@ -55,7 +55,7 @@ class VllmFlag:
 
     @property
     def dest(self) -> str:
-        return "vllm_" + self.names[0].lstrip("-").replace("-", "_")
+        return "vllm_" + self.names[-1].lstrip("-").replace("-", "_")
 
 
 def no_op(why: str) -> Translate:
@@ -138,9 +138,9 @@ FLAGS: tuple[VllmFlag, ...] = (
              kv_cache_memory_bytes),
     VllmFlag(("--enforce-eager",), "→ --compile off", enforce_eager, takes_value=False),
     VllmFlag(("--kv-cache-dtype",), "auto only (the model's dtype)", kv_cache_dtype),
-    VllmFlag(("--tensor-parallel-size", "-tp"), "1 only (no tensor parallelism yet)", only_one(NO_TP)),
-    VllmFlag(("--pipeline-parallel-size", "-pp"), "1 only (no pipeline parallelism yet)", only_one(NO_TP)),
-    VllmFlag(("--data-parallel-size", "-dp"), "1 only: pdserve's workers are its data parallelism",
+    VllmFlag(("-tp", "--tensor-parallel-size"), "1 only (no tensor parallelism yet)", only_one(NO_TP)),
+    VllmFlag(("-pp", "--pipeline-parallel-size"), "1 only (no pipeline parallelism yet)", only_one(NO_TP)),
+    VllmFlag(("-dp", "--data-parallel-size"), "1 only: pdserve's workers are its data parallelism",
              only_one("pdserve's workers are its data parallelism: give the number of each kind, "
                       "--prefill N --decode M (or --mixed K for colocated workers)")),
     VllmFlag(("--distributed-executor-backend",), "accepted: workers are always Ray actors",
@@ -154,7 +154,7 @@ FLAGS: tuple[VllmFlag, ...] = (
              no_op("pdserve prints no periodic stats (see /metrics)"), takes_value=False),
     VllmFlag(("--swap-space",), "accepted: a preempted request is recomputed",
              no_op("a preempted request is recomputed, never swapped to CPU memory")),
-    VllmFlag(("--quantization", "-q"), "refused: unquantized weights only", refused(UNQUANTIZED)),
+    VllmFlag(("-q", "--quantization"), "refused: unquantized weights only", refused(UNQUANTIZED)),
     VllmFlag(("--lora-modules",), "refused: no LoRA adapters", refused(
         "LoRA adapters are not served: merge the adapter into the model (peft's merge_and_unload) and serve "
         "the merged model"), takes_value=True),
@@ -199,8 +199,9 @@ def translate_vllm_flags(args: argparse.Namespace, flags: dict[str, Any]) -> dic
         value = getattr(args, flag.dest, None)
         if value is None:
             continue
-        shown = flag.names[0] if value is True else (
-            f"--no-{flag.names[0][2:]}" if value is False else f"{flag.names[0]} {value}")
+        name = "/".join(flag.names)  # -tp/--tensor-parallel-size: named as the user may have typed it
+        shown = name if value is True else (
+            f"--no-{flag.names[0][2:]}" if value is False else f"{name} {value}")
         try:
             outcome = flag.translate(value, flags)
         except (RefusedFlag, ValueError) as error:
