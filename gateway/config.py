@@ -256,8 +256,8 @@ class ServeConfig(BaseSettings):
         None,
         description="split a thinking model's <think>...</think> off the answer into message.reasoning "
                     "(and reasoning_content), streamed too: qwen3 (follows chat_template_kwargs "
-                    "enable_thinking) or deepseek_r1 (the output starts inside the reasoning) (default: none, "
-                    "the thinking stays in content)")
+                    "enable_thinking) or deepseek_r1 (the output starts inside the reasoning) "
+                    "(default: none, the thinking stays in content)")
     chat_template: str | None = Field(
         None,
         description="a Jinja chat template replacing the tokenizer's: a file, or the template's text "

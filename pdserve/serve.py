@@ -48,7 +48,7 @@ def load_serve_config(args: argparse.Namespace) -> Any:
         if flags.get("model", args.model_arg) != args.model_arg:
             raise ValueError(f"--model: given twice ({args.model_arg!r} and --model {flags['model']!r})")
         flags["model"] = args.model_arg
-    flags = translate_vllm_flags(args, flags)  # vLLM's spellings: no-ops, renames, or a refusal naming the flag
+    flags = translate_vllm_flags(args, flags)  # vLLM's spellings: no-ops, renames, or a refusal naming it
     try:
         return ServeConfig.from_yaml(args.config, **flags)
     except ValidationError as error:

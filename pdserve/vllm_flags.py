@@ -90,7 +90,7 @@ def chunked_prefill(value: bool, flags: dict[str, Any]) -> Outcome:
         return Outcome("accepted, no effect: prompts are still cut into chunks of --max-num-batched-tokens; "
                        "give --max-num-batched-tokens at least --max-model-len to prefill each prompt in one "
                        "step", {})
-    return Outcome("accepted, no effect: chunked prefill is always on (--max-num-batched-tokens per step)", {})
+    return Outcome("accepted, no effect: chunked prefill is always on (--max-num-batched-tokens a step)", {})
 
 
 # vLLM's human-readable integers: k/m/g/t are powers of 1000, K/M/G/T of 1024 (pdserve's own --kv-cache-memory
@@ -102,7 +102,8 @@ def vllm_bytes(text: str) -> int:
     """A vLLM --kv-cache-memory-bytes value in bytes ("2G" = 2 × 1024³, "2g" = 2 × 10⁹)."""
     match = _HUMAN.match(str(text))
     if match is None:
-        raise RefusedFlag(f"expected a number of bytes such as 4294967296, 4G (1024³) or 4g (10⁹), got {text!r}")
+        raise RefusedFlag(f"expected a number of bytes such as 4294967296, 4G (1024³) or 4g (10⁹), "
+                          f"got {text!r}")
     number, unit = float(match.group(1)), match.group(2)
     if not unit:
         return int(number)
@@ -127,8 +128,8 @@ def kv_cache_dtype(value: str, flags: dict[str, Any]) -> Outcome:
 
 
 FLAGS: tuple[VllmFlag, ...] = (
-    VllmFlag(("--enable-prefix-caching",), "always on (--no-enable-prefix-caching is refused)", prefix_caching,
-             is_bool_pair=True),
+    VllmFlag(("--enable-prefix-caching",), "always on (--no-enable-prefix-caching is refused)",
+             prefix_caching, is_bool_pair=True),
     VllmFlag(("--enable-chunked-prefill",), "always on: chunks of --max-num-batched-tokens", chunked_prefill,
              is_bool_pair=True),
     VllmFlag(("--enable-auto-tool-choice",), "always on: tool calls are parsed whenever tools are given",
@@ -174,8 +175,8 @@ FLAGS: tuple[VllmFlag, ...] = (
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """Each of FLAGS on `parser`, in a group of their own in the help."""
     group = parser.add_argument_group(
-        "vLLM's flags", "accepted as vLLM users type them: a no-op, renamed to pdserve's flag, or refused with "
-                        "the reason (docs/serving.md, \"Coming from vLLM\")")
+        "vLLM's flags", "accepted as vLLM users type them: a no-op, renamed to pdserve's flag, or refused "
+                        "with the reason (docs/serving.md, \"Coming from vLLM\")")
     for flag in FLAGS:
         options: dict[str, Any] = {"dest": flag.dest, "default": None, "help": flag.help}
         if flag.is_bool_pair:
@@ -208,7 +209,8 @@ def translate_vllm_flags(args: argparse.Namespace, flags: dict[str, Any]) -> dic
             raise RefusedFlag(f"{shown}: {error}") from None
         for field, setting in outcome.settings.items():
             if field in flags and flags[field] != setting:
-                raise RefusedFlag(f"{shown}: clashes with --{field.replace('_', '-')} {flags[field]}; give one")
+                pdserve_flag = "--" + field.replace("_", "-")
+                raise RefusedFlag(f"{shown}: clashes with {pdserve_flag} {flags[field]}; give one")
         flags.update(outcome.settings)
         logger.info("%s: %s", shown, outcome.note)
     if flags.get("dtype") in ("half", "float"):
@@ -235,5 +237,6 @@ def _dtype_spelling(dtype: str, device: str | None) -> str:
 
 def unknown_flag_message(command: str, unknown: list[str]) -> str:
     """argparse's "unrecognized arguments", said so that a user knows where to look."""
-    return (f"{unknown[0]}: `pdserve {command}` has no such flag or argument (`pdserve {command} --help` lists "
-            "them; vLLM's flags and what pdserve does with each: docs/serving.md, \"Coming from vLLM\")")
+    return (f"{unknown[0]}: `pdserve {command}` has no such flag or argument (`pdserve {command} --help` "
+            "lists them; vLLM's flags and what pdserve does with each: docs/serving.md, \"Coming from "
+            "vLLM\")")

@@ -83,3 +83,11 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
                                  min_new_tokens=max_new_tokens if ignore_eos else 0)
             outputs.append(ids[0, len(prompt):].tolist())
     return outputs
+
+
+@pytest.fixture(scope="session")
+def qwen3_small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Qwen3 checkpoint that thinks on cue, Qwen3's tokenizer and template (tests/qwen3_small.py)."""
+    from tests.qwen3_small import build_qwen3_small
+
+    return build_qwen3_small(tmp_path_factory.mktemp("qwen3-small"))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -36,8 +37,9 @@ ADDED = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
          ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
          ("<|box_end|>", True), ("<|quad_start|>", True), ("<|quad_end|>", True), ("<|vision_start|>", True),
          ("<|vision_end|>", True), ("<|vision_pad|>", True), ("<|image_pad|>", True), ("<|video_pad|>", True),
-         ("<tool_call>", False), ("</tool_call>", False), ("<|fim_prefix|>", False), ("<|fim_middle|>", False),
-         ("<|fim_suffix|>", False), ("<|fim_pad|>", False), ("<|repo_name|>", False), ("<|file_sep|>", False),
+         ("<tool_call>", False), ("</tool_call>", False), ("<|fim_prefix|>", False),
+         ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+         ("<|repo_name|>", False), ("<|file_sep|>", False),
          ("<tool_response>", False), ("</tool_response>", False), ("<think>", False), ("</think>", False)]
 IM_END_ID, ENDOFTEXT_ID = 151645, 151643
 VOCAB_SIZE = 151936  # Qwen3's embedding rows (more than the tokenizer's ids, as in the real checkpoints)
@@ -47,8 +49,9 @@ REASONING, ANSWER = "Let me think", "The answer is four"
 CHAIN = ["\n", "<think>", "Let", " me", " think", "</think>", "\n\n", "The", " answer", " is", " four",
          "<|im_end|>"]
 # Qwen3's generation_config.json (Qwen3-0.6B's sampling defaults).
-GENERATION_CONFIG = {"bos_token_id": ENDOFTEXT_ID, "do_sample": True, "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
-                     "pad_token_id": ENDOFTEXT_ID, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+GENERATION_CONFIG = {"bos_token_id": ENDOFTEXT_ID, "do_sample": True,
+                     "eos_token_id": [IM_END_ID, ENDOFTEXT_ID], "pad_token_id": ENDOFTEXT_ID,
+                     "temperature": 0.6, "top_k": 20, "top_p": 0.95}
 
 
 def _bpe_ranks() -> dict[bytes, int]:
@@ -66,7 +69,8 @@ def _bpe_ranks() -> dict[bytes, int]:
 
 def _byte_level_table() -> list[str]:
     """GPT-2's byte-level alphabet: byte → the printable character the BPE vocabulary spells it with."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}
     table, num_moved = [""] * 256, 0
     for byte in range(256):
         if byte in printable:
@@ -139,7 +143,7 @@ def build_qwen3_small(out_dir: Path, seed: int = 0) -> Path:
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         for token_id in ids:  # chain tokens stand out of the residual stream the layers add to
             embed[token_id] = torch.randn(config.hidden_size)
-        for prev, token_id in zip(ids, ids[1:], strict=False):
+        for prev, token_id in itertools.pairwise(ids):
             head[token_id] = 2.0 * embed[prev] / embed[prev].norm() * config.hidden_size ** 0.5 / 4
     model.save_pretrained(out_dir)
     (out_dir / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))

@@ -1,4 +1,4 @@
-"""`--chat-template`: a Jinja chat template that replaces the tokenizer's, given as a file or as the text itself.
+"""`--chat-template`: a Jinja chat template replacing the tokenizer's, given as a file or as the text itself.
 
 Read as vLLM reads it: a path that opens is a file; otherwise a value with any of `{`, `}` or a newline is the
 template's text, its backslash escapes decoded (so `--chat-template '{{ m }}\\n'` on a shell line means a

@@ -66,7 +66,7 @@ class Preparer:
                  tool_call_parser: str = "auto", reasoning_parser: ReasoningParser | None = None,
                  sampling_defaults: SamplingDefaults | None = None) -> None:
         # default_max_tokens None: a chat request naming none gets the generation config's max_new_tokens,
-        # else what the context leaves; sampling_defaults: --generation-config's (gateway/api/sampling_defaults.py).
+        # else what the context leaves; sampling_defaults: --generation-config's (api/sampling_defaults.py).
         self.tokenizer = tokenizer
         self.reasoning_parser = reasoning_parser
         self.sampling_defaults = sampling_defaults or SamplingDefaults()

@@ -234,7 +234,7 @@ class CompletionResponse(BaseModel):
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
-    # With --reasoning-parser: the model's thinking, under vLLM's name and its older one (clients read either).
+    # With --reasoning-parser: the model's thinking, under vLLM's name and its older one (clients read one).
     reasoning: str | None = None
     reasoning_content: str | None = None
     content: str | None = None

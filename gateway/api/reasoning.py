@@ -1,4 +1,4 @@
-"""Reasoning parsers (`--reasoning-parser`): a thinking model's output split into its reasoning and its answer.
+"""Reasoning parsers (`--reasoning-parser`): a thinking model's output split into reasoning and answer.
 
     qwen3        Qwen3 writes `<think>…</think>` then the answer. With thinking on (the default) the output
                  is reasoning up to `</think>` (an opening `<think>` is dropped; newer Qwen3 templates put it
@@ -96,7 +96,7 @@ class ReasoningStream:
 
     def __init__(self, starts_in_reasoning: bool = True) -> None:
         self.is_reasoning = starts_in_reasoning
-        self._pending = ""  # reasoning text that may still be the start of a tag (at most len("</think>") - 1)
+        self._pending = ""  # reasoning text that may still start a tag (less than len("</think>") characters)
 
     def feed(self, text: str, is_final: bool) -> tuple[str, str]:
         """(reasoning, content) this text adds; with is_final everything held back comes out."""
@@ -108,7 +108,7 @@ class ReasoningStream:
         while True:
             end = pending.find(THINK_END)
             start = pending.find(THINK_START)
-            if 0 <= start and (end < 0 or start < end):  # an opening tag inside the reasoning: dropped
+            if start >= 0 and (end < 0 or start < end):  # an opening tag inside the reasoning: dropped
                 reasoning.append(pending[:start])
                 pending = pending[start + len(THINK_START):]
                 continue

@@ -6,9 +6,9 @@
     vllm  the file is ignored: the neutral defaults (temperature 1, top_p 1, no top_k, no penalties);
     DIR   the generation_config.json in DIR, the same fields; its max_new_tokens also caps every request's
           max_tokens (as vLLM treats a config given by path).
-The file is read as transformers reads it (GenerationConfig), and only the values that differ from
-transformers' own defaults count, as vLLM takes them (`to_diff_dict`): a file that says top_k 50, transformers'
-default, sets nothing. A field a request sets, even to the neutral value, is the request's.
+The file is read as transformers reads it (GenerationConfig) and as vLLM takes it (`to_diff_dict`: the values
+that differ from transformers' defaults, which since transformers 5 are unset, so every value the file gives
+counts). A field a request sets, even to the neutral value, is the request's.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ R1 = PARSERS["deepseek_r1"]  # type: ignore[index]
 # (output, starts in reasoning?) → (reasoning, content), as vLLM reports them.
 CASES = [
     ("<think>\nLet me add.\n</think>\n\nThe sum is 4.", True, Split("\nLet me add.\n", "\n\nThe sum is 4.")),
-    ("Let me add.</think>The sum is 4.", True, Split("Let me add.", "The sum is 4.")),  # <think> in the prompt
+    ("Let me add.</think>The sum is 4.", True, Split("Let me add.", "The sum is 4.")),  # <think> was prompt
     ("<think>still thinking when max_tokens", True, Split("still thinking when max_tokens", None)),
     ("no tags at all", True, Split("no tags at all", None)),
     ("<think>done</think>", True, Split("done", None)),  # stopped right after the block
@@ -52,9 +52,9 @@ def _streamed(text: str, cuts: list[int], starts: bool = True) -> tuple[list[str
 def test_a_stream_cut_anywhere_joins_to_the_whole_split(text: str, starts: bool, expected: Split) -> None:
     for cut in range(len(text) + 1):  # one cut at every place: each tag split at every character
         reasoning, content = _streamed(text, [cut], starts)
-        assert ("".join(reasoning) or None, "".join(content) or None) == (expected.reasoning, expected.content)
+        assert Split("".join(reasoning) or None, "".join(content) or None) == expected
     reasoning, content = _streamed(text, list(range(1, len(text))), starts)  # a character per delta
-    assert ("".join(reasoning) or None, "".join(content) or None) == (expected.reasoning, expected.content)
+    assert Split("".join(reasoning) or None, "".join(content) or None) == expected
 
 
 def test_only_a_possible_tag_is_held_back() -> None:

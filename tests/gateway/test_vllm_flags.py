@@ -28,7 +28,8 @@ def test_the_acceptance_line_starts_with_a_log_line_per_flag(caplog: pytest.LogC
     assert config.dtype == "auto"
     said = caplog.text
     for flag in ("--enable-prefix-caching: accepted, no effect", "--enable-chunked-prefill: accepted",
-                 "--enable-auto-tool-choice: accepted", "--dtype half: on a CPU", "-tp/--tensor-parallel-size 1"):
+                 "--enable-auto-tool-choice: accepted", "--dtype half: on a CPU",
+                 "-tp/--tensor-parallel-size 1"):
         assert flag in said, said
 
 
@@ -62,7 +63,7 @@ def test_what_pdserve_cannot_honour_stops_with_a_sentence_naming_the_flag(
         load(*argv)
     assert named in str(raised.value)
     assert main(["serve", *argv]) == 2  # before anything starts
-    assert f"pdserve serve: error: " in capsys.readouterr().err
+    assert "pdserve serve: error: " in capsys.readouterr().err
 
 
 def test_an_unknown_flag_names_itself_and_where_the_flags_are(capsys: pytest.CaptureFixture[str]) -> None:
