@@ -169,6 +169,10 @@ class ChatMessage(BaseModel):
     name: str | None = None  # a participant's name: accepted, not given to the chat template
     tool_calls: list[ToolCall] | None = None  # an assistant message's calls (gateway/api/tool_prompt.py)
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # An assistant message's thinking as a reasoning parser returned it (clients send it back in a history):
+    # given to the template as both names (Qwen3's reads reasoning_content; most ignore it).
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
 
     @property
     def text(self) -> str:

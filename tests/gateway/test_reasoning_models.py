@@ -189,3 +189,14 @@ def test_without_the_block_closed_all_is_reasoning(qwen3_small_dir: Path) -> Non
                                     reasoning=QWEN3))
     message = cut.choices[0].message
     assert message is not None and message.reasoning == "\nhmm, so" and message.content is None
+
+
+def test_a_history_gives_the_template_its_reasoning_back(qwen3_small_dir: Path) -> None:
+    """A client sends the assistant's message back as it got it (reasoning included): Qwen3's template shows
+    the reasoning of the turn after the last question."""
+    ready = preparer(qwen3_small_dir)
+    history = [ChatMessage(role="user", content="What is 2+2?"),
+               ChatMessage(role="assistant", content="4", reasoning="adding"),
+               ChatMessage(role="assistant", content="yes", reasoning_content="checking")]
+    text = ready.tokenizer.decode(asyncio.run(ready.render_chat(history, add_generation_prompt=False)))
+    assert "<think>\nchecking\n</think>\n\nyes" in text
