@@ -1,6 +1,6 @@
 """A reasoning model through 1 prefill + 1 decode on Ray, with the unmodified openai SDK: the small Qwen3
-checkpoint (tests/qwen3_small.py: Qwen3's architecture, tokenizer, template and generation_config.json; a model
-that writes `<think>Let me think</think>\\n\\nThe answer is four`) served with --reasoning-parser qwen3.
+checkpoint (tests/qwen3_small.py: Qwen3's architecture, tokenizer, template and generation_config.json;
+a model that writes `<think>Let me think</think>\\n\\nThe answer is four`), --reasoning-parser qwen3.
 The requests name no max_tokens and no temperature: the rest of the context and Qwen3's sampling defaults
 (temperature 0.6, top_k 20) apply, as on vLLM."""
 
