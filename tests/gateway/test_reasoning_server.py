@@ -15,7 +15,9 @@ import openai
 import pytest
 
 from gateway.api.protocol import ChatCompletionRequest
-from tests.gateway.conftest import MODEL, serving, two_stage_config, whole_after
+from pdserve.main import build_parser
+from pdserve.serve import load_serve_config
+from tests.gateway.conftest import MODEL, free_port, serving, whole_after
 from tests.qwen3_small import ANSWER, REASONING
 
 pytestmark = pytest.mark.slow
@@ -24,9 +26,13 @@ ASK: list[Any] = [{"role": "user", "content": "What is 2+2?"}]
 
 @pytest.fixture(scope="module")
 def server(qwen3_small_dir: Path, ray_local: None) -> Iterator[str]:
-    config = two_stage_config(qwen3_small_dir, decode=1, reasoning_parser="qwen3", kv_cache_mib=8,
-                              max_num_batched_tokens=256)
-    with serving(config) as (url, _):
+    # Started from a command line as a vLLM user types it (issue 33's acceptance line): vLLM's no-op flags,
+    # and --dtype half, which on a CPU becomes auto (pdserve/vllm_flags.py).
+    argv = ["serve", str(qwen3_small_dir), "--reasoning-parser", "qwen3", "--enable-prefix-caching",
+            "--enable-chunked-prefill", "--enable-auto-tool-choice", "--dtype", "half", "-tp", "1",
+            "--served-model-name", MODEL, "--port", str(free_port()), "--prefill", "1", "--decode", "1",
+            "--kv-cache-memory-bytes", "8M", "--max-num-batched-tokens", "256"]
+    with serving(load_serve_config(build_parser().parse_args(argv))) as (url, _):
         yield url
 
 
