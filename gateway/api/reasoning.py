@@ -4,7 +4,8 @@
                  is reasoning up to `</think>` (an opening `<think>` is dropped; newer Qwen3 templates put it
                  in the prompt, so the output may have none); with `chat_template_kwargs: {"enable_thinking":
                  false}` the template closes an empty think block in the prompt and the whole output is the
-                 answer.
+                 answer. A `<tool_call>` written while thinking also ends the reasoning (as vLLM's qwen3
+                 parser): the call is the answer's, for the tool parser to read.
     deepseek_r1  DeepSeek-R1's template opens `<think>` in the prompt: the output starts inside the reasoning
                  (an opening `<think>` the model writes anyway is dropped) and the answer follows `</think>`.
 In both, an output that never closes the block (cut by max_tokens) is all reasoning, and the text after the
@@ -52,6 +53,7 @@ class ReasoningParser:
 
     name: ReasoningParserName
     follows_enable_thinking: bool  # qwen3: `enable_thinking: false` makes the whole output the answer
+    implicit_ends: tuple[str, ...] = ()  # tags that end the reasoning and begin the answer (kept in it)
 
     def starts_in_reasoning(self, chat_template_kwargs: Mapping[str, Any] | None) -> bool:
         """Whether a request's output begins inside the reasoning (its chat_template_kwargs, if any)."""
@@ -59,15 +61,20 @@ class ReasoningParser:
             return True
         return chat_template_kwargs.get("enable_thinking", True) is not False
 
+    def stream(self, starts_in_reasoning: bool = True) -> ReasoningStream:
+        """One choice's stream."""
+        return ReasoningStream(starts_in_reasoning, self.implicit_ends)
+
     def split(self, text: str, starts_in_reasoning: bool = True) -> Split:
         """A whole answer's reasoning and content."""
-        stream = ReasoningStream(starts_in_reasoning)
+        stream = self.stream(starts_in_reasoning)
         reasoning, content = stream.feed(text, is_final=True)
         return Split(reasoning or None, content or None)
 
 
 PARSERS: dict[ReasoningParserName, ReasoningParser] = {
-    ReasoningParserName.QWEN3: ReasoningParser(ReasoningParserName.QWEN3, follows_enable_thinking=True),
+    ReasoningParserName.QWEN3: ReasoningParser(ReasoningParserName.QWEN3, follows_enable_thinking=True,
+                                               implicit_ends=("<tool_call>",)),
     ReasoningParserName.DEEPSEEK_R1: ReasoningParser(ReasoningParserName.DEEPSEEK_R1,
                                                      follows_enable_thinking=False),
 }
@@ -94,9 +101,11 @@ class ReasoningStream:
     tag waits for the next delta (or the last one). After `</think>` every character is content at once.
     """
 
-    def __init__(self, starts_in_reasoning: bool = True) -> None:
+    def __init__(self, starts_in_reasoning: bool = True, implicit_ends: tuple[str, ...] = ()) -> None:
         self.is_reasoning = starts_in_reasoning
-        self._pending = ""  # reasoning text that may still start a tag (less than len("</think>") characters)
+        self._implicit_ends = implicit_ends  # tags that end the reasoning and stay, as the answer's start
+        self._tags = (THINK_START, THINK_END, *implicit_ends)
+        self._pending = ""  # reasoning text that may still be the start of a tag (shorter than the tag)
 
     def feed(self, text: str, is_final: bool) -> tuple[str, str]:
         """(reasoning, content) this text adds; with is_final everything held back comes out."""
@@ -106,18 +115,17 @@ class ReasoningStream:
         self._pending = ""
         reasoning: list[str] = []
         while True:
-            end = pending.find(THINK_END)
-            start = pending.find(THINK_START)
-            if start >= 0 and (end < 0 or start < end):  # an opening tag inside the reasoning: dropped
-                reasoning.append(pending[:start])
-                pending = pending[start + len(THINK_START):]
+            found = [(at, tag) for tag in self._tags if (at := pending.find(tag)) >= 0]
+            if not found:
+                break
+            at, tag = min(found)  # the first tag written
+            reasoning.append(pending[:at])
+            if tag == THINK_START:  # an opening tag inside the reasoning: dropped
+                pending = pending[at + len(tag):]
                 continue
-            if end >= 0:
-                reasoning.append(pending[:end])
-                self.is_reasoning = False
-                return "".join(reasoning), pending[end + len(THINK_END):]
-            break
-        num_held = 0 if is_final else max(held_back(pending, THINK_END), held_back(pending, THINK_START))
+            self.is_reasoning = False
+            return "".join(reasoning), pending[at + len(tag) if tag == THINK_END else at:]
+        num_held = 0 if is_final else max(held_back(pending, tag) for tag in self._tags)
         reasoning.append(pending[:len(pending) - num_held])
         self._pending = pending[len(pending) - num_held:]
         return "".join(reasoning), ""

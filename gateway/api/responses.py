@@ -35,7 +35,7 @@ from gateway.api.protocol import (
     PromptTokensDetails,
     Usage,
 )
-from gateway.api.reasoning import ReasoningParser, ReasoningStream, Split, template_kwargs, with_reasoning
+from gateway.api.reasoning import ReasoningParser, Split, template_kwargs, with_reasoning
 from gateway.api.tool_parsers import ToolCallParser
 from gateway.api.tool_responses import ToolCallStream, whole_message
 from gateway.requests.events import RequestFailed
@@ -282,7 +282,7 @@ async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatComp
     thoughts = None  # each choice's ReasoningStream: the reasoning is split off before tools read the rest
     if reasoning is not None:
         starts = reasoning.starts_in_reasoning(template_kwargs(body))
-        thoughts = [ReasoningStream(starts) for _ in range(num_choices)]
+        thoughts = [reasoning.stream(starts) for _ in range(num_choices)]
     for i in range(num_choices):  # as OpenAI: each choice's first chunk names the role
         yield chunk(ChatChoice(index=i, delta=ChatDelta(role="assistant", content=""), finish_reason=None))
     lasts: list[TextDelta] = []  # each choice's final delta

@@ -37,6 +37,19 @@ def test_whole_answer_splits_as_vllm(text: str, starts: bool, expected: Split) -
     assert R1.split(text, starts) == expected
 
 
+TOOL_CALL = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+
+
+def test_qwen3_ends_the_reasoning_at_a_tool_call_and_deepseek_r1_does_not() -> None:
+    text = f"<think>I should call f. {TOOL_CALL}"
+    assert QWEN3.split(text) == Split("I should call f. ", TOOL_CALL)  # the call is the answer's
+    assert R1.split(text) == Split(f"I should call f. {TOOL_CALL}", None)
+    for cut in range(len(text) + 1):
+        stream = QWEN3.stream()
+        first, second = stream.feed(text[:cut], is_final=False), stream.feed(text[cut:], is_final=True)
+        assert (first[0] + second[0], first[1] + second[1]) == ("I should call f. ", TOOL_CALL)
+
+
 def _streamed(text: str, cuts: list[int], starts: bool = True) -> tuple[list[str], list[str]]:
     stream = ReasoningStream(starts)
     bounds = [0, *cuts, len(text)]
