@@ -26,12 +26,14 @@ ASK: list[Any] = [{"role": "user", "content": "What is 2+2?"}]
 
 @pytest.fixture(scope="module")
 def server(qwen3_small_dir: Path, ray_local: None) -> Iterator[str]:
-    # Started from a command line as a vLLM user types it (issue 33's acceptance line): vLLM's no-op flags,
-    # and --dtype half, which on a CPU becomes auto (pdserve/vllm_flags.py).
+    # Started from a command line as a vLLM user types it (issue 33's acceptance line, pdserve/vllm_flags.py).
+    # float32 and F.linear rather than --dtype half (auto on a CPU): the linear-kernel probe of a 152k-token
+    # LM head in bfloat16 takes minutes on 2 shared cores; test_vllm_flags.py checks what half becomes.
     argv = ["serve", str(qwen3_small_dir), "--reasoning-parser", "qwen3", "--enable-prefix-caching",
-            "--enable-chunked-prefill", "--enable-auto-tool-choice", "--dtype", "half", "-tp", "1",
-            "--served-model-name", MODEL, "--port", str(free_port()), "--prefill", "1", "--decode", "1",
-            "--kv-cache-memory-bytes", "8M", "--max-num-batched-tokens", "256"]
+            "--enable-chunked-prefill", "--enable-auto-tool-choice", "--dtype", "float", "-tp", "1",
+            "--linear-kernel", "torch", "--served-model-name", MODEL, "--port", str(free_port()),
+            "--prefill", "1", "--decode", "1", "--kv-cache-memory-bytes", "8M",
+            "--max-num-batched-tokens", "256"]
     with serving(load_serve_config(build_parser().parse_args(argv))) as (url, _):
         yield url
 
