@@ -52,6 +52,7 @@ class VllmFlag:
     translate: Translate
     takes_value: bool = True  # False: a switch (argparse store_true)
     is_bool_pair: bool = False  # vLLM's --x/--no-x (argparse BooleanOptionalAction)
+    takes_many: bool = False  # several values (vLLM's nargs="+"), so that the refusal names this flag
 
     @property
     def dest(self) -> str:
@@ -158,7 +159,7 @@ FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("-q", "--quantization"), "refused: unquantized weights only", refused(UNQUANTIZED)),
     VllmFlag(("--lora-modules",), "refused: no LoRA adapters", refused(
         "LoRA adapters are not served: merge the adapter into the model (peft's merge_and_unload) and serve "
-        "the merged model"), takes_value=True),
+        "the merged model"), takes_many=True),
     VllmFlag(("--enable-lora",), "refused: no LoRA adapters", refused(
         "LoRA adapters are not served: merge the adapter into the model (peft's merge_and_unload) and serve "
         "the merged model"), takes_value=False),
@@ -186,6 +187,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
             options["const"] = True
         else:
             options["metavar"] = "VALUE"
+            if flag.takes_many:
+                options["nargs"] = "+"
         group.add_argument(*flag.names, **options)
 
 
@@ -201,8 +204,9 @@ def translate_vllm_flags(args: argparse.Namespace, flags: dict[str, Any]) -> dic
         if value is None:
             continue
         name = "/".join(flag.names)  # -tp/--tensor-parallel-size: named as the user may have typed it
+        given = " ".join(map(str, value)) if isinstance(value, list) else value
         shown = name if value is True else (
-            f"--no-{flag.names[0][2:]}" if value is False else f"{name} {value}")
+            f"--no-{flag.names[0][2:]}" if value is False else f"{name} {given}")
         try:
             outcome = flag.translate(value, flags)
         except (RefusedFlag, ValueError) as error:

@@ -48,7 +48,7 @@ def test_renamed_flags_set_pdserves_own() -> None:
     (["-pp", "2"], "-pp/--pipeline-parallel-size 2"),
     (["-dp", "2"], "--prefill N --decode M"),
     (["--quantization", "awq"], "-q/--quantization awq: pdserve serves unquantized weights only"),
-    (["--lora-modules", "sql=/adapters/sql"], "merge the adapter into the model"),
+    (["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"], "merge the adapter into the model"),
     (["--enable-lora"], "--enable-lora: LoRA adapters are not served"),
     (["--no-enable-prefix-caching"], "--no-enable-prefix-caching: pdserve's prefix cache is always on"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
