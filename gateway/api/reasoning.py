@@ -55,8 +55,17 @@ class ReasoningParser:
     follows_enable_thinking: bool  # qwen3: `enable_thinking: false` makes the whole output the answer
     implicit_ends: tuple[str, ...] = ()  # tags that end the reasoning and begin the answer (kept in it)
 
-    def starts_in_reasoning(self, chat_template_kwargs: Mapping[str, Any] | None) -> bool:
-        """Whether a request's output begins inside the reasoning (its chat_template_kwargs, if any)."""
+    def starts_in_reasoning(self, chat_template_kwargs: Mapping[str, Any] | None, is_constrained: bool = False
+                            ) -> bool:
+        """Whether a request's output begins inside the reasoning (its chat_template_kwargs, if any).
+
+        Args:
+            is_constrained: the output is held to a grammar (response_format, a forced tool call) from its
+                first token, so the model writes no reasoning: it is all content. (vLLM lets the model think
+                first and applies the grammar after `</think>`; pdserve's grammar has no such gate yet.)
+        """
+        if is_constrained:
+            return False
         if not self.follows_enable_thinking or not chat_template_kwargs:
             return True
         return chat_template_kwargs.get("enable_thinking", True) is not False

@@ -235,7 +235,8 @@ async def chat_response(service: GatewayService, texts: TokenTexts, body: ChatCo
     (gateway/api/tool_responses.py)."""
     choices = await _Collected.of(deltas)
     lasts = [got.final for got in choices]
-    starts = reasoning is not None and reasoning.starts_in_reasoning(template_kwargs(body))
+    is_constrained = prepared.sampling.grammar is not None
+    starts = reasoning is not None and reasoning.starts_in_reasoning(template_kwargs(body), is_constrained)
     answers = []
     for i, got in enumerate(choices):
         split = Split(None, "".join(got.text))
@@ -281,7 +282,7 @@ async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatComp
     tools = [ToolCallStream(tool_parser) for _ in range(num_choices)] if tool_parser is not None else None
     thoughts = None  # each choice's ReasoningStream: the reasoning is split off before tools read the rest
     if reasoning is not None:
-        starts = reasoning.starts_in_reasoning(template_kwargs(body))
+        starts = reasoning.starts_in_reasoning(template_kwargs(body), prepared.sampling.grammar is not None)
         thoughts = [reasoning.stream(starts) for _ in range(num_choices)]
     for i in range(num_choices):  # as OpenAI: each choice's first chunk names the role
         yield chunk(ChatChoice(index=i, delta=ChatDelta(role="assistant", content=""), finish_reason=None))

@@ -84,6 +84,9 @@ def test_qwen3_follows_enable_thinking_and_deepseek_r1_does_not() -> None:
     assert QWEN3.starts_in_reasoning({"enable_thinking": True})
     assert not QWEN3.starts_in_reasoning({"enable_thinking": False})
     assert R1.starts_in_reasoning({"enable_thinking": False})  # R1's template always opens the block
+    # Held to a grammar from the first token (response_format, a forced call), the model writes no reasoning.
+    assert not QWEN3.starts_in_reasoning(None, is_constrained=True)
+    assert not R1.starts_in_reasoning(None, is_constrained=True)
 
 
 def test_parsers_by_name() -> None:

@@ -200,3 +200,17 @@ def test_a_history_gives_the_template_its_reasoning_back(qwen3_small_dir: Path) 
                ChatMessage(role="assistant", content="yes", reasoning_content="checking")]
     text = ready.tokenizer.decode(asyncio.run(ready.render_chat(history, add_generation_prompt=False)))
     assert "<think>\nchecking\n</think>\n\nyes" in text
+
+
+def test_an_answer_held_to_a_grammar_is_all_content(qwen3_small_dir: Path) -> None:
+    """response_format holds the output to JSON from its first token: no reasoning can come first."""
+    from dataclasses import replace
+
+    from llm_engine.structured import GrammarSpec
+
+    service, texts, body, prepared = framing_args(qwen3_small_dir)
+    grammar = GrammarSpec.of_schema({"type": "object"})
+    held = replace(prepared, sampling=SamplingParams(max_tokens=64, grammar=grammar))
+    answer = asyncio.run(chat_response(service, texts, body, held, deltas_of('{"a": 1}', 3), reasoning=QWEN3))
+    message = answer.choices[0].message
+    assert message is not None and message.content == '{"a": 1}' and message.reasoning is None
