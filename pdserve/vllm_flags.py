@@ -128,6 +128,35 @@ def kv_cache_dtype(value: str, flags: dict[str, Any]) -> Outcome:
     raise RefusedFlag("the KV cache is kept in the model's dtype only (auto); leave the flag out")
 
 
+def tokenizer(value: str, flags: dict[str, Any]) -> Outcome:
+    if value == flags.get("model"):
+        return Outcome("accepted, no effect: the model's own tokenizer", {})
+    raise RefusedFlag("pdserve uses the tokenizer of the model it serves; to change only the chat template, "
+                      "give --chat-template")
+
+
+def load_format(value: str, flags: dict[str, Any]) -> Outcome:
+    if value in ("auto", "safetensors"):
+        return Outcome("accepted, no effect: weights are read from *.safetensors", {})
+    raise RefusedFlag("pdserve reads safetensors weights only (auto, safetensors)")
+
+
+def max_logprobs(value: str, flags: dict[str, Any]) -> Outcome:
+    from llm_engine.sampling import MAX_LOGPROBS  # not at import: it brings torch, and --help needs none
+
+    if int(value) <= MAX_LOGPROBS:
+        return Outcome(f"accepted, no effect: a request may ask for up to {MAX_LOGPROBS} logprobs per token "
+                       "(OpenAI's bound); more is a 400", {})
+    raise RefusedFlag(f"pdserve returns at most {MAX_LOGPROBS} logprobs per token (OpenAI's top_logprobs "
+                      "bound)")
+
+
+def generation_only(value: str, flags: dict[str, Any]) -> Outcome:
+    if value in ("auto", "generate"):
+        return Outcome("accepted, no effect: pdserve serves text generation", {})
+    raise RefusedFlag("pdserve serves text generation only (no embeddings, scoring or classification)")
+
+
 FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--enable-prefix-caching",), "always on (--no-enable-prefix-caching is refused)",
              prefix_caching, is_bool_pair=True),
@@ -154,6 +183,16 @@ FLAGS: tuple[VllmFlag, ...] = (
              no_op("pdserve does not log requests"), takes_value=False),
     VllmFlag(("--disable-log-stats",), "accepted: there is no periodic stats line",
              no_op("pdserve prints no periodic stats (see /metrics)"), takes_value=False),
+    VllmFlag(("--tokenizer",), "the model's own only", tokenizer),
+    VllmFlag(("--load-format",), "auto or safetensors only", load_format),
+    VllmFlag(("--max-logprobs",), "up to pdserve's bound (OpenAI's top_logprobs)", max_logprobs),
+    VllmFlag(("--runner",), "generate only", generation_only),
+    VllmFlag(("--task",), "generate only (vLLM's older spelling of --runner)", generation_only),
+    VllmFlag(("--enable-log-requests",), "accepted: request contents are not logged",
+             no_op("pdserve does not log request contents (the access log and X-Request-Id remain)"),
+             takes_value=False),
+    VllmFlag(("--enable-sleep-mode",), "refused: no sleep mode", refused(
+        "there is no sleep mode: scale a pool down with PUT /admin/pools instead"), takes_value=False),
     VllmFlag(("--swap-space",), "accepted: a preempted request is recomputed",
              no_op("a preempted request is recomputed, never swapped to CPU memory")),
     VllmFlag(("-q", "--quantization"), "refused: unquantized weights only", refused(UNQUANTIZED)),

@@ -40,6 +40,8 @@ def test_renamed_flags_set_pdserves_own() -> None:
     assert load("--kv-cache-memory-bytes", "2g").kv_cache_memory == 2 * 10**9  # k = 1000
     assert load("--kv-cache-memory-bytes", "1048576").kv_cache_memory == 1 << 20
     assert load("--enforce-eager").compile == "off"
+    assert load("org/name", "--tokenizer", "org/name", "--load-format", "safetensors", "--max-logprobs", "20",
+                "--runner", "generate", "--enable-log-requests").model == "org/name"
 
 
 @pytest.mark.parametrize("argv,named", [
@@ -56,6 +58,11 @@ def test_renamed_flags_set_pdserves_own() -> None:
     (["--speculative-config", "{}"], "speculative decoding"),
     (["--kv-cache-memory-bytes", "lots"], "--kv-cache-memory-bytes lots: expected a number of bytes"),
     (["--enforce-eager", "--compile", "on"], "--enforce-eager: clashes with --compile on"),
+    (["--tokenizer", "other/tokenizer"], "give --chat-template"),
+    (["--load-format", "gguf"], "safetensors weights only"),
+    (["--max-logprobs", "50"], "at most 20 logprobs"),
+    (["--runner", "pooling"], "text generation only"),
+    (["--task", "embed"], "text generation only"),
 ])
 def test_what_pdserve_cannot_honour_stops_with_a_sentence_naming_the_flag(
         argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
