@@ -94,3 +94,13 @@ def test_parsers_by_name() -> None:
     assert reasoning_parser("qwen3") is QWEN3
     with pytest.raises(ValueError, match="known: qwen3, deepseek_r1"):
         reasoning_parser("granite")
+
+
+def test_the_flag_offers_exactly_the_parsers() -> None:
+    import typing
+
+    from gateway.config import ServeConfig
+
+    annotation = ServeConfig.model_fields["reasoning_parser"].annotation
+    [choices] = [a for a in typing.get_args(annotation) if a is not type(None)]
+    assert typing.get_args(choices) == tuple(PARSERS)
