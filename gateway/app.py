@@ -1,7 +1,8 @@
 """The FastAPI application: `create_app(config)`; all state lives in app.state, set up by its lifespan
 (gateway/lifespans.py: the whole gateway in this process, or one of several frontends over a fleet actor).
 
-Routes: POST /v1/completions, POST /v1/chat/completions (gateway/api/generate_routes.py); GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions (gateway/api/generate_routes.py); POST /v1/responses
+(gateway/api/responses_api/routes.py, served by the chat path); GET /health,
 GET /metrics (gateway/api/status_routes.py); GET /v1/models, POST /tokenize, POST /detokenize, GET /version
 (gateway/api/utility_routes.py); GET and PUT /admin/pools, GET /admin/workers/{id}/steps
 (gateway/api/admin.py). Errors use OpenAI's shape; a client that disconnects aborts its request on both
@@ -20,6 +21,7 @@ from gateway.api.errors import install_error_handlers, without_validation_422
 from gateway.api.generate_routes import router as generate_routes
 from gateway.api.http_counts import HttpCounts
 from gateway.api.request_id import RequestIdMiddleware, install_log_prefix
+from gateway.api.responses_api.routes import router as responses_api_routes
 from gateway.api.status_routes import status_routes
 from gateway.api.utility_routes import router as utility_routes
 from gateway.config import ServeConfig
@@ -45,6 +47,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
         return Response(status_code=499)  # nobody reads it: the connection is closed
 
     app.include_router(generate_routes)
+    app.include_router(responses_api_routes)
     app.include_router(status_routes(config.metrics_require_key))
     app.include_router(admin_routes)
     app.include_router(utility_routes)

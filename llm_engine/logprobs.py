@@ -24,6 +24,9 @@ class PromptLogprobs:
 
     logprobs: tuple[float, ...]  # [P - 1]
     top: tuple[TopLogprobs, ...]  # [P - 1] the k most likely tokens at each position; () entries when k = 0
+    # [P - 1] each prompt token's rank in its position's distribution (1: the most likely), as vLLM reports
+    # it beside the logprob; () from a worker that did not compute them.
+    ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class PromptLogprobsChunk:
     first_position: int  # prompt position of the token logprobs[0] scores (>= 1)
     logprobs: tuple[float, ...]
     top: tuple[TopLogprobs, ...]
+    ranks: tuple[int, ...] = ()  # each scored token's rank (1: the most likely at its position)
 
 
 def _top(logprobs: torch.Tensor, ks: list[int]) -> list[TopLogprobs]:
@@ -71,10 +75,13 @@ def prompt_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, request_id: 
     """
     values: list[float] = []
     top: list[TopLogprobs] = []
+    ranks: list[int] = []
     target = torch.tensor(targets, device=hidden.device)
     for start in range(0, len(targets), PROMPT_ROWS_PER_SLICE):
         end = min(start + PROMPT_ROWS_PER_SLICE, len(targets))
         logprobs = torch.log_softmax(lm_head(hidden[start:end]).float(), dim=-1)  # [rows, V]
-        values.extend(logprobs.gather(1, target[start:end, None])[:, 0].tolist())
+        chosen = logprobs.gather(1, target[start:end, None])  # [rows, 1]
+        values.extend(chosen[:, 0].tolist())
+        ranks.extend(((logprobs > chosen).sum(dim=-1) + 1).tolist())
         top.extend(_top(logprobs, [k] * (end - start)))
-    return PromptLogprobsChunk(request_id, first_position, tuple(values), tuple(top))
+    return PromptLogprobsChunk(request_id, first_position, tuple(values), tuple(top), tuple(ranks))

@@ -29,6 +29,7 @@ from llm_engine.native_kernels import DecodeKernel, kernel_unfit_reason, paged_d
 from llm_engine.sampling import SamplingParams, choose_tokens
 from llm_engine.step_timeline import StepRecord, StepTimeline
 from llm_engine.structured import GrammarCache
+from llm_engine.token_bans import AllowedTokens, BadWords
 from llm_engine.varlen_attention import varlen_fits, varlen_kernel
 
 if TYPE_CHECKING:
@@ -95,8 +96,9 @@ class ModelRunner:
         # Structured outputs: compiled grammars cached per process, a matcher per request (rebuilt from its
         # tokens wherever it runs); llguidance is loaded with the first request that has a grammar.
         self.grammar_mask = GrammarMask(GrammarCache(config.model_dir, spec.vocab_size, spec.eos_token_ids))
+        # The bans (allowed_token_ids, bad_words) before the grammar: it decides among what they leave.
         self.logits = LogitsPipeline(spec.vocab_size, spec.eos_token_ids, self.device,
-                                     extra=(self.grammar_mask,))
+                                     extra=(AllowedTokens(), BadWords(), self.grammar_mask))
 
     def forget_all(self) -> None:
         """Drop every request's table and sampling state (the engine is idle; its scheduler is replaced)."""

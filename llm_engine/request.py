@@ -46,6 +46,7 @@ class Request:
     # Scores of prompt tokens 1..P-1 (sampling.prompt_logprobs), filled chunk by chunk; None until then.
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[TopLogprobs] | None = None
+    prompt_ranks: list[int] | None = None
     # Tokens (prompt, then output) whose KV is in this request's blocks.
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
@@ -91,12 +92,14 @@ class Request:
 
     def add_prompt_logprobs(self, scored: PromptLogprobsChunk) -> None:
         """Store one chunk's prompt scores (a recomputation after preemption overwrites its own)."""
-        if self.prompt_logprobs is None or self.prompt_top_logprobs is None:
+        if self.prompt_logprobs is None or self.prompt_top_logprobs is None or self.prompt_ranks is None:
             self.prompt_logprobs = [0.0] * (self.num_prompt_tokens - 1)
             self.prompt_top_logprobs = [()] * (self.num_prompt_tokens - 1)
+            self.prompt_ranks = [0] * (self.num_prompt_tokens - 1)
         start = scored.first_position - 1
         self.prompt_logprobs[start : start + len(scored.logprobs)] = scored.logprobs
         self.prompt_top_logprobs[start : start + len(scored.top)] = scored.top
+        self.prompt_ranks[start : start + len(scored.ranks)] = scored.ranks
 
     def scored_prompt(self) -> PromptLogprobs | None:
         """The prompt's logprobs, once every prompt token is scored (asked for and computed here)."""
@@ -104,7 +107,8 @@ class Request:
             return None
         if self.prompt_logprobs is None or self.prompt_top_logprobs is None:
             return PromptLogprobs((), ()) if self.num_prompt_tokens == 1 else None  # or prefilled elsewhere
-        return PromptLogprobs(tuple(self.prompt_logprobs), tuple(self.prompt_top_logprobs))
+        return PromptLogprobs(tuple(self.prompt_logprobs), tuple(self.prompt_top_logprobs),
+                              tuple(self.prompt_ranks or ()))
 
     def is_stop_token(self, token_id: int) -> bool:
         """Whether sampling `token_id` ends the request (EOS unless ignored, or a stop token)."""

@@ -27,6 +27,8 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # keep only the k most likely tokens; 0 keeps all
+    # Drop tokens less likely than min_p × the most likely one's probability (after temperature), in [0, 1].
+    min_p: float = 0.0
     seed: int | None = None  # per-request seed for reproducible random sampling
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation (EOS is added by the engine)
     ignore_eos: bool = False  # keep generating past EOS (benchmarks want fixed output lengths)
@@ -41,6 +43,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt or the output (CTRL's), in (0, 2]
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100]) pairs
     min_tokens: int = 0  # EOS and stop_token_ids cannot end generation before this many output tokens
+    # Token sequences the output never contains (vLLM's bad_words, tokenized by the gateway): the last token
+    # of each is forbidden wherever the output so far ends with the ones before it.
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (None: any)
     # Choices drawn from the prompt's last logits (the first token only, each with its own seed: see
     # llm_engine/choices.py); each choice then decodes as a request of its own with n = 1 (for_choice).
     n: int = 1
@@ -62,6 +68,8 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             problems.append(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
+            problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             problems.append(f"seed must be an integer or None, got {self.seed!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -88,6 +96,12 @@ class SamplingParams:
             problems.append("logit_bias must map non-negative token ids to biases in [-100, 100]")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             problems.append(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if any(not word or any(not _is_int(t) or t < 0 for t in word) for word in self.bad_words):
+            problems.append("bad_words must be non-empty sequences of non-negative token ids")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            problems.append("allowed_token_ids must be None or a non-empty sequence of non-negative "
+                            "token ids")
         if not _is_int(self.n) or self.n < 1:
             problems.append(f"n must be an integer >= 1, got {self.n!r}")
         return problems
@@ -109,12 +123,13 @@ class SamplingParams:
     def needs_history(self) -> bool:
         """Whether the next token depends on the tokens so far (the sampler must be told them): penalties
         count them, a grammar's matcher replays them."""
-        return self.has_penalties or self.grammar is not None
+        return self.has_penalties or self.grammar is not None or any(len(w) > 1 for w in self.bad_words)
 
     @property
     def processes_logits(self) -> bool:
         """Whether anything changes the model's logits before temperature and filtering."""
-        return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
+        return (self.needs_history or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.bad_words)
+                or self.allowed_token_ids is not None)
 
 
 def _is_int(value: object) -> bool:
@@ -137,8 +152,11 @@ def _generator(seed: int, output_index: int, device: torch.device) -> torch.Gene
     return generator
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    # logits: [V] → the same with excluded tokens at -inf
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    # logits: [V] → the same with excluded tokens at -inf. min_p first, as vLLM orders them.
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if top_k > 0 and top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -153,13 +171,18 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def _filter_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """`_filter_top_k_top_p` for many rows at once, each with its own k and p.
+def _filter_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """`_filter_top_k_top_p` for many rows at once, each with its own k, p and min_p.
 
     Args:
-        logits: [R, V]; top_k: [R] (0 keeps all); top_p: [R] (1 keeps all).
+        logits: [R, V]; top_k: [R] (0 keeps all); top_p: [R] (1 keeps all); min_p: [R] (0 keeps all).
     """
     vocab = logits.shape[-1]
+    if min_p is not None and bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)  # [R, V]
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values  # [R, 1]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     uses_k = (top_k > 0) & (top_k < vocab)
     if bool(uses_k.any()):
         sorted_logits = torch.sort(logits, dim=-1, descending=True).values
@@ -183,7 +206,8 @@ def _sample_unseeded(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     top_k = torch.tensor([p.top_k for p in params], device=logits.device)
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
-    probs = torch.softmax(_filter_rows(logits / temperature[:, None], top_k, top_p), dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+    probs = torch.softmax(_filter_rows(logits / temperature[:, None], top_k, top_p, min_p), dim=-1)
     is_finite = torch.isfinite(probs).all(dim=-1)  # [R]
     drawn = torch.multinomial(torch.where(is_finite[:, None], probs, 1.0), 1)[:, 0]
     return torch.where(is_finite, drawn, logits.argmax(dim=-1))
@@ -205,7 +229,7 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams],
         if p.is_greedy or p.seed is None:
             continue
         # Seeded rows stay one by one, exactly as before: a row's token must not depend on its batch.
-        row_logits = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
+        row_logits = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = torch.softmax(row_logits, dim=-1)
         if not bool(torch.isfinite(probs).all()):
             continue

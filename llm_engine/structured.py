@@ -15,6 +15,7 @@ triton (~1 GB) into a CPU install. It is imported only when a request asks for a
 
 from __future__ import annotations
 
+import enum
 import json
 import threading
 from collections import OrderedDict
@@ -32,15 +33,32 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JS
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+class GrammarKind(enum.Enum):
+    """What a GrammarSpec's text is (vLLM's structured_outputs kinds beside JSON)."""
+
+    JSON_SCHEMA = "json_schema"  # `json_schema`, with `strict`, `prefix` and `suffix`
+    REGEX = "regex"  # `source` is a regular expression (Rust `regex` syntax) the whole output matches
+    CHOICE = "choice"  # `source` is a JSON list of strings: the output is one of them
+    GRAMMAR = "grammar"  # `source` is a Lark grammar (llguidance's dialect) or a GBNF one
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
-    """Text the output must be: `prefix`, then a JSON document valid against `json_schema`, then `suffix`,
-    then EOS. Hashable: it is the compiled-grammar cache's key."""
+    """Text the output must be, then EOS: for JSON_SCHEMA, `prefix`, then a JSON document valid against
+    `json_schema`, then `suffix`; for the other kinds, what `source` describes. Hashable: it is the
+    compiled-grammar cache's key."""
 
-    json_schema: str  # the JSON Schema as JSON text; JSON_OBJECT_SCHEMA: any object
+    json_schema: str  # the JSON Schema as JSON text; JSON_OBJECT_SCHEMA: any object ("" for other kinds)
     strict: bool = True  # objects take no properties beyond those they name (OpenAI's `strict`)
     prefix: str = ""  # literal text before the document (a tool-call parser's opening tag)
     suffix: str = ""  # literal text after it
+    kind: GrammarKind = GrammarKind.JSON_SCHEMA
+    source: str = ""  # the regex, choices or grammar of the other kinds
+
+    @classmethod
+    def of_text(cls, kind: GrammarKind, source: str) -> GrammarSpec:
+        """A regex, choice or grammar spec (not JSON_SCHEMA)."""
+        return cls("", kind=kind, source=source)
 
     @classmethod
     def of_schema(cls, schema: dict[str, Any], strict: bool = True, prefix: str = "", suffix: str = ""
@@ -73,6 +91,15 @@ def build_grammar(spec: GrammarSpec) -> str:
     """
     import llguidance
 
+    if spec.kind is not GrammarKind.JSON_SCHEMA:
+        try:
+            grammar = llguidance.grammar_from(spec.kind.value, spec.source)
+        except Exception as error:  # a GBNF that does not convert, a bad choice list: the client's input
+            raise GrammarError(str(error)) from None
+        problem = llguidance.LLMatcher.validate_grammar(grammar)
+        if problem:
+            raise GrammarError(problem)
+        return grammar
     try:
         schema = json.loads(spec.json_schema)
     except json.JSONDecodeError as error:

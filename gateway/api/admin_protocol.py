@@ -27,6 +27,7 @@ class WorkerView(_Answer):
     node_ip: str | None
     pid: int | None  # its process there
     next_role: str | None = None  # while it changes role
+    emptying: str | None = None  # while it drains or changes role: what it still waits for
     pending_reason: str | None = None  # why no node takes it yet, and until when (an added one)
     runtime: dict[str, Any] | None = None  # dtype, GEMM kernel, threads, cores, KV bytes per token, KV sizing
     # Its latest load (absent while it does not report one):

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from ray.exceptions import RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,6 +29,18 @@ from gateway.api.protocol import (
     StreamOptions,
     TextPart,
 )
+from gateway.api.protocol_extensions import StructuredOutputs
+from gateway.api.protocol_tools import (
+    FunctionCall,
+    FunctionDefinition,
+    FunctionName,
+    JsonSchemaFormat,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+)
+from gateway.api.responses_api.protocol import REQUEST_MODELS as RESPONSES_REQUEST_MODELS
 from gateway.ratio.resize import PoolLayout, ResizeConflict, ResizeRefused
 from gateway.requests.admission import Overloaded
 from gateway.requests.events import RequestFailed
@@ -86,11 +99,14 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
 
 # Names of request fields: a validation error's location keeps these (and list indices) and drops
 # pydantic's union-member tags such as "str" or "list[int]".
-_FIELD_NAMES = frozenset(
-    name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
-                       PoolLayout)
-    for name in model.model_fields
-)
+# Every model a request body nests, so that a nested field's path is whole ("tools[0].function.parameters").
+_REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, PoolLayout, Tool,
+    FunctionDefinition, ToolCall, FunctionCall, NamedToolChoice, FunctionName, ResponseFormat,
+    JsonSchemaFormat, StructuredOutputs, *RESPONSES_REQUEST_MODELS)
+_FIELD_NAMES = frozenset(  # a location spells a field by its alias when it has one (`schema`)
+    name for model in _REQUEST_MODELS for key, field in model.model_fields.items()
+    for name in (key, field.alias) if name)
 
 
 def _param(loc: tuple[int | str, ...]) -> str:
@@ -116,8 +132,10 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
         return error(400, f"the request body is not valid JSON ({reason})" if reason else
                      "the request body is not valid JSON")
     param = _param(tuple(first.get("loc", ())))
-    if first.get("type") == "extra_forbidden":  # a field the model does not know: name it
-        param = str(first.get("loc", ("",))[-1])
+    if first.get("type") == "extra_forbidden":  # a field the model does not know: name it, where it is
+        loc = tuple(first.get("loc", ("",)))
+        where = _param(loc[:-1])
+        param = f"{where}.{loc[-1]}" if where else str(loc[-1])
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if not param:
         return error(400, f"the request body must be a JSON object with the request's fields: {message}")

@@ -15,10 +15,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
 from gateway.api.auth import require_api_key
+from gateway.api.chat_responses import chat_response, chat_stream
 from gateway.api.delivery import BoundedStreamingResponse
 from gateway.api.disconnect import all_or_none, unless_client_leaves
 from gateway.api.errors import documented
-from gateway.api.logprob_format import TokenTexts
+from gateway.api.logprob_format import TokenIdTexts, TokenTexts
 from gateway.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -27,7 +28,7 @@ from gateway.api.protocol import (
     Usage,
 )
 from gateway.api.request_id import request_id_of
-from gateway.api.responses import chat_response, chat_stream, completion_response, completion_stream
+from gateway.api.responses import completion_response, completion_stream
 from gateway.requests.prepared import PreparedRequest
 from gateway.requests.service import GatewayService
 from gateway.telemetry.tracing import trace_headers
@@ -48,6 +49,11 @@ def traced(service: GatewayService, prepared: PreparedRequest, request: Request)
     return dataclasses.replace(prepared, trace_headers=trace_headers(request.headers))
 
 
+def token_texts(body: CompletionRequest | ChatCompletionRequest, request: Request) -> TokenTexts:
+    """How logprobs name tokens: by their text, or by "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
+    return TokenIdTexts() if body.return_tokens_as_token_ids else request.app.state.token_texts
+
+
 async def respond(service: GatewayService, body: CompletionRequest | ChatCompletionRequest,
                   prepared: PreparedRequest, request: Request) -> Response:
     """Admit, then answer whole or as an SSE stream, in the framing of the request's endpoint.
@@ -61,7 +67,7 @@ async def respond(service: GatewayService, body: CompletionRequest | ChatComplet
     if reservation is None:
         reservation = await unless_client_leaves(request, service.admit(prepared))
     deltas = service.stream(prepared, reservation)
-    texts: TokenTexts = request.app.state.token_texts
+    texts = token_texts(body, request)
     is_chat = isinstance(body, ChatCompletionRequest)
     # Chat with tools: the answer is read for tool calls in the model's format; with --reasoning-parser,
     # after the reasoning is split off.
@@ -88,10 +94,10 @@ async def respond_batch(service: GatewayService, body: CompletionRequest, batch:
                         request: Request) -> Response:
     """A batch of prompts (not streamed): each runs as a request of its own, concurrently; one response
     with a choice per prompt (`index` in prompt order) and the usage summed."""
-    texts: TokenTexts = request.app.state.token_texts
+    texts = token_texts(body, request)
 
     async def one(prepared: PreparedRequest) -> CompletionResponse:
-        reservation = service.try_admit(prepared) or await service.admit(prepared)
+        reservation = service.try_admit(prepared) or await service.admit(prepared)  # its own priority
         deltas = service.stream(prepared, reservation)
         try:
             return await completion_response(service, texts, body, prepared, deltas)

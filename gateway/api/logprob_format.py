@@ -4,7 +4,10 @@ first when asked.
 
 A token is shown as its own text, decoded alone ("the" with its leading space, not the BPE piece "Ġthe"); a
 token that holds only part of a UTF-8 character decodes to U+FFFD, and `bytes` then are those of the text, as
-vLLM gives them. Texts are cached per token id (at most the vocabulary).
+vLLM gives them. Texts are cached per token id (at most the vocabulary). With vLLM's
+return_tokens_as_token_ids a token is named "token_id:<id>" instead (TokenIdTexts), wherever its text
+would be.
+vLLM's `prompt_logprobs` have a shape of their own (vllm_prompt_logprobs).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gateway.api.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from gateway.api.protocol_extensions import PromptLogprob
 from llm_engine import PromptLogprobs, TopLogprobs
 
 if TYPE_CHECKING:
@@ -31,6 +35,33 @@ class TokenTexts:
         if text is None:
             text = self._texts[token_id] = str(self._tokenizer.decode([token_id]))
         return text
+
+
+class TokenIdTexts(TokenTexts):
+    """return_tokens_as_token_ids: every token is named by its id (text that always round-trips)."""
+
+    def __init__(self) -> None:
+        pass
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
+def vllm_prompt_logprobs(texts: TokenTexts, prompt_token_ids: Sequence[int], scored: PromptLogprobs | None,
+                         k: int) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's prompt_logprobs: None for the first position, then for each prompt token a map from token id to
+    its logprob, rank and text: the prompt's own token, and the k most likely there (rank 1..k)."""
+    if scored is None:
+        return None
+    entries: list[dict[str, PromptLogprob] | None] = [None]
+    for position, token in enumerate(prompt_token_ids[1:]):
+        rank = scored.ranks[position] if position < len(scored.ranks) else 0
+        entry = {str(token): PromptLogprob(logprob=scored.logprobs[position], rank=rank,
+                                           decoded_token=texts(token))}
+        for i, (t, lp) in enumerate(scored.top[position][:k]):
+            entry.setdefault(str(t), PromptLogprob(logprob=lp, rank=i + 1, decoded_token=texts(t)))
+        entries.append(entry)
+    return entries
 
 
 def _top(texts: TokenTexts, top: TopLogprobs) -> list[TopLogprob]:
@@ -64,7 +95,8 @@ class CompletionLogprobsBuilder:
             offsets.append(self.offset)
             self.offset += len(text)
         top_maps: list[dict[str, float] | None] = [
-            None if top is None else {self.texts(t): lp for t, lp in top} for top in tops
+            # [: k]: the prompt may be scored for more (vLLM's prompt_logprobs asked for more than logprobs).
+            None if top is None else {self.texts(t): lp for t, lp in top[: self.k]} for top in tops
         ]
         return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs,
                                   top_logprobs=top_maps if self.k else None, text_offset=offsets)

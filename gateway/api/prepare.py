@@ -1,12 +1,14 @@
 """Turns an OpenAI request into the request path's PreparedRequest.
 
 prepare_completion() (one PreparedRequest per prompt of a batch) / prepare_chat():
-    1. check the model name, that every field asks for something pdserve does (gateway/api/surface.py), the
-       prompt's token ids against the vocabulary, and the sampling values;
-    2. the grammar the output must follow: response_format's (gateway/api/structured.py) or a forced tool
-       call's (gateway/api/tool_prompt.py);
-    3. tokenize once (or render the chat template, with the tools), in a worker thread when the prompt or the
-       conversation is long, so the event loop keeps streaming;
+    1. check the model name (none: the served one), that every field asks for something pdserve does
+       (gateway/api/surface.py), token ids against the vocabulary, the sampling values, and vLLM's rules
+       across its extensions (gateway/api/extensions.py);
+    2. the grammar the output must follow: structured_outputs' or response_format's
+       (gateway/api/structured.py), or a forced tool call's (gateway/api/tool_prompt.py);
+    3. tokenize once (or render the chat template, with the tools and chat_template_kwargs), in a worker
+       thread when the prompt or the conversation is long, so the event loop keeps streaming; keep the last
+       truncate_prompt_tokens of it;
     4. check the context (prompt + max_tokens) against max_model_len (--max-model-len, else the model's),
        and prompt + n × max_tokens (the choices share the prompt's KV) against one decode worker's: HTTP 400
        in vLLM's words; a request that names no max_tokens gets what the context leaves (up to a default);
@@ -24,14 +26,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from jinja2 import TemplateError
-
 from gateway.api.bad_request import BadRequest
+from gateway.api.chat_render import render
+from gateway.api.extensions import (
+    bad_word_token_ids,
+    check_common,
+    output_grammar,
+    prompt_logprobs_k,
+    template_kwargs,
+    truncated_prompt,
+)
 from gateway.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.api.reasoning import ReasoningParser
 from gateway.api.request_id import RequestId
 from gateway.api.sampling_defaults import SamplingDefaults
-from gateway.api.structured import response_format_grammar
 from gateway.api.surface import MESSAGE_NOT_YET_SUPPORTED, check_fields
 from gateway.api.tool_parsers import ToolCallParser, choose_parser
 from gateway.api.tool_prompt import ToolPlan, plan_tools, template_messages
@@ -94,6 +102,7 @@ class Preparer:
         request_id = request_id or RequestId.mint()
         self.check_model(request.model)
         check_fields(request.model_extra)
+        check_common(request, self.spec.vocab_size)
         if request.stream and len(request.prompts) > 1:
             raise BadRequest("prompt: a batch of prompts with stream: true is not supported yet",
                              param="prompt", code="unsupported_field")
@@ -102,19 +111,20 @@ class Preparer:
         if request.stream and request.num_sampled > request.n:  # the best are known only at the end
             raise BadRequest("best_of: cannot be more than n with stream: true", param="best_of",
                              code="unsupported_field")
+        grammar = output_grammar(request)
         prepared = []
         for index, item in enumerate(request.prompts):
             prompt = await self._prompt_tokens(item)
             if not prompt:
                 raise BadRequest("the prompt is empty", param="prompt")
+            prompt = truncated_prompt(prompt, request.truncate_prompt_tokens, self.spec.max_model_len)
             k = request.logprobs
             max_tokens = request.max_tokens
             if max_tokens is None:  # OpenAI's 16, within the context left (vLLM)
                 max_tokens = self._room_for(prompt, COMPLETION_MAX_TOKENS)
             # max_tokens 0 scores the prompt only: the engine samples one token, which the response drops.
             one = self._prepare(request, prompt, max(1, max_tokens), k is not None, k or 0,
-                                k if request.echo and k is not None else None,
-                                response_format_grammar(request.response_format))
+                                prompt_logprobs_k(request), grammar)
             one = replace(one, request_id=request_id.for_prompt(index, len(request.prompts)),
                           is_prompt_only=max_tokens == 0, batch_index=index)
             prepared.append(await self._hashed(one))
@@ -136,19 +146,23 @@ class Preparer:
         check_fields(request.model_extra)
         for i, message in enumerate(request.messages):
             check_fields(message.model_extra, f"messages[{i}].", MESSAGE_NOT_YET_SUPPORTED)
+        check_common(request, self.spec.vocab_size)
         if request.top_logprobs and not request.logprobs:
             raise BadRequest("top_logprobs: needs logprobs: true", param="top_logprobs")
         plan = plan_tools(request, self.tool_parser)
-        grammar = response_format_grammar(request.response_format)
+        grammar = output_grammar(request)
         if grammar is not None and plan.grammar is not None:
-            raise BadRequest("response_format: cannot be combined with a forced tool call (tool_choice "
-                             "required or a named function)", param="response_format")
-        prompt = await self.render_chat(request.messages, plan=plan)
+            param = "structured_outputs" if request.structured_outputs is not None else "response_format"
+            raise BadRequest(f"{param}: cannot be combined with a forced tool call (tool_choice "
+                             "required or a named function)", param=param)
+        prompt = await self.render_chat(request.messages, request.add_generation_prompt, plan,
+                                        request.continue_final_message, template_kwargs(request))
+        prompt = truncated_prompt(prompt, request.truncate_prompt_tokens, self.spec.max_model_len)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:  # as vLLM: the generation config's max_new_tokens, else the context left
             max_tokens = self._room_for(prompt, self.default_max_tokens or self.sampling_defaults.max_tokens)
         prepared = self._prepare(request, prompt, max_tokens, request.logprobs, request.top_logprobs or 0,
-                                 grammar=grammar or plan.grammar)
+                                 prompt_logprobs_k(request), grammar=grammar or plan.grammar)
         request_id = request_id or RequestId.mint()
         return await self._hashed(replace(prepared, request_id=request_id.for_prompt(0, 1),
                                           parses_tool_calls=plan.parser is not None))
@@ -160,9 +174,14 @@ class Preparer:
         room = min(self.spec.max_model_len, self.max_request_tokens) - len(prompt)
         return max(1, room if default is None else min(default, room))
 
-    async def encode(self, text: str) -> list[int]:
-        """The text's token ids, as a completion's prompt is tokenized (in the worker thread when long)."""
-        return await self._off_loop_if(len(text) > LONG_PROMPT_CHARS, lambda: self._encode(text))
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids, as a completion's prompt is tokenized (in the worker thread when long);
+        without the tokenizer's special tokens (e.g. BOS) when not add_special_tokens."""
+        def encode() -> list[int]:
+            if add_special_tokens:
+                return self._encode(text)
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return await self._off_loop_if(len(text) > LONG_PROMPT_CHARS, encode)
 
     async def decode(self, token_ids: list[int]) -> str:
         """The ids' text (in the worker thread when they are many)."""
@@ -170,8 +189,10 @@ class Preparer:
                                        lambda: str(self.tokenizer.decode(token_ids)))
 
     async def render_chat(self, request_messages: list[ChatMessage], add_generation_prompt: bool = True,
-                          plan: ToolPlan | None = None) -> list[int]:
-        """The conversation's token ids through the model's chat template (with the plan's tools)."""
+                          plan: ToolPlan | None = None, continue_final_message: bool = False,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The conversation's token ids through the model's chat template (with the plan's tools, and the
+        request's chat_template_kwargs as more template variables)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest(f"model {self.model_name} has no chat template; use /v1/completions")
         tools = plan.tools if plan is not None else None
@@ -180,14 +201,9 @@ class Preparer:
                    or sum(len(m["content"]) for m in messages) > LONG_PROMPT_CHARS)
         # Only a template that knows tools gets them (the others have them in the system message).
         extra: dict[str, Any] = {"tools": tools} if tools and self.template_knows_tools else {}
-        try:
-            encoded = await self._off_loop_if(is_long, lambda: self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra))
-        except TemplateError as exc:  # the template refuses the conversation (e.g. roles that must alternate)
-            raise BadRequest(f"the model's chat template refuses these messages: {exc.message}",
-                             param="messages") from None
-        # transformers 5 returns a BatchEncoding here; older versions a plain list.
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)  # type: ignore[call-overload,index,arg-type]
+        return await self._off_loop_if(is_long, lambda: render(
+            self.tokenizer, messages, add_generation_prompt, continue_final_message, template_kwargs or {},
+            extra))
 
     async def _hashed(self, prepared: PreparedRequest) -> PreparedRequest:
         """With the prompt's block hashes, which the router needs for every prefill pick."""
@@ -196,8 +212,9 @@ class Preparer:
                                          lambda: prefix_hashes(prompt, self.block_size))
         return replace(prepared, block_hashes=hashes)
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def check_model(self, name: str | None) -> None:
+        """None (no `model` in the request) is the served model, as vLLM takes it."""
+        if name is not None and name != self.model_name:
             raise BadRequest(
                 f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                 status=404,
@@ -247,7 +264,6 @@ class Preparer:
         value = self.sampling_defaults.value  # the request's own, or the generation config's
         temperature, top_p = value(request, "temperature"), value(request, "top_p")
         is_greedy = temperature < MIN_TEMPERATURE or top_p < MIN_TOP_P
-        self._check_token_ids(request)
         if request.min_tokens > max_tokens:
             raise BadRequest(f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})",
                              param="min_tokens")
@@ -256,7 +272,10 @@ class Preparer:
                 max_tokens=max_tokens,
                 temperature=0.0 if is_greedy else temperature,
                 top_p=top_p,
-                top_k=max(0, value(request, "top_k")),
+                top_k=max(0, value(request, "top_k") or 0),
+                min_p=value(request, "min_p") or 0.0,
+                bad_words=bad_word_token_ids(self.tokenizer, request.bad_words),
+                allowed_token_ids=tuple(request.allowed_token_ids) if request.allowed_token_ids else None,
                 seed=request.seed,
                 ignore_eos=request.ignore_eos,
                 # best_of ranks the choices by their tokens' logprobs, shown or not.
@@ -275,9 +294,10 @@ class Preparer:
         except ValueError as error:
             raise BadRequest(str(error)) from None
         return PreparedRequest(
-            f"req-{uuid.uuid4().hex}", tuple(prompt), sampling, request.stop_strings, time.time()
+            f"req-{uuid.uuid4().hex}", tuple(prompt), sampling, request.stop_strings, time.time(),
+            priority=request.priority, skip_special_tokens=request.skip_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
         )
-
 
     def _stop_token_ids(self, request: CompletionRequest | ChatCompletionRequest, grammar: GrammarSpec | None
                         ) -> tuple[int, ...]:
@@ -287,15 +307,6 @@ class Preparer:
         if grammar is not None and not self.spec.eos_token_ids and isinstance(eos, int) and eos not in stop:
             stop = (*stop, eos)
         return stop
-
-    def _check_token_ids(self, request: CompletionRequest | ChatCompletionRequest) -> None:
-        vocab = self.spec.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in request.logit_bias_pairs]),
-                          ("stop_token_ids", request.stop_token_ids or [])):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise BadRequest(f"{name}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
-                                 param=name)
 
 
 def _fast_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int]]:

@@ -7,6 +7,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from gateway.api.protocol_extensions import (
+    PromptLogprobsField,
+    VllmChatFields,
+    VllmSamplingFields,
+)
 from gateway.api.protocol_tools import (
     TOOLS_FIELD,
     ResponseFormat,
@@ -44,17 +49,17 @@ Text = Annotated[str, AfterValidator(_encodable)]  # text that reaches the token
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)]
 
 
-class _Request(BaseModel):
+class _Request(VllmSamplingFields):
     # Undeclared fields are kept for gateway/api/surface.py, which refuses (400, naming them) every one whose
     # effect pdserve cannot honour. Types are strict, as OpenAI's are: "5" is not a number nor 1 a boolean;
-    # wrong types and ranges are 400s.
+    # wrong types and ranges are 400s. vLLM's extensions are declared in gateway/api/protocol_extensions.py.
     model_config = ConfigDict(extra="allow", strict=True)
 
-    model: str
+    model: str | None = None  # None: the served model (as vLLM)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1, lt=2**31)  # extension; 0 or -1 disable it
+    top_k: int | None = Field(default=None, ge=-1, lt=2**31)  # extension; None, 0 or -1 disable it
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # 64 bits, signed or not, as vLLM takes
     stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | Annotated[
         list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_STRINGS)
@@ -80,7 +85,8 @@ class _Request(BaseModel):
     response_format: ResponseFormat | None = None
 
     @field_validator("max_tokens", "max_completion_tokens", "top_k", "seed", "n", "best_of", "logprobs",
-                     "top_logprobs", "min_tokens", mode="before", check_fields=False)
+                     "top_logprobs", "min_tokens", "prompt_logprobs", "truncate_prompt_tokens", "priority",
+                     mode="before", check_fields=False)
     @classmethod
     def _whole_number(cls, value: object) -> object:
         # JSON has one number type: 4.0 is an integer to JSON Schema (and what some clients send for 4).
@@ -126,9 +132,10 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 PromptText = Annotated[str, Field(min_length=1), AfterValidator(_encodable)]
@@ -182,13 +189,13 @@ class ChatMessage(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
     text: Text
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Request, VllmChatFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -224,6 +231,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's, when the request asked for prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -276,6 +284,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     timings: Timings | None = None
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's, when the request asked for prompt_logprobs
 
 
 class ErrorBody(BaseModel):

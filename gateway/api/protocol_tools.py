@@ -11,7 +11,7 @@ MAX_TOOLS = 128  # OpenAI's limit on functions per request
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     name: str = Field(default="response", max_length=64)
     description: str | None = None
@@ -21,14 +21,14 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None  # with type json_schema
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
@@ -37,14 +37,14 @@ class FunctionDefinition(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str
 
@@ -52,7 +52,7 @@ class FunctionName(BaseModel):
 class NamedToolChoice(BaseModel):
     """`tool_choice: {"type": "function", "function": {"name": ...}}`: call exactly this function."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["function"]
     function: FunctionName
@@ -62,7 +62,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str
     arguments: str  # the arguments object as JSON text (as the model wrote it)
@@ -71,7 +71,7 @@ class FunctionCall(BaseModel):
 class ToolCall(BaseModel):
     """A call in an assistant message: in the history a client sends back, and in a whole response."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.api.tool_parsers import held_back
 
 if TYPE_CHECKING:
-    from gateway.api.protocol import ChatCompletionRequest, ChatDelta
+    from gateway.api.protocol import ChatDelta
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -138,13 +138,6 @@ class ReasoningStream:
         reasoning.append(pending[:len(pending) - num_held])
         self._pending = pending[len(pending) - num_held:]
         return "".join(reasoning), ""
-
-
-def template_kwargs(body: ChatCompletionRequest) -> Mapping[str, Any] | None:
-    """The request's chat_template_kwargs: a field of vLLM's request extensions, declared on the request
-    model where those are (until then no request carries it, and every output starts in the reasoning)."""
-    kwargs = getattr(body, "chat_template_kwargs", None)
-    return kwargs if isinstance(kwargs, Mapping) else None
 
 
 def with_reasoning(message: ChatDelta, reasoning: str | None) -> ChatDelta:

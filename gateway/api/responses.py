@@ -1,166 +1,76 @@
-# Over 300 lines: the chat framing moves to a module of its own once the request extensions (issue 33 item 1)
-# have landed here too.
-"""OpenAI response framing of a TextDelta stream: whole responses, and SSE chunks ending in [DONE].
+"""OpenAI's completions framing of a TextDelta stream: a whole response, or SSE chunks ending in [DONE]
+(what both framings share, and the error event of a failed stream: gateway/api/stream_frames.py; chat's:
+gateway/api/chat_responses.py).
 
-A stream that fails after its headers went out (no worker could finish it, a deadline passed) ends with an
-OpenAI-shaped error event, `data: {"error": {...}}`, then `data: [DONE]`: never a silent cut.
-The chunks of a token (text only: no logprobs, no token ids, not the last one) are framed by _TextFrames
-without a pydantic model: they are most of a stream and each costs one json.dumps of its text. Every other
-chunk goes through the pydantic models; both spell the same JSON.
 With n > 1 choices, a stream interleaves the choices' chunks as their tokens come, each with its `index` and
-its own finish_reason; a whole response lists them in index order (completions' best_of: the n best, best
-first). Usage counts the prompt once and sums the completion tokens of every choice generated.
+its own finish_reason; a whole response lists them in index order (best_of: the n best, best first).
+vLLM's extensions shown here: prompt_logprobs (on each choice, whole responses only), the prompt as echoed
+after truncate_prompt_tokens (the tokens the model saw), continuous_usage_stats.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import time
 from collections.abc import AsyncIterator
 
-from gateway.api.logprob_format import CompletionLogprobsBuilder, TokenTexts, chat_logprobs, joined
+from gateway.api.logprob_format import (
+    CompletionLogprobsBuilder,
+    TokenTexts,
+    joined,
+    vllm_prompt_logprobs,
+)
 from gateway.api.protocol import (
-    ChatChoice,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatLogprobs,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    ErrorBody,
-    ErrorResponse,
-    PromptTokensDetails,
-    Usage,
 )
-from gateway.api.reasoning import ReasoningParser, Split, template_kwargs, with_reasoning
-from gateway.api.tool_parsers import ToolCallParser
-from gateway.api.tool_responses import ToolCallStream, whole_message
-from gateway.requests.events import RequestFailed
+from gateway.api.stream_frames import (
+    Collected,
+    RunningUsage,
+    TextFrames,
+    continuous_usage,
+    guarded,
+    sse,
+    timings_of,
+    usage_of,
+)
 from gateway.requests.prepared import PreparedRequest, TextDelta
 from gateway.requests.service import GatewayService
-from gateway.telemetry.timings import Timings
-from llm_engine import TopLogprobs
-
-logger = logging.getLogger(__name__)
-
-
-def _usage(prepared: PreparedRequest, lasts: list[TextDelta]) -> Usage:
-    """Each choice's final delta in `lasts` (the request's last one carries the cached count)."""
-    num_prompt = len(prepared.prompt_token_ids)
-    num_output = sum(last.num_output_tokens for last in lasts)
-    num_cached = max(last.num_cached_tokens for last in lasts)
-    # Only when the prefix cache served part of the prompt (as vLLM, which leaves it out unless asked).
-    details = PromptTokensDetails(cached_tokens=num_cached) if num_cached else None
-    return Usage(prompt_tokens=num_prompt, completion_tokens=num_output, total_tokens=num_prompt + num_output,
-                 prompt_tokens_details=details)
-
-
-def _sse(payload: str) -> str:
-    return f"data: {payload}\n\n"
-
-
-class _TextFrames:
-    """One stream's text-only chunks: the JSON around the text is rendered once per stream."""
-
-    def __init__(self, first: ChatCompletionResponse | CompletionResponse, text_field: str) -> None:
-        # The chunk of a marker text, cut around the marker's JSON: what comes before and after any text.
-        marker = "\x00"
-        rendered = _sse(first.model_dump_json(exclude_none=True))
-        head, tail = rendered.split(json.dumps(marker))
-        assert f'"{text_field}":' in head[-len(text_field) - 3 :], "the text is the chunk's last field"
-        self._head, self._tail = head, tail
-
-    def frame(self, text: str) -> str:
-        return f"{self._head}{json.dumps(text, ensure_ascii=False)}{self._tail}"
-
-
-async def _guarded(deltas: AsyncIterator[TextDelta], errors: list[str]) -> AsyncIterator[TextDelta]:
-    """The deltas until the stream fails; then the failure's error event lands in `errors`."""
-    try:
-        async for delta in deltas:
-            yield delta
-    except RequestFailed as failed:
-        errors.append(_error_event(str(failed), failed.code))
-    except Exception:  # never a silent cut, never internals in the body
-        logger.exception("a stream failed")
-        errors.append(_error_event("the server failed while generating this response", "internal_error"))
-
-
-def _error_event(message: str, code: str) -> str:
-    body = ErrorResponse(error=ErrorBody(message=message, type="server_error", code=code))
-    return _sse(body.model_dump_json())
-
-
-class _Collected:
-    """One choice's deltas, joined."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[TopLogprobs] = []
-        self.first: TextDelta | None = None
-        self.last: TextDelta | None = None
-
-    @classmethod
-    async def of(cls, deltas: AsyncIterator[TextDelta]) -> list[_Collected]:
-        """Every choice's, in index order."""
-        choices: dict[int, _Collected] = {}
-        async for delta in deltas:
-            collected = choices.setdefault(delta.index, cls())
-            collected.first = collected.first or delta
-            collected.text.append(delta.text)
-            collected.token_ids.extend(delta.token_ids)
-            collected.logprobs.extend(delta.logprobs)
-            collected.top_logprobs.extend(delta.top_logprobs)
-            collected.last = delta
-        collected_choices = [choices[index] for index in sorted(choices)]
-        assert all(c.last is not None and c.last.finish_reason is not None for c in collected_choices)
-        return collected_choices
-
-    @property
-    def final(self) -> TextDelta:
-        assert self.last is not None
-        return self.last
-
-
-def _timings(lasts: list[TextDelta]) -> Timings | None:
-    """The request's timings: on the last of its choices' final deltas."""
-    return next((last.timings for last in lasts if last.timings is not None), None)
 
 
 def echo_text(service: GatewayService, body: CompletionRequest, prepared: PreparedRequest) -> str:
-    """The prompt as echoed: the client's own text, or its token ids decoded."""
+    """The prompt as echoed: the client's own text, or its token ids decoded (and the tokens the model saw
+    when truncate_prompt_tokens cut the prompt)."""
     prompt = body.prompts[prepared.batch_index]
+    if body.truncate_prompt_tokens is not None:
+        prompt = list(prepared.prompt_token_ids)
     return prompt if isinstance(prompt, str) else str(service.tokenizer.decode(list(prompt)))
 
 
 async def completion_response(service: GatewayService, texts: TokenTexts, body: CompletionRequest,
                               prepared: PreparedRequest, deltas: AsyncIterator[TextDelta]
                               ) -> CompletionResponse:
-    choices = await _Collected.of(deltas)
+    choices = await Collected.of(deltas)
     lasts = [got.final for got in choices]  # usage counts every choice generated, best_of's too
     if len(choices) > body.n:
         choices = _best(choices, body.n)
     first_index = prepared.batch_index * len(choices)  # a batch's choices: prompt by prompt, as OpenAI's
     return CompletionResponse(
-        id=prepared.request_id, model=service.model_name, usage=_usage(prepared, lasts),
-        timings=_timings(lasts),
+        id=prepared.request_id, model=service.model_name, usage=usage_of(prepared, lasts),
+        timings=timings_of(lasts),
         choices=[_completion_choice(service, texts, body, prepared, got, first_index + i)
                  for i, got in enumerate(choices)])
 
 
-def _best(choices: list[_Collected], n: int) -> list[_Collected]:
+def _best(choices: list[Collected], n: int) -> list[Collected]:
     """best_of: the n choices whose tokens have the highest summed logprob, best first (as vLLM ranks them;
     a tie keeps the lower index first)."""
     return sorted(choices, key=lambda got: -sum(got.logprobs))[:n]
 
 
 def _completion_choice(service: GatewayService, texts: TokenTexts, body: CompletionRequest,
-                       prepared: PreparedRequest, got: _Collected, index: int) -> CompletionChoice:
+                       prepared: PreparedRequest, got: Collected, index: int) -> CompletionChoice:
     text = "".join(got.text)
     logprobs: CompletionLogprobs | None = None
     if body.echo:
@@ -174,9 +84,13 @@ def _completion_choice(service: GatewayService, texts: TokenTexts, body: Complet
     elif body.logprobs is not None:
         logprobs = CompletionLogprobsBuilder(texts, body.logprobs).generated(got.token_ids, got.logprobs,
                                                                              got.top_logprobs)
+    prompt_logprobs = None
+    if body.prompt_logprobs is not None and got.first is not None:
+        prompt_logprobs = vllm_prompt_logprobs(texts, prepared.prompt_token_ids, got.first.prompt_logprobs,
+                                               body.prompt_logprobs)
     return CompletionChoice(
         index=index, text=text, finish_reason=got.final.finish_reason, logprobs=logprobs,
-        token_ids=got.token_ids if body.return_token_ids else None,
+        token_ids=got.token_ids if body.return_token_ids else None, prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -187,13 +101,15 @@ async def completion_stream(service: GatewayService, texts: TokenTexts, body: Co
     started: set[int] = set()  # choices with a chunk sent
     errors: list[str] = []
     created = int(time.time())
-    frames = [_TextFrames(CompletionResponse(
+    frames = [TextFrames(CompletionResponse(
         id=prepared.request_id, model=service.model_name, created=created,
         choices=[CompletionChoice(index=i, text="\x00", finish_reason=None)]), "text")
         for i in range(prepared.sampling.n)]
-    is_text_only = body.logprobs is None and not body.return_token_ids and not body.echo
+    running = RunningUsage(prepared, continuous_usage(body))
+    is_text_only = (body.logprobs is None and not body.return_token_ids and not body.echo
+                    and not running.is_asked)
     builder = CompletionLogprobsBuilder(texts, body.logprobs or 0)
-    async for delta in _guarded(deltas, errors):
+    async for delta in guarded(deltas, errors):
         is_first = delta.index not in started
         started.add(delta.index)
         if delta.finish_reason is not None:
@@ -215,111 +131,12 @@ async def completion_stream(service: GatewayService, texts: TokenTexts, body: Co
             token_ids=list(delta.token_ids) if body.return_token_ids else None,
         )
         chunk = CompletionResponse(id=prepared.request_id, model=service.model_name, created=created,
-                                   choices=[choice], timings=delta.timings)
-        yield _sse(chunk.model_dump_json(exclude_none=True))
+                                   choices=[choice], timings=delta.timings, usage=running.after(delta))
+        yield sse(chunk.model_dump_json(exclude_none=True))
     for event in errors:
         yield event
     if include_usage and lasts:
         usage = CompletionResponse(id=prepared.request_id, model=service.model_name, created=created,
-                                   choices=[], usage=_usage(prepared, lasts))
-        yield _sse(usage.model_dump_json(exclude_none=True))
-    yield _sse("[DONE]")
-
-
-async def chat_response(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
-                        prepared: PreparedRequest, deltas: AsyncIterator[TextDelta],
-                        tool_parser: ToolCallParser | None = None, reasoning: ReasoningParser | None = None
-                        ) -> ChatCompletionResponse:
-    """The whole answer, one choice per index; each split into reasoning and content with `reasoning`
-    (gateway/api/reasoning.py), and its content read for tool calls with `tool_parser`
-    (gateway/api/tool_responses.py)."""
-    choices = await _Collected.of(deltas)
-    lasts = [got.final for got in choices]
-    is_constrained = prepared.sampling.grammar is not None
-    starts = reasoning is not None and reasoning.starts_in_reasoning(template_kwargs(body), is_constrained)
-    answers = []
-    for i, got in enumerate(choices):
-        split = Split(None, "".join(got.text))
-        if reasoning is not None:
-            split = reasoning.split(split.content or "", starts)
-        message = ChatDelta(role="assistant", content=split.content)
-        finish_reason = got.final.finish_reason
-        if tool_parser is not None:
-            message, finish_reason = whole_message(tool_parser, split.content or "", finish_reason)
-        message = with_reasoning(message, split.reasoning)
-        answers.append(ChatChoice(
-            index=i, message=message, finish_reason=finish_reason,
-            logprobs=ChatLogprobs(content=chat_logprobs(texts, got.token_ids, got.logprobs, got.top_logprobs))
-            if body.logprobs else None,
-            token_ids=got.token_ids if body.return_token_ids else None,
-        ))
-    return ChatCompletionResponse(id=prepared.request_id, model=service.model_name, choices=answers,
-                                  usage=_usage(prepared, lasts), timings=_timings(lasts))
-
-
-async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
-                      prepared: PreparedRequest, deltas: AsyncIterator[TextDelta], include_usage: bool,
-                      tool_parser: ToolCallParser | None = None, reasoning: ReasoningParser | None = None
-                      ) -> AsyncIterator[str]:
-    """The SSE chunks, the choices interleaved by index; with `reasoning`, each choice's reasoning apart
-    (`delta.reasoning`); with `tool_parser`, each choice's content and tool-call deltas as
-    gateway/api/tool_responses.py frames them."""
-    created = int(time.time())
-
-    def response(choice: ChatChoice | None, **extra: object) -> ChatCompletionResponse:
-        return ChatCompletionResponse(id=prepared.request_id, object="chat.completion.chunk", created=created,
-                                      model=service.model_name, choices=[choice] if choice else [],
-                                      **extra)  # type: ignore[arg-type]
-
-    def chunk(choice: ChatChoice | None, **extra: object) -> str:
-        return _sse(response(choice, **extra).model_dump_json(exclude_none=True))
-
-    num_choices = prepared.sampling.n
-    frames = [_TextFrames(response(ChatChoice(index=i, delta=ChatDelta(content="\x00"), finish_reason=None)),
-                          "content") for i in range(num_choices)]
-    is_text_only = (not body.logprobs and not body.return_token_ids and tool_parser is None
-                    and reasoning is None)
-    tools = [ToolCallStream(tool_parser) for _ in range(num_choices)] if tool_parser is not None else None
-    thoughts = None  # each choice's ReasoningStream: the reasoning is split off before tools read the rest
-    if reasoning is not None:
-        starts = reasoning.starts_in_reasoning(template_kwargs(body), prepared.sampling.grammar is not None)
-        thoughts = [reasoning.stream(starts) for _ in range(num_choices)]
-    for i in range(num_choices):  # as OpenAI: each choice's first chunk names the role
-        yield chunk(ChatChoice(index=i, delta=ChatDelta(role="assistant", content=""), finish_reason=None))
-    lasts: list[TextDelta] = []  # each choice's final delta
-    errors: list[str] = []
-    async for delta in _guarded(deltas, errors):
-        if delta.finish_reason is not None:
-            lasts.append(delta)
-        if is_text_only and delta.finish_reason is None:
-            yield frames[delta.index].frame(delta.text)
-            continue
-        finish_reason = delta.finish_reason
-        thought, text = "", delta.text
-        if thoughts is not None:
-            thought, text = thoughts[delta.index].feed(text, is_final=finish_reason is not None)
-        if tools is not None:
-            stream = tools[delta.index]
-            pieces = stream.feed(text, is_final=finish_reason is not None)
-            finish_reason = stream.finish_reason(finish_reason)
-        else:
-            pieces = [ChatDelta(content=text)] if text or thoughts is None else []
-        if thought:  # the reasoning goes first: it was written before this delta's content
-            pieces = [with_reasoning(pieces[0] if pieces else ChatDelta(), thought), *pieces[1:]]
-        for piece in pieces[:-1]:
-            yield chunk(ChatChoice(index=delta.index, delta=piece, finish_reason=None))
-        message = pieces[-1] if pieces else ChatDelta(content="")
-        if not pieces and finish_reason is None and not body.logprobs and not body.return_token_ids:
-            continue  # held back (it may open a call, or close the reasoning): nothing to send yet
-        choice = ChatChoice(
-            index=delta.index, delta=message, finish_reason=finish_reason,
-            logprobs=ChatLogprobs(content=chat_logprobs(texts, delta.token_ids, delta.logprobs,
-                                                        delta.top_logprobs)) if body.logprobs else None,
-            token_ids=list(delta.token_ids) if body.return_token_ids else None,
-        )
-        yield chunk(choice, timings=delta.timings)
-    for event in errors:
-        yield event
-    if include_usage and lasts:
-        yield chunk(None, usage=_usage(prepared, lasts))
-    yield _sse("[DONE]")
+                                   choices=[], usage=usage_of(prepared, lasts))
+        yield sse(usage.model_dump_json(exclude_none=True))
+    yield sse("[DONE]")

@@ -1,8 +1,8 @@
 """`--generation-config`: the model's own sampling defaults, for the fields a request leaves unset (as vLLM).
 
     auto  (vLLM's default) the model directory's generation_config.json: its temperature, top_p, top_k,
-          repetition penalty, presence/frequency penalties; its max_new_tokens is the max_tokens of a chat
-          request that names none;
+          min_p, repetition penalty, presence/frequency penalties; its max_new_tokens is the max_tokens of a
+          chat request that names none;
     vllm  the file is ignored: the neutral defaults (temperature 1, top_p 1, no top_k, no penalties);
     DIR   the generation_config.json in DIR, the same fields; its max_new_tokens also caps every request's
           max_tokens (as vLLM treats a config given by path).
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG_FILE = "generation_config.json"
-# vLLM reads these too, but pdserve's sampler has no such field yet: named in the start-up log, not applied.
-NOT_APPLIED = ("min_p",)
 
 
 @dataclass(frozen=True)
@@ -37,6 +35,7 @@ class SamplingDefaults:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -56,7 +55,7 @@ class SamplingDefaults:
                          if getattr(self, f.name) is not None)
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty",
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty")
 
 
@@ -99,12 +98,8 @@ def read_sampling_defaults(source: str, model_dir: str) -> SamplingDefaults:
     except ValueError as error:
         raise ValueError(f"{folder / GENERATION_CONFIG_FILE}: {error} (--generation-config vllm ignores the "
                          "file)") from None
-    ignored = [name for name in NOT_APPLIED if diff.get(name) is not None]
     if values:
         logger.info("sampling defaults from %s: %s (requests that set a field keep theirs; "
                     "--generation-config vllm ignores the file)", folder / GENERATION_CONFIG_FILE,
                     defaults.described())
-    if ignored:
-        logger.warning("%s in %s not applied: pdserve's sampler has no such field yet", ", ".join(ignored),
-                       folder / GENERATION_CONFIG_FILE)
     return defaults

@@ -1,7 +1,8 @@
 """Which request fields pdserve honours, refuses and ignores: the one place that decides, so that nothing a
 client sends is dropped in silence (docs/api.md's "Request fields" table lists the same).
 
-    supported            declared on the request models (gateway/api/protocol.py) and applied;
+    supported            declared on the request models (gateway/api/protocol.py, and vLLM's extensions in
+                         gateway/api/protocol_extensions.py) and applied;
     ignored by design    declared too, and documented as having no effect here (`user`, `metadata`, `store`);
     not supported yet    known OpenAI fields whose effect pdserve cannot honour yet: a 400 naming the field,
                          unless the value asks for nothing (`suffix: null`, `functions: []`, ...);
@@ -26,11 +27,11 @@ NOT_YET_SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (_absent, "function calling is not supported yet"),
     "function_call": (lambda v: v is None or v == "none", "function calling is not supported yet"),
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported"),
-    "guided_json": (_absent, "guided decoding is not supported yet"),
-    "guided_regex": (_absent, "guided decoding is not supported yet"),
-    "guided_choice": (_absent, "guided decoding is not supported yet"),
-    "guided_grammar": (_absent, "guided decoding is not supported yet"),
-    "structured_outputs": (_absent, "structured outputs are not supported yet"),
+    # vLLM's older spellings, which it has replaced with structured_outputs: pdserve takes only the new one.
+    "guided_json": (_absent, 'use structured_outputs: {"json": <schema>} (vLLM\'s current form)'),
+    "guided_regex": (_absent, 'use structured_outputs: {"regex": ...} (vLLM\'s current form)'),
+    "guided_choice": (_absent, 'use structured_outputs: {"choice": [...]} (vLLM\'s current form)'),
+    "guided_grammar": (_absent, 'use structured_outputs: {"grammar": ...} (vLLM\'s current form)'),
     "prediction": (_absent, "predicted outputs are not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
     "audio": (_absent, "audio output is not supported"),

@@ -36,7 +36,9 @@ class TokenizeRequest(BaseModel):
     prompt: Text | None = None  # plain text, tokenized as /v1/completions does
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)  # rendered as chat does
     add_generation_prompt: bool = True  # with messages: end with the assistant's turn opening
-    add_special_tokens: bool = True  # accepted for vLLM's clients; the tokenizer's own default applies
+    # The tokenizer's special tokens (e.g. BOS) around the text, as vLLM: None means yes for a prompt, no for
+    # messages (the chat template writes its own); yes for messages adds them on top of the template's.
+    add_special_tokens: bool | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -70,11 +72,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, object]
         raise BadRequest("give exactly one of prompt and messages", param="prompt")
     if body.prompt is not None:
         _check_size("prompt", len(body.prompt))
-        tokens = await preparer.encode(body.prompt)
+        tokens = await preparer.encode(body.prompt, body.add_special_tokens is not False)
     else:
         assert body.messages is not None
         _check_size("messages", sum(len(m.text) for m in body.messages))
         tokens = await preparer.render_chat(body.messages, body.add_generation_prompt)
+        if body.add_special_tokens:  # the rendered text, tokenized again with the special tokens
+            tokens = await preparer.encode(await preparer.decode(tokens), add_special_tokens=True)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": preparer.spec.max_model_len}
 
 

@@ -160,6 +160,8 @@ class ControlPlane:
                                         "pid": worker.pid}
             if worker.next_role is not None:
                 entry["next_role"] = worker.next_role.value
+            if worker.emptying:  # draining or changing role: what it still waits for
+                entry["emptying"] = worker.emptying
             if worker.state is WorkerState.PENDING:  # why it waits, and until when (an added one)
                 available = available if available is not None else ray.available_resources()
                 entry["pending_reason"] = pending_reason(worker, deployment.config, available)

@@ -3,6 +3,9 @@
     wait_until_empty(): polls the worker's load until it holds no request in any state and the gateway has
     nothing on its way to it (in_flight), twice in a row; after grace_s its decode streams are evacuated to
     other workers (again whenever one arrives late); past timeout_s, TimeoutError (the caller rolls back).
+    Each call to the worker is bounded (CALL_TIMEOUT_S), so that a call left unanswered ends in that
+    TimeoutError too instead of holding the change (and every PUT behind it) for good; what it still waits
+    for is in worker.emptying meanwhile (/admin/pools shows it).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from gateway.fleet.workers import Worker
 
 DRAIN_GRACE_S = 30.0  # how long a draining worker's decode streams run on before they are evacuated
 DRAIN_TIMEOUT_S = 300.0  # a drain or role change still holding requests by then is rolled back
+CALL_TIMEOUT_S = 30.0  # a load or evacuate call unanswered this long: the worker is not emptying
 
 
 def check_grace(grace_s: float, timeout_s: float) -> None:
@@ -29,14 +33,29 @@ async def wait_until_empty(worker: Worker, in_flight: Callable[[str], int] | Non
     event_loop = asyncio.get_running_loop()
     started = event_loop.time()
     num_idle = 0
-    while num_idle < 2:  # twice in a row: a request between the two reads shows in one of them
-        waited = event_loop.time() - started
-        if waited >= grace_s and worker.role.can_decode:
-            await worker.client.evacuate()
-        load = await worker.client.load()
-        is_idle = load.num_requests == 0 and load.num_free_blocks == load.num_total_blocks
-        num_idle = num_idle + 1 if is_idle and not (in_flight and in_flight(worker.worker_id)) else 0
-        if waited > timeout_s:
-            raise TimeoutError(f"{worker.worker_id} still holds {load.num_requests} requests after "
-                               f"{timeout_s:.0f} s")
-        await asyncio.sleep(poll_s)
+    try:
+        while num_idle < 2:  # twice in a row: a request between the two reads shows in one of them
+            waited = event_loop.time() - started
+            call_timeout_s = max(min(CALL_TIMEOUT_S, timeout_s - waited), poll_s)
+            async with asyncio.timeout(call_timeout_s):
+                if waited >= grace_s and worker.role.can_decode:
+                    worker.emptying = "evacuating its decode streams"
+                    await worker.client.evacuate()
+                worker.emptying = "asking for its load"
+                load = await worker.client.load()
+            on_the_way = in_flight(worker.worker_id) if in_flight else 0
+            is_idle = load.num_requests == 0 and load.num_free_blocks == load.num_total_blocks
+            num_idle = num_idle + 1 if is_idle and not on_the_way else 0
+            worker.emptying = (f"{load.num_requests} requests, "
+                               f"{load.num_total_blocks - load.num_free_blocks} KV blocks held; "
+                               f"{on_the_way} tokens on their way to it")
+            if waited > timeout_s:
+                raise TimeoutError(f"{worker.worker_id} after {timeout_s:.0f} s: {worker.emptying}")
+            await asyncio.sleep(poll_s)
+    except TimeoutError as error:
+        if not str(error):  # a call's bound: say which
+            raise TimeoutError(f"{worker.worker_id}: no answer while {worker.emptying} after "
+                               f"{call_timeout_s:.0f} s") from None
+        raise
+    finally:
+        worker.emptying = ""

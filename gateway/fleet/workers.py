@@ -69,6 +69,9 @@ class Worker:
     cpu_slot: int | None = None  # its slot among the live workers of its node: which cores it pins to
     runtime: WorkerRuntime | None = None  # dtype, GEMM kernel, threads and cores, as start() reported them
     placement_deadline: float | None = None  # Unix time an added PENDING worker is given up (add_worker)
+    # While DRAINING or CHANGING_ROLE: what it still waits for before it is empty ("" once it is, or when
+    # it is not emptying): /admin/pools shows it, so a slow change explains itself.
+    emptying: str = ""
 
     @property
     def is_active(self) -> bool:

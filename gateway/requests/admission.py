@@ -1,15 +1,17 @@
 """Admission: a request enters only if decode KV capacity can be reserved for prompt + max_tokens.
 
-States of a request here: WAITING (FIFO, bounded in requests and in tokens) → ADMITTED (holds a
-reservation) → released. A full waiting line, or a wait past the timeout, is an Overloaded error (HTTP 429
-with Retry-After). The capacity follows the live decode workers (set_capacity): a failed worker's share is
-gone until its replacement is up, and requests wait for it in the line (within its timeout).
+States of a request here: WAITING (in order of priority, lower first as vLLM's, then of arrival; bounded in
+requests and in tokens) → ADMITTED (holds a reservation) → released. A full waiting line, or a wait past the
+timeout, is an Overloaded error (HTTP 429 with Retry-After). The capacity follows the live decode workers
+(set_capacity): a failed worker's share is gone until its replacement is up, and requests wait for it in the
+line (within its timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import bisect
+import itertools
 import time
 
 
@@ -22,6 +24,9 @@ def admission_capacity(kv_tokens_per_worker: int, num_decoding: int, num_fronten
     if not total or num_frontends == 1:
         return total
     return max(total // num_frontends, kv_tokens_per_worker)
+
+
+_Waiting = tuple[int, int, int, "asyncio.Future[None]"]  # priority, arrival number, tokens, wakes it
 
 
 class Overloaded(Exception):
@@ -45,7 +50,9 @@ class Admission:
         self.timeout_s = timeout_s
         self.reserved_tokens = 0
         self.waiting_tokens = 0
-        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        # (priority, arrival number, tokens, its future), sorted: the head is admitted first.
+        self._waiting: list[_Waiting] = []
+        self._arrivals = itertools.count()
 
     @property
     def num_waiting(self) -> int:
@@ -63,8 +70,9 @@ class Admission:
             return Reservation(self, num_tokens)
         return None
 
-    async def acquire(self, num_tokens: int) -> Reservation:
-        """Reserve `num_tokens` of decode capacity, waiting in line if needed.
+    async def acquire(self, num_tokens: int, priority: int = 0) -> Reservation:
+        """Reserve `num_tokens` of decode capacity, waiting in line if needed (ahead of every waiting request
+        of a higher `priority` value, behind those of a lower or the same one).
 
         Raises:
             Overloaded: the line is full, or the wait passed the timeout.
@@ -77,9 +85,10 @@ class Admission:
         if self._waiting and self.waiting_tokens + num_tokens > self.max_waiting_tokens:
             raise Overloaded(f"server busy: {self.waiting_tokens} tokens already wait for KV capacity", 1)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (num_tokens, future)
-        self._waiting.append(entry)
+        entry = (priority, next(self._arrivals), num_tokens, future)
+        bisect.insort(self._waiting, entry, key=lambda e: e[:2])
         self.waiting_tokens += num_tokens
+        self._wake()  # ahead of the line's head, it may fit where the head does not
         try:
             await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except TimeoutError:
@@ -95,8 +104,8 @@ class Admission:
         self.reserved_tokens -= num_tokens
         self._wake()
 
-    def _give_up(self, entry: tuple[int, asyncio.Future[None]]) -> None:
-        num_tokens, future = entry
+    def _give_up(self, entry: _Waiting) -> None:
+        _, _, num_tokens, future = entry
         if future.done():  # admitted just as the wait ended: hand the reservation back
             self.reserved_tokens -= num_tokens
             self._wake()
@@ -107,10 +116,10 @@ class Admission:
 
     def _wake(self) -> None:
         while self._waiting:
-            num_tokens, future = self._waiting[0]
+            _, _, num_tokens, future = self._waiting[0]
             if self.reserved_tokens + num_tokens > self.capacity_tokens:
                 return
-            self._waiting.popleft()
+            self._waiting.pop(0)
             self.waiting_tokens -= num_tokens
             self.reserved_tokens += num_tokens
             future.set_result(None)

@@ -34,12 +34,14 @@ async def prefill(run: RequestRun) -> tuple[Worker, PrefillResult]:
     for _ in range(MAX_PREFILL_ATTEMPTS):
         prefill = await run.wait_for_worker("prefill", run.deadlines.prefill_by, tried)
         tried.add(prefill.worker_id)
-        run.router.prefill_tokens[prefill.worker_id] += num_prompt
         client = prefill.client
         try:
             outputs = client.subscribe(run.request_id)  # before submitting: no result unheard
         except WorkerLost:
             continue  # it left the deployment since it was picked
+        # Booked only now, so that every booking is released in the `finally` below: a worker's drain or
+        # role change waits for its books to read 0.
+        run.router.prefill_tokens[prefill.worker_id] += num_prompt
         try:
             async with asyncio.timeout(run.time_left(run.deadlines.prefill_by)):
                 await client.submit_prefill(PrefillRequest(run.request_id, run.prompt_token_ids,

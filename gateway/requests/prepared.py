@@ -24,6 +24,10 @@ class PreparedRequest:
     batch_index: int = 0  # its prompt's place in a completions batch (the choice's index)
     parses_tool_calls: bool = False  # chat with tools: the output is read for tool calls
     trace_headers: tuple[tuple[str, str], ...] = ()  # W3C traceparent/tracestate of its HTTP request
+    priority: int = 0  # its place in the admission line: lower first, then arrival (vLLM's priority)
+    # How its text is made (vLLM's fields): special tokens left out; the stop string (or stop token) kept.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,7 @@ class GatewayService:
         return len(prepared.prompt_token_ids) + sampling.n * sampling.max_tokens
 
     async def admit(self, prepared: PreparedRequest) -> Reservation:
-        reservation = await self.admission.acquire(self.num_reserved_tokens(prepared))
+        reservation = await self.admission.acquire(self.num_reserved_tokens(prepared), prepared.priority)
         self.metrics.admission_waiting.set(self.admission.num_waiting)
         self.metrics.admission_reserved.set(self.admission.reserved_tokens)
         return reservation
@@ -171,7 +171,9 @@ class GatewayService:
     async def _run(self, prepared: PreparedRequest, reservation: Reservation,
                    deltas: asyncio.Queue[TextDelta | Exception | None]) -> None:
         """The request, from routing to its final delta in `deltas` (or raises RequestFailed)."""
-        choices = [_Choice(IncrementalDetokenizer(self.tokenizer, prepared.stop_strings))
+        choices = [_Choice(IncrementalDetokenizer(self.tokenizer, prepared.stop_strings,
+                                                  prepared.skip_special_tokens,
+                                                  prepared.include_stop_str_in_output))
                    for _ in range(prepared.sampling.n)]
         num_open = len(choices)
         prefill: PrefillResult | None = None
@@ -194,7 +196,10 @@ class GatewayService:
                 prefill = event.prefill or prefill
                 decode = event.decode or decode
                 prefilled_by = event.prefilled_by or prefilled_by
-                text = choice.detokenizer.add(event.token_ids)
+                shown = event.token_ids
+                if event.finish_reason == "stop" and not prepared.include_stop_str_in_output:
+                    shown = shown[:-1]  # as vLLM: the EOS or stop token that ended it is not text
+                text = choice.detokenizer.add(shown)
                 finish = "stop" if choice.detokenizer.is_stopped else event.finish_reason
                 choice.sent.extend(token_times(event, time.time()))
                 if event.num_migrations and event.finish_reason is not None:

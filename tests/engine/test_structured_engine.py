@@ -6,6 +6,7 @@ original; the compiled-grammar cache is bounded and reused; a schema llguidance 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from llm_engine import SamplingParams
 from llm_engine.batch import TokenHistory
 from llm_engine.grammar_mask import GrammarMask
 from llm_engine.logits_processors import SamplingRows
-from llm_engine.structured import GrammarCache, GrammarError, GrammarSpec, check_grammar
+from llm_engine.structured import GrammarCache, GrammarError, GrammarKind, GrammarSpec, check_grammar
 from tests.conftest import random_prompts
 from tests.engine.test_engine_correctness import make_engine
 
@@ -111,3 +112,21 @@ def test_a_schema_the_engine_refuses_is_a_grammar_error(schema: str) -> None:
     with pytest.raises(GrammarError) as raised:
         check_grammar(GrammarSpec(schema))
     assert str(raised.value)
+
+
+@pytest.mark.parametrize(("kind", "source", "matches"), [
+    (GrammarKind.REGEX, r"[a-c]{2,4}-[0-9]", lambda text: re.fullmatch(r"[a-c]{2,4}-[0-9]", text)),
+    (GrammarKind.CHOICE, json.dumps(["red", "green", "blue sky"]), lambda text: text in {"red", "green",
+                                                                                          "blue sky"}),
+    (GrammarKind.GRAMMAR, 'start: "x" ("y" | "zz")+', lambda text: re.fullmatch(r"x(y|zz)+", text)),
+    (GrammarKind.GRAMMAR, 'root ::= "ab" [0-9]', lambda text: re.fullmatch(r"ab[0-9]", text)),  # GBNF
+])
+def test_regex_choice_and_grammar_outputs_match(engine: Any, tokenizer: Any, kind: GrammarKind, source: str,
+                                                matches: Any) -> None:
+    """vLLM's structured_outputs kinds beside JSON, sampled freely: every output is the grammar's text."""
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=2, stop_token_ids=(EOS,),
+                            grammar=GrammarSpec.of_text(kind, source))
+    for completion in engine.generate(random_prompts([8, 15, 23], 49152, seed=9), params):
+        assert completion.finish_reason == "stop" and completion.output_token_ids[-1] == EOS
+        assert matches(tokenizer.decode(completion.output_token_ids[:-1])), completion
+    assert engine.block_pool.is_whole()

@@ -115,6 +115,17 @@ def lose_releases_and_shorten_leases(actor: Any) -> None:
     sender.config = dataclasses.replace(sender.config, lease_s=1.0)
 
 
+def hang_loads(actor: Any, seconds: float) -> None:
+    """Every load call holds the actor's event loop for `seconds`: a worker that stops answering."""
+    load = actor.worker.load
+
+    def hung() -> Any:
+        time.sleep(seconds)
+        return load()
+
+    actor.worker.load = hung
+
+
 def heal(actor: Any) -> None:
     release_steps(actor)
     actor.worker.engine.runner.__dict__.pop("execute", None)

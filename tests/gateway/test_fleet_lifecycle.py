@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from decode_pool.messages import DecodeRequest
+from gateway.fleet import drain
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.worker_errors import SubmissionRefused
@@ -270,9 +271,14 @@ def test_a_worker_in_another_role_than_the_gateway_believes_is_passed_over(tiny_
     assert result["state"] is WorkerState.ACTIVE
 
 
-def test_a_cancelled_role_change_or_drain_puts_the_worker_back(tiny_llama_dir: Path) -> None:
+def test_a_cancelled_role_change_or_drain_puts_the_worker_back(tiny_llama_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """H1: a change or drain waiting for a worker's stream is cancelled (auto turned off, the request
-    handler gone): the worker is ACTIVE in its old role again, the target as it was, and it serves on."""
+    handler gone): the worker is ACTIVE in its old role again, the target as it was, and it serves on.
+    Meanwhile the worker says what it still holds (emptying); and a change whose calls to the worker go
+    unanswered ends within the call bound, rolled back, instead of holding the fleet's changes for good."""
+    monkeypatch.setattr(drain, "CALL_TIMEOUT_S", 1.0)
+
     async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
         decodes = deployment.active(Role.DECODE)
         await asyncio.gather(*(call_on(w, faults.slow_steps, 0.05) for w in decodes))
@@ -290,13 +296,33 @@ def test_a_cancelled_role_change_or_drain_puts_the_worker_back(tiny_llama_dir: P
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
+        change = asyncio.ensure_future(deployment.change_role(held.worker_id, Role.PREFILL, router.in_flight,
+                                                              grace_s=200))
+        await until(lambda: "1 requests" in held.emptying)
+        emptying = held.emptying
+        change.cancel()
+        await asyncio.gather(change, return_exceptions=True)
+        held.client.handle.__ray_call__.remote(faults.hang_loads, 3.0)
+        started = time.monotonic()
+        unanswered = await asyncio.gather(
+            deployment.change_role(held.worker_id, Role.PREFILL, router.in_flight, grace_s=200),
+            return_exceptions=True)
+        unanswered_s = time.monotonic() - started
+        await call_on(held, faults.heal)
+        seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
         events = await stream
         await asyncio.gather(*(call_on(w, faults.heal) for w in decodes))
-        return {"seen": seen, "events": events, "in": held.worker_id in deployment.workers}
+        return {"seen": seen, "events": events, "in": held.worker_id in deployment.workers,
+                "emptying": emptying, "after": held.emptying, "unanswered": unanswered[0],
+                "unanswered_s": unanswered_s}
 
     result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=2)
     back = (WorkerState.ACTIVE, Role.DECODE, None, True)
-    assert result["seen"] == [WorkerState.CHANGING_ROLE, back, WorkerState.DRAINING, back]
+    assert result["seen"] == [WorkerState.CHANGING_ROLE, back, WorkerState.DRAINING, back, back]
+    assert result["emptying"].startswith("1 requests, ") and "tokens on their way" in result["emptying"]
+    assert result["after"] == ""
+    assert isinstance(result["unanswered"], TimeoutError) and "no answer" in str(result["unanswered"])
+    assert result["unanswered_s"] < 10
     assert result["in"] and len(tokens(result["events"])) == 120
 
 

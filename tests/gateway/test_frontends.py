@@ -240,11 +240,11 @@ def fleet_actor_pid(supervisor: psutil.Process) -> int:
 
 def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_health_tells(
         two_frontends: tuple[int, psutil.Process]) -> None:
-    """Review N1 and N2. A frontend paused for 6 s (SIGSTOP: uvicorn's supervisor may kill it, the fleet may
-    take it for dead) costs at most its own streams: the other frontend's finish whole, no worker is
-    replaced. The fleet actor killed: /health turns 503 within seconds, Ray restarts it and it adopts the
-    workers as they are (the same processes, no weights loaded again), the streams running meanwhile finish
-    whole, and the server answers again."""
+    """Review N1 and N2. A frontend paused for 6 s (SIGSTOP) is neither killed by uvicorn's supervisor (it
+    waits FRONTEND_UNANSWERED_S) nor given up by the fleet (its 10 s lease): it resumes, and every stream on
+    both frontends finishes whole; no worker is replaced. The fleet actor killed: /health turns 503 within
+    seconds, Ray restarts it and it adopts the workers as they are (the same processes, no weights loaded
+    again), the streams running meanwhile finish whole, and the server answers again."""
     port, supervisor = two_frontends
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
@@ -255,14 +255,12 @@ def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_hea
     victim, survivor = pids
     os.kill(victim, signal.SIGSTOP)
     time.sleep(6)
-    with contextlib.suppress(ProcessLookupError):  # uvicorn may have killed it meanwhile
-        os.kill(victim, signal.SIGCONT)
+    os.kill(victim, signal.SIGCONT)  # ProcessLookupError: uvicorn took the paused frontend for dead
     for reader in readers:
         reader.join(120)
-    for stream in streams[survivor]:
+    for stream in streams[survivor] + streams[victim]:
         assert stream.done and "".join(stream.texts) == expected
-    for stream in streams[victim]:  # cut with its process, or resumed: never a wrong token
-        assert expected.startswith("".join(stream.texts))
+    assert victim in frontend_pids(supervisor), "uvicorn replaced a frontend that was only paused"
     until(lambda: client.get("/health").status_code == 200, 60, "health")
     assert worker_pids(client) == before, "a healthy worker was replaced"
 

@@ -44,10 +44,11 @@ def test_auto_reads_the_models_sampling_defaults(qwen3_small_dir: Path) -> None:
 
 def test_a_directory_given_caps_max_tokens(tmp_path: Path) -> None:
     folder = write_generation_config(tmp_path / "gen", max_new_tokens=100, top_k=-1, repetition_penalty=1.1,
-                                     min_p=0.05)  # min_p: logged, not applied (no such sampler field yet)
+                                     min_p=0.05)
     defaults = read_sampling_defaults(str(folder), "/no/model/dir")
     assert defaults.top_k == 0  # transformers' "no top_k" is pdserve's 0
     assert (defaults.repetition_penalty, defaults.max_tokens, defaults.max_tokens_cap) == (1.1, 100, 100)
+    assert defaults.min_p == 0.05
     # auto: the model's own max_new_tokens is a default, not a cap (as vLLM).
     assert read_sampling_defaults("auto", str(folder)).max_tokens_cap is None
 

@@ -14,7 +14,6 @@ import httpx
 import openai
 import pytest
 
-from gateway.api.protocol import ChatCompletionRequest
 from pdserve.main import build_parser
 from pdserve.serve import load_serve_config
 from tests.gateway.conftest import MODEL, free_port, serving, whole_after
@@ -82,9 +81,6 @@ def test_an_answer_cut_while_thinking_is_all_reasoning(sdk: openai.OpenAI, clien
     assert answer.choices[0].finish_reason == "length"
 
 
-@pytest.mark.skipif("chat_template_kwargs" not in ChatCompletionRequest.model_fields,
-                    reason="chat_template_kwargs is one of vLLM's request extensions (issue 33 item 1), not "
-                           "on this branch yet")
 def test_thinking_off_gives_the_answer_alone(sdk: openai.OpenAI, client: httpx.Client) -> None:
     answer = sdk.chat.completions.create(model=MODEL, messages=ASK,
                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
