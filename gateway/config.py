@@ -16,6 +16,8 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
+from gateway.api.chat_template import load_chat_template
+from gateway.api.sampling_defaults import check_generation_config
 from gateway.fleet.config import CANNOT_SERVE, can_serve
 from gateway.ratio.ladder import ControllerPolicy
 from gateway.telemetry.tracing import check_endpoint
@@ -240,11 +242,32 @@ class ServeConfig(BaseSettings):
     local_prefill_queue_tokens: int | None = Field(
         None, ge=0,
         description="... or any prompt while every prefill worker has this many tokens queued (default: off)")
-    default_max_tokens: int = Field(512, ge=1, description="max_tokens of chat requests that give none")
+    default_max_tokens: int | None = Field(
+        None, ge=1,
+        description="max_tokens of chat requests that give none (default: as vLLM, the model's "
+                    "generation_config.json max_new_tokens, else all the context the prompt leaves)")
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
         "auto",
         description="how the model writes tool calls: hermes (<tool_call> JSON: Qwen2, Hermes, ChatML), "
                     "llama3_json, or auto (detected from the chat template)")
+    # Reasoning models and the model's own files (gateway/api/reasoning.py, chat_template.py,
+    # sampling_defaults.py).
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None,
+        description="split a thinking model's <think>...</think> off the answer into message.reasoning "
+                    "(and reasoning_content), streamed too: qwen3 (follows chat_template_kwargs "
+                    "enable_thinking) or deepseek_r1 (the output starts inside the reasoning) "
+                    "(default: none, the thinking stays in content)")
+    chat_template: str | None = Field(
+        None,
+        description="a Jinja chat template replacing the tokenizer's: a file, or the template's text "
+                    "(default: the model's own)")
+    generation_config: str = Field(
+        "auto",
+        description="sampling defaults for the fields a request leaves unset: auto (the model's "
+                    "generation_config.json, as vLLM), vllm (ignore it: temperature 1, top_p 1) or a "
+                    "directory holding a generation_config.json (its max_new_tokens then caps every "
+                    "request)")
 
     @field_validator("profile")
     @classmethod
@@ -252,6 +275,18 @@ class ServeConfig(BaseSettings):
         if profile is not None and not Path(profile).is_file():
             raise ValueError(f"profile {profile!r} does not exist (make one with `pdserve tune profile`)")
         return profile
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template_loads(cls, template: str | None) -> str | None:
+        if template is not None:
+            load_chat_template(template)
+        return template
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config_exists(cls, source: str) -> str:
+        return check_generation_config(source)
 
     @field_validator("api_key")
     @classmethod

@@ -17,8 +17,11 @@ from dataclasses import dataclass
 import ray
 from fastapi import FastAPI
 
+from gateway.api.chat_template import load_chat_template
 from gateway.api.logprob_format import TokenTexts
 from gateway.api.prepare import Preparer
+from gateway.api.reasoning import reasoning_parser
+from gateway.api.sampling_defaults import read_sampling_defaults
 from gateway.config import ServeConfig
 from gateway.control.fleet_client import FleetClient
 from gateway.control.plane import ControlPlane, build_planner, decode_kv_tokens
@@ -62,6 +65,8 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
                    kv_tokens_per_worker: int, num_frontends: int) -> GatewayService:
     """The request path over `fleet`: tokenizer, request preparation, admission, the service (app.state)."""
     tokenizer = load_tokenizer(model_dir)
+    if config.chat_template is not None:  # before the Preparer: its tool format is read off the template
+        tokenizer.chat_template = load_chat_template(config.chat_template)
     model_name = config.served_model_name or served_name(config.model, model_dir)
     spec = config.model_spec(model_dir)  # max_model_len: --max-model-len's, else the model's
     if spec.max_model_len > kv_tokens_per_worker:
@@ -69,7 +74,9 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
               f"decode worker's KV cache holds for one request ({kv_tokens_per_worker} tokens): longer "
               "requests get HTTP 400; raise --kv-cache-memory or lower --max-model-len", flush=True)
     app.state.preparer = Preparer(tokenizer, spec, model_name, kv_tokens_per_worker,
-                                  config.default_max_tokens, fleet.block_size, config.tool_call_parser)
+                                  config.default_max_tokens, fleet.block_size, config.tool_call_parser,
+                                  reasoning_parser(config.reasoning_parser),
+                                  read_sampling_defaults(config.generation_config, model_dir))
     app.state.token_texts = TokenTexts(tokenizer)  # logprobs show each token's own text
     app.state.model_dir = model_dir  # /v1/models' root
     num_decoding = len(fleet.active(Role.DECODE, Role.MIXED))

@@ -16,6 +16,7 @@ from pdserve.bench import add_bench_parser
 from pdserve.fleet import add_fleet_parser
 from pdserve.serve import add_serve_parser
 from pdserve.tune import add_tune_parser
+from pdserve.vllm_flags import unknown_flag_message
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
@@ -47,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would say "unrecognized arguments"; this says where the flags are listed
+        parser.error(unknown_flag_message(args.command, unknown))
     try:
         return int(args.handler(args))
     except (FileNotFoundError, ValueError) as error:

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from pdserve.settings_cli import PRECEDENCE, add_model_flags, error_message, given_flags, layer_sources
+from pdserve.vllm_flags import add_vllm_flags, translate_vllm_flags
 
 # Flags beside `--field-name`, shown in the help.
 ALIASES = {"ray_address": ["--address"]}
@@ -28,6 +29,7 @@ def add_serve_parser(commands: Any) -> None:
                        help="YAML file of the same settings, keys as the flags with underscores "
                             "(default: none)")
     add_model_flags(serve, ServeConfig, aliases=ALIASES)
+    add_vllm_flags(serve)
     serve.set_defaults(handler=run_serve)
 
 
@@ -46,6 +48,7 @@ def load_serve_config(args: argparse.Namespace) -> Any:
         if flags.get("model", args.model_arg) != args.model_arg:
             raise ValueError(f"--model: given twice ({args.model_arg!r} and --model {flags['model']!r})")
         flags["model"] = args.model_arg
+    flags = translate_vllm_flags(args, flags)  # vLLM's spellings: no-ops, renames, or a refusal naming it
     try:
         return ServeConfig.from_yaml(args.config, **flags)
     except ValidationError as error:

@@ -130,3 +130,11 @@ def smollm2_dir() -> Path:
 
     return prepare_default_model()
 
+
+@pytest.fixture(scope="session")
+def qwen3_small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Qwen3 checkpoint that thinks on cue, with Qwen3's tokenizer and template
+    (tests/helpers/qwen3_small.py)."""
+    from tests.helpers.qwen3_small import build_qwen3_small
+
+    return build_qwen3_small(tmp_path_factory.mktemp("qwen3-small"))

@@ -2,7 +2,8 @@
 framings share: gateway/api/stream_frames.py).
 
 With n > 1 choices, a stream interleaves the choices' chunks as their tokens come, each with its `index`; a
-whole response lists them in index order. With tools, each choice's text is read for tool calls
+whole response lists them in index order. With a reasoning parser, each choice's thinking is split off into
+`reasoning` (gateway/api/reasoning.py) before its content is read for tool calls
 (gateway/api/tool_responses.py). vLLM's extensions shown here: `echo` (the answer starts with the last
 message's content: in the whole message, or in each choice's first chunk), prompt_logprobs (on the whole
 response), continuous_usage_stats.
@@ -22,6 +23,7 @@ from gateway.api.protocol import (
     ChatDelta,
     ChatLogprobs,
 )
+from gateway.api.reasoning import ReasoningParser, Split, with_reasoning
 from gateway.api.stream_frames import (
     Collected,
     RunningUsage,
@@ -40,17 +42,25 @@ from gateway.requests.service import GatewayService
 
 async def chat_response(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
                         prepared: PreparedRequest, deltas: AsyncIterator[TextDelta],
-                        tool_parser: ToolCallParser | None = None) -> ChatCompletionResponse:
-    """The whole answer, one choice per index; each read for tool calls with `tool_parser`."""
+                        tool_parser: ToolCallParser | None = None, reasoning: ReasoningParser | None = None
+                        ) -> ChatCompletionResponse:
+    """The whole answer, one choice per index; each split into reasoning and content with `reasoning`, and
+    its content read for tool calls with `tool_parser`."""
     choices = await Collected.of(deltas)
     lasts = [got.final for got in choices]
     echoed = echoed_message(body)
+    starts = reasoning is not None and reasoning.starts_in_reasoning(body.chat_template_kwargs,
+                                                                     prepared.sampling.grammar is not None)
     answers = []
     for i, got in enumerate(choices):
-        message = ChatDelta(role="assistant", content="".join(got.text))
+        split = Split(None, "".join(got.text))
+        if reasoning is not None:
+            split = reasoning.split(split.content or "", starts)
+        message = ChatDelta(role="assistant", content=split.content)
         finish_reason = got.final.finish_reason
         if tool_parser is not None:
-            message, finish_reason = whole_message(tool_parser, "".join(got.text), finish_reason)
+            message, finish_reason = whole_message(tool_parser, split.content or "", finish_reason)
+        message = with_reasoning(message, split.reasoning)
         if echoed:
             message = message.model_copy(update={"content": echoed + (message.content or "")})
         answers.append(ChatChoice(
@@ -70,9 +80,11 @@ async def chat_response(service: GatewayService, texts: TokenTexts, body: ChatCo
 
 async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
                       prepared: PreparedRequest, deltas: AsyncIterator[TextDelta], include_usage: bool,
-                      tool_parser: ToolCallParser | None = None) -> AsyncIterator[str]:
-    """The SSE chunks, the choices interleaved by index; with `tool_parser`, each choice's content and
-    tool-call deltas as gateway/api/tool_responses.py frames them."""
+                      tool_parser: ToolCallParser | None = None, reasoning: ReasoningParser | None = None
+                      ) -> AsyncIterator[str]:
+    """The SSE chunks, the choices interleaved by index; with `reasoning`, each choice's reasoning apart
+    (`delta.reasoning`); with `tool_parser`, each choice's content and tool-call deltas as
+    gateway/api/tool_responses.py frames them."""
     created = int(time.time())
 
     def response(choice: ChatChoice | None, **extra: object) -> ChatCompletionResponse:
@@ -88,8 +100,13 @@ async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatComp
                          "content") for i in range(num_choices)]
     running = RunningUsage(prepared, continuous_usage(body))
     is_text_only = (not body.logprobs and not body.return_token_ids and tool_parser is None
-                    and not running.is_asked)
+                    and reasoning is None and not running.is_asked)
     tools = [ToolCallStream(tool_parser) for _ in range(num_choices)] if tool_parser is not None else None
+    thoughts = None  # each choice's ReasoningStream: the reasoning is split off before tools read the rest
+    if reasoning is not None:
+        is_constrained = prepared.sampling.grammar is not None
+        starts = reasoning.starts_in_reasoning(body.chat_template_kwargs, is_constrained)
+        thoughts = [reasoning.stream(starts) for _ in range(num_choices)]
     echoed = echoed_message(body)
     for i in range(num_choices):  # as OpenAI: each choice's first chunk names the role (and echo's text)
         first = ChatDelta(role="assistant", content=echoed)
@@ -102,18 +119,24 @@ async def chat_stream(service: GatewayService, texts: TokenTexts, body: ChatComp
         if is_text_only and delta.finish_reason is None:
             yield frames[delta.index].frame(delta.text)
             continue
-        message = ChatDelta(content=delta.text)
         finish_reason = delta.finish_reason
+        thought, text = "", delta.text
+        if thoughts is not None:
+            thought, text = thoughts[delta.index].feed(text, is_final=finish_reason is not None)
         if tools is not None:
             stream = tools[delta.index]
-            pieces = stream.feed(delta.text, is_final=finish_reason is not None)
-            for piece in pieces[:-1]:
-                yield chunk(ChatChoice(index=delta.index, delta=piece, finish_reason=None))
-            message = pieces[-1] if pieces else ChatDelta(content="")
+            pieces = stream.feed(text, is_final=finish_reason is not None)
             finish_reason = stream.finish_reason(finish_reason)
-            if (not pieces and finish_reason is None and not body.logprobs and not body.return_token_ids
-                    and not running.is_asked):
-                continue  # held back (it may open a call): nothing to send yet
+        else:
+            pieces = [ChatDelta(content=text)] if text or thoughts is None else []
+        if thought:  # the reasoning goes first: it was written before this delta's content
+            pieces = [with_reasoning(pieces[0] if pieces else ChatDelta(), thought), *pieces[1:]]
+        for piece in pieces[:-1]:
+            yield chunk(ChatChoice(index=delta.index, delta=piece, finish_reason=None))
+        message = pieces[-1] if pieces else ChatDelta(content="")
+        if (not pieces and finish_reason is None and not body.logprobs and not body.return_token_ids
+                and not running.is_asked):
+            continue  # held back (it may open a call, or close the reasoning): nothing to send yet
         choice = ChatChoice(
             index=delta.index, delta=message, finish_reason=finish_reason,
             logprobs=ChatLogprobs(content=chat_logprobs(texts, delta.token_ids, delta.logprobs,

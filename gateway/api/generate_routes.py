@@ -69,8 +69,12 @@ async def respond(service: GatewayService, body: CompletionRequest | ChatComplet
     deltas = service.stream(prepared, reservation)
     texts = token_texts(body, request)
     is_chat = isinstance(body, ChatCompletionRequest)
-    # Chat with tools: the answer is read for tool calls in the model's format.
-    tools = {"tool_parser": request.app.state.preparer.tool_parser} if prepared.parses_tool_calls else {}
+    # Chat with tools: the answer is read for tool calls in the model's format; with --reasoning-parser,
+    # after the reasoning is split off.
+    preparer = request.app.state.preparer
+    tools: dict[str, object] = {"tool_parser": preparer.tool_parser} if prepared.parses_tool_calls else {}
+    if is_chat and preparer.reasoning_parser is not None:
+        tools["reasoning"] = preparer.reasoning_parser
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         framing = chat_stream if is_chat else completion_stream

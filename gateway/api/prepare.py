@@ -37,7 +37,9 @@ from gateway.api.extensions import (
     truncated_prompt,
 )
 from gateway.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.api.reasoning import ReasoningParser
 from gateway.api.request_id import RequestId
+from gateway.api.sampling_defaults import SamplingDefaults
 from gateway.api.surface import MESSAGE_NOT_YET_SUPPORTED, check_fields
 from gateway.api.tool_parsers import ToolCallParser, choose_parser
 from gateway.api.tool_prompt import ToolPlan, plan_tools, template_messages
@@ -68,9 +70,14 @@ T = TypeVar("T")
 
 class Preparer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: ModelSpec, model_name: str,
-                 max_request_tokens: int, default_max_tokens: int, block_size: int,
-                 tool_call_parser: str = "auto") -> None:
+                 max_request_tokens: int, default_max_tokens: int | None, block_size: int,
+                 tool_call_parser: str = "auto", reasoning_parser: ReasoningParser | None = None,
+                 sampling_defaults: SamplingDefaults | None = None) -> None:
+        # default_max_tokens None: a chat request naming none gets the generation config's max_new_tokens,
+        # else what the context leaves; sampling_defaults: --generation-config's (api/sampling_defaults.py).
         self.tokenizer = tokenizer
+        self.reasoning_parser = reasoning_parser
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
         template = getattr(tokenizer, "chat_template", None)
         self.tool_parser: ToolCallParser = choose_parser(tool_call_parser, template)
         self.template_knows_tools = isinstance(template, str) and "tools" in template
@@ -152,20 +159,20 @@ class Preparer:
                                         request.continue_final_message, template_kwargs(request))
         prompt = truncated_prompt(prompt, request.truncate_prompt_tokens, self.spec.max_model_len)
         max_tokens = request.max_completion_tokens or request.max_tokens
-        if max_tokens is None:
-            max_tokens = self._room_for(prompt, self.default_max_tokens)
+        if max_tokens is None:  # as vLLM: the generation config's max_new_tokens, else the context left
+            max_tokens = self._room_for(prompt, self.default_max_tokens or self.sampling_defaults.max_tokens)
         prepared = self._prepare(request, prompt, max_tokens, request.logprobs, request.top_logprobs or 0,
                                  prompt_logprobs_k(request), grammar=grammar or plan.grammar)
         request_id = request_id or RequestId.mint()
         return await self._hashed(replace(prepared, request_id=request_id.for_prompt(0, 1),
                                           parses_tool_calls=plan.parser is not None))
 
-    def _room_for(self, prompt: list[int], default: int) -> int:
-        """max_tokens of a request that names none: `default`, within the context the prompt leaves (as
-        vLLM: max_model_len - prompt) and one decode worker's KV; at least 1, so that a prompt that fills
-        the context alone is refused by name."""
-        limit = min(self.spec.max_model_len, self.max_request_tokens)
-        return max(1, min(default, limit - len(prompt)))
+    def _room_for(self, prompt: list[int], default: int | None) -> int:
+        """max_tokens of a request that names none: `default` (None: no bound of its own), within the
+        context the prompt leaves (as vLLM: max_model_len - prompt) and one decode worker's KV; at least 1,
+        so that a prompt that fills the context alone is refused by name."""
+        room = min(self.spec.max_model_len, self.max_request_tokens) - len(prompt)
+        return max(1, room if default is None else min(default, room))
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The text's token ids, as a completion's prompt is tokenized (in the worker thread when long);
@@ -225,6 +232,8 @@ class Preparer:
         prompt_logprobs: int | None = None,
         grammar: GrammarSpec | None = None,
     ) -> PreparedRequest:
+        cap = self.sampling_defaults.max_tokens_cap  # --generation-config DIR's max_new_tokens (as vLLM)
+        max_tokens = max_tokens if cap is None else min(max_tokens, cap)
         total = len(prompt) + max_tokens
         # vLLM's wording, which clients match on; param names what to shorten.
         source = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
@@ -252,17 +261,19 @@ class Preparer:
                        else source if len(prompt) >= self.max_request_tokens else "max_tokens"),
                 code="context_length_exceeded",
             )
-        is_greedy = request.temperature < MIN_TEMPERATURE or request.top_p < MIN_TOP_P
+        value = self.sampling_defaults.value  # the request's own, or the generation config's
+        temperature, top_p = value(request, "temperature"), value(request, "top_p")
+        is_greedy = temperature < MIN_TEMPERATURE or top_p < MIN_TOP_P
         if request.min_tokens > max_tokens:
             raise BadRequest(f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})",
                              param="min_tokens")
         try:
             sampling = SamplingParams(
                 max_tokens=max_tokens,
-                temperature=0.0 if is_greedy else request.temperature,
-                top_p=request.top_p,
-                top_k=max(0, request.top_k or 0),
-                min_p=request.min_p or 0.0,
+                temperature=0.0 if is_greedy else temperature,
+                top_p=top_p,
+                top_k=max(0, value(request, "top_k") or 0),
+                min_p=value(request, "min_p") or 0.0,
                 bad_words=bad_word_token_ids(self.tokenizer, request.bad_words),
                 allowed_token_ids=tuple(request.allowed_token_ids) if request.allowed_token_ids else None,
                 seed=request.seed,
@@ -271,9 +282,9 @@ class Preparer:
                 logprobs=logprobs or num_sampled > request.n,
                 top_logprobs=top_logprobs,
                 prompt_logprobs=prompt_logprobs,
-                presence_penalty=request.presence_penalty,
-                frequency_penalty=request.frequency_penalty,
-                repetition_penalty=request.repetition_penalty,
+                presence_penalty=value(request, "presence_penalty"),
+                frequency_penalty=value(request, "frequency_penalty"),
+                repetition_penalty=value(request, "repetition_penalty"),
                 logit_bias=request.logit_bias_pairs,
                 min_tokens=request.min_tokens,
                 stop_token_ids=self._stop_token_ids(request, grammar),

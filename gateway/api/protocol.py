@@ -176,6 +176,10 @@ class ChatMessage(BaseModel):
     name: str | None = None  # a participant's name: accepted, not given to the chat template
     tool_calls: list[ToolCall] | None = None  # an assistant message's calls (gateway/api/tool_prompt.py)
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # An assistant message's thinking as a reasoning parser returned it (clients send it back in a history):
+    # given to the template as both names (Qwen3's reads reasoning_content; most ignore it).
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
 
     @property
     def text(self) -> str:
@@ -242,6 +246,9 @@ class CompletionResponse(BaseModel):
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
+    # With --reasoning-parser: the model's thinking, under vLLM's name and its older one (clients read one).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[ToolCall] | list[ToolCallDelta] | None = None  # whole calls, or a stream's pieces
 

@@ -72,6 +72,9 @@ def template_messages(messages: list[ChatMessage], parser: ToolCallParser, templ
             rendered.append(_tool_result(message, where, call_names, template_knows_tools))
             continue
         entry: dict[str, Any] = {"role": message.role, "content": message.text}
+        thinking = message.reasoning if message.reasoning is not None else message.reasoning_content
+        if thinking is not None and message.role == "assistant":
+            entry["reasoning"] = entry["reasoning_content"] = thinking
         if message.tool_calls:
             calls = []
             for j, call in enumerate(message.tool_calls):

@@ -20,7 +20,8 @@ FIELDS = list(ServeConfig.model_fields)
 
 # Text fields whose values are checked: a valid one each.
 VALID_TEXT = {"otlp_traces_endpoint": "http://localhost:4318/v1/traces", "kv_cache_memory": "2GiB",
-              "fleet_name": "main", "device": "cpu"}
+              "fleet_name": "main", "device": "cpu", "chat_template": "{{ messages[0].content }}",
+              "generation_config": "vllm"}
 
 
 def sample(field: str, tmp_path: Path) -> Any:
