@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
+from gateway.api.chat_responses import chat_response, chat_stream
 from gateway.api.chat_template import load_chat_template
 from gateway.api.logprob_format import TokenTexts
 from gateway.api.prepare import Preparer
 from gateway.api.protocol import ChatCompletionRequest, ChatMessage
 from gateway.api.reasoning import PARSERS
-from gateway.api.responses import chat_response, chat_stream
 from gateway.api.sampling_defaults import SamplingDefaults, check_generation_config, read_sampling_defaults
 from gateway.api.tool_parsers import choose_parser
 from gateway.requests.prepared import PreparedRequest, TextDelta

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-TEMPLATE = Path(__file__).parent / "fixtures" / "qwen3_chat_template.jinja"
+TEMPLATE = Path(__file__).parent.parent / "fixtures" / "qwen3_chat_template.jinja"
 # Qwen2's pre-tokenizer pattern (the tiktoken pattern of Qwen's vocabulary: one digit per token).
 PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
