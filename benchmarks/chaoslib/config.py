@@ -27,6 +27,9 @@ class ChaosConfig:
     drain_timeout_s: float = 300.0  # the resizer's drain timeout (gateway/ratio/resize.py PoolResizer)
     # Bounds: a worker may stay outside `active` this long (plus the grace of the change moving it).
     state_bound_s: float = 60.0
+    # ... but a worker being placed and loading its model (pending → starting, a replacement) this long: a
+    # model load on a loaded 2-core machine takes longer than a role change, and is not a stuck worker.
+    start_bound_s: float = 120.0
     settle_s: float = 60.0  # at the end: for the layout, /health and 0 used KV blocks
     hang_grace_s: float = 30.0  # a request still open this long past its server deadline is hung
     watch_every_s: float = 0.5

@@ -2,7 +2,8 @@
 
 Invariants it checks while the run goes on:
   - no worker stays outside `active` (starting, pending, draining, changing_role, failed) longer than
-    state_bound_s plus the grace of the change that moved it (at most the drain timeout);
+    state_bound_s plus the grace of the change that moved it (at most the drain timeout), or start_bound_s
+    while it is only being placed and started (a replacement loading its model);
   - /admin/pools answers (unreachable for longer than state_bound_s is a violation; not while the driver
     has killed the fleet actor on purpose: is_fleet_down, its own bound applies).
 It also keeps the latest /admin/pools body for the driver (which workers are busy, their pids), and every
@@ -135,12 +136,15 @@ class PoolWatch:
                 episode["states"].append(state)
                 self.log.event("state", worker_id=worker_id, state=state, role=worker.get("role"),
                                next_role=worker.get("next_role"))
-            if not episode["reported"] and now - episode["since"] > bound_s:
+            is_starting = set(episode["states"]) <= {"pending", "starting"}
+            its_bound_s = max(bound_s, self.config.start_bound_s) if is_starting else bound_s
+            if not episode["reported"] and now - episode["since"] > its_bound_s:
                 episode["reported"] = True
                 self.log.violate(
                     "worker_back_to_active",
                     f"{worker_id} ({worker.get('role')}, next {worker.get('next_role')}) outside active "
-                    f"({' → '.join(episode['states'])}) for {now - episode['since']:.0f} s > {bound_s:.0f} s",
+                    f"({' → '.join(episode['states'])}) for {now - episode['since']:.0f} s > "
+                    f"{its_bound_s:.0f} s",
                     worker=worker, since_s=round(episode["since"], 2), pools_status=pools.get("status"),
                     change_in_progress=pools.get("change_in_progress"), auto=pools.get("auto"),
                     recent_actions=self.log.recent(60.0))

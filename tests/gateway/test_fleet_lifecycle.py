@@ -233,12 +233,26 @@ def test_a_cancelled_role_change_or_drain_puts_the_worker_back(tiny_llama_dir: P
 
     async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
         decodes = deployment.active(Role.DECODE)
-        await asyncio.gather(*(call_on(w, faults.slow_steps, 0.05) for w in decodes))
+        await asyncio.gather(*(call_on(w, faults.slow_steps, 0.1) for w in decodes))
         target = dict(deployment.target)
         stream = asyncio.ensure_future(events_of(router, "held", random_prompts([20], 1000)[0], LONG))
         await until(lambda: any(router.decode_tokens.values()))
         [held] = [deployment.workers[w] for w, n in router.decode_tokens.items() if n > 0]
         seen = []
+        # Booked at pick time, before its prefill: wait until the worker decodes it, or a change started now
+        # would send the request elsewhere (a worker changing role takes no new request) and succeed.
+        for _ in range(3000):
+            if (await held.client.load()).num_running:
+                break
+            await asyncio.sleep(0.02)
+        # First, while the stream surely runs: the change says what it waits for; cancelled, it rolls back.
+        change = asyncio.ensure_future(deployment.change_role(held.worker_id, Role.PREFILL, router.in_flight,
+                                                              grace_s=200))
+        await until(lambda: held.emptying.startswith("1 requests"))
+        emptying = held.emptying
+        change.cancel()
+        await asyncio.gather(change, return_exceptions=True)
+        seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
         for leave in (lambda: deployment.change_role(held.worker_id, Role.PREFILL, router.in_flight,
                                                      grace_s=200),
                       lambda: deployment.drain_worker(held.worker_id, router.in_flight, grace_s=200)):
@@ -248,12 +262,6 @@ def test_a_cancelled_role_change_or_drain_puts_the_worker_back(tiny_llama_dir: P
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
-        change = asyncio.ensure_future(deployment.change_role(held.worker_id, Role.PREFILL, router.in_flight,
-                                                              grace_s=200))
-        await until(lambda: "1 requests" in held.emptying)
-        emptying = held.emptying
-        change.cancel()
-        await asyncio.gather(change, return_exceptions=True)
         held.client.handle.__ray_call__.remote(faults.hang_loads, 3.0)
         started = time.monotonic()
         unanswered = await asyncio.gather(
@@ -270,7 +278,7 @@ def test_a_cancelled_role_change_or_drain_puts_the_worker_back(tiny_llama_dir: P
 
     result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=2)
     back = (WorkerState.ACTIVE, Role.DECODE, None, True)
-    assert result["seen"] == [WorkerState.CHANGING_ROLE, back, WorkerState.DRAINING, back, back]
+    assert result["seen"] == [back, WorkerState.CHANGING_ROLE, back, WorkerState.DRAINING, back, back]
     assert result["emptying"].startswith("1 requests, ") and "tokens on their way" in result["emptying"]
     assert result["after"] == ""
     assert isinstance(result["unanswered"], TimeoutError) and "no answer" in str(result["unanswered"])

@@ -3,6 +3,7 @@ the prefill and decode nodes told apart by a custom resource, and the HTTP calls
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -21,6 +22,7 @@ PREFILL = {"pdserve_prefill": 1.0}
 DECODE = {"pdserve_decode": 1.0}
 
 
+@contextlib.contextmanager
 def pdserve(cluster: LocalRayCluster, model_dir: Path, *args: str,
             is_ready: Callable[[dict[str, Any]], bool] = lambda health: health["status"] == "ok",
             ) -> Iterator[str]:
