@@ -14,9 +14,10 @@ tests/helpers/actor_faults.py), and in the KV transfers between them; only worke
   stall_pulls      every decode worker's pulls started in the next STALL_S
                    are posted and never heard of again (a lost claim or grant; a READ that hangs): each
                    ends by its deadline, its request recomputed
-  lost_release     a prefill worker's explicit releases are lost and its leases shortened to 1 s for
-                   LEASE_FAULT_S (handles expire before they are pulled): the leases free the blocks, and
-                   requests whose handle expired are recomputed; 0 blocks used at the end
+  lost_release     a prefill worker's explicit releases are lost and its leases shortened to 1 s (a mixed
+                   worker's: its migration sender's) for LEASE_FAULT_S (handles expire before they are
+                   pulled): the leases free the blocks, and requests whose handle expired are recomputed;
+                   0 blocks used at the end
   mismatched_peer  each decode worker is offered a sender with another KV layout: refused in the call, the
                    worker serves on (a violation if accepted)
   forged_claim     each decode worker claims transfer ids its senders never issued or released long ago:

@@ -106,11 +106,21 @@ def stall_pulls(actor: Any) -> None:
     actor.worker.receiver._abort = lambda pull: time.monotonic() > pull.deadline
 
 
+def _kv_sender(actor: Any) -> Any:
+    """The worker's KV sender: a prefill worker's own, a decode or mixed worker's migration sender (None:
+    it has none)."""
+    sender = getattr(actor.worker, "sender", None)
+    migration = getattr(actor.worker, "migration", None)
+    return sender if sender is not None else getattr(migration, "sender", None)
+
+
 def lose_releases_and_shorten_leases(actor: Any) -> None:
     import dataclasses
 
     actor.worker.release = lambda transfer_id, why: None  # explicit releases never arrive
-    sender = actor.worker.sender
+    sender = _kv_sender(actor)
+    if sender is None:
+        raise ValueError("this worker sends no KV: no lease to shorten")
     actor.__dict__.setdefault("lease_s", sender.config.lease_s)  # heal() puts it back
     sender.config = dataclasses.replace(sender.config, lease_s=1.0)
 
@@ -132,7 +142,7 @@ def heal(actor: Any) -> None:
     actor.worker.__dict__.pop("release", None)
     actor.worker.__dict__.pop("load", None)
     actor.worker.__dict__.pop("accept_pull", None)
-    sender = getattr(actor.worker, "sender", None)
+    sender = _kv_sender(actor)
     lease_s = actor.__dict__.pop("lease_s", None)
     if sender is not None and lease_s is not None:
         import dataclasses
