@@ -1,4 +1,6 @@
-"""Engine step time beside the bare transformers forward and vLLM's CPU engine, side by side in one run.
+"""(Over 300 lines: one script a user runs; its three contenders are measured in one loop.)
+
+Engine step time beside the bare transformers forward and vLLM's CPU engine, side by side in one run.
 
 For each --dtypes × --threads setting, every tree (this one, and --against an earlier one) runs in a
 subprocess whose PYTHONPATH is that tree, rounds alternating which goes first, and vLLM's engine runs in its

@@ -1,4 +1,6 @@
-"""KV transfer throughput of each backend against a plain one-thread `tensor.copy_`, measured in one run.
+"""(Over 300 lines: one script a user runs; each backend's pair set up and timed the same way.)
+
+KV transfer throughput of each backend against a plain one-thread `tensor.copy_`, measured in one run.
 
 Moves 1 MiB, 16 MiB and 256 MiB worth of 16-token blocks of the default model's layout (SmolLM2-135M:
 30 layers, 3 KV heads, head_dim 64, fp32 -> 737,280 bytes per block) between non-contiguous block ids, and

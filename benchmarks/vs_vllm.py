@@ -1,4 +1,6 @@
-"""pdserve beside vLLM's CPU server, one run, one client, the same requests (issue 18; not a test).
+"""(Over 300 lines: one script a user runs; both servers' start, warm-up and workloads in one place.)
+
+pdserve beside vLLM's CPU server, one run, one client, the same requests (issue 18; not a test).
 
 Each server in turn (`--servers`): vLLM's OpenAI server (benchmarks/vllm_baseline.py: its venv, bf16, its
 worker's one OpenMP thread bound to core 0, --vllm-threads), `pdserve serve --prefill 1 --decode 1`, and

@@ -1,4 +1,7 @@
-"""The simulated workers: the step loops of prefill_pool/worker.py and decode_pool/worker.py, priced by fits.
+"""(Over 300 lines: the prefill and the decode simulation share one step-budget scheduler, _Worker; apart
+they would import each other.)
+
+The simulated workers: the step loops of prefill_pool/worker.py and decode_pool/worker.py, priced by fits.
 
 A worker runs forwards back to back while it has work and idles otherwise; what arrives while a forward
 runs waits for the next step's start (the real workers drain their inbox there). Each forward's batch is

@@ -1,4 +1,6 @@
-"""FaultDriver: one fault every [fault_min_s, fault_max_s] while the traffic runs, drawn by weight.
+"""(Over 300 lines: the table of fault kinds and each kind's injection, read together.)
+
+FaultDriver: one fault every [fault_min_s, fault_max_s] while the traffic runs, drawn by weight.
 
   kill_busy           SIGKILL the process of a worker with running or waiting requests right now (its pid from
                       /admin/pools; only a pid of this run's own server is ever signalled); the first one

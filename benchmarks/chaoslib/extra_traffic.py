@@ -1,4 +1,6 @@
-"""The request kinds the base mix never sent (issue 31, item 2): a share of EXTRA_FRACTION of the arrivals,
+"""(Over 300 lines: one sender and one checker per request kind, kept beside each other.)
+
+The request kinds the base mix never sent (issue 31, item 2): a share of EXTRA_FRACTION of the arrivals,
 drawn with the run's seeded rng (benchmarks/chaoslib/traffic.py build_specs), each checked as it ends.
 
 Kinds (ChaosRecord.kind):

@@ -1,4 +1,6 @@
-"""What the chaos run sends, one client per request, and each request checked as it ends.
+"""(Over 300 lines: the base request kinds' senders and their checks, kept beside each other.)
+
+What the chaos run sends, one client per request, and each request checked as it ends.
 
 Kinds: "greedy" (token-id prompt from the reference pool, temperature 0, ignore_eos: compared token for
 token), "sampled" (random token ids, temperature 0.8 with a seed), "chat" (words through the chat template);

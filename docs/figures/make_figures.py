@@ -1,4 +1,6 @@
-"""Draw the figures of README.md and docs/ from results kept in the repository; nothing is measured here.
+"""(Over 300 lines: one function per figure of the docs, run together.)
+
+Draw the figures of README.md and docs/ from results kept in the repository; nothing is measured here.
 
 Run from the repository root: `.venv/bin/python docs/figures/make_figures.py` (writes docs/figures/*.svg|png).
 Each figure names its data file in its caption and in SOURCES below; the pages that show it cite the same

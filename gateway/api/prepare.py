@@ -1,4 +1,7 @@
-"""Turns an OpenAI request into the request path's PreparedRequest.
+"""(Over 300 lines: the five steps below run in order over one request; the rules of each step live in
+the modules it names.)
+
+Turns an OpenAI request into the request path's PreparedRequest.
 
 prepare_completion() (one PreparedRequest per prompt of a batch) / prepare_chat():
     1. check the model name (none: the served one), that every field asks for something pdserve does

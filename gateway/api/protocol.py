@@ -1,4 +1,7 @@
-"""The HTTP edge: OpenAI-compatible request and response models (pydantic), validated once, here."""
+"""(Over 300 lines: every model of the OpenAI surface, so that request and response shapes read side by side
+as OpenAI's own reference lists them; vLLM's extensions are in protocol_extensions.py.)
+
+The HTTP edge: OpenAI-compatible request and response models (pydantic), validated once, here."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The pools of worker actors and the wiring between them; sets the prefill:decode ratio.
+"""(Over 300 lines: the membership of the pools and the one entry for every change to them; reshape,
+recovery, wiring and placement are its parts, each in a file of its own.)
+
+The pools of worker actors and the wiring between them; sets the prefill:decode ratio.
 
 This module owns membership (start, add, bring-up, forget, shutdown); its parts own the rest:
 reshape.py (change_role, drain_worker), recovery.py (mark_failed, replacements, watch/loads) and wiring.py
