@@ -149,12 +149,21 @@ class ServeConfig(BaseSettings):
     # The HTTP server, under vLLM's names (gateway/http_settings.py: uvicorn's options and CORS).
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="uvicorn's log level: its access log is at info")
+    disable_uvicorn_access_log: bool = Field(
+        False, description="no access log line per request (--no-disable-uvicorn-access-log: one each)")
     ssl_keyfile: str | None = Field(
         None,
         description="serve HTTPS with this private key (PEM), with --ssl-certfile (default: none, HTTP)")
     ssl_certfile: str | None = Field(
         None, description="serve HTTPS with this certificate (PEM, its chain after it), with --ssl-keyfile "
                           "(default: none, HTTP)")
+    ssl_ca_certs: str | None = Field(
+        None, description="with HTTPS: the CA certificates (PEM) client certificates are checked against "
+                          "(default: none)")
+    ssl_cert_reqs: int = Field(
+        0, ge=0, le=2,
+        description="with HTTPS: client certificates, as Python's ssl.CERT_*: 0 not asked for, 1 checked if "
+                    "sent, 2 required (needs --ssl-ca-certs)")
     root_path: str = Field(
         "",
         description="the path prefix a reverse proxy serves this server under, e.g. /llm (ASGI root_path: "
@@ -329,7 +338,7 @@ class ServeConfig(BaseSettings):
     @model_validator(mode="after")
     def _check_http(self) -> ServeConfig:
         """TLS files that load as a pair; the CORS companions only with the origins they qualify."""
-        check_tls(self.ssl_keyfile, self.ssl_certfile)
+        check_tls(self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs, self.ssl_cert_reqs)
         if self.allowed_origins is None:
             companions = {"--allowed-methods": self.allowed_methods != ["*"],
                           "--allowed-headers": self.allowed_headers != ["*"],

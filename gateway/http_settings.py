@@ -1,5 +1,6 @@
 """What `pdserve serve`'s HTTP settings (gateway/config.py ServeConfig, named as vLLM names them) become:
-uvicorn's options (--uvicorn-log-level, --ssl-keyfile/--ssl-certfile), the app's root_path (--root-path), and
+uvicorn's options (--uvicorn-log-level, --disable-uvicorn-access-log, --ssl-keyfile/--ssl-certfile,
+--ssl-ca-certs/--ssl-cert-reqs for client certificates), the app's root_path (--root-path), and
 CORS (--allowed-origins with --allowed-methods, --allowed-headers, --allow-credentials) as Starlette's
 CORSMiddleware. One process (pdserve/serve.py) and every --api-server-count frontend (gateway/frontends.py)
 take the same options from uvicorn_options(); create_app() sets the root path and adds the CORS middleware.
@@ -43,13 +44,29 @@ def check_root_path(root_path: str) -> str:
     return root_path.rstrip("/")
 
 
-def check_tls(keyfile: str | None, certfile: str | None) -> None:
-    """Both files exist, and the key is the certificate's: loaded here, as uvicorn will, so that a wrong file
-    stops `pdserve serve` at once, naming the flag, before any worker starts.
+def check_tls(keyfile: str | None, certfile: str | None, ca_certs: str | None = None,
+              cert_reqs: int = ssl.CERT_NONE) -> None:
+    """Both files exist, and the key is the certificate's; the CA certificates for client certificates, if
+    any, load: read here, as uvicorn will, so that a wrong file stops `pdserve serve` at once, naming the
+    flag, before any worker starts.
 
     Raises:
         ValueError: the message names the flag.
     """
+    if keyfile is None and (ca_certs is not None or cert_reqs != ssl.CERT_NONE):
+        flag = "--ssl-ca-certs" if ca_certs is not None else "--ssl-cert-reqs"
+        raise ValueError(f"{flag} checks client certificates over HTTPS: give --ssl-keyfile and "
+                         "--ssl-certfile too")
+    if cert_reqs != ssl.CERT_NONE and ca_certs is None:
+        raise ValueError(f"--ssl-cert-reqs {cert_reqs} checks client certificates against --ssl-ca-certs: "
+                         "give the CA certificates (PEM)")
+    if ca_certs is not None:
+        if not Path(ca_certs).is_file():
+            raise ValueError(f"--ssl-ca-certs: {ca_certs} does not exist or is not a file")
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(ca_certs)
+        except (ssl.SSLError, OSError) as error:
+            raise ValueError(f"--ssl-ca-certs {ca_certs}: not PEM certificates ({error})") from None
     if (keyfile is None) != (certfile is None):
         given, missing = ("--ssl-keyfile", "--ssl-certfile") if certfile is None else (
             "--ssl-certfile", "--ssl-keyfile")
@@ -69,8 +86,10 @@ def check_tls(keyfile: str | None, certfile: str | None) -> None:
 
 def uvicorn_options(config: ServeConfig) -> dict[str, Any]:
     """The options every uvicorn server of this gateway runs with, beside the app, host and port."""
-    return {"log_level": config.uvicorn_log_level, "ssl_keyfile": config.ssl_keyfile,
-            "ssl_certfile": config.ssl_certfile, "timeout_graceful_shutdown": config.shutdown_grace_s}
+    return {"log_level": config.uvicorn_log_level, "access_log": not config.disable_uvicorn_access_log,
+            "ssl_keyfile": config.ssl_keyfile, "ssl_certfile": config.ssl_certfile,
+            "ssl_ca_certs": config.ssl_ca_certs, "ssl_cert_reqs": config.ssl_cert_reqs,
+            "timeout_graceful_shutdown": config.shutdown_grace_s}
 
 
 def add_cors(app: FastAPI, config: ServeConfig) -> None:

@@ -24,7 +24,7 @@ from gateway.http_settings import uvicorn_options
 from pdserve.main import build_parser
 from pdserve.serve import load_serve_config, run_serve
 from tests.helpers.servers import free_port
-from tests.helpers.tls import self_signed
+from tests.helpers.tls import client_certificate, self_signed
 
 
 def parsed(*argv: str) -> ServeConfig:
@@ -69,8 +69,9 @@ def test_vllms_spellings_parse_into_the_settings(monkeypatch: pytest.MonkeyPatch
     assert parsed().allowed_origins == ["https://a.example", "https://b.example"]
     monkeypatch.delenv("PDSERVE_ALLOWED_ORIGINS")
     options = uvicorn_options(config)
-    assert {k: options[k] for k in ("log_level", "ssl_keyfile", "ssl_certfile")} == {
-        "log_level": "warning", "ssl_keyfile": str(keyfile), "ssl_certfile": str(certfile)}
+    assert {k: options[k] for k in ("log_level", "ssl_keyfile", "ssl_certfile", "access_log")} == {
+        "log_level": "warning", "ssl_keyfile": str(keyfile), "ssl_certfile": str(certfile),
+        "access_log": True}
     assert uvicorn_options(parsed())["log_level"] == "info"  # as before: uvicorn's access log shows
 
 
@@ -92,6 +93,14 @@ def test_a_bad_value_is_a_sentence_naming_the_flag(tmp_path: Path) -> None:
         (["--allowed-methods", '["GET"]'], r"^--allowed-methods qualifies CORS, which is off without "
                                            r"--allowed-origins"),
         (["--allow-credentials"], r"^--allow-credentials qualifies CORS"),
+        (["--ssl-ca-certs", str(certfile)], r"^--ssl-ca-certs checks client certificates over HTTPS: give "
+                                            r"--ssl-keyfile and --ssl-certfile too"),
+        (["--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile), "--ssl-cert-reqs", "2"],
+         r"^--ssl-cert-reqs 2 checks client certificates against --ssl-ca-certs"),
+        (["--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile), "--ssl-ca-certs", str(keyfile)],
+         r"^--ssl-ca-certs .*key.pem: not PEM certificates"),
+        (["--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile), "--ssl-cert-reqs", "3",
+          "--ssl-ca-certs", str(certfile)], r"^--ssl-cert-reqs: Input should be less than or equal to 2"),
     ]
     for argv, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -106,10 +115,13 @@ def test_pdserve_serve_hands_uvicorn_these_options(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: given.update(options, app=app))
     monkeypatch.setattr(gateway.startup, "resolve_model_dir", lambda config: str(tmp_path))  # no model read
     argv = ["serve", "--uvicorn-log-level", "debug", "--ssl-keyfile", str(keyfile), "--ssl-certfile",
-            str(certfile), "--root-path", "/llm", "--device", "cpu"]
+            str(certfile), "--ssl-ca-certs", str(certfile), "--ssl-cert-reqs", "1", "--root-path", "/llm",
+            "--disable-uvicorn-access-log", "--device", "cpu"]
     assert run_serve(build_parser().parse_args(argv)) == 0
-    assert {k: given[k] for k in ("log_level", "ssl_keyfile", "ssl_certfile")} == {
-        "log_level": "debug", "ssl_keyfile": str(keyfile), "ssl_certfile": str(certfile)}
+    chosen = ("log_level", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "access_log")
+    assert {k: given[k] for k in chosen} == {
+        "log_level": "debug", "ssl_keyfile": str(keyfile), "ssl_certfile": str(certfile),
+        "ssl_ca_certs": str(certfile), "ssl_cert_reqs": 1, "access_log": False}
     assert given["app"].root_path == "/llm"
 
 
@@ -124,6 +136,29 @@ def test_https_is_served_with_the_given_certificate(tmp_path: Path) -> None:
             httpx.get(f"{url}/openapi.json")  # the system's CAs do not know it: it is this certificate
         with pytest.raises(httpx.RemoteProtocolError):
             httpx.get(f"http://{config.host}:{config.port}/openapi.json")  # no plain HTTP beside it
+
+
+def test_client_certificates_are_required_when_asked(tmp_path: Path) -> None:
+    keyfile, certfile = self_signed(tmp_path)
+    (tmp_path / "ca").mkdir()
+    ca_keyfile, ca_certfile = self_signed(tmp_path / "ca")
+    client_keyfile, client_certfile = client_certificate(tmp_path, ca_keyfile, ca_certfile)
+    config = ServeConfig(port=free_port(), ssl_keyfile=str(keyfile), ssl_certfile=str(certfile),
+                         ssl_ca_certs=str(ca_certfile), ssl_cert_reqs=ssl.CERT_REQUIRED)
+    with app_server(config) as url:
+        trusting = ssl.create_default_context(cafile=str(certfile))
+        with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake is refused
+            httpx.get(f"{url}/openapi.json", verify=trusting)
+        trusting.load_cert_chain(str(client_certfile), str(client_keyfile))
+        assert httpx.get(f"{url}/openapi.json", verify=trusting).status_code == 200
+
+
+def test_the_access_log_can_be_turned_off(capsys: pytest.CaptureFixture[str]) -> None:
+    for is_disabled in (False, True):
+        with app_server(ServeConfig(port=free_port(), disable_uvicorn_access_log=is_disabled)) as url:
+            httpx.get(f"{url}/openapi.json")
+        logged = capsys.readouterr()
+        assert ('"GET /openapi.json HTTP/1.1" 200' in logged.out + logged.err) is not is_disabled
 
 
 def test_cors_answers_the_allowed_origins_only(tmp_path: Path) -> None:

@@ -39,9 +39,11 @@ def sample(field: str, tmp_path: Path) -> Any:
         return VALID_TEXT[field]
     if field in VALID_LISTS:
         return VALID_LISTS[field]
-    if field in ("ssl_keyfile", "ssl_certfile"):  # a pair: base_flags gives the other half
+    if field in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):  # a pair: base_flags gives the rest
         keyfile, certfile = self_signed(tmp_path)
         return str(keyfile if field == "ssl_keyfile" else certfile)
+    if field == "ssl_cert_reqs":
+        return 2
     if field == "gpu_memory_utilization":  # a share, with --device cuda (base_flags)
         return 0.5
     info = ServeConfig.model_fields[field]
@@ -68,9 +70,12 @@ def base_flags(field: str, tmp_path: Path) -> list[str]:
     # --revision goes with a model id (its form is checked here; nothing is fetched).
     model = ["--model", "org/name"] if field == "revision" else []
     # The other half of the TLS pair (sample() made both); the CORS companions go with the origins.
-    if field in ("ssl_keyfile", "ssl_certfile"):
-        other = "ssl_certfile" if field == "ssl_keyfile" else "ssl_keyfile"
-        model += [flag_name(other), str(tmp_path / ("cert.pem" if field == "ssl_keyfile" else "key.pem"))]
+    tls = {"ssl_keyfile": tmp_path / "key.pem", "ssl_certfile": tmp_path / "cert.pem"}
+    if field in ("ssl_cert_reqs", "ssl_ca_certs"):  # client certificates: over HTTPS, against a CA
+        self_signed(tmp_path)
+        tls["ssl_ca_certs"] = tmp_path / "cert.pem"
+    for other, path in tls.items():
+        model += [flag_name(other), str(path)] if other != field and field.startswith("ssl_") else []
     model += ["--allowed-origins", "*"] if field in ("allowed_methods", "allowed_headers",
                                                      "allow_credentials") else []
     model += ["--device", "cuda"] if field == "gpu_memory_utilization" else []
