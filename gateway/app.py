@@ -33,7 +33,9 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
     """The gateway: with `frontend`, one of several HTTP processes over a fleet actor; else the whole gateway
     in this process (fleet included)."""
     lifespan = own_fleet(config) if frontend is None else join_fleet(config, frontend)
-    app = FastAPI(title="pdserve", lifespan=lifespan)
+    has_docs = not config.disable_fastapi_docs
+    app = FastAPI(title="pdserve", lifespan=lifespan, openapi_url="/openapi.json" if has_docs else None,
+                  docs_url="/docs" if has_docs else None, redoc_url="/redoc" if has_docs else None)
     app.state.config = config
     app.root_path = config.root_path  # --root-path, as vLLM sets it (gateway/http_settings.py says why here)
 

@@ -182,6 +182,8 @@ class ServeConfig(BaseSettings):
                            "values")
     allow_credentials: bool = Field(
         False, description="with --allowed-origins: CORS allows credentials (cookies, Authorization)")
+    disable_fastapi_docs: bool = Field(
+        False, description="serve no /openapi.json, /docs or /redoc (--no-disable-fastapi-docs: serve them)")
     api_server_count: int = Field(
         1, ge=1, le=64,
         description="HTTP frontend processes on that port, sharing one fleet of workers (in a named Ray "

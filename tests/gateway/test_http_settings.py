@@ -192,3 +192,9 @@ def test_root_path_reaches_the_openapi_description() -> None:
         assert "/llm/openapi.json" in httpx.get(f"{url}/docs").text
     with app_server(ServeConfig(port=free_port())) as url:
         assert "servers" not in httpx.get(f"{url}/openapi.json").json()
+
+
+def test_the_docs_can_be_turned_off() -> None:
+    with app_server(ServeConfig(port=free_port(), disable_fastapi_docs=True)) as url:
+        assert [httpx.get(f"{url}{path}").status_code for path in ("/openapi.json", "/docs", "/redoc")] == [
+            404, 404, 404]
