@@ -35,10 +35,13 @@ def since_created(worker: Worker) -> float:
 class BringUpLog:
     """Says each worker's bring-up events (see the module docstring)."""
 
-    def __init__(self, write: Callable[[str], None] = say,
-                 is_terminal: Callable[[], bool] = sys.stderr.isatty) -> None:
+    def __init__(self, write: Callable[[str], None] = say, is_terminal: Callable[[], bool] | None = None
+                 ) -> None:
+        """Args:
+            is_terminal: whether to draw the bar (default: whether stderr is a terminal when start-up runs).
+        """
         self._write = write
-        self._is_terminal = is_terminal
+        self._is_terminal = is_terminal or (lambda: sys.stderr.isatty())
         self._loading_since: dict[str, float] = {}  # worker id → when its load began (removed once it ends)
         self._bar: Any = None  # tqdm's bar while start-up runs on a terminal
 
