@@ -25,6 +25,7 @@ from gateway.api.responses_api.routes import router as responses_api_routes
 from gateway.api.status_routes import status_routes
 from gateway.api.utility_routes import router as utility_routes
 from gateway.config import ServeConfig
+from gateway.http_settings import add_cors
 from gateway.lifespans import FrontendSpec, join_fleet, own_fleet
 
 
@@ -32,12 +33,16 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
     """The gateway: with `frontend`, one of several HTTP processes over a fleet actor; else the whole gateway
     in this process (fleet included)."""
     lifespan = own_fleet(config) if frontend is None else join_fleet(config, frontend)
-    app = FastAPI(title="pdserve", lifespan=lifespan)
+    has_docs = not config.disable_fastapi_docs
+    app = FastAPI(title="pdserve", lifespan=lifespan, openapi_url="/openapi.json" if has_docs else None,
+                  docs_url="/docs" if has_docs else None, redoc_url="/redoc" if has_docs else None)
     app.state.config = config
+    app.root_path = config.root_path  # --root-path, as vLLM sets it (gateway/http_settings.py says why here)
 
     install_error_handlers(app)
     app.add_middleware(BodyGuard)
     app.add_middleware(RequestIdMiddleware)  # outside BodyGuard: its 413 and 415 carry the id too
+    add_cors(app, config)  # outside those: a browser can read their refusals (--allowed-origins)
     app.add_middleware(HttpCounts)  # outermost: counts every response, the ones refused above included
     install_log_prefix()
     app.openapi = without_validation_422(app)  # type: ignore[method-assign]

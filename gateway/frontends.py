@@ -44,6 +44,7 @@ import ray
 from gateway.config import ServeConfig
 from gateway.control.fleet_client import FleetClient
 from gateway.fleet.config import DeploymentConfig
+from gateway.http_settings import base_url, uvicorn_options
 from gateway.lifespans import RAY_NAMESPACE
 from gateway.serve_settings import (
     controller_policy,
@@ -136,13 +137,13 @@ def serve_frontends(config: ServeConfig) -> None:
             "config": config.model_dump(mode="json"), "fleet_actor": name,
             "ray_address": ray.get_runtime_context().gcs_address, "num_frontends": config.api_server_count}))
         os.environ[FRONTEND_ENV] = str(spec_path)
+        # TLS too: each frontend loads the key and certificate into its own SSL context.
         server = uvicorn.Config("gateway.frontends:frontend_app", factory=True, host=config.host,
-                                port=config.port, loop="uvloop", log_level="info",
-                                workers=config.api_server_count,
-                                timeout_graceful_shutdown=config.shutdown_grace_s,
-                                timeout_worker_healthcheck=int(FRONTEND_UNANSWERED_S))
+                                port=config.port, loop="uvloop", workers=config.api_server_count,
+                                timeout_worker_healthcheck=int(FRONTEND_UNANSWERED_S),
+                                **uvicorn_options(config))
         print(f"pdserve: fleet {name} is up; starting {config.api_server_count} frontends on "
-              f"http://{config.host}:{config.port}", flush=True)
+              f"{base_url(config)}", flush=True)
         frontends = Multiprocess(server, sockets=[server.bind_socket()])
 
         def on_lost(why: str) -> None:

@@ -78,7 +78,9 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
                                   reasoning_parser(config.reasoning_parser),
                                   read_sampling_defaults(config.generation_config, model_dir))
     app.state.token_texts = TokenTexts(tokenizer)  # logprobs show each token's own text
-    app.state.model_dir = model_dir  # /v1/models' root
+    # /v1/models' root: the model as given, as vLLM reports it (a remote `vllm bench serve` loads its
+    # tokenizer from it; this server's snapshot path means nothing there); the default model by its directory.
+    app.state.model_root = model_dir if config.model is None else config.model
     num_decoding = len(fleet.active(Role.DECODE, Role.MIXED))
     capacity = admission_capacity(kv_tokens_per_worker, num_decoding, num_frontends)
     service = GatewayService(

@@ -10,6 +10,7 @@ from fastapi import FastAPI
 
 from gateway.config import ServeConfig
 from gateway.fleet.workers import Worker
+from gateway.http_settings import base_url
 from llm_engine.model_files import ModelNotFoundError, resolve_model
 from llm_engine.model_loader import read_model_spec
 from worker_runtime.process_heap import freeze_startup_heap
@@ -44,8 +45,8 @@ def announce(app: FastAPI, config: ServeConfig, backend: str, frontends: str = "
     app.state.started = time.time()
     layout = (f"{config.prefill or 0} prefill + {config.decode or 0} decode + {config.mixed or 0} "
               f"mixed workers (KV transfer: {backend}; ratio {config.ratio})")
-    print(f"pdserve: serving {app.state.service.model_name} on http://{config.host}:{config.port} "
-          f"with {layout}{frontends}", flush=True)
+    print(f"pdserve: serving {app.state.service.model_name} on {base_url(config)} with {layout}{frontends}",
+          flush=True)
 
 
 def announce_kv(workers: list[Worker]) -> None:

@@ -60,6 +60,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.http_settings import uvicorn_options
     from llm_engine.hardware import check_device_present, resolve_device
 
     try:
@@ -78,6 +79,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
         serve_frontends(config)
         return 0
-    uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop", log_level="info",
-                timeout_graceful_shutdown=config.shutdown_grace_s)
+    uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop",
+                **uvicorn_options(config))
     return 0

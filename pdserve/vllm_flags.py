@@ -8,8 +8,9 @@ from vLLM") lists the same table.
               half → float16, --enforce-eager → --compile off): the value moves there, and a log line says so;
     refused   something pdserve cannot do yet (tensor parallelism, quantized weights, LoRA, ...): the command
               stops before anything starts, naming the flag.
-Flags vLLM and pdserve share (--max-model-len, --max-num-seqs, --gpu-memory-utilization, ...) are pdserve's
-own (gateway/config.py) and need nothing here.
+Flags vLLM and pdserve share (--max-model-len, --max-num-seqs, --gpu-memory-utilization, ..., and the HTTP
+server's: --uvicorn-log-level, --ssl-*, --root-path, --allowed-origins, ...: gateway/http_settings.py) are
+pdserve's own (gateway/config.py) and need nothing here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The routes around generation that clients and benchmark tools use (all behind the API key):
 
-GET  /v1/models    the one model served: id, root (its directory), max_model_len, owned_by
+GET  /v1/models    the one model served: id, root (the model as --model gave it), max_model_len, owned_by
 POST /tokenize     {"prompt": text} or {"messages": [...]} → {"tokens", "count", "max_model_len"} (the chat
                    template applied as for /v1/chat/completions); vLLM's shape, which `vllm bench serve` reads
 POST /detokenize   {"tokens": [ids]} → {"prompt": text}
@@ -60,7 +60,7 @@ async def models(request: Request) -> dict[str, object]:
     preparer: Preparer = request.app.state.preparer
     return {"object": "list", "data": [{
         "id": preparer.model_name, "object": "model", "created": int(request.app.state.started),
-        "owned_by": "pdserve", "root": request.app.state.model_dir, "parent": None,
+        "owned_by": "pdserve", "root": request.app.state.model_root, "parent": None,
         "max_model_len": preparer.spec.max_model_len,
     }]}
 

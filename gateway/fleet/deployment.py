@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, cast
 import ray
 
 from gateway.fleet.adoption import adopt_survivors, layout_after_adoption, settings_digest, worker_actor_name
+from gateway.fleet.bring_up_log import BringUpLog
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.drain import DRAIN_GRACE_S, DRAIN_TIMEOUT_S
 from gateway.fleet.placement import (
@@ -115,6 +116,7 @@ class PDDeployment:
         self.on_remove = self.wiring.on_remove  # called with the id of a worker gone from its role
         self.recovery = Recovery(self)
         self.reshape = Reshape(self)
+        self.bring_up_log = BringUpLog()  # says each worker's placement and model load as they happen
 
     @property
     def block_size(self) -> int:
@@ -144,7 +146,12 @@ class PDDeployment:
         missing = {role: self.target[role] - sum(w.role is role for w in adopted) for role in Role}
         roles = [role for role, count in missing.items() for _ in range(count)]
         workers = [self.create(role) for role in roles]
-        waited = await wait_all_placed(workers, self.config.placement_timeout_s)
+        with self.bring_up_log.start_up(workers):  # a line per worker event, so that start-up is not silent
+            await self._bring_up_all(workers, adopted)
+
+    async def _bring_up_all(self, workers: list[Worker], adopted: list[Worker]) -> None:
+        """start()'s new `workers`, beside the `adopted` ones: placed, started, connected, ACTIVE."""
+        waited = await wait_all_placed(workers, self.config.placement_timeout_s, self.bring_up_log.placed)
         placed = [w for w in workers if w.state is WorkerState.STARTING]
         unplaced = [w for w in workers if w.state is WorkerState.PENDING]
         if not self.can_change:
@@ -180,9 +187,15 @@ class PDDeployment:
 
     async def _start_worker(self, worker: Worker, torch_group: TorchGroupSpec | None = None) -> None:
         worker.cpu_slot = self._free_cpu_slot(worker) if self.config.pin_cpus else None
-        info = await asyncio.wait_for(worker.client.start(torch_group, worker.cpu_slot),
-                                      self.config.start_timeout_s)
+        self.bring_up_log.loading(worker)
+        try:
+            info = await asyncio.wait_for(worker.client.start(torch_group, worker.cpu_slot),
+                                          self.config.start_timeout_s)
+        except Exception as error:
+            self.bring_up_log.failed(worker, error)
+            raise
         worker.runtime = info.runtime
+        self.bring_up_log.loaded(worker)
 
     def _free_cpu_slot(self, worker: Worker) -> int:
         """The lowest slot no other live worker on the same node holds (a failed one's cores are free)."""
@@ -234,7 +247,7 @@ class PDDeployment:
         self.target[role] += 1
         try:
             try:
-                await asyncio.wait_for(wait_placed(worker), wait_s)
+                await asyncio.wait_for(wait_placed(worker, self.bring_up_log.placed), wait_s)
             except TimeoutError:
                 raise PlacementTimeout(describe_unplaced([worker], self.config, wait_s)) from None
             await self.bring_up(worker)
@@ -247,7 +260,7 @@ class PDDeployment:
 
     async def bring_up(self, worker: Worker) -> None:
         """PENDING → placed (however long that takes) → started → connected → ACTIVE."""
-        await wait_placed(worker)
+        await wait_placed(worker, self.bring_up_log.placed)
         await self._start_worker(worker)
         await self.wiring.connect([worker])
         transition(worker, WorkerState.ACTIVE)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -78,16 +79,21 @@ def pending_reason(worker: Worker, config: DeploymentConfig, available: dict[str
     return reason
 
 
-async def wait_placed(worker: Worker) -> None:
-    """Wait, however long, until Ray has placed `worker`; then it is STARTING on a known node."""
+async def wait_placed(worker: Worker, on_placed: Callable[[Worker], None] | None = None) -> None:
+    """Wait, however long, until Ray has placed `worker`; then it is STARTING on a known node, and
+    `on_placed` is told (once: a worker already placed is not placed again)."""
     placement = await worker.client.placement()
     worker.node_id, worker.node_ip, worker.pid = placement.node_id, placement.node_ip, placement.pid
     if worker.state is WorkerState.PENDING:
         transition(worker, WorkerState.STARTING)
+        if on_placed is not None:
+            on_placed(worker)
 
 
-async def wait_all_placed(workers: list[Worker], timeout_s: float) -> float:
+async def wait_all_placed(workers: list[Worker], timeout_s: float,
+                          on_placed: Callable[[Worker], None] | None = None) -> float:
     """Wait until Ray has placed every worker or `timeout_s` has passed; returns the seconds waited.
+    `on_placed` is told of each as it is placed.
 
     Raises:
         Exception: an actor Ray could not create at all (its constructor failed).
@@ -95,7 +101,7 @@ async def wait_all_placed(workers: list[Worker], timeout_s: float) -> float:
     started = time.monotonic()
     if not workers:  # a restarted fleet that adopted every worker (gateway/fleet/adoption.py)
         return 0.0
-    placing = [asyncio.ensure_future(wait_placed(w)) for w in workers]
+    placing = [asyncio.ensure_future(wait_placed(w, on_placed)) for w in workers]
     await asyncio.wait(placing, timeout=timeout_s)
     for future in placing:
         if future.done():

@@ -11,7 +11,8 @@ Only ACTIVE workers are routed to.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from gateway.fleet.worker_client import WorkerClient
 from worker_runtime.info import WorkerRuntime
@@ -72,6 +73,7 @@ class Worker:
     # While DRAINING or CHANGING_ROLE: what it still waits for before it is empty ("" once it is, or when
     # it is not emptying): /admin/pools shows it, so a slow change explains itself.
     emptying: str = ""
+    created_at: float = field(default_factory=time.monotonic)  # its bring-up's lines count from here
 
     @property
     def is_active(self) -> bool:

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -281,3 +282,58 @@ def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_hea
     assert answer.status_code == 200 and expected.startswith(answer.json()["choices"][0]["text"])
     assert worker_pids(client) == before, "the restarted fleet did not adopt its workers"
     client.close()
+
+
+def test_two_frontends_serve_https_under_a_proxy_prefix_and_say_their_start_up(
+        tiny_chat_model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's HTTP flags through the command line to both frontends: HTTPS with the given certificate (each
+    frontend loads it), --root-path in the OpenAPI description, CORS for the allowed origin; /v1/models' root
+    is the model as given; the fleet actor's start-up lines (placed, loading, loaded) reach the log."""
+    from tests.helpers.tls import self_signed
+
+    keyfile, certfile = self_signed(tmp_path)
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    log = log_path.open("w")
+    command = [sys.executable, "-m", "pdserve", "serve", str(tiny_chat_model_dir), "--served-model-name",
+               MODEL, "--backend", "nixl", "--prefill", "1", "--decode", "1", "--dtype", "float32",
+               "--kv-cache-mib", "32", "--port", str(port), "--api-server-count", "2",
+               "--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile), "--root-path", "/llm",
+               "--allowed-origins", '["https://app.example"]', "--uvicorn-log-level", "warning"]
+    process = subprocess.Popen(command, env={**os.environ, "UCX_NET_DEVICES": "lo"}, start_new_session=True,
+                               stdout=log, stderr=subprocess.STDOUT)
+    supervisor = psutil.Process(process.pid)
+    client = httpx.Client(base_url=f"https://127.0.0.1:{port}", timeout=60,
+                          verify=ssl.create_default_context(cafile=str(certfile)))
+    try:
+        def ready() -> bool:
+            try:
+                return client.get("/health").status_code == 200 and len(frontend_pids(supervisor)) == 2
+            except httpx.HTTPError:
+                return False
+        until(ready, 180, "the server and both frontends, over HTTPS")
+        for _ in range(4):  # fresh connections, spread over both frontends by the kernel
+            with httpx.Client(base_url=f"https://127.0.0.1:{port}", timeout=60,
+                              verify=ssl.create_default_context(cafile=str(certfile))) as fresh:
+                [model] = fresh.get("/v1/models").json()["data"]
+                assert (model["id"], model["root"]) == (MODEL, str(tiny_chat_model_dir))
+                assert fresh.get("/openapi.json").json()["servers"] == [{"url": "/llm"}]
+        answer = client.post("/llm/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        assert answer.status_code == 200, answer.text
+        preflight = client.options("/v1/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+    finally:
+        client.close()
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+        log.close()
+    said = log_path.read_text()
+    for line in ("starting 2 workers (1 prefill, 1 decode)", "(prefill): placed on node",
+                 "(decode): loading the model on its node", "(decode): model loaded in",
+                 "2 of 2 workers up in", f"frontends on https://127.0.0.1:{port}"):
+        assert line in said, said[-4000:]

@@ -133,15 +133,24 @@ def test_the_cli_fails_at_start_naming_model(hub_cache: Path, tmp_path: Path,
 
 @pytest.mark.slow  # ~25 s on 2 cores: a whole server
 @pytest.mark.usefixtures("ray_local")
-def test_a_server_of_an_id_names_it_and_matches_transformers(hub_cache: Path, tiny_chat_model_dir: Path
-                                                             ) -> None:
+def test_a_server_of_an_id_names_it_and_matches_transformers(hub_cache: Path, tiny_chat_model_dir: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """... and reports it as given (/v1/models' root: the id, not this machine's snapshot directory), and
+    says each worker's start-up as it happens."""
     fill_hub_cache(hub_cache, REPO_ID, tiny_chat_model_dir)
     # The workers resolve the id on their node, through their own environment (as on a cluster's nodes).
     worker_env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
     config = serve_config(tiny_chat_model_dir, model=REPO_ID, served_model_name=None, worker_env=worker_env)
     with serving(config) as (url, _), httpx.Client(base_url=url, timeout=120,
                                                    headers={"Authorization": f"Bearer {API_KEY}"}) as client:
-        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [REPO_ID]
+        [model] = client.get("/v1/models").json()["data"]
+        assert (model["id"], model["root"]) == (REPO_ID, REPO_ID)
+        said = capsys.readouterr().out
+        for line in ("pdserve: starting 2 workers (1 prefill, 1 decode)", "(prefill): placed on node",
+                     "(decode): placed on node", "(prefill): loading the model on its node",
+                     "(prefill): model loaded in", "(decode): model loaded in",
+                     "pdserve: 2 of 2 workers up in"):
+            assert line in said, said
         body = {"model": REPO_ID, "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0,
                 "return_token_ids": True}
         response = client.post("/v1/completions", json=body)

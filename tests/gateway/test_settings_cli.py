@@ -14,6 +14,7 @@ from gateway.config import ServeConfig
 from pdserve.main import build_parser
 from pdserve.serve import load_serve_config
 from pdserve.settings_cli import _value_type, env_name, flag_name
+from tests.helpers.tls import self_signed
 
 FIELDS = list(ServeConfig.model_fields)
 
@@ -21,7 +22,10 @@ FIELDS = list(ServeConfig.model_fields)
 # Text fields whose values are checked: a valid one each.
 VALID_TEXT = {"otlp_traces_endpoint": "http://localhost:4318/v1/traces", "kv_cache_memory": "2GiB",
               "fleet_name": "main", "device": "cpu", "chat_template": "{{ messages[0].content }}",
-              "generation_config": "vllm"}
+              "generation_config": "vllm", "root_path": "/llm"}
+# List fields: a value each (given as vLLM gives it, a JSON list).
+VALID_LISTS = {"allowed_origins": ["https://app.example"], "allowed_methods": ["GET", "POST"],
+               "allowed_headers": ["Authorization"]}
 
 
 def sample(field: str, tmp_path: Path) -> Any:
@@ -33,6 +37,13 @@ def sample(field: str, tmp_path: Path) -> Any:
         return str(tmp_path / "profile.json")
     if field in VALID_TEXT:
         return VALID_TEXT[field]
+    if field in VALID_LISTS:
+        return VALID_LISTS[field]
+    if field in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):  # a pair: base_flags gives the rest
+        keyfile, certfile = self_signed(tmp_path)
+        return str(keyfile if field == "ssl_keyfile" else certfile)
+    if field == "ssl_cert_reqs":
+        return 2
     if field == "gpu_memory_utilization":  # a share, with --device cuda (base_flags)
         return 0.5
     info = ServeConfig.model_fields[field]
@@ -51,13 +62,22 @@ def sample(field: str, tmp_path: Path) -> Any:
 
 
 def as_text(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, dict) else str(value)
+    return json.dumps(value) if isinstance(value, dict | list) else str(value)
 
 
-def base_flags(field: str) -> list[str]:
+def base_flags(field: str, tmp_path: Path) -> list[str]:
     # A layout that serves whatever one role count is set to.
     # --revision goes with a model id (its form is checked here; nothing is fetched).
     model = ["--model", "org/name"] if field == "revision" else []
+    # The other half of the TLS pair (sample() made both); the CORS companions go with the origins.
+    tls = {"ssl_keyfile": tmp_path / "key.pem", "ssl_certfile": tmp_path / "cert.pem"}
+    if field in ("ssl_cert_reqs", "ssl_ca_certs"):  # client certificates: over HTTPS, against a CA
+        self_signed(tmp_path)
+        tls["ssl_ca_certs"] = tmp_path / "cert.pem"
+    for other, path in tls.items():
+        model += [flag_name(other), str(path)] if other != field and field.startswith("ssl_") else []
+    model += ["--allowed-origins", "*"] if field in ("allowed_methods", "allowed_headers",
+                                                     "allow_credentials") else []
     model += ["--device", "cuda"] if field == "gpu_memory_utilization" else []
     model += ["--address", "auto"] if field == "fleet_name" else []
     return model + ([] if field in ("prefill", "decode", "mixed") else ["--mixed", "1"])
@@ -76,7 +96,7 @@ def test_every_field_has_a_flag(field: str, tmp_path: Path) -> None:
         argv.append(as_text(value))
     if field in ("prefill", "decode"):
         argv += ["--mixed", "1"]
-    assert getattr(parsed(base_flags(field) + argv), field) == value
+    assert getattr(parsed(base_flags(field, tmp_path) + argv), field) == value
 
 
 @pytest.mark.parametrize("field", FIELDS)
@@ -85,7 +105,7 @@ def test_every_field_has_an_env_var(field: str, tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv(env_name(ServeConfig, field), as_text(value).lower() if isinstance(value, bool)
                        else as_text(value))
     extra = ["--mixed", "1"] if field in ("prefill", "decode") else []
-    assert getattr(parsed(base_flags(field) + extra), field) == value
+    assert getattr(parsed(base_flags(field, tmp_path) + extra), field) == value
 
 
 @pytest.mark.parametrize("field", FIELDS)
@@ -98,6 +118,8 @@ def test_help_shows_every_default_and_env_var(field: str) -> None:
         assert "default" in action.help, f"{field}: say in words what leaving it unset means"
     elif isinstance(default, bool):
         assert f"(default: {'on' if default else 'off'})" in action.help
+    elif isinstance(default, list):
+        assert f"(default: {' '.join(default)})" in action.help
     else:
         assert f"(default: {default})" in action.help
 
