@@ -120,7 +120,7 @@ def test_the_defaults_send_no_sampling_field_and_random_prompts_ignore_eos(
     assert bench(url, tmp_path) == 0
     assert len(recorder.bodies) == 3
     for body in recorder.bodies:
-        # As vLLM's `vllm bench serve` (0.32): the server's sampling defaults hold unless a flag says otherwise;
+        # As vLLM 0.32's `vllm bench serve`: the server's sampling defaults hold unless a flag says so;
         # the random dataset runs every request to its max_tokens.
         assert body["ignore_eos"] is True and body["max_tokens"] == 3 and body["model"] == MODEL
         assert not {"temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
