@@ -1,5 +1,5 @@
-"""What `pdserve bench` puts on the wire and reads back, against a real HTTP server of the test's own (uvicorn
-on a thread: a FastAPI app that records every request body and answers with the event stream it is given):
+"""What `pdserve bench` puts on the wire and reads back, against a real HTTP server of the test's own
+(tests/helpers/recording_server.py: it records every request body and answers with the stream it is given):
 vLLM's sampling flags and `--extra-body` in every body, nothing sent that was not asked for, the stream read
 as Server-Sent Events (no space after `data:`, a payload over several `data:` lines, comments, CRLF), and
 vLLM's result keys in the --save-result file."""
@@ -8,25 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loadgen.client import RequestOptions, RequestRecord, send_now
 from loadgen.workload import RequestSpec
 from pdserve.main import main
-
-MODEL = "recorded-model"
+from tests.helpers.recording_server import MODEL, Recorder, recording_server
 
 # One answer of three tokens, framed every way the SSE specification allows and the old reader
 # (`line.startswith("data: ")`) got wrong: a comment (keep-alive ping), `data:` without its space, one JSON
@@ -42,52 +34,11 @@ TRICKY_STREAM = [
 ]
 
 
-@dataclass
-class Recorder:
-    """The server's memory: what it was sent, and what it streams back."""
-
-    bodies: list[dict[str, Any]] = field(default_factory=list)
-    frames: list[str] = field(default_factory=lambda: list(TRICKY_STREAM))
-    media_type: str = "text/event-stream"
-
-
-def recording_app(recorder: Recorder) -> FastAPI:
-    app = FastAPI()
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": MODEL, "object": "model", "root": MODEL}]}
-
-    @app.post("/v1/completions")
-    @app.post("/v1/chat/completions")
-    async def complete(request: Request) -> Response:
-        recorder.bodies.append(await request.json())
-        if recorder.media_type != "text/event-stream":
-            return JSONResponse({"choices": [{"text": "whole"}]})
-        return StreamingResponse(iter(recorder.frames), media_type=recorder.media_type)
-
-    return app
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, Recorder]]:
     recorder = Recorder()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(recording_app(recorder), host="127.0.0.1", port=port,
-                                       log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the recording server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", recorder
-    finally:
-        uv.should_exit = True
-        thread.join(30)
+    with recording_server(recorder) as url:
+        yield url, recorder
 
 
 @pytest.fixture
