@@ -37,14 +37,10 @@ import httpx
 
 from llm_engine.default_model import prepare_default_model
 from llm_engine.tiny_model import build_tiny_llama
+from loadgen.summary import percentile
 from worker_runtime.process_heap import freeze_startup_heap
 
 WORKER_STAGES = ("prefill_queue_ms", "prefill_ms", "transfer_ms", "decode_queue_ms", "decode_ms")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 # Where the time goes, in the request's order: the gateway's hops between processes and the workers' stages

@@ -33,12 +33,8 @@ from gateway.requests.orchestrator import run_request
 from gateway.requests.router import Router
 from llm_engine import EngineConfig, SamplingParams
 from llm_engine.default_model import prepare_default_model
+from loadgen.summary import percentile
 from worker_runtime.roles import Role
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 async def measure(args: argparse.Namespace, deployment: PDDeployment, colocated: bool) -> dict[str, float]:

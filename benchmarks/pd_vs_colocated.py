@@ -29,6 +29,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from loadgen.client import PINNED
 from loadgen.runner import BenchConfig, run_bench
 
 SETUPS = {
@@ -121,7 +122,7 @@ def main() -> None:
                     rate=rate,
                     num_requests=10_000,
                     duration_s=args.duration,
-                    dataset="trace", dataset_path=TRACE, ignore_eos=True, temperature=0.0,
+                    dataset="trace", dataset_path=TRACE, options=PINNED,
                     length_scale=args.length_scale,
                     ttft_slo_s=args.ttft_slo,
                     itl_slo_s=args.itl_slo,

@@ -3,6 +3,8 @@
 Per request it records when each token arrived (client clock), the usage, any error, and the server's
 stage timings when the server returns them (pdserve does, in the final chunk). A request goes to
 /v1/completions (a prompt of token ids or text) or /v1/chat/completions (one user message of text).
+The stream is read as Server-Sent Events by httpx-sse, so `data:` without a space, a payload split over
+several `data:` lines and `:` comment lines (keep-alive pings) read as the SSE specification says.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
+from httpx_sse import SSEError, aconnect_sse
 
 from loadgen.workload import RequestSpec
 
@@ -23,11 +26,26 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 @dataclass(frozen=True)
 class RequestOptions:
-    """How each request is sent; a sampling field left None is not sent (the server's default holds)."""
+    """How each request is sent, as `vllm bench serve` sends it: a field left None is not sent (the server's
+    default holds); `extra_body` is merged into every body last, so it overrides anything above."""
 
     endpoint: str = "/v1/completions"  # one of ENDPOINTS
     ignore_eos: bool | None = None
     temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    extra_body: dict[str, Any] = field(default_factory=dict)  # a JSON object from --extra-body
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields that were set, by their request-body names."""
+        fields = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                  "min_p": self.min_p, "frequency_penalty": self.frequency_penalty,
+                  "presence_penalty": self.presence_penalty, "repetition_penalty": self.repetition_penalty}
+        return {name: value for name, value in fields.items() if value is not None}
 
 
 # What the benchmark scripts send: greedy, exactly max_tokens tokens (lengths as planned).
@@ -83,9 +101,7 @@ def request_body(spec: RequestSpec, model: str, options: RequestOptions) -> dict
         body["prompt"] = spec.prompt_text if spec.prompt_text is not None else list(spec.prompt_token_ids)
     if options.ignore_eos is not None:
         body["ignore_eos"] = options.ignore_eos
-    if options.temperature is not None:
-        body["temperature"] = options.temperature
-    return body
+    return body | options.sampling() | options.extra_body
 
 
 async def send_one(client: httpx.AsyncClient, spec: RequestSpec, model: str, start: float,
@@ -103,15 +119,16 @@ async def send_now(client: httpx.AsyncClient, spec: RequestSpec, model: str, sta
     )
     body = request_body(spec, model, options)
     try:
-        async with client.stream("POST", options.endpoint, json=body) as response:
+        async with aconnect_sse(client, "POST", options.endpoint, json=body) as events:
+            response = events.response
             record.status = response.status_code
             if response.status_code != 200:
                 record.error = (await response.aread()).decode(errors="replace")[:500]
                 return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for event in events.aiter_sse():
+                if event.data in ("", "[DONE]"):  # an event with no data (`event:`/`id:` only); the end
                     continue
-                chunk = json.loads(line[6:])
+                chunk = json.loads(event.data)
                 now = time.perf_counter() - sent
                 if chunk.get("usage"):  # the server's count: text prompts have no length here before
                     record.num_output_tokens = chunk["usage"]["completion_tokens"]
@@ -128,6 +145,6 @@ async def send_now(client: httpx.AsyncClient, spec: RequestSpec, model: str, sta
                     if record.ttft_s is None:
                         record.ttft_s = now
             record.e2e_s = time.perf_counter() - sent
-    except httpx.HTTPError as error:
+    except (httpx.HTTPError, SSEError, json.JSONDecodeError) as error:  # SSEError: not an event stream
         record.error = f"{type(error).__name__}: {error}"
     return record

@@ -6,7 +6,8 @@
 
 Output directory: requests.jsonl (one RequestRecord per line), metrics.jsonl (the /metrics samples),
 summary.json (pdserve's figures, summary.py, beside vLLM's key names), and PNG plots (plots.py); with
-`result_file`, that summary is also written there (vLLM's `--save-result`).
+`save_result`, that summary is also written where vLLM's `--save-result` writes it, and with `save_detailed`
+it carries vLLM's per-request lists too (`ttfts`, `itls`, ...: requests.jsonl has the same, as records).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from loadgen.summary import (
     SLO,
     summarize,
     vllm_figures,
+    vllm_request_lists,
 )
 from loadgen.workload import RequestSpec, build_requests, read_trace
 
@@ -70,14 +72,14 @@ class BenchConfig:
     seed: int = 0
     prompt_seed: int | None = None  # other prompts with the same lengths and arrivals (see build_requests)
     api_key: str | None = None
-    endpoint: str = "/v1/completions"
-    ignore_eos: bool = False
-    temperature: float | None = None  # None: not sent (the server's default)
+    options: RequestOptions = field(default_factory=RequestOptions)  # endpoint, sampling, extra body
+    label: str | None = None  # vLLM's --label: the result file's prefix (None: the backend)
     max_concurrency: int | None = None  # None: no limit on requests in flight
     num_warmups: int = 0
     percentile_metrics: tuple[str, ...] = PERCENTILE_METRICS
     metric_percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
     save_result: bool = False  # also write the summary as vLLM's --save-result does
+    save_detailed: bool = False  # and put vLLM's per-request lists in it (--save-detailed)
     result_dir: Path | None = None  # None: the current directory
     result_filename: str | None = None  # None: vLLM's name (result_path)
     metrics_interval_s: float = 0.5
@@ -102,7 +104,7 @@ def build_workload(config: BenchConfig) -> list[RequestSpec]:
         specs = build_requests(config.num_requests, config.vocab_size, config.seed, rate, config.burstiness,
                                trace, config.speed, config.input_len, config.output_len, config.length_scale,
                                config.duration_s, config.prompt_seed, config.range_ratio)
-    return as_text(specs, config.seed) if config.endpoint == "/v1/chat/completions" else specs
+    return as_text(specs, config.seed) if config.options.endpoint == "/v1/chat/completions" else specs
 
 
 async def _first_model(client: httpx.AsyncClient, url: str, model: str | None) -> str:
@@ -120,7 +122,7 @@ async def _first_model(client: httpx.AsyncClient, url: str, model: str | None) -
 async def _run(config: BenchConfig,
                specs: list[RequestSpec]) -> tuple[list[RequestRecord], list[Sample], str]:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    options = RequestOptions(config.endpoint, True if config.ignore_eos else None, config.temperature)
+    options = config.options
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=config.url, headers=headers, timeout=None, limits=limits) as client:
         model = await _first_model(client, config.url, config.model)
@@ -161,7 +163,7 @@ def result_path(config: BenchConfig, summary: dict[str, object]) -> Path:
         concurrency = f"-concurrency{config.max_concurrency}" if config.max_concurrency is not None else ""
         rate = "inf" if config.rate is None or math.isinf(config.rate) else config.rate
         model = str(summary["model_id"]).split("/")[-1]
-        name = f"{summary['backend']}-{rate}qps{concurrency}-{model}-{summary['date']}.json"
+        name = f"{config.label or summary['backend']}-{rate}qps{concurrency}-{model}-{summary['date']}.json"
     return (config.result_dir or Path()) / name
 
 
@@ -188,11 +190,15 @@ def run_bench(config: BenchConfig) -> dict[str, object]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "requests.jsonl").write_text("".join(r.to_json() + "\n" for r in records))
     (out / "metrics.jsonl").write_text("".join(json.dumps(dataclasses.asdict(s)) + "\n" for s in samples))
+    backend = "openai-chat" if config.options.endpoint == "/v1/chat/completions" else "openai"
     summary: dict[str, object] = {
         # vLLM's header keys (`vllm bench serve --save-result`), then its figures, then pdserve's own.
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "openai-chat" if config.endpoint == "/v1/chat/completions" else "openai",
+        "endpoint_type": backend,  # vLLM writes both names
+        "backend": backend,
+        "label": config.label,
         "model_id": model,
+        "tokenizer_id": config.tokenizer or model,  # vLLM's: --tokenizer, else the model
         "num_prompts": len(specs),
         "request_rate": "inf" if config.rate is not None and math.isinf(config.rate) else config.rate,
         "burstiness": config.burstiness,
@@ -200,6 +206,9 @@ def run_bench(config: BenchConfig) -> dict[str, object]:
     }
     summary.update(vllm_figures(records, config.percentile_metrics, config.metric_percentiles,
                                 config.goodput))
+    lists = vllm_request_lists(records)
+    summary.update(lists if config.save_detailed else
+                   {key: lists[key] for key in ("latencies", "queue_times")})  # what vLLM always keeps
     summary.update(summarize(records, SLO(config.ttft_slo_s, config.itl_slo_s)))
     summary["error_samples"] = sorted({r.error for r in records if r.error})[:5]
     summary["config"] = {k: _plain(v) for k, v in dataclasses.asdict(config).items() if k != "api_key"}

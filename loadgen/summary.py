@@ -2,7 +2,8 @@
 
 Goodput = requests per second that finished without error, with TTFT <= the TTFT SLO, TPOT (mean time per
 output token after the first) <= the ITL SLO and end-to-end latency <= the e2el SLO (unbounded unless set).
-Percentiles interpolate linearly between order statistics (numpy's default, as vLLM reports them).
+Percentiles are numpy's (`numpy.percentile`, linear between order statistics), as vLLM reports them and as
+the ratio controller reads its window (gateway/telemetry/recent.py): one definition of a p90 everywhere.
 
 Two views of one run: pdserve's own (`summarize`: seconds, stage timings) and the figures under vLLM's
 `vllm bench serve` key names (`vllm_figures`: ms, `completed`, `p99_ttft_ms`, ...), so that a result file
@@ -14,6 +15,8 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+
+import numpy as np
 
 from loadgen.client import RequestRecord
 
@@ -31,14 +34,8 @@ PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0–100), linear between order statistics; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    """The q-th percentile (0–100) by `numpy.percentile` (linear between order statistics); NaN for none."""
+    return float(np.percentile(values, q)) if values else math.nan
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -129,6 +126,37 @@ def _metric_values_s(ok: list[RequestRecord], metric: str) -> list[float]:
     return [r.e2e_s for r in ok if r.e2e_s is not None]
 
 
+def peak_output_rate(records: list[RequestRecord]) -> tuple[float, int]:
+    """vLLM's `max_output_tokens_per_s` (tokens arrived in the busiest whole second of the run, counted from
+    the first request sent) and `max_concurrent_requests` (most requests in flight at one instant), over
+    the requests that succeeded; (0.0, 0) for none."""
+    ok = _ok(records)
+    if not ok:
+        return 0.0, 0
+    start = min(r.sent_s for r in ok)
+    token_times = [r.sent_s + t - start for r in ok for t in r.token_times_s]
+    per_second = np.bincount(np.asarray(token_times, dtype=np.int64)) if token_times else np.zeros(1)
+    # In flight over [sent, sent + e2e): at a tie, one ending goes before one starting.
+    events = sorted([(r.sent_s, 1) for r in ok] + [(r.sent_s + (r.e2e_s or 0.0), -1) for r in ok])
+    in_flight = np.cumsum([step for _, step in events])
+    return float(per_second.max()), int(in_flight.max())
+
+
+def vllm_request_lists(records: list[RequestRecord]) -> dict[str, list[object]]:
+    """vLLM's per-request lists (`--save-detailed`), one entry per request in index order, a failed one
+    with zeros as vLLM writes it: seconds, start times from the run's start, `itls` per token."""
+    return {
+        "input_lens": [r.input_len for r in records],
+        "output_lens": [0 if r.error else r.num_output_tokens for r in records],
+        "ttfts": [r.ttft_s or 0.0 for r in records],
+        "itls": [r.itls_s for r in records],
+        "latencies": [r.e2e_s or 0.0 for r in records],
+        "start_times": [r.sent_s for r in records],
+        "queue_times": [max(0.0, r.sent_s - r.scheduled_s) for r in records],  # waited for a free slot
+        "errors": [r.error for r in records],
+    }
+
+
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None  # JSON has no NaN: null where nothing was measured
 
@@ -153,6 +181,7 @@ def vllm_figures(records: list[RequestRecord], metrics: tuple[str, ...], quantil
         "output_throughput": total_output / duration,
         "total_token_throughput": (total_input + total_output) / duration,
     }
+    figures["max_output_tokens_per_s"], figures["max_concurrent_requests"] = peak_output_rate(records)
     for metric in metrics:
         values_ms = [1000.0 * v for v in _metric_values_s(ok, metric)]
         figures[f"mean_{metric}_ms"] = statistics.fmean(values_ms) if values_ms else None

@@ -69,10 +69,25 @@ class BenchSettings(BaseSettings):
     speed: float = Field(1.0, gt=0, description="trace replay speed-up")
     length_scale: float = Field(1.0, gt=0, description="multiply trace lengths by this")
     vocab_size: int = Field(32000, gt=0, description="random prompt token ids stay below this")
-    ignore_eos: bool = Field(False, description="send ignore_eos: true (off: not sent)")
+    ignore_eos: bool | None = Field(
+        None,
+        description="send ignore_eos: true, so every request runs to its max_tokens (default: on for the "
+                    "random and trace datasets, as vLLM's, off (not sent) for sharegpt)")
+    # Sampling, as vLLM's `vllm bench serve` sends it (since vLLM PR #32723, in vLLM 0.32): a field not given
+    # is not sent, so the server's default applies (its --generation-config); --temperature 0 is greedy.
     temperature: float | None = Field(
         None, ge=0,
-        description="sampling temperature (default: not sent, the server's)")
+        description="sampling temperature; 0 decodes greedily (default: not sent, the server's, as vLLM's)")
+    top_p: float | None = Field(None, gt=0, le=1, description="top_p (default: not sent)")
+    top_k: int | None = Field(None, description="top_k (default: not sent)")
+    min_p: float | None = Field(None, ge=0, le=1, description="min_p (default: not sent)")
+    frequency_penalty: float | None = Field(None, description="frequency_penalty (default: not sent)")
+    presence_penalty: float | None = Field(None, description="presence_penalty (default: not sent)")
+    repetition_penalty: float | None = Field(None, gt=0, description="repetition_penalty (default: not sent)")
+    extra_body: dict[str, Any] | None = Field(
+        None,
+        description="a JSON object merged into every request body, last, so it overrides the fields above, "
+                    """e.g. '{"chat_template_kwargs": {"enable_thinking": false}}' (default: none)""")
     num_warmups: int = Field(0, ge=0, description="requests sent one at a time before the run, not counted")
     percentile_metrics: str = Field(
         ",".join(PERCENTILE_METRICS),
@@ -85,12 +100,17 @@ class BenchSettings(BaseSettings):
     ttft_slo_s: float = Field(DEFAULT_TTFT_SLO_S, gt=0, description="pdserve's goodput: TTFT target, s")
     itl_slo_s: float = Field(DEFAULT_ITL_SLO_S, gt=0, description="pdserve's goodput: TPOT target, s")
     save_result: bool = Field(False, description="also write the result JSON as vLLM does")
+    save_detailed: bool = Field(
+        False,
+        description="put vLLM's per-request lists in the result JSON too (input_lens, output_lens, ttfts, "
+                    "itls, start_times, errors)")
+    label: str | None = Field(None, description="the result file name's prefix (default: the backend)")
     result_dir: str | None = Field(
         None,
         description="where --save-result writes (default: the current directory)")
     result_filename: str | None = Field(
         None,
-        description="its file name (default: vLLM's, {backend}-{rate}qps-concurrency{n}-{model}-{date}.json)")
+        description="its file name (default: vLLM's, {label}-{rate}qps-concurrency{n}-{model}-{date}.json)")
     out: str = Field(
         "bench-out",
         description="pdserve's results directory: requests, /metrics samples, summary, plots")
@@ -128,6 +148,7 @@ def _numbers(flag: str, text: str) -> tuple[float, ...]:
 
 def bench_config(settings: BenchSettings) -> Any:
     """The loadgen BenchConfig of these settings. Raises ValueError naming the flag."""
+    from loadgen.client import RequestOptions
     from loadgen.runner import BenchConfig
     from loadgen.summary import parse_goodput
 
@@ -147,6 +168,12 @@ def bench_config(settings: BenchSettings) -> Any:
     rate = settings.request_rate
     if rate is None and dataset != "trace":
         rate = float("inf")
+    ignore_eos = settings.ignore_eos if settings.ignore_eos is not None else dataset in ("random", "trace")
+    options = RequestOptions(
+        endpoint=settings.endpoint, ignore_eos=True if ignore_eos else None, temperature=settings.temperature,
+        top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p,
+        frequency_penalty=settings.frequency_penalty, presence_penalty=settings.presence_penalty,
+        repetition_penalty=settings.repetition_penalty, extra_body=settings.extra_body or {})
     return BenchConfig(
         url=settings.base_url.rstrip("/"), out_dir=Path(settings.out), model=settings.model, dataset=dataset,
         dataset_path=Path(settings.dataset_path) if settings.dataset_path else None, rate=rate,
@@ -157,12 +184,12 @@ def bench_config(settings: BenchSettings) -> Any:
         range_ratio=settings.random_range_ratio, sharegpt_output_len=settings.sharegpt_output_len,
         tokenizer=settings.tokenizer, length_scale=settings.length_scale, ttft_slo_s=settings.ttft_slo_s,
         itl_slo_s=settings.itl_slo_s, goodput=goodput, vocab_size=settings.vocab_size, seed=settings.seed,
-        api_key=settings.api_key or os.environ.get("PDSERVE_API_KEY"), endpoint=settings.endpoint,
-        ignore_eos=settings.ignore_eos, temperature=settings.temperature,
+        api_key=settings.api_key or os.environ.get("PDSERVE_API_KEY"), options=options, label=settings.label,
         max_concurrency=settings.max_concurrency, num_warmups=settings.num_warmups,
         percentile_metrics=metrics, metric_percentiles=quantiles, save_result=settings.save_result,
         result_dir=Path(settings.result_dir) if settings.result_dir else None,
-        result_filename=settings.result_filename, show_progress=not settings.disable_tqdm,
+        result_filename=settings.result_filename, save_detailed=settings.save_detailed,
+        show_progress=not settings.disable_tqdm,
     )
 
 
@@ -182,6 +209,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print(f"pdserve bench: error: {message}", file=sys.stderr)
         return 2
     config = bench_config(settings)  # its ValueError: main prints it, exit status 2
+    if "temperature" not in config.options.sampling() | config.options.extra_body:
+        print("pdserve bench: no --temperature: the server's default sampling applies, as with vLLM's "
+              "`vllm bench serve`; --temperature 0 decodes greedily", file=sys.stderr)
     try:
         summary = run_bench(config)
     except ServerUnreachable as error:

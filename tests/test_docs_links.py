@@ -1,6 +1,7 @@
 """The front doors hold together: every relative link and picture in README.md, docs/**/*.md and the READMEs
 of benchmarks/ and deploy/ points to a file of the repository (and a `#fragment` to a heading of that page),
-and every figure under docs/figures/ is small and shown by some page. Reads files only: no server."""
+every figure under docs/figures/ is small and shown by some page, and every curl in them that sends a JSON
+body says `Content-Type: application/json`. Reads files only: no server."""
 
 from __future__ import annotations
 
@@ -61,3 +62,23 @@ def test_figures_are_small_and_shown() -> None:
     for figure in figures:
         assert figure.stat().st_size <= MAX_FIGURE_BYTES, f"{figure.name}: {figure.stat().st_size} bytes"
         assert figure.resolve() in shown, f"{figure.name} is shown by no page"
+
+
+def curl_commands(page: Path) -> list[str]:
+    """Every curl command in the page's code blocks, its `\\`-continued lines joined."""
+    commands = []
+    for block in FENCE.findall(page.read_text()):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        commands += [line for line in joined.splitlines() if re.match(r"\s*curl\b", line)]
+    return commands
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_curl_that_sends_json_says_so(page: Path) -> None:
+    """FastAPI reads a body as JSON only under `Content-Type: application/json`; curl's -d sends
+    application/x-www-form-urlencoded, and the request is refused (as the deploy README's PUT /admin/pools
+    was)."""
+    unlabelled = [command for command in curl_commands(page)
+                  if re.search(r"\s(-d|--data\S*)\s+'?[{\[]", command)
+                  and not re.search(r"-H\s+['\"]content-type:\s*application/json", command, re.IGNORECASE)]
+    assert not unlabelled, unlabelled

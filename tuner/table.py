@@ -5,6 +5,7 @@ from __future__ import annotations
 from tuner.metrics import LayoutScore
 from tuner.planner import Plan
 from tuner.profile import Profile
+from tuner.simulator import Layout
 
 # Beyond this many layouts per rate, only the best are printed (plan.json has them all).
 MAX_ROWS = 20
@@ -15,6 +16,19 @@ def _row(s: LayoutScore, is_best: bool) -> str:
     return (f"{'*' if is_best else ' '}{s.layout.label():>10} {100 * s.attainment:6.1f}% {s.goodput:8.2f} "
             f"{1000 * s.ttft_p50_s:8.0f} {1000 * s.ttft_p90_s:8.0f} {1000 * s.ttft_p99_s:8.0f} "
             f"{1000 * s.itl_p50_s:7.1f} {1000 * s.itl_p99_s:7.1f} {s.backlog_growth:+7.2f}  {busy}")
+
+
+def recommendation(layout: Layout, reason: str) -> list[str]:
+    """The recommended layout as a small table of workers per pool, and the commands that set it up."""
+    counts = layout.to_dict()
+    flags = " ".join(f"--{kind} {n}" for kind, n in counts.items() if n)
+    return [
+        f"recommended: {layout.label()} — {reason}",
+        "  " + " " * 7 + "".join(f"{kind:>9}" for kind in counts),
+        "  workers" + "".join(f"{n:>9}" for n in counts.values()),
+        f"  start a server with it: pdserve serve ... {flags}",
+        "  or set it on a running one: pdserve tune plan ... --apply URL",
+    ]
 
 
 def print_plan(plan: Plan, profile: Profile) -> None:
@@ -41,4 +55,4 @@ def print_plan(plan: Plan, profile: Profile) -> None:
         print(f"\ntarget {plan.target_rate:g} req/s: " + (
             f"fewest workers {found.layout.num_workers}, split {found.layout.label()}" if found
             else f"not held by any layout of up to {plan.num_workers} workers"))
-    print(f"\nrecommended: {plan.recommended.to_dict()} — {plan.reason}")
+    print("\n" + "\n".join(recommendation(plan.recommended, plan.reason)))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from loadgen.client import PINNED
 from loadgen.runner import BenchConfig, run_bench
 from tuner.apply import ServerAccess, apply_layout, check_model, current_layout
 
@@ -59,8 +60,7 @@ def _bench_config(plan: dict[str, Any], rate: float | None, out_dir: Path, acces
         length_scale=float(workload["length_scale"]), ttft_slo_s=float(slo["ttft_s"]),
         itl_slo_s=float(slo["itl_s"]), vocab_size=int(plan["vocab_size"]), seed=int(workload["seed"]),
         prompt_seed=prompt_seed, api_key=access.api_key, show_progress=show_progress,
-        # As the simulator planned it: greedy, exactly the planned output lengths.
-        ignore_eos=True, temperature=0.0,
+        options=PINNED,  # as the simulator planned it: greedy, exactly the planned output lengths
     )
 
 

@@ -43,7 +43,12 @@ class Scan:
 
 def scan_call_object(text: str, args_keys: tuple[str, ...]) -> CallSoFar | None:
     """Walk the top level of a JSON object that starts `text` (after blanks) as far as it is written.
-    None: `text` is not (the beginning of) such an object."""
+    None: `text` is not (the beginning of) such an object.
+
+    Not a partial-JSON library (jiter's partial_mode, partial-json-parser): they return the value so far,
+    closed, while a stream sends the arguments as the model wrote them, appended to only. Their value, written
+    out again, is not a prefix of the next one (`{"a": 12}` then `{"a": 123}`), and they give no offsets for
+    the stream's resumed scan (gateway/api/tool_stream_scan.py) to read on from."""
     pos = _SPACE.match(text).end()  # type: ignore[union-attr]
     if pos == len(text):
         return CallSoFar(None, "", False)

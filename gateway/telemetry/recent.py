@@ -4,6 +4,11 @@ Bounded where it is added: add() drops what left the window and keeps at most MA
 each request's token gaps only a strided sample of at most GAPS_PER_REQUEST (weighted by how many gaps each
 stands for). So memory stays fixed whether or not anybody reads the quantiles (auto off: nobody does), and a
 quantile sorts at most MAX_REQUESTS × GAPS_PER_REQUEST values, however many tokens the window saw.
+
+Quantiles are numpy's, as `pdserve bench` computes its percentiles (loadgen/summary.py): `numpy.quantile`,
+linear between order statistics, so the controller's TTFT p90 is the bench's p90 of the same requests. The
+ITL quantile is weighted (each sampled gap stands for several), and numpy weighs only by the inverted CDF:
+the smallest gap with at least q of the weight at or below it.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from gateway.telemetry.timings import Timings
 
@@ -67,7 +74,7 @@ class RecentLatencies:
         window = self._window(since)
         if len(window) < self.min_requests:
             return None
-        return _quantile([x.ttft_s for x in window], q)
+        return float(np.quantile([x.ttft_s for x in window], q))
 
     def tpot_quantile(self, q: float, since: float = float("-inf")) -> float | None:
         """The q-quantile over requests of their mean gap between tokens (TPOT: what goodput's SLO checks)."""
@@ -75,7 +82,7 @@ class RecentLatencies:
         tpots = [x.tpot_s for x in window if x.tpot_s is not None]
         if len(window) < self.min_requests or not tpots:
             return None
-        return _quantile(tpots, q)
+        return float(np.quantile(tpots, q))
 
     def attainment(self, ttft_slo_s: float, tpot_slo_s: float, since: float = float("-inf")) -> float | None:
         """The fraction of requests in the window (finished after `since`) that met both SLOs."""
@@ -88,18 +95,8 @@ class RecentLatencies:
     def itl_quantile(self, q: float, since: float = float("-inf")) -> float | None:
         """The q-quantile over tokens of the gap before each (from each request's sample, weighted)."""
         window = self._window(since)
-        weighted = sorted((gap, x.gap_weight) for x in window for gap in x.gaps_s)
-        if len(window) < self.min_requests or not weighted:
+        gaps = [gap for x in window for gap in x.gaps_s]
+        if len(window) < self.min_requests or not gaps:
             return None
-        target = q * sum(weight for _, weight in weighted)
-        passed = 0.0
-        for gap, weight in weighted:
-            passed += weight
-            if passed > target:
-                return gap
-        return weighted[-1][0]
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        weights = [x.gap_weight for x in window for _ in x.gaps_s]
+        return float(np.quantile(gaps, q, weights=weights, method="inverted_cdf"))

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import tracemalloc
 
+import pytest
+
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.timings import Timings
+from loadgen.summary import percentile
 
 
 def timings(ttft_ms: float, gaps_ms: list[float]) -> Timings:
@@ -59,3 +62,26 @@ def test_quantiles_from_the_bounded_window() -> None:
     assert recent.itl_quantile(0.99) == 0.5
     tpot = recent.tpot_quantile(0.95)
     assert tpot is not None and abs(tpot - (300 * 0.05 + 100 * 0.5) / 400) < 1e-9
+
+
+def test_the_controllers_p90_is_the_benchs_p90() -> None:
+    """One definition, numpy's: the ratio controller's TTFT and TPOT p90 over its window are what `pdserve
+    bench` reports as the p90 of the same requests (linear between order statistics)."""
+    ttfts_s = [0.1 * i for i in range(1, 11)]  # ten requests: the p90 lies between the 9th and the 10th
+    tpots_s = [0.01 * i for i in range(1, 11)]
+    recent = RecentLatencies(window_s=1e9)
+    for ttft, tpot in zip(ttfts_s, tpots_s, strict=True):
+        recent.add(timings(1000 * ttft, [1000 * tpot] * 4))
+    assert recent.ttft_quantile(0.9) == pytest.approx(percentile(ttfts_s, 90)) == pytest.approx(0.91)
+    assert recent.tpot_quantile(0.9) == pytest.approx(percentile(tpots_s, 90)) == pytest.approx(0.091)
+
+
+def test_the_weighted_itl_quantile_is_the_inverted_cdf() -> None:
+    """numpy's weighted quantile: the smallest gap with at least q of the weight at or below it."""
+    recent = RecentLatencies(window_s=1e9)
+    recent.add(timings(100.0, [10.0] * 8))
+    recent.add(timings(100.0, [10.0] * 8))
+    recent.add(timings(100.0, [50.0] * 16))  # sampled to 8 gaps, each standing for 2
+    # Half the weight (16 of 32 gaps) is at 10 ms: the median is 10 ms, not the next gap up.
+    assert recent.itl_quantile(0.5) == 0.01
+    assert recent.itl_quantile(0.51) == 0.05

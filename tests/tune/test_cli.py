@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.tuning import profile, sim_config, step_model, tune
+from tuner.simulator import Layout
+from tuner.table import recommendation
 
 
 @pytest.fixture
@@ -82,3 +84,18 @@ def test_plan_writes_plan_json_with_the_recommended_layout_and_a_heatmap(
     assert (out / "plan.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "recommended:" in printed and "target 4 req/s" in printed
+    # The recommendation reads as a table of workers per pool (plan.json keeps the dict), not a dict's repr.
+    lines = printed.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("recommended:"))
+    assert lines[at + 1].split() == ["prefill", "decode", "mixed"]
+    counts = [str(plan["recommended"][kind]) for kind in ("prefill", "decode", "mixed")]
+    assert lines[at + 2].split() == ["workers", *counts]
+    assert "{" not in "".join(lines[at:])
+
+
+def test_the_recommendation_prints_the_serve_flags_that_set_it_up() -> None:
+    lines = recommendation(Layout(prefill=0, decode=0, mixed=3), "3M holds 8 req/s")
+    assert lines[0] == "recommended: 3M — 3M holds 8 req/s"
+    assert lines[2].split() == ["workers", "0", "0", "3"]
+    assert lines[3].endswith("pdserve serve ... --mixed 3")
+    assert recommendation(Layout(1, 2), "")[3].endswith("--prefill 1 --decode 2")
