@@ -2,6 +2,11 @@
 (vLLM's num_requests_running / num_requests_waiting / kv_cache_usage_perc, per worker) and runtime, prompt
 tokens queued per pool, and the ratio controller's moves. Names: gateway/telemetry/metric_names.py.
 
+num_requests_waiting has one more row, `{worker="gateway", role="gateway"}`: the requests waiting in the
+gateway's admission line for decode KV (every frontend's). vLLM has no such line (its scheduler's queue is
+the engine's), so without it an autoscaling rule on `sum(num_requests_waiting)` would miss the requests
+queued in front of the workers.
+
 Nothing is kept between scrapes: a worker that left or changed role takes its old series with it (review
 L6), and every frontend of a fleet renders the same series from the same status.
 """
@@ -18,6 +23,8 @@ from gateway.telemetry.metric_names import MODEL_LABEL, PREFIX
 from worker_runtime.info import WorkerRuntime
 from worker_runtime.load import WorkerLoad
 
+GATEWAY = "gateway"  # the worker and role labels of the admission line's num_requests_waiting row
+
 
 @dataclass(frozen=True)
 class FleetStatus:
@@ -32,6 +39,7 @@ class FleetCollector(Collector):
     def __init__(self, model_name: str = "") -> None:
         self.model_name = model_name  # every series' model_name label
         self.status = FleetStatus()  # set before each scrape
+        self.num_gateway_waiting = 0  # requests in the admission line (every frontend's), likewise
 
     def _gauge(self, name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
         return GaugeMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL, *labels])
@@ -56,6 +64,7 @@ class FleetCollector(Collector):
             running.add_metric(labels, load.num_running)
             waiting.add_metric(labels, load.num_waiting)
             usage.add_metric(labels, load.kv_occupancy)
+        waiting.add_metric([model, GATEWAY, GATEWAY], self.num_gateway_waiting)
         # How each worker computes (1 per live worker; the labels carry the facts, Prometheus' info idiom).
         runtime = self._gauge("worker_runtime_info",
                               "A worker's dtype, GEMM kernel, decode attention, compiled or eager body, "
