@@ -14,6 +14,7 @@ import math
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "vllm-names.rules.yaml"
 VLLM_DASHBOARD = ROOT / "tests" / "fixtures" / "vllm_grafana" / "grafana.json"
-PROMTOOL = shutil.which("promtool")
-NO_PROMTOOL = ("promtool is not installed (Debian/Ubuntu: apt-get install prometheus; `make test` installs "
-               "it where it runs as root with apt-get)")
+# On the PATH, or where the Makefile unpacks it (beside the venv's python).
+PROMTOOL = shutil.which("promtool") or shutil.which("promtool", path=str(Path(sys.executable).parent))
+NO_PROMTOOL = ("promtool is not installed (Debian/Ubuntu: apt-get install prometheus; `make test` unpacks it "
+               "into .venv/bin where apt-get can download the package)")
 SCRAPE_S = 15
 SAMPLES_PER_SCRAPE = 4  # each scrape's values held for a minute, so that rate() spans two scrapes
 RATE_INTERVAL = "5m"  # Grafana's $__rate_interval: here, the whole replay
