@@ -6,12 +6,14 @@ shape vLLM's overview dashboard reads (prometheus-fastapi-instrumentator's, stat
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.telemetry.metric_names import HTTP_METRICS
 from tests.helpers.prometheus import (
     NO_PROMTOOL,
     PROMTOOL,
@@ -58,6 +60,12 @@ def test_vllms_example_dashboard_reads_a_live_server_through_the_rules(server: s
     handled = ("http_requests_total",
                frozenset({"handler": "/v1/completions", "method": "POST", "status": "2xx"}.items()))
     assert samples.get(handled, 0) >= 2  # vLLM's shape beside ours (pdserve:http_requests_total)
+    declared = set(re.findall(r"^# HELP (\S+) ", after, re.MULTILINE))
+    for metric in HTTP_METRICS:  # named and labelled as the list (and docs/metrics.md) say
+        assert declared & {metric.name, metric.name.removesuffix("_total")}, metric.name
+        labels = {key for (name, labelled), _ in samples.items() if name.startswith(metric.name.removesuffix(
+            "_total")) for key, _ in labelled} - {"le", "quantile"}
+        assert labels == set(metric.labels), (metric.name, labels)
     exprs = [grafana_expr(q.expr, {"model_name": MODEL}) for q in panel_queries(VLLM_DASHBOARD)]
     failing = failing_queries([before, after], [*exprs, *MORE_QUERIES], tmp_path)
     assert failing == [], "\n".join(failing)
