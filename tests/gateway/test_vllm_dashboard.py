@@ -15,6 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.telemetry.metric_names import HTTP_METRICS
 from tests.helpers.prometheus import (
+    INSTANCE,
+    JOB,
     NO_PROMTOOL,
     PROMTOOL,
     VLLM_DASHBOARD,
@@ -36,6 +38,11 @@ MORE_QUERIES = (
     "sum(rate(http_requests_total[5m]))",
     "histogram_quantile(0.9, sum by (le) (rate(http_request_duration_seconds_bucket[5m])))",
     "rate(http_request_duration_highr_seconds_sum[5m]) / rate(http_request_duration_highr_seconds_count[5m])",
+    # vLLM's overview dashboard's "5xx ratio" (examples/observability/dashboards/grafana/vllm_overview.json).
+    '(sum(rate(http_requests_total{job=~"$job", instance=~"$instance", status="5xx"}[$__rate_interval])) or '
+    'vector(0)) / (sum(rate(http_requests_total{job=~"$job", instance=~"$instance"}[$__rate_interval])) > 0)',
+    # Its "Engines": one per worker (the gateway row is only in num_requests_waiting).
+    'count(vllm:num_requests_running{job=~"$job", model_name=~"$model_name", instance=~"$instance"})',
 )
 
 
@@ -66,6 +73,8 @@ def test_vllms_example_dashboard_reads_a_live_server_through_the_rules(server: s
         labels = {key for (name, labelled), _ in samples.items() if name.startswith(metric.name.removesuffix(
             "_total")) for key, _ in labelled} - {"le", "quantile"}
         assert labels == set(metric.labels), (metric.name, labels)
-    exprs = [grafana_expr(q.expr, {"model_name": MODEL}) for q in panel_queries(VLLM_DASHBOARD)]
-    failing = failing_queries([before, after], [*exprs, *MORE_QUERIES], tmp_path)
+    variables = {"model_name": MODEL, "job": JOB, "instance": INSTANCE}
+    exprs = [grafana_expr(q.expr, variables) for q in panel_queries(VLLM_DASHBOARD)]
+    exprs += [grafana_expr(expr, variables) for expr in MORE_QUERIES]
+    failing = failing_queries([before, after], exprs, tmp_path)
     assert failing == [], "\n".join(failing)
