@@ -20,6 +20,8 @@ from gateway.telemetry.metric_names import ALL_METRICS
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.timings import Timings
 from tests.helpers.prometheus import (
+    INSTANCE,
+    JOB,
     NO_PROMTOOL,
     PROMTOOL,
     RULES,
@@ -78,6 +80,7 @@ def in_process_scrapes() -> list[str]:
     metrics = Metrics(MODEL, max_model_len=2048)
     status = FleetStatus(loads=[load("p0", "prefill", 0, 0), load("d0", "decode", 2, 1)],
                          active={"prefill": 1, "decode": 1})
+    metrics.observe_prefix_cache("p0", 30, 0)  # the worker's series exist before: rate() sees them grow
     before = metrics.render(status).decode()
     for ttft_ms, e2e_ms in ((40, 400), (60, 700), (80, 1500)):
         metrics.observe_request(timings(ttft_ms, e2e_ms), "length", num_prompt=30, num_output=8, n=1,
@@ -105,3 +108,15 @@ def test_vllms_dashboard_reads_an_in_process_scrape_through_the_rules(tmp_path: 
     no_rules = tmp_path / "none.rules.yaml"
     no_rules.write_text("groups: []\n")
     assert failing_queries(scrapes, exprs[:3], tmp_path, rules=no_rules) == exprs[:3]
+
+
+@needs_promtool
+def test_pdserves_own_dashboard_parses_and_reads_the_scrape(tmp_path: Path) -> None:
+    # Its queries, job and instance picked as Grafana would: all parse (promtool runs them), and all return
+    # data but those of series an in-process scrape (no error, no HTTP middleware, no ratio move) lacks.
+    variables = {"job": JOB, "instance": INSTANCE, "model_name": MODEL}
+    queries = panel_queries(ROOT / "deploy" / "grafana" / "pdserve-dashboard.json")
+    exprs = [grafana_expr(q.expr, variables) for q in queries]
+    failing = failing_queries(in_process_scrapes(), exprs, tmp_path)
+    unseen = ("pdserve:ratio_changes_total", "pdserve:request_errors_total", "pdserve:http_requests_total")
+    assert failing and all(any(name in expr for name in unseen) for expr in failing), failing
