@@ -181,7 +181,8 @@ class WorkerActor:
         running step has run (answered here, on the actor's loop: a hung step cannot stop it)."""
         front = self._started()
         return replace(front.load(), role=self.role, step_running_s=front.loop.running_s(),
-                       longest_step_s=front.loop.longest_step_s)
+                       longest_step_s=front.loop.longest_step_s,
+                       step_tokens=self.engine.runner.timeline.tokens)
 
     def step_timeline(self, since: float = 0.0) -> list[StepRecord]:
         """This worker's forwards that started at or after `since` (time.time()), in any role."""

@@ -6,8 +6,9 @@ latest one, so a report never iterates the scheduler's queues while the loop mut
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from llm_engine.step_timeline import StepTokens
 from worker_runtime.roles import Role
 
 
@@ -30,6 +31,8 @@ class WorkerLoad:
     # step now running has run (0: between steps), and the longest step that finished.
     step_running_s: float = 0.0
     longest_step_s: float = 0.0
+    # Tokens per forward since the engine started (vLLM's iteration_tokens_total), likewise from the actor.
+    step_tokens: StepTokens = field(default_factory=StepTokens)
 
     @property
     def kv_occupancy(self) -> float:

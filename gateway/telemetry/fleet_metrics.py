@@ -1,6 +1,7 @@
 """The fleet's series, drawn at scrape time from its status: workers per role, each live worker's load
-(vLLM's num_requests_running / num_requests_waiting / kv_cache_usage_perc, per worker) and runtime, prompt
-tokens queued per pool, and the ratio controller's moves. Names: gateway/telemetry/metric_names.py.
+(vLLM's num_requests_running / num_requests_waiting / kv_cache_usage_perc / iteration_tokens_total, per
+worker) and runtime, prompt tokens queued per pool, and the ratio controller's moves. Names:
+gateway/telemetry/metric_names.py.
 
 num_requests_waiting has one more row, `{worker="gateway", role="gateway"}`: the requests waiting in the
 gateway's admission line for decode KV (every frontend's). vLLM has no such line (its scheduler's queue is
@@ -16,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.telemetry.metric_names import MODEL_LABEL, PREFIX
+from llm_engine.step_timeline import STEP_TOKEN_BUCKETS, StepTokens
 from worker_runtime.info import WorkerRuntime
 from worker_runtime.load import WorkerLoad
 
@@ -59,8 +61,12 @@ class FleetCollector(Collector):
                               "worker", ["worker", "role"])
         usage = self._gauge("kv_cache_usage_perc", "KV-cache usage per worker. 1 means 100 percent usage.",
                             ["worker", "role"])
+        step_tokens = HistogramMetricFamily(PREFIX + "iteration_tokens_total",
+                                            "Histogram of number of tokens per engine_step.",
+                                            labels=[MODEL_LABEL, "worker", "role"])
         for load in status.loads:
             labels = [model, load.worker_id, load.role]
+            step_tokens.add_metric(labels, _buckets(load.step_tokens), load.step_tokens.num_tokens)
             running.add_metric(labels, load.num_running)
             waiting.add_metric(labels, load.num_waiting)
             usage.add_metric(labels, load.kv_occupancy)
@@ -83,4 +89,14 @@ class FleetCollector(Collector):
                                       labels=[MODEL_LABEL, "from", "to", "reason"])
         for (from_role, to_role, reason), count in status.ratio_changes.items():
             changes.add_metric([model, from_role, to_role, reason], count)
-        yield from (workers, queued, running, waiting, usage, runtime, speedup, changes)
+        yield from (workers, queued, running, waiting, usage, step_tokens, runtime, speedup, changes)
+
+
+def _buckets(tokens: StepTokens) -> list[tuple[str, float]]:
+    """The histogram's cumulative (le, count) pairs, +Inf last."""
+    bounds = [*(str(float(b)) for b in STEP_TOKEN_BUCKETS), "+Inf"]
+    cumulative, total = [], 0
+    for bound, count in zip(bounds, tokens.bucket_counts, strict=True):
+        total += count
+        cumulative.append((bound, float(total)))
+    return cumulative

@@ -67,6 +67,7 @@ FLEET_METRICS = (
     _m("num_requests_running", "gauge", ("worker", "role"), vllm="num_requests_running"),
     _m("num_requests_waiting", "gauge", ("worker", "role"), vllm="num_requests_waiting"),
     _m("kv_cache_usage_perc", "gauge", ("worker", "role"), vllm="kv_cache_usage_perc"),
+    _m("iteration_tokens_total", "histogram", ("worker", "role"), vllm="iteration_tokens_total"),
     _m("pool_workers", "gauge", ("role",)),
     _m("queued_prompt_tokens", "gauge", ("pool",)),
     _m("worker_runtime_info", "gauge",

@@ -1,10 +1,12 @@
 """Gateway metrics: series follow the live workers (review L6); the admission line is in
 num_requests_waiting, current at every change (not only when this process answers a scrape); vLLM's
-per-request series that pdserve added (longest choice, n, max_tokens, inference time)."""
+per-request series that pdserve added (longest choice, n, max_tokens, inference time) and the workers' tokens
+per step."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -12,6 +14,7 @@ from gateway.requests.admission import Admission
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.timings import Timings
+from llm_engine.step_timeline import StepRecord, StepTimeline
 from worker_runtime.load import WorkerLoad
 
 
@@ -88,3 +91,19 @@ def test_vllms_request_shape_series() -> None:
     assert scraped[("pdserve:request_params_n_sum", model)] == 3
     assert scraped[("pdserve:request_params_max_tokens_sum", model)] == 10
     assert abs(scraped[("pdserve:request_inference_time_seconds_sum", model)] - 0.84) < 1e-9
+
+
+def test_tokens_per_step_are_each_workers_histogram() -> None:
+    timeline = StepTimeline()
+    for num_decode, num_prefill in ((4, 0), (1, 60), (0, 500)):
+        timeline.record(StepRecord(0.0, 1.0, num_decode, num_prefill))
+    worker = dataclasses.replace(load("w0", "mixed", 1), step_tokens=timeline.tokens)
+    scraped = samples(Metrics("m"), [worker])
+    labels = {"model_name": "m", "worker": "w0", "role": "mixed"}
+
+    def bucket(le: str) -> float:
+        return scraped[("pdserve:iteration_tokens_total_bucket", frozenset({**labels, "le": le}.items()))]
+
+    assert (bucket("1.0"), bucket("8.0"), bucket("64.0"), bucket("512.0"), bucket("+Inf")) == (0, 1, 2, 3, 3)
+    assert scraped[("pdserve:iteration_tokens_total_sum", frozenset(labels.items()))] == 565
+    assert scraped[("pdserve:iteration_tokens_total_count", frozenset(labels.items()))] == 3
