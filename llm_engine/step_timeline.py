@@ -27,7 +27,7 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
-class StepTokens:
+class StepTokenCounts:
     """Tokens per forward since the engine started, as a histogram over STEP_TOKEN_BUCKETS."""
 
     bucket_counts: tuple[int, ...] = (0,) * (len(STEP_TOKEN_BUCKETS) + 1)  # per bucket, not cumulative; +Inf
@@ -40,13 +40,13 @@ class StepTimeline:
         self._steps: collections.deque[StepRecord] = collections.deque(maxlen=max_steps)
         self._counts = [0] * (len(STEP_TOKEN_BUCKETS) + 1)
         # Replaced whole after each forward: a reader on another thread sees counts, sum and count agree.
-        self.tokens = StepTokens()
+        self.tokens = StepTokenCounts()
 
     def record(self, step: StepRecord) -> None:
         self._steps.append(step)  # deque.append is atomic: readers on other threads see whole records
         num_tokens = step.num_decode_tokens + step.num_prefill_tokens
         self._counts[bisect.bisect_left(STEP_TOKEN_BUCKETS, num_tokens)] += 1
-        self.tokens = StepTokens(tuple(self._counts), self.tokens.num_tokens + num_tokens,
+        self.tokens = StepTokenCounts(tuple(self._counts), self.tokens.num_tokens + num_tokens,
                                  self.tokens.num_steps + 1)
 
     @property

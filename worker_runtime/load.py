@@ -8,8 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llm_engine.step_timeline import StepTokens
 from worker_runtime.roles import Role
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """A histogram of tokens per forward since the worker's engine started (vLLM's iteration_tokens_total)."""
+
+    bounds: tuple[int, ...] = ()  # the buckets' upper bounds (llm_engine/step_timeline.py's), +Inf implied
+    bucket_counts: tuple[int, ...] = ()  # forwards per bucket (not cumulative), the +Inf bucket last
+    num_tokens: int = 0  # the sum
+    num_steps: int = 0  # the count
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from gateway.telemetry.metric_names import MODEL_LABEL, PREFIX
-from llm_engine.step_timeline import STEP_TOKEN_BUCKETS, StepTokens
 from worker_runtime.info import WorkerRuntime
-from worker_runtime.load import WorkerLoad
+from worker_runtime.load import StepTokens, WorkerLoad
 
 GATEWAY = "gateway"  # the worker and role labels of the admission line's num_requests_waiting row
 
@@ -66,7 +65,8 @@ class FleetCollector(Collector):
                                             labels=[MODEL_LABEL, "worker", "role"])
         for load in status.loads:
             labels = [model, load.worker_id, load.role]
-            step_tokens.add_metric(labels, _buckets(load.step_tokens), load.step_tokens.num_tokens)
+            if load.step_tokens.bounds:  # none from a worker not reporting them
+                step_tokens.add_metric(labels, _buckets(load.step_tokens), load.step_tokens.num_tokens)
             running.add_metric(labels, load.num_running)
             waiting.add_metric(labels, load.num_waiting)
             usage.add_metric(labels, load.kv_occupancy)
@@ -94,7 +94,7 @@ class FleetCollector(Collector):
 
 def _buckets(tokens: StepTokens) -> list[tuple[str, float]]:
     """The histogram's cumulative (le, count) pairs, +Inf last."""
-    bounds = [*(str(float(b)) for b in STEP_TOKEN_BUCKETS), "+Inf"]
+    bounds = [*(str(float(b)) for b in tokens.bounds), "+Inf"]
     cumulative, total = [], 0
     for bound, count in zip(bounds, tokens.bucket_counts, strict=True):
         total += count

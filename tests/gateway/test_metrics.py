@@ -14,8 +14,8 @@ from gateway.requests.admission import Admission
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.timings import Timings
-from llm_engine.step_timeline import StepRecord, StepTimeline
-from worker_runtime.load import WorkerLoad
+from llm_engine.step_timeline import STEP_TOKEN_BUCKETS, StepRecord, StepTimeline
+from worker_runtime.load import StepTokens, WorkerLoad
 
 
 def load(worker_id: str, role: str, running: int) -> WorkerLoad:
@@ -97,7 +97,9 @@ def test_tokens_per_step_are_each_workers_histogram() -> None:
     timeline = StepTimeline()
     for num_decode, num_prefill in ((4, 0), (1, 60), (0, 500)):
         timeline.record(StepRecord(0.0, 1.0, num_decode, num_prefill))
-    worker = dataclasses.replace(load("w0", "mixed", 1), step_tokens=timeline.tokens)
+    counts = timeline.tokens
+    step_tokens = StepTokens(STEP_TOKEN_BUCKETS, counts.bucket_counts, counts.num_tokens, counts.num_steps)
+    worker = dataclasses.replace(load("w0", "mixed", 1), step_tokens=step_tokens)
     scraped = samples(Metrics("m"), [worker])
     labels = {"model_name": "m", "worker": "w0", "role": "mixed"}
 
