@@ -7,6 +7,7 @@ shape vLLM's overview dashboard reads (prometheus-fastapi-instrumentator's, stat
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -33,6 +34,7 @@ MORE_QUERIES = (
     "sum(vllm:num_requests_waiting)",
     'vllm:num_requests_waiting{engine="gateway"}',
     'sum by (engine) (vllm:num_requests_running{engine!="gateway"})',
+    "histogram_quantile(0.5, sum by (le, engine) (rate(vllm:iteration_tokens_total_bucket[5m])))",
     'sum by (handler) (rate(http_requests_total{handler="/v1/completions", method="POST", status="2xx"}'
     '[5m]))',
     "sum(rate(http_requests_total[5m]))",
@@ -44,6 +46,12 @@ MORE_QUERIES = (
     # Its "Engines": one per worker (the gateway row is only in num_requests_waiting).
     'count(vllm:num_requests_running{job=~"$job", model_name=~"$model_name", instance=~"$instance"})',
 )
+
+
+def steps(text: str) -> float:
+    """Forwards counted by every worker (pdserve:iteration_tokens_total's counts)."""
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "pdserve:iteration_tokens_total_count")
 
 
 def serve_a_few(client: httpx.Client) -> None:
@@ -61,7 +69,11 @@ def test_vllms_example_dashboard_reads_a_live_server_through_the_rules(server: s
     with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
         before = client.get("/metrics").text
         serve_a_few(client)
-        after = client.get("/metrics").text
+        # The workers' series come from the pool watch's latest round (each second): wait for a newer one.
+        deadline = time.monotonic() + 10
+        while (after := client.get("/metrics").text) and steps(after) <= steps(before):
+            assert time.monotonic() < deadline, "the workers' step counts did not grow"
+            time.sleep(0.2)
     samples = {(s.name, frozenset(s.labels.items())): s.value
                for family in text_string_to_metric_families(after) for s in family.samples}
     handled = ("http_requests_total",
