@@ -67,6 +67,9 @@ def serve_a_few(client: httpx.Client) -> None:
 
 def test_vllms_example_dashboard_reads_a_live_server_through_the_rules(server: str, tmp_path: Path) -> None:
     with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+        # First traffic, then the window: as a scraper running all along sees them, the HTTP series' label
+        # sets (born with a route's first request) exist before the window and grow in it.
+        serve_a_few(client)
         before = client.get("/metrics").text
         serve_a_few(client)
         # The workers' series come from the pool watch's latest round (each second): wait for a newer one.
