@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
+PROMTOOL := $(BIN)/promtool
 
 .PHONY: install test test-fast serve lint typecheck unit bench-engine bench-transfer bench-pd clean
 
@@ -29,19 +30,31 @@ $(DEV_STAMP): $(STAMP)
 # The venv with the runtime set alone.
 install: $(STAMP)
 
+# promtool, which evaluates vLLM's example dashboard through deploy/prometheus/'s recording rules in the tests:
+# Debian's `prometheus` package, downloaded and unpacked (only the binary, into the venv: no root, no service
+# started). Where there is no apt-get, or no package to be had, it says so and those tests skip.
+$(PROMTOOL): | $(STAMP)
+	@if command -v promtool >/dev/null; then exit 0; fi; \
+	tmp=$$(mktemp -d); \
+	if command -v apt-get >/dev/null && cd $$tmp && { apt-get download -qq prometheus >/dev/null 2>&1 || \
+	    { [ "$$(id -u)" = 0 ] && apt-get update -qq >/dev/null 2>&1 && apt-get download -qq prometheus >/dev/null 2>&1; }; } && \
+	    dpkg-deb -x prometheus_*.deb unpacked; then install -m 755 unpacked/usr/bin/promtool $(abspath $(PROMTOOL)); \
+	else echo "pdserve: promtool could not be installed (no apt-get or no prometheus package): the dashboard tests skip"; fi; \
+	rm -rf $$tmp
+
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 
 typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
 
-unit: $(DEV_STAMP)
+unit: $(DEV_STAMP) $(PROMTOOL)
 	$(BIN)/python -m pytest -q --durations=20
 
 test: lint typecheck unit
 
 # The loop to run after an edit (a few minutes): no Ray, no fleet, not the real model; `make test` runs them all.
-test-fast: $(DEV_STAMP)
+test-fast: $(DEV_STAMP) $(PROMTOOL)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q --durations=10 -m "not slow and not ray"
 

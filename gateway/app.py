@@ -20,6 +20,7 @@ from gateway.api.disconnect import ClientGone
 from gateway.api.errors import install_error_handlers, without_validation_422
 from gateway.api.generate_routes import router as generate_routes
 from gateway.api.http_counts import HttpCounts
+from gateway.api.http_metrics import instrument_http
 from gateway.api.request_id import RequestIdMiddleware, install_log_prefix
 from gateway.api.responses_api.routes import router as responses_api_routes
 from gateway.api.status_routes import status_routes
@@ -43,7 +44,9 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
     app.add_middleware(BodyGuard)
     app.add_middleware(RequestIdMiddleware)  # outside BodyGuard: its 413 and 415 carry the id too
     add_cors(app, config)  # outside those: a browser can read their refusals (--allowed-origins)
-    app.add_middleware(HttpCounts)  # outermost: counts every response, the ones refused above included
+    app.add_middleware(HttpCounts)  # counts every response, the ones refused above included
+    # Outermost: vLLM's HTTP series (prometheus-fastapi-instrumentator), rendered on /metrics with ours.
+    app.state.http_registry = instrument_http(app)
     install_log_prefix()
     app.openapi = without_validation_422(app)  # type: ignore[method-assign]
 

@@ -88,7 +88,8 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: FleetView, model_di
         admission=Admission(capacity, config.max_waiting, config.queue_timeout_s, config.max_waiting_tokens),
         max_request_tokens=kv_tokens_per_worker,
         deadline_policy=deadline_policy(config), local_prefill=local_prefill_policy(config),
-        num_frontends=num_frontends, metrics=Metrics(model_name, spec.max_model_len),
+        num_frontends=num_frontends,
+        metrics=Metrics(model_name, spec.max_model_len, app.state.http_registry),
         tracer=RequestTracer(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None,
     )
     fleet.on_change.append(service.on_pool_change)

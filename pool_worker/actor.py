@@ -39,14 +39,14 @@ from decode_pool.role import DecodeRole
 from kv_transfer import BackendName, PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.model_loader import num_model_loads
-from llm_engine.step_timeline import StepRecord
+from llm_engine.step_timeline import STEP_TOKEN_BUCKETS, StepRecord
 from pool_worker.submissions import compile_grammars, is_final, submit_each
 from prefill_pool.messages import PrefillRequest
 from prefill_pool.role import PrefillRole
 from worker_runtime.aborted import AbortedIds
 from worker_runtime.info import WorkerInfo, WorkerPlacement, WorkerRuntime, WorkerStanding
 from worker_runtime.keeper_watch import KeeperWatch
-from worker_runtime.load import WorkerLoad
+from worker_runtime.load import StepTokens, WorkerLoad
 from worker_runtime.model_source import ModelSource
 from worker_runtime.output_channels import OutputBatch, OutputChannels
 from worker_runtime.peer_client import PeerClient
@@ -181,7 +181,12 @@ class WorkerActor:
         running step has run (answered here, on the actor's loop: a hung step cannot stop it)."""
         front = self._started()
         return replace(front.load(), role=self.role, step_running_s=front.loop.running_s(),
-                       longest_step_s=front.loop.longest_step_s)
+                       longest_step_s=front.loop.longest_step_s,
+                       step_tokens=self._step_tokens())
+
+    def _step_tokens(self) -> StepTokens:
+        counts = self.engine.runner.timeline.tokens
+        return StepTokens(STEP_TOKEN_BUCKETS, counts.bucket_counts, counts.num_tokens, counts.num_steps)
 
     def step_timeline(self, since: float = 0.0) -> list[StepRecord]:
         """This worker's forwards that started at or after `since` (time.time()), in any role."""

@@ -6,9 +6,19 @@ latest one, so a report never iterates the scheduler's queues while the loop mut
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from worker_runtime.roles import Role
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """A histogram of tokens per forward since the worker's engine started (vLLM's iteration_tokens_total)."""
+
+    bounds: tuple[int, ...] = ()  # the buckets' upper bounds (llm_engine/step_timeline.py's), +Inf implied
+    bucket_counts: tuple[int, ...] = ()  # forwards per bucket (not cumulative), the +Inf bucket last
+    num_tokens: int = 0  # the sum
+    num_steps: int = 0  # the count
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,8 @@ class WorkerLoad:
     # step now running has run (0: between steps), and the longest step that finished.
     step_running_s: float = 0.0
     longest_step_s: float = 0.0
+    # Tokens per forward since the engine started (vLLM's iteration_tokens_total), likewise from the actor.
+    step_tokens: StepTokens = field(default_factory=StepTokens)
 
     @property
     def kv_occupancy(self) -> float:

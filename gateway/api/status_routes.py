@@ -45,8 +45,6 @@ def status_routes(metrics_require_key: bool) -> APIRouter:
     async def metrics(request: Request) -> Response:
         service: GatewayService = request.app.state.service
         fleet: FleetStatus = await request.app.state.control.status()
-        service.metrics.admission_waiting.set(service.admission.num_waiting)
-        service.metrics.admission_reserved.set(service.admission.reserved_tokens)
         return Response(service.metrics.render(fleet), media_type="text/plain; version=0.0.4")
 
     return router

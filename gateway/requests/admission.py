@@ -4,7 +4,7 @@ States of a request here: WAITING (in order of priority, lower first as vLLM's, 
 requests and in tokens) → ADMITTED (holds a reservation) → released. A full waiting line, or a wait past the
 timeout, is an Overloaded error (HTTP 429 with Retry-After). The capacity follows the live decode workers
 (set_capacity): a failed worker's share is gone until its replacement is up, and requests wait for it in the
-line (within its timeout).
+line (within its timeout). Whoever follows the line (the metrics) is told of every change (on_change).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import asyncio
 import bisect
 import itertools
 import time
+from collections.abc import Callable
 
 
 def admission_capacity(kv_tokens_per_worker: int, num_decoding: int, num_frontends: int = 1) -> int:
@@ -53,6 +54,8 @@ class Admission:
         # (priority, arrival number, tokens, its future), sorted: the head is admitted first.
         self._waiting: list[_Waiting] = []
         self._arrivals = itertools.count()
+        # Called after every change of the line or of the reservations (the metrics' gauges follow them).
+        self.on_change: list[Callable[[], None]] = []
 
     @property
     def num_waiting(self) -> int:
@@ -67,6 +70,7 @@ class Admission:
         """Reserve `num_tokens` if that needs no wait (nobody in line, room now); None otherwise."""
         if not self._waiting and self.reserved_tokens + num_tokens <= self.capacity_tokens:
             self.reserved_tokens += num_tokens
+            self._changed()
             return Reservation(self, num_tokens)
         return None
 
@@ -113,16 +117,22 @@ class Admission:
             self._waiting.remove(entry)
             self.waiting_tokens -= num_tokens
             future.cancel()
+            self._changed()
 
     def _wake(self) -> None:
         while self._waiting:
             _, _, num_tokens, future = self._waiting[0]
             if self.reserved_tokens + num_tokens > self.capacity_tokens:
-                return
+                break
             self._waiting.pop(0)
             self.waiting_tokens -= num_tokens
             self.reserved_tokens += num_tokens
             future.set_result(None)
+        self._changed()  # every path that changes the line or the reservations ends here or calls it
+
+    def _changed(self) -> None:
+        for callback in self.on_change:
+            callback()
 
 
 class Reservation:

@@ -86,6 +86,7 @@ class GatewayService:
         self.router = Router(fleet, local_prefill)
         self.admission = admission
         self.metrics = metrics or Metrics(model_name)
+        admission.on_change.append(self._admission_changed)
         self.tracer = tracer
         self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
         self.num_frontends = num_frontends
@@ -113,10 +114,10 @@ class GatewayService:
         return len(prepared.prompt_token_ids) + sampling.n * sampling.max_tokens
 
     async def admit(self, prepared: PreparedRequest) -> Reservation:
-        reservation = await self.admission.acquire(self.num_reserved_tokens(prepared), prepared.priority)
-        self.metrics.admission_waiting.set(self.admission.num_waiting)
-        self.metrics.admission_reserved.set(self.admission.reserved_tokens)
-        return reservation
+        return await self.admission.acquire(self.num_reserved_tokens(prepared), prepared.priority)
+
+    def _admission_changed(self) -> None:
+        self.metrics.observe_admission(self.admission.num_waiting, self.admission.reserved_tokens)
 
     def deadlines(self, prepared: PreparedRequest, reservation: Reservation) -> RequestDeadlines:
         """The request's deadlines, counted from its admission."""
@@ -232,7 +233,8 @@ class GatewayService:
                 timings.cached_tokens = min(cached, num_prompt)
                 outcome = finish
                 self.metrics.observe_request(timings, finish, num_prompt, num_output,
-                                             decode.num_preemptions if decode else 0)
+                                             decode.num_preemptions if decode else 0, prepared.sampling.n,
+                                             prepared.sampling.max_tokens, len(sent))
                 if prefilled_by:
                     self.metrics.observe_prefix_cache(prefilled_by, num_prompt, timings.cached_tokens)
                 if self.tracer is not None:

@@ -1,6 +1,12 @@
 """The fleet's series, drawn at scrape time from its status: workers per role, each live worker's load
-(vLLM's num_requests_running / num_requests_waiting / kv_cache_usage_perc, per worker) and runtime, prompt
-tokens queued per pool, and the ratio controller's moves. Names: gateway/telemetry/metric_names.py.
+(vLLM's num_requests_running / num_requests_waiting / kv_cache_usage_perc / iteration_tokens_total, per
+worker) and runtime, prompt tokens queued per pool, and the ratio controller's moves. Names:
+gateway/telemetry/metric_names.py.
+
+num_requests_waiting has one more row, `{worker="gateway", role="gateway"}`: the requests waiting in the
+gateway's admission line for decode KV (every frontend's). vLLM has no such line (its scheduler's queue is
+the engine's), so without it an autoscaling rule on `sum(num_requests_waiting)` would miss the requests
+queued in front of the workers.
 
 Nothing is kept between scrapes: a worker that left or changed role takes its old series with it (review
 L6), and every frontend of a fleet renders the same series from the same status.
@@ -11,12 +17,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.telemetry.metric_names import MODEL_LABEL, PREFIX
 from worker_runtime.info import WorkerRuntime
-from worker_runtime.load import WorkerLoad
+from worker_runtime.load import StepTokens, WorkerLoad
+
+GATEWAY = "gateway"  # the worker and role labels of the admission line's num_requests_waiting row
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,7 @@ class FleetCollector(Collector):
     def __init__(self, model_name: str = "") -> None:
         self.model_name = model_name  # every series' model_name label
         self.status = FleetStatus()  # set before each scrape
+        self.num_gateway_waiting = 0  # requests in the admission line (every frontend's), likewise
 
     def _gauge(self, name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
         return GaugeMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL, *labels])
@@ -51,11 +60,17 @@ class FleetCollector(Collector):
                               "worker", ["worker", "role"])
         usage = self._gauge("kv_cache_usage_perc", "KV-cache usage per worker. 1 means 100 percent usage.",
                             ["worker", "role"])
+        step_tokens = HistogramMetricFamily(PREFIX + "iteration_tokens_total",
+                                            "Histogram of number of tokens per engine_step.",
+                                            labels=[MODEL_LABEL, "worker", "role"])
         for load in status.loads:
             labels = [model, load.worker_id, load.role]
+            if load.step_tokens.bounds:  # none from a worker not reporting them
+                step_tokens.add_metric(labels, _buckets(load.step_tokens), load.step_tokens.num_tokens)
             running.add_metric(labels, load.num_running)
             waiting.add_metric(labels, load.num_waiting)
             usage.add_metric(labels, load.kv_occupancy)
+        waiting.add_metric([model, GATEWAY, GATEWAY], self.num_gateway_waiting)
         # How each worker computes (1 per live worker; the labels carry the facts, Prometheus' info idiom).
         runtime = self._gauge("worker_runtime_info",
                               "A worker's dtype, GEMM kernel, decode attention, compiled or eager body, "
@@ -74,4 +89,14 @@ class FleetCollector(Collector):
                                       labels=[MODEL_LABEL, "from", "to", "reason"])
         for (from_role, to_role, reason), count in status.ratio_changes.items():
             changes.add_metric([model, from_role, to_role, reason], count)
-        yield from (workers, queued, running, waiting, usage, runtime, speedup, changes)
+        yield from (workers, queued, running, waiting, usage, step_tokens, runtime, speedup, changes)
+
+
+def _buckets(tokens: StepTokens) -> list[tuple[str, float]]:
+    """The histogram's cumulative (le, count) pairs, +Inf last."""
+    bounds = [*(str(float(b)) for b in tokens.bounds), "+Inf"]
+    cumulative, total = [], 0
+    for bound, count in zip(bounds, tokens.bucket_counts, strict=True):
+        total += count
+        cumulative.append((bound, float(total)))
+    return cumulative

@@ -5,6 +5,10 @@ Names follow vLLM's (`vllm:time_to_first_token_seconds` → `pdserve:time_to_fir
 the dashboards and autoscaling rules people run for vLLM work after a change of prefix; every series has a
 `model_name` label (the served model name), as vLLM's do. The series vLLM has no name for (stages, KV
 transfer, pools, ratio changes) use the same prefix and label. Counters are listed with their `_total`.
+deploy/prometheus/vllm-names.rules.yaml re-exposes every series with a `vllm` twin under that name.
+
+HTTP_METRICS are prometheus-fastapi-instrumentator's (gateway/api/http_metrics.py), named and labelled as
+vLLM's server has them: no prefix, no model_name.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ MODEL_LABEL = "model_name"
 @dataclass(frozen=True)
 class MetricName:
     name: str  # as scraped (counters with _total; a histogram's samples add _bucket, _sum, _count)
-    kind: str  # "counter", "gauge" or "histogram"
+    kind: str  # "counter", "gauge", "histogram" or "summary"
     labels: tuple[str, ...]  # besides model_name (and a histogram's le)
     vllm: str = ""  # vLLM's series of the same meaning, when it has one
 
@@ -38,6 +42,10 @@ REQUEST_METRICS = (
     _m("request_decode_time_seconds", "histogram", vllm="request_decode_time_seconds"),
     _m("request_prompt_tokens", "histogram", vllm="request_prompt_tokens"),
     _m("request_generation_tokens", "histogram", vllm="request_generation_tokens"),
+    _m("request_max_num_generation_tokens", "histogram", vllm="request_max_num_generation_tokens"),
+    _m("request_params_n", "histogram", vllm="request_params_n"),
+    _m("request_params_max_tokens", "histogram", vllm="request_params_max_tokens"),
+    _m("request_inference_time_seconds", "histogram", vllm="request_inference_time_seconds"),
     _m("request_stage_seconds", "histogram", ("stage",)),
     _m("request_success_total", "counter", ("finished_reason",), vllm="request_success_total"),
     _m("prompt_tokens_total", "counter", vllm="prompt_tokens_total"),
@@ -59,6 +67,7 @@ FLEET_METRICS = (
     _m("num_requests_running", "gauge", ("worker", "role"), vllm="num_requests_running"),
     _m("num_requests_waiting", "gauge", ("worker", "role"), vllm="num_requests_waiting"),
     _m("kv_cache_usage_perc", "gauge", ("worker", "role"), vllm="kv_cache_usage_perc"),
+    _m("iteration_tokens_total", "histogram", ("worker", "role"), vllm="iteration_tokens_total"),
     _m("pool_workers", "gauge", ("role",)),
     _m("queued_prompt_tokens", "gauge", ("pool",)),
     _m("worker_runtime_info", "gauge",
@@ -68,3 +77,12 @@ FLEET_METRICS = (
 )
 
 ALL_METRICS = REQUEST_METRICS + FLEET_METRICS
+
+# prometheus-fastapi-instrumentator's, as vLLM's (no model_name; status grouped as "2xx", "5xx").
+HTTP_METRICS = (
+    MetricName("http_requests_total", "counter", ("handler", "method", "status")),
+    MetricName("http_request_duration_seconds", "histogram", ("handler", "method")),
+    MetricName("http_request_duration_highr_seconds", "histogram", ()),
+    MetricName("http_request_size_bytes", "summary", ("handler",)),
+    MetricName("http_response_size_bytes", "summary", ("handler",)),
+)

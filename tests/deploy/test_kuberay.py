@@ -148,7 +148,7 @@ def test_autoscaling_is_on_and_each_role_has_a_worker_group_offering_its_resourc
 
 
 def test_the_service_monitor_scrapes_the_services_port_with_the_api_key() -> None:
-    [monitor] = rendered("monitoring")
+    [monitor] = [o for o in rendered("monitoring") if o["kind"] == "ServiceMonitor"]
     service = yaml.safe_load((KUBERAY / "base" / "service.yaml").read_text())
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     [endpoint] = monitor["spec"]["endpoints"]

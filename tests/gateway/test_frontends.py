@@ -207,6 +207,10 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
     assert samples and all(f'model_name="{MODEL}"' in line for line in samples)
     finished = [line for line in samples if line.startswith("pdserve:request_success_total{")]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in finished) >= 6, finished
+    # vLLM's HTTP series (prometheus-fastapi-instrumentator's) are summed over the frontends the same way.
+    answered = [line for line in metrics.splitlines() if line.startswith("http_requests_total{")
+                and 'handler="/v1/completions"' in line and 'status="2xx"' in line]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in answered) >= 6, answered
     # SIGTERM (how uvicorn's supervisor, and Kubernetes, stop a process) is a graceful stop: the frontend
     # takes no new connection, and each of its streams still open at 0.8 of --shutdown-grace-s ends with a
     # clear error event and [DONE] (gateway/stop_signals.py), not Ray's SIGTERM handler ending the process at

@@ -22,6 +22,7 @@ from tests.helpers.servers import API_KEY, MODEL, burst, wait_until_no_blocks_us
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "pdserve-dashboard.json"
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+TARGET_LABELS = ("job", "instance")  # the labels Prometheus adds to every series it scrapes
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -173,6 +174,8 @@ def test_the_dashboard_asks_only_for_exported_series_and_labels(served: tuple[st
             assert name in labels_of, f"{name} (in {expr!r}) is not exported"
         for name, matchers in re.findall(r"(pdserve:[A-Za-z0-9_:]+)\{([^}]*)\}", expr):
             for label in re.findall(r"(\w+)\s*[=!]~?", matchers):
+                if label in TARGET_LABELS:
+                    continue
                 assert label in labels_of[name], f"{name} has no label {label} (in {expr!r})"
         known = set().union(*(labels_of[n] for n in names))
         for group in re.findall(r"by \(([^)]*)\)", expr):
@@ -183,6 +186,16 @@ def test_the_dashboard_asks_only_for_exported_series_and_labels(served: tuple[st
                    "request_stage_seconds_sum", "queued_prompt_tokens", "kv_cache_usage_perc", "pool_workers",
                    "ratio_changes_total"):
         assert f"pdserve:{wanted}" in used, wanted
+
+
+def test_every_panel_selects_the_dashboards_job_and_instance() -> None:
+    # Two deployments of one model (two gateways, two clusters) stay apart.
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = [v["name"] for v in dashboard["templating"]["list"]]
+    assert variables == ["datasource", "job", "instance", "model_name"]
+    for expr in (t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])):
+        for label in (*TARGET_LABELS, MODEL_LABEL):
+            assert f'{label}=~"${label}"' in expr, (label, expr)
 
 
 def test_a_clients_request_id_comes_back_and_names_the_request(client: httpx.Client) -> None:
