@@ -1,4 +1,6 @@
-"""WorkerActor: the one Ray actor class every pool worker runs. It loads the model and sizes the KV cache
+"""(Over 300 lines: every remote method of the one actor class, each a thin call into its role.)
+
+WorkerActor: the one Ray actor class every pool worker runs. It loads the model and sizes the KV cache
 once, then serves in a role (prefill, decode or mixed) and can change role without reloading anything.
 
 Lifecycle:  WorkerActor(role): cheap, so that the gateway learns at once that Ray placed it and on which node

@@ -16,8 +16,9 @@ import pytest
 
 from pdserve.main import build_parser
 from pdserve.serve import load_serve_config
+from tests.helpers import two_stage_server
 from tests.helpers.qwen3_small import ANSWER, REASONING
-from tests.helpers.servers import MODEL, free_port, serving, whole_after
+from tests.helpers.servers import MODEL, free_port, serving
 
 pytestmark = pytest.mark.slow
 ASK: list[Any] = [{"role": "user", "content": "What is 2+2?"}]
@@ -37,15 +38,8 @@ def server(qwen3_small_dir: Path, ray_local: None) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture
-def sdk(server: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture
-def client(server: str) -> Iterator[httpx.Client]:
-    with whole_after(server) as c:
-        yield c
+# The two-stage suites' clients of this module's own `server` (tests/helpers/two_stage_server.py).
+sdk, client = two_stage_server.sdk, two_stage_server.client
 
 
 def test_the_reasoning_comes_apart_from_the_answer(sdk: openai.OpenAI, client: httpx.Client) -> None:

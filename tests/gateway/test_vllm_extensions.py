@@ -22,10 +22,11 @@ import torch
 
 from gateway.api.extensions import bad_word_token_ids
 from llm_engine import SamplingParams
+from tests.helpers import two_stage_server
 from tests.helpers.engines import make_engine
 from tests.helpers.forced_migration import stream_across_a_failure
 from tests.helpers.reference import random_prompts
-from tests.helpers.servers import MODEL, serving, two_stage_config, whole_after
+from tests.helpers.servers import MODEL, serving, two_stage_config
 from tests.helpers.vllm_defaults import CHAT_DEFAULTS, DEFAULTS
 
 pytestmark = pytest.mark.slow  # a Ray fleet (1 prefill + 2 decode workers) and a server
@@ -55,15 +56,8 @@ def server(model_dir: Path, ray_local: None) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture
-def sdk(server: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture
-def client(server: str) -> Iterator[httpx.Client]:
-    with whole_after(server) as c:
-        yield c
+# The two-stage suites' clients of this module's own `server` (tests/helpers/two_stage_server.py).
+sdk, client = two_stage_server.sdk, two_stage_server.client
 
 
 @pytest.fixture(scope="module")
