@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.chaoslib.run import ChaosResult
+from benchmarks.chaoslib.run import WARMUP_S, ChaosResult
 from benchmarks.chaoslib.survival import survival_md, survival_rows
 from benchmarks.chaoslib.traffic import record_row
 from benchmarks.chaoslib.worker_faults import KINDS as WORKER_FAULT_KINDS
@@ -48,6 +48,7 @@ def summarize(result: ChaosResult) -> dict[str, Any]:
         "supervisor_restarts": result.restarts,
         "worker_faults": [e for e in result.log.events if e["kind"] in WORKER_FAULT_KINDS],
         "worker_rss_mib": result.worker_rss,
+        "gateway_rss_by_process_mib": result.gateway_rss,
         "survival": survival_rows(result.log.events, [asdict(r) for r in result.records]),
         "departures": result.departures,
         "migrations": {"pdserve:migrations_total": result.counters.get("pdserve:migrations_total", 0),
@@ -146,13 +147,15 @@ def _frontends_md(summary: dict[str, Any]) -> list[str]:
                                                               "start_s", "end_s", "pid", "answer")}
             lines.append(f"| {e.get('start_s', e['t_s'])} | {e['kind']} | {', '.join(map(str, workers))} | "
                          f"{json.dumps(detail)[:240]} |")
-    if summary["worker_rss_mib"]:
-        grew = max((w["last_mib"] - w["first_mib"] for w in summary["worker_rss_mib"]), default=0)
-        lines += ["", f"Worker RSS (each process, from {60:g} s after it was first seen): largest growth "
-                  f"{grew} MiB over {len(summary['worker_rss_mib'])} worker processes; the longest-lived: "
-                  + ", ".join(f"{w['worker_id']} {w['first_mib']} → {w['last_mib']} MiB ({w['from_s']}-"
-                              f"{w['to_s']} s)" for w in sorted(summary["worker_rss_mib"],
-                                                                key=lambda w: w["from_s"] - w["to_s"])[:3])]
+    for key, what in (("gateway_rss_by_process_mib", "Gateway"), ("worker_rss_mib", "Worker")):
+        rows = summary.get(key) or []
+        if rows:
+            grew = max((w["last_mib"] - w["first_mib"] for w in rows), default=0)
+            longest = sorted(rows, key=lambda w: w["from_s"] - w["to_s"])[:3]
+            lines += ["", f"{what} RSS (each process, from {WARMUP_S:g} s after it was first seen): largest "
+                      f"growth {grew} MiB over {len(rows)} processes; the longest-lived: "
+                      + ", ".join(f"{w['worker_id']} {w['first_mib']} → {w['last_mib']} MiB ({w['from_s']}-"
+                                  f"{w['to_s']} s)" for w in longest)]
     if summary["departures"]:
         lines += ["", "## Workers that left", "", "| gone at t (s) | worker | role | pid | cause |",
                   "|---:|---|---|---:|---|"]

@@ -57,6 +57,7 @@ class ChaosResult:
     requests_by_frontend: dict[int, int] = field(default_factory=dict)  # pid → requests a sample saw on it
     worker_rss: list[dict[str, Any]] = field(default_factory=list)  # each worker process: RSS after warm-up
     restarts: list[dict[str, Any]] = field(default_factory=list)  # each restart_supervisor
+    gateway_rss: list[dict[str, Any]] = field(default_factory=list)  # each gateway process: RSS after warm-up
 
     @property
     def violations(self) -> list[dict[str, Any]]:
@@ -149,24 +150,26 @@ def requests_by_frontend(records: list[ChaosRecord], frontends: FrontendMap) -> 
     return counts
 
 
-WORKER_WARMUP_S = 60.0  # a worker's RSS counts from this long after it was first seen (its compile, caches)
+WARMUP_S = 60.0  # a process's RSS counts from this long after it was first seen (its compile, caches)
 
 
-def worker_rss(watch: PoolWatch, config: ChaosConfig, log: ChaosLog) -> list[dict[str, Any]]:
-    """Each worker process's RSS from WORKER_WARMUP_S after it was first seen to its last sample; growth
-    past the limit over a life of 5 minutes or more is a violation (a short life shows no trend)."""
+def process_rss(samples_by_process: dict[tuple[str, int], list[tuple[float, float]]], invariant: str,
+                config: ChaosConfig, log: ChaosLog) -> list[dict[str, Any]]:
+    """Each process's RSS from WARMUP_S after it was first seen to its last sample; growth past the limit
+    over a life of 5 minutes or more is a violation (a short life shows no trend). A process is keyed by
+    (its worker id or gateway part, its pid): a restart is a new process, counted from anew."""
     rows = []
-    for (worker_id, pid), samples in sorted(watch.worker_rss_mib.items(), key=lambda item: item[1][0][0]):
-        warm = [(t, mib) for t, mib in samples if t >= samples[0][0] + WORKER_WARMUP_S]
+    for (name, pid), samples in sorted(samples_by_process.items(), key=lambda item: item[1][0][0]):
+        warm = [(t, mib) for t, mib in samples if t >= samples[0][0] + WARMUP_S]
         if len(warm) < 2:
             continue
         (t0, first), (t1, last) = warm[0], warm[-1]
-        row = {"worker_id": worker_id, "pid": pid, "from_s": round(t0), "to_s": round(t1),
+        row = {"worker_id": name, "pid": pid, "from_s": round(t0), "to_s": round(t1),
                "first_mib": round(first), "last_mib": round(last), "max_mib": round(max(m for _, m in warm))}
         rows.append(row)
         if (config.rss_growth_limit_mib is not None and t1 - t0 >= 300.0
                 and last - first > config.rss_growth_limit_mib):
-            log.violate("worker_rss_flat", f"{worker_id} (pid {pid}) RSS {first:.0f} → {last:.0f} MiB over "
+            log.violate(invariant, f"{name} (pid {pid}) RSS {first:.0f} → {last:.0f} MiB over "
                         f"{t1 - t0:.0f} s (> {config.rss_growth_limit_mib:g} MiB growth)", **row)
     return rows
 
@@ -248,12 +251,8 @@ async def run_chaos(config: ChaosConfig, target: ChaosTarget) -> ChaosResult:
         if len(by_frontend) < 2:
             log.violate("traffic_spread", f"requests were seen on {len(by_frontend)} frontend(s) in "
                         f"{frontends.num_samples} samples: {by_frontend}")
-    if config.rss_growth_limit_mib is not None and watch.rss_mib:
-        first, last = watch.rss_mib[0][1], watch.rss_mib[-1][1]
-        if last - first > config.rss_growth_limit_mib:
-            log.violate("gateway_rss_flat", f"gateway RSS {first:.0f} → {last:.0f} MiB "
-                        f"(> {config.rss_growth_limit_mib:g} MiB growth)")
-    rss_by_worker = worker_rss(watch, config, log)
+    rss_by_gateway_process = process_rss(watch.gateway_rss_by_process, "gateway_rss_flat", config, log)
+    rss_by_worker = process_rss(watch.worker_rss_mib, "worker_rss_flat", config, log)
     # A fault kind that was drawn but never struck (its every try skipped: a harness that cannot reach the
     # workers) proves nothing: the run falls short of what it claims to cover.
     short = {kind: driver.injected[kind] for kind in drawable(config)
@@ -264,4 +263,5 @@ async def run_chaos(config: ChaosConfig, target: ChaosTarget) -> ChaosResult:
     return ChaosResult(config, model, records, log, dict(driver.faults), driver.put_errors,
                        driver.last_accepted, end, watch.rss_mib, counters, dict(driver.injected),
                        driver.fleet.recoveries, departures, frontends.cuts if frontends else [], by_frontend,
-                       rss_by_worker, driver.supervisor.restarts if driver.supervisor else [])
+                       rss_by_worker, driver.supervisor.restarts if driver.supervisor else [],
+                       rss_by_gateway_process)

@@ -38,6 +38,9 @@ class PoolWatch:
     is_gateway_restarting: bool = False  # the driver restarts the supervisor (supervisor.py)
     # (worker id, pid) → [(t_s, RSS MiB)]: each worker process's own, from the pids /admin/pools lists
     worker_rss_mib: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
+    # ("supervisor" or "frontend", pid) → [(t_s, RSS MiB)]: each gateway process's own. The sum above changes
+    # its set of processes with every frontend or supervisor restart, so only these show a leak.
+    gateway_rss_by_process: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
     ledger: WorkerLedger = field(default_factory=WorkerLedger)
     _outside: dict[str, dict[str, Any]] = field(default_factory=dict)  # worker id → its time outside active
     _unreachable_since: float | None = None
@@ -71,6 +74,7 @@ class PoolWatch:
             if gateway.status() == psutil.STATUS_ZOMBIE:  # exited, not reaped yet (our child)
                 raise psutil.NoSuchProcess(gateway.pid)
             rss = gateway.memory_info().rss
+            self._note_gateway_process("supervisor", gateway.pid, rss)
         except psutil.NoSuchProcess:
             if not any(v["invariant"] == "gateway_alive" for v in self.log.violations):
                 self.log.violate("gateway_alive", "the gateway process is gone",
@@ -78,10 +82,15 @@ class PoolWatch:
             return
         for pid in self.target.frontend_pids():
             try:
-                rss += psutil.Process(pid).memory_info().rss
+                frontend_rss = psutil.Process(pid).memory_info().rss
             except psutil.NoSuchProcess:  # killed by a fault just now
                 continue
+            self._note_gateway_process("frontend", pid, frontend_rss)
+            rss += frontend_rss
         self.rss_mib.append((self.log.now(), rss / 2**20))
+
+    def _note_gateway_process(self, kind: str, pid: int, rss: int) -> None:
+        self.gateway_rss_by_process.setdefault((kind, pid), []).append((self.log.now(), rss / 2**20))
 
     def _sample_workers(self) -> None:
         now = self.log.now()

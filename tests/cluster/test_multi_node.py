@@ -7,7 +7,6 @@ service."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -42,7 +41,6 @@ def cluster() -> Iterator[LocalRayCluster]:
         yield ray_cluster
 
 
-@contextlib.contextmanager
 def _is_ok(url: str) -> bool:
     return health_is(url, lambda health: health["status"] == "ok")
 
