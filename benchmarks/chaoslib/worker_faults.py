@@ -80,7 +80,7 @@ class WorkerFaults:
     def connect(self) -> None:
         """Join the run's Ray cluster as a driver, in the workers' namespace (blocking: call it in a thread,
         before the traffic starts). Ray is imported here only, after the token mode is set: the run's head
-        requires its token (~/.ray/auth_token, as the server finds it)."""
+        requires its token (RAY_AUTH_TOKEN, set by soaklib/cluster.py)."""
         if self._is_connected or self.target.ray_address is None:
             return
         os.environ["RAY_AUTH_MODE"] = "token"

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -42,7 +43,9 @@ class SoakSystem:
         self.ray_port = _free_port()
         self.http_port = _free_port()
         self.url = f"http://127.0.0.1:{self.http_port}"
-        # Ray's head turns token auth on; every process joining it needs this. UCX stays on loopback.
+        # Ray's head turns token auth on; every process joining it needs the token: this run's own, in this
+        # process's environment too (the worker faults join as a driver). UCX stays on loopback.
+        os.environ.setdefault("RAY_AUTH_TOKEN", uuid.uuid4().hex)
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "UCX_NET_DEVICES": "lo"}
         self.ray_head: subprocess.Popen[bytes] | None = None
         self.server: subprocess.Popen[bytes] | None = None
