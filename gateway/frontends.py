@@ -52,6 +52,7 @@ from gateway.serve_settings import (
     local_prefill_policy,
     planner_settings,
 )
+from gateway.start_answerer import answering_while_starting
 
 # The child reads its settings from the file named here (uvicorn builds each frontend from an import string):
 # a file only this user can read, not the environment, which would show the API keys to anyone who can
@@ -123,13 +124,15 @@ def serve_frontends(config: ServeConfig) -> None:
     lost: list[str] = []  # why the fleet is gone for good (the watch says)
 
     try:
-        if is_rejoined:
-            print(f"pdserve: rejoined fleet {name} and its workers", flush=True)
-            for note in fleet.rejoin(controller_policy(config), local_prefill_policy(config),
-                                     config.ratio == "auto", planner_settings(config)):
-                print(f"pdserve: fleet {name}: {note}", flush=True)
-        else:
-            start(fleet)
+        # GET /health says how far the fleet's start has come until the frontends bind the port.
+        with answering_while_starting(config, fleet.start_progress):
+            if is_rejoined:
+                print(f"pdserve: rejoined fleet {name} and its workers", flush=True)
+                for note in fleet.rejoin(controller_policy(config), local_prefill_policy(config),
+                                         config.ratio == "auto", planner_settings(config)):
+                    print(f"pdserve: fleet {name}: {note}", flush=True)
+            else:
+                start(fleet)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         spec_path = Path(metrics_dir) / "frontend.json"  # in a directory of mode 0700, removed at the end
         spec_path.touch(mode=0o600)

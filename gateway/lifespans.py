@@ -37,6 +37,7 @@ from gateway.serve_settings import (
     local_prefill_policy,
     planner_settings,
 )
+from gateway.start_answerer import StartAnswerer
 from gateway.startup import announce, announce_kv, resolve_model_dir
 from gateway.stop_signals import end_requests_before_the_grace, join_ray, unless_stopped
 from gateway.telemetry.metrics import Metrics
@@ -124,7 +125,13 @@ def own_fleet(config: ServeConfig) -> Lifespan:
             join_ray(address=config.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
                      configure_logging=False)
         deployment = PDDeployment(deployment_config(config, resolve_model_dir(config)))
-        await unless_stopped(deployment.start())
+        # GET /health says how far start-up has come until uvicorn binds the port (gateway/start_answerer.py).
+        answerer = StartAnswerer(config, deployment.bring_up_log.progress)
+        try:
+            await unless_stopped(deployment.start())
+        except BaseException:
+            answerer.close()
+            raise
         plane: ControlPlane | None = None
         try:
             service = serve_requests(app, config, deployment, deployment.config.engine.model_dir,
@@ -136,10 +143,12 @@ def own_fleet(config: ServeConfig) -> Lifespan:
             service.on_prompt.append(plane.controller.note_prompt)
             plane.start(auto=config.ratio == "auto")
             app.state.control = plane
+            answerer.close()
             announce(app, config, deployment.backend.value)
             announce_kv(list(deployment.workers.values()))
             yield
         finally:
+            answerer.close()
             await stop_tracing(app)
             await (plane.stop() if plane is not None else deployment.shutdown())
             if started_ray:

@@ -38,6 +38,7 @@ import ray
 from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport, WorkerEntry
 from gateway.control.plane import ControlPlane, PlannerSettings, build_planner, decode_kv_tokens
 from gateway.control.reported_books import ReportedBooks
+from gateway.fleet.bring_up_log import StartProgress
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.workers import WorkerState
@@ -68,13 +69,18 @@ class FleetActor:
         self._config: DeploymentConfig | None = None  # what start() was given: a rejoining gateway compares
         self._planning: PlannerSettings | None = None
         self._epoch = uuid.uuid4().hex[:12]  # a fresh one after Ray restarts this actor
+        self._starting: PDDeployment | None = None  # while start() runs: start_progress() reads its log
 
     async def start(self, config: DeploymentConfig, policy: ControllerPolicy,
                     local_prefill: LocalPrefillPolicy, auto: bool, planning: PlannerSettings | None = None
                     ) -> FleetInfo:
         # Its workers outlive this actor, for a restart of it to adopt (gateway/fleet/adoption.py).
         deployment = PDDeployment(config, keeper=ray.get_runtime_context().get_actor_name())
-        await deployment.start()
+        self._starting = deployment
+        try:
+            await deployment.start()
+        finally:
+            self._starting = None
         try:
             self._info = FleetInfo(config.engine.model_dir, min(await decode_kv_tokens(deployment)),
                                    deployment.block_size, deployment.backend.value)
@@ -113,6 +119,10 @@ class FleetActor:
             notes.append("the planner's settings differ and are NOT applied (they are fixed when the fleet "
                          "starts): `pdserve fleet stop` it, then serve again")
         return notes
+
+    def start_progress(self) -> StartProgress | None:
+        """How far start() has come (an async actor answers this while start() awaits its workers)."""
+        return self._starting.bring_up_log.progress() if self._starting is not None else None
 
     def started_config(self) -> DeploymentConfig | None:
         """The settings this fleet started with; None: not started (or stopped)."""

@@ -9,7 +9,8 @@ written once:
       maps it to 400 or 409), a fleet actor restarting or not started again is RequestFailed
       "fleet_unavailable" (503)
     the supervisor (gateway/frontends.py, pdserve fleet): start, rejoin, probe_started, shutdown, kill
-      (blocking: it runs no event loop of its own)
+      (blocking: it runs no event loop of its own); start_progress (from its start answerer's thread,
+      while start runs)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import ray
 
 from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport
+from gateway.fleet.bring_up_log import StartProgress
 from gateway.fleet.ray_calls import translated
 from gateway.ratio.ladder import ControllerPolicy
 from gateway.ratio.resize import PoolLayout, ResizeConflict, ResizeRefused
@@ -109,6 +111,12 @@ class FleetClient:
         """A supervisor started again over a running fleet: its settings applied; returns what changed."""
         notes: list[str] = ray.get(self.handle.rejoin.remote(policy, local_prefill, auto, planning))
         return notes
+
+    def start_progress(self, timeout_s: float = 2.0) -> StartProgress | None:
+        """How far the fleet's start() has come (None: not running it); for /health while it runs. Raises
+        GetTimeoutError past timeout_s."""
+        progress: StartProgress | None = ray.get(self.handle.start_progress.remote(), timeout=timeout_s)
+        return progress
 
     def probe_started(self, timeout_s: float | None = None) -> DeploymentConfig | None:
         """started_config, blocking. Raises GetTimeoutError past timeout_s, RayActorError if it died."""

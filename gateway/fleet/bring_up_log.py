@@ -18,10 +18,34 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel
 
 if TYPE_CHECKING:
     from gateway.fleet.workers import Worker
+
+Phase = Literal["created", "placed", "loading", "loaded", "failed"]
+
+
+class WorkerStart(BaseModel):
+    """One worker's way through start-up, as the lines below say it."""
+
+    worker_id: str
+    role: str
+    phase: Phase  # created: waiting for Ray to place it on a node
+    node_ip: str | None = None
+    since_created_s: float
+
+
+class StartProgress(BaseModel):
+    """How far start-up has come: what /health answers while the fleet starts (gateway/start_answerer.py)."""
+
+    status: Literal["starting"] = "starting"
+    elapsed_s: float
+    loaded: int  # workers whose model is loaded
+    total: int  # workers being started (adopted ones are not counted: they are up already)
+    workers: list[WorkerStart] = []
 
 
 def say(line: str) -> None:
@@ -44,12 +68,18 @@ class BringUpLog:
         self._is_terminal = is_terminal or (lambda: sys.stderr.isatty())
         self._loading_since: dict[str, float] = {}  # worker id → when its load began (removed once it ends)
         self._bar: Any = None  # tqdm's bar while start-up runs on a terminal
+        # While start-up runs: its workers, each one's phase, when it began (progress() reads them)
+        self._starting: list[Worker] = []
+        self._phase: dict[str, Phase] = {}
+        self._began: float | None = None
 
     @contextmanager
     def start_up(self, workers: list[Worker]) -> Iterator[None]:
         """Around start-up's bring-up of `workers` (none: every worker was adopted): a line before, a bar on a
         terminal while it runs, a line once it is over (not when it fails: the error says why)."""
-        began = time.monotonic()
+        began = self._began = time.monotonic()
+        self._starting = list(workers)
+        self._phase = {w.worker_id: "created" for w in workers}
         if workers:
             counts = Counter(w.role.value for w in workers)
             layout = ", ".join(f"{count} {role}" for role, count in counts.items())
@@ -63,6 +93,7 @@ class BringUpLog:
         try:
             yield
         finally:
+            self._starting, self._began = [], None
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
@@ -70,17 +101,36 @@ class BringUpLog:
             num_up = sum(w.is_active for w in workers)
             self._write(f"{num_up} of {len(workers)} workers up in {time.monotonic() - began:.1f} s")
 
+    def progress(self) -> StartProgress | None:
+        """How far start-up has come; None when it is not running."""
+        if self._began is None:
+            return None
+        workers = [WorkerStart(worker_id=w.worker_id, role=w.role.value, phase=self._phase.get(w.worker_id,
+                                                                                               "created"),
+                               node_ip=w.node_ip, since_created_s=round(since_created(w), 1))
+                   for w in self._starting]
+        return StartProgress(elapsed_s=round(time.monotonic() - self._began, 1),
+                             loaded=sum(w.phase == "loaded" for w in workers), total=len(workers),
+                             workers=workers)
+
+    def _note(self, worker: Worker, phase: Phase) -> None:
+        if worker.worker_id in self._phase:
+            self._phase[worker.worker_id] = phase
+
     def placed(self, worker: Worker) -> None:
+        self._note(worker, "placed")
         self._say(f"{worker.worker_id} ({worker.role.value}): placed on node {worker.node_ip} (pid "
                   f"{worker.pid}) after {since_created(worker):.1f} s")
 
     def loading(self, worker: Worker) -> None:
         self._loading_since[worker.worker_id] = time.monotonic()
+        self._note(worker, "loading")
         self._say(f"{worker.worker_id} ({worker.role.value}): loading the model on its node "
                   f"({since_created(worker):.1f} s)")
 
     def loaded(self, worker: Worker) -> None:
         load_s = time.monotonic() - self._loading_since.pop(worker.worker_id, time.monotonic())
+        self._note(worker, "loaded")
         if self._bar is not None:
             self._bar.update(1)
         self._say(f"{worker.worker_id} ({worker.role.value}): model loaded in {load_s:.1f} s "
@@ -88,6 +138,7 @@ class BringUpLog:
 
     def failed(self, worker: Worker, error: BaseException) -> None:
         self._loading_since.pop(worker.worker_id, None)
+        self._note(worker, "failed")
         why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         self._say(f"{worker.worker_id} ({worker.role.value}): did not start ({since_created(worker):.1f} s "
                   f"since it was created): {why}")

@@ -40,18 +40,36 @@ def test_each_worker_says_when_it_is_placed_and_loaded() -> None:
     workers = [pending("w-0", Role.PREFILL, 0.05, pid=11), pending("w-1", Role.DECODE, 0.15, pid=12),
                pending("w-2", Role.DECODE, None)]
 
+    phases: list[dict[str, str]] = []  # what /health says while starting, after each step
+
+    def note_progress() -> None:
+        progress = log.progress()
+        assert progress is not None and progress.total == 3
+        assert progress.loaded == sum(w.phase == "loaded" for w in progress.workers)
+        phases.append({w.worker_id: w.phase for w in progress.workers})
+
     async def start_up() -> None:
         with log.start_up(workers):
+            note_progress()
             await wait_all_placed(workers, 0.5, log.placed)
+            note_progress()
             placed = [w for w in workers if w.state is WorkerState.STARTING]
             for worker in placed:
                 log.loading(worker)
+            note_progress()
             await asyncio.sleep(0.05)
             log.loaded(placed[0])
             log.failed(placed[1], TimeoutError())
+            note_progress()
             placed[0].state = WorkerState.ACTIVE
 
+    assert log.progress() is None
     asyncio.run(start_up())
+    assert log.progress() is None  # start-up is over: /health answers from the fleet
+    assert phases == [{"w-0": "created", "w-1": "created", "w-2": "created"},
+                      {"w-0": "placed", "w-1": "placed", "w-2": "created"},
+                      {"w-0": "loading", "w-1": "loading", "w-2": "created"},
+                      {"w-0": "loaded", "w-1": "failed", "w-2": "created"}]
     assert lines[0] == ("starting 3 workers (1 prefill, 2 decode): Ray places each on a node, where it loads "
                         "the model")
     assert re.fullmatch(r"w-0 \(prefill\): placed on node 10\.0\.0\.7 \(pid 11\) after 0\.\d s", lines[1])

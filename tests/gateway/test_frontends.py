@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -311,13 +312,23 @@ def test_two_frontends_serve_https_under_a_proxy_prefix_and_say_their_start_up(
     supervisor = psutil.Process(process.pid)
     client = httpx.Client(base_url=f"https://127.0.0.1:{port}", timeout=60,
                           verify=ssl.create_default_context(cafile=str(certfile)))
+    starting: list[dict[str, Any]] = []  # /health's answers while the fleet actor starts (503 "starting")
+    refusals: list[httpx.Response] = []  # a completion sent meanwhile
     try:
         def ready() -> bool:
             try:
-                return client.get("/health").status_code == 200 and len(frontend_pids(supervisor)) == 2
+                health = client.get("/health")
+                if health.status_code == 503 and health.json().get("status") == "starting":
+                    starting.append(health.json())
+                    if not refusals:
+                        refusals.append(client.post("/v1/completions", json={"prompt": PROMPT}))
+                return health.status_code == 200 and len(frontend_pids(supervisor)) == 2
             except httpx.HTTPError:
                 return False
         until(ready, 180, "the server and both frontends, over HTTPS")
+        assert any(answer["total"] == 2 for answer in starting), starting  # each worker's phase, over TLS
+        refused = refusals[0]
+        assert refused.status_code == 503 and "pdserve is starting" in refused.json()["error"]["message"]
         for _ in range(4):  # fresh connections, spread over both frontends by the kernel
             with httpx.Client(base_url=f"https://127.0.0.1:{port}", timeout=60,
                               verify=ssl.create_default_context(cafile=str(certfile))) as fresh:

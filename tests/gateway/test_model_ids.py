@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -136,12 +137,13 @@ def test_the_cli_fails_at_start_naming_model(hub_cache: Path, tmp_path: Path,
 def test_a_server_of_an_id_names_it_and_matches_transformers(hub_cache: Path, tiny_chat_model_dir: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """... and reports it as given (/v1/models' root: the id, not this machine's snapshot directory), and
-    says each worker's start-up as it happens."""
+    says each worker's start-up as it happens, in the log and in GET /health (503 "starting") meanwhile."""
     fill_hub_cache(hub_cache, REPO_ID, tiny_chat_model_dir)
     # The workers resolve the id on their node, through their own environment (as on a cluster's nodes).
     worker_env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
     config = serve_config(tiny_chat_model_dir, model=REPO_ID, served_model_name=None, worker_env=worker_env)
-    with serving(config) as (url, _), httpx.Client(base_url=url, timeout=120,
+    starting: list[dict[str, Any]] = []
+    with serving(config, starting_answers=starting) as (url, _), httpx.Client(base_url=url, timeout=120,
                                                    headers={"Authorization": f"Bearer {API_KEY}"}) as client:
         [model] = client.get("/v1/models").json()["data"]
         assert (model["id"], model["root"]) == (REPO_ID, REPO_ID)
@@ -151,6 +153,11 @@ def test_a_server_of_an_id_names_it_and_matches_transformers(hub_cache: Path, ti
                      "(prefill): model loaded in", "(decode): model loaded in",
                      "pdserve: 2 of 2 workers up in"):
             assert line in said, said
+        assert starting and all(answer["status"] == "starting" for answer in starting), starting
+        roles = {(w["worker_id"], w["role"]) for a in starting for w in a["workers"]}
+        assert sorted(role for _, role in roles) == ["decode", "prefill"], starting
+        assert {w["phase"] for a in starting for w in a["workers"]} <= {
+            "created", "placed", "loading", "loaded"}
         body = {"model": REPO_ID, "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0,
                 "return_token_ids": True}
         response = client.post("/v1/completions", json=body)

@@ -80,3 +80,30 @@ def test_thinking_off_gives_the_answer_alone(sdk: openai.OpenAI, client: httpx.C
                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     message: Any = answer.choices[0].message
     assert message.content == ANSWER and getattr(message, "reasoning", None) is None
+
+
+def test_the_responses_api_returns_the_thinking_as_a_reasoning_item(sdk: openai.OpenAI,
+                                                                    client: httpx.Client) -> None:
+    """client.responses.create, whole and streamed (the SDK parses every item and event into its types), and
+    the next turn with the output sent back whole, reasoning item included, as the openai-agents SDK does."""
+    whole = sdk.responses.create(model=MODEL, input="What is 2+2?")
+    reasoning, message = whole.output
+    assert reasoning.type == "reasoning" and reasoning.content is not None
+    assert reasoning.content[0].text == REASONING
+    assert message.type == "message" and whole.output_text == f"\n\n{ANSWER}"
+    assert whole.usage is not None and 0 < whole.usage.output_tokens_details.reasoning_tokens \
+        < whole.usage.output_tokens
+    thought, text, kinds = [], [], []
+    for event in sdk.responses.create(model=MODEL, input="What is 2+2?", stream=True):
+        kinds.append(event.type)
+        if event.type == "response.reasoning_text.delta":
+            thought.append(event.delta)
+        elif event.type == "response.output_text.delta":
+            text.append(event.delta)
+    assert "".join(thought) == REASONING and "".join(text) == f"\n\n{ANSWER}"
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    history: list[Any] = [{"role": "user", "content": "What is 2+2?"},
+                          *[item.model_dump(exclude_none=True) for item in whole.output],
+                          {"role": "user", "content": "And 3+3?"}]
+    follow_up = sdk.responses.create(model=MODEL, input=history)
+    assert follow_up.status == "completed" and follow_up.output[0].type == "reasoning"

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from gateway.api.bad_request import BadRequest
 from gateway.api.errors import install_error_handlers
 from gateway.api.protocol import ChatCompletionRequest
+from gateway.api.reasoning import PARSERS, ReasoningParserName, ReasoningStream
 from gateway.api.responses_api.mapping import check_supported, in_responses_terms, to_chat
 from gateway.api.responses_api.objects import ResponseObject
 from gateway.api.responses_api.protocol import ResponsesRequest
@@ -123,10 +124,10 @@ def delta(text: str, finish_reason: str | None = None, num_output_tokens: int = 
                      num_output_tokens=num_output_tokens, num_cached_tokens=3 if finish_reason else 0)
 
 
-def writer(parser: HermesParser | None = None) -> ResponseWriter:
+def writer(parser: HermesParser | None = None, thoughts: ReasoningStream | None = None) -> ResponseWriter:
     template = ResponseObject(id="req-1", status="in_progress", model=MODEL, temperature=1.0, top_p=1.0,
                               tool_choice="auto", text={"format": {"type": "text"}})
-    return ResponseWriter(template, num_prompt_tokens=10, parser=parser)
+    return ResponseWriter(template, num_prompt_tokens=10, parser=parser, thoughts=thoughts)
 
 
 def run(w: ResponseWriter, texts: list[str], finish_reason: str = "stop") -> list[Any]:
@@ -191,6 +192,67 @@ def test_a_tool_call_streams_as_a_function_call_item() -> None:
     assert message.content[0].text.strip() == "Let me look."
     assert call.status == "completed" and json.loads(call.arguments) == {"city": "Paris"}
     assert events[-3].arguments == call.arguments and events[-3].name == "get_weather"
+
+
+QWEN3 = PARSERS[ReasoningParserName.QWEN3]
+
+
+def test_the_thinking_streams_as_a_reasoning_item_before_the_answer() -> None:
+    """--reasoning-parser qwen3: the text up to </think> is a reasoning item (reasoning_text events, as vLLM's
+    Responses API writes them), the rest the message; a tag cut across deltas is still found."""
+    texts = ["<think>\nThe user", " greets. </th", "ink>\n\nHel", "lo", ""]
+    events = run(writer(thoughts=QWEN3.stream()), texts)
+    kinds = [e.type for e in events]
+    assert kinds[2:5] == ["response.output_item.added", "response.reasoning_text.delta",
+                          "response.reasoning_text.delta"]
+    assert events[2].item.type == "reasoning" and events[2].item.id.startswith("rs_")
+    done = kinds.index("response.reasoning_text.done")
+    assert kinds[done + 1:done + 3] == ["response.output_item.done", "response.output_item.added"]
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == events[done].text == "\nThe user greets. "
+    final = events[-1].response
+    reasoning, message = final.output
+    assert (reasoning.type, reasoning.status) == ("reasoning", "completed")
+    assert reasoning.content[0].text == thought
+    assert reasoning.summary == [] and reasoning.encrypted_content is None
+    assert message.type == "message" and message.content[0].text == "\n\nHello"
+    assert final.usage.output_tokens_details.reasoning_tokens == 2  # the deltas wholly inside the thinking
+
+
+def test_thinking_cut_by_max_output_tokens_is_all_reasoning_and_the_message_is_empty() -> None:
+    events = run(writer(thoughts=QWEN3.stream()), ["<think>so", " then"], finish_reason="length")
+    final = events[-1].response
+    reasoning, message = final.output
+    assert reasoning.content[0].text == "so then" and reasoning.status == "completed"
+    assert message.content[0].text == "" and message.status == "incomplete"
+    assert final.status == "incomplete"
+
+
+def test_with_thinking_off_or_a_grammar_the_whole_output_is_the_answer() -> None:
+    events = run(writer(thoughts=QWEN3.stream(starts_in_reasoning=False)), ["Hel", "lo"])
+    assert [item.type for item in events[-1].response.output] == ["message"]
+
+
+def test_reasoning_items_sent_back_become_the_assistant_turns_reasoning() -> None:
+    """The openai-agents SDK sends the previous output back whole: reasoning, message, function calls."""
+    body = request(input=[
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "status": "completed",
+         "content": [{"type": "reasoning_text", "text": "Need the tool."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Say it."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "21 C."}]},
+        {"role": "user", "content": "Thanks"}], tools=[WEATHER])
+    check_supported(body)
+    chat = to_chat(body, MODEL).request
+    assert [(m.role, m.content, m.reasoning) for m in chat.messages] == [
+        ("user", "Weather?", None), ("assistant", "", "Need the tool."), ("tool", "21 C", None),
+        ("assistant", "21 C.", "Say it."), ("user", "Thanks", None)]
+    assert chat.messages[1].tool_calls is not None and chat.messages[1].tool_calls[0].id == "call_1"
+    with pytest.raises(BadRequest, match=r"input\[1\]\.encrypted"):
+        check_supported(request(input=[{"role": "user", "content": "a"}, {
+            "type": "reasoning", "content": [], "encrypted": "x"}]))
 
 
 def test_a_failure_after_the_start_ends_with_error_and_response_failed() -> None:

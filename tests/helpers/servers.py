@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -36,11 +37,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(config: ServeConfig, send_buffer_bytes: int | None = None) -> Iterator[tuple[str, FastAPI]]:
+def serving(config: ServeConfig, send_buffer_bytes: int | None = None,
+            starting_answers: list[dict[str, Any]] | None = None) -> Iterator[tuple[str, FastAPI]]:
     """A real server on its own thread (uvicorn, the app's lifespan: Ray actors); yields (url, app).
 
     `send_buffer_bytes`: the kernel's send buffer of every connection (fixed: no autotuning to megabytes),
-    so that a client that stops reading blocks the server's sends soon."""
+    so that a client that stops reading blocks the server's sends soon.
+    `starting_answers`: collects GET /health's 503 bodies while the server starts (gateway/start_answerer.py).
+    """
     app = create_app(config)
     uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                        lifespan="on"))
@@ -57,6 +61,11 @@ def serving(config: ServeConfig, send_buffer_bytes: int | None = None) -> Iterat
     while not uv.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("pdserve did not start")
+        if starting_answers is not None:
+            with contextlib.suppress(httpx.HTTPError):
+                health = httpx.get(f"http://{config.host}:{config.port}/health", timeout=2)
+                if health.status_code == 503:
+                    starting_answers.append(health.json())
         time.sleep(0.1)
     try:
         yield f"http://{config.host}:{config.port}", app

@@ -7,6 +7,8 @@ Responses request's own names.
     function_call items     → an assistant message's tool_calls (call_id as the call's id); calls right
                               after an assistant message (text or calls) join it: one turn, as chat sends it;
     function_call_output    → a tool message answering call_id;
+    reasoning items         → the next assistant message's `reasoning` (the turn it opens: the message or
+                              calls after it join it), for the chat template to keep or drop;
     tools, tool_choice      → chat's nested shapes; max_output_tokens → max_completion_tokens;
     text.format             → response_format (json_schema: the grammar the chat path compiles).
 A check the chat preparation makes (a call_id no call made, arguments that are not JSON, a prompt past the
@@ -40,6 +42,7 @@ from gateway.api.responses_api.protocol import (
     FunctionCallInput,
     FunctionCallOutputInput,
     InputMessage,
+    ReasoningInput,
     ResponsesRequest,
     joined,
 )
@@ -78,7 +81,9 @@ def check_supported(body: ResponsesRequest) -> None:
             parts = item.content
         elif isinstance(item, FunctionCallOutputInput) and isinstance(item.output, list):
             parts = item.output
-        field_name = "content" if isinstance(item, InputMessage) else "output"
+        elif isinstance(item, ReasoningInput):
+            parts = item.content or []
+        field_name = "output" if isinstance(item, FunctionCallOutputInput) else "content"
         for j, part in enumerate(parts):
             check_fields(part.model_extra, f"{where}{field_name}[{j}].", {})
     for i, tool in enumerate(body.tools or []):
@@ -98,9 +103,18 @@ def to_chat(body: ResponsesRequest, model_name: str) -> ChatForm:
     if body.instructions:
         messages.append(ChatMessage(role="system", content=body.instructions))
         origins.append(Origin("instructions"))
+    thinking: ChatMessage | None = None  # an assistant turn opened by a reasoning item, no answer yet
     for i, item in enumerate(body.items):
         path = f"input[{i}]"
-        if isinstance(item, InputMessage):
+        if isinstance(item, ReasoningInput):
+            thinking = ChatMessage(role="assistant", content="", reasoning=item.text)
+            messages.append(thinking)
+            origins.append(Origin(path))
+            continue
+        if isinstance(item, InputMessage) and item.role == "assistant" and thinking is not None:
+            thinking.content = joined(item.content)  # the answer of the turn its reasoning opened
+            origins[-1].path = path
+        elif isinstance(item, InputMessage):
             messages.append(ChatMessage(role=item.role, content=joined(item.content)))
             origins.append(Origin(path))
         elif isinstance(item, FunctionCallInput):
@@ -115,6 +129,7 @@ def to_chat(body: ResponsesRequest, model_name: str) -> ChatForm:
         else:
             messages.append(ChatMessage(role="tool", content=joined(item.output), tool_call_id=item.call_id))
             origins.append(Origin(path))
+        thinking = None
     fields: dict[str, Any] = {
         "model": body.model or model_name, "messages": messages, "stream": bool(body.stream),
         "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,

@@ -41,7 +41,23 @@ class FunctionCallItem(BaseModel):
     status: ItemStatus
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """The model's thinking, split off by --reasoning-parser (openai-python's ResponseReasoningItem)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str  # rs_...
+    summary: list[Any] = Field(default_factory=list)  # always empty: no summarizer here
+    content: list[ReasoningText]
+    encrypted_content: None = None  # never: the text is given as is
+    status: ItemStatus
+
+
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 
 class InputTokensDetails(BaseModel):
@@ -49,7 +65,7 @@ class InputTokensDetails(BaseModel):
 
 
 class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = 0  # no reasoning parser on this route: always 0
+    reasoning_tokens: int = 0  # tokens written while reasoning (--reasoning-parser), else 0
 
 
 class ResponseUsage(BaseModel):
@@ -155,6 +171,22 @@ class ArgumentsDoneEvent(_Event):
     arguments: str
 
 
+class ReasoningDeltaEvent(_Event):
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningDoneEvent(_Event):
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
 class ErrorEvent(_Event):
     """A stream that fails after it started: this, then `response.failed` (never a silent cut)."""
 
@@ -165,7 +197,8 @@ class ErrorEvent(_Event):
 
 
 ResponseEvent = (ResponseLifecycleEvent | OutputItemEvent | ContentPartEvent | TextDeltaEvent | TextDoneEvent
-                 | ArgumentsDeltaEvent | ArgumentsDoneEvent | ErrorEvent)
+                 | ArgumentsDeltaEvent | ArgumentsDoneEvent | ReasoningDeltaEvent | ReasoningDoneEvent
+                 | ErrorEvent)
 
 
 def sse(event: ResponseEvent) -> str:

@@ -1,10 +1,10 @@
 """The Responses API request (OpenAI's `POST /v1/responses`, text only), validated once, at the edge.
 
 Shapes follow openai-python's `types/responses/` (ResponseCreateParams): `input` is a string or a list of
-items (messages, function calls and their outputs); tools are flat function definitions; tool_choice names a
-function as `{"type": "function", "name": ...}`; `text.format` asks for JSON. Types are strict, as the chat
-models are. Undeclared fields are kept (`extra="allow"`) so that `NOT_SUPPORTED` and gateway/api/surface.py's
-check name every one that would otherwise change nothing in silence.
+items (messages, function calls and their outputs, earlier reasoning); tools are flat function definitions;
+tool_choice names a function as `{"type": "function", "name": ...}`; `text.format` asks for JSON. Types are
+strict, as the chat models are. Undeclared fields are kept (`extra="allow"`) so that `NOT_SUPPORTED` and
+gateway/api/surface.py's check name every one that would otherwise change nothing in silence.
 """
 
 from __future__ import annotations
@@ -132,12 +132,35 @@ class FunctionCallOutputInput(_Item):
     status: str | None = None
 
 
+class ReasoningTextPart(_Item):
+    type: Literal["reasoning_text"]
+    text: Text
+
+
+class ReasoningInput(_Item):
+    """An earlier answer's thinking (a reasoning output item sent back, as the openai-agents SDK does): the
+    assistant turn's `reasoning`, for the chat template to keep or drop (Qwen3's keeps the last turn's)."""
+
+    type: Literal["reasoning"]
+    content: Annotated[list[ReasoningTextPart], Field(max_length=MAX_PARTS)] | None = None
+    # Ignored by design: the item's id and status, and an empty summary (pdserve writes none).
+    id: str | None = None
+    status: str | None = None
+    summary: list[Any] | None = None
+    encrypted_content: None = None  # pdserve never writes it, so a client has none of ours to send
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
+
+
 InputItem = Annotated[
     Annotated[InputMessage, Tag("type=message")] | Annotated[FunctionCallInput, Tag("type=function_call")]
-    | Annotated[FunctionCallOutputInput, Tag("type=function_call_output")],
+    | Annotated[FunctionCallOutputInput, Tag("type=function_call_output")]
+    | Annotated[ReasoningInput, Tag("type=reasoning")],
     Discriminator(_tagged_by_type("message"), custom_error_type="unsupported_item",
-                  custom_error_message="only items of type message, function_call and function_call_output "
-                                       "are supported (text only; no items stored on the server)")]
+                  custom_error_message="only items of type message, function_call, function_call_output and "
+                                       "reasoning are supported (text only; no items stored on the server)")]
 
 
 class FunctionToolParam(_Item):
@@ -205,7 +228,7 @@ class ResponsesRequest(_Item):
         return int(value) if isinstance(value, float) and value.is_integer() else value
 
     @property
-    def items(self) -> list[InputMessage | FunctionCallInput | FunctionCallOutputInput]:
+    def items(self) -> list[InputMessage | FunctionCallInput | FunctionCallOutputInput | ReasoningInput]:
         """`input` as items (a string is one user message)."""
         if isinstance(self.input, str):
             return [InputMessage(role="user", content=self.input)]
@@ -214,5 +237,5 @@ class ResponsesRequest(_Item):
 
 # Every model of the request: the error handler keeps their field names in a 400's `param`.
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
-    ResponsesRequest, InputMessage, FunctionCallInput, FunctionCallOutputInput, InputTextPart,
-    OutputTextPart, FunctionToolParam, FunctionChoice, TextConfig, TextFormat)
+    ResponsesRequest, InputMessage, FunctionCallInput, FunctionCallOutputInput, ReasoningInput, InputTextPart,
+    OutputTextPart, ReasoningTextPart, FunctionToolParam, FunctionChoice, TextConfig, TextFormat)

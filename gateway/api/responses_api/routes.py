@@ -59,8 +59,12 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if reservation is None:
         reservation = await unless_client_leaves(request, service.admit(prepared))
     deltas = service.stream(prepared, reservation)
+    reasoning = preparer.reasoning_parser
+    # As on chat: a grammar from the first token (text.format, a forced call) leaves no room to think.
+    thoughts = (reasoning.stream(reasoning.starts_in_reasoning(None, prepared.sampling.grammar is not None))
+                if reasoning is not None else None)
     writer = ResponseWriter(_in_progress(body, prepared, service.model_name), len(prepared.prompt_token_ids),
-                            preparer.tool_parser if prepared.parses_tool_calls else None)
+                            preparer.tool_parser if prepared.parses_tool_calls else None, thoughts)
     if body.stream:
         return BoundedStreamingResponse(
             _events(writer, deltas), service.send_by(prepared, reservation),

@@ -1,13 +1,16 @@
 """One response's output, written as the chat path's TextDeltas arrive: its items and the events that say so.
 
     start()        → response.created, response.in_progress;
-    feed(delta)    → text: a message item opens (output_item.added, content_part.added), then
+    feed(delta)    → with --reasoning-parser, the thinking first (split off by the chat path's
+                     ReasoningStream): a reasoning item opens (output_item.added), then reasoning_text.delta
+                     per fragment; text: a message item opens (output_item.added, content_part.added), then
                      output_text.delta per fragment; a tool call (read by the chat path's ToolCallStream with
                      the model's parser, when tools are on): the open item closes, a function_call item opens
                      (output_item.added), then function_call_arguments.delta per fragment; the last delta
-                     closes the open item (output_text.done, content_part.done / function_call_arguments.done,
-                     then output_item.done) and ends the response: response.completed, or response.incomplete
-                     (incomplete_details: max_output_tokens) when max_output_tokens cut it;
+                     closes the open item (output_text.done, content_part.done / function_call_arguments.done
+                     / reasoning_text.done, then output_item.done) and ends the response: response.completed,
+                     or response.incomplete (incomplete_details: max_output_tokens) when max_output_tokens
+                     cut it;
     fail(...)      → error, response.failed: a stream that cannot finish ends with a reason.
 A whole (not streamed) response runs the same writer and drops the events, so both read the same items from
 the same text. Pure Python: tests/gateway/test_responses_api.py drives it with hand-made deltas.
@@ -21,6 +24,7 @@ from typing import cast
 
 from gateway.api.protocol import ChatDelta
 from gateway.api.protocol_tools import ToolCallDelta
+from gateway.api.reasoning import ReasoningStream
 from gateway.api.responses_api.objects import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
@@ -32,6 +36,11 @@ from gateway.api.responses_api.objects import (
     OutputItemEvent,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
+    ReasoningDeltaEvent,
+    ReasoningDoneEvent,
+    ReasoningItem,
+    ReasoningText,
     ResponseError,
     ResponseEvent,
     ResponseLifecycleEvent,
@@ -52,13 +61,20 @@ def _item_id(prefix: str) -> str:
 class ResponseWriter:
     """Items and events of one response; `response` is the whole object once the last delta was fed."""
 
-    def __init__(self, response: ResponseObject, num_prompt_tokens: int, parser: ToolCallParser | None
-                 ) -> None:
+    def __init__(self, response: ResponseObject, num_prompt_tokens: int, parser: ToolCallParser | None,
+                 thoughts: ReasoningStream | None = None) -> None:
+        """Args:
+            parser: reads tool calls out of the answer (tools on), else None.
+            thoughts: splits the thinking off the answer (--reasoning-parser), else None.
+        """
         self.response = response  # in progress until the last delta
         self.num_prompt_tokens = num_prompt_tokens
         self.tools = ToolCallStream(parser) if parser is not None else None
+        self.thoughts = thoughts
+        self.num_reasoning_tokens = 0  # tokens generated while the model was still reasoning
         self.num_events = 0  # the next event's sequence_number
-        self.open_item: OutputMessage | FunctionCallItem | None = None  # the item being written
+        # The item being written.
+        self.open_item: OutputMessage | FunctionCallItem | ReasoningItem | None = None
         self.output_index_of_call: dict[int, int] = {}  # the chat stream's call index → output_index
 
     def start(self) -> list[ResponseEvent]:
@@ -66,11 +82,18 @@ class ResponseWriter:
 
     def feed(self, delta: TextDelta) -> list[ResponseEvent]:
         is_final = delta.finish_reason is not None
-        if self.tools is not None:
-            pieces = self.tools.feed(delta.text, is_final)
-        else:
-            pieces = [ChatDelta(content=delta.text)] if delta.text else []
         events: list[ResponseEvent] = []
+        text = delta.text
+        if self.thoughts is not None:
+            thought, text = self.thoughts.feed(delta.text, is_final)
+            if thought:  # written before this delta's answer text
+                events += self._reasoning(thought)
+            if self.thoughts.is_reasoning:  # this delta's tokens were all thinking
+                self.num_reasoning_tokens = delta.num_output_tokens
+        if self.tools is not None:
+            pieces = self.tools.feed(text, is_final)
+        else:
+            pieces = [ChatDelta(content=text)] if text else []
         for piece in pieces:
             if piece.content:
                 events += self._text(piece.content)
@@ -100,6 +123,19 @@ class ResponseWriter:
                                      output_index=self._open_index, content_index=0, delta=text))
         return events
 
+    def _reasoning(self, text: str) -> list[ResponseEvent]:
+        events: list[ResponseEvent] = []
+        if not isinstance(self.open_item, ReasoningItem):
+            events += self._close("completed")
+            events.append(self._add(ReasoningItem(id=_item_id("rs"), content=[ReasoningText(text="")],
+                                                  status="in_progress")))
+        item = self.open_item
+        assert isinstance(item, ReasoningItem)
+        item.content[0].text += text
+        events.append(ReasoningDeltaEvent(sequence_number=self._next(), item_id=item.id,
+                                          output_index=self._open_index, content_index=0, delta=text))
+        return events
+
     def _open_message(self) -> list[ResponseEvent]:
         events = self._close("completed")
         message = OutputMessage(id=_item_id("msg"), status="in_progress", content=[])
@@ -126,7 +162,7 @@ class ResponseWriter:
         return [ArgumentsDeltaEvent(sequence_number=self._next(), item_id=call.id, output_index=output_index,
                                     delta=fragment)]
 
-    def _add(self, item: OutputMessage | FunctionCallItem) -> ResponseEvent:
+    def _add(self, item: OutputMessage | FunctionCallItem | ReasoningItem) -> ResponseEvent:
         self.response.output.append(item)
         self.open_item = item
         return OutputItemEvent(type="response.output_item.added", sequence_number=self._next(),
@@ -147,6 +183,9 @@ class ResponseWriter:
             events.append(ContentPartEvent(type="response.content_part.done", sequence_number=self._next(),
                                            item_id=item.id, output_index=index, content_index=0,
                                            part=part.model_copy()))
+        elif isinstance(item, ReasoningItem):
+            events.append(ReasoningDoneEvent(sequence_number=self._next(), item_id=item.id,
+                                             output_index=index, content_index=0, text=item.content[0].text))
         else:
             events.append(ArgumentsDoneEvent(sequence_number=self._next(), item_id=item.id,
                                              output_index=index, name=item.name, arguments=item.arguments))
@@ -157,8 +196,8 @@ class ResponseWriter:
     def _finish(self, last: TextDelta) -> list[ResponseEvent]:
         is_cut = last.finish_reason == "length"
         events: list[ResponseEvent] = []
-        if not self.response.output:  # nothing written: an empty message, as a whole response has one
-            events += self._open_message()
+        if not any(isinstance(item, (OutputMessage, FunctionCallItem)) for item in self.response.output):
+            events += self._open_message()  # no answer written: an empty message, as a whole response has one
         events += self._close("incomplete" if is_cut else "completed")
         response = self.response
         response.status = "incomplete" if is_cut else "completed"
@@ -168,6 +207,7 @@ class ResponseWriter:
             input_tokens=self.num_prompt_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=last.num_cached_tokens),
             output_tokens=last.num_output_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=self.num_reasoning_tokens),
             total_tokens=self.num_prompt_tokens + last.num_output_tokens)
         response.timings = last.timings
         events.append(self._lifecycle("response.incomplete" if is_cut else "response.completed"))
