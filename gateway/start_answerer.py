@@ -47,6 +47,7 @@ def refusal_message(progress: StartProgress | None) -> str:
 class _Handler(BaseHTTPRequestHandler):
     server: _AnsweringServer
     protocol_version = "HTTP/1.1"
+    timeout = 10  # a connection that sends nothing is closed, not held past close()
 
     def _answer(self) -> None:
         try:
@@ -63,6 +64,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Retry-After", str(RETRY_AFTER_S))
+        # One answer a connection: a client keeping it alive (a load balancer's probe) would otherwise go on
+        # asking this server, on its handler's thread, after the real one has taken the port.
+        self.send_header("Connection", "close")
+        self.close_connection = True
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)

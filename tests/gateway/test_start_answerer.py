@@ -1,8 +1,8 @@
 """While the fleet starts, the port answers (gateway/start_answerer.py): GET /health is 503 with how far each
-worker has come, any other request a 503 with a sentence and Retry-After, over plain HTTP and TLS; once
-closed, the port is free at once for uvicorn's bind. A real server on a real socket; the progress comes from
-a real BringUpLog (its phases are tested in test_bring_up_log.py). The whole server's start, with both
-frontends, is in tests/gateway/test_frontends.py."""
+worker has come, any other request a 503 with a sentence and Retry-After, over plain HTTP and TLS, one
+answer a connection; once closed, the port is free at once for uvicorn's bind. A real server on a real
+socket; the progress comes from a real BringUpLog (its phases are tested in test_bring_up_log.py). The
+whole server's start, with both frontends, is in tests/gateway/test_frontends.py."""
 
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ def test_health_says_starting_and_every_other_request_gets_a_503_that_says_why()
             assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
             assert refused.json()["error"]["message"] == ("pdserve is starting: 1 of 2 workers loaded; retry "
                                                           "when GET /health answers 200")
-            assert client.get("/v1/models").status_code == 503  # the same connection, kept alive
+            # One answer a connection: a kept-alive one would go on reaching this server after close().
+            assert refused.headers["connection"] == "close" and health.headers["connection"] == "close"
+            assert client.get("/v1/models").status_code == 503
     finally:
         answerer.close()
     answerer.close()  # again: nothing
