@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -68,6 +69,7 @@ FLEET_PROBE_TIMEOUT_S = 10.0  # a paused fleet is the frontends' to report (/hea
 # the fleet has already given it up. It also bounds a restarted frontend's start-up (joining Ray, mirroring
 # the fleet), which takes more than 5 s on a busy machine.
 FRONTEND_UNANSWERED_S = 30.0
+FRONTEND_EXIT_POLL_S = 0.5  # how often the supervisor looks for frontend processes that exited
 FLEET_GONE_S = 60.0  # a fleet actor that fails every probe this long is not restarting: dead for good
 
 logger = logging.getLogger(__name__)
@@ -155,6 +157,8 @@ def serve_frontends(config: ServeConfig) -> None:
 
         threading.Thread(target=watch_fleet, args=(fleet, start, on_lost, stopping), name="fleet-watch",
                          daemon=True).start()
+        threading.Thread(target=watch_exits, args=(frontends, fleet, stopping), name="frontend-exits",
+                         daemon=True).start()
         frontends.run()
         if lost:
             raise SystemExit(f"pdserve: {lost[0]}: stopping, so that this gateway is started again")
@@ -211,6 +215,28 @@ def watch_fleet(fleet: FleetClient, start: Callable[[FleetClient], None], on_los
             logger.exception("the fleet did not start")
             continue
         print(f"pdserve: the fleet serves again ({time.monotonic() - began:.0f} s to start)", flush=True)
+
+
+def watch_exits(frontends: Any, fleet: FleetClient, stopping: threading.Event) -> None:
+    """Until `stopping`, tell the fleet each frontend process (of uvicorn's Multiprocess `frontends`) that
+    exited, within FRONTEND_EXIT_POLL_S: its streams end on the workers at once, not after the fleet's
+    FRONTEND_SILENT_S of silence (kept for what only an exit proves: a paused frontend is not gone). uvicorn
+    starts a new process in its place; it joins the fleet under a new id."""
+    host = socket.gethostname()
+    watched: dict[int, Any] = {}  # pid → its process (uvicorn may replace it in the list before we look)
+    while not stopping.wait(FRONTEND_EXIT_POLL_S):
+        for process in list(frontends.processes):
+            if process.pid is not None:
+                watched.setdefault(process.pid, process)
+        exited = [pid for pid, process in watched.items() if process.process.exitcode is not None]
+        if not exited:
+            continue
+        try:
+            fleet.frontends_exited(host, exited)
+        except Exception:  # the fleet actor is restarting: its silence rule ends those streams
+            logger.exception("could not tell the fleet that frontends %s exited", exited)
+        for pid in exited:
+            del watched[pid]
 
 
 def open_fleet(name: str, deployment: DeploymentConfig, outlives: bool) -> tuple[FleetClient, bool]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -24,6 +24,7 @@ from gateway.api.reasoning import reasoning_parser
 from gateway.api.sampling_defaults import read_sampling_defaults
 from gateway.config import ServeConfig
 from gateway.control.fleet_client import FleetClient
+from gateway.control.messages import frontend_id
 from gateway.control.plane import ControlPlane, build_planner, decode_kv_tokens
 from gateway.control.remote_fleet import RemoteFleet
 from gateway.fleet.deployment import PDDeployment
@@ -167,7 +168,7 @@ def join_fleet(config: ServeConfig, frontend: FrontendSpec) -> Lifespan:
         join_ray(address=frontend.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
                  configure_logging=False, log_to_driver=False)
         client = FleetClient(ray.get_actor(frontend.fleet_actor))
-        fleet = RemoteFleet(client, f"frontend-{uuid.uuid4().hex[:12]}")
+        fleet = RemoteFleet(client, frontend_id(socket.gethostname(), os.getpid()))
         try:
             info = await unless_stopped(fleet.start())
             service = serve_requests(app, config, fleet, info.model_dir, info.kv_tokens_per_decode_worker,

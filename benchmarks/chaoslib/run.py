@@ -165,7 +165,9 @@ def process_rss(samples_by_process: dict[tuple[str, int], list[tuple[float, floa
             continue
         (t0, first), (t1, last) = warm[0], warm[-1]
         row = {"worker_id": name, "pid": pid, "from_s": round(t0), "to_s": round(t1),
-               "first_mib": round(first), "last_mib": round(last), "max_mib": round(max(m for _, m in warm))}
+               "first_mib": round(first), "last_mib": round(last), "max_mib": round(max(m for _, m in warm)),
+               # Its curve (every 10th sample from its first): a ramp that levels off is no leak.
+               "curve": [(round(t), round(mib)) for t, mib in samples[::10]]}
         rows.append(row)
         if (config.rss_growth_limit_mib is not None and t1 - t0 >= 300.0
                 and last - first > config.rss_growth_limit_mib):

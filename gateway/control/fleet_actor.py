@@ -35,7 +35,7 @@ import uuid
 
 import ray
 
-from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport, WorkerEntry
+from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport, WorkerEntry, frontend_prefix
 from gateway.control.plane import ControlPlane, PlannerSettings, build_planner, decode_kv_tokens
 from gateway.control.reported_books import ReportedBooks
 from gateway.fleet.bring_up_log import StartProgress
@@ -221,6 +221,17 @@ class FleetActor:
     async def status(self) -> FleetStatus:
         return await self.plane.status()
 
+    def frontends_exited(self, host: str, pids: list[int]) -> None:
+        """Their supervisor saw these frontend processes exit: their streams end on every worker now (a
+        silent one is waited for FRONTEND_SILENT_S: it may only be paused)."""
+        if self._plane is None:  # not started (again) yet: no frontend has joined it
+            return
+        books = self.plane.books
+        assert isinstance(books, ReportedBooks)
+        for frontend_id in books.forget([frontend_prefix(host, pid) for pid in pids]):
+            print(f"pdserve: frontend {frontend_id} exited: its streams end on every worker", flush=True)
+            self._end_frontend(frontend_id)
+
     async def _expire_frontends(self) -> None:
         books = self.plane.books
         assert isinstance(books, ReportedBooks)
@@ -229,9 +240,12 @@ class FleetActor:
             for frontend_id in books.expire():
                 logger.warning("frontend %s is silent: taken for dead; its streams end on every worker",
                                frontend_id)
-                for worker in list(self.plane.deployment.workers.values()):
-                    if worker.state not in (WorkerState.PENDING, WorkerState.FAILED):
-                        worker.client.close_channels(frontend_id)
+                self._end_frontend(frontend_id)
+
+    def _end_frontend(self, frontend_id: str) -> None:
+        for worker in list(self.plane.deployment.workers.values()):
+            if worker.state not in (WorkerState.PENDING, WorkerState.FAILED):
+                worker.client.close_channels(frontend_id)
 
     async def shutdown(self) -> None:
         self._config = self._planning = None

@@ -9,8 +9,8 @@ written once:
       maps it to 400 or 409), a fleet actor restarting or not started again is RequestFailed
       "fleet_unavailable" (503)
     the supervisor (gateway/frontends.py, pdserve fleet): start, rejoin, probe_started, shutdown, kill
-      (blocking: it runs no event loop of its own); start_progress (from its start answerer's thread,
-      while start runs)
+      (blocking: it runs no event loop of its own), frontends_exited (sent); start_progress (from its
+      start answerer's thread, while start runs)
 """
 
 from __future__ import annotations
@@ -117,6 +117,10 @@ class FleetClient:
         GetTimeoutError past timeout_s."""
         progress: StartProgress | None = ray.get(self.handle.start_progress.remote(), timeout=timeout_s)
         return progress
+
+    def frontends_exited(self, host: str, pids: list[int]) -> None:
+        """These frontend processes on `host` exited (sent, not awaited: the fleet ends their streams)."""
+        self.handle.frontends_exited.remote(host, pids)
 
     def probe_started(self, timeout_s: float | None = None) -> DeploymentConfig | None:
         """started_config, blocking. Raises GetTimeoutError past timeout_s, RayActorError if it died."""

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,3 +61,13 @@ class FrontendReport:
     # asks for on top (the fleet leases each frontend its share of the one capacity from these).
     reserved_tokens: int = 0
     waiting_tokens: int = 0
+
+
+def frontend_id(host: str, pid: int) -> str:
+    """A frontend's id: its host and process (the supervisor that sees the process exit names it so:
+    frontend_prefix), and a random part (a pid is reused in time)."""
+    return f"{frontend_prefix(host, pid)}{uuid.uuid4().hex[:8]}"
+
+
+def frontend_prefix(host: str, pid: int) -> str:
+    return f"frontend-{host}-{pid}-"

@@ -7,6 +7,7 @@ controller and resizer).
     expire(): a frontend not heard for FRONTEND_SILENT_S is taken for dead (its process died or is paused):
               its counts are dropped and its id returned (the fleet actor then has every worker end that
               frontend's output channels; if it was only paused, it resumes its requests when it wakes)
+    forget(prefixes): the same at once, for frontends whose process its supervisor saw exit
 admission_share(frontend_id, total, floor): the decode KV tokens that frontend may reserve, from the one
     capacity of the fleet: what each live frontend holds now stays its own; the rest goes to the frontends
     whose lines wait, in proportion to what they wait for (evenly when none waits), never below `floor`
@@ -63,6 +64,15 @@ class ReportedBooks:
         """Drop the frontends not heard for FRONTEND_SILENT_S; returns their ids."""
         now = time.monotonic()
         gone = [f for f, at in self._heard.items() if now - at > FRONTEND_SILENT_S]
+        for frontend_id in gone:
+            del self._heard[frontend_id]
+            self._reports.pop(frontend_id, None)
+        return gone
+
+    def forget(self, prefixes: list[str]) -> list[str]:
+        """Drop the frontends whose id starts with one of `prefixes` (processes their supervisor saw exit),
+        at once rather than after FRONTEND_SILENT_S; returns their ids."""
+        gone = [f for f in self._heard if f.startswith(tuple(prefixes))]
         for frontend_id in gone:
             del self._heard[frontend_id]
             self._reports.pop(frontend_id, None)

@@ -162,8 +162,8 @@ def two_frontends(tiny_chat_model_dir: Path, tmp_path: Path) -> Iterator[tuple[i
         log.close()
 
 
-def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: tuple[int, psutil.Process]
-                                                                  ) -> None:
+def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: tuple[int, psutil.Process],
+                                                                  tmp_path: Path) -> None:
     port, supervisor = two_frontends
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
         reference = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
@@ -176,10 +176,14 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
         def running_on_workers() -> int:
             return sum(w.get("requests", 0) for w in client.get("/admin/pools").json()["workers"])
-        # The fleet takes the silent frontend for dead and its requests end on the workers (Ray does not
-        # cancel a dead caller's stream there): only the survivor's stay, still running.
+        # The supervisor sees the frontend's process exit and tells the fleet, and its requests end on the
+        # workers (Ray does not cancel a dead caller's stream there) at once, not after the fleet's 10 s of
+        # silence: only the survivor's stay, still running.
         until(lambda: running_on_workers() <= len(streams[survivor]), 60, "the victim's requests to end")
         assert not all(s.done for s in streams[survivor]), "the survivor's streams ended first: no proof"
+        until(lambda: f"-{victim}-" in "".join(line for line in (tmp_path / "server.log").read_text()
+                                               .splitlines() if "exited: its streams end" in line),
+              30, "the fleet's line that the frontend exited")
     for reader in readers:
         reader.join(120)
     for stream in streams[victim]:  # cut: the connection ended without the end of the stream
