@@ -53,10 +53,11 @@ unit: $(DEV_STAMP) $(PROMTOOL)
 
 test: lint typecheck unit
 
-# The loop to run after an edit (a few minutes): no Ray, no fleet, not the real model; `make test` runs them all.
+# The loop to run after an edit (about two minutes): no Ray, no fleet, not the real model, no inductor compile;
+# `make test` runs them all.
 test-fast: $(DEV_STAMP) $(PROMTOOL)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=10 -m "not slow and not ray"
+	$(BIN)/python -m pytest -q --durations=10 -m "not slow and not ray and not compile"
 
 serve: $(STAMP)
 	$(BIN)/pdserve prepare-model

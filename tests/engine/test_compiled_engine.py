@@ -41,6 +41,7 @@ def engine_for(model_dir: Path, **overrides: object) -> LLMEngine:
     return LLMEngine(EngineConfig(str(model_dir), **settings))  # type: ignore[arg-type]
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_compiled_float32_greedy_equals_transformers(family: str, tmp_path: Path) -> None:
     model_dir = build_tiny_model(family, tmp_path / family)
@@ -81,6 +82,7 @@ def assert_close_as_vllm_does(ours: list[int], our_top: list[set[int]], theirs: 
             return
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("compile_mode", ["on", "off"])
 def test_bfloat16_is_close_to_transformers_by_vllms_standard(compile_mode: str, tmp_path: Path) -> None:
     model_dir = build_tiny_model("llama", tmp_path / "llama")
