@@ -63,20 +63,18 @@ class ReportedBooks:
     def expire(self) -> list[str]:
         """Drop the frontends not heard for FRONTEND_SILENT_S; returns their ids."""
         now = time.monotonic()
-        gone = [f for f, at in self._heard.items() if now - at > FRONTEND_SILENT_S]
-        for frontend_id in gone:
-            del self._heard[frontend_id]
-            self._reports.pop(frontend_id, None)
-        return gone
+        return self._drop([f for f, at in self._heard.items() if now - at > FRONTEND_SILENT_S])
 
     def forget(self, prefixes: list[str]) -> list[str]:
         """Drop the frontends whose id starts with one of `prefixes` (processes their supervisor saw exit),
         at once rather than after FRONTEND_SILENT_S; returns their ids."""
-        gone = [f for f in self._heard if f.startswith(tuple(prefixes))]
-        for frontend_id in gone:
+        return self._drop([f for f in self._heard if f.startswith(tuple(prefixes))])
+
+    def _drop(self, frontend_ids: list[str]) -> list[str]:
+        for frontend_id in frontend_ids:
             del self._heard[frontend_id]
             self._reports.pop(frontend_id, None)
-        return gone
+        return frontend_ids
 
     def admission_share(self, frontend_id: str, total: int, floor: int) -> int:
         reports = list(self._reports.values())

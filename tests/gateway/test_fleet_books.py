@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from gateway.control import reported_books
-from gateway.control.messages import FrontendReport
+from gateway.control.messages import FrontendReport, frontend_id, frontend_prefix
 from gateway.control.reported_books import ReportedBooks
 from gateway.requests.router import LocalPrefillPolicy
 from worker_runtime.output_channels import OutputChannels
@@ -115,3 +115,14 @@ def test_closing_a_gone_gateways_channels_aborts_its_requests_and_ends_its_strea
     assert sorted(aborted) == ["a1", "a2", "b1"]  # b1 only once its own stream was cancelled at the end
     # The closed stream's last item says so (its reader must not take the worker for dead: review N1).
     assert batches == [("frontend-a", 0, True), ("frontend-b", 1, False)] and other_stream_open
+
+
+def test_a_frontend_whose_process_exited_is_forgotten_at_once_and_only_it() -> None:
+    books = ReportedBooks(LocalPrefillPolicy(), on_policy=lambda: None)
+    exited, sibling = frontend_id("node-a", 41), frontend_id("node-a", 412)
+    elsewhere = frontend_id("node-b", 41)
+    for frontend in (exited, sibling, elsewhere):
+        books.report(report(frontend, {"w0": 5}, {}, 0))
+    assert books.forget([frontend_prefix("node-a", 41)]) == [exited]  # not pid 412, not node-b's pid 41
+    assert sorted(books.frontends()) == sorted([sibling, elsewhere]) and books.in_flight("w0") == 10
+    assert books.heard(exited) is False  # a report it still sends finds it new: it joins again
