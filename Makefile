@@ -48,8 +48,13 @@ lint: $(DEV_STAMP)
 typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
 
+# Two pytest workers: the suite mostly waits on fleets starting (tests/conftest.py hands each a whole module,
+# or a shared server's modules, costliest first).
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 unit: $(DEV_STAMP) $(PROMTOOL)
-	$(BIN)/python -m pytest -q --durations=20
+	$(BIN)/python -m pytest -q --durations=20 $(XDIST)
 
 test: lint typecheck unit
 
@@ -57,7 +62,7 @@ test: lint typecheck unit
 # `make test` runs them all.
 test-fast: $(DEV_STAMP) $(PROMTOOL)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=10 -m "not slow and not ray and not compile"
+	$(BIN)/python -m pytest -q --durations=10 -m "not slow and not ray and not compile" $(XDIST)
 
 serve: $(STAMP)
 	$(BIN)/pdserve prepare-model

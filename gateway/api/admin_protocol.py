@@ -28,6 +28,9 @@ class WorkerView(_Answer):
     pid: int | None  # its process there
     next_role: str | None = None  # while it changes role
     emptying: str | None = None  # while it drains or changes role: what it still waits for
+    # Tokens of requests the gateway has sent it (or is about to) and not seen come back: a drain or role
+    # change waits for 0.
+    tokens_on_the_way: int = 0
     pending_reason: str | None = None  # why no node takes it yet, and until when (an added one)
     runtime: dict[str, Any] | None = None  # dtype, GEMM kernel, threads, cores, KV bytes per token, KV sizing
     # Its latest load (absent while it does not report one):

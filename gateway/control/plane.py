@@ -157,7 +157,8 @@ class ControlPlane:
             entry: dict[str, object] = {"worker_id": worker.worker_id, "role": worker.role.value,
                                         "state": worker.state.value,
                                         "node_id": worker.node_id, "node_ip": worker.node_ip,  # None: pending
-                                        "pid": worker.pid}
+                                        "pid": worker.pid,
+                                        "tokens_on_the_way": self.books.in_flight(worker.worker_id)}
             if worker.next_role is not None:
                 entry["next_role"] = worker.next_role.value
             if worker.emptying:  # draining or changing role: what it still waits for

@@ -104,6 +104,10 @@ class ReportedBooks:
     def in_flight(self, worker_id: str) -> int:
         return sum(report.in_flight.get(worker_id, 0) for report in self._reports.values())
 
+    def on_the_way(self, worker_id: str) -> str:
+        frontends = sorted(f for f, report in self._reports.items() if report.in_flight.get(worker_id))
+        return f"reported by {', '.join(frontends)}"
+
     def longest_local_prefill(self) -> int:
         return max((r.longest_local_prefill for r in self._reports.values()), default=0)
 

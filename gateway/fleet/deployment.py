@@ -59,7 +59,7 @@ import ray
 from gateway.fleet.adoption import adopt_survivors, layout_after_adoption, settings_digest, worker_actor_name
 from gateway.fleet.bring_up_log import BringUpLog
 from gateway.fleet.config import DeploymentConfig
-from gateway.fleet.drain import DRAIN_GRACE_S, DRAIN_TIMEOUT_S
+from gateway.fleet.drain import DRAIN_GRACE_S, DRAIN_TIMEOUT_S, BooksOnTheWay
 from gateway.fleet.placement import (
     PlacementTimeout,
     actor_options,
@@ -283,15 +283,15 @@ class PDDeployment:
 
     # The operations its parts own, under the names callers use.
 
-    async def change_role(self, worker_id: str, role: Role, in_flight: Callable[[str], int] | None = None,
+    async def change_role(self, worker_id: str, role: Role, books: BooksOnTheWay | None = None,
                           grace_s: float = 0.0, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Move an active worker to `role` without restarting it: Reshape.change_role."""
-        await self.reshape.change_role(worker_id, role, in_flight, grace_s, timeout_s)
+        await self.reshape.change_role(worker_id, role, books, grace_s, timeout_s)
 
-    async def drain_worker(self, worker_id: str, in_flight: Callable[[str], int] | None = None,
+    async def drain_worker(self, worker_id: str, books: BooksOnTheWay | None = None,
                            grace_s: float = DRAIN_GRACE_S, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Stop routing to a worker, wait until it holds nothing, then stop it: Reshape.drain_worker."""
-        await self.reshape.drain_worker(worker_id, in_flight, grace_s, timeout_s)
+        await self.reshape.drain_worker(worker_id, books, grace_s, timeout_s)
 
     def mark_failed(self, worker_id: str, why: str) -> None:
         """Take a worker out of routing at once and start its replacement: Recovery.mark_failed."""

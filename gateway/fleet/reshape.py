@@ -16,10 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from gateway.fleet.drain import DRAIN_GRACE_S, DRAIN_TIMEOUT_S, check_grace, wait_until_empty
+from gateway.fleet.drain import (
+    DRAIN_GRACE_S,
+    DRAIN_TIMEOUT_S,
+    BooksOnTheWay,
+    check_grace,
+    wait_until_empty,
+)
 from gateway.fleet.worker_errors import StillBusy
 from gateway.fleet.workers import Worker, WorkerState, transition
 from worker_runtime.roles import Role
@@ -39,12 +44,12 @@ class Reshape:
         self.deployment = deployment
         self.rewiring: set[asyncio.Task[None]] = set()  # role changes finishing in the background
 
-    async def change_role(self, worker_id: str, role: Role, in_flight: Callable[[str], int] | None = None,
+    async def change_role(self, worker_id: str, role: Role, books: BooksOnTheWay | None = None,
                           grace_s: float = 0.0, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Move an active worker to `role` without restarting it (see the lifecycle above).
 
         Args:
-            in_flight: the gateway's count of what it has sent the worker and not seen come back.
+            books: the routers' count of what they have sent the worker and not seen come back.
             grace_s: how long its decode streams may run on before they are evacuated to other workers.
         """
         deployment = self.deployment
@@ -69,7 +74,7 @@ class Reshape:
         deployment.changed()
         is_unwired = is_sent = False
         try:
-            await wait_until_empty(worker, in_flight, grace_s, timeout_s)
+            await wait_until_empty(worker, books, grace_s, timeout_s)
             deployment.wiring.unwire(worker)  # its endpoint closes with its old front
             is_unwired = is_sent = True
             for attempt in range(1, SET_ROLE_ATTEMPTS + 1):
@@ -82,7 +87,7 @@ class Reshape:
                     # again, rather than taken for broken.
                     if attempt == SET_ROLE_ATTEMPTS:
                         raise
-                    await wait_until_empty(worker, in_flight, 0.0, timeout_s)
+                    await wait_until_empty(worker, books, 0.0, timeout_s)
         except BaseException as error:
             if worker.state is not WorkerState.CHANGING_ROLE:  # it failed meanwhile: being replaced
                 raise
@@ -148,12 +153,12 @@ class Reshape:
                 w.role.can_decode for w in others):
             raise ValueError(f"{leaving.worker_id} is the last active worker that can decode")
 
-    async def drain_worker(self, worker_id: str, in_flight: Callable[[str], int] | None = None,
+    async def drain_worker(self, worker_id: str, books: BooksOnTheWay | None = None,
                            grace_s: float = DRAIN_GRACE_S, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Stop routing to a worker, wait until it holds nothing, then stop it.
 
         Args:
-            in_flight: the gateway's count of what it has sent the worker and not seen come back; a call
+            books: the routers' count of what they have sent the worker and not seen come back; a call
                 on its way is not in the worker's load yet, so the drain also waits for this to be 0.
             grace_s: how long its decode streams may run on before they are evacuated to other workers.
         """
@@ -166,7 +171,7 @@ class Reshape:
         deployment.target[worker.role] -= 1
         deployment.changed()
         try:
-            await wait_until_empty(worker, in_flight, grace_s, timeout_s)
+            await wait_until_empty(worker, books, grace_s, timeout_s)
         except BaseException as error:
             if worker.state is WorkerState.DRAINING:  # not failed meanwhile: it serves on
                 logger.warning("%s: the drain stopped (%s); it stays", worker_id, type(error).__name__)

@@ -57,7 +57,13 @@ class Submissions(Generic[RequestT]):
     def _send(self, batch: _Batch[RequestT]) -> None:
         if self._open.get(batch.channel_id) is batch:
             del self._open[batch.channel_id]
-        answer = self._send_batch([request for request, _ in batch.entries], batch.channel_id)  # sent now
+        try:
+            answer = self._send_batch([request for request, _ in batch.entries], batch.channel_id)  # sent now
+        except Exception as error:  # refused before it left (a request Ray cannot serialise): each hears it
+            for _, future in batch.entries:
+                if not future.done():
+                    future.set_exception(error)
+            return
         # Several requests' batch: none of their contexts (log lines' request ids).
         task = asyncio.get_running_loop().create_task(self._answer(answer, batch),
                                                       context=contextvars.Context())

@@ -243,12 +243,12 @@ class PoolResizer:
             return f"added {await self.deployment.add_worker(move.role)}"
         if move.action == "drain":
             worker_id = move.worker_id or self._pick(move.role)
-            await self.deployment.drain_worker(worker_id, in_flight=self.books.in_flight, grace_s=grace_s,
+            await self.deployment.drain_worker(worker_id, books=self.books, grace_s=grace_s,
                                                timeout_s=self.drain_timeout_s)
             return f"drained {worker_id}"
         assert move.from_role is not None
         worker_id = move.worker_id or self._pick(move.from_role)
-        await self.deployment.change_role(worker_id, move.role, in_flight=self.books.in_flight,
+        await self.deployment.change_role(worker_id, move.role, books=self.books,
                                           grace_s=grace_s, timeout_s=self.drain_timeout_s)
         return f"{worker_id}: {move.from_role.value} → {move.role.value}"
 

@@ -29,7 +29,7 @@ from gateway.fleet.worker_errors import SubmissionRefused, WorkerLost, WrongRole
 from gateway.fleet.workers import Worker
 from gateway.requests import decode_stage, prefill_stage
 from gateway.requests.deadlines import RequestDeadlines
-from gateway.requests.events import StreamEvent
+from gateway.requests.events import RequestFailed, StreamEvent
 from gateway.requests.orchestrator import RequestRun
 from gateway.requests.router import Router
 from llm_engine import SamplingParams
@@ -37,7 +37,7 @@ from llm_engine.choices import FirstToken, choice_request_id
 from prefill_pool.messages import PrefillResult
 from worker_runtime.roles import Role
 
-ChoiceStream = tuple[int, AsyncGenerator[StreamEvent, None]]
+ChoiceStream = tuple[int, RequestRun, AsyncGenerator[StreamEvent, None]]  # a choice's index, run and stream
 
 
 class ChoicesRun(RequestRun):
@@ -64,8 +64,8 @@ class ChoicesRun(RequestRun):
             firsts, streams = await self._start()
             for event in firsts:
                 yield event
-            for index, stream in streams:
-                self._pumps[index] = asyncio.create_task(self._pump(index, stream, queue))
+            for index, run, stream in streams:
+                self._pumps[index] = asyncio.create_task(self._pump(index, run, stream, queue))
             num_open = len(streams)
             while num_open:
                 item = await queue.get()
@@ -78,18 +78,25 @@ class ChoicesRun(RequestRun):
         finally:
             for task in self._pumps.values():
                 task.cancel()
-            await asyncio.gather(*self._pumps.values(), return_exceptions=True)
-            for run in self._choices:
-                run.book(None)
-            self.book(None)
-            if self._prefilled is not None and self._prefilled[1].kv_handle is not None:
-                # Pulled already, being pulled, or never to be: the sender leaves the first two alone.
-                prefill, result = self._prefilled
-                prefill.client.release_kv(result.kv_handle.transfer_id, "the request ended")  # type: ignore[union-attr]
+            try:
+                await asyncio.gather(*self._pumps.values(), return_exceptions=True)
+            finally:
+                # Whether or not that wait ends: the request's task is cancelled during it whenever its
+                # reader closes the stream on the last event (the usual end of a request with several
+                # choices), and a booking left behind would hold every drain of that worker for good.
+                for run in self._choices:
+                    run.book(None)
+                self.book(None)
+                if self._prefilled is not None and self._prefilled[1].kv_handle is not None:
+                    # Pulled already, being pulled, or never to be: the sender leaves the first two alone.
+                    prefill, result = self._prefilled
+                    prefill.client.release_kv(result.kv_handle.transfer_id, "the request ended")  # type: ignore[union-attr]
 
     @staticmethod
-    async def _pump(index: int, stream: AsyncGenerator[StreamEvent, None],
+    async def _pump(index: int, run: RequestRun, stream: AsyncGenerator[StreamEvent, None],
                     queue: asyncio.Queue[StreamEvent | BaseException | None]) -> None:
+        """One choice's events into the request's queue, then None; its booking is let go at its end (the
+        request's own end may not wait for this one)."""
         try:
             async for event in stream:
                 queue.put_nowait(dataclasses.replace(event, index=index))
@@ -98,8 +105,11 @@ class ChoicesRun(RequestRun):
         except BaseException as error:  # RequestFailed, or anything unexpected: the request fails
             queue.put_nowait(error)
         finally:
-            await stream.aclose()
-            queue.put_nowait(None)
+            try:
+                await stream.aclose()
+            finally:
+                run.book(None)
+                queue.put_nowait(None)
 
     def _choice_run(self, index: int) -> RequestRun:
         run = RequestRun(self.router, choice_request_id(self.request_id, index), self.prompt_token_ids,
@@ -115,7 +125,8 @@ class ChoicesRun(RequestRun):
                             or self.is_prefill_coming())
         if decode.role is Role.MIXED or not has_prefill_pool:
             self.book(None)  # each choice books its own worker
-            return [], [(i, self._choice_run(i).events()) for i in range(self.sampling.n)]
+            runs = [self._choice_run(i) for i in range(self.sampling.n)]
+            return [], [(i, run, run.events()) for i, run in enumerate(runs)]
         prefill, result = await prefill_stage.prefill(self)
         self._prefilled = (prefill, result)
         if result.finish_reason == "abort":  # refused by the worker: no token to send
@@ -136,7 +147,7 @@ class ChoicesRun(RequestRun):
             request = DecodeRequest(run.request_id, self.prompt_token_ids, run.sampling,
                                     generated_token_ids=(choice.token_id,))
             stream = decode_stage.decode_stream(run, decode, request, submitted.get(run.request_id))
-            streams.append((choice.index, stream))
+            streams.append((choice.index, run, stream))
         return firsts, streams
 
     def _first_event(self, prefill: Worker, result: PrefillResult, choice: FirstToken) -> StreamEvent:
@@ -152,20 +163,26 @@ class ChoicesRun(RequestRun):
         first token) and the prefill worker frees the KV at the request's end."""
         client = decode.client
         subscribed: dict[str, RequestOutputs] = {}
+        self.at(f"handing its choices to {decode.worker_id}")
         try:
             for choice_id in group.output_request_ids:
                 subscribed[choice_id] = client.subscribe(choice_id)
-            await client.submit_decode(group, next(iter(subscribed.values())))
+            # Within the request's deadline, as every other wait on a worker (nothing else would end it).
+            async with asyncio.timeout(self.time_left(self.deadlines.finish_by)):
+                await client.submit_decode(group, next(iter(subscribed.values())))
         except (WorkerLost, WrongRoleError, SubmissionRefused) as error:
             if isinstance(error, WorkerLost):
                 self.fleet.mark_failed(decode.worker_id, f"decode worker lost: {error}")
             for outputs in subscribed.values():
                 client.unsubscribe(outputs)
             return {}
-        except BaseException:
+        except BaseException as error:
             for outputs in subscribed.values():
                 client.unsubscribe(outputs)
             for choice_id in subscribed:
                 client.abort(choice_id)
+            if isinstance(error, TimeoutError):
+                raise RequestFailed(self.late("decode", self.deadlines.finish_by), "deadline_exceeded"
+                                    ) from None
             raise
         return subscribed

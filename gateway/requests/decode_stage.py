@@ -147,6 +147,7 @@ async def decode_once(run: RequestRun, decode: Worker, request: DecodeRequest,
                       submitted: RequestOutputs | None = None) -> AsyncGenerator[StreamEvent, None]:
     """The request on one decode worker, until it finishes or leaves it (the exceptions above say why)."""
     client = decode.client
+    run.at(f"{'submitting to' if submitted is None else 'decoding on'} {decode.worker_id}")
     try:
         # Before submitting: no output goes unheard.
         outputs = submitted if submitted is not None else client.subscribe(run.request_id)
@@ -163,6 +164,7 @@ async def decode_once(run: RequestRun, decode: Worker, request: DecodeRequest,
         except SubmissionRefused as refused:
             is_finished = True  # it never took the request
             raise Refused(str(refused)) from None
+        run.at(f"decoding on {decode.worker_id}")
         while not is_finished:
             try:
                 output = await call_worker(run, outputs.next())

@@ -90,15 +90,22 @@ class RequestRun:
         finally:
             self.book(None)
 
+    def at(self, stage: str) -> None:
+        """Where the request is now ("waiting for a prefill worker", "decoding on worker-2"): a drain that
+        waits for its booking says so."""
+        self.router.stages[self.request_id] = stage
+
     def book(self, decode: Worker | None) -> None:
-        """Move the request's decode booking to `decode` (None: release it)."""
+        """Move the request's decode booking to `decode` (None: release it, and forget its stage)."""
         worker_id = decode.worker_id if decode is not None else None
+        if worker_id is None:
+            self.router.stages.pop(self.request_id, None)
         if worker_id == self._booked:
             return
         if self._booked is not None:
-            self.router.unbook_decode(self._booked, self.num_reserved)
+            self.router.unbook_decode(self._booked, self.num_reserved, self.request_id)
         if worker_id is not None:
-            self.router.book_decode(worker_id, self.num_reserved)
+            self.router.book_decode(worker_id, self.num_reserved, self.request_id)
         self._booked = worker_id
 
     async def pick_decode(self, deadline: float, exclude: set[str] | None = None) -> Worker:
@@ -165,10 +172,15 @@ class RequestRun:
         streams = self.router.streams_to_clear(host, len(self.prompt_token_ids))
         if not streams:
             return
+        self.at(f"moving {len(streams)} streams off {host.worker_id} before its prompt")
         try:
-            await host.client.move_out(list(streams))
+            async with asyncio.timeout(self.time_left(self.deadlines.prefill_by)):
+                await host.client.move_out(list(streams))
         except WorkerLost:
             return  # the prompt's own submission will find it gone
+        except TimeoutError:
+            raise RequestFailed(self.late("prefill", self.deadlines.prefill_by), "deadline_exceeded"
+                                ) from None
 
     async def wait_for_worker(self, role: str, deadline: float, exclude: set[str] | None = None,
                                is_new: bool = False) -> Worker:
@@ -181,6 +193,7 @@ class RequestRun:
                 num_prompt = len(self.prompt_token_ids) if is_new else 0
                 return (self.router.pick_decode(candidates, num_prompt) if role == "decode"
                         else self.router.pick_prefill(self.prompt_token_ids, candidates, self.block_hashes))
+            self.at(f"waiting for a {role} worker")
             if not (self.fleet.is_replacing(*roles) or self._is_role_coming(roles)):
                 raise RequestFailed(f"no {role} worker is alive and none is starting", "no_worker")
             if self.time_left(deadline) <= 0:

@@ -41,7 +41,8 @@ async def prefill(run: RequestRun) -> tuple[Worker, PrefillResult]:
             continue  # it left the deployment since it was picked
         # Booked only now, so that every booking is released in the `finally` below: a worker's drain or
         # role change waits for its books to read 0.
-        run.router.prefill_tokens[prefill.worker_id] += num_prompt
+        run.router.book_prefill(prefill.worker_id, num_prompt, run.request_id)
+        run.at(f"prefilling on {prefill.worker_id}")
         try:
             async with asyncio.timeout(run.time_left(run.deadlines.prefill_by)):
                 await client.submit_prefill(PrefillRequest(run.request_id, run.prompt_token_ids,
@@ -68,7 +69,7 @@ async def prefill(run: RequestRun) -> tuple[Worker, PrefillResult]:
             raise
         finally:
             client.unsubscribe(outputs)
-            run.router.prefill_tokens[prefill.worker_id] -= num_prompt
+            run.router.unbook_prefill(prefill.worker_id, num_prompt, run.request_id)
         if result.finish_reason == "error":
             run.fleet.mark_failed(prefill.worker_id, result.error)
             continue

@@ -105,6 +105,10 @@ class Router:
         # no longer beside that prompt, though still subscribed there for the moment.
         self._moving_off: dict[str, str] = {}  # request id → the worker it is leaving
         self._cached: defaultdict[str, OrderedDict[bytes, None]] = defaultdict(OrderedDict)
+        # What the counts above hold, by request (worker id → request id → tokens), and where each request is
+        # now (RequestRun.at): a drain that waits for them names them.
+        self._booked: defaultdict[str, dict[str, int]] = defaultdict(dict)
+        self.stages: dict[str, str] = {}
 
     def forget(self, worker_id: str) -> None:
         """A worker left the deployment or its role: drop what the router remembers of it."""
@@ -160,18 +164,48 @@ class Router:
         worker = self.fleet.workers.get(worker_id)
         return worker.client.request_ids() if worker is not None else []
 
-    def book_decode(self, worker_id: str, num_tokens: int) -> None:
+    def book_decode(self, worker_id: str, num_tokens: int, request_id: str = "") -> None:
         """A request picked this decode worker: its tokens count there from now until unbook_decode."""
         self.decode_tokens[worker_id] += num_tokens
         self.decode_requests[worker_id] += 1
+        self._note(worker_id, request_id, num_tokens)
 
-    def unbook_decode(self, worker_id: str, num_tokens: int) -> None:
+    def unbook_decode(self, worker_id: str, num_tokens: int, request_id: str = "") -> None:
         self.decode_tokens[worker_id] -= num_tokens
         self.decode_requests[worker_id] -= 1
+        self._note(worker_id, request_id, -num_tokens)
+
+    def book_prefill(self, worker_id: str, num_tokens: int, request_id: str = "") -> None:
+        """A prompt was sent to this prefill worker: its tokens count there until unbook_prefill."""
+        self.prefill_tokens[worker_id] += num_tokens
+        self._note(worker_id, request_id, num_tokens)
+
+    def unbook_prefill(self, worker_id: str, num_tokens: int, request_id: str = "") -> None:
+        self.prefill_tokens[worker_id] -= num_tokens
+        self._note(worker_id, request_id, -num_tokens)
+
+    def _note(self, worker_id: str, request_id: str, num_tokens: int) -> None:
+        if not request_id:
+            return
+        booked = self._booked[worker_id]
+        left = booked.get(request_id, 0) + num_tokens
+        if left:
+            booked[request_id] = left
+        else:
+            booked.pop(request_id, None)
+        if not booked:
+            del self._booked[worker_id]
 
     def in_flight(self, worker_id: str) -> int:
         """Tokens of requests sent to the worker and not yet back (0: nothing on its way there)."""
         return self.prefill_tokens.get(worker_id, 0) + self.decode_tokens.get(worker_id, 0)
+
+    def on_the_way(self, worker_id: str, limit: int = 3) -> str:
+        """The requests in_flight counts, each with where it is now (the first `limit`)."""
+        booked = list(self._booked.get(worker_id, {}).items())
+        named = [f"{request_id} ({num_tokens} tokens): {self.stages.get(request_id, 'between stages')}"
+                 for request_id, num_tokens in booked[:limit]]
+        return "; ".join(named + ([f"{len(booked) - limit} more"] if len(booked) > limit else []))
 
     def local_prefill_reason(self, prompt_token_ids: tuple[int, ...], hashes: list[bytes] | None = None
                              ) -> str:

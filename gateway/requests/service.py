@@ -253,10 +253,12 @@ class GatewayService:
             self.metrics.observe_ended("error", failed.code)
             raise
         finally:
-            await events.aclose()  # aborts both workers unless the request finished there
-            reservation.release()  # the request holds no worker now, read or not
-            if outcome == "abort":
-                self.metrics.observe_ended("abort")
+            try:
+                await events.aclose()  # aborts both workers unless the request finished there
+            finally:  # even when this task is cancelled meanwhile (its reader closed the stream)
+                reservation.release()  # the request holds no worker now, read or not
+                if outcome == "abort":
+                    self.metrics.observe_ended("abort")
 
     def _traced(self, prepared: PreparedRequest, num_output: int) -> TracedRequest:
         sampling = prepared.sampling

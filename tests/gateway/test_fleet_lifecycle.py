@@ -246,16 +246,16 @@ def test_a_cancelled_role_change_or_drain_puts_the_worker_back(tiny_llama_dir: P
                 break
             await asyncio.sleep(0.02)
         # First, while the stream surely runs: the change says what it waits for; cancelled, it rolls back.
-        change = asyncio.ensure_future(deployment.change_role(held.worker_id, Role.PREFILL, router.in_flight,
+        change = asyncio.ensure_future(deployment.change_role(held.worker_id, Role.PREFILL, router,
                                                               grace_s=200))
         await until(lambda: held.emptying.startswith("1 requests"))
         emptying = held.emptying
         change.cancel()
         await asyncio.gather(change, return_exceptions=True)
         seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
-        for leave in (lambda: deployment.change_role(held.worker_id, Role.PREFILL, router.in_flight,
+        for leave in (lambda: deployment.change_role(held.worker_id, Role.PREFILL, router,
                                                      grace_s=200),
-                      lambda: deployment.drain_worker(held.worker_id, router.in_flight, grace_s=200)):
+                      lambda: deployment.drain_worker(held.worker_id, router, grace_s=200)):
             task = asyncio.ensure_future(leave())
             await until(lambda: held.state is not WorkerState.ACTIVE)
             seen.append(held.state)
@@ -265,7 +265,7 @@ def test_a_cancelled_role_change_or_drain_puts_the_worker_back(tiny_llama_dir: P
         held.client.handle.__ray_call__.remote(faults.hang_loads, 3.0)
         started = time.monotonic()
         unanswered = await asyncio.gather(
-            deployment.change_role(held.worker_id, Role.PREFILL, router.in_flight, grace_s=200),
+            deployment.change_role(held.worker_id, Role.PREFILL, router, grace_s=200),
             return_exceptions=True)
         unanswered_s = time.monotonic() - started
         await call_on(held, faults.heal)
@@ -320,7 +320,7 @@ def test_role_changes_keep_the_output_stream_and_leaving_cancels_it(tiny_llama_d
                 await events_of(router, f"r{index}-{role.value}", prompt, GREEDY)
                 counts.append(await call_on(moving, num_channels))
                 await deployment.change_role(moving.worker_id, Role.PREFILL if role is Role.DECODE
-                                             else Role.DECODE, router.in_flight)
+                                             else Role.DECODE, router)
         moving.client.close()
         closed = -1
         for _ in range(500):

@@ -43,6 +43,20 @@ def test_least_loaded_workers_are_chosen() -> None:
     assert router.pick_prefill(tuple(range(10))).worker_id == "prefill-1"
 
 
+def test_what_is_on_its_way_to_a_worker_is_named_with_where_it_is() -> None:
+    """A drain that waits for the routers' books says which requests hold them, and where each is now."""
+    router = make_router()
+    router.book_decode("decode-2", 78, "req-a")
+    router.stages["req-a"] = "waiting for a prefill worker"
+    router.book_prefill("decode-2", 30, "req-b")  # a mixed worker prefilling a prompt for itself
+    assert router.in_flight("decode-2") == 108
+    assert router.on_the_way("decode-2") == ("req-a (78 tokens): waiting for a prefill worker; "
+                                              "req-b (30 tokens): between stages")
+    router.unbook_decode("decode-2", 78, "req-a")
+    router.unbook_prefill("decode-2", 30, "req-b")
+    assert router.in_flight("decode-2") == 0 and router.on_the_way("decode-2") == ""
+
+
 def test_a_shared_prefix_goes_back_to_the_worker_that_cached_it() -> None:
     router = make_router()
     system_prompt = tuple(range(100, 140))  # 10 blocks of 4

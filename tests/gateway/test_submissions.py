@@ -66,3 +66,20 @@ def test_a_lost_worker_fails_every_request_of_the_batch(ray_local: None) -> None
 
     outcomes = asyncio.run(scenario())
     assert all(isinstance(o, WorkerLost) for o in outcomes), outcomes
+
+
+def test_a_batch_refused_before_it_leaves_reaches_every_submitter() -> None:
+    """A batch call that raises as it is made (before any answer could come) fails each of its submitters
+    at once, rather than leaving them to wait (a group of choices has no deadline of its own there)."""
+    from gateway.fleet.submissions import Submissions
+
+    def send(requests: list[DecodeRequest], channel_id: str) -> asyncio.Future[list[str]]:
+        raise TypeError("cannot serialise the batch")
+
+    async def run() -> list[BaseException | None]:
+        submissions: Submissions[DecodeRequest] = Submissions(send)
+        async with asyncio.timeout(5):
+            return await asyncio.gather(*(submissions.submit(request(f"r{i}"), "ch") for i in range(3)),
+                                        return_exceptions=True)
+
+    assert [type(e) for e in asyncio.run(run())] == [TypeError] * 3

@@ -151,6 +151,8 @@ def not_whole(client: httpx.Client) -> str | None:
         return f"workers not active: {[(w['worker_id'], w['state']) for w in workers]}"
     if used := sum(w.get("used_kv_blocks", 0) for w in workers):
         return f"{used} KV blocks held"
+    if booked := {w["worker_id"]: w["tokens_on_the_way"] for w in workers if w.get("tokens_on_the_way")}:
+        return f"the gateway's books still count tokens on their way to {booked}"  # a drain would wait
     return None
 
 
