@@ -118,6 +118,10 @@ async def end_checks(config: ChaosConfig, watch: PoolWatch, log: ChaosLog,
                     f"{w['worker_id']} used_kv_blocks={w.get('used_kv_blocks')} running="
                     f"{w.get('running_requests')} waiting={w.get('waiting_requests')} transferring="
                     f"{w.get('transferring')}" for w in held)
+            # The gateway's books: a booking left behind holds every later drain of that worker.
+            booked = {w["worker_id"]: w["tokens_on_the_way"] for w in workers if w.get("tokens_on_the_way")}
+            if booked:
+                problems["books_freed"] = f"tokens still booked on their way to {booked}"
         if not problems or log.now() - started > config.settle_s:
             break
         await asyncio.sleep(1.0)
