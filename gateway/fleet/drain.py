@@ -2,8 +2,8 @@
 
     wait_until_empty(): polls the worker's load until it holds no request in any state and the gateway has
     nothing on its way to it (the routers' books: in_flight, and on_the_way naming those requests), twice in
-    a row; after grace_s its decode streams are evacuated to
-    other workers (again whenever one arrives late); past timeout_s, TimeoutError (the caller rolls back).
+    a row; after grace_s its decode streams are evacuated to other workers (again whenever one arrives
+    late); past timeout_s, TimeoutError (the caller rolls back).
     Each call to the worker is bounded (CALL_TIMEOUT_S), so that a call left unanswered ends in that
     TimeoutError too instead of holding the change (and every PUT behind it) for good; what it still waits
     for is in worker.emptying meanwhile (/admin/pools shows it).
