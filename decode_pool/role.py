@@ -52,7 +52,8 @@ class DecodeRole:
         engine.use_scheduler(Scheduler, watermark)
         receiver = make_receiver(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
         migration = None
-        if can_move_kv_between_decode_workers(backend):
+        # A tensor-parallel engine's cache here holds rank 0's heads only: its streams move by recompute.
+        if can_move_kv_between_decode_workers(backend) and engine.config.tensor_parallel_size == 1:
             migration = MigrationOffers(make_sender(backend, worker_id, engine.runner.kv_cache,
                                                     config=transfer_config), engine.kv)
         self.outputs = outputs

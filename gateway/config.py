@@ -27,6 +27,7 @@ from llm_engine.hardware import resolve_device, resolve_dtype
 from llm_engine.kv_sizing import parse_memory
 from llm_engine.model_files import check_model_name, is_local_path
 from llm_engine.model_loader import read_model_spec
+from llm_engine.tensor_parallel import check_tensor_parallel
 from worker_runtime.roles import Role
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -138,6 +139,12 @@ class ServeConfig(BaseSettings):
     max_num_batched_tokens: int | None = Field(
         None, ge=1,
         description="tokens per forward, the prefill chunk budget (default: the engine's)")
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="ranks (processes, each a Ray actor on the worker's node) one worker's model is split "
+                    "over, Megatron-style: each holds 1/N of every layer's heads, MLP and KV cache; N must "
+                    "divide the model's attention and KV heads. Above 1, workers serve in the mixed role "
+                    "(--mixed K) for now")
     max_prefill_s_beside_decode: float | None = Field(
         None, ge=0,
         description="seconds of prompt work a worker adds to a step while it also decodes (mixed workers): "
@@ -389,10 +396,18 @@ class ServeConfig(BaseSettings):
     def _check_layout(self) -> ServeConfig:
         """The roles (none given: 1 prefill + 1 decode), and the settings that go with a layout."""
         if self.prefill is None and self.decode is None and self.mixed is None:
-            self.prefill, self.decode = 1, 1
+            if self.tensor_parallel_size > 1:
+                self.mixed = 1
+            else:
+                self.prefill, self.decode = 1, 1
         if self.fleet_name is not None and self.ray_address is None:
             raise ValueError("--fleet-name keeps the workers beyond the gateway process, in a Ray cluster "
                              "that outlives it: give --address too (a local Ray ends with the gateway)")
+        if self.tensor_parallel_size > 1 and (self.prefill or self.decode or self.ratio == "auto"):
+            raise ValueError(
+                f"--tensor-parallel-size {self.tensor_parallel_size}: tensor-parallel workers serve in the "
+                f"mixed role only for now (KV cannot yet move between workers whose ranks split the heads): "
+                f"give --mixed K alone, with --ratio fixed")
         if self.ratio == "auto" and self.backend == "torch":
             raise ValueError("--ratio auto moves workers between roles, which the torch backend's fixed "
                              "process group cannot: use --backend nixl")
@@ -408,9 +423,10 @@ class ServeConfig(BaseSettings):
         if self.gpu_memory_utilization is not None and not device.startswith("cuda"):
             raise ValueError("--gpu-memory-utilization sizes a GPU's memory (--device cuda); on a CPU size "
                              "the KV cache with --kv-cache-memory")
-        if self.model is not None and is_local_path(self.model) and self.max_model_len is not None:
+        if self.model is not None and is_local_path(self.model) and (
+                self.max_model_len is not None or self.tensor_parallel_size > 1):
             try:
-                self.model_spec(self.model)  # a --max-model-len beyond the model's is refused here
+                self.model_spec(self.model)  # a --max-model-len or TP degree the model refuses, here
             except FileNotFoundError as error:
                 raise ValueError(f"--model: {error}") from None
         try:
@@ -449,9 +465,12 @@ class ServeConfig(BaseSettings):
         """The model's shape with the context this config allows (its own, or a shorter --max-model-len).
 
         Raises:
-            ValueError: --max-model-len exceeds the model's context (the message names the flag).
+            ValueError: --max-model-len exceeds the model's context, or --tensor-parallel-size does not
+                divide its heads (the message names the flag).
         """
-        return read_model_spec(model_dir).with_max_model_len(self.max_model_len)
+        spec = read_model_spec(model_dir).with_max_model_len(self.max_model_len)
+        check_tensor_parallel(spec, self.tensor_parallel_size)
+        return spec
 
     @property
     def is_loopback(self) -> bool:

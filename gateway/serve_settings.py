@@ -63,7 +63,8 @@ def threads_per_worker(config: ServeConfig) -> int:
     if config.ray_address is not None:
         return max(1, int(config.cpus_per_worker or 1))
     num_workers = (config.prefill or 0) + (config.decode or 0) + (config.mixed or 0)
-    return max(1, len(os.sched_getaffinity(0)) // max(1, num_workers))
+    num_ranks = num_workers * config.tensor_parallel_size  # each rank a process of its own
+    return max(1, len(os.sched_getaffinity(0)) // max(1, num_ranks))
 
 
 def deployment_config(config: ServeConfig, model_dir: str) -> DeploymentConfig:
@@ -75,6 +76,7 @@ def deployment_config(config: ServeConfig, model_dir: str) -> DeploymentConfig:
         "max_num_batched_tokens": config.max_num_batched_tokens, "linear_kernel": config.linear_kernel,
         "max_prefill_s_beside_decode": config.max_prefill_s_beside_decode,
         "decode_attention": config.decode_attention, "compile": config.compile,
+        "tensor_parallel_size": config.tensor_parallel_size,
     }
     chosen = {k: v for k, v in engine_overrides.items() if v is not None}
     engine = EngineConfig(model_dir, **chosen)  # type: ignore[arg-type]

@@ -62,6 +62,9 @@ class EngineConfig:
     # worker) or "off". PDSERVE_COMPILE sets the default (the test suite runs eager: a compile per fleet
     # start would cost minutes; tests/engine/test_compiled_engine.py covers the compiled path).
     compile: str = field(default_factory=lambda: os.environ.get("PDSERVE_COMPILE", "auto"))
+    # Ranks (processes) one worker's model is split over (llm_engine/tensor_parallel.py): each holds
+    # 1/tensor_parallel_size of every layer's heads, MLP and KV cache.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -103,6 +106,8 @@ class EngineConfig:
             problems.append(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.tensor_parallel_size < 1:
+            problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if problems:
             raise ValueError("invalid engine config: " + "; ".join(problems))
 

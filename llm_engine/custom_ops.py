@@ -1,15 +1,17 @@
-"""The engine's two opaque ops, the only calls a compiled model body does not trace into.
+"""The engine's opaque ops, the only calls a compiled model body does not trace into.
 
     with step_context(metadata):    # the runner, around one forward
         body(input_ids, positions)  # each layer → pdserve::paged_attention(q, k, v, layer, scale)
                                     #            → pdserve::packed_linear(x, handle) (CPU, oneDNN prepacked)
+                                    #            → pdserve::tp_all_reduce(x, group) (tensor parallel ranks)
 Why ops: inductor fuses the plain torch code between them (norms, rotary, SiLU·mul, residual adds) and sees
 each op as one call with a known output shape (its fake), so the graph never breaks on the paged attention's
 Python control flow (prefill segments, the decode batch) nor on oneDNN's opaque prepacked weights. The
 attention's per-forward metadata is not an argument: it lives in a step context the runner sets around each
 forward (as vLLM's forward context does), so the compiled graph has no guards on it and never recompiles
 because a batch changed shape. With no context set (the compile warm-up), the attention returns zeros: the
-warm-up traces and compiles, it computes nothing anyone reads.
+warm-up traces and compiles, it computes nothing anyone reads; likewise the all-reduce skips its collective
+then (ranks compile on their own; a collective in one rank's warm-up would wait for the others forever).
 """
 
 from __future__ import annotations
@@ -77,3 +79,19 @@ def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
 @packed_linear.register_fake
 def _packed_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], _packed_linears[handle].out_features)
+
+
+@torch.library.custom_op("pdserve::tp_all_reduce", mutates_args=())
+def tp_all_reduce(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x summed over the ranks of tensor-parallel group `group` (llm_engine/tensor_parallel.py)."""
+    from llm_engine.tensor_parallel import group_by_handle
+
+    out = x.contiguous().clone()
+    if _step_metadata is not None:  # not the compile warm-up
+        group_by_handle(group).all_reduce(out)
+    return out
+
+
+@tp_all_reduce.register_fake
+def _tp_all_reduce_fake(x: torch.Tensor, group: int) -> torch.Tensor:
+    return torch.empty_like(x)

@@ -25,6 +25,7 @@ from llm_engine.node_locks import node_memory_lock
 from llm_engine.request import Request
 from llm_engine.sampling import SamplingParams
 from llm_engine.scheduler import Scheduler
+from llm_engine.tensor_parallel import StartFollowers, StepMirror, Stop, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -60,15 +61,18 @@ class Completion:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 scheduler_cls: type[Scheduler] = Scheduler, watermark: float = 0.0) -> None:
+                 scheduler_cls: type[Scheduler] = Scheduler, watermark: float = 0.0,
+                 tp_group: TPGroup | None = None) -> None:
         """Load the model (or adopt one load_model returned) and size the KV cache from the memory left
         (llm_engine/kv_sizing.py).
 
         Args:
+            tp_group: rank 0's tensor-parallel group (config.tensor_parallel_size > 1): the other ranks run
+                a TPFollower each, and this engine tells them the cache size and mirrors every step to them.
             scheduler_cls: the scheduler policy (a prefill worker keeps finished requests' blocks).
             watermark: fraction of blocks kept free when admitting waiting requests.
         """
-        loaded = loaded or load_model(config)
+        loaded = loaded or load_model(config, tp_group)
         self.config = config
         self.spec: ModelSpec = loaded.spec.with_max_model_len(config.max_model_len)  # as load_model's
         self.linear_kernel = loaded.linear_kernel
@@ -81,12 +85,22 @@ class LLMEngine:
                                                                           config.device)
         logger.info("%s", self.kv_capacity.describe())
         self.compilation = loaded.compilation
+        self.mirror = StepMirror(tp_group) if tp_group is not None and tp_group.size > 1 else None
+        if self.mirror is not None:
+            self.mirror.send(StartFollowers(self.kv_capacity.num_blocks))
         self.runner = ModelRunner(loaded.model, self.spec, config, self.kv_capacity.num_blocks, loaded.body,
-                                  kv_cache)
+                                  kv_cache, self.mirror)
         self.block_pool = BlockPool(self.runner.num_blocks)
         self.kv = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = self._make_scheduler(scheduler_cls, watermark)
         self._ids = itertools.count()
+
+    def stop_followers(self) -> None:
+        """Release the other ranks of a tensor-parallel worker from their replay loop (they return)."""
+        if self.mirror is not None:
+            with self.mirror.lock:
+                self.mirror.send(Stop())
+            self.mirror = self.runner.mirror = None
 
     def _make_scheduler(self, scheduler_cls: type[Scheduler], watermark: float) -> Scheduler:
         return scheduler_cls(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs,

@@ -25,7 +25,9 @@ class KVCacheSpec:
 
     @classmethod
     def from_model(cls, spec: ModelSpec, config: EngineConfig) -> KVCacheSpec:
-        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, config.torch_dtype)
+        """One rank's cache: with tensor parallelism each rank holds its own KV heads only."""
+        return cls(spec.num_layers, spec.num_kv_heads // config.tensor_parallel_size, spec.head_dim,
+                   config.block_size, config.torch_dtype)
 
     @property
     def dtype_bytes(self) -> int:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from llm_engine.custom_ops import paged_attention
+from llm_engine.custom_ops import paged_attention, tp_all_reduce
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -87,6 +87,12 @@ class LeanLayer(nn.Module):
         self.q_norm = None if q_norm is None else q_norm.weight
         self.k_norm = None if k_norm is None else k_norm.weight
         self.qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else self.eps
+        # Tensor parallel: the group whose ranks sum o_proj's and down_proj's partial outputs
+        # (llm_engine/tensor_parallel.py shard_lean_body); None: one rank, nothing to sum.
+        self.tp_handle: int | None = None
+
+    def _sum_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp_handle is None else tp_all_reduce(x, self.tp_handle)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,11 +111,11 @@ class LeanLayer(nn.Module):
             k = rms_norm(k, self.k_norm, self.qk_eps)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         attn = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), self.layer_idx, self.scaling)
-        residual = residual + self.o_proj(attn.view(num_tokens, self.q_size))
+        residual = residual + self._sum_over_ranks(self.o_proj(attn.view(num_tokens, self.q_size)))
         x = rms_norm(residual, self.post_attention_norm, self.eps)
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
-        mlp_out = self.down_proj(self.act_fn(gate) * up)
+        mlp_out = self._sum_over_ranks(self.down_proj(self.act_fn(gate) * up))
         return mlp_out, residual
 
 

@@ -15,11 +15,14 @@ from llm_engine import paged_attention
 from llm_engine.compilation import Body, CompileReport, compile_body
 from llm_engine.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelSpec
 from llm_engine.hardware import check_device_present
-from llm_engine.lean_model import LeanBody, has_lean_body
+from llm_engine.lean_model import LEAN_ARCHITECTURES, LeanBody, has_lean_body
 from llm_engine.linear_probe import LinearKernelReport, apply_linear_kernel
+from llm_engine.tensor_parallel import check_tensor_parallel, shard_lean_body
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+    from llm_engine.tensor_parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 # Times this process loaded weights: a worker that changes role keeps its model, and reports this to prove it.
@@ -107,9 +110,15 @@ class LoadedModel:
         default_factory=lambda: CompileReport("off", False, "transformers", "not built", 0.0, None))
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedModel:
     """Load weights with the paged attention plugged in, in eval mode, on the configured device and dtype,
-    and put every linear layer on the fastest kernel (llm_engine/linear_kernels.py)."""
+    keep this rank's slice of them (tensor parallel: `tp_group`, config.tensor_parallel_size ranks), and put
+    every linear layer on the fastest kernel (llm_engine/linear_kernels.py).
+
+    Raises:
+        ValueError: tensor parallelism over a family without the engine's own body, or a degree that does
+            not divide the heads (the message names --tensor-parallel-size).
+    """
     from transformers import AutoModelForCausalLM
 
     global _num_loads
@@ -117,6 +126,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
     _num_loads += 1
 
     spec = read_model_spec(config.model_dir).with_max_model_len(config.max_model_len)
+    tp_size = config.tensor_parallel_size
+    check_tensor_parallel(spec, tp_size)
+    if tp_size > 1 and not has_lean_body(spec.architecture):
+        raise ValueError(f"--tensor-parallel-size {tp_size}: tensor parallelism runs on the engine's own "
+                         f"body ({', '.join(LEAN_ARCHITECTURES)}); {spec.architecture} has none")
+    if tp_size > 1 and (tp_group is None or tp_group.size != tp_size):
+        raise ValueError(f"--tensor-parallel-size {tp_size}: this rank has no group of {tp_size} ranks")
     paged_attention.register()
     model = AutoModelForCausalLM.from_pretrained(
         config.model_dir,
@@ -129,12 +145,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if has_lean_body(spec.architecture):
         # A submodule of the model, so the linear-kernel probe below sees its fused q/k/v and gate/up.
         lean = model.lean_body = LeanBody.from_hf(model, spec.max_model_len)
+        if tp_group is not None and tp_size > 1:
+            shard_lean_body(lean, tp_group)
     kernel = apply_linear_kernel(model, config.linear_kernel, config.torch_dtype, torch.device(config.device))
     body, compilation = compile_body(lean, config.compile, torch.device(config.device), config.torch_dtype,
                                      no_lean_reason=f"no lean body for {spec.architecture}")
     logger.info(
-        "loaded %s (%d layers, %d kv heads) as %s on %s; linears on %s (%s); body %s, %s (%s)",
-        config.model_dir, spec.num_layers, spec.num_kv_heads, config.dtype, config.device, kernel.kernel,
+        "loaded %s (%d layers, %d kv heads, over %d ranks) as %s on %s; linears on %s (%s); body %s, %s (%s)",
+        config.model_dir, spec.num_layers, spec.num_kv_heads, tp_size, config.dtype, config.device,
+        kernel.kernel,
         kernel.reason, compilation.body, compilation.mode, compilation.reason,
     )
     return LoadedModel(model, spec, kernel, body, compilation)

@@ -6,6 +6,8 @@
         processors (llm_engine/logits_processors.py) → choose tokens → their logprobs from the raw logits;
         and, for chunks that ask, the prompt tokens' logprobs (llm_engine/logprobs.py).
 Owns the KV cache tensor and the runner's copy of the block tables; knows nothing of scheduling or Ray.
+With tensor parallelism, rank 0's runner mirrors execute, copy_blocks and forget_all to the other ranks
+(llm_engine/tensor_parallel.py), whose runners replay them through `forward` (no sampling there).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from llm_engine.native_kernels import DecodeKernel, kernel_unfit_reason, paged_d
 from llm_engine.sampling import SamplingParams, choose_tokens
 from llm_engine.step_timeline import StepRecord, StepTimeline
 from llm_engine.structured import GrammarCache
+from llm_engine.tensor_parallel import CopyBlocks, Execute, ForgetAll, StepMirror
 from llm_engine.token_bans import AllowedTokens, BadWords
 from llm_engine.varlen_attention import varlen_fits, varlen_kernel
 
@@ -65,7 +68,8 @@ def choose_decode_attention(config: EngineConfig, spec: ModelSpec | None = None
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, spec: ModelSpec, config: EngineConfig, num_blocks: int,
-                 body: Body | None = None, kv_cache: torch.Tensor | None = None) -> None:
+                 body: Body | None = None, kv_cache: torch.Tensor | None = None,
+                 mirror: StepMirror | None = None) -> None:
         """Args:
             body: the engine's own model body, compiled or not (llm_engine/compilation.py); None: run
                 transformers' modules (`model.model`) with the paged attention plugged in.
@@ -73,7 +77,10 @@ class ModelRunner:
             num_blocks: KV blocks to allocate (llm_engine/kv_sizing.py plan_kv_cache).
             kv_cache: those blocks, allocated by the caller (LLMEngine, under the node's memory lock);
                 None: allocated here.
+            mirror: rank 0 of a tensor-parallel worker: the other ranks, sent each call first; None: one rank,
+                or a rank > 0 (driven by llm_engine/tp_follower.py).
         """
+        self.mirror = mirror
         self.model = model
         self.body = body
         self.timeline = StepTimeline()  # every forward: when, how long, decode and prompt tokens
@@ -102,6 +109,9 @@ class ModelRunner:
 
     def forget_all(self) -> None:
         """Drop every request's table and sampling state (the engine is idle; its scheduler is replaced)."""
+        if self.mirror is not None:
+            with self.mirror.lock:
+                self.mirror.send(ForgetAll())
         self.logits.forget(tuple(self.inputs._rows))
         self.inputs.forget_all()
 
@@ -109,6 +119,14 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (every layer, K and V), source → destination: the copy-on-write of a forked
         table's last partial block (KVCacheManager.fork)."""
+        if pairs and self.mirror is not None:
+            with self.mirror.lock:
+                self.mirror.send(CopyBlocks(tuple(pairs)))
+                self._copy_blocks(pairs)
+        elif pairs:
+            self._copy_blocks(pairs)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> None:
         if pairs:
             src = torch.tensor([s for s, _ in pairs], device=self.device)
             dst = torch.tensor([d for _, d in pairs], device=self.device)
@@ -118,6 +136,13 @@ class ModelRunner:
     def execute(self, batch: ModelInput) -> ModelOutput:
         """Compute every chunk's new tokens and sample for the chunks that ask for it (each forward is
         recorded in `timeline`)."""
+        if self.mirror is not None:
+            with self.mirror.lock:
+                self.mirror.send(Execute(batch))
+                return self._timed(batch)
+        return self._timed(batch)
+
+    def _timed(self, batch: ModelInput) -> ModelOutput:
         if not batch.chunks:
             return self._execute(batch)
         started = time.time()
@@ -127,11 +152,22 @@ class ModelRunner:
                                         batch.num_tokens - num_decode))
         return output
 
-    def _execute(self, batch: ModelInput) -> ModelOutput:
-        self.logits.forget(batch.finished_request_ids)
+    @torch.inference_mode()
+    def replay(self, call: Execute | CopyBlocks | ForgetAll) -> None:
+        """A rank > 0: what rank 0's runner did, over this rank's slice (its KV heads, its tables)."""
+        if isinstance(call, Execute):
+            self.forward(call.batch)
+        elif isinstance(call, CopyBlocks):
+            self._copy_blocks(call.pairs)
+        else:
+            self.inputs.forget_all()
+
+    def forward(self, batch: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The batch's tables updated and its tokens through the body (their KV written): (the hidden states
+        [1, T, hidden], the rows that sample), or None for a batch of no chunks."""
         if not batch.chunks:
             self.inputs.forget(batch.finished_request_ids)
-            return ModelOutput(())
+            return None
         prepared = self.inputs.prepare(batch)
         if self.body is not None:
             with step_context(prepared.metadata):
@@ -141,6 +177,14 @@ class ModelRunner:
                 input_ids=prepared.input_ids, position_ids=prepared.position_ids, use_cache=False,
                 paged_metadata=prepared.metadata,
             ).last_hidden_state  # [1, T, hidden]
+        return hidden, prepared.sample_rows
+
+    def _execute(self, batch: ModelInput) -> ModelOutput:
+        self.logits.forget(batch.finished_request_ids)
+        forwarded = self.forward(batch)
+        if forwarded is None:
+            return ModelOutput(())
+        hidden, sample_rows = forwarded
         scored = self._score_prompts(batch.chunks, hidden[0])
         sampling_chunks = [c for c in batch.chunks if c.sampling is not None]
         if not sampling_chunks:
@@ -149,7 +193,7 @@ class ModelRunner:
             if chunk.history is not None and chunk.sampling is not None:
                 self.logits.register(chunk.request_id, chunk.sampling, chunk.history)
         # Project only the rows that sample: the vocab projection of every prompt token is wasted work.
-        rows = hidden[0] if prepared.sample_rows is None else hidden[0, prepared.sample_rows]
+        rows = hidden[0] if sample_rows is None else hidden[0, sample_rows]
         raw_logits = self.model.lm_head(rows).float()  # [num_samples, vocab]
         params = tuple(c.sampling for c in sampling_chunks if c.sampling is not None)
         sampling_rows = SamplingRows(tuple(c.request_id for c in sampling_chunks), params,

@@ -6,9 +6,10 @@ from vLLM") lists the same table.
               or the flag has nothing to act on: accepted, and one log line says so;
     renamed   the same setting under pdserve's name (--kv-cache-memory-bytes → --kv-cache-memory, --dtype
               half → float16, --enforce-eager → --compile off): the value moves there, and a log line says so;
-    refused   something pdserve cannot do yet (tensor parallelism, quantized weights, LoRA, ...): the command
-              stops before anything starts, naming the flag.
-Flags vLLM and pdserve share (--max-model-len, --max-num-seqs, --gpu-memory-utilization, ..., and the HTTP
+    refused   something pdserve cannot do yet (pipeline parallelism, quantized weights, LoRA, ...): the
+              command stops before anything starts, naming the flag.
+Flags vLLM and pdserve share (--max-model-len, -tp/--tensor-parallel-size, --max-num-seqs,
+--gpu-memory-utilization, ..., and the HTTP
 server's: --uvicorn-log-level, --ssl-*, --root-path, --allowed-origins, ...: gateway/http_settings.py) are
 pdserve's own (gateway/config.py) and need nothing here.
 """
@@ -25,8 +26,8 @@ from typing import Any
 
 logger = logging.getLogger("pdserve.serve")
 
-NO_TP = ("each worker runs the whole model on one device (no tensor or pipeline parallelism yet): serve a "
-         "model that fits one GPU or the CPU, and add workers for throughput (--prefill N --decode M)")
+NO_PP = ("a worker splits its model over ranks by heads (--tensor-parallel-size), not by layers (no pipeline "
+         "parallelism): use -tp N, or add workers for throughput (--prefill N --decode M)")
 UNQUANTIZED = ("pdserve serves unquantized weights only (float32, bfloat16, float16): serve the unquantized "
                "model (e.g. the id without -AWQ, -GPTQ or -FP8)")
 
@@ -170,8 +171,7 @@ FLAGS: tuple[VllmFlag, ...] = (
              kv_cache_memory_bytes),
     VllmFlag(("--enforce-eager",), "→ --compile off", enforce_eager, takes_value=False),
     VllmFlag(("--kv-cache-dtype",), "auto only (the model's dtype)", kv_cache_dtype),
-    VllmFlag(("-tp", "--tensor-parallel-size"), "1 only (no tensor parallelism yet)", only_one(NO_TP)),
-    VllmFlag(("-pp", "--pipeline-parallel-size"), "1 only (no pipeline parallelism yet)", only_one(NO_TP)),
+    VllmFlag(("-pp", "--pipeline-parallel-size"), "1 only (no pipeline parallelism yet)", only_one(NO_PP)),
     VllmFlag(("-dp", "--data-parallel-size"), "1 only: pdserve's workers are its data parallelism",
              only_one("pdserve's workers are its data parallelism: give the number of each kind, "
                       "--prefill N --decode M (or --mixed K for colocated workers)")),

@@ -6,7 +6,9 @@ once, then serves in a role (prefill, decode or mixed) and can change role witho
 Lifecycle:  WorkerActor(role): cheap, so that the gateway learns at once that Ray placed it and on which node
     (placement(); the torch group's first rank also offers a free port on its node: free_port())
     → start(torch_group): the model is found on this node (ModelSource), the engine loads (weights + KV
-    cache, once per process), the torch group (if any) is joined → the role's front is built over it
+    cache, once per process; a tensor-parallel worker starts its other ranks on this node first and loads
+    its slice: pool_worker/tp_ranks.py), the torch group (if any) is joined → the role's front is built
+    over it
     (PrefillRole: sender + prefill scheduler; DecodeRole: receiver + decode scheduler)
     → serves (every role sends its outputs through output_stream(), one per gateway reader: prefill results,
       decode tokens; every
@@ -42,7 +44,9 @@ from kv_transfer import BackendName, PeerInfo, PullReply, PullRequest, TransferC
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.model_loader import num_model_loads
 from llm_engine.step_timeline import STEP_TOKEN_BUCKETS, StepRecord
+from llm_engine.tensor_parallel import TPGroup, TPRank
 from pool_worker.submissions import compile_grammars, is_final, submit_each
+from pool_worker.tp_ranks import TPRanks
 from prefill_pool.messages import PrefillRequest
 from prefill_pool.role import PrefillRole
 from worker_runtime.aborted import AbortedIds
@@ -55,6 +59,8 @@ from worker_runtime.peer_client import PeerClient
 from worker_runtime.process_heap import freeze_startup_heap
 from worker_runtime.roles import Role
 from worker_runtime.worker_setup import TorchGroupSpec, setup_worker_process
+
+TP_START_TIMEOUT_S = 600.0  # the other ranks load their slices while rank 0 loads its own
 
 
 class WrongRole(RuntimeError):
@@ -97,6 +103,7 @@ class WorkerActor:
         self._front: PrefillRole | DecodeRole | None = None  # built by start()
         self._cpu_slot: int | None = None
         self._keeper = KeeperWatch(keeper).start() if keeper else None
+        self._tp_ranks: TPRanks | None = None  # ranks 1.. of a tensor-parallel worker (start() makes them)
 
     def placement(self) -> WorkerPlacement:
         return self._placement
@@ -121,10 +128,38 @@ class WorkerActor:
         model_dir = self._model_source.resolve_here(node)  # before the group: a rank without it fails alone
         self._cpu_ids = setup_worker_process(self._num_threads, torch_group, cpu_slot)
         self._cpu_slot = cpu_slot
-        self.engine = LLMEngine(replace(self._engine_config, model_dir=model_dir))
+        config = replace(self._engine_config, model_dir=model_dir)
+        if config.tensor_parallel_size > 1:
+            self._check_tp_role(self.role)
+            self.engine = self._start_tp_group(config)
+        else:
+            self.engine = LLMEngine(config)
         self._front = self._build_front(self.role)
         freeze_startup_heap()  # a full collection over the model's heap would stall the step loop
         return self.info()
+
+    def _start_tp_group(self, config: EngineConfig) -> LLMEngine:
+        """Rank 0 of a tensor-parallel worker: the other ranks started on this node (pool_worker/tp_ranks.py),
+        the group joined, and this rank's engine built over it."""
+        size = config.tensor_parallel_size
+        tp = TPRank(0, size, f"tcp://{self._placement.node_ip}:{self.free_port()}",
+                    "nccl" if config.device.startswith("cuda") else "gloo")
+        given = ray.get_runtime_context().get_assigned_resources()
+        self._tp_ranks = TPRanks.create(self.worker_id, tp, config, config.model_dir, self._num_threads,
+                                        self._placement.node_id, given.get("CPU", 0.0), given.get("GPU", 0.0))
+        try:
+            engine = LLMEngine(config, tp_group=TPGroup(tp))
+            self._tp_ranks.wait_started(TP_START_TIMEOUT_S)
+        except BaseException:
+            self._tp_ranks.kill()
+            raise
+        return engine
+
+    def _check_tp_role(self, role: Role) -> None:
+        size = self._engine_config.tensor_parallel_size
+        if size > 1 and role is not Role.MIXED:
+            raise WrongRole(f"{self.worker_id} is tensor-parallel ({size} ranks) and serves as mixed only "
+                            f"for now, not {role.value}")
 
     def _build_front(self, role: Role) -> PrefillRole | DecodeRole:
         if role is Role.PREFILL:
@@ -157,6 +192,7 @@ class WorkerActor:
         new = Role(role)
         if new is self.role:
             return self.info()
+        self._check_tp_role(new)
         if new.can_decode and self.role.can_decode:  # decode ⇄ mixed: the same front
             self.role = new
         else:
@@ -206,6 +242,9 @@ class WorkerActor:
             self._keeper.stop()
         if self._front is not None:
             self._front.close()
+        if self._tp_ranks is not None:
+            self.engine.stop_followers()
+            self._tp_ranks.kill()
 
     def peer_info(self) -> PeerInfo:
         """The endpoint other workers pull KV from: a prefill worker's prompts, or a decode or mixed

@@ -112,7 +112,7 @@ class PDDeployment:
         self.target: dict[Role, int] = config.layout()
         self.on_change: list[Callable[[], None]] = []  # called when the set of active workers changes
         self.is_closing = False
-        self.wiring = PeerWiring(self.workers, self.backend)
+        self.wiring = PeerWiring(self.workers, self.backend, config.engine.tensor_parallel_size)
         self.on_remove = self.wiring.on_remove  # called with the id of a worker gone from its role
         self.recovery = Recovery(self)
         self.reshape = Reshape(self)

@@ -24,9 +24,15 @@ from worker_runtime.roles import Role
 class PeerWiring:
     """Owns the add_peer / remove_peer calls over a deployment's `workers` (the same dict, shared)."""
 
-    def __init__(self, workers: dict[str, Worker], backend: BackendName) -> None:
+    def __init__(self, workers: dict[str, Worker], backend: BackendName,
+                 tensor_parallel_size: int = 1) -> None:
+        """Args:
+            tensor_parallel_size: the workers' ranks; above 1 their KV does not move between decode workers
+                (each rank holds its own heads: streams move by recompute).
+        """
         self.workers = workers
         self.backend = backend
+        self._can_migrate = can_move_kv_between_decode_workers(backend) and tensor_parallel_size == 1
         # Orders add_peer against remove_peer on each worker.
         self._order = itertools.count(time.time_ns() // 1000)
         self.on_remove: list[Callable[[str], None]] = []  # called with the id of a worker gone from its role
@@ -37,8 +43,7 @@ class PeerWiring:
         decode or mixed worker."""
         # A pending worker is not connected now: it connects itself once placed and started (bring-up).
         alive = [w for w in self.workers.values() if w.state not in (WorkerState.FAILED, WorkerState.PENDING)]
-        can_migrate = can_move_kv_between_decode_workers(self.backend)
-        sources = [w for w in alive if w.role is Role.PREFILL or (can_migrate and w.role.can_decode)]
+        sources = [w for w in alive if w.role is Role.PREFILL or (self._can_migrate and w.role.can_decode)]
         decodes = [w for w in alive if w.role.can_decode]
         pairs = [(d, s) for d in decodes for s in sources if s is not d and (d in new or s in new)]
         needed = {s.worker_id: s for _, s in pairs}

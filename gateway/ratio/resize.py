@@ -146,6 +146,10 @@ class PoolResizer:
         if (target[Role.PREFILL] or target[Role.DECODE]) and self.deployment.backend.value == "local":
             raise ResizeConflict("this server was started with only mixed workers and no KV transfer "
                                  "backend; serve with --backend nixl to add prefill or decode workers")
+        tp = self.deployment.config.engine.tensor_parallel_size
+        if (target[Role.PREFILL] or target[Role.DECODE]) and tp > 1:
+            raise ResizeRefused(f"this server's workers are tensor-parallel (--tensor-parallel-size {tp}) "
+                                "and serve in the mixed role only for now: ask for mixed workers alone")
         moves = plan_moves(self.deployment.target, target)
         # The target counts workers still starting (a failed one's replacement, a PENDING one), but a role
         # change or a drain needs an ACTIVE worker of the role it takes from: refuse now rather than stop

@@ -28,8 +28,7 @@ def test_the_acceptance_line_starts_with_a_log_line_per_flag(caplog: pytest.LogC
     assert config.dtype == "auto"
     said = caplog.text
     for flag in ("--enable-prefix-caching: accepted, no effect", "--enable-chunked-prefill: accepted",
-                 "--enable-auto-tool-choice: accepted", "--dtype half: on a CPU",
-                 "-tp/--tensor-parallel-size 1"):
+                 "--enable-auto-tool-choice: accepted", "--dtype half: on a CPU"):
         assert flag in said, said
 
 
@@ -40,13 +39,16 @@ def test_renamed_flags_set_pdserves_own() -> None:
     assert load("--kv-cache-memory-bytes", "2g").kv_cache_memory == 2 * 10**9  # k = 1000
     assert load("--kv-cache-memory-bytes", "1048576").kv_cache_memory == 1 << 20
     assert load("--enforce-eager").compile == "off"
+    assert load("-tp", "2").tensor_parallel_size == 2  # pdserve's own flag, vLLM's spelling; one mixed worker
+    assert load("-tp", "2").mixed == 1
     assert load("org/name", "--tokenizer", "org/name", "--load-format", "safetensors", "--max-logprobs", "20",
                 "--runner", "generate", "--enable-log-requests").model == "org/name"
 
 
 @pytest.mark.parametrize("argv,named", [
-    (["-tp", "2"], "-tp/--tensor-parallel-size 2: each worker runs the whole model on one device"),
-    (["--tensor-parallel-size", "4"], "-tp/--tensor-parallel-size 4"),
+    (["-tp", "0"], "--tensor-parallel-size: Input should be greater than or equal to 1"),
+    (["-tp", "2", "--prefill", "1", "--decode", "1"], "--tensor-parallel-size 2: tensor-parallel workers serve "
+                                                      "in the mixed role only"),
     (["-pp", "2"], "-pp/--pipeline-parallel-size 2"),
     (["-dp", "2"], "--prefill N --decode M"),
     (["--quantization", "awq"], "-q/--quantization awq: pdserve serves unquantized weights only"),

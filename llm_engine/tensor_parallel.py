@@ -1,0 +1,233 @@
+"""Tensor parallelism inside one worker: its ranks are processes that each hold a slice of every layer's
+heads and MLP, and step together.
+
+    TPGroup.join(TPRank(rank, size, init_method)) → a gloo group over a TCP store of its own (the step
+        broadcast; on a CPU also the all-reduces) and, on CUDA, an NCCL group beside it for the all-reduces
+    shard_lean_body(body, group): Megatron-style: q/k/v and gate/up column-parallel (each rank its heads and
+        its share of the MLP), o and down row-parallel, their partial sums added over the ranks
+        (pdserve::tp_all_reduce); embeddings, norms and lm_head whole on every rank
+    rank 0: an LLMEngine as ever (scheduler, sampling, lm_head); its ModelRunner mirrors each call that reads
+        or writes the KV cache or the runner's block tables (StepMirror.send: execute, copy_blocks,
+        forget_all) to the other ranks, under one lock so the collectives of two calls never interleave
+    ranks > 0: TPFollower.serve() replays each mirrored call over its own slice until Stop.
+Why rank 0 alone schedules and samples: one schedule and one token per request, nothing to agree on; the
+other ranks need only the batch, and after the last all-reduce the hidden states are whole on every rank.
+A rank that dies: the others' next collective fails (gloo: the peer's socket closes; NCCL: the timeout), the
+step loop raises, and the worker goes down as one unit, as any worker whose step failed.
+The group has its own store and never touches torch.distributed's default group, which the torch transfer
+backend owns (kv_transfer/backends/torch_group.py).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llm_engine.batch import ModelInput
+from llm_engine.config import ModelSpec
+
+if TYPE_CHECKING:
+    from llm_engine.lean_model import LeanBody, LeanLayer
+
+# How long an all-reduce waits for a slow rank before the step fails. The step broadcast has no such
+# bound: ranks > 0 wait there while the worker is idle, for as long as that lasts.
+ALL_REDUCE_TIMEOUT = timedelta(seconds=120)
+IDLE_TIMEOUT = timedelta(days=365)
+
+
+def check_tensor_parallel(spec: ModelSpec, size: int, flag: str = "--tensor-parallel-size") -> None:
+    """Raise ValueError naming `flag` if `size` ranks cannot split this model's heads evenly.
+
+    Each rank holds num_heads / size query heads and num_kv_heads / size KV heads (KV heads are not
+    replicated across ranks), and its share of the MLP.
+    """
+    if size < 1:
+        raise ValueError(f"{flag} must be >= 1, got {size}")
+    if size == 1:
+        return
+    divisors = [d for d in range(1, spec.num_kv_heads + 1)
+                if spec.num_kv_heads % d == 0 and spec.num_heads % d == 0 and spec.intermediate_size % d == 0]
+    if spec.num_heads % size or spec.num_kv_heads % size or spec.intermediate_size % size:
+        raise ValueError(
+            f"{flag} {size} does not divide the model's {spec.num_heads} attention heads, "
+            f"{spec.num_kv_heads} KV heads and MLP width {spec.intermediate_size}; "
+            f"degrees that do: {', '.join(map(str, divisors))}")
+
+
+@dataclass(frozen=True)
+class TPRank:
+    """Where one rank of a worker's tensor-parallel group meets the others."""
+
+    rank: int
+    size: int
+    init_method: str  # "tcp://host:port": rank 0 serves the group's store there
+    backend: str = "gloo"  # "nccl": the all-reduces on CUDA (the step broadcast stays on gloo)
+
+
+class TPGroup:
+    """One worker's ranks: the step broadcast (gloo) and the all-reduce (gloo, or NCCL on CUDA)."""
+
+    def __init__(self, rank: TPRank) -> None:
+        url = urlparse(rank.init_method)
+        if url.scheme != "tcp" or url.hostname is None or url.port is None:
+            raise ValueError(f"a tensor-parallel group meets at tcp://host:port, got {rank.init_method!r}")
+        self.rank, self.size = rank.rank, rank.size
+        store = dist.TCPStore(url.hostname, url.port, rank.size, is_master=rank.rank == 0,
+                              timeout=timedelta(seconds=300))
+        self._store = store  # the groups keep using it
+        # Typed Any: torch's stubs miss the backends' own collectives (broadcast(tensor, root)).
+        self._control: Any = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank.rank, rank.size,
+                                                   IDLE_TIMEOUT)
+        reduce_store = dist.PrefixStore("reduce", store)
+        self._reduce: Any = (
+            _nccl_group(reduce_store, rank.rank, rank.size) if rank.backend == "nccl" else
+            dist.ProcessGroupGloo(reduce_store, rank.rank, rank.size, ALL_REDUCE_TIMEOUT))
+        self.handle = register_group(self)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over the ranks, in place."""
+        self._reduce.allreduce([tensor]).wait()
+
+    def broadcast_object(self, obj: object | None = None) -> object:
+        """Rank 0 sends `obj`; every rank returns it (ranks > 0 wait for it, without a deadline)."""
+        size = torch.zeros(1, dtype=torch.int64)
+        data = b""
+        if self.rank == 0:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            size[0] = len(data)
+        self._control.broadcast(size, 0).wait()
+        payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0
+                   else torch.empty(int(size[0]), dtype=torch.uint8))
+        self._control.broadcast(payload, 0).wait()
+        return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+
+
+def _nccl_group(store: Any, rank: int, size: int) -> Any:
+    """NCCL over this group's store, on the device Ray gave this rank (CUDA builds only)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = ALL_REDUCE_TIMEOUT
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+# Groups by handle: the compiled graph names a group by an int (a process group cannot be a graph input).
+_groups: dict[int, TPGroup] = {}
+
+
+def register_group(group: TPGroup) -> int:
+    handle = len(_groups)
+    _groups[handle] = group
+    return handle
+
+
+def group_by_handle(handle: int) -> TPGroup:
+    return _groups[handle]
+
+
+def _column_rows(weight: torch.Tensor | None, sizes: list[int], rank: int, size: int) -> torch.Tensor | None:
+    """Rank `rank`'s rows of a fused column-parallel weight (or bias) whose parts have `sizes` rows each:
+    the same slice of every part, side by side."""
+    if weight is None:
+        return None
+    parts, start = [], 0
+    for part in sizes:
+        share = part // size
+        parts.append(weight[start + rank * share : start + (rank + 1) * share])
+        start += part
+    return torch.cat(parts).contiguous()
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
+                      dtype=weight.dtype)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    return layer
+
+
+def _shard_layer(layer: LeanLayer, group: TPGroup) -> None:
+    rank, size = group.rank, group.size
+    qkv: nn.Linear = layer.qkv_proj  # type: ignore[assignment]  # sharded before the kernel probe
+    sizes = [layer.q_size, layer.kv_size, layer.kv_size]
+    layer.qkv_proj = _linear(_column_rows(qkv.weight, sizes, rank, size),  # type: ignore[arg-type]
+                             _column_rows(qkv.bias, sizes, rank, size))
+    gate_up: nn.Linear = layer.gate_up_proj  # type: ignore[assignment]
+    sizes = [layer.intermediate, layer.intermediate]
+    layer.gate_up_proj = _linear(_column_rows(gate_up.weight, sizes, rank, size),  # type: ignore[arg-type]
+                                 _column_rows(gate_up.bias, sizes, rank, size))
+    # Row-parallel: each rank's input columns; a bias is added once, by rank 0, before the sum.
+    for name, width in (("o_proj", layer.q_size // size), ("down_proj", layer.intermediate // size)):
+        full: nn.Linear = getattr(layer, name)
+        bias = full.bias if rank == 0 else None
+        setattr(layer, name, _linear(full.weight[:, rank * width : (rank + 1) * width].contiguous(), bias))
+    layer.num_heads //= size
+    layer.num_kv_heads //= size
+    layer.q_size //= size
+    layer.kv_size //= size
+    layer.intermediate //= size
+    layer.tp_handle = group.handle
+
+
+def shard_lean_body(body: LeanBody, group: TPGroup) -> None:
+    """Keep this rank's slice of every layer (in place); the layers sum their row-parallel outputs."""
+    for layer in body.layers:
+        _shard_layer(layer, group)  # type: ignore[arg-type]
+
+
+# --- the step mirror: rank 0's runner calls, replayed by the other ranks ---
+
+
+@dataclass(frozen=True)
+class StartFollowers:
+    """Rank 0's KV cache size, sent once its engine planned it: every rank allocates as many blocks."""
+
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class Execute:
+    batch: ModelInput
+
+
+@dataclass(frozen=True)
+class CopyBlocks:
+    pairs: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class ForgetAll:
+    pass
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+MirroredCall = StartFollowers | Execute | CopyBlocks | ForgetAll | Stop
+
+
+class StepMirror:
+    """Rank 0's side: sends each call to the other ranks before running it itself. Hold `lock` from the send
+    to the end of the call: the ranks' collectives must come in the same order on every rank."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+        self.lock = threading.Lock()
+
+    def send(self, call: MirroredCall) -> None:
+        self.group.broadcast_object(call)
+
+    def receive(self) -> MirroredCall:
+        call = self.group.broadcast_object()
+        assert isinstance(call, StartFollowers | Execute | CopyBlocks | ForgetAll | Stop), call
+        return call

@@ -1,0 +1,43 @@
+"""A rank > 0 of a tensor-parallel worker: its slice of the model and KV cache, stepping with rank 0.
+
+    TPFollower(config, group): load this rank's slice (llm_engine/model_loader.py) → wait for rank 0's cache
+        size (StartFollowers) → allocate as many blocks of this rank's KV heads
+    → serve(): replay each call rank 0's runner mirrors (execute, copy_blocks, forget_all), until Stop.
+No scheduler and no sampling here: rank 0 decides every step (llm_engine/tensor_parallel.py says why).
+"""
+
+from __future__ import annotations
+
+from llm_engine.config import EngineConfig
+from llm_engine.kv_cache import KVCacheSpec
+from llm_engine.model_loader import LoadedModel, load_model
+from llm_engine.model_runner import ModelRunner
+from llm_engine.node_locks import node_memory_lock
+from llm_engine.tensor_parallel import StartFollowers, StepMirror, Stop, TPGroup
+
+
+class TPFollower:
+    def __init__(self, config: EngineConfig, group: TPGroup, loaded: LoadedModel | None = None) -> None:
+        if group.rank == 0:
+            raise ValueError("rank 0 of a tensor-parallel group runs the LLMEngine, not a follower")
+        loaded = loaded or load_model(config, group)
+        self.spec = loaded.spec.with_max_model_len(config.max_model_len)
+        self.mirror = StepMirror(group)
+        start = self.mirror.receive()
+        if not isinstance(start, StartFollowers):
+            raise RuntimeError(f"rank {group.rank}: rank 0 sent {start!r} before the cache size")
+        with node_memory_lock(config.device):
+            kv_cache = KVCacheSpec.from_model(self.spec, config).allocate(start.num_blocks, config.device)
+        self.runner = ModelRunner(loaded.model, self.spec, config, start.num_blocks, loaded.body, kv_cache)
+        self.num_steps = 0
+
+    def serve(self) -> None:
+        """Replay rank 0's calls until it sends Stop (or a collective fails: rank 0 is gone)."""
+        while True:
+            call = self.mirror.receive()
+            if isinstance(call, Stop):
+                return
+            if isinstance(call, StartFollowers):
+                raise RuntimeError("rank 0 sent a second cache size")
+            self.runner.replay(call)
+            self.num_steps += 1

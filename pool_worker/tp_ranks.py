@@ -1,0 +1,116 @@
+"""The other ranks of a tensor-parallel worker: a Ray actor each, on the worker's node, owned by the worker's
+actor (rank 0), so that they end when it ends.
+
+Lifecycle (driven by WorkerActor.start when tensor_parallel_size > 1):
+    TPRanks.create(worker_id, size, ...) → ranks 1..size-1 (TPRankActor), each held to rank 0's node (Ray's
+        node affinity, not soft) with the CPUs rank 0 was given; they must be placed within
+        PLACEMENT_TIMEOUT_S, else start() fails naming what they ask for
+    → rank 0 picks a free port on its node; each rank's start() joins the group there, loads its slice of
+        the model and waits for the cache size (llm_engine/tp_follower.py), while rank 0 builds its
+        LLMEngine over the same group (which sends the size) → TPRanks.wait_started()
+    → each rank replays rank 0's steps on a thread of its own (TPFollower.serve)
+    → a rank that dies: rank 0's next all-reduce fails, its step loop fails the worker, and the gateway
+      replaces it as any failed worker (the other ranks go with rank 0's actor). Rank 0 that dies: Ray ends
+      the ranks it owns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import replace
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from llm_engine import EngineConfig
+from llm_engine.tensor_parallel import TPGroup, TPRank
+from llm_engine.tp_follower import TPFollower
+from worker_runtime.worker_setup import setup_worker_process
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 60.0  # the ranks ask for what rank 0 got, on its node: they fit at once or never
+
+
+class TPRankActor:
+    """Rank > 0 of one worker: its slice of the model, stepping with rank 0."""
+
+    def __init__(self, worker_id: str, rank: int) -> None:
+        self.worker_id, self.rank = worker_id, rank
+        self._follower: TPFollower | None = None
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def start(self, tp: TPRank, engine_config: EngineConfig, model_dir: str, num_threads: int) -> int:
+        """Join the group, load this rank's slice, allocate its cache as rank 0 says, and start replaying.
+        Returns this process's id."""
+        setup_worker_process(num_threads)
+        self._follower = TPFollower(replace(engine_config, model_dir=model_dir), TPGroup(tp))
+        threading.Thread(target=self._serve, name=f"tp-rank-{self.rank}", daemon=True).start()
+        return os.getpid()
+
+    def num_steps(self) -> int:
+        return 0 if self._follower is None else self._follower.num_steps
+
+    def _serve(self) -> None:
+        assert self._follower is not None
+        try:
+            self._follower.serve()
+        except Exception:  # rank 0 is gone, or a step failed here: this rank is of no use to anyone now
+            logger.exception("%s rank %d: replaying rank 0's steps failed; the rank ends", self.worker_id,
+                             self.rank)
+            os._exit(1)
+
+
+class TPRanks:
+    """Rank 0's handles on its other ranks."""
+
+    def __init__(self, actors: list[Any], start_refs: list[Any]) -> None:
+        self.actors = actors
+        self._start_refs = start_refs
+        self.pids: list[int] = []
+
+    @classmethod
+    def create(cls, worker_id: str, tp: TPRank, engine_config: EngineConfig, model_dir: str, num_threads: int,
+               node_id: str, num_cpus: float, num_gpus: float) -> TPRanks:
+        """Ranks 1..tp.size-1 on node `node_id`, each starting (joining the group at tp.init_method).
+
+        Raises:
+            RuntimeError: a rank was not placed in PLACEMENT_TIMEOUT_S (the message says what it asks for).
+        """
+        strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        actors: list[Any] = [ray.remote(TPRankActor).options(
+            num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy, max_concurrency=4,
+            name=f"pdserve-{worker_id}-rank{rank}").remote(worker_id, rank) for rank in range(1, tp.size)]
+        placed = [actor.node_id.remote() for actor in actors]
+        ready, _ = ray.wait(placed, num_returns=len(placed), timeout=PLACEMENT_TIMEOUT_S)
+        if len(ready) < len(placed):
+            for actor in actors:
+                ray.kill(actor)
+            raise RuntimeError(
+                f"{worker_id}: {len(placed) - len(ready)} of its {tp.size - 1} other tensor-parallel ranks "
+                f"found no room on its node {node_id[:12]} in {PLACEMENT_TIMEOUT_S:g} s (each asks for "
+                f"{num_cpus:g} CPU, {num_gpus:g} GPU there, as rank 0 does)")
+        refs = [actor.start.remote(replace(tp, rank=rank), engine_config, model_dir, num_threads)
+                for rank, actor in enumerate(actors, start=1)]
+        return cls(actors, refs)
+
+    def wait_started(self, timeout_s: float) -> None:
+        """Every rank loaded and allocated its cache (rank 0's engine has sent the size).
+
+        Raises:
+            RuntimeError: a rank failed to start, or did not within `timeout_s`.
+        """
+        ready, _ = ray.wait(self._start_refs, num_returns=len(self._start_refs), timeout=timeout_s)
+        if len(ready) < len(self._start_refs):
+            raise RuntimeError(f"{len(self._start_refs) - len(ready)} tensor-parallel ranks did not start in "
+                               f"{timeout_s:g} s")
+        self.pids = ray.get(ready)
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)

@@ -1,0 +1,108 @@
+"""Tensor parallelism inside one engine: rank 0 schedules and samples, the other ranks replay its steps over
+their slice of the heads, MLP and KV cache (llm_engine/tensor_parallel.py); float32 greedy tokens equal one
+rank's."""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from llm_engine import EngineConfig, LLMEngine, ModelSpec
+from llm_engine.sampling import SamplingParams
+from llm_engine.tensor_parallel import TPGroup, check_tensor_parallel
+from tests.helpers.tp_ranks import other_ranks
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
+# A short prompt, one longer than a prefill chunk (32 tokens below), and two that share a cached prefix.
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], list(range(10, 90)), [5] * 40 + [6, 7], [5] * 40 + [8]]
+
+
+def smollm2_like(**fields: int) -> ModelSpec:
+    shape = {"num_heads": 9, "num_kv_heads": 3, "intermediate_size": 1536, **fields}
+    return ModelSpec("LlamaForCausalLM", num_layers=30, head_dim=64, hidden_size=576, vocab_size=49152,
+                     max_model_len=2048, eos_token_ids=(2,), **shape)
+
+
+@pytest.mark.parametrize(("size", "named"), [
+    (2, "--tensor-parallel-size 2 does not divide the model's 9 attention heads, 3 KV heads"),
+    (4, "degrees that do: 1, 3"),
+    (0, "--tensor-parallel-size must be >= 1, got 0"),
+])
+def test_a_degree_that_does_not_split_the_heads_is_refused_naming_the_flag(size: int, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        check_tensor_parallel(smollm2_like(), size)
+    check_tensor_parallel(smollm2_like(), 3)  # 9 / 3 and 3 / 3: fine
+
+
+def test_engine_config_refuses_no_ranks() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        EngineConfig("unused", device="cpu", tensor_parallel_size=0)
+
+
+def _engine_config(model_dir: Path, size: int, **overrides: object) -> EngineConfig:
+    settings: dict[str, object] = {"dtype": "float32", "device": "cpu", "compile": "off",
+                                   "kv_cache_bytes": 16 << 20, "max_num_batched_tokens": 32,
+                                   "tensor_parallel_size": size}
+    return EngineConfig(str(model_dir), **{**settings, **overrides})  # type: ignore[arg-type]
+
+
+def _tokens_over_ranks(config: EngineConfig, prompts: list[list[int]]) -> list[tuple[int, ...]]:
+    with other_ranks(config) as (tp, processes):
+        engine = LLMEngine(config, tp_group=TPGroup(tp))
+        try:
+            return [c.output_token_ids for c in engine.generate(prompts, GREEDY)]
+        finally:
+            engine.stop_followers()
+            for process in processes:
+                process.join(timeout=30)
+                assert process.exitcode == 0, "a rank did not end cleanly on Stop"
+
+
+def test_two_ranks_give_one_ranks_greedy_tokens(tiny_llama_dir: Path) -> None:
+    one = [c.output_token_ids for c in LLMEngine(_engine_config(tiny_llama_dir, 1)).generate(PROMPTS, GREEDY)]
+    assert _tokens_over_ranks(_engine_config(tiny_llama_dir, 2), PROMPTS) == one
+
+
+def test_each_rank_holds_its_share_of_the_kv_heads(tiny_llama_dir: Path) -> None:
+    """The same KV memory holds twice the blocks when each rank keeps half the heads."""
+    config = _engine_config(tiny_llama_dir, 2)
+    with other_ranks(config) as (tp, _):
+        engine = LLMEngine(config, tp_group=TPGroup(tp))
+        try:
+            assert engine.runner.kv_cache.shape[4] == 1  # the tiny Llama's 2 KV heads over 2 ranks
+            single = LLMEngine(_engine_config(tiny_llama_dir, 1))
+            assert engine.kv_capacity.num_blocks == 2 * single.kv_capacity.num_blocks
+        finally:
+            engine.stop_followers()
+
+
+@pytest.mark.slow
+def test_smollm2_over_three_ranks_gives_one_ranks_greedy_tokens(smollm2_dir: Path) -> None:
+    """SmolLM2's 9 query and 3 KV heads split over 3 ranks (2 would not divide them)."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], list(range(100, 160))]
+    config = _engine_config(smollm2_dir, 1, kv_cache_bytes=32 << 20)
+    one = [c.output_token_ids for c in LLMEngine(config).generate(prompts, GREEDY)]
+    assert _tokens_over_ranks(replace(config, tensor_parallel_size=3), prompts) == one
+
+
+def test_a_rank_that_dies_fails_rank_0s_next_step_rather_than_hanging(tiny_llama_dir: Path) -> None:
+    config = _engine_config(tiny_llama_dir, 2)
+    with other_ranks(config) as (tp, [rank_1]):
+        engine = LLMEngine(config, tp_group=TPGroup(tp))
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))  # the group works
+        assert rank_1.pid is not None
+        os.kill(rank_1.pid, signal.SIGKILL)
+        rank_1.join(timeout=10)
+        with pytest.raises(RuntimeError):
+            engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2, temperature=0.0))
+
+
+@pytest.mark.compile
+def test_two_compiled_ranks_give_one_ranks_greedy_tokens(tiny_llama_dir: Path) -> None:
+    """The all-reduce is an opaque op in each rank's graph (llm_engine/custom_ops.py), as the attention is."""
+    one = [c.output_token_ids for c in LLMEngine(_engine_config(tiny_llama_dir, 1)).generate(PROMPTS, GREEDY)]
+    assert _tokens_over_ranks(_engine_config(tiny_llama_dir, 2, compile="on"), PROMPTS) == one

@@ -1,0 +1,49 @@
+"""The other ranks of a tensor-parallel engine as plain processes (spawned, as a worker's Ray actors would
+be): for the engine-level tests, which need no Ray."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+from llm_engine import EngineConfig
+from llm_engine.tensor_parallel import TPGroup, TPRank
+
+
+def _free_port() -> int:
+    # Not tests.helpers.servers': each spawned rank imports this module, and that one imports the gateway.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _follow(config: EngineConfig, tp: TPRank) -> None:
+    import torch
+
+    from llm_engine.tp_follower import TPFollower
+
+    torch.set_num_threads(1)
+    TPFollower(config, TPGroup(tp)).serve()
+
+
+@contextlib.contextmanager
+def other_ranks(config: EngineConfig) -> Iterator[tuple[TPRank, list[Any]]]:
+    """Ranks 1..size-1 of `config` started (each loads its slice and waits for rank 0); yields rank 0's
+    TPRank and the processes. The processes are ended on exit."""
+    size = config.tensor_parallel_size
+    tp = TPRank(0, size, f"tcp://127.0.0.1:{_free_port()}")
+    context = mp.get_context("spawn")  # not fork: the test process holds threads (and maybe Ray)
+    processes = [context.Process(target=_follow, args=(config, TPRank(rank, size, tp.init_method)),
+                                 daemon=True) for rank in range(1, size)]
+    for process in processes:
+        process.start()
+    try:
+        yield tp, processes
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
