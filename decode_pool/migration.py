@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kv_transfer import KVHandle, KVSender, PeerInfo, ReleasedBlocks
 from llm_engine.kv_cache_manager import KVCacheManager, blocks_for
@@ -31,9 +31,15 @@ IDLE_WAIT_S = 0.05  # with nothing out, the thread looks again this often (a saf
 
 
 class MigrationOffers:
-    def __init__(self, sender: KVSender, kv: KVCacheManager) -> None:
+    def __init__(self, sender: KVSender, kv: KVCacheManager,
+                 export: Callable[[Sequence[int]], None] | None = None) -> None:
+        """Args:
+            export: makes blocks whole in the sender's cache before they are offered (LLMEngine.export_blocks:
+                a tensor-parallel worker gathers its ranks' heads); None: they are.
+        """
         self.sender = sender
         self._kv = kv
+        self._export = export
         self._offered: dict[int, str] = {}  # transfer_id → request id whose blocks the lease holds
         self._lock = threading.Lock()  # every call on the sender
         self._released: list[ReleasedBlocks] = []  # seen by the polling thread, freed by poll()
@@ -55,8 +61,11 @@ class MigrationOffers:
         the next worker runs); the request must hold its table but be out of the scheduler."""
         table = self._kv.block_table(request.request_id)
         num_tokens = request.num_computed_tokens
+        blocks = table[:blocks_for(num_tokens, self._kv.block_size)]
+        if self._export is not None:
+            self._export(blocks)
         with self._lock:
-            handle = self.sender.offer(table[:blocks_for(num_tokens, self._kv.block_size)], num_tokens)
+            handle = self.sender.offer(blocks, num_tokens)
         self._offered[handle.transfer_id] = request.request_id
         self._has_offers.set()
         return handle

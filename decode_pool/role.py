@@ -50,12 +50,12 @@ class DecodeRole:
             config, gateway/fleet/config.py).
         """
         engine.use_scheduler(Scheduler, watermark)
-        receiver = make_receiver(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
+        # The transfer cache: the engine's own, or a tensor-parallel worker's whole-head staging cache.
+        receiver = make_receiver(backend, worker_id, engine.transfer_cache, config=transfer_config)
         migration = None
-        # A tensor-parallel engine's cache here holds rank 0's heads only: its streams move by recompute.
-        if can_move_kv_between_decode_workers(backend) and engine.config.tensor_parallel_size == 1:
-            migration = MigrationOffers(make_sender(backend, worker_id, engine.runner.kv_cache,
-                                                    config=transfer_config), engine.kv)
+        if can_move_kv_between_decode_workers(backend):
+            migration = MigrationOffers(make_sender(backend, worker_id, engine.transfer_cache,
+                                                    config=transfer_config), engine.kv, engine.export_blocks)
         self.outputs = outputs
         self.worker = DecodeWorker(worker_id, engine, receiver, deliver_pull=self._deliver_pull,
                                    release_source=self._release_source, on_step_end=outputs.flush,

@@ -141,10 +141,16 @@ class ServeConfig(BaseSettings):
         description="tokens per forward, the prefill chunk budget (default: the engine's)")
     tensor_parallel_size: int = Field(
         1, ge=1,
-        description="ranks (processes, each a Ray actor on the worker's node) one worker's model is split "
+        description="ranks (processes, each a Ray actor on the worker's node) each worker's model is split "
                     "over, Megatron-style: each holds 1/N of every layer's heads, MLP and KV cache; N must "
-                    "divide the model's attention and KV heads. Above 1, workers serve in the mixed role "
-                    "(--mixed K) for now")
+                    "divide the model's attention and KV heads")
+    prefill_tp: int | None = Field(
+        None, ge=1,
+        description="the prefill workers' tensor-parallel degree (default: --tensor-parallel-size)")
+    decode_tp: int | None = Field(
+        None, ge=1,
+        description="the decode and mixed workers' tensor-parallel degree (default: --tensor-parallel-size); "
+                    "KV moves between workers of any two degrees")
     max_prefill_s_beside_decode: float | None = Field(
         None, ge=0,
         description="seconds of prompt work a worker adds to a step while it also decodes (mixed workers): "
@@ -396,18 +402,15 @@ class ServeConfig(BaseSettings):
     def _check_layout(self) -> ServeConfig:
         """The roles (none given: 1 prefill + 1 decode), and the settings that go with a layout."""
         if self.prefill is None and self.decode is None and self.mixed is None:
-            if self.tensor_parallel_size > 1:
-                self.mixed = 1
-            else:
-                self.prefill, self.decode = 1, 1
+            self.prefill, self.decode = 1, 1
         if self.fleet_name is not None and self.ray_address is None:
             raise ValueError("--fleet-name keeps the workers beyond the gateway process, in a Ray cluster "
                              "that outlives it: give --address too (a local Ray ends with the gateway)")
-        if self.tensor_parallel_size > 1 and (self.prefill or self.decode or self.ratio == "auto"):
-            raise ValueError(
-                f"--tensor-parallel-size {self.tensor_parallel_size}: tensor-parallel workers serve in the "
-                f"mixed role only for now (KV cannot yet move between workers whose ranks split the heads): "
-                f"give --mixed K alone, with --ratio fixed")
+        (_, prefill_tp), (_, decode_tp) = self.tp_degrees()
+        if self.ratio == "auto" and prefill_tp != decode_tp:
+            raise ValueError(f"--prefill-tp {prefill_tp} / --decode-tp {decode_tp}: --ratio auto moves "
+                             "workers between roles, and a worker's ranks are fixed at its start: give both "
+                             "roles one degree")
         if self.ratio == "auto" and self.backend == "torch":
             raise ValueError("--ratio auto moves workers between roles, which the torch backend's fixed "
                              "process group cannot: use --backend nixl")
@@ -424,7 +427,7 @@ class ServeConfig(BaseSettings):
             raise ValueError("--gpu-memory-utilization sizes a GPU's memory (--device cuda); on a CPU size "
                              "the KV cache with --kv-cache-memory")
         if self.model is not None and is_local_path(self.model) and (
-                self.max_model_len is not None or self.tensor_parallel_size > 1):
+                self.max_model_len is not None or max(d for _, d in self.tp_degrees()) > 1):
             try:
                 self.model_spec(self.model)  # a --max-model-len or TP degree the model refuses, here
             except FileNotFoundError as error:
@@ -469,8 +472,16 @@ class ServeConfig(BaseSettings):
                 divide its heads (the message names the flag).
         """
         spec = read_model_spec(model_dir).with_max_model_len(self.max_model_len)
-        check_tensor_parallel(spec, self.tensor_parallel_size)
+        for flag, degree in self.tp_degrees():
+            check_tensor_parallel(spec, degree, flag)
         return spec
+
+    def tp_degrees(self) -> tuple[tuple[str, int], tuple[str, int]]:
+        """(the flag that sets it, the degree) of the prefill workers, then of the decode and mixed ones."""
+        return (("--prefill-tp", self.prefill_tp) if self.prefill_tp else
+                ("--tensor-parallel-size", self.tensor_parallel_size),
+                ("--decode-tp", self.decode_tp) if self.decode_tp else
+                ("--tensor-parallel-size", self.tensor_parallel_size))
 
     @property
     def is_loopback(self) -> bool:

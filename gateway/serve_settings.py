@@ -62,8 +62,8 @@ def threads_per_worker(config: ServeConfig) -> int:
         return config.threads_per_worker
     if config.ray_address is not None:
         return max(1, int(config.cpus_per_worker or 1))
-    num_workers = (config.prefill or 0) + (config.decode or 0) + (config.mixed or 0)
-    num_ranks = num_workers * config.tensor_parallel_size  # each rank a process of its own
+    (_, prefill_tp), (_, decode_tp) = config.tp_degrees()  # each rank a process of its own
+    num_ranks = (config.prefill or 0) * prefill_tp + ((config.decode or 0) + (config.mixed or 0)) * decode_tp
     return max(1, len(os.sched_getaffinity(0)) // max(1, num_ranks))
 
 
@@ -93,6 +93,8 @@ def deployment_config(config: ServeConfig, model_dir: str) -> DeploymentConfig:
                             num_mixed=config.mixed or 0, backend=config.backend, transfer=TransferConfig(),
                             role_resources={r: x for r, x in chosen_resources.items() if x},
                             worker_env=dict(config.worker_env or {}),
+                            role_tp={role: tp for role, tp in ((Role.PREFILL, config.prefill_tp),
+                                                               (Role.DECODE, config.decode_tp)) if tp},
                             # Each worker finds the model on its own node
                             # (pool_worker/runtime/model_source.py).
                             model_source=ModelSource.named(config.model, config.revision, model_dir),

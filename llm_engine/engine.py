@@ -9,7 +9,9 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from llm_engine.block_pool import BlockPool
 from llm_engine.config import EngineConfig, ModelSpec
@@ -86,14 +88,37 @@ class LLMEngine:
         logger.info("%s", self.kv_capacity.describe())
         self.compilation = loaded.compilation
         self.mirror = StepMirror(tp_group) if tp_group is not None and tp_group.size > 1 else None
+        self._staging: torch.Tensor | None = None
         if self.mirror is not None:
             self.mirror.send(StartFollowers(self.kv_capacity.num_blocks))
+            # Whole-head blocks for the KV that leaves or arrives: the same ids as the ranks' caches.
+            with node_memory_lock(config.device):
+                rank_spec = KVCacheSpec.from_model(self.spec, config)
+                whole = replace(rank_spec, num_kv_heads=self.spec.num_kv_heads)
+                self._staging = whole.allocate(self.kv_capacity.num_blocks, config.device)
         self.runner = ModelRunner(loaded.model, self.spec, config, self.kv_capacity.num_blocks, loaded.body,
                                   kv_cache, self.mirror)
         self.block_pool = BlockPool(self.runner.num_blocks)
         self.kv = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = self._make_scheduler(scheduler_cls, watermark)
         self._ids = itertools.count()
+
+    @property
+    def transfer_cache(self) -> torch.Tensor:
+        """The KV tensor the transfer layer registers and moves blocks of: the runner's cache, or, for rank 0
+        of a tensor-parallel worker, its whole-head staging cache (llm_engine/tensor_parallel.py)."""
+        return self.runner.kv_cache if self._staging is None else self._staging
+
+    def export_blocks(self, block_ids: Sequence[int]) -> None:
+        """Make these blocks' KV whole in the transfer cache before they are offered (tensor parallel: every
+        rank's heads gathered; one rank: nothing to do)."""
+        if self._staging is not None and block_ids:
+            self.runner.gather_blocks(tuple(block_ids), self._staging)
+
+    def import_blocks(self, block_ids: Sequence[int]) -> None:
+        """Give every rank its heads of blocks a pull wrote into the transfer cache (one rank: nothing)."""
+        if self._staging is not None and block_ids:
+            self.runner.scatter_blocks(tuple(block_ids), self._staging)
 
     def stop_followers(self) -> None:
         """Release the other ranks of a tensor-parallel worker from their replay loop (they return)."""

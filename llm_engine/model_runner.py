@@ -31,7 +31,15 @@ from llm_engine.native_kernels import DecodeKernel, kernel_unfit_reason, paged_d
 from llm_engine.sampling import SamplingParams, choose_tokens
 from llm_engine.step_timeline import StepRecord, StepTimeline
 from llm_engine.structured import GrammarCache
-from llm_engine.tensor_parallel import CopyBlocks, Execute, ForgetAll, StepMirror
+from llm_engine.tensor_parallel import (
+    CopyBlocks,
+    Execute,
+    ForgetAll,
+    GatherBlocks,
+    ScatterBlocks,
+    StepMirror,
+    TPGroup,
+)
 from llm_engine.token_bans import AllowedTokens, BadWords
 from llm_engine.varlen_attention import varlen_fits, varlen_kernel
 
@@ -81,6 +89,7 @@ class ModelRunner:
                 or a rank > 0 (driven by llm_engine/tp_follower.py).
         """
         self.mirror = mirror
+        self.tp_group: TPGroup | None = None  # set by tp_follower for ranks > 0; rank 0's is mirror.group
         self.model = model
         self.body = body
         self.timeline = StepTimeline()  # every forward: when, how long, decode and prompt tokens
@@ -153,12 +162,44 @@ class ModelRunner:
         return output
 
     @torch.inference_mode()
-    def replay(self, call: Execute | CopyBlocks | ForgetAll) -> None:
+    def gather_blocks(self, block_ids: tuple[int, ...], staging: torch.Tensor) -> None:
+        """Rank 0 of a tensor-parallel runner: every rank's heads of these blocks into `staging` (whole-head,
+        [num_blocks, layers, 2, block_size, all kv heads, head_dim])."""
+        assert self.mirror is not None
+        with self.mirror.lock:
+            self.mirror.send(GatherBlocks(block_ids))
+            index = torch.tensor(block_ids, device=self.device)
+            parts = self.mirror.group.gather_to_first(self.kv_cache[index])
+            staging[index] = torch.cat(parts, dim=4)
+
+    @torch.inference_mode()
+    def scatter_blocks(self, block_ids: tuple[int, ...], staging: torch.Tensor) -> None:
+        """Rank 0: these blocks of `staging` split by heads into every rank's cache."""
+        assert self.mirror is not None
+        with self.mirror.lock:
+            self.mirror.send(ScatterBlocks(block_ids))
+            index = torch.tensor(block_ids, device=self.device)
+            chunks = list(staging[index].chunk(self.mirror.group.size, dim=4))
+            received = torch.empty_like(self.kv_cache[index])
+            self.mirror.group.scatter_from_first(chunks, received)
+            self.kv_cache[index] = received
+
+    @torch.inference_mode()
+    def replay(self, call: Execute | CopyBlocks | GatherBlocks | ScatterBlocks | ForgetAll) -> None:
         """A rank > 0: what rank 0's runner did, over this rank's slice (its KV heads, its tables)."""
         if isinstance(call, Execute):
             self.forward(call.batch)
         elif isinstance(call, CopyBlocks):
             self._copy_blocks(call.pairs)
+        elif isinstance(call, GatherBlocks | ScatterBlocks):
+            assert self.tp_group is not None
+            index = torch.tensor(call.block_ids, device=self.device)
+            if isinstance(call, GatherBlocks):
+                self.tp_group.gather_to_first(self.kv_cache[index])
+            else:
+                received = torch.empty_like(self.kv_cache[index])
+                self.tp_group.scatter_from_first([], received)
+                self.kv_cache[index] = received
         else:
             self.inputs.forget_all()
 

@@ -10,6 +10,12 @@ heads and MLP, and step together.
         or writes the KV cache or the runner's block tables (StepMirror.send: execute, copy_blocks,
         forget_all) to the other ranks, under one lock so the collectives of two calls never interleave
     ranks > 0: TPFollower.serve() replays each mirrored call over its own slice until Stop.
+KV that leaves or arrives (a prefill's handoff, a pull, a stream's migration): the transfer layer sees one
+whole-head cache, rank 0's staging cache (as many blocks as each rank's cache, all the heads), so that a
+worker of any degree hands KV to a worker of any other through the same handles, leases and layouts as
+one-rank workers. Before an offer rank 0 gathers every rank's heads of the blocks into it (GatherBlocks);
+after a pull it scatters them to the ranks (ScatterBlocks). The price: rank 0 holds a whole-head copy of the
+cache's size, and the bytes cross the group once more; a rank-to-rank pull of head slices would spare both.
 Why rank 0 alone schedules and samples: one schedule and one token per request, nothing to agree on; the
 other ranks need only the batch, and after the last all-reduce the hidden states are whole on every rank.
 A rank that dies: the others' next collective fails (gloo: the peer's socket closes; NCCL: the timeout), the
@@ -95,6 +101,22 @@ class TPGroup:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over the ranks, in place."""
         self._reduce.allreduce([tensor]).wait()
+
+    def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape on each), in rank order, on rank 0; [] on the others."""
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        tensor = tensor.contiguous()
+        gathered = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else []
+        self._reduce.gather([gathered] if self.rank == 0 else [], [tensor], options).wait()
+        return gathered
+
+    def scatter_from_first(self, chunks: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Rank r's `out` = rank 0's chunks[r] (rank 0 gives one chunk per rank; the others give [])."""
+        options = dist.ScatterOptions()
+        options.rootRank = 0
+        given = [[c.contiguous() for c in chunks]] if self.rank == 0 else []
+        self._reduce.scatter([out], given, options).wait()
 
     def broadcast_object(self, obj: object | None = None) -> object:
         """Rank 0 sends `obj`; every rank returns it (ranks > 0 wait for it, without a deadline)."""
@@ -204,6 +226,20 @@ class CopyBlocks:
 
 
 @dataclass(frozen=True)
+class GatherBlocks:
+    """Every rank's heads of these blocks into rank 0's whole-head staging cache (KV about to leave)."""
+
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ScatterBlocks:
+    """Rank 0's staging cache's blocks split by heads into every rank's cache (KV that arrived)."""
+
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ForgetAll:
     pass
 
@@ -213,7 +249,7 @@ class Stop:
     pass
 
 
-MirroredCall = StartFollowers | Execute | CopyBlocks | ForgetAll | Stop
+MirroredCall = StartFollowers | Execute | CopyBlocks | GatherBlocks | ScatterBlocks | ForgetAll | Stop
 
 
 class StepMirror:
@@ -229,5 +265,5 @@ class StepMirror:
 
     def receive(self) -> MirroredCall:
         call = self.group.broadcast_object()
-        assert isinstance(call, StartFollowers | Execute | CopyBlocks | ForgetAll | Stop), call
+        assert isinstance(call, MirroredCall), call
         return call

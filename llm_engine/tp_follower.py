@@ -2,7 +2,8 @@
 
     TPFollower(config, group): load this rank's slice (llm_engine/model_loader.py) → wait for rank 0's cache
         size (StartFollowers) → allocate as many blocks of this rank's KV heads
-    → serve(): replay each call rank 0's runner mirrors (execute, copy_blocks, forget_all), until Stop.
+    → serve(): replay each call rank 0's runner mirrors (execute, copy_blocks, forget_all, and the gather and
+      scatter of blocks that leave or arrive), until Stop.
 No scheduler and no sampling here: rank 0 decides every step (llm_engine/tensor_parallel.py says why).
 """
 
@@ -29,6 +30,7 @@ class TPFollower:
         with node_memory_lock(config.device):
             kv_cache = KVCacheSpec.from_model(self.spec, config).allocate(start.num_blocks, config.device)
         self.runner = ModelRunner(loaded.model, self.spec, config, start.num_blocks, loaded.body, kv_cache)
+        self.runner.tp_group = group
         self.num_steps = 0
 
     def serve(self) -> None:

@@ -130,7 +130,6 @@ class WorkerActor:
         self._cpu_slot = cpu_slot
         config = replace(self._engine_config, model_dir=model_dir)
         if config.tensor_parallel_size > 1:
-            self._check_tp_role(self.role)
             self.engine = self._start_tp_group(config)
         else:
             self.engine = LLMEngine(config)
@@ -154,12 +153,6 @@ class WorkerActor:
             self._tp_ranks.kill()
             raise
         return engine
-
-    def _check_tp_role(self, role: Role) -> None:
-        size = self._engine_config.tensor_parallel_size
-        if size > 1 and role is not Role.MIXED:
-            raise WrongRole(f"{self.worker_id} is tensor-parallel ({size} ranks) and serves as mixed only "
-                            f"for now, not {role.value}")
 
     def _build_front(self, role: Role) -> PrefillRole | DecodeRole:
         if role is Role.PREFILL:
@@ -192,7 +185,6 @@ class WorkerActor:
         new = Role(role)
         if new is self.role:
             return self.info()
-        self._check_tp_role(new)
         if new.can_decode and self.role.can_decode:  # decode ⇄ mixed: the same front
             self.role = new
         else:

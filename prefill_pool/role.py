@@ -39,7 +39,8 @@ class PrefillRole:
     def __init__(self, worker_id: str, engine: LLMEngine, backend: BackendName,
                  transfer_config: TransferConfig, outputs: OutputChannels, num_threads: int = 1) -> None:
         engine.use_scheduler(PrefillScheduler)
-        sender = make_sender(backend, worker_id, engine.runner.kv_cache, config=transfer_config)
+        # The transfer cache: the engine's own, or a tensor-parallel worker's whole-head staging cache.
+        sender = make_sender(backend, worker_id, engine.transfer_cache, config=transfer_config)
         # The role polls the sender from the actor's event loop (_poll_transfers): the loop thread sleeps
         # when idle.
         self.worker = PrefillWorker(worker_id, engine, sender, is_sender_polled_elsewhere=True)

@@ -226,8 +226,9 @@ class PrefillWorker:
             for i, t in enumerate(request.other_first_tokens, start=1))
         handle = None
         if finish_reason is None or any(c.finish_reason is None for c in others):
+            table = self.engine.kv.block_table(request_id)
+            self.engine.export_blocks(table)  # a tensor-parallel worker's ranks' heads, gathered
             with self._sender_lock:
-                table = self.engine.kv.block_table(request_id)
                 handle = self.sender.offer(table, request.num_computed_tokens)
             self._offered[handle.transfer_id] = request_id
         else:

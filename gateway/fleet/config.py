@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kv_transfer import BackendName, TransferConfig
 from kv_transfer.registry import resolve
@@ -42,6 +42,9 @@ class DeploymentConfig:
     # Ray custom resources each role's workers ask for, e.g. {Role.DECODE: {"pdserve_decode": 1}}: only
     # nodes started with those resources take that role (gateway/fleet/placement.py).
     role_resources: dict[Role, dict[str, float]] = field(default_factory=dict)
+    # Tensor-parallel ranks of each role's workers where it differs from engine.tensor_parallel_size (a
+    # mixed worker is a decode worker that prefills too: it takes the decode degree).
+    role_tp: dict[Role, int] = field(default_factory=dict)
     # Environment of every worker process: UCX_NET_DEVICES, UCX_TLS, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME...
     worker_env: dict[str, str] = field(default_factory=dict)
     # What each worker loads, resolved on its own node; None: engine.model_dir as it is on every node.
@@ -76,6 +79,17 @@ class DeploymentConfig:
                                  f"{sorted({'CPU', 'GPU'} & set(resources))}")
             if any(amount <= 0 for amount in resources.values()):
                 raise ValueError(f"{role.value} resources must be positive amounts, got {resources}")
+
+    def tp_of(self, role: Role) -> int:
+        """The tensor-parallel degree of a worker in `role`."""
+        own = self.role_tp.get(Role.DECODE if role is Role.MIXED else role)
+        return own if own is not None else self.engine.tensor_parallel_size
+
+    def engine_for(self, role: Role) -> EngineConfig:
+        """The engine of a worker started in `role` (its degree is fixed for its life)."""
+        tp = self.tp_of(role)
+        return self.engine if tp == self.engine.tensor_parallel_size else replace(self.engine,
+                                                                                   tensor_parallel_size=tp)
 
     def layout(self) -> dict[Role, int]:
         return {Role.PREFILL: self.num_prefill, Role.DECODE: self.num_decode, Role.MIXED: self.num_mixed}

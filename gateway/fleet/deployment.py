@@ -112,7 +112,7 @@ class PDDeployment:
         self.target: dict[Role, int] = config.layout()
         self.on_change: list[Callable[[], None]] = []  # called when the set of active workers changes
         self.is_closing = False
-        self.wiring = PeerWiring(self.workers, self.backend, config.engine.tensor_parallel_size)
+        self.wiring = PeerWiring(self.workers, self.backend)
         self.on_remove = self.wiring.on_remove  # called with the id of a worker gone from its role
         self.recovery = Recovery(self)
         self.reshape = Reshape(self)
@@ -218,7 +218,8 @@ class PDDeployment:
         handle: ActorHandle[WorkerActor] = cast("ActorHandle[WorkerActor]",
             ray.remote(WorkerActor)
             .options(**options)
-            .remote(worker_id, role.value, self.config.engine, self.backend.value, self.config.transfer,
+            .remote(worker_id, role.value, self.config.engine_for(role), self.backend.value,
+                    self.config.transfer,
                     watermark=self.config.watermark, num_threads=self.config.num_threads,
                     model_source=self.config.model_source, keeper=self.keeper))
         worker = Worker(worker_id, role, WorkerClient(worker_id, handle, self.gateway_id),

@@ -24,15 +24,10 @@ from worker_runtime.roles import Role
 class PeerWiring:
     """Owns the add_peer / remove_peer calls over a deployment's `workers` (the same dict, shared)."""
 
-    def __init__(self, workers: dict[str, Worker], backend: BackendName,
-                 tensor_parallel_size: int = 1) -> None:
-        """Args:
-            tensor_parallel_size: the workers' ranks; above 1 their KV does not move between decode workers
-                (each rank holds its own heads: streams move by recompute).
-        """
+    def __init__(self, workers: dict[str, Worker], backend: BackendName) -> None:
         self.workers = workers
         self.backend = backend
-        self._can_migrate = can_move_kv_between_decode_workers(backend) and tensor_parallel_size == 1
+        self._can_migrate = can_move_kv_between_decode_workers(backend)
         # Orders add_peer against remove_peer on each worker.
         self._order = itertools.count(time.time_ns() // 1000)
         self.on_remove: list[Callable[[str], None]] = []  # called with the id of a worker gone from its role

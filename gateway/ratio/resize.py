@@ -21,6 +21,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -97,16 +98,22 @@ class ResizeResult:
     seconds: float = 0.0
 
 
-def plan_moves(current: dict[Role, int], target: dict[Role, int]) -> list[Move]:
+def plan_moves(current: dict[Role, int], target: dict[Role, int],
+               can_change: Callable[[Role, Role], bool] = lambda a, b: True) -> list[Move]:
     """Role changes where one role has too many workers and another too few, then adds and drains for the
-    rest, ordered as the module docstring says."""
+    rest, ordered as the module docstring says.
+
+    Args:
+        can_change: whether a worker may change from one role to the other in place (not between roles
+            whose workers have different tensor-parallel degrees: a worker's ranks are fixed at its start).
+    """
     surplus = {role: current.get(role, 0) - target.get(role, 0) for role in Role}
     changes: list[Move] = []
     # decode ⇄ mixed first: free and instant. Then pair what is left.
     for pairs in (((Role.DECODE, Role.MIXED), (Role.MIXED, Role.DECODE)),
                   tuple((a, b) for a in Role for b in Role if a is not b)):
         for from_role, to_role in pairs:
-            while surplus[from_role] > 0 and surplus[to_role] < 0:
+            while surplus[from_role] > 0 and surplus[to_role] < 0 and can_change(from_role, to_role):
                 changes.append(Move("change", to_role, from_role))
                 surplus[from_role] -= 1
                 surplus[to_role] += 1
@@ -146,11 +153,8 @@ class PoolResizer:
         if (target[Role.PREFILL] or target[Role.DECODE]) and self.deployment.backend.value == "local":
             raise ResizeConflict("this server was started with only mixed workers and no KV transfer "
                                  "backend; serve with --backend nixl to add prefill or decode workers")
-        tp = self.deployment.config.engine.tensor_parallel_size
-        if (target[Role.PREFILL] or target[Role.DECODE]) and tp > 1:
-            raise ResizeRefused(f"this server's workers are tensor-parallel (--tensor-parallel-size {tp}) "
-                                "and serve in the mixed role only for now: ask for mixed workers alone")
-        moves = plan_moves(self.deployment.target, target)
+        config = self.deployment.config
+        moves = plan_moves(self.deployment.target, target, lambda a, b: config.tp_of(a) == config.tp_of(b))
         # The target counts workers still starting (a failed one's replacement, a PENDING one), but a role
         # change or a drain needs an ACTIVE worker of the role it takes from: refuse now rather than stop
         # part way through the plan.

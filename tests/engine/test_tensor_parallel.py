@@ -4,6 +4,7 @@ rank's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from dataclasses import replace
@@ -11,9 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from decode_pool.worker import DecodeWorker
+from kv_transfer import TransferConfig, make_receiver, make_sender
 from llm_engine import EngineConfig, LLMEngine, ModelSpec
 from llm_engine.sampling import SamplingParams
 from llm_engine.tensor_parallel import TPGroup, check_tensor_parallel
+from prefill_pool.scheduler import PrefillScheduler
+from prefill_pool.worker import PrefillWorker
+from tests.helpers.engines import run_handoff
 from tests.helpers.tp_ranks import other_ranks
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
@@ -106,3 +112,34 @@ def test_two_compiled_ranks_give_one_ranks_greedy_tokens(tiny_llama_dir: Path) -
     """The all-reduce is an opaque op in each rank's graph (llm_engine/custom_ops.py), as the attention is."""
     one = [c.output_token_ids for c in LLMEngine(_engine_config(tiny_llama_dir, 1)).generate(PROMPTS, GREEDY)]
     assert _tokens_over_ranks(_engine_config(tiny_llama_dir, 2, compile="on"), PROMPTS) == one
+
+
+def _tp_engine(config: EngineConfig, stack: contextlib.ExitStack, **engine_args: object) -> LLMEngine:
+    """An engine of config.tensor_parallel_size ranks (the others spawned), stopped when `stack` closes."""
+    if config.tensor_parallel_size == 1:
+        return LLMEngine(config, **engine_args)  # type: ignore[arg-type]
+    tp, _ = stack.enter_context(other_ranks(config))
+    engine = LLMEngine(config, tp_group=TPGroup(tp), **engine_args)  # type: ignore[arg-type]
+    stack.callback(engine.stop_followers)
+    return engine
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
+def test_kv_handed_between_degrees_gives_one_ranks_greedy_tokens(tiny_llama_dir: Path, prefill_tp: int,
+                                                                 decode_tp: int) -> None:
+    """A prefill worker of one degree hands its KV to a decode worker of another (the blocks leave and
+    arrive whole-headed through rank 0's staging cache), and both end holding no block."""
+    one = [c.output_token_ids for c in LLMEngine(_engine_config(tiny_llama_dir, 1)).generate(
+        PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))]
+    with contextlib.ExitStack() as stack:
+        prefill_engine = _tp_engine(_engine_config(tiny_llama_dir, prefill_tp), stack,
+                                    scheduler_cls=PrefillScheduler)
+        decode_engine = _tp_engine(_engine_config(tiny_llama_dir, decode_tp), stack, watermark=0.05)
+        sender = make_sender("local", "p0", prefill_engine.transfer_cache, config=TransferConfig())
+        receiver = make_receiver("local", "d0", decode_engine.transfer_cache, config=TransferConfig())
+        prefill = PrefillWorker("p0", prefill_engine, sender)
+        decode = DecodeWorker("d0", decode_engine, receiver)
+        decode.add_peer(sender.peer_info())
+        tokens = run_handoff(prefill, decode, PROMPTS)
+        assert [tuple(tokens[f"r{i}"]) for i in range(len(PROMPTS))] == one
+        assert prefill_engine.block_pool.is_whole() and decode_engine.block_pool.is_whole()

@@ -47,8 +47,6 @@ def test_renamed_flags_set_pdserves_own() -> None:
 
 @pytest.mark.parametrize("argv,named", [
     (["-tp", "0"], "--tensor-parallel-size: Input should be greater than or equal to 1"),
-    (["-tp", "2", "--prefill", "1", "--decode", "1"], "--tensor-parallel-size 2: tensor-parallel workers serve "
-                                                      "in the mixed role only"),
     (["-pp", "2"], "-pp/--pipeline-parallel-size 2"),
     (["-dp", "2"], "--prefill N --decode M"),
     (["--quantization", "awq"], "-q/--quantization awq: pdserve serves unquantized weights only"),

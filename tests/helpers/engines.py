@@ -7,10 +7,12 @@ from pathlib import Path
 
 import torch
 
+from decode_pool.messages import DecodeOutput, DecodeRequest
 from decode_pool.worker import DecodeWorker
 from kv_transfer import TransferConfig, make_receiver, make_sender
-from llm_engine import EngineConfig, KVCacheSpec, LLMEngine
+from llm_engine import EngineConfig, KVCacheSpec, LLMEngine, SamplingParams
 from llm_engine.model_loader import read_model_spec
+from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.scheduler import PrefillScheduler
 from prefill_pool.worker import PrefillWorker
 
@@ -47,3 +49,41 @@ def make_pair(model_dir: Path, decode_blocks: int = 256, lease_s: float = 30.0,
     decode = DecodeWorker("d0", decode_engine, receiver)
     decode.add_peer(sender.peer_info())
     return prefill, decode
+
+
+HANDOFF_GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def run_handoff(prefill: PrefillWorker, decode: DecodeWorker, prompts: list[list[int]],
+                sampling: SamplingParams = HANDOFF_GREEDY) -> dict[str, list[int]]:
+    """Each prompt prefilled by `prefill`, its KV handed to `decode`, decoded there: stepped by hand. Returns
+    each request's tokens (r0, r1, ... in prompt order)."""
+    results: list[PrefillResult] = []
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, DecodeOutput] = {}
+
+    def on_output(out: DecodeOutput) -> None:
+        tokens[out.request_id].extend(out.token_ids)
+        if out.finish_reason:
+            finished[out.request_id] = out
+
+    for index, prompt in enumerate(prompts):
+        prefill.submit(PrefillRequest(f"r{index}", tuple(prompt), sampling), results.append)
+    for _ in range(10_000):
+        prefill.step()
+        while results:
+            result = results.pop(0)
+            tokens[result.request_id] = [result.first_token_id]
+            if result.finish_reason is None:
+                decode.submit(DecodeRequest(result.request_id, tuple(prompts[int(result.request_id[1:])]),
+                                            sampling, result.first_token_id, result.first_logprob,
+                                            result.kv_handle), on_output)
+            else:
+                finished[result.request_id] = DecodeOutput(result.request_id, (), (), 0.0,
+                                                           result.finish_reason)
+        decode.step()
+        if len(finished) == len(prompts):
+            break
+    prefill.step()  # the sender sees the last pulls and releases their blocks
+    assert len(finished) == len(prompts)
+    return tokens

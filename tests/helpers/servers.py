@@ -38,7 +38,8 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serving(config: ServeConfig, send_buffer_bytes: int | None = None,
-            starting_answers: list[dict[str, Any]] | None = None) -> Iterator[tuple[str, FastAPI]]:
+            starting_answers: list[dict[str, Any]] | None = None, start_timeout_s: float = 120.0
+            ) -> Iterator[tuple[str, FastAPI]]:
     """A real server on its own thread (uvicorn, the app's lifespan: Ray actors); yields (url, app).
 
     `send_buffer_bytes`: the kernel's send buffer of every connection (fixed: no autotuning to megabytes),
@@ -57,7 +58,7 @@ def serving(config: ServeConfig, send_buffer_bytes: int | None = None,
         sockets = [listener]
     thread = threading.Thread(target=lambda: uv.run(sockets=sockets), daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + start_timeout_s
     while not uv.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("pdserve did not start")

@@ -7,48 +7,14 @@ from pathlib import Path
 import pytest
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
-from decode_pool.worker import DecodeWorker
 from llm_engine import SamplingParams
 from llm_engine.tiny_model import TINY_FAMILIES, build_tiny_model
 from prefill_pool.messages import PrefillRequest, PrefillResult
-from prefill_pool.worker import PrefillWorker
 from tests.helpers.engines import make_pair
+from tests.helpers.engines import run_handoff as run
 from tests.helpers.reference import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
-
-
-def run(prefill: PrefillWorker, decode: DecodeWorker, prompts: list[list[int]],
-        sampling: SamplingParams = GREEDY) -> dict[str, list[int]]:
-    results: list[PrefillResult] = []
-    tokens: dict[str, list[int]] = {}
-    finished: dict[str, DecodeOutput] = {}
-
-    def on_output(out: DecodeOutput) -> None:
-        tokens[out.request_id].extend(out.token_ids)
-        if out.finish_reason:
-            finished[out.request_id] = out
-
-    for index, prompt in enumerate(prompts):
-        prefill.submit(PrefillRequest(f"r{index}", tuple(prompt), sampling), results.append)
-    for _ in range(10_000):
-        prefill.step()
-        while results:
-            result = results.pop(0)
-            tokens[result.request_id] = [result.first_token_id]
-            if result.finish_reason is None:
-                decode.submit(DecodeRequest(result.request_id, tuple(prompts[int(result.request_id[1:])]),
-                                            sampling, result.first_token_id, result.first_logprob,
-                                            result.kv_handle), on_output)
-            else:
-                finished[result.request_id] = DecodeOutput(result.request_id, (), (), 0.0,
-                                                           result.finish_reason)
-        decode.step()
-        if len(finished) == len(prompts):
-            break
-    prefill.step()  # the sender sees the last pulls and releases their blocks
-    assert len(finished) == len(prompts)
-    return tokens
 
 
 def test_greedy_tokens_match_transformers_and_pools_end_whole(tiny_llama_dir: Path) -> None:

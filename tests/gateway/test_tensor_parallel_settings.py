@@ -1,0 +1,34 @@
+"""Tensor-parallel settings: bad degrees refused naming the flag, and a layout never moves a worker in place
+between roles of different degrees (a worker's ranks are fixed at its start)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ServeConfig
+from gateway.ratio.resize import Move, plan_moves
+from worker_runtime.roles import Role
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"decode_tp": 0}, "decode_tp"),
+    ({"tensor_parallel_size": 3}, "--tensor-parallel-size 3 does not divide the model's 8 attention heads"),
+    ({"prefill_tp": 2, "decode_tp": 3}, "--decode-tp 3 does not divide"),
+    ({"prefill_tp": 2, "ratio": "auto"}, "--prefill-tp 2 / --decode-tp 1: --ratio auto moves workers"),
+])
+def test_bad_tensor_parallel_settings_are_refused_naming_the_flag(
+        tiny_chat_model_dir: Path, flags: dict[str, object], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        ServeConfig(model=str(tiny_chat_model_dir), **flags)  # type: ignore[arg-type]
+
+
+def test_a_layout_adds_and_drains_rather_than_change_a_worker_between_degrees() -> None:
+    current = {Role.PREFILL: 1, Role.DECODE: 2, Role.MIXED: 0}
+    target = {Role.PREFILL: 2, Role.DECODE: 1, Role.MIXED: 0}
+    degree = {Role.PREFILL: 1, Role.DECODE: 2, Role.MIXED: 2}
+    assert plan_moves(current, target) == [Move("change", Role.PREFILL, Role.DECODE)]
+    assert plan_moves(current, target, lambda a, b: degree[a] == degree[b]) == [
+        Move("add", Role.PREFILL), Move("drain", Role.DECODE)]
