@@ -8,6 +8,8 @@ Steps, each reported as it ends (a failure is recorded and the next step still r
      token in the other's top-5 there);
   2. step times: engine step vs the bare transformers forward, prefill 256/1024/2048, decode 1/16/64 at
      context 256, bf16, compiled and eager (medians of --repeats);
+  4. tensor parallel (2 GPUs): two ranks with NCCL all-reduces, float32 greedy tokens against one rank's and
+     the decode step at 1 and 2 ranks (skipped with fewer GPUs; on a CPU dry run: gloo);
   3. NCCL: two processes on one GPU (distinct NCCL_HOSTID per rank, over loopback: the code path, not the
      speed), the pair warm-up (kv_transfer/backends/torch_group.py warm_up_pairs), then a 64 MiB isend/irecv
      byte-checked, with GB/s beside a device copy.
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -181,9 +184,71 @@ def main() -> None:
             raise RuntimeError(f"rank exit codes {[p.exitcode for p in ranks]}; results {results}")
         return {"ranks": sorted(results, key=lambda r: r["rank"])}
 
+    @step("tensor_parallel")
+    def tensor_parallel() -> dict[str, Any]:
+        """Two ranks, one GPU each, NCCL all-reduces (llm_engine/tensor_parallel.py): float32 greedy tokens
+        against one rank's, and the decode step at 1 and 2 ranks. Needs 2 GPUs (skipped on fewer)."""
+        import multiprocessing as mp
+
+        from llm_engine import EngineConfig, LLMEngine
+        from llm_engine.sampling import SamplingParams
+        from llm_engine.tensor_parallel import TPGroup, TPRank
+        from llm_engine.tiny_model import build_tiny_llama
+
+        gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+        if device.startswith("cuda") and gpus < 2:
+            return {"skipped": f"{gpus} GPU here; two ranks need two"}
+        tiny = build_tiny_llama(work / "tp-tiny")  # 8 / 2 heads: splits over 2 ranks (SmolLM2's 9 / 3 not)
+        config = EngineConfig(str(tiny), dtype="float32", device="cuda:0" if gpus else "cpu", compile="off",
+                              kv_cache_bytes=64 << 20, tensor_parallel_size=2)
+        prompts = [[1, 2, 3, 4, 5, 6, 7], list(range(10, 300))]
+        sampling = SamplingParams(max_tokens=32, temperature=0.0)
+        one = LLMEngine(replace(config, tensor_parallel_size=1))
+        expected = [c.output_token_ids for c in one.generate(prompts, sampling)]
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        backend = "nccl" if gpus else "gloo"
+        follower = mp.get_context("spawn").Process(target=_tp_rank, args=(config, init, backend, bool(gpus)))
+        follower.start()
+        two = LLMEngine(config, tp_group=TPGroup(TPRank(0, 2, init, backend)))
+        got = [c.output_token_ids for c in two.generate(prompts, sampling)]
+        timings = {}
+        for name, engine in (("1 rank", one), ("2 ranks", two)):
+            for i in range(16):
+                engine.add_request([i + 1] * 64, SamplingParams(max_tokens=args.repeats + 4, temperature=0.0))
+            engine.step()
+            times = []
+            while engine.has_unfinished():
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+            timings[f"decode 16@64, {name}, ms"] = round(1e3 * statistics.median(times), 2)
+        two.stop_followers()
+        follower.join(timeout=60)
+        return {"greedy_equal": got == expected, **timings, "follower_exit": follower.exitcode}
+
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(RESULTS, indent=1, default=str))
     print("written to", args.out)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tp_rank(config: Any, init: str, backend: str, on_gpu: bool) -> None:
+    """Rank 1 of the tensor-parallel check, on the second GPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from llm_engine.tensor_parallel import TPGroup, TPRank
+    from llm_engine.tp_follower import TPFollower
+
+    if on_gpu:
+        torch.cuda.set_device(1)
+        config = replace(config, device="cuda:1")
+    TPFollower(config, TPGroup(TPRank(1, 2, init, backend))).serve()
 
 
 def _nccl_rank(rank: int, init_file: str, device: str, queue: Any) -> None:
