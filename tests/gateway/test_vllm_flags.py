@@ -39,8 +39,9 @@ def test_renamed_flags_set_pdserves_own() -> None:
     assert load("--kv-cache-memory-bytes", "2g").kv_cache_memory == 2 * 10**9  # k = 1000
     assert load("--kv-cache-memory-bytes", "1048576").kv_cache_memory == 1 << 20
     assert load("--enforce-eager").compile == "off"
-    assert load("-tp", "2").tensor_parallel_size == 2  # pdserve's own flag, vLLM's spelling; one mixed worker
-    assert load("-tp", "2").mixed == 1
+    assert load("-tp", "2").tensor_parallel_size == 2  # pdserve's own flag, in vLLM's spelling
+    assert load("-tp", "2", "--decode-tp", "1").tp_degrees() == (("--tensor-parallel-size", 2),
+                                                                 ("--decode-tp", 1))
     assert load("org/name", "--tokenizer", "org/name", "--load-format", "safetensors", "--max-logprobs", "20",
                 "--runner", "generate", "--enable-log-requests").model == "org/name"
 
