@@ -6,8 +6,9 @@
         processors (llm_engine/logits_processors.py) → choose tokens → their logprobs from the raw logits;
         and, for chunks that ask, the prompt tokens' logprobs (llm_engine/logprobs.py).
 Owns the KV cache tensor and the runner's copy of the block tables; knows nothing of scheduling or Ray.
-With tensor parallelism, rank 0's runner mirrors execute, copy_blocks and forget_all to the other ranks
-(llm_engine/tensor_parallel.py), whose runners replay them through `forward` (no sampling there).
+With tensor parallelism, rank 0's runner mirrors execute, copy_blocks, forget_all and the gather / scatter of
+blocks that leave or arrive to the other ranks (llm_engine/tensor_parallel.py), whose runners replay them
+(`replay`: the forward without sampling).
 """
 
 from __future__ import annotations
