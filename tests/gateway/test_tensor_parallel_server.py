@@ -5,7 +5,6 @@ as one unit while the stream completes on the other decode worker."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +14,7 @@ import ray
 
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.sampling import SamplingParams
-from tests.helpers import actor_faults as faults
-from tests.helpers.forced_migration import on_actor
+from tests.helpers.forced_migration import stream_across_a_failure
 from tests.helpers.servers import MODEL, serve_config, serving, whole_after
 
 pytestmark = pytest.mark.slow
@@ -62,34 +60,14 @@ def test_kv_from_one_rank_to_two_gives_one_ranks_greedy_tokens(client: httpx.Cli
         assert response.json()["timings"]["transfer_bytes"] > 0  # handed over, not recomputed
 
 
+def kill_rank_1(worker_id: str) -> None:
+    ray.kill(ray.get_actor(f"pdserve-{worker_id}-rank1"))
+
+
 def test_a_killed_rank_takes_its_worker_down_and_the_stream_completes_elsewhere(
         client: httpx.Client, one_rank_tokens: list[int]) -> None:
-    workers = decode_workers(client)
-    for worker in workers:
-        on_actor(worker, faults.slow_steps, 0.05)
-    tokens: list[int] = []
-    moves: list[int] = []
-    killed = ""
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stream": True,
-            "return_token_ids": True}
-    with client.stream("POST", "/v1/completions", json=body) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            for choice in event["choices"]:
-                tokens.extend(choice.get("token_ids") or [])
-                if choice.get("finish_reason") and event.get("timings"):
-                    moves.append(event["timings"]["num_moves"])
-            if len(tokens) >= 6 and not killed:
-                [killed] = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]
-                            if w["role"] == "decode" and w.get("running_requests", 0) > 0]
-                ray.kill(ray.get_actor(f"pdserve-{killed}-rank1"))
-    assert killed, "the stream ended before a rank could be killed"
-    assert tokens == one_rank_tokens
-    assert moves and moves[0] >= 1  # continued on the other worker
-    for worker in workers:
-        if worker != killed:
-            on_actor(worker, faults.heal)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    tokens, moves = stream_across_a_failure(client, body, breaker=kill_rank_1)
+    assert tokens == {0: one_rank_tokens}
+    assert moves and moves[0] >= 1  # continued on the other decode worker
     # whole_after: the gateway replaced the worker whose rank died (a new group of two ranks) and all is ok.

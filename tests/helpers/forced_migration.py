@@ -4,6 +4,7 @@ shapes sampling (penalties, a grammar, several choices) must survive the stream'
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -21,12 +22,17 @@ def decode_workers(client: httpx.Client) -> list[str]:
             if w["role"] == "decode" and w["state"] == "active"]
 
 
-def stream_across_a_failure(client: httpx.Client, body: dict[str, Any], after_tokens: int = 6
+def break_next_step(worker_id: str) -> None:
+    on_actor(worker_id, faults.raise_in_next_step)
+
+
+def stream_across_a_failure(client: httpx.Client, body: dict[str, Any], after_tokens: int = 6,
+                            breaker: Callable[[str], None] = break_next_step
                             ) -> tuple[dict[int, list[int]], list[int]]:
     """Stream a completions `body` (return_token_ids is set) with every decode worker slowed, and break the
-    one running it once each choice has `after_tokens` tokens. Returns each choice's token ids, and the
-    num_moves of every final chunk that carries timings. Asserts no error event and that a worker was
-    broken. The broken worker is replaced: call last in a module."""
+    one running it (`breaker`, given its worker id) once each choice has `after_tokens` tokens. Returns each
+    choice's token ids, and the num_moves of every final chunk that carries timings. Asserts no error event
+    and that a worker was broken. The broken worker is replaced: call last in a module."""
     for worker in decode_workers(client):
         on_actor(worker, faults.slow_steps, 0.05)
     tokens: dict[int, list[int]] = {}
@@ -46,7 +52,7 @@ def stream_across_a_failure(client: httpx.Client, body: dict[str, Any], after_to
             if tokens and min(map(len, tokens.values())) >= after_tokens and not broken:
                 [broken] = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]
                             if w["role"] == "decode" and w.get("running_requests", 0) > 0]
-                on_actor(broken, faults.raise_in_next_step)
+                breaker(broken)
     assert broken, "the stream ended before a worker could be broken"
     for worker in decode_workers(client):
         if worker != broken:
