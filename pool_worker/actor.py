@@ -143,9 +143,12 @@ class WorkerActor:
         size = config.tensor_parallel_size
         tp = TPRank(0, size, f"tcp://{self._placement.node_ip}:{self.free_port()}",
                     "nccl" if config.device.startswith("cuda") else "gloo")
-        given = ray.get_runtime_context().get_assigned_resources()
+        gpu_ids = [str(i) for i in ray.get_gpu_ids()]  # one per rank (placement.py actor_options)
+        if gpu_ids and len(gpu_ids) < size:
+            raise RuntimeError(f"{self.worker_id}: {size} tensor-parallel ranks need a GPU each; Ray gave "
+                               f"this worker {len(gpu_ids)} (--gpus-per-worker is per rank: give 1)")
         self._tp_ranks = TPRanks.create(self.worker_id, tp, config, config.model_dir, self._num_threads,
-                                        self._placement.node_id, given.get("CPU", 0.0), given.get("GPU", 0.0))
+                                        self._placement.node_id, gpu_ids)
         try:
             engine = LLMEngine(config, tp_group=TPGroup(tp))
             self._tp_ranks.wait_started(TP_START_TIMEOUT_S)

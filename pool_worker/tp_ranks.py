@@ -3,8 +3,9 @@ actor (rank 0), so that they end when it ends.
 
 Lifecycle (driven by WorkerActor.start when tensor_parallel_size > 1):
     TPRanks.create(worker_id, size, ...) → ranks 1..size-1 (TPRankActor), each held to rank 0's node (Ray's
-        node affinity, not soft) with the CPUs rank 0 was given; they must be placed within
-        PLACEMENT_TIMEOUT_S, else start() fails naming what they ask for
+        node affinity, not soft), asking Ray for nothing: rank 0's actor holds the CPUs and GPUs of the whole
+        group (gateway/fleet/placement.py actor_options), so Ray placed it only where the group fits, and each
+        rank runs on its share (on CUDA: the GPU id rank 0 was given for it, as its CUDA_VISIBLE_DEVICES)
     → rank 0 picks a free port on its node; each rank's start() joins the group there, loads its slice of
         the model and waits for the cache size (llm_engine/tp_follower.py), while rank 0 builds its
         LLMEngine over the same group (which sends the size) → TPRanks.wait_started()
@@ -32,7 +33,7 @@ from worker_runtime.worker_setup import setup_worker_process
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_TIMEOUT_S = 60.0  # the ranks ask for what rank 0 got, on its node: they fit at once or never
+PLACEMENT_TIMEOUT_S = 60.0  # the ranks ask for nothing, on rank 0's node: only a process start to wait for
 
 
 class TPRankActor:
@@ -76,16 +77,23 @@ class TPRanks:
 
     @classmethod
     def create(cls, worker_id: str, tp: TPRank, engine_config: EngineConfig, model_dir: str, num_threads: int,
-               node_id: str, num_cpus: float, num_gpus: float) -> TPRanks:
+               node_id: str, gpu_ids: list[str]) -> TPRanks:
         """Ranks 1..tp.size-1 on node `node_id`, each starting (joining the group at tp.init_method).
 
+        Args:
+            gpu_ids: the GPUs Ray gave rank 0's actor, one per rank (rank 0 runs on the first); [] on a CPU.
+
         Raises:
-            RuntimeError: a rank was not placed in PLACEMENT_TIMEOUT_S (the message says what it asks for).
+            RuntimeError: a rank was not placed in PLACEMENT_TIMEOUT_S.
         """
         strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-        actors: list[Any] = [ray.remote(TPRankActor).options(
-            num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy, max_concurrency=4,
-            name=f"pdserve-{worker_id}-rank{rank}").remote(worker_id, rank) for rank in range(1, tp.size)]
+        actors: list[Any] = []
+        for rank in range(1, tp.size):
+            options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0, "scheduling_strategy": strategy,
+                                       "max_concurrency": 4, "name": f"pdserve-{worker_id}-rank{rank}"}
+            if gpu_ids:
+                options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": str(gpu_ids[rank])}}
+            actors.append(ray.remote(TPRankActor).options(**options).remote(worker_id, rank))
         placed = [actor.node_id.remote() for actor in actors]
         ready, _ = ray.wait(placed, num_returns=len(placed), timeout=PLACEMENT_TIMEOUT_S)
         if len(ready) < len(placed):
@@ -93,8 +101,7 @@ class TPRanks:
                 ray.kill(actor)
             raise RuntimeError(
                 f"{worker_id}: {len(placed) - len(ready)} of its {tp.size - 1} other tensor-parallel ranks "
-                f"found no room on its node {node_id[:12]} in {PLACEMENT_TIMEOUT_S:g} s (each asks for "
-                f"{num_cpus:g} CPU, {num_gpus:g} GPU there, as rank 0 does)")
+                f"did not start on its node {node_id[:12]} in {PLACEMENT_TIMEOUT_S:g} s")
         refs = [actor.start.remote(replace(tp, rank=rank), engine_config, model_dir, num_threads)
                 for rank, actor in enumerate(actors, start=1)]
         return cls(actors, refs)

@@ -35,10 +35,14 @@ class PlacementTimeout(RuntimeError):
 
 
 def actor_options(config: DeploymentConfig, role: Role, name: str) -> dict[str, Any]:
-    """Ray options of one worker actor in `role`."""
+    """Ray options of one worker actor in `role`. A tensor-parallel worker's actor (its rank 0) asks for the
+    CPUs and GPUs of all its ranks, so that Ray places it only on a node with room for the whole group (or
+    keeps it pending, with the reason, as any worker); its other ranks then take their share of what it
+    holds (pool_worker/tp_ranks.py)."""
+    ranks = config.tp_of(role)
     options: dict[str, Any] = {
-        "num_cpus": config.num_cpus_per_worker,
-        "num_gpus": config.num_gpus_per_worker,
+        "num_cpus": config.num_cpus_per_worker * ranks,
+        "num_gpus": config.num_gpus_per_worker * ranks,
         "name": name,
         "max_concurrency": 1000,
     }
@@ -52,10 +56,13 @@ def actor_options(config: DeploymentConfig, role: Role, name: str) -> dict[str, 
 
 
 def resource_request(config: DeploymentConfig, role: Role) -> dict[str, float]:
-    """What one worker in `role` asks Ray for: CPUs, GPUs (if any), its role's custom resources."""
-    request: dict[str, float] = {"CPU": config.num_cpus_per_worker, **config.role_resources.get(role, {})}
+    """What one worker in `role` asks Ray for: CPUs, GPUs (if any; both for all its tensor-parallel ranks),
+    its role's custom resources."""
+    ranks = config.tp_of(role)
+    request: dict[str, float] = {"CPU": config.num_cpus_per_worker * ranks,
+                                 **config.role_resources.get(role, {})}
     if config.num_gpus_per_worker:
-        request["GPU"] = config.num_gpus_per_worker
+        request["GPU"] = config.num_gpus_per_worker * ranks
     return request
 
 
