@@ -180,7 +180,8 @@ class WorkerActor:
 
     def _runtime(self) -> WorkerRuntime | None:
         engine: LLMEngine | None = getattr(self, "engine", None)
-        return None if engine is None else WorkerRuntime.of(engine, self._num_threads, self._cpu_ids)
+        pids = tuple(self._tp_ranks.pids) if self._tp_ranks is not None else ()
+        return None if engine is None else WorkerRuntime.of(engine, self._num_threads, self._cpu_ids, pids)
 
     async def set_role(self, role: Role) -> WorkerInfo:
         """Serve as `role` from now on (see the lifecycle); raises StillHoldsWork if the worker still holds

@@ -43,16 +43,22 @@ class WorkerRuntime:
     num_kv_tokens: int  # what those blocks hold: the most one request may use here
     kv_cache_bytes: int
     kv_cache_source: str  # how its memory was sized (llm_engine/kv_sizing.py), e.g. "0.2 of 20 GiB free RAM"
+    # Ranks its model is split over (llm_engine/tensor_parallel.py); kv_cache_bytes is each rank's.
+    tensor_parallel_size: int = 1
+    tp_rank_pids: tuple[int, ...] = ()  # the processes of ranks 1.. (pool_worker/tp_ranks.py)
 
     @classmethod
-    def of(cls, engine: LLMEngine, num_threads: int, cpu_ids: tuple[int, ...]) -> WorkerRuntime:
+    def of(cls, engine: LLMEngine, num_threads: int, cpu_ids: tuple[int, ...],
+           tp_rank_pids: tuple[int, ...] = ()) -> WorkerRuntime:
         """Read from a loaded engine and the process's thread and core settings."""
         kernel, kv = engine.linear_kernel, engine.kv_capacity
         return cls(engine.config.dtype, kernel.label, kernel.reason, kernel.speedup,
                    engine.runner.decode_attention, engine.compilation.mode,
                    f"{engine.compilation.body} body: {engine.compilation.reason}", num_threads, cpu_ids,
-                   engine.runner.cache_spec.bytes_per_token, kv.num_blocks, kv.num_tokens, kv.num_bytes,
-                   kv.source)
+                   # A token's KV over every rank: what moves between workers.
+                   engine.runner.cache_spec.bytes_per_token * engine.config.tensor_parallel_size,
+                   kv.num_blocks, kv.num_tokens, kv.num_bytes,
+                   kv.source, engine.config.tensor_parallel_size, tp_rank_pids)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,11 @@ def test_kv_from_one_rank_to_two_gives_one_ranks_greedy_tokens(client: httpx.Cli
                                                                one_rank_tokens: list[int]) -> None:
     for worker in decode_workers(client):  # its other rank is a live actor of its own
         assert ray.get_actor(f"pdserve-{worker}-rank1") is not None
+    runtimes = {w["role"]: w["runtime"] for w in client.get("/admin/pools").json()["workers"]}
+    assert runtimes["decode"]["tensor_parallel_size"] == 2 and len(runtimes["decode"]["tp_rank_pids"]) == 1
+    assert runtimes["prefill"]["tensor_parallel_size"] == 1
+    # The bytes a token's KV moves are the same whole-head bytes at either degree.
+    assert runtimes["decode"]["kv_bytes_per_token"] == runtimes["prefill"]["kv_bytes_per_token"]
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
     for _ in range(2):  # the second reads its prompt from the prefix cache
         response = client.post("/v1/completions", json=body)
