@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from gateway.fleet.config import CANNOT_SERVE, can_serve
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.drain import DRAIN_GRACE_S, DRAIN_TIMEOUT_S
-from gateway.fleet.placement import PlacementTimeout
+from gateway.fleet.placement import PlacementTimeout, resource_request
 from gateway.ratio.books import RoutingBooks
 from worker_runtime.roles import Role
 
@@ -174,9 +174,7 @@ class PoolResizer:
         config = self.deployment.config
         needed: dict[str, float] = {}
         for role in added:
-            asks = {"CPU": config.num_cpus_per_worker, "GPU": config.num_gpus_per_worker,
-                    **config.role_resources.get(role, {})}
-            for name, amount in asks.items():
+            for name, amount in resource_request(config, role).items():  # all of a worker's ranks
                 if amount:
                     needed[name] = needed.get(name, 0.0) + amount
         available = ray.available_resources()
