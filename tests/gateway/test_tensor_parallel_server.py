@@ -5,6 +5,7 @@ as one unit while the stream completes on the other decode worker."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import ray
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.sampling import SamplingParams
 from tests.helpers.forced_migration import stream_across_a_failure
-from tests.helpers.servers import MODEL, serve_config, serving, whole_after
+from tests.helpers.servers import MODEL, serve_config, serving, wait_until_whole, whole_after
 
 pytestmark = pytest.mark.slow
 PROMPT = list(range(300, 340))
@@ -72,7 +73,39 @@ def kill_rank_1(worker_id: str) -> None:
 def test_a_killed_rank_takes_its_worker_down_and_the_stream_completes_elsewhere(
         client: httpx.Client, one_rank_tokens: list[int]) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
-    tokens, moves = stream_across_a_failure(client, body, breaker=kill_rank_1)
+    killed: list[str] = []
+
+    def kill_and_note(worker_id: str) -> None:
+        killed.append(worker_id)
+        kill_rank_1(worker_id)
+
+    tokens, moves = stream_across_a_failure(client, body, breaker=kill_and_note)
     assert tokens == {0: one_rank_tokens}
     assert moves and moves[0] >= 1  # continued on the other decode worker
-    # whole_after: the gateway replaced the worker whose rank died (a new group of two ranks) and all is ok.
+    assert wait_until_whole(client) is None  # the gateway replaced the worker whose rank died
+    with pytest.raises(ValueError):  # and ended its rank 0 as one unit with the dead rank
+        ray.get_actor(f"pdserve-{killed[0]}")
+
+
+def test_a_worker_whose_rank_0_dies_leaves_no_rank_behind(client: httpx.Client,
+                                                           one_rank_tokens: list[int]) -> None:
+    """Ray ends the ranks a worker's actor owns with it: no orphan keeps CPUs or memory, and the replacement
+    starts a group of its own."""
+    [victim, *_] = decode_workers(client)
+    rank_1 = ray.get_actor(f"pdserve-{victim}-rank1")
+    ray.kill(ray.get_actor(f"pdserve-{victim}"))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and _alive(rank_1):
+        time.sleep(0.5)
+    assert not _alive(rank_1), "rank 1 outlived its worker"
+    assert wait_until_whole(client) is None  # replaced
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == one_rank_tokens
+
+
+def _alive(actor: object) -> bool:
+    try:
+        ray.get(actor.num_steps.remote(), timeout=5)  # type: ignore[attr-defined]
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
+    return True
