@@ -17,7 +17,7 @@ free memory and hold at least one block; otherwise a ValueError names the settin
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llm_engine.config import CPU_KV_CACHE_BYTES, EngineConfig, ModelSpec
 from llm_engine.hardware import DeviceMemory
@@ -184,4 +184,10 @@ def plan_kv_cache(config: EngineConfig, spec: ModelSpec, memory: DeviceMemory) -
     is_utilization = (config.device.startswith("cuda") and config.kv_cache_bytes is None
                       and config.kv_cache_fraction is None)
     activation = activation_reserve_bytes(spec, config, cache.dtype_bytes) if is_utilization else 0
-    return kv_capacity(kv_budget(config, memory, activation), cache.block_bytes, config.block_size)
+    # Tensor parallel: rank 0 holds, per block, its own heads and a whole-head staging copy for the KV that
+    # leaves or arrives (llm_engine/tensor_parallel.py); the budget pays for both, and every rank takes as
+    # many blocks as rank 0 can hold.
+    tp = config.tensor_parallel_size
+    block_bytes = cache.block_bytes * (1 + tp) if tp > 1 else cache.block_bytes
+    capacity = kv_capacity(kv_budget(config, memory, activation), block_bytes, config.block_size)
+    return replace(capacity, num_bytes=capacity.num_blocks * cache.block_bytes)  # the rank's own cache

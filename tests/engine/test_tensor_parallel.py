@@ -73,15 +73,20 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tiny_llama_dir: Path) -> None:
     assert _tokens_over_ranks(_engine_config(tiny_llama_dir, 2), PROMPTS) == one
 
 
-def test_each_rank_holds_its_share_of_the_kv_heads(tiny_llama_dir: Path) -> None:
-    """The same KV memory holds twice the blocks when each rank keeps half the heads."""
+def test_each_rank_holds_its_share_of_the_kv_heads_and_rank_0_its_staging_within_the_budget(
+        tiny_llama_dir: Path) -> None:
+    """Each rank keeps half the heads; rank 0's own cache and its whole-head staging cache share the KV
+    memory asked for, so the same memory holds 2/3 of one rank's blocks (half + whole per block)."""
     config = _engine_config(tiny_llama_dir, 2)
     with other_ranks(config) as (tp, _):
         engine = LLMEngine(config, tp_group=TPGroup(tp))
         try:
             assert engine.runner.kv_cache.shape[4] == 1  # the tiny Llama's 2 KV heads over 2 ranks
+            assert engine.transfer_cache.shape[4] == 2  # the staging cache: every head
+            used = engine.runner.kv_cache.nbytes + engine.transfer_cache.nbytes
+            assert used <= 16 << 20 < used + engine.transfer_cache[0].nbytes * 3 // 2
             single = LLMEngine(_engine_config(tiny_llama_dir, 1))
-            assert engine.kv_capacity.num_blocks == 2 * single.kv_capacity.num_blocks
+            assert engine.kv_capacity.num_blocks == 2 * single.kv_capacity.num_blocks // 3
         finally:
             engine.stop_followers()
 
