@@ -95,7 +95,10 @@ def test_a_stream_interleaves_the_choices_and_adds_up_to_the_whole(client: httpx
     for choice in whole["choices"]:
         assert texts[choice["index"]] == (choice["message"]["content"] if is_chat else choice["text"])
     usage = events[-1]["usage"]
-    assert usage == whole["usage"]
+    # The counts, not prompt_tokens_details: whether the second request's prompt was cached depends on the
+    # worker it was routed to (it was on the first's worker in one CI-like run: 32 cached tokens).
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert {k: usage[k] for k in counts} == {k: whole["usage"][k] for k in counts}
     assert usage["completion_tokens"] == 3 * 14
     assert usage["total_tokens"] == usage["prompt_tokens"] + 3 * 14
 
