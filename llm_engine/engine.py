@@ -104,6 +104,11 @@ class LLMEngine:
         self._ids = itertools.count()
 
     @property
+    def is_tensor_parallel(self) -> bool:
+        """Rank 0 of several: blocks that leave or arrive go through export_blocks / import_blocks."""
+        return self._staging is not None
+
+    @property
     def transfer_cache(self) -> torch.Tensor:
         """The KV tensor the transfer layer registers and moves blocks of: the runner's cache, or, for rank 0
         of a tensor-parallel worker, its whole-head staging cache (llm_engine/tensor_parallel.py)."""
