@@ -21,6 +21,7 @@ from gateway.api.sampling_defaults import check_generation_config
 from gateway.fleet.config import CANNOT_SERVE, can_serve
 from gateway.http_settings import check_root_path, check_tls, json_list
 from gateway.ratio.ladder import ControllerPolicy
+from gateway.ratio.sizing import ScalePolicy
 from gateway.telemetry.tracing import check_endpoint
 from llm_engine import ModelSpec
 from llm_engine.hardware import resolve_device, resolve_dtype
@@ -103,6 +104,21 @@ class ServeConfig(BaseSettings):
         "fixed",
         description="fixed, or auto: the ratio controller (gateway/ratio/controller.py) moves workers between"
                     " roles by load")
+    scale: Literal["fixed", "auto"] = Field(
+        "fixed",
+        description="fixed, or auto: the scale controller (gateway/ratio/scaler.py) sets how many workers "
+                    "there are, and their roles, from the traffic, between --min-workers and --max-workers "
+                    "(needs --profile; where the cluster autoscales, with --autoscale-wait-s)")
+    min_workers: int | None = Field(None, ge=1, description="--scale auto: the fewest workers (default: 1)")
+    max_workers: int | None = Field(None, ge=1,
+                                    description="--scale auto: the most workers (no default: it needs one)")
+    scale_window_s: float = Field(
+        ScalePolicy.window_s, gt=0, le=3600,
+        description="--scale auto: the recent traffic, s, each plan replays on every size")
+    scale_in_calm_s: float = Field(
+        ScalePolicy.in_calm_s, gt=0, le=24 * 3600,
+        description="--scale auto: how long every plan must name a smaller fleet before one worker is "
+                    "drained (and again before the next)")
     ttft_slo_s: float = Field(
         ControllerPolicy.ttft_slo_s, gt=0,
         description="time-to-first-token target, s (the ratio controller's; bench and tune use the same name "
@@ -406,15 +422,43 @@ class ServeConfig(BaseSettings):
         if self.fleet_name is not None and self.ray_address is None:
             raise ValueError("--fleet-name keeps the workers beyond the gateway process, in a Ray cluster "
                              "that outlives it: give --address too (a local Ray ends with the gateway)")
+        self._check_scale()
+        auto = "--scale auto" if self.scale == "auto" else "--ratio auto"
         (_, prefill_tp), (_, decode_tp) = self.tp_degrees()
-        if self.ratio == "auto" and prefill_tp != decode_tp:
-            raise ValueError(f"--prefill-tp {prefill_tp} / --decode-tp {decode_tp}: --ratio auto moves "
+        if self.is_auto and prefill_tp != decode_tp:
+            raise ValueError(f"--prefill-tp {prefill_tp} / --decode-tp {decode_tp}: {auto} moves "
                              "workers between roles, and a worker's ranks are fixed at its start: give both "
                              "roles one degree")
-        if self.ratio == "auto" and self.backend == "torch":
-            raise ValueError("--ratio auto moves workers between roles, which the torch backend's fixed "
+        if self.is_auto and self.backend == "torch":
+            raise ValueError(f"{auto} moves workers between roles, which the torch backend's fixed "
                              "process group cannot: use --backend nixl")
         return self
+
+    def _check_scale(self) -> None:
+        if self.scale == "fixed":
+            if self.min_workers is not None or self.max_workers is not None:
+                raise ValueError("--min-workers and --max-workers bound the scale controller: give --scale "
+                                 "auto too")
+            return
+        if self.ratio == "auto":
+            raise ValueError("--scale auto chooses each worker's role too: drop --ratio auto")
+        if self.max_workers is None:
+            raise ValueError("--scale auto needs --max-workers: the most workers it may start")
+        low = self.min_workers or 1
+        if low > self.max_workers:
+            raise ValueError(f"--min-workers {low} is above --max-workers {self.max_workers}")
+        if self.profile is None:
+            raise ValueError("--scale auto needs --profile (from `pdserve tune profile`): it predicts each "
+                             "size's latency from a worker's measured step times")
+        size = (self.prefill or 0) + (self.decode or 0) + (self.mixed or 0)
+        if not low <= size <= self.max_workers:
+            raise ValueError(f"the starting layout has {size} workers, outside --min-workers {low} .. "
+                             f"--max-workers {self.max_workers}")
+
+    @property
+    def is_auto(self) -> bool:
+        """A controller changes the pools: --ratio auto or --scale auto."""
+        return self.ratio == "auto" or self.scale == "auto"
 
     @model_validator(mode="after")
     def _check_device_and_model(self) -> ServeConfig:

@@ -121,7 +121,7 @@ def serve_frontends(config: ServeConfig) -> None:
 
     def start(fleet: FleetClient) -> None:
         fleet.start(deployment, controller_policy(config), local_prefill_policy(config),
-                    config.ratio == "auto", planner_settings(config))
+                    config.is_auto, planner_settings(config))
 
     lost: list[str] = []  # why the fleet is gone for good (the watch says)
 
@@ -131,7 +131,7 @@ def serve_frontends(config: ServeConfig) -> None:
             if is_rejoined:
                 print(f"pdserve: rejoined fleet {name} and its workers", flush=True)
                 for note in fleet.rejoin(controller_policy(config), local_prefill_policy(config),
-                                         config.ratio == "auto", planner_settings(config)):
+                                         config.is_auto, planner_settings(config)):
                     print(f"pdserve: fleet {name}: {note}", flush=True)
             else:
                 start(fleet)
@@ -236,7 +236,17 @@ def watch_exits(frontends: Any, fleet: FleetClient, stopping: threading.Event) -
         except Exception:  # the fleet actor is restarting: its silence rule ends those streams
             logger.exception("could not tell the fleet that frontends %s exited", exited)
         for pid in exited:
-            del watched[pid]
+            release_health_check(watched.pop(pid))
+
+
+def release_health_check(process: Any) -> None:
+    """uvicorn's supervisor may be waiting (up to FRONTEND_UNANSWERED_S) for the ping answer of a frontend
+    that has since exited (stopped by SIGTERM, it went on answering nothing while its streams ended): the
+    answer is written into the pipe from this side, so the supervisor's loop moves on, sees the process gone
+    and starts a new one within its next round, not 30 s later. The pipe is the dead process's alone and
+    is dropped with it."""
+    with contextlib.suppress(OSError, AttributeError):
+        process.child_conn.send(False)
 
 
 def open_fleet(name: str, deployment: DeploymentConfig, outlives: bool) -> tuple[FleetClient, bool]:

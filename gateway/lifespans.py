@@ -25,7 +25,7 @@ from gateway.api.sampling_defaults import read_sampling_defaults
 from gateway.config import ServeConfig
 from gateway.control.fleet_client import FleetClient
 from gateway.control.messages import frontend_id
-from gateway.control.plane import ControlPlane, build_planner, decode_kv_tokens
+from gateway.control.plane import ControlPlane, decode_kv_tokens
 from gateway.control.remote_fleet import RemoteFleet
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.view import FleetView
@@ -138,11 +138,10 @@ def own_fleet(config: ServeConfig) -> Lifespan:
             service = serve_requests(app, config, deployment, deployment.config.engine.model_dir,
                                      min(await decode_kv_tokens(deployment)), num_frontends=1)
             policy = controller_policy(config)
-            planning = planner_settings(config)
-            planner = build_planner(planning, deployment, policy) if planning is not None else None
-            plane = ControlPlane(deployment, service.router, service.recent, policy, service.traffic, planner)
+            plane = ControlPlane(deployment, service.router, service.recent, policy, service.traffic,
+                                 planner_settings(config))
             service.on_prompt.append(plane.controller.note_prompt)
-            plane.start(auto=config.ratio == "auto")
+            plane.start(auto=config.is_auto)
             app.state.control = plane
             answerer.close()
             announce(app, config, deployment.backend.value)

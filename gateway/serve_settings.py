@@ -12,6 +12,7 @@ from gateway.config import ServeConfig
 from gateway.control.plane import PlannerSettings
 from gateway.fleet.config import DeploymentConfig
 from gateway.ratio.ladder import ControllerPolicy
+from gateway.ratio.sizing import ScalePolicy
 from gateway.requests.deadlines import DeadlinePolicy
 from gateway.requests.router import LocalPrefillPolicy
 from kv_transfer import TransferConfig
@@ -45,8 +46,14 @@ def planner_settings(config: ServeConfig) -> PlannerSettings | None:
     if config.profile is None:
         return None
     local_prefill = local_prefill_policy(config)
+    scale = None
+    if config.scale == "auto":
+        assert config.max_workers is not None  # checked with the settings
+        scale = ScalePolicy(config.min_workers or 1, config.max_workers, window_s=config.scale_window_s,
+                            in_calm_s=config.scale_in_calm_s, interval_s=min(10.0, config.scale_window_s / 6))
     return PlannerSettings(config.profile, config.max_waiting, config.queue_timeout_s,
-                           local_prefill.isolate_prompts_from_tokens, local_prefill.move_streams_from_tokens)
+                           local_prefill.isolate_prompts_from_tokens, local_prefill.move_streams_from_tokens,
+                           scale)
 
 
 def deadline_policy(config: ServeConfig) -> DeadlinePolicy:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Answer(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
 
 
 class WorkerView(_Answer):
@@ -67,6 +67,28 @@ class RatioDecision(_Answer):
     measured: dict[str, Any] | None = None  # what followed, plan_check_s after a planned move
 
 
+class ScaleDecision(_Answer):
+    """One of the scale controller's recent decisions."""
+
+    at: float  # Unix time
+    from_: str = Field(alias="from")  # the layout before, as "1P+2D"
+    to: str
+    reason: str  # scale_out, scale_in or rebalance
+    detail: str
+    prediction: dict[str, Any]  # each size's best layout and its predicted attainment, goodput, latencies
+    measured: dict[str, Any] | None = None  # what followed, check_s after the change (or why it stopped)
+
+
+class ScaleView(_Answer):
+    """The scale controller (--scale auto) in GET /admin/pools."""
+
+    on: bool
+    min_workers: int
+    max_workers: int
+    last_error: str  # why its last change stopped part way, or was refused ("" if it did not)
+    decisions: list[ScaleDecision]  # the last 20
+
+
 class PoolsResponse(_Answer):
     """GET /admin/pools."""
 
@@ -79,9 +101,10 @@ class PoolsResponse(_Answer):
     torch_rendezvous: str | None  # the torch group's init address (torch backend)
     pending: int  # workers no node can take yet
     change_in_progress: ChangeInProgress | None
-    auto: bool  # the ratio controller is on
+    auto: bool  # the ratio controller (or the scale controller) is on
     queued_prompt_tokens: int  # routed, not yet prefilled, over all workers
     ratio_decisions: list[RatioDecision]  # the last 20
+    scale: ScaleView | None = None  # with --scale auto
     workers: list[WorkerView]
 
 
@@ -95,7 +118,7 @@ class StepsResponse(_Answer):
 class AutoResponse(_Answer):
     """PUT /admin/pools {"auto": ...}."""
 
-    auto: bool  # the ratio controller is on now
+    auto: bool  # the ratio controller (or the scale controller) is on now
 
 
 class ResizeResponse(_Answer):

@@ -36,7 +36,7 @@ import uuid
 import ray
 
 from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport, WorkerEntry, frontend_prefix
-from gateway.control.plane import ControlPlane, PlannerSettings, build_planner, decode_kv_tokens
+from gateway.control.plane import ControlPlane, PlannerSettings, decode_kv_tokens
 from gateway.control.reported_books import ReportedBooks
 from gateway.fleet.bring_up_log import StartProgress
 from gateway.fleet.config import DeploymentConfig
@@ -85,8 +85,7 @@ class FleetActor:
             self._info = FleetInfo(config.engine.model_dir, min(await decode_kv_tokens(deployment)),
                                    deployment.block_size, deployment.backend.value)
             books = ReportedBooks(local_prefill, on_policy=self._bump)
-            planner = build_planner(planning, deployment, policy) if planning is not None else None
-            self._plane = ControlPlane(deployment, books, self._recent, policy, self._traffic, planner)
+            self._plane = ControlPlane(deployment, books, self._recent, policy, self._traffic, planning)
             self._plane.start(auto)
         except BaseException:
             await deployment.shutdown()

@@ -2,7 +2,8 @@
 controller, runs the pool watch, and answers the admin routes and the fleet's metrics.
 
     start(auto) after the deployment is up: pool watch (every second: loads; dead workers replaced)
-                → the ratio controller, if auto
+                → if auto: the scale controller (--scale auto: the fleet's size and split), else the
+                  ratio controller (--ratio auto: its split)
     pools() / put_pools(layout): GET and PUT /admin/pools
     status(): the fleet's series for /metrics (gateway/telemetry/fleet_metrics.py)
     stop() → the deployment's shutdown (every actor)
@@ -30,12 +31,14 @@ from gateway.ratio.controller import RatioController
 from gateway.ratio.ladder import ControllerPolicy, Decision
 from gateway.ratio.planner import LayoutPlanner
 from gateway.ratio.resize import PoolLayout, PoolResizer
+from gateway.ratio.scaler import ScaleController
+from gateway.ratio.sizing import ScalePolicy, candidate_layouts
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.traffic import RecentTraffic
 from loadgen.summary import SLO
 from tuner.profile import load_profile
-from tuner.simulator import Layout, SimConfig
+from tuner.simulator import SimConfig
 from worker_runtime.roles import Role
 
 
@@ -69,11 +72,13 @@ class PlannerSettings:
     queue_timeout_s: float
     isolate_prompts_from_tokens: int  # the router's (LocalPrefillPolicy)
     move_streams_from_tokens: int  # the router's (LocalPrefillPolicy)
+    scale: ScalePolicy | None = None  # --scale auto: the sizes the scale controller chooses between
 
 
 def build_planner(settings: PlannerSettings, deployment: PDDeployment, policy: ControllerPolicy
                   ) -> LayoutPlanner:
-    """The planner over the ladder's layouts of the deployment's workers, priced by the profile's fits, with
+    """The planner over the layouts the controller may choose (with --scale auto every layout of every size
+    in range, else the ladder's layouts of the deployment's workers), priced by the profile's fits, with
     the live workers' KV shape and budgets."""
     profile = load_profile(settings.profile_path)
     engine = deployment.config.engine
@@ -85,9 +90,11 @@ def build_planner(settings: PlannerSettings, deployment: PDDeployment, policy: C
                        max_prefill_s_beside_decode=engine.max_prefill_s_beside_decode,
                        isolate_prompts_from_tokens=settings.isolate_prompts_from_tokens,
                        move_streams_from_tokens=settings.move_streams_from_tokens)
-    n = sum(deployment.target.values())
-    ladder = [Layout(0, 0, n)] + [Layout(k, n - k, 0) for k in range(1, n)]
-    return LayoutPlanner(profile.fits, config, SLO(policy.ttft_slo_s, policy.itl_slo_s), ladder)
+    slo = SLO(policy.ttft_slo_s, policy.itl_slo_s)
+    if settings.scale is not None:
+        return LayoutPlanner(profile.fits, config, slo, candidate_layouts(settings.scale.sizes),
+                             min_requests=settings.scale.min_requests)
+    return LayoutPlanner(profile.fits, config, slo, candidate_layouts([sum(deployment.target.values())]))
 
 
 async def decode_kv_tokens(deployment: PDDeployment) -> list[int]:
@@ -102,32 +109,55 @@ async def decode_kv_tokens(deployment: PDDeployment) -> list[int]:
 class ControlPlane:
     def __init__(self, deployment: PDDeployment, books: RoutingBooks, recent: RecentLatencies,
                  policy: ControllerPolicy, traffic: RecentTraffic | None = None,
-                 planner: LayoutPlanner | None = None) -> None:
+                 planning: PlannerSettings | None = None) -> None:
         """Args:
         deployment: started.
         books: the routers' counts (queued prompts, what is on its way to each worker).
         recent: finished requests' latencies (the controller's TTFT and ITL).
-        traffic, planner: the recent arrivals, and the planner that replays them (with --profile).
+        traffic, planning: the recent arrivals, and the settings of the planner that replays them (with
+            --profile); with a scale policy in them the scale controller sizes the fleet, else the ratio
+            controller moves its workers between roles.
         """
         self.deployment = deployment
         self.books = books
         self.resizer = PoolResizer(deployment, books)
+        planner = build_planner(planning, deployment, policy) if planning is not None else None
+        self.scaler: ScaleController | None = None
+        if planning is not None and planning.scale is not None:
+            assert planner is not None and traffic is not None
+            self.scaler = ScaleController(deployment, self.resizer, recent, traffic, planner, planning.scale,
+                                          policy.ttft_slo_s, policy.itl_slo_s)
+            planner = None  # the ratio controller, should the operator turn it on, keeps to its rules
         self.controller = RatioController(deployment, books, self.resizer, recent, policy, planner=planner,
                                           traffic=traffic)
         self._watch: asyncio.Task[None] | None = None
 
     def start(self, auto: bool) -> None:
+        """The pool watch, and with `auto` the scale controller if one is set, else the ratio controller."""
         if auto and not self.deployment.can_change:
-            raise ValueError(f"--ratio auto needs workers that can change role; the "
+            raise ValueError(f"--ratio auto and --scale auto need workers that can change role; the "
                              f"{self.deployment.backend} backend fixes them at start (use --backend nixl)")
         self._watch = asyncio.create_task(self.deployment.watch())
         if auto:
-            self.controller.start()
+            self._start_auto()
+
+    def _start_auto(self) -> None:
+        (self.scaler or self.controller).start()
+
+    @property
+    def is_auto(self) -> bool:
+        return self.controller.is_on or (self.scaler is not None and self.scaler.is_on)
+
+    async def stop_auto(self) -> None:
+        """Both controllers off; a change either was applying is rolled back first."""
+        if self.scaler is not None:
+            await self.scaler.stop()
+        await self.controller.stop()
 
     async def stop(self) -> None:
         """The controller and the watch stop, then every worker actor."""
         try:
-            await self.controller.stop()
+            await self.stop_auto()
             if self._watch is not None:
                 self._watch.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -143,7 +173,8 @@ class ControlPlane:
             runtimes={w.worker_id: w.runtime for w in workers
                       if w.runtime is not None and w.state is not WorkerState.FAILED},
             active=dict(self.deployment.health().active),
-            ratio_changes=dict(self.controller.changes))
+            ratio_changes=dict(self.controller.changes),
+            scale_changes=dict(self.scaler.changes) if self.scaler is not None else {})
 
     async def pools(self) -> dict[str, object]:
         """GET /admin/pools: each worker's role, state, node, load and KV capacity; the layout aimed at; a
@@ -180,7 +211,7 @@ class ControlPlane:
                           "total_kv_tokens": load.num_total_blocks * deployment.config.engine.block_size}
             workers.append(entry)
         change = self.resizer.current_plan
-        return {
+        answer: dict[str, object] = {
             **pools.active,
             "target": pools.target,
             "status": pools.status,
@@ -188,11 +219,14 @@ class ControlPlane:
             "torch_rendezvous": deployment.torch_rendezvous,  # the torch group's init address (torch backend)
             "pending": pools.num_pending,  # workers no node can take yet
             "change_in_progress": None if change is None else dataclasses.asdict(change),
-            "auto": controller.is_on,
+            "auto": self.is_auto,
             "queued_prompt_tokens": controller.queued_prompt_tokens(),  # routed, not yet prefilled
             "ratio_decisions": [decision_summary(d) for d in list(controller.decisions)[-20:]],
             "workers": workers,
         }
+        if self.scaler is not None:
+            answer["scale"] = self.scaler.status()
+        return answer
 
     async def steps(self, worker_id: str, since: float) -> list[dict[str, object]]:
         """GET /admin/workers/{id}/steps: the worker's forwards since `since` (KeyError: no such worker)."""
@@ -202,17 +236,17 @@ class ControlPlane:
     async def put_pools(self, layout: PoolLayout) -> dict[str, object]:
         """PUT /admin/pools: checked (ResizeRefused, ResizeConflict before anything moves), then applied one
         worker at a time; or the controller turned on or off."""
-        resizer, controller = self.resizer, self.controller
+        resizer = self.resizer
         if layout.auto is not None:
             if layout.auto and not self.deployment.can_change:
                 resizer.check(layout)  # the same 409 as any change on a fixed torch group
             if layout.auto:
-                controller.start()
+                self._start_auto()
             else:
-                await controller.stop()  # a change it was applying is rolled back first
-            return {"auto": controller.is_on}
+                await self.stop_auto()  # a change it was applying is rolled back first
+            return {"auto": self.is_auto}
         moves = resizer.check(layout)  # ResizeRefused (400) / ResizeConflict (409) before anything moves
-        await controller.stop()  # a layout set by hand stays until the operator turns auto back on
-        result = await resizer.apply(moves, layout.drain_grace_s)
+        await self.stop_auto()  # a layout set by hand stays until the operator turns auto back on
+        result = await resizer.apply(moves, layout.drain_grace_s, layout.placement_wait_s)
         return {"layout": {role.value: n for role, n in layout.by_role().items()},
                 **dataclasses.asdict(result), "moves": [m.describe() for m in result.moves]}

@@ -236,14 +236,14 @@ class PDDeployment:
             raise RuntimeError(f"the {self.backend} transfer backend fixes its workers at start; use nixl to "
                                "change the pools")
 
-    async def add_worker(self, role: Role) -> str:
+    async def add_worker(self, role: Role, wait_s: float | None = None) -> str:
         """Start one more worker in `role` and connect it; returns its id. It waits PENDING for a node up to
-        autoscale_wait_s where the cluster autoscales, else placement_timeout_s. If it does not come up (not
-        placed in time: unplaceable; start() failed; cancelled), its actor is killed (its resource demand
-        withdrawn), it is forgotten and the target is what it was."""
+        `wait_s`, by default autoscale_wait_s where the cluster autoscales, else placement_timeout_s. If it
+        does not come up (not placed in time: unplaceable; start() failed; cancelled), its actor is killed
+        (its resource demand withdrawn), it is forgotten and the target is what it was."""
         self.check_can_change()
         worker = self.create(Role(role))
-        wait_s = self.config.autoscale_wait_s or self.config.placement_timeout_s
+        wait_s = wait_s or self.config.autoscale_wait_s or self.config.placement_timeout_s
         worker.placement_deadline = time.time() + wait_s
         self.target[role] += 1
         try:

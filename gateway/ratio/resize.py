@@ -51,13 +51,17 @@ class PoolLayout(BaseModel):
     # token either way: the new worker continues from the tokens the client has, pulling the KV the leaving
     # worker offers).
     drain_grace_s: float = Field(default=DRAIN_GRACE_S, ge=0, le=3600)
+    # How long a worker this change adds may wait for a node before it is given up as unplaceable (None: the
+    # server's --autoscale-wait-s where the cluster autoscales, else its --placement-timeout-s). An operator
+    # who knows a node is on its way, or knows none is, says so for this change.
+    placement_wait_s: float | None = Field(default=None, gt=0, le=24 * 3600)
     auto: bool | None = None
 
     @model_validator(mode="after")
     def _layout_or_auto(self) -> PoolLayout:
         counts = self.model_fields_set & {"prefill", "decode", "mixed"}
-        if self.auto is not None and counts:
-            raise ValueError("give either worker counts or auto, not both")
+        if self.auto is not None and (counts or "placement_wait_s" in self.model_fields_set):
+            raise ValueError("give either worker counts (with placement_wait_s) or auto, not both")
         if self.auto is None and not counts:
             raise ValueError("give worker counts (prefill, decode, mixed) or auto")
         return self
@@ -192,11 +196,13 @@ class PoolResizer:
                             "cluster (where the cluster autoscales, serve with --autoscale-wait-s to let "
                             "them wait for new nodes)")
 
-    async def apply(self, moves: list[Move], grace_s: float = DRAIN_GRACE_S) -> ResizeResult:
+    async def apply(self, moves: list[Move], grace_s: float = DRAIN_GRACE_S,
+                    placement_wait_s: float | None = None) -> ResizeResult:
         """Carry out the moves in order; stops at the first that fails (the rest do not run).
 
         Args:
             grace_s: how long a leaving worker's decode streams may run on before they move elsewhere.
+            placement_wait_s: how long an added worker may wait for a node (None: the deployment's own wait).
         """
         if self.is_busy:
             raise ResizeConflict("another change of the pools is being applied; try again when it is done")
@@ -209,7 +215,7 @@ class PoolResizer:
                 while index < len(moves):
                     adds = list(itertools.takewhile(lambda m: m.action == "add", moves[index:]))
                     if adds:
-                        await self._add_all(adds, result)
+                        await self._add_all(adds, result, placement_wait_s)
                         index += len(adds)
                         continue
                     result.done.append(await self._apply_one(moves[index], grace_s))
@@ -231,12 +237,12 @@ class PoolResizer:
                 self.current_plan = None
             return result
 
-    async def _add_all(self, adds: list[Move], result: ResizeResult) -> None:
+    async def _add_all(self, adds: list[Move], result: ResizeResult, placement_wait_s: float | None) -> None:
         """Consecutive adds at once, so that Ray (and its autoscaler) sees every new worker's demand together
         rather than one node at a time; raises the first failure once all have ended (a failed add has
         already killed its actor and taken its target back)."""
         async def add(move: Move) -> None:
-            result.done.append(await self._apply_one(move, 0.0))
+            result.done.append(f"added {await self.deployment.add_worker(move.role, placement_wait_s)}")
             logger.info("pools: %s", result.done[-1])
 
         outcomes = await asyncio.gather(*(add(move) for move in adds), return_exceptions=True)
@@ -245,8 +251,7 @@ class PoolResizer:
             raise failures[0]
 
     async def _apply_one(self, move: Move, grace_s: float) -> str:
-        if move.action == "add":
-            return f"added {await self.deployment.add_worker(move.role)}"
+        assert move.action != "add"  # adds go together (_add_all)
         if move.action == "drain":
             worker_id = move.worker_id or self._pick(move.role)
             await self.deployment.drain_worker(worker_id, books=self.books, grace_s=grace_s,

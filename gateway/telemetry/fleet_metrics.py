@@ -34,6 +34,7 @@ class FleetStatus:
     active: dict[str, int] = field(default_factory=dict)  # role → active workers
     # (from role, to role, reason) → workers the ratio controller moved
     ratio_changes: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    scale_changes: dict[str, int] = field(default_factory=dict)  # reason → changes the scale controller made
 
 
 class FleetCollector(Collector):
@@ -89,7 +90,12 @@ class FleetCollector(Collector):
                                       labels=[MODEL_LABEL, "from", "to", "reason"])
         for (from_role, to_role, reason), count in status.ratio_changes.items():
             changes.add_metric([model, from_role, to_role, reason], count)
-        yield from (workers, queued, running, waiting, usage, step_tokens, runtime, speedup, changes)
+        scaled = CounterMetricFamily(PREFIX + "scale_changes",
+                                     "Changes of the fleet's size (or split) made by the scale controller",
+                                     labels=[MODEL_LABEL, "reason"])
+        for reason, count in status.scale_changes.items():
+            scaled.add_metric([model, reason], count)
+        yield from (workers, queued, running, waiting, usage, step_tokens, runtime, speedup, changes, scaled)
 
 
 def _buckets(tokens: StepTokens) -> list[tuple[str, float]]:

@@ -74,6 +74,7 @@ FLEET_METRICS = (
        ("worker", "dtype", "linear_kernel", "decode_attention", "compile", "threads")),
     _m("linear_kernel_speedup", "gauge", ("worker",)),
     _m("ratio_changes_total", "counter", ("from", "to", "reason")),
+    _m("scale_changes_total", "counter", ("reason",)),
 )
 
 ALL_METRICS = REQUEST_METRICS + FLEET_METRICS

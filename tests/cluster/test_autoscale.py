@@ -2,8 +2,8 @@
 `pdserve serve --autoscale-wait-s` accepts a layout that needs a node not there yet; the new worker waits
 pending (its resource demand is what Ray's autoscaler would add a node for) and GET /admin/pools says why;
 once a node that offers its resources joins (here started by hand, as the autoscaler would), the layout
-completes and serves. A worker no node takes within the wait is given up as unplaceable: the PUT answers
-why, its actor is gone and the layout is what it was."""
+completes and serves. A worker no node takes within the wait (the change's own placement_wait_s here) is
+given up as unplaceable: the PUT answers why, its actor is gone and the layout is what it was."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from tests.helpers.reference import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 VOCAB = 49152
-# Long enough for `ray start` of a node on a loaded machine; the give-up at the end waits all of it.
+# Long enough for `ray start` of a node on a loaded machine.
 AUTOSCALE_WAIT_S = 90
+GIVE_UP_WAIT_S = 15  # the last change's own wait (PUT /admin/pools placement_wait_s): no node comes
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def cluster() -> Iterator[LocalRayCluster]:
         yield ray_cluster
 
 
-def put_in_background(url: str, layout: dict[str, int]) -> tuple[threading.Thread, list[httpx.Response]]:
+def put_in_background(url: str, layout: dict[str, float]) -> tuple[threading.Thread, list[httpx.Response]]:
     """PUT /admin/pools answers once the change is done: it runs in a thread while the test looks on."""
     answers: list[httpx.Response] = []
     thread = threading.Thread(target=lambda: answers.append(
@@ -74,15 +75,18 @@ def test_a_layout_that_needs_a_new_node_waits_pending_then_completes_or_is_given
         for _ in range(2):  # both decode workers take requests (the router spreads them)
             assert [greedy_over_http(url, p, 8) for p in prompts] == expected
 
-        # No third decode node comes: after the wait the worker is given up and the layout stays as it was.
+        # No third decode node comes: after the change's wait the worker is given up and the layout stays as
+        # it was.
         before = {w["worker_id"] for w in pools["workers"]}
-        thread, answers = put_in_background(url, {"prefill": 1, "decode": 3})
+        third = {"prefill": 1, "decode": 3, "placement_wait_s": GIVE_UP_WAIT_S}
+        thread, answers = put_in_background(url, third)
         wait_for("a pending decode worker", lambda: len(pending_decode()) == 1, 120)
         [given_up] = pending_decode()
         thread.join(AUTOSCALE_WAIT_S + 240)
         [answer] = answers
         assert answer.status_code == 200, answer.text
         assert "PlacementTimeout" in answer.json()["error"] and "unplaceable" in answer.json()["error"]
+        assert f"within {GIVE_UP_WAIT_S:g} s" in answer.json()["error"], answer.json()["error"]
         pools = httpx.get(f"{url}/admin/pools", timeout=30).json()
         assert {w["worker_id"] for w in pools["workers"]} == before
         assert given_up["worker_id"] not in {w["worker_id"] for w in pools["workers"]}

@@ -231,8 +231,8 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
         assert expected.startswith("".join(stream.texts))  # what it got before is right
     for stream in streams[serving]:
         assert stream.done and "".join(stream.texts) == expected, (stream.error, len(stream.texts))
-    # uvicorn's supervisor sees a frontend gone at its next health check, which waits up to
-    # FRONTEND_UNANSWERED_S (30 s) for a frontend still stopping; then the new one imports and starts.
+    # uvicorn's supervisor may be waiting up to FRONTEND_UNANSWERED_S (30 s) for the stopping frontend's
+    # ping; the exit watch answers it once the process is gone (gateway/frontends.py), and a new one starts.
     until(lambda: len(frontend_pids(supervisor)) == 2 and stopped not in frontend_pids(supervisor), 150,
           "the stopped frontend's restart")
 

@@ -7,7 +7,6 @@ Pure: the tuner's simulator with known step costs (tests/helpers/tuning.py), syn
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -19,7 +18,7 @@ from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.traffic import Arrival, RecentTraffic
 from loadgen.summary import SLO
-from tests.helpers.tuning import sim_config, step_model
+from tests.helpers.tuning import poisson_arrivals, sim_config, step_model
 from tuner.simulator import Layout
 
 # Prompts cost 2 ms a token; a decode step 30 ms + 1 ms per request in the batch.
@@ -28,25 +27,15 @@ SLO_ = SLO(ttft_s=20.0, itl_s=0.05)
 LADDER = [Layout(0, 0, 2), Layout(1, 1, 0)]
 
 
-def arrivals(prompt: int, output: int, rate: float, num: int, seed: int, end: float) -> list[Arrival]:
-    rng = random.Random(seed)
-    gaps = [rng.expovariate(rate) for _ in range(num)]
-    start, times = end - sum(gaps), []
-    for gap in gaps:
-        start += gap
-        times.append(start)
-    return [Arrival(t, prompt, output) for t in times]
-
-
 def long_prompts_beside_streams(end: float) -> list[Arrival]:
     """1500-token prompts among streams of 300 tokens: on mixed workers every step carries a prompt slice."""
-    return sorted(arrivals(1500, 16, 0.2, 20, 1, end) + arrivals(64, 300, 0.5, 80, 2, end),
+    return sorted(poisson_arrivals(1500, 16, 0.2, 20, 1, end) + poisson_arrivals(64, 300, 0.5, 80, 2, end),
                   key=lambda a: a.at)
 
 
 def busy_chat(end: float) -> list[Arrival]:
     """Short prompts, long answers, 1.5 req/s: one decode worker's batch is too slow for the ITL SLO."""
-    return arrivals(64, 300, 1.5, 120, 3, end)
+    return poisson_arrivals(64, 300, 1.5, 120, 3, end)
 
 
 def test_the_predicted_layout_follows_the_traffic() -> None:
@@ -109,7 +98,7 @@ def test_the_controller_moves_on_a_confirmed_prediction_and_keeps_it() -> None:
 
 def test_a_layout_predicted_no_better_than_the_margin_is_not_moved_to() -> None:
     traffic = RecentTraffic(window_s=600)
-    for arrival in arrivals(64, 128, 1.0, 60, 4, time.time()):  # light chat: both layouts hold it
+    for arrival in poisson_arrivals(64, 128, 1.0, 60, 4, time.time()):  # light chat: both layouts hold it
         traffic.add(arrival)
     policy = ControllerPolicy(plan_interval_s=0.0, min_dwell_s=0.0, plan_confirmations=1, ttft_slo_s=20.0,
                               itl_slo_s=0.05)

@@ -117,6 +117,11 @@ def test_a_pools_body_is_a_layout_or_auto() -> None:
         PoolLayout.model_validate({"auto": True, "prefill": 1})
     with pytest.raises(ValidationError, match="worker counts"):
         PoolLayout.model_validate({"drain_grace_s": 3})
+    assert PoolLayout.model_validate({"decode": 2, "placement_wait_s": 30}).placement_wait_s == 30
+    with pytest.raises(ValidationError, match="not both"):
+        PoolLayout.model_validate({"auto": True, "placement_wait_s": 30})
+    with pytest.raises(ValidationError, match="placement_wait_s"):
+        PoolLayout.model_validate({"decode": 2, "placement_wait_s": 0})
 
 
 def test_a_move_for_the_itl_slo_that_does_not_help_is_undone_and_not_retried_for_a_while() -> None:

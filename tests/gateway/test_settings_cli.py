@@ -80,6 +80,13 @@ def base_flags(field: str, tmp_path: Path) -> list[str]:
                                                      "allow_credentials") else []
     model += ["--device", "cuda"] if field == "gpu_memory_utilization" else []
     model += ["--address", "auto"] if field == "fleet_name" else []
+    if field in ("scale", "min_workers", "max_workers"):  # the scale controller's range and profile
+        (tmp_path / "profile.json").write_text("{}")
+        model += ["--profile", str(tmp_path / "profile.json")]
+        model += [] if field == "scale" else ["--scale", "auto"]
+        model += [] if field == "max_workers" else ["--max-workers", "3"]
+        if field == "min_workers":  # 3 (sample()): a starting layout within the range
+            return [*model, "--mixed", "3"]
     return model + ([] if field in ("prefill", "decode", "mixed") else ["--mixed", "1"])
 
 

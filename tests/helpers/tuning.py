@@ -4,8 +4,10 @@ and `pdserve tune` called in-process."""
 from __future__ import annotations
 
 import argparse
+import random
 
 from gateway.requests.router import LONG_PROMPT_TOKENS
+from gateway.telemetry.traffic import Arrival
 from pdserve.tune import add_tune_parser
 from tuner.fits import (
     DECODE_FEATURES,
@@ -44,6 +46,17 @@ def sim_config(num_blocks: int = 4096, block_size: int = 16, budget: int = 512, 
 def profile(model: StepModel, config: SimConfig, name: str = "tiny") -> Profile:
     return Profile(name, f"/models/{name}", 1000, "test CPU", "cpu", "float32", config.shape, "synthetic",
                    model, (), (), "2026-01-01T00:00:00+00:00")
+
+
+def poisson_arrivals(prompt: int, output: int, rate: float, num: int, seed: int, end: float) -> list[Arrival]:
+    """`num` requests of one shape arriving as a Poisson process of `rate`, the last at about `end`."""
+    rng = random.Random(seed)
+    gaps = [rng.expovariate(rate) for _ in range(num)]
+    start, times = end - sum(gaps), []
+    for gap in gaps:
+        start += gap
+        times.append(start)
+    return [Arrival(t, prompt, output) for t in times]
 
 
 def assert_blocks_whole(sim: Simulation) -> None:

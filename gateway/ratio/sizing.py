@@ -1,0 +1,210 @@
+"""The fleet's size from its traffic (`pdserve serve --scale auto`), apart from any I/O (tested without a
+fleet): how many workers, and in which roles, the recent traffic needs.
+
+    plan_size(planner, arrivals, policy) → SizePlan: the window's arrivals, squeezed to (1 + headroom)× their
+      rate (the margin), replayed through the tuner's simulator on every layout of every size from
+      min_workers to max_workers → the smallest size whose best layout keeps SLO attainment at or above
+      target_attainment; none does: the largest, at its best layout.
+    Sizer.decide(plan, current layout, now) → SizeDecision or None, with hysteresis:
+      out        a larger size named by out_confirmations plans in a row: straight to it (a burst needs
+                 every worker it needs at once; each waits pending for a node where the cluster autoscales)
+      in         a smaller size named by every plan for in_calm_s: one worker fewer (drained losslessly),
+                 and in_calm_s again before the next (a burst that ends does not empty the fleet at once)
+      rebalance  the same size, a better split of it by plan_margin of goodput, out_confirmations in a row
+      and no change within min_dwell_s of the last one's end.
+The controller around it (gateway/ratio/scaler.py) applies each decision through the PoolResizer and logs
+the measured outcome beside the prediction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from gateway.ratio.planner import LayoutPlanner, rank
+from gateway.telemetry.traffic import Arrival
+from tuner.metrics import HOLD_ATTAINMENT, LayoutScore
+from tuner.simulator import Layout
+
+
+@dataclass(frozen=True)
+class ScalePolicy:
+    min_workers: int
+    max_workers: int
+    interval_s: float = 10.0  # how often it plans
+    headroom: float = 0.2  # the window replayed at (1 + headroom)× its rate: the size must hold more
+    target_attainment: float = HOLD_ATTAINMENT  # a size holds the traffic at this SLO attainment
+    out_confirmations: int = 2  # plans in a row naming a larger size (or a better split)
+    in_calm_s: float = 60.0  # a smaller size named this long before one worker leaves
+    min_dwell_s: float = 20.0  # no change sooner than this after the last one ended
+    plan_margin: float = 0.1  # a rebalance's predicted goodput gain
+    check_s: float = 30.0  # after a change, when the measured outcome is logged beside the prediction
+    window_s: float = 60.0  # the recent traffic each plan replays
+    min_requests: int = 5  # fewer arrivals in the window (but some): no plan
+
+    def __post_init__(self) -> None:
+        if self.min_workers < 1:
+            raise ValueError(f"--min-workers must be >= 1, got {self.min_workers}")
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"--min-workers {self.min_workers} is above --max-workers {self.max_workers}")
+        if min(self.interval_s, self.in_calm_s) <= 0 or self.headroom < 0 or self.min_dwell_s < 0:
+            raise ValueError(f"scale intervals must be > 0 and the headroom >= 0, got {self}")
+        if not 0 < self.target_attainment <= 1:
+            raise ValueError(f"target_attainment must be in (0, 1], got {self.target_attainment}")
+
+    @property
+    def sizes(self) -> range:
+        return range(self.min_workers, self.max_workers + 1)
+
+
+def layouts_of(num_workers: int) -> list[Layout]:
+    """The layouts of one size the controllers move between: all mixed, or k prefill + the rest decode."""
+    return [Layout(0, 0, num_workers)] + [Layout(k, num_workers - k, 0) for k in range(1, num_workers)]
+
+
+def candidate_layouts(sizes: Iterable[int]) -> list[Layout]:
+    return [layout for n in sizes for layout in layouts_of(n)]
+
+
+@dataclass(frozen=True)
+class SizePlan:
+    """One plan: the size the window's traffic needs, and each size's best layout."""
+
+    size: int  # the smallest that holds it (the largest when none does)
+    layout: Layout  # that size's best layout
+    holds: bool  # False: no size in range holds the traffic with the headroom
+    rate: float  # requests/s over the window, as it arrived
+    num_requests: int
+    best_by_size: dict[int, LayoutScore]
+    scores: tuple[LayoutScore, ...]  # every candidate's, best first
+
+    def score_of(self, layout: Layout) -> LayoutScore | None:
+        return next((s for s in self.scores if s.layout == layout), None)
+
+    def summary(self) -> dict[str, object]:
+        """What the decision log keeps: each size's best layout and its predicted figures."""
+        return {"requests": self.num_requests, "rate": round(self.rate, 3), "size": self.size,
+                "best": self.layout.label(), "holds": self.holds,
+                "sizes": {str(n): {"layout": s.layout.label(), "attainment": round(float(s.attainment), 3),
+                                   "goodput": round(float(s.goodput), 3),
+                                   "ttft_p90_s": round(float(s.ttft_p90_s), 3),
+                                   "itl_p99_s": round(float(s.itl_p99_s), 3)}
+                          for n, s in sorted(self.best_by_size.items())}}
+
+
+def squeezed(arrivals: list[Arrival], factor: float) -> list[Arrival]:
+    """The same requests arriving `factor`× as fast (their gaps divided by it)."""
+    if not arrivals or factor == 1.0:
+        return arrivals
+    start = arrivals[0].at
+    return [Arrival(start + (a.at - start) / factor, a.prompt_tokens, a.output_tokens) for a in arrivals]
+
+
+def plan_size(planner: LayoutPlanner, arrivals: list[Arrival], policy: ScalePolicy) -> SizePlan | None:
+    """The size the traffic needs (see the module docstring); None with too few arrivals to say (the
+    planner's min_requests), but the smallest size, all mixed, when none arrived at all."""
+    if not arrivals:  # nothing arrived in the window: the smallest size, all mixed, holds it
+        idle = layouts_of(policy.min_workers)[0]
+        return SizePlan(policy.min_workers, idle, True, 0.0, 0, {}, ())
+    prediction = planner.predict(squeezed(arrivals, 1.0 + policy.headroom))
+    if prediction is None:
+        return None
+    best_by_size: dict[int, LayoutScore] = {}
+    for scored in prediction.scores:  # best first: the first of each size is its best
+        best_by_size.setdefault(scored.layout.num_workers, scored)
+    holding = [n for n in sorted(best_by_size) if best_by_size[n].attainment >= policy.target_attainment]
+    if holding:
+        size, holds = holding[0], True
+    else:  # none holds: the size that serves it best (the largest, unless a larger one does no better)
+        size, holds = max(best_by_size, key=lambda n: (rank(best_by_size[n]), n)), False
+    rate = prediction.rate / (1.0 + policy.headroom)
+    return SizePlan(size, best_by_size[size].layout, holds, rate, prediction.num_requests, best_by_size,
+                    prediction.scores)
+
+
+@dataclass
+class SizeDecision:
+    at: float  # time.time()
+    from_layout: Layout
+    to_layout: Layout
+    reason: str  # "scale_out", "scale_in" or "rebalance"
+    detail: str
+    prediction: dict[str, object]
+    measured: dict[str, object] = field(default_factory=dict)  # check_s after the change
+
+    def summary(self) -> dict[str, object]:
+        return {"at": self.at, "from": self.from_layout.label(), "to": self.to_layout.label(),
+                "reason": self.reason, "detail": self.detail, "prediction": self.prediction,
+                "measured": self.measured or None}
+
+
+class Sizer:
+    """The scale decisions, apart from any I/O: a plan, the current layout and the time in, a decision (or
+    None) out; it keeps the hysteresis state."""
+
+    def __init__(self, policy: ScalePolicy) -> None:
+        self.policy = policy
+        self._last_change = float("-inf")
+        self._streak: tuple[object, int] = (None, 0)  # what the last plans named (larger size, better split)
+        self._smaller_since: float | None = None  # every plan since named a smaller size
+
+    def note_change(self, now: float) -> None:
+        """A change ended at `now`: the dwell and the calm timer start again."""
+        self._last_change = now
+        self._streak = (None, 0)
+        self._smaller_since = None
+
+    def decide(self, plan: SizePlan, current: Layout, now: float) -> SizeDecision | None:
+        p = self.policy
+        n = current.num_workers
+        if plan.size >= n:
+            self._smaller_since = None
+        elif self._smaller_since is None:
+            self._smaller_since = now
+        named: object = None
+        if plan.size > n:
+            named = ("out", plan.size)  # its best split may change from plan to plan: the size counts
+        elif plan.size == n and self._is_better_split(plan, current):
+            named = ("split", plan.layout)
+        last, count = self._streak
+        self._streak = (named, count + 1 if named is not None and named == last else int(named is not None))
+        if now - self._last_change < p.min_dwell_s:
+            return None
+        if self._streak[1] >= p.out_confirmations:
+            if plan.size > n:
+                why = ("holds" if plan.holds else "serves best (none in range holds)")
+                return self._decision(plan, current, plan.layout, "scale_out",
+                                      f"{plan.layout.label()} {why} {plan.num_requests} requests at "
+                                      f"{plan.rate:.2f} req/s with {p.headroom:.0%} headroom; "
+                                      f"{current.label()} is predicted at {self._attainment(plan, n)}")
+            now_score = plan.score_of(current)
+            return self._decision(plan, current, plan.layout, "rebalance",
+                                  f"{plan.layout.label()} predicted {plan.best_by_size[n].goodput:.2f} req/s "
+                                  f"of goodput against {now_score.goodput if now_score else 0:.2f} on "
+                                  f"{current.label()}")
+        if self._smaller_since is not None and now - self._smaller_since >= p.in_calm_s and n > p.min_workers:
+            smaller = plan.best_by_size.get(n - 1)  # none when nothing arrived: all mixed serves best then
+            to = smaller.layout if smaller is not None else layouts_of(n - 1)[0]
+            return self._decision(plan, current, to, "scale_in",
+                                  f"{plan.size} worker(s) ({plan.layout.label()}) predicted to hold the "
+                                  f"traffic ({plan.rate:.2f} req/s, {p.headroom:.0%} headroom) for "
+                                  f"{p.in_calm_s:.0f} s: one worker fewer, to {to.label()}")
+        return None
+
+    def _is_better_split(self, plan: SizePlan, current: Layout) -> bool:
+        """The plan's best layout of the current size beats the current split by the margin of goodput."""
+        best, now = plan.best_by_size.get(current.num_workers), plan.score_of(current)
+        if best is None or now is None or best.layout == current:
+            return False
+        gain = best.goodput - now.goodput
+        return best.goodput >= (1 + self.policy.plan_margin) * now.goodput and gain >= 0.01
+
+    @staticmethod
+    def _attainment(plan: SizePlan, size: int) -> str:
+        score = plan.best_by_size.get(size)
+        return "no figure" if score is None else f"{score.attainment:.0%} SLO attainment at best"
+
+    @staticmethod
+    def _decision(plan: SizePlan, current: Layout, to: Layout, reason: str, detail: str) -> SizeDecision:
+        return SizeDecision(time.time(), current, to, reason, detail, plan.summary())
