@@ -1,17 +1,20 @@
 """A fleet whose size follows the traffic (`--scale auto`) against fixed fleets, on a load that rises then
 falls (not a test).
 
-Each setup is a real `pdserve serve` on this machine's local Ray (one torch thread per worker), driven by
+Each setup is a real `pdserve serve` on this machine's local Ray (the cores split over the most workers it may
+have: 2 threads for 1 mixed, 1 each otherwise), driven by
 the same Poisson load of three phases (light, busy, light; random-token prompts of --prompt-len for
 --output-len tokens): the fixed fleets of 1 and 2 mixed workers, and `--scale auto --min-workers 1
---max-workers 2` from one mixed worker, planned with --profile (benchmarks/profiles/: `pdserve tune
-profile`'s profile of this machine kind and model). For each: SLO attainment and goodput per phase and
+--max-workers 2` from one mixed worker, planned with --profile (`pdserve tune profile`'s profile of this
+machine and model: take one first, 45 s; benchmarks/profiles/ has an older one of this machine kind).
+For each: SLO attainment and goodput per phase and
 overall, and the workers it held over time (every second from GET /admin/pools: active and pending
 workers, by role) and their time average; for auto, its decisions with their predictions and measured
 outcomes. Writes results.json, table.md and timeline.png (workers per role, arrival rate and SLO attainment
 over time, one panel column per setup) under --out.
 
-    .venv/bin/python benchmarks/scale_auto.py [--rates 0.3 2 0.3] [--phase-s 60] [--out DIR]
+    .venv/bin/pdserve tune profile --out /tmp/profile
+    .venv/bin/python benchmarks/scale_auto.py --profile /tmp/profile/profile.json [--rates 0.3 2.5 0.3]
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ SETUPS = {
     "1 mixed": ["--mixed", "1", "--backend", "nixl"],
     "2 mixed": ["--mixed", "2", "--backend", "nixl"],
     "scale auto 1..2": ["--mixed", "1", "--backend", "nixl", "--scale", "auto", "--min-workers", "1",
-                        "--max-workers", "2", "--profile", PROFILE],
+                        "--max-workers", "2"],
 }
 BIN_S = 10.0  # the timeline's bins
 
@@ -149,12 +152,13 @@ def plot(results: dict[str, Any], slo: SLO, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.3, 2.0, 0.3], help="req/s per phase")
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.3, 2.5, 0.3], help="req/s per phase")
     parser.add_argument("--phase-s", type=float, default=60.0)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--ttft-slo-s", type=float, default=2.0)
-    parser.add_argument("--itl-slo-s", type=float, default=0.1)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--ttft-slo-s", type=float, default=1.0)
+    parser.add_argument("--itl-slo-s", type=float, default=0.08)
+    parser.add_argument("--profile", default=PROFILE, help="the scale controller's (pdserve tune profile)")
     parser.add_argument("--tail-s", type=float, default=60.0, help="watching the fleet after the load")
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/scale_auto"))
@@ -166,7 +170,8 @@ def main() -> None:
               "30", "--scale-in-calm-s", "20"]
     results: dict[str, Any] = {}
     for name in args.setups:
-        flags = SETUPS[name] + (common if "--scale" in SETUPS[name] else common[:4])
+        scaled = "--scale" in SETUPS[name]
+        flags = SETUPS[name] + ([*common, "--profile", args.profile] if scaled else common[:4])
         print(f"{name}: {len(specs)} requests over {len(args.rates)} phases", flush=True)
         records, samples = asyncio.run(run_setup(flags, specs, "SmolLM2-135M-Instruct", args.tail_s))
         load_end = len(args.rates) * args.phase_s

@@ -310,6 +310,10 @@ class ServeConfig(BaseSettings):
     local_prefill_queue_tokens: int | None = Field(
         None, ge=0,
         description="... or any prompt while every prefill worker has this many tokens queued (default: off)")
+    prefill_routing: Literal["prefix", "load"] = Field(
+        "prefix",
+        description="how a prompt's prefill worker is picked: prefix (the fewest prompt tokens queued less "
+                    "those its prefix cache probably holds) or load (the fewest queued: least loaded)")
     default_max_tokens: int | None = Field(
         None, ge=1,
         description="max_tokens of chat requests that give none (default: as vLLM, the model's "

@@ -35,7 +35,8 @@ def kv_memory_settings(config: ServeConfig) -> dict[str, int | float]:
 def local_prefill_policy(config: ServeConfig) -> LocalPrefillPolicy:
     chosen = {"max_uncached_tokens": config.local_prefill_max_tokens,
               "min_prefill_queue_tokens": config.local_prefill_queue_tokens}
-    return LocalPrefillPolicy(**{k: v for k, v in chosen.items() if v is not None})
+    return LocalPrefillPolicy(**{k: v for k, v in chosen.items() if v is not None},
+                              prefix_aware=config.prefill_routing == "prefix")
 
 
 def controller_policy(config: ServeConfig) -> ControllerPolicy:
@@ -63,14 +64,17 @@ def deadline_policy(config: ServeConfig) -> DeadlinePolicy:
 
 
 def threads_per_worker(config: ServeConfig) -> int:
-    """--threads-per-worker, else this machine's cores split over the layout's workers (a cluster's
-    nodes are not this machine: there, the CPUs each worker asks Ray for)."""
+    """--threads-per-worker, else this machine's cores split over the layout's workers (with --scale auto,
+    over --max-workers: the fleet may grow to that many here); a cluster's nodes are not this machine:
+    there, the CPUs each worker asks Ray for."""
     if config.threads_per_worker is not None:
         return config.threads_per_worker
     if config.ray_address is not None:
         return max(1, int(config.cpus_per_worker or 1))
     (_, prefill_tp), (_, decode_tp) = config.tp_degrees()  # each rank a process of its own
     num_ranks = (config.prefill or 0) * prefill_tp + ((config.decode or 0) + (config.mixed or 0)) * decode_tp
+    if config.scale == "auto" and config.max_workers is not None:  # the most that may share this machine
+        num_ranks = max(num_ranks, config.max_workers * max(prefill_tp, decode_tp))
     return max(1, len(os.sched_getaffinity(0)) // max(1, num_ranks))
 
 

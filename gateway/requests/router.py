@@ -9,8 +9,9 @@ the least to protect, since its chunks stall every stream decoding beside them; 
 prompt is a better host for the next than one decoding three short streams. And the streams already decoding
 on that host are moved off it first (streams_to_clear: live KV migration to the other decode or mixed
 workers), so that the prompt's chunks stall nobody: the worker's role is a default, not a wall.
-Prefill: the fewest prompt tokens queued, minus the prompt tokens it probably holds in its prefix cache;
-or none, when the LocalPrefillPolicy says the decode worker should prefill the prompt itself.
+Prefill: the fewest prompt tokens queued, minus the prompt tokens it probably holds in its prefix cache
+(least loaded alone with --prefill-routing load); or none, when the LocalPrefillPolicy says the decode
+worker should prefill the prompt itself.
 The router counts what it has sent and not yet seen finish, per worker, so a burst of arrivals spreads out
 at once instead of piling onto whichever worker looked idle in the last load report; and it remembers the
 block hashes of the prompts it sent to each prefill worker (the same stable hashes the workers use), in a
@@ -56,6 +57,10 @@ class LocalPrefillPolicy:
     # decode or mixed workers first (with their KV, where the backend can move it; 0: off). A move costs a
     # stream about two of its new worker's steps; a LONG_PROMPT_TOKENS prefill beside it costs it more.
     move_streams_from_tokens: int = LONG_PROMPT_TOKENS
+    # The prefill pick: the fewest prompt tokens queued less those the worker's prefix cache probably holds
+    # (prefix-aware); False: the fewest queued (least loaded), which `--prefill-routing load` chooses to
+    # measure what the prefix costs or saves.
+    prefix_aware: bool = True
 
     def __post_init__(self) -> None:
         if min(self.max_uncached_tokens, self.min_prefill_queue_tokens, self.queue_rule_below_tokens,
@@ -265,7 +270,9 @@ class Router:
         if not workers:
             raise RuntimeError("no active prefill worker")
         hashes = prefix_hashes(prompt_token_ids, self.block_size) if hashes is None else hashes
-        chosen = min(workers, key=lambda w: self.prefill_tokens[w.worker_id] - self.cached_tokens(w, hashes))
+        weight = 1 if self.local_prefill.prefix_aware else 0
+        chosen = min(workers, key=lambda w: self.prefill_tokens[w.worker_id]
+                     - weight * self.cached_tokens(w, hashes))
         remembered = self._cached[chosen.worker_id]
         for block_hash in hashes:
             remembered[block_hash] = None

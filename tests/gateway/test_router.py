@@ -66,6 +66,9 @@ def test_a_shared_prefix_goes_back_to_the_worker_that_cached_it() -> None:
     assert router.pick_prefill((*system_prompt, 7, 8)).worker_id == first.worker_id
     # An unrelated prompt goes to the less loaded worker.
     assert router.pick_prefill(tuple(range(500, 540))).worker_id != first.worker_id
+    # --prefill-routing load: the same prompt goes to the least loaded worker, its prefix notwithstanding.
+    router.local_prefill = LocalPrefillPolicy(prefix_aware=False)
+    assert router.pick_prefill((*system_prompt, 7, 8)).worker_id != first.worker_id
 
 
 def test_a_long_prompt_goes_to_the_mixed_worker_with_the_least_to_protect() -> None:

@@ -7,6 +7,7 @@ Pure: the tuner's simulator with known step costs (tests/helpers/tuning.py), syn
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -142,7 +143,7 @@ def test_bad_scale_settings_are_refused_naming_the_flag(tiny_chat_model_dir: Pat
 
 
 def test_good_scale_settings_become_the_planners_range(tiny_chat_model_dir: Path, profile_path: str) -> None:
-    from gateway.serve_settings import planner_settings
+    from gateway.serve_settings import planner_settings, threads_per_worker
 
     config = ServeConfig(model=str(tiny_chat_model_dir), scale="auto", min_workers=2, max_workers=4,
                          profile=profile_path)
@@ -150,6 +151,8 @@ def test_good_scale_settings_become_the_planners_range(tiny_chat_model_dir: Path
     settings = planner_settings(config)
     assert settings is not None and settings.scale == ScalePolicy(2, 4)
     assert list(settings.scale.sizes) == [2, 3, 4]
+    # This machine's cores are split over the most workers the fleet may grow to here, not its start.
+    assert threads_per_worker(config) == max(1, len(os.sched_getaffinity(0)) // 4)
     quick = ServeConfig(model=str(tiny_chat_model_dir), scale="auto", max_workers=2, profile=profile_path,
                         scale_window_s=12, scale_in_calm_s=5)
     settings = planner_settings(quick)
