@@ -86,6 +86,7 @@ class ScaleView(_Answer):
     min_workers: int
     max_workers: int
     last_error: str  # why its last change stopped part way, or was refused ("" if it did not)
+    last_plan: dict[str, Any] | None  # its latest plan (the size the traffic needs, each size's prediction)
     decisions: list[ScaleDecision]  # the last 20
 
 

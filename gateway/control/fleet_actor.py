@@ -108,12 +108,13 @@ class FleetActor:
         if not plane.controller.is_on and local_prefill != plane.books.local_prefill:
             plane.books.local_prefill = local_prefill
             notes.append("the local-prefill rule was changed")
-        if auto != plane.controller.is_on:
+        if auto != plane.is_auto:
             if auto:
-                plane.controller.start()
+                plane.start_auto()
             else:
-                await plane.controller.stop()
-            notes.append(f"--ratio {'auto' if auto else 'fixed'} applied")
+                await plane.stop_auto()
+            notes.append(f"{'--scale' if plane.scaler is not None else '--ratio'} "
+                         f"{'auto' if auto else 'fixed'} applied")
         if planning != self._planning:
             notes.append("the planner's settings differ and are NOT applied (they are fixed when the fleet "
                          "starts): `pdserve fleet stop` it, then serve again")

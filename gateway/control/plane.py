@@ -139,9 +139,9 @@ class ControlPlane:
                              f"{self.deployment.backend} backend fixes them at start (use --backend nixl)")
         self._watch = asyncio.create_task(self.deployment.watch())
         if auto:
-            self._start_auto()
+            self.start_auto()
 
-    def _start_auto(self) -> None:
+    def start_auto(self) -> None:
         (self.scaler or self.controller).start()
 
     @property
@@ -241,7 +241,7 @@ class ControlPlane:
             if layout.auto and not self.deployment.can_change:
                 resizer.check(layout)  # the same 409 as any change on a fixed torch group
             if layout.auto:
-                self._start_auto()
+                self.start_auto()
             else:
                 await self.stop_auto()  # a change it was applying is rolled back first
             return {"auto": self.is_auto}

@@ -34,6 +34,7 @@ from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.workers import WorkerState
 from gateway.ratio.books import RoutingBooks
 from gateway.ratio.ladder import ControllerPolicy, Decision, Ladder, Signals
+from gateway.ratio.loop_task import LoopTask
 from gateway.ratio.planner import LayoutPlanner
 from gateway.ratio.resize import Move, PoolResizer, plan_moves
 from gateway.telemetry.recent import RecentLatencies
@@ -60,7 +61,7 @@ class RatioController:
 
     def __post_init__(self) -> None:
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._loop = LoopTask()
         self.ladder = Ladder(self.policy)
         self._changed_at = float("-inf")  # time.monotonic() when the last change ended
         self._last_long_prompt = float("-inf")  # time.monotonic() of the latest long prompt
@@ -71,24 +72,19 @@ class RatioController:
 
     @property
     def is_on(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._loop.is_on
 
     def start(self) -> None:
-        if not self.is_on:
-            self._task = asyncio.create_task(self._run())
+        if self._loop.start(self._run):
             self._operator_local_prefill = self.books.local_prefill
             self._set_local_prefill()
 
     async def stop(self) -> None:
         """Turn auto off. A change it is applying is cancelled and returns once the deployment has rolled the
         moving worker back to where it was (or marked it failed, to be replaced): nothing stays half moved."""
-        task, self._task = self._task, None
-        if task is None:
-            return
-        self.books.local_prefill = self._operator_local_prefill
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        if self.is_on:
+            self.books.local_prefill = self._operator_local_prefill
+        await self._loop.stop()
 
     def set_policy(self, policy: ControllerPolicy) -> None:
         self.policy = policy

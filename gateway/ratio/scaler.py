@@ -2,7 +2,8 @@
 fleet's size and split follow the traffic. This module owns the I/O loop around the Sizer
 (gateway/ratio/sizing.py, the rules and their hysteresis):
     tick every interval_s → the recent arrivals (the gateway's RecentTraffic window) → plan_size() off the
-    event loop (the tuner's simulator over every layout of every size in range) → Sizer.decide()
+    event loop (the tuner's simulator over every layout of every size in range) → corrected() by the SLO
+    attainment measured since the last change → Sizer.decide()
     → the decision applied through the PoolResizer, as a PUT /admin/pools would be: workers added wait
       pending until Ray places them (where the cluster autoscales, --autoscale-wait-s: Ray's autoscaler
       adds a node for their demand); a worker that leaves is drained losslessly (its streams move) before
@@ -17,16 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
 
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.workers import WorkerState
+from gateway.ratio.loop_task import LoopTask
 from gateway.ratio.planner import LayoutPlanner
 from gateway.ratio.resize import PoolLayout, PoolResizer, ResizeConflict, ResizeRefused
-from gateway.ratio.sizing import ScalePolicy, SizeDecision, Sizer, plan_size
+from gateway.ratio.sizing import ScalePolicy, SizeDecision, Sizer, corrected, plan_size
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.traffic import RecentTraffic
 from tuner.simulator import Layout
@@ -48,28 +49,24 @@ class ScaleController:
     decisions: collections.deque[SizeDecision] = field(default_factory=lambda: collections.deque(maxlen=200))
     changes: collections.Counter[str] = field(default_factory=collections.Counter)  # by reason
     last_error: str = ""  # why the last change stopped part way (a worker no node took, ...)
+    last_plan: dict[str, object] | None = None  # the latest plan, acted on or not (why it did not move)
 
     def __post_init__(self) -> None:
         self.sizer = Sizer(self.policy)
         self.traffic.window_s = self.policy.window_s  # the window each plan replays
-        self._task: asyncio.Task[None] | None = None
+        self._loop = LoopTask()
+        self._changed_at = float("-inf")  # time.monotonic() when the last change ended
 
     @property
     def is_on(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._loop.is_on
 
     def start(self) -> None:
-        if not self.is_on:
-            self._task = asyncio.create_task(self._run())
+        self._loop.start(self._run)
 
     async def stop(self) -> None:
         """Turn it off; a change it is applying is cancelled and rolled back (nothing stays half moved)."""
-        task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await self._loop.stop()
 
     def current_layout(self) -> Layout:
         target = self.deployment.target
@@ -92,6 +89,11 @@ class ScaleController:
         plan = await asyncio.to_thread(plan_size, self.planner, self.traffic.window(), self.policy)
         if plan is None:
             return None
+        # Requests finished since the last change (the fleet before it says nothing now), in the window.
+        since = max(self._changed_at, time.monotonic() - self.policy.window_s)
+        measured = self.recent.attainment(self.ttft_slo_s, self.itl_slo_s, since=since)
+        plan = corrected(plan, measured, self.current_layout(), self.policy)
+        self.last_plan = {"at": time.time(), **plan.summary()}
         decision = self.sizer.decide(plan, self.current_layout(), time.monotonic())
         if decision is not None:
             await self._apply(decision)
@@ -111,7 +113,8 @@ class ScaleController:
         except (ResizeRefused, ResizeConflict) as error:  # nothing moved: the fleet stays as it is
             self.last_error = str(error)
         finally:
-            self.sizer.note_change(time.monotonic())
+            self._changed_at = time.monotonic()
+            self.sizer.note_change(self._changed_at)
         if self.last_error:
             decision.measured["error"] = self.last_error
             logger.error("scale controller: the change stopped: %s", self.last_error)
@@ -139,4 +142,5 @@ class ScaleController:
         """GET /admin/pools' "scale": the range, whether it is on, the last decisions."""
         return {"on": self.is_on, "min_workers": self.policy.min_workers,
                 "max_workers": self.policy.max_workers, "last_error": self.last_error,
+                "last_plan": self.last_plan,
                 "decisions": [d.summary() for d in list(self.decisions)[-20:]]}

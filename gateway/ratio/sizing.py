@@ -11,7 +11,9 @@ fleet): how many workers, and in which roles, the recent traffic needs.
       in         a smaller size named by every plan for in_calm_s: one worker fewer (drained losslessly),
                  and in_calm_s again before the next (a burst that ends does not empty the fleet at once)
       rebalance  the same size, a better split of it by plan_margin of goodput, out_confirmations in a row
-      and no change within min_dwell_s of the last one's end.
+      and no change within min_dwell_s of the last one's end. What was measured overrules the prediction
+      upward (corrected()): SLO attainment below target on the current fleet while the plan names no larger
+      one is one worker more (the prediction is not borne out), and no worker fewer.
 The controller around it (gateway/ratio/scaler.py) applies each decision through the PoolResizer and logs
 the measured outcome beside the prediction.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.ratio.planner import LayoutPlanner, rank
 from gateway.telemetry.traffic import Arrival
@@ -41,7 +43,9 @@ class ScalePolicy:
     plan_margin: float = 0.1  # a rebalance's predicted goodput gain
     check_s: float = 30.0  # after a change, when the measured outcome is logged beside the prediction
     window_s: float = 60.0  # the recent traffic each plan replays
-    min_requests: int = 5  # fewer arrivals in the window (but some): no plan
+    # Fewer arrivals in the window than this (but some): no plan. 1: a trickle is planned too (on its few
+    # requests the smallest size holds), so that a fleet left large by a burst shrinks under light traffic.
+    min_requests: int = 1
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -78,6 +82,9 @@ class SizePlan:
     num_requests: int
     best_by_size: dict[int, LayoutScore]
     scores: tuple[LayoutScore, ...]  # every candidate's, best first
+    # The SLO attainment measured since the last change, where it overrode the prediction (below target
+    # while the plan named no larger size: the profile is optimistic here, one more worker).
+    measured_attainment: float | None = None
 
     def score_of(self, layout: Layout) -> LayoutScore | None:
         return next((s for s in self.scores if s.layout == layout), None)
@@ -86,6 +93,7 @@ class SizePlan:
         """What the decision log keeps: each size's best layout and its predicted figures."""
         return {"requests": self.num_requests, "rate": round(self.rate, 3), "size": self.size,
                 "best": self.layout.label(), "holds": self.holds,
+                "measured_attainment": self.measured_attainment,
                 "sizes": {str(n): {"layout": s.layout.label(), "attainment": round(float(s.attainment), 3),
                                    "goodput": round(float(s.goodput), 3),
                                    "ttft_p90_s": round(float(s.ttft_p90_s), 3),
@@ -121,6 +129,20 @@ def plan_size(planner: LayoutPlanner, arrivals: list[Arrival], policy: ScalePoli
     rate = prediction.rate / (1.0 + policy.headroom)
     return SizePlan(size, best_by_size[size].layout, holds, rate, prediction.num_requests, best_by_size,
                     prediction.scores)
+
+
+def corrected(plan: SizePlan, measured_attainment: float | None, current: Layout, policy: ScalePolicy
+              ) -> SizePlan:
+    """The plan, overruled by what was measured: SLO attainment below target on the current fleet while the
+    plan names no larger one means the prediction is not borne out (a profile taken apart from the gateway
+    misses its share of each token's time): one worker more, up to max_workers, and no fewer meanwhile."""
+    n = current.num_workers
+    if measured_attainment is None or measured_attainment >= policy.target_attainment or plan.size > n:
+        return plan
+    size = min(n + 1, policy.max_workers)
+    best = plan.best_by_size.get(size)
+    layout = best.layout if best is not None else layouts_of(size)[0]
+    return replace(plan, size=size, layout=layout, holds=False, measured_attainment=measured_attainment)
 
 
 @dataclass
@@ -172,6 +194,12 @@ class Sizer:
         if now - self._last_change < p.min_dwell_s:
             return None
         if self._streak[1] >= p.out_confirmations:
+            if plan.size > n and plan.measured_attainment is not None:
+                return self._decision(plan, current, plan.layout, "scale_out",
+                                      f"measured SLO attainment {plan.measured_attainment:.0%} on "
+                                      f"{current.label()} is below {p.target_attainment:.0%} (predicted "
+                                      f"{self._attainment(plan, n)}): one worker more, to "
+                                      f"{plan.layout.label()}")
             if plan.size > n:
                 why = ("holds" if plan.holds else "serves best (none in range holds)")
                 return self._decision(plan, current, plan.layout, "scale_out",

@@ -14,7 +14,15 @@ import pytest
 
 from gateway.config import ServeConfig
 from gateway.ratio.planner import LayoutPlanner
-from gateway.ratio.sizing import ScalePolicy, SizePlan, Sizer, candidate_layouts, plan_size, squeezed
+from gateway.ratio.sizing import (
+    ScalePolicy,
+    SizePlan,
+    Sizer,
+    candidate_layouts,
+    corrected,
+    plan_size,
+    squeezed,
+)
 from gateway.telemetry.traffic import Arrival
 from loadgen.summary import SLO
 from tests.helpers.tuning import poisson_arrivals, profile, sim_config, step_model
@@ -45,7 +53,9 @@ def test_the_smallest_size_that_holds_the_traffic_with_headroom_is_planned() -> 
     assert set(flood.best_by_size) == {1, 2, 3}
     summary = busy.summary()
     assert summary["size"] == busy.size and set(summary["sizes"]) == {"1", "2", "3"}  # type: ignore[arg-type]
-    assert plan_size(planner(), chat(2.0, num=4), POLICY) is None  # too few requests to say
+    assert plan_size(planner(ScalePolicy(1, 3, min_requests=5)), chat(2.0, num=4), POLICY) is None  # too few
+    trickle = plan_size(planner(), chat(0.05, num=2), POLICY)  # a trickle is planned: the smallest holds it
+    assert trickle is not None and trickle.size == 1
     idle = plan_size(planner(), [], POLICY)  # none at all: the smallest size, all mixed
     assert idle is not None and (idle.size, idle.layout, idle.num_requests) == (1, Layout(0, 0, 1), 0)
 
@@ -169,3 +179,27 @@ def test_an_idle_fleet_shrinks_one_worker_at_a_time_to_all_mixed() -> None:
     assert sizer.decide(idle, Layout(1, 2, 0), now=0.0) is None
     decision = sizer.decide(idle, Layout(1, 2, 0), now=10.0)
     assert decision is not None and decision.reason == "scale_in" and decision.to_layout == Layout(0, 0, 2)
+
+
+def test_measured_attainment_below_target_overrules_an_optimistic_plan() -> None:
+    """The plan says one worker holds the traffic; the fleet measures 40% SLO attainment: one worker more,
+    never fewer, and a measured figure at target leaves the plan as it was."""
+    policy = ScalePolicy(min_workers=1, max_workers=3, min_dwell_s=0.0, in_calm_s=1.0, out_confirmations=2)
+    light = plan_size(planner(policy), chat(0.3), policy)
+    assert light is not None and light.size == 1
+    assert corrected(light, 0.95, Layout(0, 0, 1), policy) is light
+    assert corrected(light, None, Layout(0, 0, 1), policy) is light
+    more = corrected(light, 0.4, Layout(0, 0, 1), policy)
+    assert (more.size, more.holds, more.measured_attainment) == (2, False, 0.4)
+    assert more.layout == light.best_by_size[2].layout and more.summary()["measured_attainment"] == 0.4
+    sizer = Sizer(policy)
+    assert sizer.decide(more, Layout(0, 0, 1), now=0.0) is None
+    decision = sizer.decide(more, Layout(0, 0, 1), now=1.0)
+    assert decision is not None and decision.reason == "scale_out"
+    assert "measured SLO attainment 40%" in decision.detail
+    # On two workers still below target: a third; at max_workers it stays (no scale-in either).
+    assert corrected(light, 0.4, Layout(0, 0, 2), policy).size == 3
+    at_max = corrected(light, 0.4, Layout(0, 0, 3), policy)
+    assert at_max.size == 3
+    sizer = Sizer(policy)
+    assert all(sizer.decide(at_max, Layout(0, 0, 3), now=t) is None for t in (0.0, 5.0, 10.0))
