@@ -100,7 +100,9 @@ async def replay(url: str, specs: list[RequestSpec], model: str) -> list[Request
 
 
 def run_setup(routing: str, specs: list[RequestSpec], args: argparse.Namespace) -> dict[str, Any]:
-    flags = ["--prefill", "2", "--decode", "1", "--backend", "nixl", "--prefill-routing", routing]
+    # Three workers on a 2-core machine: each asks Ray for 0.6 of a CPU (one each would leave one pending).
+    flags = ["--prefill", "2", "--decode", "1", "--backend", "nixl", "--prefill-routing", routing,
+             "--cpus-per-worker", "0.6"]
     with served(flags) as url:
         queries0, hits0 = prefix_counters(url)
         began = time.perf_counter()
