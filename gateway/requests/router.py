@@ -270,9 +270,11 @@ class Router:
         if not workers:
             raise RuntimeError("no active prefill worker")
         hashes = prefix_hashes(prompt_token_ids, self.block_size) if hashes is None else hashes
-        weight = 1 if self.local_prefill.prefix_aware else 0
-        chosen = min(workers, key=lambda w: self.prefill_tokens[w.worker_id]
-                     - weight * self.cached_tokens(w, hashes))
+        if self.local_prefill.prefix_aware:
+            chosen = min(workers, key=lambda w: self.prefill_tokens[w.worker_id]
+                         - self.cached_tokens(w, hashes))
+        else:
+            chosen = min(workers, key=lambda w: self.prefill_tokens[w.worker_id])
         remembered = self._cached[chosen.worker_id]
         for block_hash in hashes:
             remembered[block_hash] = None
