@@ -18,7 +18,7 @@ from gateway.api.admin_protocol import AutoResponse, PoolsResponse, ResizeRespon
 from gateway.api.auth import require_admin
 from gateway.api.errors import documented
 from gateway.control.plane import FleetControl
-from gateway.ratio.resize import PoolLayout
+from gateway.ratio.pool_layout import PoolLayout
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 

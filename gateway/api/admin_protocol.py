@@ -26,6 +26,7 @@ class WorkerView(_Answer):
     node_id: str | None  # the Ray node it was placed on (None: pending)
     node_ip: str | None
     pid: int | None  # its process there
+    tensor_parallel_size: int  # its ranks, fixed for its life
     next_role: str | None = None  # while it changes role
     emptying: str | None = None  # while it drains or changes role: what it still waits for
     # Tokens of requests the gateway has sent it (or is about to) and not seen come back: a drain or role
@@ -97,6 +98,7 @@ class PoolsResponse(_Answer):
     decode: int
     mixed: int
     target: dict[str, int]  # role → workers the deployment aims at
+    tensor_parallel: dict[str, int]  # role → the degree its workers start at (PUT prefill_tp/decode_tp)
     status: str  # ok, degraded or unavailable (as /health)
     backend: str  # the KV transfer backend
     torch_rendezvous: str | None  # the torch group's init address (torch backend)
@@ -126,6 +128,7 @@ class ResizeResponse(_Answer):
     """PUT /admin/pools with worker counts: the plan and what was done."""
 
     layout: dict[str, int]  # role → workers asked for
+    tensor_parallel: dict[str, int]  # role → the degree its workers start at from now on
     moves: list[dict[str, str]]  # the plan, in order: each {action, role[, from]}
     done: list[str]
     error: str  # why the plan stopped part way ("" if it did not)

@@ -41,7 +41,8 @@ from gateway.api.protocol_tools import (
     ToolCall,
 )
 from gateway.api.responses_api.protocol import REQUEST_MODELS as RESPONSES_REQUEST_MODELS
-from gateway.ratio.resize import PoolLayout, ResizeConflict, ResizeRefused
+from gateway.ratio.pool_layout import PoolLayout
+from gateway.ratio.resize import ResizeConflict, ResizeRefused
 from gateway.requests.admission import Overloaded
 from gateway.requests.events import RequestFailed
 

@@ -43,7 +43,7 @@ from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.workers import WorkerState
 from gateway.ratio.ladder import ControllerPolicy
-from gateway.ratio.resize import PoolLayout
+from gateway.ratio.pool_layout import PoolLayout
 from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.recent import RecentLatencies

@@ -24,7 +24,8 @@ from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport
 from gateway.fleet.bring_up_log import StartProgress
 from gateway.fleet.ray_calls import translated
 from gateway.ratio.ladder import ControllerPolicy
-from gateway.ratio.resize import PoolLayout, ResizeConflict, ResizeRefused
+from gateway.ratio.pool_layout import PoolLayout
+from gateway.ratio.resize import ResizeConflict, ResizeRefused
 from gateway.requests.events import RequestFailed
 from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.fleet_metrics import FleetStatus

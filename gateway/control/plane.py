@@ -30,7 +30,8 @@ from gateway.ratio.books import RoutingBooks
 from gateway.ratio.controller import RatioController
 from gateway.ratio.ladder import ControllerPolicy, Decision
 from gateway.ratio.planner import LayoutPlanner
-from gateway.ratio.resize import PoolLayout, PoolResizer
+from gateway.ratio.pool_layout import PoolLayout
+from gateway.ratio.resize import PoolResizer, ResizeRefused
 from gateway.ratio.scaler import ScaleController
 from gateway.ratio.sizing import ScalePolicy, candidate_layouts
 from gateway.telemetry.fleet_metrics import FleetStatus
@@ -188,7 +189,7 @@ class ControlPlane:
             entry: dict[str, object] = {"worker_id": worker.worker_id, "role": worker.role.value,
                                         "state": worker.state.value,
                                         "node_id": worker.node_id, "node_ip": worker.node_ip,  # None: pending
-                                        "pid": worker.pid,
+                                        "pid": worker.pid, "tensor_parallel_size": worker.tp,
                                         "tokens_on_the_way": self.books.in_flight(worker.worker_id)}
             if worker.next_role is not None:
                 entry["next_role"] = worker.next_role.value
@@ -214,6 +215,7 @@ class ControlPlane:
         answer: dict[str, object] = {
             **pools.active,
             "target": pools.target,
+            "tensor_parallel": self._degrees(),
             "status": pools.status,
             "backend": deployment.backend.value,
             "torch_rendezvous": deployment.torch_rendezvous,  # the torch group's init address (torch backend)
@@ -240,6 +242,11 @@ class ControlPlane:
         if layout.auto is not None:
             if layout.auto and not self.deployment.can_change:
                 resizer.check(layout)  # the same 409 as any change on a fixed torch group
+            prefill_tp, decode_tp = (self.deployment.config.tp_of(r) for r in (Role.PREFILL, Role.DECODE))
+            if layout.auto and prefill_tp != decode_tp:
+                raise ResizeRefused(f"prefill workers start at tensor-parallel degree {prefill_tp} and "
+                                    f"decode workers at {decode_tp}: auto moves workers between roles, and a "
+                                    "worker's ranks are fixed at its start; PUT one degree for both first")
             if layout.auto:
                 self.start_auto()
             else:
@@ -247,6 +254,12 @@ class ControlPlane:
             return {"auto": self.is_auto}
         moves = resizer.check(layout)  # ResizeRefused (400) / ResizeConflict (409) before anything moves
         await self.stop_auto()  # a layout set by hand stays until the operator turns auto back on
-        result = await resizer.apply(moves, layout.drain_grace_s, layout.placement_wait_s)
+        result = await resizer.apply(moves, layout.drain_grace_s, layout.placement_wait_s,
+                                     layout.role_tp(self.deployment.config))
         return {"layout": {role.value: n for role, n in layout.by_role().items()},
+                "tensor_parallel": self._degrees(),
                 **dataclasses.asdict(result), "moves": [m.describe() for m in result.moves]}
+
+    def _degrees(self) -> dict[str, int]:
+        """Role → the tensor-parallel degree its workers start at now."""
+        return {role.value: self.deployment.config.tp_of(role) for role in Role}

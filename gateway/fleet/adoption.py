@@ -89,7 +89,7 @@ def survivors(keeper: str, digest: str) -> dict[str, ActorHandle[WorkerActor]]:
 
 async def adopt_survivors(deployment: PDDeployment, keeper: str) -> list[Worker]:
     """Add the survivors that serve to `deployment` as ACTIVE workers (not yet wired); kill the others."""
-    handles = survivors(keeper, settings_digest(deployment.config))
+    handles = survivors(keeper, deployment.digest)
     if not handles:
         return []
     standings = await asyncio.gather(*(_standing(handle) for handle in handles.values()))
@@ -101,7 +101,8 @@ async def adopt_survivors(deployment: PDDeployment, keeper: str) -> list[Worker]
         info, placement = standing.info, standing.placement
         worker = Worker(worker_id, info.role, WorkerClient(worker_id, handle, deployment.gateway_id),
                         state=WorkerState.ACTIVE, node_id=placement.node_id, node_ip=placement.node_ip,
-                        pid=placement.pid, cpu_slot=standing.cpu_slot, runtime=info.runtime)
+                        pid=placement.pid, cpu_slot=standing.cpu_slot, runtime=info.runtime,
+                        tp=info.runtime.tensor_parallel_size if info.runtime else 1)
         deployment.workers[worker_id] = worker
         adopted.append(worker)
     logger.info("adopted %d of %d surviving workers: %s", len(adopted), len(handles),

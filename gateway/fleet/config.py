@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, replace
 from kv_transfer import BackendName, TransferConfig
 from kv_transfer.registry import resolve
 from llm_engine import EngineConfig
+from llm_engine.model_loader import read_model_spec
+from llm_engine.tensor_parallel import check_tensor_parallel
 from worker_runtime.model_source import ModelSource
 from worker_runtime.roles import Role
 
@@ -84,6 +86,15 @@ class DeploymentConfig:
         """The tensor-parallel degree of a worker in `role`."""
         own = self.role_tp.get(Role.DECODE if role is Role.MIXED else role)
         return own if own is not None else self.engine.tensor_parallel_size
+
+    def check_degree(self, degree: int, name: str) -> None:
+        """ValueError naming `name` if `degree` ranks cannot split the model's heads, where the model's files
+        are here to read; elsewhere (resolved on each worker's node) the first worker at it says so."""
+        try:
+            spec = read_model_spec(self.engine.model_dir)
+        except (OSError, ValueError):
+            return
+        check_tensor_parallel(spec, degree, name)
 
     def engine_for(self, role: Role) -> EngineConfig:
         """The engine of a worker started in `role` (its degree is fixed for its life)."""

@@ -52,6 +52,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
 import ray
@@ -100,7 +101,10 @@ class PDDeployment:
                 actors named under it, which outlive that actor's death and are adopted by its restart
                 (gateway/fleet/adoption.py). None: they die with whoever created them.
         """
-        self.config = config
+        self.config = config  # role_tp changes with a PUT that sets a role's degree (retune)
+        # Names the settings this fleet started under, for its workers' actor names: a restarted fleet actor,
+        # started under the same settings, adopts them whatever degree a PUT gave them since.
+        self.digest = settings_digest(config)
         self.keeper = keeper
         self.backend = config.resolve_backend()
         self.workers: dict[str, Worker] = {}
@@ -210,7 +214,7 @@ class PDDeployment:
         """A new actor in `role`, PENDING until Ray places it (placement.wait_placed)."""
         worker_id = self._worker_id(next(self._ids))
         if self.keeper:  # outlives the fleet actor, for its restart to adopt
-            name = worker_actor_name(self.keeper, settings_digest(self.config), worker_id)
+            name = worker_actor_name(self.keeper, self.digest, worker_id)
             options = actor_options(self.config, role, name)
             options["lifetime"] = "detached"
         else:
@@ -223,9 +227,14 @@ class PDDeployment:
                     watermark=self.config.watermark, num_threads=self.config.num_threads,
                     model_source=self.config.model_source, keeper=self.keeper))
         worker = Worker(worker_id, role, WorkerClient(worker_id, handle, self.gateway_id),
-                        state=WorkerState.PENDING)
+                        state=WorkerState.PENDING, tp=self.config.tp_of(role))
         self.workers[worker_id] = worker
         return worker
+
+    def retune(self, role_tp: dict[Role, int]) -> None:
+        """The tensor-parallel degrees of the workers started from now on, by role (Role.DECODE's is the
+        mixed workers' too); the workers running keep theirs."""
+        self.config = replace(self.config, role_tp=dict(role_tp))
 
     def active(self, *roles: Role) -> list[Worker]:
         """Routable workers in any of `roles`."""

@@ -68,6 +68,7 @@ class Worker:
     node_ip: str | None = None  # that node's address
     pid: int | None = None  # the actor's process on that node (None while PENDING)
     cpu_slot: int | None = None  # its slot among the live workers of its node: which cores it pins to
+    tp: int = 1  # its ranks (tensor-parallel degree), fixed for its life; its role's degree may change since
     runtime: WorkerRuntime | None = None  # dtype, GEMM kernel, threads and cores, as start() reported them
     placement_deadline: float | None = None  # Unix time an added PENDING worker is given up (add_worker)
     # While DRAINING or CHANGING_ROLE: what it still waits for before it is empty ("" once it is, or when

@@ -7,7 +7,9 @@
         autoscaler together; one not placed within its wait is given up as unplaceable),
         then role changes to or from prefill (drain, then rebuild in place: same process, same weights),
         then workers to drain. Adds come before the moves that take a worker out of service, so capacity
-        never dips below the smaller of the two layouts.
+        never dips below the smaller of the two layouts. A body that sets a role's tensor-parallel degree
+        (prefill_tp, decode_tp) replaces the role's workers at another degree: the new degree's workers are
+        added, then those drained (a worker's ranks are fixed for its life).
       → apply(): each move in turn; a drain ends only when the worker holds no request in any state and the
         gateway has nothing in flight to it (decode streams still there after a grace period move to
         other workers, losing no token) → ResizeResult.
@@ -22,52 +24,20 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.fleet.config import CANNOT_SERVE, can_serve
+from gateway.fleet.config import CANNOT_SERVE, DeploymentConfig, can_serve
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.drain import DRAIN_GRACE_S, DRAIN_TIMEOUT_S
 from gateway.fleet.placement import PlacementTimeout, resource_request
+from gateway.fleet.workers import WorkerState
 from gateway.ratio.books import RoutingBooks
+from gateway.ratio.pool_layout import PoolLayout
 from worker_runtime.roles import Role
 
 logger = logging.getLogger(__name__)
-
-
-class PoolLayout(BaseModel):
-    """The body of PUT /admin/pools: how many workers of each role the deployment should have (a count not
-    given is 0), or {"auto": true|false} to turn the ratio controller on or off. Setting a layout by hand
-    turns the controller off."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    prefill: int = Field(default=0, ge=0, le=1024)
-    decode: int = Field(default=0, ge=0, le=1024)
-    mixed: int = Field(default=0, ge=0, le=1024)
-    # How long a leaving worker's decode streams may run on before they move to other workers (they lose no
-    # token either way: the new worker continues from the tokens the client has, pulling the KV the leaving
-    # worker offers).
-    drain_grace_s: float = Field(default=DRAIN_GRACE_S, ge=0, le=3600)
-    # How long a worker this change adds may wait for a node before it is given up as unplaceable (None: the
-    # server's --autoscale-wait-s where the cluster autoscales, else its --placement-timeout-s). An operator
-    # who knows a node is on its way, or knows none is, says so for this change.
-    placement_wait_s: float | None = Field(default=None, gt=0, le=24 * 3600)
-    auto: bool | None = None
-
-    @model_validator(mode="after")
-    def _layout_or_auto(self) -> PoolLayout:
-        counts = self.model_fields_set & {"prefill", "decode", "mixed"}
-        if self.auto is not None and (counts or "placement_wait_s" in self.model_fields_set):
-            raise ValueError("give either worker counts (with placement_wait_s) or auto, not both")
-        if self.auto is None and not counts:
-            raise ValueError("give worker counts (prefill, decode, mixed) or auto")
-        return self
-
-    def by_role(self) -> dict[Role, int]:
-        return {Role.PREFILL: self.prefill, Role.DECODE: self.decode, Role.MIXED: self.mixed}
 
 
 class ResizeRefused(Exception):
@@ -158,7 +128,23 @@ class PoolResizer:
             raise ResizeConflict("this server was started with only mixed workers and no KV transfer "
                                  "backend; serve with --backend nixl to add prefill or decode workers")
         config = self.deployment.config
-        moves = plan_moves(self.deployment.target, target, lambda a, b: config.tp_of(a) == config.tp_of(b))
+        role_tp = layout.role_tp(config)
+        if role_tp is not None:
+            self._check_degrees(layout)
+            config = replace(config, role_tp=role_tp)
+        # Workers at another degree than their role's new one are replaced: the rest of the plan counts
+        # without them, and each is drained last.
+        stale = [] if role_tp is None else [
+            w for w in self.deployment.workers.values()
+            if w.state not in (WorkerState.FAILED, WorkerState.STOPPED) and w.tp != config.tp_of(w.role)]
+        if inactive := [w.worker_id for w in stale if not w.is_active]:
+            raise ResizeConflict(f"the layout replaces {', '.join(inactive)}, which is not active yet; try "
+                                 "again when GET /health says ok")
+        current = dict(self.deployment.target)
+        for worker in stale:
+            current[worker.role] -= 1
+        moves = plan_moves(current, target, lambda a, b: config.tp_of(a) == config.tp_of(b))
+        moves += [Move("drain", w.role, worker_id=w.worker_id) for w in stale]
         # The target counts workers still starting (a failed one's replacement, a PENDING one), but a role
         # change or a drain needs an ACTIVE worker of the role it takes from: refuse now rather than stop
         # part way through the plan.
@@ -169,13 +155,22 @@ class PoolResizer:
                 raise ResizeConflict(f"the layout moves {needed} {role.value} worker(s) but only {active} "
                                      f"{'is' if active == 1 else 'are'} active (the others are starting or "
                                      "being replaced); try again when GET /health says ok")
-        self._check_room([move.role for move in moves if move.action == "add"])
+        self._check_room([move.role for move in moves if move.action == "add"], config)
         return moves
 
-    def _check_room(self, added: list[Role]) -> None:
-        """Ray has every resource the added workers ask for (CPUs, GPUs, their role's custom resources) free
-        in total; otherwise the adds would stop part way, waiting for a placement (review L5)."""
-        config = self.deployment.config
+    def _check_degrees(self, layout: PoolLayout) -> None:
+        """Each degree the body sets splits the model's heads (ResizeRefused naming the field if not)."""
+        for name, degree in (("prefill_tp", layout.prefill_tp), ("decode_tp", layout.decode_tp)):
+            if degree is not None:
+                try:
+                    self.deployment.config.check_degree(degree, name)
+                except ValueError as error:
+                    raise ResizeRefused(str(error)) from None
+
+    def _check_room(self, added: list[Role], config: DeploymentConfig) -> None:
+        """Ray has every resource the added workers ask for (CPUs, GPUs, their role's custom resources, for
+        all their ranks) free in total; otherwise the adds would stop part way, waiting for a placement
+        (review L5)."""
         needed: dict[str, float] = {}
         for role in added:
             for name, amount in resource_request(config, role).items():  # all of a worker's ranks
@@ -197,12 +192,16 @@ class PoolResizer:
                             "them wait for new nodes)")
 
     async def apply(self, moves: list[Move], grace_s: float = DRAIN_GRACE_S,
-                    placement_wait_s: float | None = None) -> ResizeResult:
+                    placement_wait_s: float | None = None,
+                    role_tp: dict[Role, int] | None = None) -> ResizeResult:
         """Carry out the moves in order; stops at the first that fails (the rest do not run).
 
         Args:
             grace_s: how long a leaving worker's decode streams may run on before they move elsewhere.
             placement_wait_s: how long an added worker may wait for a node (None: the deployment's own wait).
+            role_tp: the degrees the layout sets (PoolLayout.role_tp), which the moves were planned for: the
+                workers added (and any replacement from now on) start at them. Back to what they were if
+                the plan stops before it added a worker.
         """
         if self.is_busy:
             raise ResizeConflict("another change of the pools is being applied; try again when it is done")
@@ -210,6 +209,9 @@ class PoolResizer:
             result = ResizeResult(moves)
             self.current_plan = result
             started = time.monotonic()
+            degrees_before = dict(self.deployment.config.role_tp)
+            if role_tp is not None:
+                self.deployment.retune(role_tp)
             try:
                 index = 0
                 while index < len(moves):
@@ -232,6 +234,8 @@ class PoolResizer:
                     result.error += f" (unplaceable, given up and its resources released: {error})"
                 logger.exception("pools: the change stopped after %d of %d moves", len(result.done),
                                  len(moves))
+                if role_tp is not None and not any(done.startswith("added ") for done in result.done):
+                    self.deployment.retune(degrees_before)
             finally:
                 result.seconds = time.monotonic() - started
                 self.current_plan = None
@@ -265,9 +269,12 @@ class PoolResizer:
 
     def _pick(self, role: Role) -> str:
         """The active worker of that role with the least work (ties: the newest; the oldest keep their
-        warm prefix caches)."""
+        warm prefix caches); one at the role's degree where there is one (those at another are drained by
+        moves of their own)."""
         candidates = [w for w in self.deployment.workers.values() if w.role is role and w.is_active]
         if not candidates:
             raise RuntimeError(f"no active {role.value} worker")
+        degree = self.deployment.config.tp_of(role)
+        candidates = [w for w in candidates if w.tp == degree] or candidates
         held = {x.worker_id: x.num_requests for x in self.deployment.last_loads}
         return min(reversed(candidates), key=lambda w: held.get(w.worker_id, 0)).worker_id

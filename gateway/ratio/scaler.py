@@ -26,7 +26,8 @@ from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.workers import WorkerState
 from gateway.ratio.loop_task import LoopTask
 from gateway.ratio.planner import LayoutPlanner
-from gateway.ratio.resize import PoolLayout, PoolResizer, ResizeConflict, ResizeRefused
+from gateway.ratio.pool_layout import PoolLayout
+from gateway.ratio.resize import PoolResizer, ResizeConflict, ResizeRefused
 from gateway.ratio.sizing import ScalePolicy, SizeDecision, Sizer, corrected, plan_size
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.traffic import RecentTraffic

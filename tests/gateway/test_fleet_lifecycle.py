@@ -22,7 +22,8 @@ from gateway.fleet.worker_errors import SubmissionRefused
 from gateway.fleet.workers import WorkerState
 from gateway.ratio.controller import RatioController
 from gateway.ratio.ladder import ControllerPolicy
-from gateway.ratio.resize import Move, PoolLayout, PoolResizer, ResizeConflict, ResizeRefused
+from gateway.ratio.pool_layout import PoolLayout
+from gateway.ratio.resize import Move, PoolResizer, ResizeConflict, ResizeRefused
 from gateway.requests.router import Router
 from gateway.telemetry.recent import RecentLatencies
 from llm_engine import SamplingParams

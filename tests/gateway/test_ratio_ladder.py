@@ -8,7 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.ratio.ladder import ControllerPolicy, Ladder, Signals
-from gateway.ratio.resize import Move, PoolLayout, plan_moves
+from gateway.ratio.pool_layout import PoolLayout
+from gateway.ratio.resize import Move, plan_moves
 from worker_runtime.roles import Role
 
 POLICY = ControllerPolicy(interval_s=1.0, min_dwell_s=5.0, calm_s=10.0, long_prompt_tokens=1000,

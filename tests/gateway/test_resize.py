@@ -17,7 +17,8 @@ from fastapi import FastAPI
 from gateway.config import ServeConfig
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.deployment import PDDeployment
-from gateway.ratio.resize import PoolLayout, PoolResizer, ResizeConflict
+from gateway.ratio.pool_layout import PoolLayout
+from gateway.ratio.resize import PoolResizer, ResizeConflict
 from gateway.requests.router import LocalPrefillPolicy, Router
 from llm_engine import EngineConfig
 from tests.helpers import actor_faults as faults

@@ -109,3 +109,34 @@ def _alive(actor: object) -> bool:
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return False
     return True
+
+
+def test_a_put_that_sets_the_prefill_degree_replaces_the_prefill_worker_and_keeps_the_tokens(
+        client: httpx.Client, one_rank_tokens: list[int]) -> None:
+    """PUT /admin/pools with prefill_tp: a two-rank prefill worker is added, then the one-rank one drained;
+    the KV now moves between two-rank workers, and greedy tokens stay one rank's. A degree that does not
+    divide the heads, and auto with the roles at different degrees, are refused before anything moves.
+    (Last in the module: the layout it leaves is not the one the others start from.)"""
+    before = {w["worker_id"]: w for w in client.get("/admin/pools").json()["workers"]}
+    layout = {"prefill": 1, "decode": 2}
+    odd = client.put("/admin/pools", json={**layout, "prefill_tp": 3})
+    assert odd.status_code == 400 and "prefill_tp 3 does not divide" in odd.json()["error"]["message"]
+    auto = client.put("/admin/pools", json={"auto": True})
+    assert auto.status_code == 400 and "degree 1" in auto.json()["error"]["message"]
+    assert client.put("/admin/pools", json={"auto": True, "prefill_tp": 2}).status_code in (400, 422)
+
+    answer = client.put("/admin/pools", json={**layout, "prefill_tp": 2})
+    assert answer.status_code == 200 and answer.json()["error"] == "", answer.text
+    [old_prefill] = [w for w, v in before.items() if v["role"] == "prefill"]
+    assert [m["action"] for m in answer.json()["moves"]] == ["add", "drain"]
+    assert answer.json()["done"][-1] == f"drained {old_prefill}"
+    assert answer.json()["tensor_parallel"] == {"prefill": 2, "decode": 2, "mixed": 2}
+    pools = client.get("/admin/pools").json()
+    assert pools["tensor_parallel"]["prefill"] == 2
+    [prefill] = [w for w in pools["workers"] if w["role"] == "prefill"]
+    assert prefill["worker_id"] not in before and prefill["tensor_parallel_size"] == 2
+    assert prefill["runtime"]["tensor_parallel_size"] == 2
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+    response = client.post("/v1/completions", json=body)
+    assert response.json()["choices"][0]["token_ids"] == one_rank_tokens
+    assert response.json()["timings"]["transfer_bytes"] > 0
