@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from llm_engine.config import EngineConfig, ModelSpec
+from llm_engine.rank_shares import spec_shares
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,13 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def from_model(cls, spec: ModelSpec, config: EngineConfig) -> KVCacheSpec:
-        """One rank's cache: with tensor parallelism each rank holds its own KV heads only."""
-        return cls(spec.num_layers, spec.num_kv_heads // config.tensor_parallel_size, spec.head_dim,
-                   config.block_size, config.torch_dtype)
+    def from_model(cls, spec: ModelSpec, config: EngineConfig, rank: int = 0) -> KVCacheSpec:
+        """One rank's cache: with tensor parallelism each rank holds its own KV heads only (rank 0 the most,
+        where they do not divide evenly: llm_engine/tensor_parallel.py rank_shares)."""
+        num_kv_heads = spec.num_kv_heads
+        if config.tensor_parallel_size > 1:
+            num_kv_heads = spec_shares(spec, config.tensor_parallel_size)[rank].num_kv_heads
+        return cls(spec.num_layers, num_kv_heads, spec.head_dim, config.block_size, config.torch_dtype)
 
     @property
     def dtype_bytes(self) -> int:

@@ -29,6 +29,7 @@ from llm_engine.kv_cache_manager import blocks_for
 from llm_engine.logits_processors import LogitsPipeline, SamplingRows
 from llm_engine.logprobs import PromptLogprobsChunk, prompt_logprobs, sampled_logprobs
 from llm_engine.native_kernels import DecodeKernel, kernel_unfit_reason, paged_decode_attention
+from llm_engine.rank_shares import spec_shares
 from llm_engine.sampling import SamplingParams, choose_tokens
 from llm_engine.step_timeline import StepRecord, StepTimeline
 from llm_engine.structured import GrammarCache
@@ -170,8 +171,9 @@ class ModelRunner:
         with self.mirror.lock:
             self.mirror.send(GatherBlocks(block_ids))
             index = torch.tensor(block_ids, device=self.device)
-            parts = self.mirror.group.gather_to_first(self.kv_cache[index])
-            staging[index] = torch.cat(parts, dim=4)
+            parts = self.mirror.group.gather_to_first(self._padded(self.kv_cache[index]))
+            staging[index] = torch.cat([part[:, :, :, :, :heads] for part, heads in
+                                        zip(parts, self._kv_heads_by_rank(), strict=True)], dim=4)
 
     @torch.inference_mode()
     def scatter_blocks(self, block_ids: tuple[int, ...], staging: torch.Tensor) -> None:
@@ -180,10 +182,25 @@ class ModelRunner:
         with self.mirror.lock:
             self.mirror.send(ScatterBlocks(block_ids))
             index = torch.tensor(block_ids, device=self.device)
-            chunks = list(staging[index].chunk(self.mirror.group.size, dim=4))
-            received = torch.empty_like(self.kv_cache[index])
-            self.mirror.group.scatter_from_first(chunks, received)
-            self.kv_cache[index] = received
+            chunks = staging[index].split(self._kv_heads_by_rank(), dim=4)
+            received = self._padded(self.kv_cache[index])
+            self.mirror.group.scatter_from_first([self._padded(chunk) for chunk in chunks], received)
+            self.kv_cache[index] = received[:, :, :, :, :self.kv_cache.shape[4]]
+
+    def _kv_heads_by_rank(self) -> list[int]:
+        group = self.mirror.group if self.mirror is not None else self.tp_group
+        assert group is not None
+        return [share.num_kv_heads for share in spec_shares(self.spec, group.size)]
+
+    def _padded(self, blocks: torch.Tensor) -> torch.Tensor:
+        """`blocks` [n, layers, 2, block_size, heads, head_dim] with as many heads as the largest share (rank
+        0's: the collectives move tensors of one shape; where the heads divide evenly, `blocks` itself)."""
+        most = self._kv_heads_by_rank()[0]
+        if blocks.shape[4] == most:
+            return blocks.contiguous()
+        padded = blocks.new_zeros((*blocks.shape[:4], most, blocks.shape[5]))
+        padded[:, :, :, :, :blocks.shape[4]] = blocks
+        return padded
 
     @torch.inference_mode()
     def replay(self, call: Execute | CopyBlocks | GatherBlocks | ScatterBlocks | ForgetAll) -> None:
@@ -196,11 +213,11 @@ class ModelRunner:
             assert self.tp_group is not None
             index = torch.tensor(call.block_ids, device=self.device)
             if isinstance(call, GatherBlocks):
-                self.tp_group.gather_to_first(self.kv_cache[index])
+                self.tp_group.gather_to_first(self._padded(self.kv_cache[index]))
             else:
-                received = torch.empty_like(self.kv_cache[index])
+                received = self._padded(self.kv_cache[index])
                 self.tp_group.scatter_from_first([], received)
-                self.kv_cache[index] = received
+                self.kv_cache[index] = received[:, :, :, :, :self.kv_cache.shape[4]]
         else:
             self.inputs.forget_all()
 

@@ -5,7 +5,9 @@ heads and MLP, and step together.
         broadcast; on a CPU also the all-reduces) and, on CUDA, an NCCL group beside it for the all-reduces
     shard_lean_body(body, group): Megatron-style: q/k/v and gate/up column-parallel (each rank its heads and
         its share of the MLP), o and down row-parallel, their partial sums added over the ranks
-        (pdserve::tp_all_reduce); embeddings, norms and lm_head whole on every rank
+        (pdserve::tp_all_reduce); embeddings, norms and lm_head whole on every rank. The shares need not be
+        equal (rank_shares): 3 KV heads over 2 ranks are 2 + 1, each with its KV heads' query heads, so
+        SmolLM2 (9 heads, 3 KV heads) splits over 2 ranks as well as 3; a step waits for the larger share
     rank 0: an LLMEngine as ever (scheduler, sampling, lm_head); its ModelRunner mirrors each call that reads
         or writes the KV cache or the runner's block tables (StepMirror.send: execute, copy_blocks,
         forget_all) to the other ranks, under one lock so the collectives of two calls never interleave
@@ -39,6 +41,7 @@ from torch import nn
 
 from llm_engine.batch import ModelInput
 from llm_engine.config import ModelSpec
+from llm_engine.rank_shares import rank_shares
 
 if TYPE_CHECKING:
     from llm_engine.lean_model import LeanBody, LeanLayer
@@ -50,22 +53,18 @@ IDLE_TIMEOUT = timedelta(days=365)
 
 
 def check_tensor_parallel(spec: ModelSpec, size: int, flag: str = "--tensor-parallel-size") -> None:
-    """Raise ValueError naming `flag` if `size` ranks cannot split this model's heads evenly.
+    """Raise ValueError naming `flag` if `size` ranks cannot split this model's heads (rank_shares).
 
-    Each rank holds num_heads / size query heads and num_kv_heads / size KV heads (KV heads are not
-    replicated across ranks), and its share of the MLP.
+    Each rank holds at least one KV head (KV heads are not replicated across ranks) with the query heads
+    that attend to it, and its share of the MLP.
     """
     if size < 1:
         raise ValueError(f"{flag} must be >= 1, got {size}")
-    if size == 1:
-        return
-    divisors = [d for d in range(1, spec.num_kv_heads + 1)
-                if spec.num_kv_heads % d == 0 and spec.num_heads % d == 0 and spec.intermediate_size % d == 0]
-    if spec.num_heads % size or spec.num_kv_heads % size or spec.intermediate_size % size:
+    if size > spec.num_kv_heads or spec.num_heads % spec.num_kv_heads:
         raise ValueError(
-            f"{flag} {size} does not divide the model's {spec.num_heads} attention heads, "
-            f"{spec.num_kv_heads} KV heads and MLP width {spec.intermediate_size}; "
-            f"degrees that do: {', '.join(map(str, divisors))}")
+            f"{flag} {size} does not split the model's {spec.num_heads} attention heads and "
+            f"{spec.num_kv_heads} KV heads: each rank needs a KV head of its own (they are not replicated); "
+            f"degrees that do: 1 to {spec.num_kv_heads}")
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,8 @@ class TPGroup:
         self._reduce.allreduce([tensor]).wait()
 
     def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `tensor` (same shape on each), in rank order, on rank 0; [] on the others."""
+        """Every rank's `tensor` (same shape on each: pad a smaller share), in rank order, on rank 0; [] on
+        the others."""
         options = dist.GatherOptions()
         options.rootRank = 0
         tensor = tensor.contiguous()
@@ -153,17 +153,16 @@ def group_by_handle(handle: int) -> TPGroup:
     return _groups[handle]
 
 
-def _column_rows(weight: torch.Tensor | None, sizes: list[int], rank: int, size: int) -> torch.Tensor | None:
-    """Rank `rank`'s rows of a fused column-parallel weight (or bias) whose parts have `sizes` rows each:
-    the same slice of every part, side by side."""
+def _column_rows(weight: torch.Tensor | None, parts: list[tuple[int, int, int]]) -> torch.Tensor | None:
+    """A rank's rows of a fused column-parallel weight (or bias): of each part (its rows, the rank's first
+    row in it, how many), the rank's rows, side by side."""
     if weight is None:
         return None
-    parts, start = [], 0
-    for part in sizes:
-        share = part // size
-        parts.append(weight[start + rank * share : start + (rank + 1) * share])
-        start += part
-    return torch.cat(parts).contiguous()
+    pieces, start = [], 0
+    for rows, first, count in parts:
+        pieces.append(weight[start + first : start + first + count])
+        start += rows
+    return torch.cat(pieces).contiguous()
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -177,25 +176,26 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 
 def _shard_layer(layer: LeanLayer, group: TPGroup) -> None:
-    rank, size = group.rank, group.size
+    share = rank_shares(layer.num_heads, layer.num_kv_heads, layer.intermediate, group.size)[group.rank]
+    dim = layer.head_dim
+    q, kv = (share.q_start * dim, share.num_heads * dim), (share.kv_start * dim, share.num_kv_heads * dim)
     qkv: nn.Linear = layer.qkv_proj  # type: ignore[assignment]  # sharded before the kernel probe
-    sizes = [layer.q_size, layer.kv_size, layer.kv_size]
-    layer.qkv_proj = _linear(_column_rows(qkv.weight, sizes, rank, size),  # type: ignore[arg-type]
-                             _column_rows(qkv.bias, sizes, rank, size))
+    parts = [(layer.q_size, *q), (layer.kv_size, *kv), (layer.kv_size, *kv)]
+    layer.qkv_proj = _linear(_column_rows(qkv.weight, parts),  # type: ignore[arg-type]
+                             _column_rows(qkv.bias, parts))
     gate_up: nn.Linear = layer.gate_up_proj  # type: ignore[assignment]
-    sizes = [layer.intermediate, layer.intermediate]
-    layer.gate_up_proj = _linear(_column_rows(gate_up.weight, sizes, rank, size),  # type: ignore[arg-type]
-                                 _column_rows(gate_up.bias, sizes, rank, size))
+    mlp = (share.mlp_start, share.mlp_width)
+    parts = [(layer.intermediate, *mlp), (layer.intermediate, *mlp)]
+    layer.gate_up_proj = _linear(_column_rows(gate_up.weight, parts),  # type: ignore[arg-type]
+                                 _column_rows(gate_up.bias, parts))
     # Row-parallel: each rank's input columns; a bias is added once, by rank 0, before the sum.
-    for name, width in (("o_proj", layer.q_size // size), ("down_proj", layer.intermediate // size)):
+    for name, (first, width) in (("o_proj", q), ("down_proj", mlp)):
         full: nn.Linear = getattr(layer, name)
-        bias = full.bias if rank == 0 else None
-        setattr(layer, name, _linear(full.weight[:, rank * width : (rank + 1) * width].contiguous(), bias))
-    layer.num_heads //= size
-    layer.num_kv_heads //= size
-    layer.q_size //= size
-    layer.kv_size //= size
-    layer.intermediate //= size
+        bias = full.bias if group.rank == 0 else None
+        setattr(layer, name, _linear(full.weight[:, first : first + width].contiguous(), bias))
+    layer.num_heads, layer.num_kv_heads = share.num_heads, share.num_kv_heads
+    layer.q_size, layer.kv_size = q[1], kv[1]
+    layer.intermediate = share.mlp_width
     layer.tp_handle = group.handle
 
 

@@ -38,23 +38,15 @@ def build_tiny_model(family: str, out_dir: Path, *, vocab_size: int = 1000, seed
     if family not in TINY_FAMILIES:
         raise ValueError(f"unknown family {family!r}; known: {', '.join(TINY_FAMILIES)}")
     model_type, own = TINY_FAMILIES[family]
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
+    shape: dict[str, Any] = {
+        "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "max_position_embeddings": 1024,
         # A wide init makes logits peaked, so greedy ties (where float noise could pick either) are rare.
-        initializer_range=0.2,
+        "initializer_range": 0.2,
         # No special tokens: outputs run to max_tokens, and no family default points past a tiny vocabulary.
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        **{**own, **overrides},
-    )
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+    }
+    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **{**shape, **own, **overrides})
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
     return out_dir

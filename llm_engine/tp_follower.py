@@ -28,7 +28,8 @@ class TPFollower:
         if not isinstance(start, StartFollowers):
             raise RuntimeError(f"rank {group.rank}: rank 0 sent {start!r} before the cache size")
         with node_memory_lock(config.device):
-            kv_cache = KVCacheSpec.from_model(self.spec, config).allocate(start.num_blocks, config.device)
+            kv_cache = KVCacheSpec.from_model(self.spec, config, group.rank).allocate(start.num_blocks,
+                                                                                      config.device)
         self.runner = ModelRunner(loaded.model, self.spec, config, start.num_blocks, loaded.body, kv_cache)
         self.runner.tp_group = group
         self.num_steps = 0

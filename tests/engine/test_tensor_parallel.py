@@ -15,8 +15,10 @@ import pytest
 from decode_pool.worker import DecodeWorker
 from kv_transfer import TransferConfig, make_receiver, make_sender
 from llm_engine import EngineConfig, LLMEngine, ModelSpec
+from llm_engine.rank_shares import RankShare, rank_shares
 from llm_engine.sampling import SamplingParams
 from llm_engine.tensor_parallel import TPGroup, check_tensor_parallel
+from llm_engine.tiny_model import build_tiny_model
 from prefill_pool.scheduler import PrefillScheduler
 from prefill_pool.worker import PrefillWorker
 from tests.helpers.engines import run_handoff
@@ -34,14 +36,22 @@ def smollm2_like(**fields: int) -> ModelSpec:
 
 
 @pytest.mark.parametrize(("size", "named"), [
-    (2, "--tensor-parallel-size 2 does not divide the model's 9 attention heads, 3 KV heads"),
-    (4, "degrees that do: 1, 3"),
+    (4, "--tensor-parallel-size 4 does not split the model's 9 attention heads and 3 KV heads"),
+    (5, "degrees that do: 1 to 3"),
     (0, "--tensor-parallel-size must be >= 1, got 0"),
 ])
 def test_a_degree_that_does_not_split_the_heads_is_refused_naming_the_flag(size: int, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         check_tensor_parallel(smollm2_like(), size)
-    check_tensor_parallel(smollm2_like(), 3)  # 9 / 3 and 3 / 3: fine
+    check_tensor_parallel(smollm2_like(), 3)  # 9 / 3 and 3 / 3: even
+    check_tensor_parallel(smollm2_like(), 2)  # 6 + 3 heads, 2 + 1 KV heads
+
+
+def test_shares_are_as_even_as_they_go_with_each_kv_heads_query_heads() -> None:
+    assert rank_shares(9, 3, 1536, 2) == [RankShare(0, 2, 0, 6, 0, 768), RankShare(2, 1, 6, 3, 768, 768)]
+    assert rank_shares(8, 2, 512, 2) == [RankShare(0, 1, 0, 4, 0, 256), RankShare(1, 1, 4, 4, 256, 256)]
+    assert rank_shares(6, 3, 101, 3) == [RankShare(0, 1, 0, 2, 0, 34), RankShare(1, 1, 2, 2, 34, 34),
+                                         RankShare(2, 1, 4, 2, 68, 33)]
 
 
 def test_engine_config_refuses_no_ranks() -> None:
@@ -92,12 +102,13 @@ def test_each_rank_holds_its_share_of_the_kv_heads_and_rank_0_its_staging_within
 
 
 @pytest.mark.slow
-def test_smollm2_over_three_ranks_gives_one_ranks_greedy_tokens(smollm2_dir: Path) -> None:
-    """SmolLM2's 9 query and 3 KV heads split over 3 ranks (2 would not divide them)."""
+def test_smollm2_over_two_and_three_ranks_gives_one_ranks_greedy_tokens(smollm2_dir: Path) -> None:
+    """SmolLM2's 9 query and 3 KV heads split over 3 ranks evenly, over 2 as 6 + 3 and 2 + 1."""
     prompts = [[1, 2, 3, 4, 5, 6, 7], list(range(100, 160))]
     config = _engine_config(smollm2_dir, 1, kv_cache_bytes=32 << 20)
     one = [c.output_token_ids for c in LLMEngine(config).generate(prompts, GREEDY)]
-    assert _tokens_over_ranks(replace(config, tensor_parallel_size=3), prompts) == one
+    for size in (2, 3):
+        assert _tokens_over_ranks(replace(config, tensor_parallel_size=size), prompts) == one, size
 
 
 def test_a_rank_that_dies_fails_rank_0s_next_step_rather_than_hanging(tiny_llama_dir: Path) -> None:
@@ -129,17 +140,28 @@ def _tp_engine(config: EngineConfig, stack: contextlib.ExitStack, **engine_args:
     return engine
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
-def test_kv_handed_between_degrees_gives_one_ranks_greedy_tokens(tiny_llama_dir: Path, prefill_tp: int,
-                                                                 decode_tp: int) -> None:
+@pytest.fixture(scope="module")
+def three_kv_heads_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with 6 query and 3 KV heads: over 2 ranks, 4 + 2 and 2 + 1 (uneven shares)."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-3kv"), num_attention_heads=6,
+                            num_key_value_heads=3, hidden_size=192, intermediate_size=510)
+
+
+@pytest.mark.parametrize(("model", "prefill_tp", "decode_tp"), [
+    ("even", 2, 1), ("even", 1, 2), ("even", 2, 2), ("uneven", 2, 1), ("uneven", 1, 2), ("uneven", 2, 3)])
+def test_kv_handed_between_degrees_gives_one_ranks_greedy_tokens(
+        request: pytest.FixtureRequest, model: str, prefill_tp: int, decode_tp: int) -> None:
     """A prefill worker of one degree hands its KV to a decode worker of another (the blocks leave and
-    arrive whole-headed through rank 0's staging cache), and both end holding no block."""
-    one = [c.output_token_ids for c in LLMEngine(_engine_config(tiny_llama_dir, 1)).generate(
+    arrive whole-headed through rank 0's staging cache), and both end holding no block; with heads that
+    split evenly (8 / 2 over 2 ranks) and with heads that do not (6 / 3 over 2: rank 0 holds 2 KV heads,
+    rank 1 one)."""
+    model_dir = request.getfixturevalue("tiny_llama_dir" if model == "even" else "three_kv_heads_dir")
+    one = [c.output_token_ids for c in LLMEngine(_engine_config(model_dir, 1)).generate(
         PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))]
     with contextlib.ExitStack() as stack:
-        prefill_engine = _tp_engine(_engine_config(tiny_llama_dir, prefill_tp), stack,
+        prefill_engine = _tp_engine(_engine_config(model_dir, prefill_tp), stack,
                                     scheduler_cls=PrefillScheduler)
-        decode_engine = _tp_engine(_engine_config(tiny_llama_dir, decode_tp), stack, watermark=0.05)
+        decode_engine = _tp_engine(_engine_config(model_dir, decode_tp), stack, watermark=0.05)
         sender = make_sender("local", "p0", prefill_engine.transfer_cache, config=TransferConfig())
         receiver = make_receiver("local", "d0", decode_engine.transfer_cache, config=TransferConfig())
         prefill = PrefillWorker("p0", prefill_engine, sender)

@@ -120,7 +120,7 @@ def test_a_put_that_sets_the_prefill_degree_replaces_the_prefill_worker_and_keep
     before = {w["worker_id"]: w for w in client.get("/admin/pools").json()["workers"]}
     layout = {"prefill": 1, "decode": 2}
     odd = client.put("/admin/pools", json={**layout, "prefill_tp": 3})
-    assert odd.status_code == 400 and "prefill_tp 3 does not divide" in odd.json()["error"]["message"]
+    assert odd.status_code == 400 and "prefill_tp 3 does not split" in odd.json()["error"]["message"]
     auto = client.put("/admin/pools", json={"auto": True})
     assert auto.status_code == 400 and "degree 1" in auto.json()["error"]["message"]
     assert client.put("/admin/pools", json={"auto": True, "prefill_tp": 2}).status_code in (400, 422)

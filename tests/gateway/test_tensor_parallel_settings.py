@@ -19,8 +19,8 @@ from worker_runtime.roles import Role
 @pytest.mark.parametrize(("flags", "named"), [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     ({"decode_tp": 0}, "decode_tp"),
-    ({"tensor_parallel_size": 3}, "--tensor-parallel-size 3 does not divide the model's 8 attention heads"),
-    ({"prefill_tp": 2, "decode_tp": 3}, "--decode-tp 3 does not divide"),
+    ({"tensor_parallel_size": 3}, "--tensor-parallel-size 3 does not split the model's 8 attention heads"),
+    ({"prefill_tp": 2, "decode_tp": 3}, "--decode-tp 3 does not split"),
     ({"prefill_tp": 2, "ratio": "auto"}, "--prefill-tp 2 / --decode-tp 1: --ratio auto moves workers"),
 ])
 def test_bad_tensor_parallel_settings_are_refused_naming_the_flag(

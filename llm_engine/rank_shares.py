@@ -1,0 +1,38 @@
+"""What each rank of a tensor-parallel worker holds of every layer: llm_engine/tensor_parallel.py shards by
+it, llm_engine/kv_cache.py sizes each rank's cache by it, the runner gathers and scatters KV by it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llm_engine.config import ModelSpec
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank holds of every layer: KV heads [kv_start, kv_start + num_kv_heads), the query heads that
+    attend to them, MLP columns [mlp_start, mlp_start + mlp_width)."""
+
+    kv_start: int
+    num_kv_heads: int
+    q_start: int
+    num_heads: int
+    mlp_start: int
+    mlp_width: int
+
+
+def rank_shares(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> list[RankShare]:
+    """Each rank's share, in rank order: KV heads and MLP columns as even as they go, the first ranks one
+    more where they do not divide (9 heads / 3 KV heads over 2 ranks: 6 + 3 heads, 2 + 1 KV heads)."""
+    group = num_heads // num_kv_heads  # query heads per KV head
+    shares, kv_start, mlp_start = [], 0, 0
+    for rank in range(size):
+        kv = num_kv_heads // size + (rank < num_kv_heads % size)
+        mlp = intermediate_size // size + (rank < intermediate_size % size)
+        shares.append(RankShare(kv_start, kv, kv_start * group, kv * group, mlp_start, mlp))
+        kv_start, mlp_start = kv_start + kv, mlp_start + mlp
+    return shares
+
+
+def spec_shares(spec: ModelSpec, size: int) -> list[RankShare]:
+    return rank_shares(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, size)
