@@ -1,7 +1,7 @@
 """Engine step times at tensor-parallel degrees side by side: one rank against N ranks (llm_engine/
 tensor_parallel.py), the same prompts, the same machine, one run; and whether the greedy tokens agree.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/tp_steps.py [--model DIR] [--degrees 1 3] [--repeats 5]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/tp_steps.py [--model DIR] [--degrees 1 2 3] [--repeats 5]
 
 On a 2-core CPU the ranks share the cores and every all-reduce crosses processes over gloo: the figures show
 what the split costs, not a speed-up (that needs a device per rank: benchmarks/gpu_check.py's TP section).
@@ -97,7 +97,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a model directory (default: SmolLM2-135M, prepared on first use)")
     parser.add_argument("--degrees", type=int, nargs="+", default=None,
-                        help="degrees to compare (default: 1 and 3 for SmolLM2's 9/3 heads)")
+                        help="degrees to compare (default: 1, 2, 3; SmolLM2's 9 heads over 2: 6 + 3)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8, help="decode streams per step")
@@ -107,7 +107,7 @@ def main() -> None:
 
     model_dir = args.model or str(prepare_default_model())
     rows = [measure(model_dir, d, args.repeats, args.prompt_len, args.batch, args.threads)
-            for d in args.degrees or [1, 3]]
+            for d in args.degrees or [1, 2, 3]]
     print(f"model {model_dir}; {args.batch} decode streams; a {args.prompt_len}-token prefill; "
           f"{args.threads} thread(s) per rank; medians over {args.repeats} rounds")
     print("| ranks | prefill step, ms | decode step, ms [p10–p90] | greedy tokens = 1 rank's |")
