@@ -1,4 +1,7 @@
-"""Runs one forward of a packed, mixed prefill/decode batch over the paged KV cache and samples.
+"""(Over 300 lines: every call that reads or writes the KV cache the runner owns, the forward and a
+tensor-parallel rank 0's gather and scatter of blocks among them: one owner of the cache and its lock.)
+
+Runs one forward of a packed, mixed prefill/decode batch over the paged KV cache and samples.
 
     execute(ModelInput) → ModelOutput:
         update the persistent block tables, pack new tokens [1, T] and positions, build the attention
