@@ -32,7 +32,7 @@ from llm_engine.kv_cache_manager import blocks_for
 from llm_engine.logits_processors import LogitsPipeline, SamplingRows
 from llm_engine.logprobs import PromptLogprobsChunk, prompt_logprobs, sampled_logprobs
 from llm_engine.native_kernels import DecodeKernel, kernel_unfit_reason, paged_decode_attention
-from llm_engine.rank_shares import spec_shares
+from llm_engine.rank_shares import RankShare, spec_shares
 from llm_engine.sampling import SamplingParams, choose_tokens
 from llm_engine.step_timeline import StepRecord, StepTimeline
 from llm_engine.structured import GrammarCache
@@ -175,8 +175,13 @@ class ModelRunner:
             self.mirror.send(GatherBlocks(block_ids))
             index = torch.tensor(block_ids, device=self.device)
             parts = self.mirror.group.gather_to_first(self._padded(self.kv_cache[index]))
-            staging[index] = torch.cat([part[:, :, :, :, :heads] for part, heads in
-                                        zip(parts, self._kv_heads_by_rank(), strict=True)], dim=4)
+            whole, covered = [], 0  # each KV head from the first rank that holds it (heads may be replicated)
+            for part, share in zip(parts, self._shares(), strict=True):
+                end = share.kv_start + share.num_kv_heads
+                if end > covered:
+                    whole.append(part[:, :, :, :, covered - share.kv_start : share.num_kv_heads])
+                    covered = end
+            staging[index] = torch.cat(whole, dim=4)
 
     @torch.inference_mode()
     def scatter_blocks(self, block_ids: tuple[int, ...], staging: torch.Tensor) -> None:
@@ -185,20 +190,21 @@ class ModelRunner:
         with self.mirror.lock:
             self.mirror.send(ScatterBlocks(block_ids))
             index = torch.tensor(block_ids, device=self.device)
-            chunks = staging[index].split(self._kv_heads_by_rank(), dim=4)
+            blocks = staging[index]
+            chunks = [blocks[:, :, :, :, s.kv_start : s.kv_start + s.num_kv_heads] for s in self._shares()]
             received = self._padded(self.kv_cache[index])
             self.mirror.group.scatter_from_first([self._padded(chunk) for chunk in chunks], received)
             self.kv_cache[index] = received[:, :, :, :, :self.kv_cache.shape[4]]
 
-    def _kv_heads_by_rank(self) -> list[int]:
+    def _shares(self) -> list[RankShare]:
         group = self.mirror.group if self.mirror is not None else self.tp_group
         assert group is not None
-        return [share.num_kv_heads for share in spec_shares(self.spec, group.size)]
+        return spec_shares(self.spec, group.size)
 
     def _padded(self, blocks: torch.Tensor) -> torch.Tensor:
         """`blocks` [n, layers, 2, block_size, heads, head_dim] with as many heads as the largest share (rank
         0's: the collectives move tensors of one shape; where the heads divide evenly, `blocks` itself)."""
-        most = self._kv_heads_by_rank()[0]
+        most = self._shares()[0].num_kv_heads
         if blocks.shape[4] == most:
             return blocks.contiguous()
         padded = blocks.new_zeros((*blocks.shape[:4], most, blocks.shape[5]))

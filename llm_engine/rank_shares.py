@@ -21,16 +21,33 @@ class RankShare:
     mlp_width: int
 
 
+def degrees(num_heads: int, num_kv_heads: int) -> list[int]:
+    """The degrees that split a model's heads: up to one per KV head (unevenly where they do not divide),
+    and past that the multiples of the KV heads that divide the query heads (each KV head then replicated
+    on several ranks, each rank with its own query heads of that head's group, as vLLM does)."""
+    if num_heads % num_kv_heads:
+        return [1]
+    return [*range(1, num_kv_heads + 1),
+            *(size for size in range(2 * num_kv_heads, num_heads + 1, num_kv_heads) if num_heads % size == 0)]
+
+
 def rank_shares(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> list[RankShare]:
-    """Each rank's share, in rank order: KV heads and MLP columns as even as they go, the first ranks one
-    more where they do not divide (9 heads / 3 KV heads over 2 ranks: 6 + 3 heads, 2 + 1 KV heads)."""
+    """Each rank's share, in rank order (`size` one of degrees()): KV heads and MLP columns as even as they
+    go, the first ranks one more where they do not divide (9 heads / 3 KV heads over 2 ranks: 6 + 3 heads,
+    2 + 1 KV heads); past one rank per KV head, consecutive ranks hold the same KV head (8 heads / 2 KV
+    heads over 4 ranks: 2 query heads each, KV head 0 on ranks 0 and 1)."""
     group = num_heads // num_kv_heads  # query heads per KV head
     shares, kv_start, mlp_start = [], 0, 0
     for rank in range(size):
-        kv = num_kv_heads // size + (rank < num_kv_heads % size)
         mlp = intermediate_size // size + (rank < intermediate_size % size)
-        shares.append(RankShare(kv_start, kv, kv_start * group, kv * group, mlp_start, mlp))
-        kv_start, mlp_start = kv_start + kv, mlp_start + mlp
+        if size > num_kv_heads:  # replicated KV heads
+            replicas, per_rank = size // num_kv_heads, num_heads // size
+            shares.append(RankShare(rank // replicas, 1, rank * per_rank, per_rank, mlp_start, mlp))
+        else:
+            kv = num_kv_heads // size + (rank < num_kv_heads % size)
+            shares.append(RankShare(kv_start, kv, kv_start * group, kv * group, mlp_start, mlp))
+            kv_start += kv
+        mlp_start += mlp
     return shares
 
 

@@ -41,7 +41,7 @@ from torch import nn
 
 from llm_engine.batch import ModelInput
 from llm_engine.config import ModelSpec
-from llm_engine.rank_shares import rank_shares
+from llm_engine.rank_shares import degrees, rank_shares
 
 if TYPE_CHECKING:
     from llm_engine.lean_model import LeanBody, LeanLayer
@@ -53,18 +53,15 @@ IDLE_TIMEOUT = timedelta(days=365)
 
 
 def check_tensor_parallel(spec: ModelSpec, size: int, flag: str = "--tensor-parallel-size") -> None:
-    """Raise ValueError naming `flag` if `size` ranks cannot split this model's heads (rank_shares).
-
-    Each rank holds at least one KV head (KV heads are not replicated across ranks) with the query heads
-    that attend to it, and its share of the MLP.
-    """
+    """Raise ValueError naming `flag` if `size` ranks cannot split this model's heads
+    (llm_engine/rank_shares.py degrees)."""
     if size < 1:
         raise ValueError(f"{flag} must be >= 1, got {size}")
-    if size > spec.num_kv_heads or spec.num_heads % spec.num_kv_heads:
+    if size not in (possible := degrees(spec.num_heads, spec.num_kv_heads)):
         raise ValueError(
             f"{flag} {size} does not split the model's {spec.num_heads} attention heads and "
-            f"{spec.num_kv_heads} KV heads: each rank needs a KV head of its own (they are not replicated); "
-            f"degrees that do: 1 to {spec.num_kv_heads}")
+            f"{spec.num_kv_heads} KV heads: up to one rank per KV head, past that a multiple of the KV heads "
+            f"that divides the attention heads; degrees that do: {', '.join(map(str, possible))}")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ def smollm2_like(**fields: int) -> ModelSpec:
 
 @pytest.mark.parametrize(("size", "named"), [
     (4, "--tensor-parallel-size 4 does not split the model's 9 attention heads and 3 KV heads"),
-    (5, "degrees that do: 1 to 3"),
+    (5, "degrees that do: 1, 2, 3, 9"),
     (0, "--tensor-parallel-size must be >= 1, got 0"),
 ])
 def test_a_degree_that_does_not_split_the_heads_is_refused_naming_the_flag(size: int, named: str) -> None:
@@ -45,6 +45,7 @@ def test_a_degree_that_does_not_split_the_heads_is_refused_naming_the_flag(size:
         check_tensor_parallel(smollm2_like(), size)
     check_tensor_parallel(smollm2_like(), 3)  # 9 / 3 and 3 / 3: even
     check_tensor_parallel(smollm2_like(), 2)  # 6 + 3 heads, 2 + 1 KV heads
+    check_tensor_parallel(smollm2_like(), 9)  # a query head each, each KV head on 3 ranks
 
 
 def test_shares_are_as_even_as_they_go_with_each_kv_heads_query_heads() -> None:
@@ -52,6 +53,9 @@ def test_shares_are_as_even_as_they_go_with_each_kv_heads_query_heads() -> None:
     assert rank_shares(8, 2, 512, 2) == [RankShare(0, 1, 0, 4, 0, 256), RankShare(1, 1, 4, 4, 256, 256)]
     assert rank_shares(6, 3, 101, 3) == [RankShare(0, 1, 0, 2, 0, 34), RankShare(1, 1, 2, 2, 34, 34),
                                          RankShare(2, 1, 4, 2, 68, 33)]
+    # Past one rank per KV head: KV head 0 on ranks 0 and 1, KV head 1 on ranks 2 and 3; 2 query heads each.
+    assert [(s.kv_start, s.num_kv_heads, s.q_start, s.num_heads) for s in rank_shares(8, 2, 512, 4)] == [
+        (0, 1, 0, 2), (0, 1, 2, 2), (1, 1, 4, 2), (1, 1, 6, 2)]
 
 
 def test_engine_config_refuses_no_ranks() -> None:
@@ -148,13 +152,14 @@ def three_kv_heads_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(("model", "prefill_tp", "decode_tp"), [
-    ("even", 2, 1), ("even", 1, 2), ("even", 2, 2), ("uneven", 2, 1), ("uneven", 1, 2), ("uneven", 2, 3)])
+    ("even", 2, 1), ("even", 1, 2), ("even", 2, 2), ("uneven", 2, 1), ("uneven", 1, 2), ("uneven", 2, 3),
+    ("even", 4, 2)])
 def test_kv_handed_between_degrees_gives_one_ranks_greedy_tokens(
         request: pytest.FixtureRequest, model: str, prefill_tp: int, decode_tp: int) -> None:
     """A prefill worker of one degree hands its KV to a decode worker of another (the blocks leave and
     arrive whole-headed through rank 0's staging cache), and both end holding no block; with heads that
-    split evenly (8 / 2 over 2 ranks) and with heads that do not (6 / 3 over 2: rank 0 holds 2 KV heads,
-    rank 1 one)."""
+    split evenly (8 / 2 over 2 ranks), with heads that do not (6 / 3 over 2: rank 0 holds 2 KV heads,
+    rank 1 one), and with more ranks than KV heads (8 / 2 over 4: each KV head on two ranks)."""
     model_dir = request.getfixturevalue("tiny_llama_dir" if model == "even" else "three_kv_heads_dir")
     one = [c.output_token_ids for c in LLMEngine(_engine_config(model_dir, 1)).generate(
         PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))]
