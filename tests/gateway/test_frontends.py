@@ -132,10 +132,20 @@ def two_streams_on_each(port: int, pids: list[int]) -> tuple[dict[int, list[Stre
     return streams, readers
 
 
-@pytest.fixture()
-def two_frontends(tiny_chat_model_dir: Path, tmp_path: Path) -> Iterator[tuple[int, psutil.Process]]:
+@dataclass
+class Server:
+    port: int
+    supervisor: psutil.Process  # uvicorn's supervisor: the gateway process, the frontends' parent
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def two_frontends(tiny_chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One server for the module's tests that hurt its frontends and its fleet actor: each test leaves it
+    serving with two frontends (what it killed, uvicorn or Ray started again)."""
     port = free_port()
-    log = (tmp_path / "server.log").open("w")  # pytest keeps the last runs' tmp_path: read it on a failure
+    log_path = tmp_path_factory.mktemp("frontends") / "server.log"  # pytest keeps it: read it on a failure
+    log = log_path.open("w")
     command = [sys.executable, "-m", "pdserve", "serve", "--model", str(tiny_chat_model_dir),
                "--served-model-name", MODEL, "--backend", "nixl", "--prefill", "1", "--decode", "1",
                "--dtype", "float32", "--kv-cache-mib", "32", "--port", str(port), "--api-server-count", "2",
@@ -151,7 +161,7 @@ def two_frontends(tiny_chat_model_dir: Path, tmp_path: Path) -> Iterator[tuple[i
             except httpx.HTTPError:
                 return False
         until(ready, 180, "the server and both frontends")
-        yield port, supervisor
+        yield Server(port, supervisor, log_path)
     finally:
         os.killpg(process.pid, signal.SIGINT)
         try:
@@ -162,9 +172,8 @@ def two_frontends(tiny_chat_model_dir: Path, tmp_path: Path) -> Iterator[tuple[i
         log.close()
 
 
-def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: tuple[int, psutil.Process],
-                                                                  tmp_path: Path) -> None:
-    port, supervisor = two_frontends
+def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: Server) -> None:
+    port, supervisor = two_frontends.port, two_frontends.supervisor
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
         reference = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
                                                          "max_tokens": MAX_TOKENS, "temperature": 0}).json()
@@ -181,7 +190,7 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
         # silence: only the survivor's stay, still running.
         until(lambda: running_on_workers() <= len(streams[survivor]), 60, "the victim's requests to end")
         assert not all(s.done for s in streams[survivor]), "the survivor's streams ended first: no proof"
-        until(lambda: f"-{victim}-" in "".join(line for line in (tmp_path / "server.log").read_text()
+        until(lambda: f"-{victim}-" in "".join(line for line in two_frontends.log.read_text()
                                                .splitlines() if "exited: its streams end" in line),
               30, "the fleet's line that the frontend exited")
     for reader in readers:
@@ -251,13 +260,13 @@ def fleet_actor_pid(supervisor: psutil.Process) -> int:
 
 
 def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_health_tells(
-        two_frontends: tuple[int, psutil.Process]) -> None:
+        two_frontends: Server) -> None:
     """Review N1 and N2. A frontend paused for 6 s (SIGSTOP) is neither killed by uvicorn's supervisor (it
     waits FRONTEND_UNANSWERED_S) nor given up by the fleet (its 10 s lease): it resumes, and every stream on
     both frontends finishes whole; no worker is replaced. The fleet actor killed: /health turns 503 within
     seconds, Ray restarts it and it adopts the workers as they are (the same processes, no weights loaded
     again), the streams running meanwhile finish whole, and the server answers again."""
-    port, supervisor = two_frontends
+    port, supervisor = two_frontends.port, two_frontends.supervisor
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
     expected = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
