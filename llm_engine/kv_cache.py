@@ -27,7 +27,7 @@ class KVCacheSpec:
     @classmethod
     def from_model(cls, spec: ModelSpec, config: EngineConfig, rank: int = 0) -> KVCacheSpec:
         """One rank's cache: with tensor parallelism each rank holds its own KV heads only (rank 0 the most,
-        where they do not divide evenly: llm_engine/tensor_parallel.py rank_shares)."""
+        where they do not divide evenly: llm_engine/rank_shares.py)."""
         num_kv_heads = spec.num_kv_heads
         if config.tensor_parallel_size > 1:
             num_kv_heads = spec_shares(spec, config.tensor_parallel_size)[rank].num_kv_heads
