@@ -1,29 +1,33 @@
-"""The engine's own model body for the Llama family (Llama, Mistral, Qwen2, Qwen3), built from the loaded
-transformers model's weights: the graph `torch.compile` turns into one program per step.
+"""The engine's own model body for the Llama family (Llama, Mistral, Qwen2, Qwen3): the graph
+`torch.compile` turns into one program per step.
 
-    LeanBody.from_hf(model) → body(input_ids [T], positions [T]) → final-normed hidden states [T, hidden]
+    built from the checkpoint's files (llm_engine/lean_loader.py: no transformers import in the worker), or
+    LeanBody.from_hf(model) from a loaded transformers model (a config only transformers reads right)
+    → body(input_ids [T], positions [T]) → final-normed hidden states [T, hidden]
 Why its own body and not transformers' modules (as nano-vllm and vLLM keep theirs): a packed batch with flat
 [T, ...] tensors and no attention mask, each layer's q/k/v in one GEMM and gate/up in one GEMM, the residual
 add folded into the next RMSNorm, rotary from a table built once, and attention as one opaque op
 (llm_engine/custom_ops.py): nothing in it breaks a graph. It computes what transformers computes, op for op
-in the same order and dtype (RMSNorm in fp32, the weight applied in the model's dtype; cos/sin from the
-model's own rotary module, so every rope scaling it knows is the one used), so float32 greedy tokens equal
-transformers' (tests/engine/test_compiled_engine.py). Other families keep transformers' modules, eager.
+in the same order and dtype (RMSNorm in fp32, the weight applied in the model's dtype; cos/sin as its
+rotary module computes them), so float32 greedy tokens equal transformers'
+(tests/engine/test_compiled_engine.py, tests/engine/test_checkpoint_config.py). Other families keep
+transformers' modules, eager.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from llm_engine.checkpoint_config import LEAN_ARCHITECTURES
 from llm_engine.custom_ops import paged_attention, tp_all_reduce
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,16 +38,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
+def linear_from(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """An nn.Linear over these tensors as they are (no init of weights about to be replaced)."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One nn.Linear whose output is the parts' outputs side by side (one GEMM, one weight read)."""
-    has_bias = parts[0].bias is not None
-    fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=has_bias,
-                      device=parts[0].weight.device, dtype=parts[0].weight.dtype)
     with torch.no_grad():
-        fused.weight.copy_(torch.cat([p.weight for p in parts]))
-        if has_bias:
-            fused.bias.copy_(torch.cat([p.bias for p in parts if p.bias is not None]))
-    return fused
+        weight = torch.cat([p.weight for p in parts])
+        bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None
+    return linear_from(weight, bias)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -53,40 +62,64 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x * cos) + (rotated * sin)
 
 
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights as the lean layer takes them, from a transformers layer
+    (`from_hf_layer`) or straight from a checkpoint (llm_engine/lean_loader.py)."""
+
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    o_proj: nn.Linear
+    gate_proj: nn.Linear
+    up_proj: nn.Linear
+    down_proj: nn.Linear
+    input_norm: nn.Parameter
+    post_attention_norm: nn.Parameter
+    eps: float
+    q_norm: nn.Parameter | None = None  # Qwen3
+    k_norm: nn.Parameter | None = None
+    qk_eps: float | None = None  # None: eps
+
+    @classmethod
+    def from_hf_layer(cls, hf_layer: Any) -> LayerWeights:
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        return cls(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                   mlp.down_proj, hf_layer.input_layernorm.weight, hf_layer.post_attention_layernorm.weight,
+                   float(hf_layer.input_layernorm.variance_epsilon),
+                   None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                   None if q_norm is None else float(q_norm.variance_epsilon))
+
+
 class LeanLayer(nn.Module):
     qkv_proj: nn.Module  # nn.Linear, or the PackedLinear the kernel probe put in its place
     o_proj: nn.Module
     gate_up_proj: nn.Module
     down_proj: nn.Module
-    act_fn: nn.Module
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
 
-    def __init__(self, hf_layer: Any, layer_idx: int) -> None:
+    def __init__(self, weights: LayerWeights, layer_idx: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> None:
         super().__init__()
-        attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.layer_idx = layer_idx
-        self.num_heads = attn.config.num_attention_heads
-        self.num_kv_heads = attn.config.num_key_value_heads
-        self.head_dim = attn.head_dim
-        self.scaling = float(attn.scaling)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scaling = head_dim**-0.5  # transformers' attention scaling for these families
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = _fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o_proj = attn.o_proj
-        self.gate_up_proj = _fused_linear([mlp.gate_proj, mlp.up_proj])
-        self.intermediate = mlp.gate_proj.out_features
-        self.down_proj = mlp.down_proj
-        self.act_fn = mlp.act_fn
-        self.input_norm = hf_layer.input_layernorm.weight
-        self.post_attention_norm = hf_layer.post_attention_layernorm.weight
-        self.eps = float(hf_layer.input_layernorm.variance_epsilon)
+        self.qkv_proj = _fused_linear([weights.q_proj, weights.k_proj, weights.v_proj])
+        self.o_proj = weights.o_proj
+        self.gate_up_proj = _fused_linear([weights.gate_proj, weights.up_proj])
+        self.intermediate = weights.gate_proj.out_features
+        self.down_proj = weights.down_proj
+        self.input_norm = weights.input_norm
+        self.post_attention_norm = weights.post_attention_norm
+        self.eps = weights.eps
         # Qwen3: an RMSNorm over each head's q and k before rotary.
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.q_norm = None if q_norm is None else q_norm.weight
-        self.k_norm = None if k_norm is None else k_norm.weight
-        self.qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else self.eps
+        self.q_norm, self.k_norm = weights.q_norm, weights.k_norm
+        self.qk_eps = weights.eps if weights.qk_eps is None else weights.qk_eps
         # Tensor parallel: the group whose ranks sum o_proj's and down_proj's partial outputs
         # (llm_engine/tensor_parallel.py shard_lean_body); None: one rank, nothing to sum.
         self.tp_handle: int | None = None
@@ -115,7 +148,7 @@ class LeanLayer(nn.Module):
         x = rms_norm(residual, self.post_attention_norm, self.eps)
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
-        mlp_out = self._sum_over_ranks(self.down_proj(self.act_fn(gate) * up))
+        mlp_out = self._sum_over_ranks(self.down_proj(nn.functional.silu(gate) * up))
         return mlp_out, residual
 
 
@@ -127,28 +160,33 @@ class LeanBody(nn.Module):
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def __init__(self, hf_model: PreTrainedModel, max_positions: int) -> None:
+    def __init__(self, embed_tokens: nn.Module, layers: list[LeanLayer], norm: nn.Parameter, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """cos/sin: [max_positions, head_dim] each, in the model's dtype."""
         super().__init__()
-        inner: Any = hf_model.model
-        self.embed_tokens = inner.embed_tokens
-        self.layers = nn.ModuleList(LeanLayer(layer, i) for i, layer in enumerate(inner.layers))
-        self.norm = inner.norm.weight
-        self.eps = float(inner.norm.variance_epsilon)
-        # cos/sin of every position, from the model's own rotary module: [max_positions, head_dim] each,
-        # in the model's dtype as transformers casts them.
-        weight: torch.Tensor = inner.embed_tokens.weight
-        positions = torch.arange(max_positions, device=weight.device)[None]
-        with torch.no_grad():
-            cos, sin = inner.rotary_emb(weight[:1][None], positions)
-        self.register_buffer("cos", cos[0], persistent=False)
-        self.register_buffer("sin", sin[0], persistent=False)
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.eps = eps
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     @classmethod
     def from_hf(cls, hf_model: PreTrainedModel, max_positions: int) -> LeanBody:
         """The lean body over `hf_model`'s weights; the transformers layers are dropped from `hf_model`
-        (their q/k/v and gate/up weights now live fused in the body), its embeddings and lm_head kept."""
-        body = cls(hf_model, max_positions)
+        (their q/k/v and gate/up weights now live fused in the body), its embeddings and lm_head kept.
+        cos/sin come from the model's own rotary module (every rope scaling transformers knows)."""
         inner: Any = hf_model.model
+        config: Any = hf_model.config
+        layers = [LeanLayer(LayerWeights.from_hf_layer(layer), i, config.num_attention_heads,
+                            config.num_key_value_heads, layer.self_attn.head_dim)
+                  for i, layer in enumerate(inner.layers)]
+        weight: torch.Tensor = inner.embed_tokens.weight
+        positions = torch.arange(max_positions, device=weight.device)[None]
+        with torch.no_grad():
+            cos, sin = inner.rotary_emb(weight[:1][None], positions)
+        body = cls(inner.embed_tokens, layers, inner.norm.weight, float(inner.norm.variance_epsilon), cos[0],
+                   sin[0])
         inner.layers = nn.ModuleList()
         return body
 

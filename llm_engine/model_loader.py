@@ -10,11 +10,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from llm_engine import paged_attention
+from llm_engine.checkpoint_config import LeanConfig, read_lean_config
 from llm_engine.compilation import Body, CompileReport, compile_body
 from llm_engine.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelSpec
 from llm_engine.hardware import check_device_present
+from llm_engine.lean_loader import load_lean_model
 from llm_engine.lean_model import LEAN_ARCHITECTURES, LeanBody, has_lean_body
 from llm_engine.linear_probe import LinearKernelReport, apply_linear_kernel
 from llm_engine.tensor_parallel import check_tensor_parallel, shard_lean_body
@@ -54,8 +57,27 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
             f"unsupported architecture {architectures or raw.get('model_type')!r} in {str(path)!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    # transformers' own reading of the config: its class fills the family's defaults (Mistral's window when
-    # the file names none, Qwen's use_sliding_window), exactly as the model it loads will see them.
+    eos = raw.get("eos_token_id")
+    generation_config = path / "generation_config.json"
+    if generation_config.is_file():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id", eos)
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    lean = read_lean_config(path)
+    if isinstance(lean, LeanConfig):  # plain rope: the context is the model's; a window caps it
+        window = lean.sliding_window
+        return ModelSpec(
+            architecture=lean.architecture, num_layers=lean.num_layers, num_heads=lean.num_heads,
+            num_kv_heads=lean.num_kv_heads, head_dim=lean.head_dim, hidden_size=lean.hidden_size,
+            intermediate_size=lean.intermediate_size, vocab_size=lean.vocab_size,
+            max_model_len=min(lean.max_position_embeddings, window or lean.max_position_embeddings),
+            eos_token_ids=eos_ids,
+        )
+    return _spec_from_transformers(path, supported[0], eos_ids)
+
+
+def _spec_from_transformers(path: Path, architecture: str, eos_ids: tuple[int, ...]) -> ModelSpec:
+    """transformers' own reading of the config: its class fills the family's defaults (Mistral's window
+    when the file names none, Qwen's use_sliding_window), exactly as the model it loads will see them."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -66,13 +88,8 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
     window = getattr(config, "sliding_window", None)
     if window:
         max_model_len = min(max_model_len, window)
-    eos = raw.get("eos_token_id")
-    generation_config = path / "generation_config.json"
-    if generation_config.is_file():
-        eos = json.loads(generation_config.read_text()).get("eos_token_id", eos)
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelSpec(
-        architecture=supported[0],
+        architecture=architecture,
         num_layers=config.num_hidden_layers,
         num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
@@ -101,7 +118,9 @@ def _static_rope_limit(config: PretrainedConfig) -> int:
 class LoadedModel:
     """A model ready for the runner: weights on the device, paged attention in, linears on their kernel."""
 
-    model: PreTrainedModel  # embeddings and lm_head always; its decoder layers only without a lean body
+    # lm_head always; a LeanCausalLM (llm_engine/lean_loader.py), or transformers' model whose decoder
+    # layers stay only without a lean body
+    model: nn.Module
     spec: ModelSpec
     linear_kernel: LinearKernelReport  # which GEMM kernel its linear layers run on, and why
     # The engine's own body (llm_engine/lean_model.py), compiled or not; None: transformers' modules, eager.
@@ -119,8 +138,6 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
         ValueError: tensor parallelism over a family without the engine's own body, or a degree that does
             not divide the heads (the message names --tensor-parallel-size).
     """
-    from transformers import AutoModelForCausalLM
-
     global _num_loads
     check_device_present(config.device)
     _num_loads += 1
@@ -133,30 +150,48 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
                          f"body ({', '.join(LEAN_ARCHITECTURES)}); {spec.architecture} has none")
     if tp_size > 1 and (tp_group is None or tp_group.size != tp_size):
         raise ValueError(f"--tensor-parallel-size {tp_size}: this rank has no group of {tp_size} ranks")
+    device = torch.device(config.device)
+    lean_config = read_lean_config(config.model_dir)
+    model: nn.Module
+    lean: LeanBody | None = None
+    if isinstance(lean_config, LeanConfig):
+        model = load_lean_model(lean_config, config.model_dir, config.torch_dtype, device, spec.max_model_len)
+        lean = model.lean_body
+    else:
+        model = _load_transformers_model(config, device)
+        if has_lean_body(spec.architecture):
+            # A submodule of the model, so the linear-kernel probe below sees its fused q/k/v and gate/up.
+            lean = model.lean_body = LeanBody.from_hf(model, spec.max_model_len)
+    if lean is not None and tp_group is not None and tp_size > 1:
+        shard_lean_body(lean, tp_group)
+    kernel = apply_linear_kernel(model, config.linear_kernel, config.torch_dtype, device)
+    body, compilation = compile_body(lean, config.compile, device, config.torch_dtype,
+                                     no_lean_reason=f"no lean body for {spec.architecture}")
+    reader = "its files" if isinstance(lean_config, LeanConfig) else f"transformers ({lean_config})"
+    logger.info(
+        "loaded %s (%d layers, %d kv heads, over %d ranks) through %s as %s on %s; linears on %s (%s); "
+        "body %s, %s (%s)",
+        config.model_dir, spec.num_layers, spec.num_kv_heads, tp_size, reader, config.dtype, config.device,
+        kernel.kernel,
+        kernel.reason, compilation.body, compilation.mode, compilation.reason,
+    )
+    return LoadedModel(model, spec, kernel, body, compilation)
+
+
+def _load_transformers_model(config: EngineConfig, device: torch.device) -> PreTrainedModel:
+    """transformers' own model, the paged attention plugged in: a family without a lean body, or a config
+    only transformers reads right (llm_engine/checkpoint_config.py says why)."""
+    from transformers import AutoModelForCausalLM
+
     paged_attention.register()
     model = AutoModelForCausalLM.from_pretrained(
         config.model_dir,
         dtype=config.torch_dtype,
         attn_implementation=paged_attention.ATTENTION_NAME,
     )
-    model.to(torch.device(config.device))  # type: ignore[arg-type]
+    model.to(device)  # type: ignore[arg-type]
     model.eval()
-    lean = None
-    if has_lean_body(spec.architecture):
-        # A submodule of the model, so the linear-kernel probe below sees its fused q/k/v and gate/up.
-        lean = model.lean_body = LeanBody.from_hf(model, spec.max_model_len)
-        if tp_group is not None and tp_size > 1:
-            shard_lean_body(lean, tp_group)
-    kernel = apply_linear_kernel(model, config.linear_kernel, config.torch_dtype, torch.device(config.device))
-    body, compilation = compile_body(lean, config.compile, torch.device(config.device), config.torch_dtype,
-                                     no_lean_reason=f"no lean body for {spec.architecture}")
-    logger.info(
-        "loaded %s (%d layers, %d kv heads, over %d ranks) as %s on %s; linears on %s (%s); body %s, %s (%s)",
-        config.model_dir, spec.num_layers, spec.num_kv_heads, tp_size, config.dtype, config.device,
-        kernel.kernel,
-        kernel.reason, compilation.body, compilation.mode, compilation.reason,
-    )
-    return LoadedModel(model, spec, kernel, body, compilation)
+    return model
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:

@@ -17,9 +17,9 @@ blocks that leave or arrive to the other ranks (llm_engine/tensor_parallel.py), 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from llm_engine.batch import ModelInput, ModelOutput, SampledToken, ScheduledChunk
 from llm_engine.compilation import Body
@@ -47,9 +47,6 @@ from llm_engine.tensor_parallel import (
 )
 from llm_engine.token_bans import AllowedTokens, BadWords
 from llm_engine.varlen_attention import varlen_fits, varlen_kernel
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 
 def choose_decode_attention(config: EngineConfig, spec: ModelSpec | None = None
@@ -80,7 +77,7 @@ def choose_decode_attention(config: EngineConfig, spec: ModelSpec | None = None
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, spec: ModelSpec, config: EngineConfig, num_blocks: int,
+    def __init__(self, model: nn.Module, spec: ModelSpec, config: EngineConfig, num_blocks: int,
                  body: Body | None = None, kv_cache: torch.Tensor | None = None,
                  mirror: StepMirror | None = None) -> None:
         """Args:
@@ -96,6 +93,7 @@ class ModelRunner:
         self.mirror = mirror
         self.tp_group: TPGroup | None = None  # set by tp_follower for ranks > 0; rank 0's is mirror.group
         self.model = model
+        self.lm_head = model.get_submodule("lm_head")
         self.body = body
         self.timeline = StepTimeline()  # every forward: when, how long, decode and prompt tokens
         self.spec = spec
@@ -241,7 +239,7 @@ class ModelRunner:
             with step_context(prepared.metadata):
                 hidden = self.body(prepared.input_ids[0], prepared.position_ids[0])[None]  # [1, T, hidden]
         else:
-            hidden = self.model.model(
+            hidden = self.model.get_submodule("model")(
                 input_ids=prepared.input_ids, position_ids=prepared.position_ids, use_cache=False,
                 paged_metadata=prepared.metadata,
             ).last_hidden_state  # [1, T, hidden]
@@ -262,7 +260,7 @@ class ModelRunner:
                 self.logits.register(chunk.request_id, chunk.sampling, chunk.history)
         # Project only the rows that sample: the vocab projection of every prompt token is wasted work.
         rows = hidden[0] if sample_rows is None else hidden[0, sample_rows]
-        raw_logits = self.model.lm_head(rows).float()  # [num_samples, vocab]
+        raw_logits = self.lm_head(rows).float()  # [num_samples, vocab]
         params = tuple(c.sampling for c in sampling_chunks if c.sampling is not None)
         sampling_rows = SamplingRows(tuple(c.request_id for c in sampling_chunks), params,
                                      tuple(c.output_index for c in sampling_chunks))
@@ -311,7 +309,7 @@ class ModelRunner:
             if targets:
                 rows = hidden[q_start : q_start + len(targets)]
                 first = chunk.start_position + 1  # the position of the first token scored
-                scored.append(prompt_logprobs(rows, self.model.lm_head, chunk.request_id, first, targets,
+                scored.append(prompt_logprobs(rows, self.lm_head, chunk.request_id, first, targets,
                                               chunk.num_prompt_top_logprobs))
             q_start += chunk.num_tokens
         return tuple(scored)

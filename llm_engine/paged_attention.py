@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 from llm_engine.native_kernels import DecodeKernel
 from llm_engine.varlen_attention import VarlenBatch, attend_varlen
@@ -221,5 +220,8 @@ def _decode(query: torch.Tensor, meta: PagedAttentionMetadata, layer: int, d: De
 
 
 def register() -> None:
-    """Make "pdserve_paged" a valid `attn_implementation` (idempotent)."""
+    """Make "pdserve_paged" a valid `attn_implementation` (idempotent). transformers is imported here, not
+    at the top: a lean model loaded from its checkpoint never needs it (llm_engine/lean_loader.py)."""
+    from transformers import AttentionInterface
+
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
