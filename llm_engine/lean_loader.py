@@ -95,8 +95,9 @@ def load_lean_model(config: LeanConfig, model_dir: str | Path, dtype: torch.dtyp
             k_norm=norm(f"{p}.self_attn.k_norm.weight") if config.qk_norm else None,
         )
         layers.append(LeanLayer(weights, i, config.num_heads, config.num_kv_heads, config.head_dim))
-    embedding = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
-    embedding.weight = nn.Parameter(take("model.embed_tokens.weight"), requires_grad=False)
+    # from_pretrained: no init of a weight about to be replaced (on the meta device, that init alone would
+    # import torch's dynamo through its reference ops: half a CPU-second of a worker's start)
+    embedding = nn.Embedding.from_pretrained(take("model.embed_tokens.weight"), freeze=True)
     # Tied: one tensor, as transformers ties them (a checkpoint may still carry a copy of it).
     lm_head = linear_from(embedding.weight if config.tie_word_embeddings else take("lm_head.weight"))
     cos, sin = rotary_table(config, max_positions, dtype, device)

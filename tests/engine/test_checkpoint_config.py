@@ -95,14 +95,15 @@ def test_the_layout_before_transformers_5_reads_the_same(tmp_path: Path) -> None
     lean = read_lean_config(model_dir)
     assert isinstance(lean, LeanConfig) and lean.rope_theta == 50000.0
     assert spec_both_ways(model_dir)[0] == spec_both_ways(model_dir)[1]
-    hf = _load_transformers_model(EngineConfig(model_dir=str(model_dir), dtype="float32"), torch.device("cpu"))
+    config = EngineConfig(model_dir=str(model_dir), dtype="float32")
+    hf = _load_transformers_model(config, torch.device("cpu"))
     ours = load_lean_model(lean, model_dir, torch.float32, torch.device("cpu"), 128)
     assert_same_bodies(ours.lean_body, LeanBody.from_hf(hf, 128))
 
 
 @pytest.mark.parametrize(("family", "fields", "reason"), [
-    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "rope type"),
-    ("llama", {"rope_parameters": ..., "rope_theta": 1e4, "rope_scaling": {"rope_type": "llama3"}}, "rope"),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope type"),
+    ("llama", {"rope_parameters": ..., "rope_theta": 1e4, "rope_scaling": {"rope_type": "yarn"}}, "rope"),
     ("llama", {"attention_bias": True}, "biases"),
     ("llama", {"hidden_act": "gelu"}, "activation"),
     ("llama", {"num_key_value_heads": ...}, "num_key_value_heads"),
@@ -126,10 +127,12 @@ def test_weights_only_in_another_format_go_through_transformers(tmp_path: Path) 
 
 
 def test_a_worker_engine_on_a_lean_model_never_imports_transformers(tiny_llama_dir: Path) -> None:
-    code = ("import sys; from llm_engine.engine import LLMEngine; from llm_engine.config import EngineConfig; "
+    code = ("import sys; from llm_engine.engine import LLMEngine; "
+            "from llm_engine.config import EngineConfig; "
             f"engine = LLMEngine(EngineConfig(model_dir={str(tiny_llama_dir)!r}, dtype='float32')); "
             "from llm_engine.sampling import SamplingParams; "
             "engine.add_request([1, 2, 3], SamplingParams(max_tokens=2)); [engine.step() for _ in range(3)]; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
