@@ -17,11 +17,8 @@ class TransferConfig:
     # Safety never rests on it (the hosts' clocks may disagree): the sender refuses a pull after its lease.
     lease_margin_s: float = 0.05
     record_capacity: int = 1024  # TransferRecords kept in memory per sender/receiver
-    # NIXL's UCX progress thread sleeps in poll() on its UCX workers' event fds, so a transfer wakes it at
-    # once; this is only the timeout of that poll (NIXL's guard against a UCX fd that fails to wake it), and
-    # the readers poll their own pulls besides (PullWatcher). 0 (the Python wrapper's hard-coded value) spins
-    # a core; 1 ms cost an idle worker 2-3% of a core in wake-ups (docs/design.md, KV transfer).
-    nixl_progress_delay_us: int = 10_000
+    # NIXL progress thread: sleep this long when idle. 0 (the Python wrapper's hard-coded value) spins a core.
+    nixl_progress_delay_us: int = 1000
     # UCX error handling: "peer" turns a dead peer into an error instead of a hang, at some cost under load.
     nixl_error_mode: str = "peer"
     # UCX copies CMA (same-host) transfers in segments of this size, one segment per progress round; its
