@@ -94,6 +94,8 @@ class ModelRunner:
         self.tp_group: TPGroup | None = None  # set by tp_follower for ranks > 0; rank 0's is mirror.group
         self.model = model
         self.lm_head = model.get_submodule("lm_head")
+        # transformers' decoder (no lean body): looked up once, not on every step
+        self.hf_body = model.get_submodule("model") if body is None else None
         self.body = body
         self.timeline = StepTimeline()  # every forward: when, how long, decode and prompt tokens
         self.spec = spec
@@ -239,7 +241,8 @@ class ModelRunner:
             with step_context(prepared.metadata):
                 hidden = self.body(prepared.input_ids[0], prepared.position_ids[0])[None]  # [1, T, hidden]
         else:
-            hidden = self.model.get_submodule("model")(
+            assert self.hf_body is not None
+            hidden = self.hf_body(
                 input_ids=prepared.input_ids, position_ids=prepared.position_ids, use_cache=False,
                 paged_metadata=prepared.metadata,
             ).last_hidden_state  # [1, T, hidden]
