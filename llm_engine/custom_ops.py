@@ -12,6 +12,8 @@ forward (as vLLM's forward context does), so the compiled graph has no guards on
 because a batch changed shape. With no context set (the compile warm-up), the attention returns zeros: the
 warm-up traces and compiles, it computes nothing anyone reads; likewise the all-reduce skips its collective
 then (ranks compile on their own; a collective in one rank's warm-up would wait for the others forever).
+Eager bodies call the functions behind the ops directly: an op called eagerly goes through torch's
+dispatcher, whose first call imports torch._dynamo (1.2 CPU-s, 0.75 s of a worker's first step).
 """
 
 from __future__ import annotations
@@ -44,11 +46,17 @@ def step_context(metadata: PagedAttentionMetadata | None) -> Iterator[None]:
         _step_metadata = previous
 
 
-@torch.library.custom_op("pdserve::paged_attention", mutates_args=())
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
                     scale: float) -> torch.Tensor:
     """query: [T, H, D] after rotary; key/value: [T, KVH, D] → [T, H, D]. Writes key/value into the step's KV
     cache slots (the cache is the context's, not an argument: no functionalization copies of it)."""
+    if torch.compiler.is_compiling():
+        return _paged_attention_op(query, key, value, layer, scale)
+    return _attend_in_step(query, key, value, layer, scale)
+
+
+def _attend_in_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                    scale: float) -> torch.Tensor:
     from llm_engine.paged_attention import attend
 
     if _step_metadata is None:  # the compile warm-up: nothing to attend to
@@ -56,7 +64,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return attend(query, key, value, layer, _step_metadata, scale)
 
 
-@paged_attention.register_fake
+_paged_attention_op = torch.library.custom_op("pdserve::paged_attention", _attend_in_step, mutates_args=())
+
+
+@_paged_attention_op.register_fake
 def _paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
                           scale: float) -> torch.Tensor:
     return torch.empty_like(query)
@@ -81,9 +92,14 @@ def _packed_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], _packed_linears[handle].out_features)
 
 
-@torch.library.custom_op("pdserve::tp_all_reduce", mutates_args=())
 def tp_all_reduce(x: torch.Tensor, group: int) -> torch.Tensor:
     """x summed over the ranks of tensor-parallel group `group` (llm_engine/tensor_parallel.py)."""
+    if torch.compiler.is_compiling():
+        return _tp_all_reduce_op(x, group)
+    return _all_reduce_in_step(x, group)
+
+
+def _all_reduce_in_step(x: torch.Tensor, group: int) -> torch.Tensor:
     from llm_engine.tensor_parallel import group_by_handle
 
     out = x.contiguous().clone()
@@ -92,6 +108,9 @@ def tp_all_reduce(x: torch.Tensor, group: int) -> torch.Tensor:
     return out
 
 
-@tp_all_reduce.register_fake
+_tp_all_reduce_op = torch.library.custom_op("pdserve::tp_all_reduce", _all_reduce_in_step, mutates_args=())
+
+
+@_tp_all_reduce_op.register_fake
 def _tp_all_reduce_fake(x: torch.Tensor, group: int) -> torch.Tensor:
     return torch.empty_like(x)
