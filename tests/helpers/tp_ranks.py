@@ -1,20 +1,21 @@
-"""The other ranks of a tensor-parallel engine as plain processes (spawned, as a worker's Ray actors would
-be): for the engine-level tests, which need no Ray."""
+"""The other ranks of a tensor-parallel engine as plain processes (forked from a fork server that imported the
+engine once: tests/helpers/child_processes.py), as a worker's Ray actors would be: for the engine-level
+tests, which need no Ray."""
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import socket
 from collections.abc import Iterator
 from typing import Any
 
 from llm_engine import EngineConfig
 from llm_engine.tensor_parallel import TPGroup, TPRank
+from tests.helpers.child_processes import preloaded_context
 
 
 def _free_port() -> int:
-    # Not tests.helpers.servers': each spawned rank imports this module, and that one imports the gateway.
+    # Not tests.helpers.servers': each rank's process imports this module, and that one imports the gateway.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -35,7 +36,7 @@ def other_ranks(config: EngineConfig) -> Iterator[tuple[TPRank, list[Any]]]:
     TPRank and the processes. The processes are ended on exit."""
     size = config.tensor_parallel_size
     tp = TPRank(0, size, f"tcp://127.0.0.1:{_free_port()}")
-    context = mp.get_context("spawn")  # not fork: the test process holds threads (and maybe Ray)
+    context = preloaded_context()  # not a fork of the test process: it holds threads (and maybe Ray)
     processes = [context.Process(target=_follow, args=(config, TPRank(rank, size, tp.init_method)),
                                  daemon=True) for rank in range(1, size)]
     for process in processes:

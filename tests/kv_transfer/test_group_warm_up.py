@@ -7,6 +7,8 @@ from __future__ import annotations
 import multiprocessing as mp
 from pathlib import Path
 
+from tests.helpers.child_processes import preloaded_context
+
 
 def _rank(rank: int, world_size: int, init_file: str, results: mp.Queue) -> None:  # type: ignore[type-arg]
     import torch.distributed as dist
@@ -21,7 +23,7 @@ def _rank(rank: int, world_size: int, init_file: str, results: mp.Queue) -> None
 
 
 def test_every_pair_warms_up_without_deadlock(tmp_path: Path) -> None:
-    context = mp.get_context("spawn")
+    context = preloaded_context()
     results = context.Queue()
     world_size = 3
     processes = [context.Process(target=_rank, args=(rank, world_size, str(tmp_path / "init"), results))
