@@ -35,8 +35,9 @@ watch() polls every worker's load once a second: no answer, a dead step loop, or
 the worker's own (hung: step_watchdog_s) fail it. health() says ok / degraded / unavailable from the states.
 A deployment kept by a fleet actor (keeper) starts by adopting the workers a predecessor of that actor left
 running (gateway/fleet/adoption.py: Ray restarted it), and creates only what its layout still misses.
-start() waits up to placement_timeout_s for Ray to place every worker, then serves with those placed if
-they can serve; the others stay PENDING and join when a node takes them. A worker on a node that dies is
+start() waits up to placement_timeout_s for Ray to place every worker (less where no live node can take the
+rest: then there is nothing to wait for), then serves with those placed if they can serve; the others stay
+PENDING and join when a node takes them. A worker on a node that dies is
 FAILED like any other (Ray reports its actor dead); its replacement stays PENDING until capacity returns.
 The torch transfer backend binds its peers up front (one process group, meeting on the first rank's node),
 so its pools cannot grow, shrink, change roles or replace a worker after start, nor start with one missing;
@@ -65,6 +66,7 @@ from gateway.fleet.placement import (
     PlacementTimeout,
     actor_options,
     describe_unplaced,
+    fit_no_live_node,
     torch_rendezvous,
     wait_all_placed,
     wait_placed,
@@ -155,9 +157,11 @@ class PDDeployment:
 
     async def _bring_up_all(self, workers: list[Worker], adopted: list[Worker]) -> None:
         """start()'s new `workers`, beside the `adopted` ones: placed, started, connected, ACTIVE."""
-        waited = await wait_all_placed(workers, self.config.placement_timeout_s, self.bring_up_log.placed)
+        waited = await wait_all_placed(workers, self.config.placement_timeout_s, self.bring_up_log.placed,
+                                       lambda: self._rest_fit_no_node(workers, adopted))
         placed = [w for w in workers if w.state is WorkerState.STARTING]
         unplaced = [w for w in workers if w.state is WorkerState.PENDING]
+        fit_no_node = self._rest_fit_no_node(workers, adopted)
         if not self.can_change:
             if unplaced:  # a process group forms only when every rank has joined
                 raise PlacementTimeout(describe_unplaced(unplaced, self.config, waited))
@@ -165,10 +169,10 @@ class PDDeployment:
             await self.wiring.connect(workers)
         else:
             if not any(w.role.can_decode for w in [*adopted, *placed]):
-                raise PlacementTimeout(describe_unplaced(unplaced, self.config, waited))
+                raise PlacementTimeout(describe_unplaced(unplaced, self.config, waited, fit_no_node))
             if unplaced:
                 logger.warning("serving without %d worker(s) Ray has not placed yet: %s", len(unplaced),
-                               describe_unplaced(unplaced, self.config, waited))
+                               describe_unplaced(unplaced, self.config, waited, fit_no_node))
             await asyncio.gather(*(self._start_worker(w) for w in placed))
             await self.wiring.connect([*adopted, *placed])
             self.recovery.late_starts = [
@@ -177,6 +181,16 @@ class PDDeployment:
             if worker.state is WorkerState.STARTING:
                 transition(worker, WorkerState.ACTIVE)
         self.changed()
+
+    def _rest_fit_no_node(self, workers: list[Worker], adopted: list[Worker]) -> bool:
+        """Start-up need not wait out placement_timeout_s for the workers not placed yet: no live node can
+        take them beside the fleet's placed ones (they join when a node does). Not where the cluster
+        autoscales (its autoscaler adds nodes for their demand), nor for a torch group (it needs them all)."""
+        unplaced = [w for w in workers if w.state is WorkerState.PENDING]
+        if not unplaced or self.config.autoscale_wait_s is not None or not self.can_change:
+            return False
+        placed = [*adopted, *(w for w in workers if w.state is not WorkerState.PENDING)]
+        return fit_no_live_node(unplaced, placed, self.config)
 
     async def _start_torch_group(self, workers: list[Worker]) -> None:
         """Start every rank at once: each one's start() blocks until every rank has joined the group."""

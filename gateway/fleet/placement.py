@@ -97,9 +97,32 @@ async def wait_placed(worker: Worker, on_placed: Callable[[Worker], None] | None
             on_placed(worker)
 
 
+def fit_no_live_node(unplaced: list[Worker], placed: list[Worker], config: DeploymentConfig,
+                     nodes: list[dict[str, Any]] | None = None) -> bool:
+    """Whether no live node can take any of `unplaced` as the cluster stands: on each node, its total
+    resources less what the fleet's own `placed` workers hold there fall short of every one's request. Only
+    a node joining changes that (Ray keeps them queued for one), so there is nothing to wait for now. Other
+    jobs' actors are not subtracted, and a worker Ray has placed but whose constructor has not answered yet
+    counts as unplaced: both keep the answer False where in doubt. `nodes`: ray.nodes() (read if None)."""
+    held: dict[str, Counter[str]] = {}
+    for worker in placed:
+        held.setdefault(str(worker.node_id), Counter()).update(resource_request(config, worker.role))
+    requests = [resource_request(config, worker.role) for worker in unplaced]
+    for node in ray.nodes() if nodes is None else nodes:
+        if not node.get("Alive"):
+            continue
+        total, taken = node.get("Resources", {}), held.get(node["NodeID"], Counter())
+        if any(all(total.get(name, 0.0) - taken[name] >= amount - 1e-9 for name, amount in request.items())
+               for request in requests):
+            return False
+    return True
+
+
 async def wait_all_placed(workers: list[Worker], timeout_s: float,
-                          on_placed: Callable[[Worker], None] | None = None) -> float:
-    """Wait until Ray has placed every worker or `timeout_s` has passed; returns the seconds waited.
+                          on_placed: Callable[[Worker], None] | None = None,
+                          nothing_to_wait_for: Callable[[], bool] | None = None) -> float:
+    """Wait until Ray has placed every worker, `timeout_s` has passed, or `nothing_to_wait_for()` says the
+    rest cannot be placed until the cluster changes (asked twice a second); returns the seconds waited.
     `on_placed` is told of each as it is placed.
 
     Raises:
@@ -109,7 +132,11 @@ async def wait_all_placed(workers: list[Worker], timeout_s: float,
     if not workers:  # a restarted fleet that adopted every worker (gateway/fleet/adoption.py)
         return 0.0
     placing = [asyncio.ensure_future(wait_placed(w, on_placed)) for w in workers]
-    await asyncio.wait(placing, timeout=timeout_s)
+    deadline = started + timeout_s
+    while not all(future.done() for future in placing) and time.monotonic() < deadline:
+        await asyncio.wait(placing, timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+        if nothing_to_wait_for is not None and nothing_to_wait_for():
+            break
     for future in placing:
         if future.done():
             future.result()
@@ -125,8 +152,10 @@ async def torch_rendezvous(first_rank: Worker) -> str:
     return f"tcp://{host}:{port}"
 
 
-def describe_unplaced(unplaced: list[Worker], config: DeploymentConfig, waited_s: float) -> str:
-    """A message for the operator: what could not be placed, what it asks for, what the cluster offers."""
+def describe_unplaced(unplaced: list[Worker], config: DeploymentConfig, waited_s: float,
+                      fit_no_node: bool = False) -> str:
+    """A message for the operator: what could not be placed, what it asks for, what the cluster offers.
+    `fit_no_node`: the wait ended early because no live node can take them (fit_no_live_node)."""
     counts = Counter(w.role for w in unplaced)
     asks = [f"{count} {role.value} worker(s), each asking for {resource_request(config, role)}"
             for role, count in counts.items()]
@@ -136,8 +165,9 @@ def describe_unplaced(unplaced: list[Worker], config: DeploymentConfig, waited_s
             offered = {k: v for k, v in node.get("Resources", {}).items()
                        if not k.startswith(_BOOKKEEPING_PREFIXES)}
             offers.append(f"{node.get('NodeManagerAddress')} {offered}")
-    return (f"no node took {'; '.join(asks)} within {waited_s:.0f} s. Live nodes and their resources "
-            f"(total, not free): {'; '.join(offers) or 'none'}. Start nodes that offer them "
-            "(ray start --resources '{\"pdserve_decode\": 1}' ...), lower the worker counts, or change "
-            "--prefill-resources / --decode-resources / --mixed-resources (a longer wait: "
-            "--placement-timeout-s).")
+    said = (f"no live node can take {'; '.join(asks)} beside the workers placed" if fit_no_node else
+            f"no node took {'; '.join(asks)} within {waited_s:.0f} s")
+    return (f"{said}. Live nodes and their resources (total, not free): {'; '.join(offers) or 'none'}. "
+            "Start nodes that offer them (ray start --resources '{\"pdserve_decode\": 1}' ...), lower the "
+            "worker counts, or change --prefill-resources / --decode-resources / --mixed-resources"
+            + ("." if fit_no_node else " (a longer wait: --placement-timeout-s)."))

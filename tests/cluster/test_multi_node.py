@@ -162,10 +162,10 @@ def test_a_worker_without_a_node_at_start_is_pending_until_one_joins(cluster: Lo
     pytest.importorskip("nixl")
     prompts = random_prompts([33], VOCAB, seed=74)
     expected = hf_greedy(tiny_chat_model_dir, prompts, 8, ignore_eos=True)
-    # Two decode workers, one node that offers pdserve_decode: start-up serves with one after its wait (which
-    # includes starting worker processes: seconds on a busy 2-core machine).
-    with pdserve(cluster, tiny_chat_model_dir, "--backend", "nixl", "--decode", "2", "--placement-timeout-s",
-                 "30", is_ready=lambda health: health["status"] == "degraded") as url:
+    # Two decode workers, one node that offers pdserve_decode: start-up serves with one as soon as it is
+    # placed (no live node can take the other: it does not wait out --placement-timeout-s).
+    with pdserve(cluster, tiny_chat_model_dir, "--backend", "nixl", "--decode", "2",
+                 is_ready=lambda health: health["status"] == "degraded") as url:
         health = httpx.get(f"{url}/health", timeout=30).json()
         assert (health["active_workers"]["decode"], health["pending"]) == (1, 1)
         [pending] = [w for w in httpx.get(f"{url}/admin/pools", timeout=30).json()["workers"]

@@ -1,8 +1,9 @@
 """Placement settings and what the gateway does with workers Ray cannot place yet (one local Ray instance).
 
-A worker no node can take is PENDING: start-up waits placement_timeout_s, then serves with what was placed
-(/health degraded, /admin/pools shows it pending) if that can serve, else fails with a message naming what
-no node offers. Settings come from flags or YAML; a model missing on a node is named with the node.
+A worker no node can take is PENDING: start-up waits until no live node can take it beside the workers
+placed (or placement_timeout_s), then serves with what was placed (/health degraded, /admin/pools shows it
+pending) if that can serve, else fails with a message naming what no node offers. Settings come from flags
+or YAML; a model missing on a node is named with the node.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pydantic import ValidationError
 
 from gateway.config import ServeConfig
 from gateway.fleet.deployment import PDDeployment
-from gateway.fleet.placement import PlacementTimeout
+from gateway.fleet.placement import PlacementTimeout, fit_no_live_node
+from gateway.fleet.workers import Worker, WorkerState
 from gateway.serve_settings import deployment_config
 from tests.helpers.servers import API_KEY, MODEL, serve_config, serving
 from worker_runtime.model_source import ModelSource
@@ -60,12 +62,44 @@ def test_a_model_missing_on_a_node_is_named_with_the_node(tmp_path: Path) -> Non
     assert ModelSource(str(tmp_path)).resolve_here("here") == str(tmp_path)
 
 
+def test_start_up_stops_waiting_only_when_no_live_node_can_take_the_rest(tiny_llama_dir: Path) -> None:
+    """Each node's total resources less what the fleet's placed workers hold there: a worker that fits
+    there may still be placed (wait); one that fits nowhere waits for a node to join (do not)."""
+    config = deployment_config(serve_config(tiny_llama_dir, cpus_per_worker=1.5,
+                                            decode_resources={"pdserve_decode": 1}), str(tiny_llama_dir))
+
+    def worker(role: Role, node_id: str | None = None) -> Worker:
+        state = WorkerState.PENDING if node_id is None else WorkerState.STARTING
+        return Worker(f"{role.value}-{node_id}", role, None, state, node_id=node_id)  # type: ignore[arg-type]
+
+    def node(node_id: str, alive: bool = True, **resources: float) -> dict[str, object]:
+        return {"NodeID": node_id, "Alive": alive, "Resources": resources}
+
+    head = node("a", CPU=4.0)
+    decode_node = node("b", CPU=2.0, pdserve_decode=1.0)
+    prefill, decode = worker(Role.PREFILL, "a"), worker(Role.DECODE, "b")
+    # A second decode worker: node b's one pdserve_decode is held by the first, node a offers none.
+    assert fit_no_live_node([worker(Role.DECODE)], [prefill, decode], config, [head, decode_node])
+    # Before the first decode worker is placed, it and the second might both go to b: wait.
+    assert not fit_no_live_node([worker(Role.DECODE)] * 2, [prefill], config, [head, decode_node])
+    # A prefill worker of 1.5 CPUs: 4 − 1.5 on node a leave room; with two there, 1 CPU does not.
+    assert not fit_no_live_node([worker(Role.PREFILL)], [prefill], config, [head, decode_node])
+    assert fit_no_live_node([worker(Role.PREFILL)], [prefill, worker(Role.PREFILL, "a")], config,
+                            [head, node("b", CPU=1.0)])
+    # A dead node takes nothing; a node joining with room does.
+    assert fit_no_live_node([worker(Role.DECODE)], [prefill, decode], config,
+                            [head, decode_node, node("c", alive=False, CPU=2.0, pdserve_decode=1.0)])
+    assert not fit_no_live_node([worker(Role.DECODE)], [prefill, decode], config,
+                                [head, decode_node, node("c", CPU=2.0, pdserve_decode=1.0)])
+
+
 @pytest.mark.usefixtures("ray_local")
 def test_a_worker_no_node_can_take_is_pending_and_the_rest_serve(tiny_chat_model_dir: Path) -> None:
     pytest.importorskip("nixl")
     # The local Ray instance has 4 CPUs: two workers of 1.5 fit, the third waits for a node that never comes.
-    config = serve_config(tiny_chat_model_dir, backend="nixl", prefill=1, decode=2, cpus_per_worker=1.5,
-                          placement_timeout_s=45)  # seconds here; more when the machine is loaded
+    # Start-up does not wait out its placement timeout (5 minutes, past serving()'s 2 for the start) for it:
+    # beside the two placed, no node can take it.
+    config = serve_config(tiny_chat_model_dir, backend="nixl", prefill=1, decode=2, cpus_per_worker=1.5)
     with serving(config) as (url, _), httpx.Client(base_url=url, timeout=60,
                                                    headers={"Authorization": f"Bearer {API_KEY}"}) as client:
         health = client.get("/health")

@@ -25,9 +25,9 @@ def config_for(model_dir: Path, max_num_batched_tokens: int = 512,
     pytest.importorskip("nixl")
     engine = EngineConfig(str(model_dir), dtype="float32", kv_cache_bytes=16 << 20,
                           max_num_batched_tokens=max_num_batched_tokens)
-    # A role no node offers resources for stays PENDING: start-up goes on without it after a short wait.
+    # A role no node offers resources for stays PENDING: start-up goes on without it once the others are
+    # placed (no live node can take it).
     return DeploymentConfig(engine, backend="nixl", role_resources=role_resources or {},
-                            placement_timeout_s=20.0 if role_resources else 300.0,
                             **layout)  # type: ignore[arg-type]
 
 
