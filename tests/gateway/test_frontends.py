@@ -1,7 +1,8 @@
 """`pdserve serve --api-server-count 2`: two HTTP frontends on one port over one fleet actor.
 
-A real server in its own process group (the supervisor, its frontends, the fleet actor and the workers);
-raw-socket SSE clients, so that each stream's connection can be traced to the frontend process that holds it.
+One real server for the module, in its own process group (the supervisor, its frontends, the fleet actor and
+the workers), serving HTTPS under a proxy prefix as vLLM's HTTP flags ask; raw-socket SSE clients (over TLS),
+so that each stream's connection can be traced to the frontend process that holds it.
 SIGKILL one frontend mid-stream: only its streams are cut; the other frontend's finish whole and identical;
 the dead frontend is back within seconds; once idle no worker holds a KV block or a request, and no
 admission reservation is left. SIGTERM one mid-stream: a graceful stop, its streams end with a clear error
@@ -76,8 +77,8 @@ class Stream:
             self.error = type(error).__name__
 
 
-def open_stream(port: int, max_tokens: int = MAX_TOKENS) -> Stream:
-    sock = socket.create_connection(("127.0.0.1", port))
+def open_stream(port: int, tls: ssl.SSLContext, max_tokens: int = MAX_TOKENS) -> Stream:
+    sock = tls.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="127.0.0.1")
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -104,6 +105,29 @@ def owner(port: int, pids: list[int]) -> int | None:
     return None
 
 
+@dataclass
+class Server:
+    port: int
+    supervisor: psutil.Process  # uvicorn's supervisor: the gateway process, the frontends' parent
+    log: Path
+    tls: ssl.SSLContext  # trusts the server's self-signed certificate
+    starting: list[dict[str, Any]]  # /health's answers while the fleet actor started (503 "starting")
+    refused: httpx.Response | None  # a completion sent meanwhile
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    def client(self, timeout_s: float = 120) -> httpx.Client:
+        """A new client: new connections, spread over both frontends by the kernel."""
+        return httpx.Client(base_url=self.url, timeout=timeout_s, verify=self.tls)
+
+    def get(self, path: str) -> httpx.Response:
+        """GET `path` over a connection of its own."""
+        with self.client(10) as client:
+            return client.get(path)
+
+
 def until(condition: object, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():  # type: ignore[operator]
@@ -112,14 +136,15 @@ def until(condition: object, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def two_streams_on_each(port: int, pids: list[int]) -> tuple[dict[int, list[Stream]], list[threading.Thread]]:
+def two_streams_on_each(server: Server, pids: list[int]
+                        ) -> tuple[dict[int, list[Stream]], list[threading.Thread]]:
     """Streams opened until each frontend holds two (the kernel hands each connection to whichever accepts
     first), their readers started, every stream running; by frontend pid."""
     streams: dict[int, list[Stream]] = {pid: [] for pid in pids}
     for _ in range(40):
         if all(len(s) >= 2 for s in streams.values()):
             break
-        stream = open_stream(port)
+        stream = open_stream(server.port, server.tls)
         until(lambda port=stream.port: owner(port, pids) is not None, 10,
               "the connection to be accepted")
         streams[owner(stream.port, pids)].append(stream)  # type: ignore[index]
@@ -132,36 +157,43 @@ def two_streams_on_each(port: int, pids: list[int]) -> tuple[dict[int, list[Stre
     return streams, readers
 
 
-@dataclass
-class Server:
-    port: int
-    supervisor: psutil.Process  # uvicorn's supervisor: the gateway process, the frontends' parent
-    log: Path
-
-
 @pytest.fixture(scope="module")
 def two_frontends(tiny_chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """One server for the module's tests that hurt its frontends and its fleet actor: each test leaves it
-    serving with two frontends (what it killed, uvicorn or Ray started again)."""
+    """One server for the module's tests, which hurt its frontends and its fleet actor: each test leaves it
+    serving with two frontends (what it killed, uvicorn or Ray started again). HTTPS with a self-signed
+    certificate (each frontend loads it), --root-path, CORS for one origin."""
+    from tests.helpers.tls import self_signed
+
+    directory = tmp_path_factory.mktemp("frontends")  # pytest keeps it: read server.log on a failure
+    keyfile, certfile = self_signed(directory)
     port = free_port()
-    log_path = tmp_path_factory.mktemp("frontends") / "server.log"  # pytest keeps it: read it on a failure
+    log_path = directory / "server.log"
     log = log_path.open("w")
-    command = [sys.executable, "-m", "pdserve", "serve", "--model", str(tiny_chat_model_dir),
-               "--served-model-name", MODEL, "--backend", "nixl", "--prefill", "1", "--decode", "1",
-               "--dtype", "float32", "--kv-cache-mib", "32", "--port", str(port), "--api-server-count", "2",
-               "--shutdown-grace-s", str(SHUTDOWN_GRACE_S)]
+    command = [sys.executable, "-m", "pdserve", "serve", str(tiny_chat_model_dir), "--served-model-name",
+               MODEL, "--backend", "nixl", "--prefill", "1", "--decode", "1", "--dtype", "float32",
+               "--kv-cache-mib", "32", "--port", str(port), "--api-server-count", "2",
+               "--shutdown-grace-s", str(SHUTDOWN_GRACE_S), "--ssl-keyfile", str(keyfile), "--ssl-certfile",
+               str(certfile), "--root-path", "/llm", "--allowed-origins", '["https://app.example"]']
     env = {**os.environ, "UCX_NET_DEVICES": "lo"}
     process = subprocess.Popen(command, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     supervisor = psutil.Process(process.pid)
+    tls = ssl.create_default_context(cafile=str(certfile))
+    starting: list[dict[str, Any]] = []
+    refusals: list[httpx.Response] = []
     try:
-        def ready() -> bool:
-            try:
-                return (httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-                        and len(frontend_pids(supervisor)) == 2)
-            except httpx.HTTPError:
-                return False
-        until(ready, 180, "the server and both frontends")
-        yield Server(port, supervisor, log_path)
+        with httpx.Client(base_url=f"https://127.0.0.1:{port}", timeout=60, verify=tls) as client:
+            def ready() -> bool:
+                try:
+                    health = client.get("/health")
+                    if health.status_code == 503 and health.json().get("status") == "starting":
+                        starting.append(health.json())
+                        if not refusals:
+                            refusals.append(client.post("/v1/completions", json={"prompt": PROMPT}))
+                    return health.status_code == 200 and len(frontend_pids(supervisor)) == 2
+                except httpx.HTTPError:
+                    return False
+            until(ready, 180, "the server and both frontends, over HTTPS")
+        yield Server(port, supervisor, log_path, tls, starting, refusals[0] if refusals else None)
     finally:
         os.killpg(process.pid, signal.SIGINT)
         try:
@@ -172,17 +204,45 @@ def two_frontends(tiny_chat_model_dir: Path, tmp_path_factory: pytest.TempPathFa
         log.close()
 
 
+def test_two_frontends_serve_https_under_a_proxy_prefix_and_say_their_start_up(
+        two_frontends: Server, tiny_chat_model_dir: Path) -> None:
+    """vLLM's HTTP flags through the command line to both frontends: HTTPS with the given certificate,
+    --root-path in the OpenAPI description, CORS for the allowed origin; /v1/models' root is the model as
+    given; while the fleet actor started, /health said how far each worker was and a completion got a clear
+    503; the fleet actor's start-up lines (placed, loading, loaded) reached the log."""
+    assert any(answer["total"] == 2 for answer in two_frontends.starting), two_frontends.starting
+    refused = two_frontends.refused
+    assert refused is not None and refused.status_code == 503
+    assert "pdserve is starting" in refused.json()["error"]["message"]
+    for _ in range(4):  # fresh connections, spread over both frontends by the kernel
+        with two_frontends.client(60) as fresh:
+            [model] = fresh.get("/v1/models").json()["data"]
+            assert (model["id"], model["root"]) == (MODEL, str(tiny_chat_model_dir))
+            assert fresh.get("/openapi.json").json()["servers"] == [{"url": "/llm"}]
+    with two_frontends.client(60) as client:
+        answer = client.post("/llm/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        assert answer.status_code == 200, answer.text
+        preflight = client.options("/v1/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+    said = two_frontends.log.read_text()
+    for line in ("starting 2 workers (1 prefill, 1 decode)", "(prefill): placed on node",
+                 "(decode): loading the model on its node", "(decode): model loaded in",
+                 "2 of 2 workers up in", f"frontends on https://127.0.0.1:{two_frontends.port}"):
+        assert line in said, said[-4000:]
+
+
 def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: Server) -> None:
-    port, supervisor = two_frontends.port, two_frontends.supervisor
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+    supervisor = two_frontends.supervisor
+    with two_frontends.client() as client:
         reference = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
                                                          "max_tokens": MAX_TOKENS, "temperature": 0}).json()
     expected = reference["choices"][0]["text"]
     pids = frontend_pids(supervisor)
-    streams, readers = two_streams_on_each(port, pids)
+    streams, readers = two_streams_on_each(two_frontends, pids)
     victim, survivor = pids
     os.kill(victim, signal.SIGKILL)
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+    with two_frontends.client() as client:
         def running_on_workers() -> int:
             return sum(w.get("requests", 0) for w in client.get("/admin/pools").json()["workers"])
         # The supervisor sees the frontend's process exit and tells the fleet, and its requests end on the
@@ -202,7 +262,7 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
     # The dead frontend is replaced, and the fleet ends what its streams held on the workers.
     until(lambda: len(frontend_pids(supervisor)) == 2 and victim not in frontend_pids(supervisor), 60,
           "the frontend's restart")
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+    with two_frontends.client() as client:
         until(lambda: client.get("/health").status_code == 200, 60, "health")
 
         def idle() -> bool:
@@ -230,7 +290,7 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
     # clear error event and [DONE] (gateway/stop_signals.py), not Ray's SIGTERM handler ending the process at
     # once with each request a bare 500. The other frontend's streams finish whole.
     pids = frontend_pids(supervisor)
-    streams, readers = two_streams_on_each(port, pids)
+    streams, readers = two_streams_on_each(two_frontends, pids)
     stopped, serving = pids
     os.kill(stopped, signal.SIGTERM)
     for reader in readers:
@@ -266,13 +326,13 @@ def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_hea
     both frontends finishes whole; no worker is replaced. The fleet actor killed: /health turns 503 within
     seconds, Ray restarts it and it adopts the workers as they are (the same processes, no weights loaded
     again), the streams running meanwhile finish whole, and the server answers again."""
-    port, supervisor = two_frontends.port, two_frontends.supervisor
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+    supervisor = two_frontends.supervisor
+    client = two_frontends.client()
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
     expected = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
     before = worker_pids(client)
     pids = frontend_pids(supervisor)
-    streams, readers = two_streams_on_each(port, pids)
+    streams, readers = two_streams_on_each(two_frontends, pids)
     victim, survivor = pids
     os.kill(victim, signal.SIGSTOP)
     time.sleep(6)
@@ -286,12 +346,12 @@ def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_hea
     assert worker_pids(client) == before, "a healthy worker was replaced"
 
     pids = frontend_pids(supervisor)  # uvicorn may have replaced the paused one
-    streams, readers = two_streams_on_each(port, pids)
+    streams, readers = two_streams_on_each(two_frontends, pids)
     os.kill(fleet_actor_pid(supervisor), signal.SIGKILL)
     until(lambda: client.get("/health").status_code == 503, 15, "/health to say the fleet is gone")
     assert "fleet" in client.get("/health").json().get("reason", "")
     # Every frontend (fresh connections spread over both) says so once it follows the new fleet.
-    until(lambda: all(httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+    until(lambda: all(two_frontends.get("/health").status_code == 200
                       for _ in range(6)), 180, "the restarted fleet")
     for reader in readers:
         reader.join(120)
@@ -302,68 +362,3 @@ def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_hea
     assert answer.status_code == 200 and expected.startswith(answer.json()["choices"][0]["text"])
     assert worker_pids(client) == before, "the restarted fleet did not adopt its workers"
     client.close()
-
-
-def test_two_frontends_serve_https_under_a_proxy_prefix_and_say_their_start_up(
-        tiny_chat_model_dir: Path, tmp_path: Path) -> None:
-    """vLLM's HTTP flags through the command line to both frontends: HTTPS with the given certificate (each
-    frontend loads it), --root-path in the OpenAPI description, CORS for the allowed origin; /v1/models' root
-    is the model as given; the fleet actor's start-up lines (placed, loading, loaded) reach the log."""
-    from tests.helpers.tls import self_signed
-
-    keyfile, certfile = self_signed(tmp_path)
-    port = free_port()
-    log_path = tmp_path / "server.log"
-    log = log_path.open("w")
-    command = [sys.executable, "-m", "pdserve", "serve", str(tiny_chat_model_dir), "--served-model-name",
-               MODEL, "--backend", "nixl", "--prefill", "1", "--decode", "1", "--dtype", "float32",
-               "--kv-cache-mib", "32", "--port", str(port), "--api-server-count", "2",
-               "--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile), "--root-path", "/llm",
-               "--allowed-origins", '["https://app.example"]', "--uvicorn-log-level", "warning"]
-    process = subprocess.Popen(command, env={**os.environ, "UCX_NET_DEVICES": "lo"}, start_new_session=True,
-                               stdout=log, stderr=subprocess.STDOUT)
-    supervisor = psutil.Process(process.pid)
-    client = httpx.Client(base_url=f"https://127.0.0.1:{port}", timeout=60,
-                          verify=ssl.create_default_context(cafile=str(certfile)))
-    starting: list[dict[str, Any]] = []  # /health's answers while the fleet actor starts (503 "starting")
-    refusals: list[httpx.Response] = []  # a completion sent meanwhile
-    try:
-        def ready() -> bool:
-            try:
-                health = client.get("/health")
-                if health.status_code == 503 and health.json().get("status") == "starting":
-                    starting.append(health.json())
-                    if not refusals:
-                        refusals.append(client.post("/v1/completions", json={"prompt": PROMPT}))
-                return health.status_code == 200 and len(frontend_pids(supervisor)) == 2
-            except httpx.HTTPError:
-                return False
-        until(ready, 180, "the server and both frontends, over HTTPS")
-        assert any(answer["total"] == 2 for answer in starting), starting  # each worker's phase, over TLS
-        refused = refusals[0]
-        assert refused.status_code == 503 and "pdserve is starting" in refused.json()["error"]["message"]
-        for _ in range(4):  # fresh connections, spread over both frontends by the kernel
-            with httpx.Client(base_url=f"https://127.0.0.1:{port}", timeout=60,
-                              verify=ssl.create_default_context(cafile=str(certfile))) as fresh:
-                [model] = fresh.get("/v1/models").json()["data"]
-                assert (model["id"], model["root"]) == (MODEL, str(tiny_chat_model_dir))
-                assert fresh.get("/openapi.json").json()["servers"] == [{"url": "/llm"}]
-        answer = client.post("/llm/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
-        assert answer.status_code == 200, answer.text
-        preflight = client.options("/v1/completions", headers={
-            "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
-        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
-    finally:
-        client.close()
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-        log.close()
-    said = log_path.read_text()
-    for line in ("starting 2 workers (1 prefill, 1 decode)", "(prefill): placed on node",
-                 "(decode): loading the model on its node", "(decode): model loaded in",
-                 "2 of 2 workers up in", f"frontends on https://127.0.0.1:{port}"):
-        assert line in said, said[-4000:]
