@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_engine.tiny_model import build_tiny_llama
+from llm_engine.tiny_model import build_tiny_llama, build_tiny_model
 
 # One torch thread per process, as in the workers: 2 cores are shared by everything in a test run.
 torch.set_num_threads(1)
@@ -146,8 +146,12 @@ def ray_local() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    """The tiny random Llama with SmolLM2's tokenizer and chat template (vocabulary 49152)."""
-    out = build_tiny_llama(tmp_path_factory.mktemp("tiny-chat"), vocab_size=49152)
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (vocabulary 49152): the HTTP suites'
+    model. Hidden size 64 (the tiny Llama's 256 would make its 49152-row lm_head 50 MB, read on every decode
+    step: most of a step's time), with the tiny Llama's heads (8 of 32, 2 KV), so that its KV blocks, and
+    the block counts the tests expect, are the same."""
+    out = build_tiny_model("llama", tmp_path_factory.mktemp("tiny-chat"), vocab_size=49152, hidden_size=64,
+                           intermediate_size=128, head_dim=32)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (smollm2_dir / name).is_file():
             shutil.copy2(smollm2_dir / name, out / name)

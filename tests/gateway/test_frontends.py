@@ -34,7 +34,7 @@ from tests.helpers.servers import MODEL, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
-MAX_TOKENS = 1000  # about 14 s for six streams on this tiny model: the kill lands mid-stream
+MAX_TOKENS = 1000  # 1000 steps, seconds for six streams on this tiny model: the kill lands mid-stream
 SHUTDOWN_GRACE_S = 4  # a stopped frontend's streams outlive it: they end with the clear error at 3.2 s
 PROMPT = "The quick brown fox"
 

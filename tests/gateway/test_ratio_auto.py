@@ -79,8 +79,9 @@ def test_auto_leaves_a_long_prompt_alone_on_a_worker_with_nothing_else_to_decode
         num_decisions = len(client.get("/admin/pools").json()["ratio_decisions"])
         before = prompt_tokens_prefilled(app)
         streamed: list[list[int]] = []
+        # 200 tokens: still decoding when the long prompt comes (60 took ~0.3 s on the test model).
         thread = threading.Thread(target=stream_tokens, args=(url, random_prompts([20], VOCAB, seed=53)[0],
-                                                               60, streamed))
+                                                               200, streamed))
         thread.start()
         time.sleep(0.3)  # decoding
         [long_prompt] = random_prompts([300], VOCAB, seed=54)
@@ -88,7 +89,7 @@ def test_auto_leaves_a_long_prompt_alone_on_a_worker_with_nothing_else_to_decode
         answer = client.post("/v1/completions", json=body)
         assert answer.status_code == 200
         thread.join(120)
-        assert len(streamed) == 1 and len(streamed[0]) == 60
+        assert len(streamed) == 1 and len(streamed[0]) == 200
         # Prefilled by a mixed worker itself, and not the one decoding the stream.
         assert answer.json()["timings"]["prefill_on"] == "decode"
         assert answer.json()["timings"]["local_prefill_reason"] == "mixed worker"
