@@ -1,5 +1,6 @@
-"""What a worker actor's start costs: CPU-seconds of its process from its start to serving, and how long a
-1 prefill + 1 decode fleet takes to come up, on one local Ray; optionally side by side with another tree.
+"""What a worker actor's start costs: CPU-seconds of its process from its start to serving, how long a
+1 prefill + 1 decode fleet takes to come up, and its first request's time to first token (what a worker
+does lazily on its first step shows there), on one local Ray; optionally side by side with another tree.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/worker_start.py [--model DIR] [--starts 4]
         [--against /path/to/other/tree]   # e.g. a `git worktree add --detach ../base HEAD~1`
@@ -31,12 +32,15 @@ def one_side(model_dir: str, starts: int) -> dict[str, list[float]]:
 
     from gateway.fleet.config import DeploymentConfig
     from gateway.fleet.deployment import PDDeployment
+    from gateway.requests.orchestrator import run_request
+    from gateway.requests.router import Router
     from llm_engine.config import EngineConfig
+    from llm_engine.sampling import SamplingParams
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     engine = EngineConfig(model_dir, dtype="float32", kv_cache_bytes=16 << 20)
-    cpu, wall = [], []
+    cpu, wall, first_token = [], [], []
 
     async def start_once() -> None:
         deployment = PDDeployment(DeploymentConfig(engine, backend="nixl", num_prefill=1, num_decode=1))
@@ -47,13 +51,18 @@ def one_side(model_dir: str, starts: int) -> dict[str, list[float]]:
             if "WorkerActor" in " ".join(process.info["cmdline"] or [])[:200]:
                 times = process.cpu_times()
                 cpu.append(times.user + times.system)
+        sent = time.monotonic()
+        async for event in run_request(Router(deployment), "first", (1, 2, 3, 4, 5),
+                                       SamplingParams(max_tokens=2, temperature=0.0)):
+            if event.token_ids and len(first_token) < len(wall):
+                first_token.append((time.monotonic() - sent) * 1e3)
         await deployment.shutdown()
 
     for _ in range(starts):
         asyncio.run(start_once())
         time.sleep(2)  # the stopped workers' processes go before the next start counts processes
     ray.shutdown()
-    return {"worker_cpu_s": cpu, "fleet_up_s": wall}
+    return {"worker_cpu_s": cpu, "fleet_up_s": wall, "first_token_ms": first_token}
 
 
 def run_side(tree: Path, model_dir: str, starts: int) -> dict[str, list[float]]:
@@ -88,12 +97,14 @@ def main() -> None:
     if args.against is not None:
         other = ("other tree", args.against.resolve())
         sides = [sides[0], other, other, sides[0]]
-    print("| run | tree | worker CPU-s to serving, median [min–max] | fleet up, s |")
-    print("|---:|---|---:|---:|")
+    print("| run | tree | worker CPU-s to serving, median [min–max] | fleet up, s "
+          "| first request's TTFT, ms |")
+    print("|---:|---|---:|---:|---:|")
     for i, (name, tree) in enumerate(sides, 1):
         result = run_side(tree, model_dir, args.starts)
         cpu, up = summary(result["worker_cpu_s"]), summary(result["fleet_up_s"])
-        print(f"| {i} | {name} ({tree}) | {cpu} | {up} |", flush=True)
+        first = summary(result["first_token_ms"]) if result.get("first_token_ms") else "(not measured)"
+        print(f"| {i} | {name} ({tree}) | {cpu} | {up} | {first} |", flush=True)
 
 
 if __name__ == "__main__":
