@@ -136,9 +136,11 @@ def ray_local() -> Iterator[None]:
     """A local Ray instance shared by the tests that need one (about 3 s to start)."""
     import ray
 
+    from tests.helpers.local_ray import init_local_ray
+
     # Worker processes inherit this environment: UCX stays on loopback, tokenizers stay single-threaded.
     os.environ["UCX_NET_DEVICES"] = "lo"
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     close_shared_server()  # its fleet's actors before the Ray they live in
     ray.shutdown()
