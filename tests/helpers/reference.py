@@ -16,7 +16,20 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int = 1) -> list[l
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
               dtype: torch.dtype = torch.float32, ignore_eos: bool = False) -> list[list[int]]:
     """Reference: transformers `generate`, one prompt at a time (no padding), greedy, stopping at EOS
-    (unless `ignore_eos`: then exactly max_new_tokens)."""
+    (unless `ignore_eos`: then exactly max_new_tokens). Computed once per pytest process for the same
+    arguments: the kernel and dtype suites hold several engines to one reference (on SmolLM2 each costs
+    seconds)."""
+    key = (str(model_dir), tuple(map(tuple, prompts)), max_new_tokens, dtype, ignore_eos)
+    if key not in _GREEDY_REFERENCES:
+        _GREEDY_REFERENCES[key] = _hf_greedy(model_dir, prompts, max_new_tokens, dtype, ignore_eos)
+    return [list(tokens) for tokens in _GREEDY_REFERENCES[key]]
+
+
+_GREEDY_REFERENCES: dict[tuple[object, ...], list[list[int]]] = {}
+
+
+def _hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype,
+               ignore_eos: bool) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
