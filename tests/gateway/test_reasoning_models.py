@@ -5,6 +5,7 @@ real tokenizer and template (tests/helpers/qwen3_small.py)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -61,9 +62,15 @@ def test_bad_generation_configs_stop_at_load(tmp_path: Path) -> None:
         read_sampling_defaults(str(folder), "")
 
 
+@functools.cache
+def tokenizer_of(model_dir: Path) -> Any:
+    """Loaded once for the module: Qwen3's 150k-token tokenizer takes a second or more to load."""
+    return load_tokenizer(str(model_dir))
+
+
 def preparer(model_dir: Path, defaults: SamplingDefaults | None = None, default_max_tokens: int | None = None
              ) -> Preparer:
-    tokenizer = load_tokenizer(str(model_dir))
+    tokenizer = tokenizer_of(model_dir)
     return Preparer(tokenizer, read_model_spec(str(model_dir)), "m", 100_000, default_max_tokens, 16,
                     reasoning_parser=QWEN3, sampling_defaults=defaults)
 
@@ -104,7 +111,7 @@ def test_chat_template_from_a_file_or_its_text(qwen3_small_dir: Path, tmp_path: 
 
 
 def test_the_qwen3_template_closes_the_think_block_when_thinking_is_off(qwen3_small_dir: Path) -> None:
-    tokenizer = load_tokenizer(str(qwen3_small_dir))
+    tokenizer = tokenizer_of(qwen3_small_dir)
     messages = [{"role": "user", "content": "hi"}]
     on = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     off = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
@@ -129,7 +136,7 @@ async def deltas_of(text: str, size: int) -> AsyncIterator[TextDelta]:
 
 def framing_args(qwen3_small_dir: Path, **fields: Any) -> tuple[Any, TokenTexts, ChatCompletionRequest,
                                                                  PreparedRequest]:
-    tokenizer = load_tokenizer(str(qwen3_small_dir))
+    tokenizer = tokenizer_of(qwen3_small_dir)
     body = ChatCompletionRequest(model="m", messages=ASK, **fields)
     prepared = PreparedRequest("chatcmpl-1", (1, 2, 3), SamplingParams(max_tokens=64), [], 0.0)
     return SimpleNamespace(model_name="m"), TokenTexts(tokenizer), body, prepared
