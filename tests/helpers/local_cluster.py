@@ -79,7 +79,8 @@ class LocalRayCluster:
         # worker range there could hold one of those ports, and `ray start` refuses such a clash.
         first_worker_port = random.Random().randrange(20000, 32000, 100)
         command = [str(BIN / "ray"), "start", "--block", "--node-ip-address", self.ip,
-                   "--disable-usage-stats", "--include-log-monitor=false", "--object-store-memory", str(128 << 20),
+                   "--disable-usage-stats", "--include-log-monitor=false",  # tests/helpers/local_ray.py: why
+                   "--object-store-memory", str(128 << 20),
                    "--min-worker-port", str(first_worker_port),
                    "--max-worker-port", str(first_worker_port + 99),
                    "--resources", json.dumps(resources), *args, *[x for item in ports.items() for x in item]]
