@@ -21,6 +21,7 @@ from gateway.api.sampling_defaults import check_generation_config
 from gateway.fleet.config import CANNOT_SERVE, can_serve
 from gateway.http_settings import check_root_path, check_tls, json_list
 from gateway.ratio.ladder import ControllerPolicy
+from gateway.ratio.role_bounds import RoleBounds
 from gateway.ratio.sizing import ScalePolicy
 from gateway.telemetry.tracing import check_endpoint
 from llm_engine import ModelSpec
@@ -29,9 +30,12 @@ from llm_engine.kv_sizing import parse_memory
 from llm_engine.model_files import check_model_name, is_local_path
 from llm_engine.model_loader import read_model_spec
 from llm_engine.tensor_parallel import check_tensor_parallel
+from tuner.simulator import Layout
 from worker_runtime.roles import Role
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+SCALE_BOUNDS = ("min_workers", "max_workers", "min_prefill_workers", "max_prefill_workers",
+                "min_decode_workers", "max_decode_workers")  # flags that only --scale auto takes
 ENV_PREFIX = "PDSERVE_"  # a field's environment variable: PDSERVE_<FIELD NAME>
 
 
@@ -112,6 +116,18 @@ class ServeConfig(BaseSettings):
     min_workers: int | None = Field(None, ge=1, description="--scale auto: the fewest workers (default: 1)")
     max_workers: int | None = Field(None, ge=1,
                                     description="--scale auto: the most workers (no default: it needs one)")
+    min_prefill_workers: int | None = Field(
+        None, ge=0, description="--scale auto: the fewest workers that prefill (a mixed worker counts; "
+                                "default 0)")
+    max_prefill_workers: int | None = Field(
+        None, ge=1, description="--scale auto: the most workers that prefill (a mixed worker counts; "
+                                "default: --max-workers)")
+    min_decode_workers: int | None = Field(
+        None, ge=0, description="--scale auto: the fewest workers that decode (a mixed worker counts; "
+                                "default 0)")
+    max_decode_workers: int | None = Field(
+        None, ge=1, description="--scale auto: the most workers that decode (a mixed worker counts; "
+                                "default: --max-workers)")
     scale_window_s: float = Field(
         ScalePolicy.window_s, gt=0, le=3600,
         description="--scale auto: the recent traffic, s, each plan replays on every size")
@@ -438,11 +454,18 @@ class ServeConfig(BaseSettings):
                              "process group cannot: use --backend nixl")
         return self
 
+    def role_bounds(self) -> RoleBounds:
+        """--min/--max-prefill-workers and --min/--max-decode-workers (ValueError naming the flags)."""
+        return RoleBounds(self.min_prefill_workers or 0, self.max_prefill_workers,
+                          self.min_decode_workers or 0, self.max_decode_workers)
+
     def _check_scale(self) -> None:
         if self.scale == "fixed":
-            if self.min_workers is not None or self.max_workers is not None:
-                raise ValueError("--min-workers and --max-workers bound the scale controller: give --scale "
-                                 "auto too")
+            given = ["--" + name.replace("_", "-") for name in SCALE_BOUNDS
+                     if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{' and '.join(given)} bound{'s' if len(given) == 1 else ''} the scale "
+                                 "controller: give --scale auto too")
             return
         if self.ratio == "auto":
             raise ValueError("--scale auto chooses each worker's role too: drop --ratio auto")
@@ -458,6 +481,12 @@ class ServeConfig(BaseSettings):
         if not low <= size <= self.max_workers:
             raise ValueError(f"the starting layout has {size} workers, outside --min-workers {low} .. "
                              f"--max-workers {self.max_workers}")
+        roles = self.role_bounds()
+        ScalePolicy(low, self.max_workers, roles)  # some size in range has a layout within the role bounds
+        start = Layout(self.prefill or 0, self.decode or 0, self.mixed or 0)
+        if not roles.allows(start):
+            raise ValueError(f"the starting layout {start.label()} is outside {roles.describe()} (a mixed "
+                             "worker counts for both roles)")
 
     @property
     def is_auto(self) -> bool:

@@ -50,7 +50,8 @@ def planner_settings(config: ServeConfig) -> PlannerSettings | None:
     scale = None
     if config.scale == "auto":
         assert config.max_workers is not None  # checked with the settings
-        scale = ScalePolicy(config.min_workers or 1, config.max_workers, window_s=config.scale_window_s,
+        scale = ScalePolicy(config.min_workers or 1, config.max_workers, config.role_bounds(),
+                            window_s=config.scale_window_s,
                             in_calm_s=config.scale_in_calm_s, interval_s=min(10.0, config.scale_window_s / 6))
     return PlannerSettings(config.profile, config.max_waiting, config.queue_timeout_s,
                            local_prefill.isolate_prompts_from_tokens, local_prefill.move_streams_from_tokens,

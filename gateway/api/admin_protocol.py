@@ -86,6 +86,7 @@ class ScaleView(_Answer):
     on: bool
     min_workers: int
     max_workers: int
+    roles: dict[str, int | None]  # --min/--max-prefill-workers, --min/--max-decode-workers (None: no bound)
     last_error: str  # why its last change stopped part way, or was refused ("" if it did not)
     last_plan: dict[str, Any] | None  # its latest plan (the size the traffic needs, each size's prediction)
     decisions: list[ScaleDecision]  # the last 20

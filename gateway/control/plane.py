@@ -93,7 +93,7 @@ def build_planner(settings: PlannerSettings, deployment: PDDeployment, policy: C
                        move_streams_from_tokens=settings.move_streams_from_tokens)
     slo = SLO(policy.ttft_slo_s, policy.itl_slo_s)
     if settings.scale is not None:
-        return LayoutPlanner(profile.fits, config, slo, candidate_layouts(settings.scale.sizes),
+        return LayoutPlanner(profile.fits, config, slo, settings.scale.candidates,
                              min_requests=settings.scale.min_requests)
     return LayoutPlanner(profile.fits, config, slo, candidate_layouts([sum(deployment.target.values())]))
 

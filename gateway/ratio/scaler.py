@@ -142,6 +142,7 @@ class ScaleController:
     def status(self) -> dict[str, object]:
         """GET /admin/pools' "scale": the range, whether it is on, the last decisions."""
         return {"on": self.is_on, "min_workers": self.policy.min_workers,
-                "max_workers": self.policy.max_workers, "last_error": self.last_error,
+                "max_workers": self.policy.max_workers, "roles": self.policy.roles.summary(),
+                "last_error": self.last_error,
                 "last_plan": self.last_plan,
                 "decisions": [d.summary() for d in list(self.decisions)[-20:]]}

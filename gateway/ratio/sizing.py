@@ -3,8 +3,8 @@ fleet): how many workers, and in which roles, the recent traffic needs.
 
     plan_size(planner, arrivals, policy) → SizePlan: the window's arrivals, squeezed to (1 + headroom)× their
       rate (the margin), replayed through the tuner's simulator on every layout of every size from
-      min_workers to max_workers → the smallest size whose best layout keeps SLO attainment at or above
-      target_attainment; none does: the largest, at its best layout.
+      min_workers to max_workers that the per-role bounds allow (RoleBounds) → the smallest size whose best
+      layout keeps SLO attainment at or above target_attainment; none does: the largest, at its best layout.
     Sizer.decide(plan, current layout, now) → SizeDecision or None, with hysteresis:
       out        a larger size named by out_confirmations plans in a row: straight to it (a burst needs
                  every worker it needs at once; each waits pending for a node where the cluster autoscales)
@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from gateway.ratio.planner import LayoutPlanner, rank
+from gateway.ratio.role_bounds import RoleBounds
 from gateway.telemetry.traffic import Arrival
 from tuner.metrics import HOLD_ATTAINMENT, LayoutScore
 from tuner.simulator import Layout
@@ -34,6 +35,7 @@ from tuner.simulator import Layout
 class ScalePolicy:
     min_workers: int
     max_workers: int
+    roles: RoleBounds = field(default_factory=RoleBounds)  # how many workers may serve each role
     interval_s: float = 10.0  # how often it plans
     headroom: float = 0.2  # the window replayed at (1 + headroom)× its rate: the size must hold more
     target_attainment: float = HOLD_ATTAINMENT  # a size holds the traffic at this SLO attainment
@@ -56,10 +58,24 @@ class ScalePolicy:
             raise ValueError(f"scale intervals must be > 0 and the headroom >= 0, got {self}")
         if not 0 < self.target_attainment <= 1:
             raise ValueError(f"target_attainment must be in (0, 1], got {self.target_attainment}")
+        if not self.sizes:
+            raise ValueError(f"{self.roles.describe()}: no layout of --min-workers {self.min_workers} .. "
+                             f"--max-workers {self.max_workers} workers (all mixed, or some prefill and the "
+                             "rest decode; a mixed worker counts for both roles) keeps within them")
+
+    def layouts_of(self, num_workers: int) -> list[Layout]:
+        """The layouts of that size the per-role bounds allow, all mixed first where allowed."""
+        return [layout for layout in layouts_of(num_workers) if self.roles.allows(layout)]
 
     @property
-    def sizes(self) -> range:
-        return range(self.min_workers, self.max_workers + 1)
+    def sizes(self) -> list[int]:
+        """The sizes from min_workers to max_workers with a layout the per-role bounds allow."""
+        return [n for n in range(self.min_workers, self.max_workers + 1) if self.layouts_of(n)]
+
+    @property
+    def candidates(self) -> list[Layout]:
+        """Every layout the scale controller may move to."""
+        return [layout for n in self.sizes for layout in self.layouts_of(n)]
 
 
 def layouts_of(num_workers: int) -> list[Layout]:
@@ -112,9 +128,9 @@ def squeezed(arrivals: list[Arrival], factor: float) -> list[Arrival]:
 def plan_size(planner: LayoutPlanner, arrivals: list[Arrival], policy: ScalePolicy) -> SizePlan | None:
     """The size the traffic needs (see the module docstring); None with too few arrivals to say (the
     planner's min_requests), but the smallest size, all mixed, when none arrived at all."""
-    if not arrivals:  # nothing arrived in the window: the smallest size, all mixed, holds it
-        idle = layouts_of(policy.min_workers)[0]
-        return SizePlan(policy.min_workers, idle, True, 0.0, 0, {}, ())
+    if not arrivals:  # nothing arrived in the window: the smallest size, all mixed where allowed, holds it
+        smallest = policy.sizes[0]
+        return SizePlan(smallest, policy.layouts_of(smallest)[0], True, 0.0, 0, {}, ())
     prediction = planner.predict(squeezed(arrivals, 1.0 + policy.headroom))
     if prediction is None:
         return None
@@ -135,13 +151,14 @@ def corrected(plan: SizePlan, measured_attainment: float | None, current: Layout
               ) -> SizePlan:
     """The plan, overruled by what was measured: SLO attainment below target on the current fleet while the
     plan names no larger one means the prediction is not borne out (a profile taken apart from the gateway
-    misses its share of each token's time): one worker more, up to max_workers, and no fewer meanwhile."""
+    misses its share of each token's time): the next size up (one worker more where the per-role bounds allow
+    it), up to max_workers, and no fewer meanwhile."""
     n = current.num_workers
     if measured_attainment is None or measured_attainment >= policy.target_attainment or plan.size > n:
         return plan
-    size = min(n + 1, policy.max_workers)
+    size = next((s for s in policy.sizes if s > n), n if n in policy.sizes else policy.sizes[-1])
     best = plan.best_by_size.get(size)
-    layout = best.layout if best is not None else layouts_of(size)[0]
+    layout = best.layout if best is not None else policy.layouts_of(size)[0]
     return replace(plan, size=size, layout=layout, holds=False, measured_attainment=measured_attainment)
 
 
@@ -206,22 +223,30 @@ class Sizer:
                                       f"{plan.layout.label()} {why} {plan.num_requests} requests at "
                                       f"{plan.rate:.2f} req/s with {p.headroom:.0%} headroom; "
                                       f"{current.label()} is predicted at {self._attainment(plan, n)}")
-            now_score = plan.score_of(current)
+            best, now_score = plan.best_by_size.get(n), plan.score_of(current)
+            predicted = f"predicted {best.goodput:.2f} req/s of goodput" if best else "holds the traffic"
+            against = (f"against {now_score.goodput:.2f} on {current.label()}" if now_score is not None else
+                       f"; {current.label()} is outside {p.roles.describe()}")
             return self._decision(plan, current, plan.layout, "rebalance",
-                                  f"{plan.layout.label()} predicted {plan.best_by_size[n].goodput:.2f} req/s "
-                                  f"of goodput against {now_score.goodput if now_score else 0:.2f} on "
-                                  f"{current.label()}")
-        if self._smaller_since is not None and now - self._smaller_since >= p.in_calm_s and n > p.min_workers:
-            smaller = plan.best_by_size.get(n - 1)  # none when nothing arrived: all mixed serves best then
-            to = smaller.layout if smaller is not None else layouts_of(n - 1)[0]
+                                  f"{plan.layout.label()} {predicted} {against}")
+        smaller_sizes = [s for s in p.sizes if s < n]
+        if self._smaller_since is not None and now - self._smaller_since >= p.in_calm_s and smaller_sizes:
+            size = smaller_sizes[-1]  # n - 1 unless the per-role bounds allow no layout of that size
+            smaller = plan.best_by_size.get(size)  # none when nothing arrived: all mixed serves best then
+            to = smaller.layout if smaller is not None else p.layouts_of(size)[0]
+            fewer = ("one worker fewer" if size == n - 1 else
+                     f"{n - size} workers fewer ({p.roles.describe()})")
             return self._decision(plan, current, to, "scale_in",
                                   f"{plan.size} worker(s) ({plan.layout.label()}) predicted to hold the "
                                   f"traffic ({plan.rate:.2f} req/s, {p.headroom:.0%} headroom) for "
-                                  f"{p.in_calm_s:.0f} s: one worker fewer, to {to.label()}")
+                                  f"{p.in_calm_s:.0f} s: {fewer}, to {to.label()}")
         return None
 
     def _is_better_split(self, plan: SizePlan, current: Layout) -> bool:
-        """The plan's best layout of the current size beats the current split by the margin of goodput."""
+        """The plan's best layout of the current size beats the current split by the margin of goodput, or
+        the current split is outside the per-role bounds (set by hand while the controller was off)."""
+        if not self.policy.roles.allows(current):
+            return plan.layout != current
         best, now = plan.best_by_size.get(current.num_workers), plan.score_of(current)
         if best is None or now is None or best.layout == current:
             return False

@@ -99,6 +99,8 @@ def test_the_fleet_grows_through_a_pending_worker_and_a_new_node_then_shrinks_lo
                  "--itl-slo-s", "0.05") as url:
         pools = scale(url)
         assert pools["auto"] is True and pools["scale"]["min_workers"] == 1  # type: ignore[index]
+        assert pools["scale"]["roles"] == {"min_prefill": 0, "max_prefill": None,  # type: ignore[index]
+                                           "min_decode": 0, "max_decode": None}
         # The load rises: the plan names two workers; the second waits pending for a node.
         load = Load(url, rate=2.0)
         try:

@@ -1,6 +1,6 @@
 """The scale controller's decisions (gateway/ratio/sizing.py): the smallest size that holds the recent traffic
 with its headroom; out on a confirmed plan, in one worker at a time after a calm period, never outside the
-range; bad settings refused naming the flag.
+range nor the per-role bounds; bad settings refused naming the flag.
 
 Pure: the tuner's simulator with known step costs (tests/helpers/tuning.py), synthetic arrivals; no Ray.
 """
@@ -14,12 +14,14 @@ import pytest
 
 from gateway.config import ServeConfig
 from gateway.ratio.planner import LayoutPlanner
+from gateway.ratio.role_bounds import RoleBounds
 from gateway.ratio.sizing import (
     ScalePolicy,
     SizePlan,
     Sizer,
     candidate_layouts,
     corrected,
+    layouts_of,
     plan_size,
     squeezed,
 )
@@ -40,7 +42,7 @@ def chat(rate: float, num: int = 120) -> list[Arrival]:
 
 
 def planner(policy: ScalePolicy = POLICY) -> LayoutPlanner:
-    return LayoutPlanner(MODEL, sim_config(), SLO_, candidate_layouts(policy.sizes), policy.min_requests)
+    return LayoutPlanner(MODEL, sim_config(), SLO_, policy.candidates, policy.min_requests)
 
 
 def test_the_smallest_size_that_holds_the_traffic_with_headroom_is_planned() -> None:
@@ -137,7 +139,7 @@ def profile_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     ({"scale": "auto", "max_workers": 3, "min_workers": 4}, "--min-workers 4 is above --max-workers 3"),
     ({"scale": "auto", "profile": "p.json"}, "--scale auto needs --max-workers"),
     ({"scale": "auto", "max_workers": 3}, "--scale auto needs --profile"),
-    ({"max_workers": 3}, "--min-workers and --max-workers bound the scale controller: give --scale auto"),
+    ({"max_workers": 3}, "--max-workers bounds the scale controller: give --scale auto"),
     ({"scale": "auto", "ratio": "auto", "max_workers": 3}, "--scale auto chooses each worker's role too"),
     ({"scale": "auto", "max_workers": 3, "profile": "p.json", "prefill": 2, "decode": 2},
      "the starting layout has 4 workers, outside --min-workers 1 .. --max-workers 3"),
@@ -203,3 +205,67 @@ def test_measured_attainment_below_target_overrules_an_optimistic_plan() -> None
     assert at_max.size == 3
     sizer = Sizer(policy)
     assert all(sizer.decide(at_max, Layout(0, 0, 3), now=t) is None for t in (0.0, 5.0, 10.0))
+
+
+def test_per_role_bounds_keep_every_plan_and_move_within_them() -> None:
+    """--max-prefill-workers 1 --min-decode-workers 2 (a mixed worker counts for both roles): the candidates
+    are the layouts within them; sizes with none are skipped, out and in alike; a split set by hand outside
+    them is moved back into them at the same size."""
+    policy = ScalePolicy(min_workers=1, max_workers=4, roles=RoleBounds(max_prefill=1, min_decode=2),
+                         min_dwell_s=0.0, in_calm_s=10.0, out_confirmations=1)
+    assert policy.sizes == [3, 4]  # 1 or 2 workers cannot hold 1 prefill and 2 decode
+    assert policy.candidates == [Layout(1, 2, 0), Layout(1, 3, 0)]
+    assert candidate_layouts([3]) == layouts_of(3)  # without bounds: every split
+    assert all(policy.roles.allows(layout) for layout in policy.candidates)
+    assert not policy.roles.allows(Layout(0, 0, 3)) and not policy.roles.allows(Layout(2, 1, 0))
+    idle = plan_size(planner(policy), [], policy)
+    assert idle is not None and (idle.size, idle.layout) == (3, Layout(1, 2, 0))
+    flood = plan_size(planner(policy), chat(20.0), policy)
+    assert flood is not None and set(flood.best_by_size) == {3, 4} and flood.layout == Layout(1, 3, 0)
+    assert {s.layout for s in flood.scores} == set(policy.candidates)
+    # Out from a layout below the bounds' smallest size; in from 4 stops at 3.
+    decision = Sizer(policy).decide(flood, Layout(0, 0, 1), now=0.0)
+    assert decision is not None and (decision.reason, decision.to_layout) == ("scale_out", Layout(1, 3, 0))
+    sizer = Sizer(policy)
+    assert sizer.decide(idle, Layout(1, 3, 0), now=0.0) is None
+    decision = sizer.decide(idle, Layout(1, 3, 0), now=10.0)
+    assert decision is not None and (decision.reason, decision.to_layout) == ("scale_in", Layout(1, 2, 0))
+    assert Sizer(policy).decide(idle, Layout(1, 2, 0), now=100.0) is None  # the smallest allowed: stays
+    # 3 mixed, set by hand while the controller was off, is outside: back to 1 prefill + 2 decode.
+    decision = Sizer(policy).decide(idle, Layout(0, 0, 3), now=0.0)
+    assert decision is not None and (decision.reason, decision.to_layout) == ("rebalance", Layout(1, 2, 0))
+    assert "outside --max-prefill-workers 1 --min-decode-workers 2" in decision.detail
+    # Measured attainment below target on 3 workers: the next allowed size up.
+    assert corrected(idle, 0.4, Layout(1, 2, 0), policy).layout.num_workers == 4
+
+
+@pytest.mark.parametrize(("bounds", "named"), [
+    ({"min_prefill": 3, "max_prefill": 2}, "--min-prefill-workers 3 is above --max-prefill-workers 2"),
+    ({"max_decode": 0}, "--max-decode-workers >= 1"),
+    ({"min_prefill": 3, "min_decode": 3}, "--min-prefill-workers 3 --min-decode-workers 3: no layout of "
+                                          "--min-workers 1 .. --max-workers 2"),
+])
+def test_per_role_bounds_that_allow_nothing_name_the_flags(bounds: dict[str, int], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        ScalePolicy(1, 2, RoleBounds(**bounds))
+
+
+def test_per_role_flags_reach_the_policy_or_are_refused(tiny_chat_model_dir: Path, profile_path: str) -> None:
+    from gateway.serve_settings import planner_settings
+
+    def serve(**flags: object) -> ServeConfig:
+        return ServeConfig(model=str(tiny_chat_model_dir), **flags)  # type: ignore[arg-type]
+
+    config = serve(scale="auto", max_workers=4, profile=profile_path, max_prefill_workers=1,
+                   min_decode_workers=1)
+    settings = planner_settings(config)
+    assert settings is not None and settings.scale is not None
+    assert settings.scale.roles == RoleBounds(max_prefill=1, min_decode=1)
+    assert Layout(0, 0, 2) not in settings.scale.candidates and Layout(1, 3, 0) in settings.scale.candidates
+    with pytest.raises(ValueError, match="--min-prefill-workers and --max-decode-workers bound the scale "
+                                         "controller: give --scale auto too"):
+        serve(min_prefill_workers=0, max_decode_workers=2)
+    with pytest.raises(ValueError, match=r"the starting layout 2M is outside --max-prefill-workers 1"):
+        serve(scale="auto", max_workers=4, profile=profile_path, mixed=2, max_prefill_workers=1)
+    with pytest.raises(ValueError, match="--min-decode-workers 4 is above --max-decode-workers 2"):
+        serve(scale="auto", max_workers=4, profile=profile_path, min_decode_workers=4, max_decode_workers=2)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gateway.config import ServeConfig
+from gateway.config import SCALE_BOUNDS, ServeConfig
 from pdserve.main import build_parser
 from pdserve.serve import load_serve_config
 from pdserve.settings_cli import _value_type, env_name, flag_name
@@ -80,12 +80,12 @@ def base_flags(field: str, tmp_path: Path) -> list[str]:
                                                      "allow_credentials") else []
     model += ["--device", "cuda"] if field == "gpu_memory_utilization" else []
     model += ["--address", "auto"] if field == "fleet_name" else []
-    if field in ("scale", "min_workers", "max_workers"):  # the scale controller's range and profile
+    if field == "scale" or field in SCALE_BOUNDS:  # the scale controller's range and profile
         (tmp_path / "profile.json").write_text("{}")
         model += ["--profile", str(tmp_path / "profile.json")]
         model += [] if field == "scale" else ["--scale", "auto"]
         model += [] if field == "max_workers" else ["--max-workers", "3"]
-        if field == "min_workers":  # 3 (sample()): a starting layout within the range
+        if field.startswith("min_"):  # 3 (sample()): a starting layout within the range
             return [*model, "--mixed", "3"]
     return model + ([] if field in ("prefill", "decode", "mixed") else ["--mixed", "1"])
 
