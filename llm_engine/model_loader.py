@@ -20,7 +20,8 @@ from llm_engine.hardware import check_device_present
 from llm_engine.lean_loader import load_lean_model
 from llm_engine.lean_model import LEAN_ARCHITECTURES, LeanBody, has_lean_body
 from llm_engine.linear_probe import LinearKernelReport, apply_linear_kernel
-from llm_engine.tensor_parallel import check_tensor_parallel, shard_lean_body
+from llm_engine.rank_shares import spec_shares
+from llm_engine.tensor_parallel import check_tensor_parallel, join_group, shard_lean_body
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -155,15 +156,21 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
     model: nn.Module
     lean: LeanBody | None = None
     if isinstance(lean_config, LeanConfig):
-        model = load_lean_model(lean_config, config.model_dir, config.torch_dtype, device, spec.max_model_len)
+        # Tensor parallel: this rank reads only its slice of the layers
+        rank = tp_group.rank if tp_group is not None and tp_size > 1 else 0
+        share = spec_shares(spec, tp_size)[rank] if tp_size > 1 else None
+        model = load_lean_model(lean_config, config.model_dir, config.torch_dtype, device, spec.max_model_len,
+                                share, rank)
         lean = model.lean_body
+        if tp_group is not None and tp_size > 1:
+            join_group(lean, tp_group)
     else:
         model = _load_transformers_model(config, device)
         if has_lean_body(spec.architecture):
             # A submodule of the model, so the linear-kernel probe below sees its fused q/k/v and gate/up.
             lean = model.lean_body = LeanBody.from_hf(model, spec.max_model_len)
-    if lean is not None and tp_group is not None and tp_size > 1:
-        shard_lean_body(lean, tp_group)
+        if lean is not None and tp_group is not None and tp_size > 1:
+            shard_lean_body(lean, tp_group)
     kernel = apply_linear_kernel(model, config.linear_kernel, config.torch_dtype, device)
     body, compilation = compile_body(lean, config.compile, device, config.torch_dtype,
                                      no_lean_reason=f"no lean body for {spec.architecture}")

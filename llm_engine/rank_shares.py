@@ -20,6 +20,19 @@ class RankShare:
     mlp_start: int
     mlp_width: int
 
+    def q_rows(self, head_dim: int) -> slice:
+        """This rank's rows of q_proj (its query heads), and its columns of o_proj."""
+        return slice(self.q_start * head_dim, (self.q_start + self.num_heads) * head_dim)
+
+    def kv_rows(self, head_dim: int) -> slice:
+        """This rank's rows of k_proj and v_proj (its KV heads)."""
+        return slice(self.kv_start * head_dim, (self.kv_start + self.num_kv_heads) * head_dim)
+
+    @property
+    def mlp_rows(self) -> slice:
+        """This rank's rows of gate_proj and up_proj, and its columns of down_proj."""
+        return slice(self.mlp_start, self.mlp_start + self.mlp_width)
+
 
 def degrees(num_heads: int, num_kv_heads: int) -> list[int]:
     """The degrees that split a model's heads: up to one per KV head (unevenly where they do not divide),

@@ -3,9 +3,11 @@ heads and MLP, and step together.
 
     TPGroup.join(TPRank(rank, size, init_method)) → a gloo group over a TCP store of its own (the step
         broadcast; on a CPU also the all-reduces) and, on CUDA, an NCCL group beside it for the all-reduces
-    shard_lean_body(body, group): Megatron-style: q/k/v and gate/up column-parallel (each rank its heads and
-        its share of the MLP), o and down row-parallel, their partial sums added over the ranks
-        (pdserve::tp_all_reduce); embeddings, norms and lm_head whole on every rank. The shares need not be
+    Megatron-style slices: q/k/v and gate/up column-parallel (each rank its heads and its share of the MLP),
+        o and down row-parallel, their partial sums added over the ranks (pdserve::tp_all_reduce); embeddings
+        and norms whole on every rank, the lm_head on rank 0 (the only one that samples). A rank reads only
+        its slice from the checkpoint (llm_engine/lean_loader.py, then join_group); a body that
+        transformers loaded whole is sliced in place (shard_lean_body). The shares need not be
         equal (rank_shares): 3 KV heads over 2 ranks are 2 + 1, each with its KV heads' query heads, so
         SmolLM2 (9 heads, 3 KV heads) splits over 2 ranks as well as 3; a step waits for the larger share
     rank 0: an LLMEngine as ever (scheduler, sampling, lm_head); its ModelRunner mirrors each call that reads
@@ -150,14 +152,14 @@ def group_by_handle(handle: int) -> TPGroup:
     return _groups[handle]
 
 
-def _column_rows(weight: torch.Tensor | None, parts: list[tuple[int, int, int]]) -> torch.Tensor | None:
-    """A rank's rows of a fused column-parallel weight (or bias): of each part (its rows, the rank's first
-    row in it, how many), the rank's rows, side by side."""
+def _column_rows(weight: torch.Tensor | None, parts: list[tuple[int, slice]]) -> torch.Tensor | None:
+    """A rank's rows of a fused column-parallel weight (or bias): of each part (its rows, the rank's rows of
+    it), the rank's rows, side by side."""
     if weight is None:
         return None
     pieces, start = [], 0
-    for rows, first, count in parts:
-        pieces.append(weight[start + first : start + first + count])
+    for rows, mine in parts:
+        pieces.append(weight[start:start + rows][mine])
         start += rows
     return torch.cat(pieces).contiguous()
 
@@ -174,32 +176,37 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 def _shard_layer(layer: LeanLayer, group: TPGroup) -> None:
     share = rank_shares(layer.num_heads, layer.num_kv_heads, layer.intermediate, group.size)[group.rank]
-    dim = layer.head_dim
-    q, kv = (share.q_start * dim, share.num_heads * dim), (share.kv_start * dim, share.num_kv_heads * dim)
+    q_rows, kv_rows = share.q_rows(layer.head_dim), share.kv_rows(layer.head_dim)
     qkv: nn.Linear = layer.qkv_proj  # type: ignore[assignment]  # sharded before the kernel probe
-    parts = [(layer.q_size, *q), (layer.kv_size, *kv), (layer.kv_size, *kv)]
+    parts = [(layer.q_size, q_rows), (layer.kv_size, kv_rows), (layer.kv_size, kv_rows)]
     layer.qkv_proj = _linear(_column_rows(qkv.weight, parts),  # type: ignore[arg-type]
                              _column_rows(qkv.bias, parts))
     gate_up: nn.Linear = layer.gate_up_proj  # type: ignore[assignment]
-    mlp = (share.mlp_start, share.mlp_width)
-    parts = [(layer.intermediate, *mlp), (layer.intermediate, *mlp)]
+    parts = [(layer.intermediate, share.mlp_rows), (layer.intermediate, share.mlp_rows)]
     layer.gate_up_proj = _linear(_column_rows(gate_up.weight, parts),  # type: ignore[arg-type]
                                  _column_rows(gate_up.bias, parts))
     # Row-parallel: each rank's input columns; a bias is added once, by rank 0, before the sum.
-    for name, (first, width) in (("o_proj", q), ("down_proj", mlp)):
+    for name, columns in (("o_proj", q_rows), ("down_proj", share.mlp_rows)):
         full: nn.Linear = getattr(layer, name)
         bias = full.bias if group.rank == 0 else None
-        setattr(layer, name, _linear(full.weight[:, first : first + width].contiguous(), bias))
+        setattr(layer, name, _linear(full.weight[:, columns].contiguous(), bias))
     layer.num_heads, layer.num_kv_heads = share.num_heads, share.num_kv_heads
-    layer.q_size, layer.kv_size = q[1], kv[1]
+    layer.q_size, layer.kv_size = share.num_heads * layer.head_dim, share.num_kv_heads * layer.head_dim
     layer.intermediate = share.mlp_width
-    layer.tp_handle = group.handle
 
 
 def shard_lean_body(body: LeanBody, group: TPGroup) -> None:
-    """Keep this rank's slice of every layer (in place); the layers sum their row-parallel outputs."""
+    """Keep this rank's slice of every layer of a body loaded whole (in place; transformers' modules, which
+    a few checkpoints need: llm_engine/model_loader.py), and join the group."""
     for layer in body.layers:
         _shard_layer(layer, group)  # type: ignore[arg-type]
+    join_group(body, group)
+
+
+def join_group(body: LeanBody, group: TPGroup) -> None:
+    """The layers of a body that holds this rank's slice sum their row-parallel outputs over the group."""
+    for layer in body.layers:
+        layer.tp_handle = group.handle  # type: ignore[assignment]
 
 
 # --- the step mirror: rank 0's runner calls, replayed by the other ranks ---

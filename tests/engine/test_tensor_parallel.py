@@ -11,11 +11,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from decode_pool.worker import DecodeWorker
 from kv_transfer import TransferConfig, make_receiver, make_sender
 from llm_engine import EngineConfig, LLMEngine, ModelSpec
-from llm_engine.rank_shares import RankShare, rank_shares
+from llm_engine.checkpoint_config import read_lean_config
+from llm_engine.lean_loader import load_lean_model
+from llm_engine.model_loader import read_model_spec
+from llm_engine.rank_shares import RankShare, rank_shares, spec_shares
 from llm_engine.sampling import SamplingParams
 from llm_engine.tensor_parallel import TPGroup, check_tensor_parallel
 from llm_engine.tiny_model import build_tiny_model
@@ -56,6 +61,37 @@ def test_shares_are_as_even_as_they_go_with_each_kv_heads_query_heads() -> None:
     # Past one rank per KV head: KV head 0 on ranks 0 and 1, KV head 1 on ranks 2 and 3; 2 query heads each.
     assert [(s.kv_start, s.num_kv_heads, s.q_start, s.num_heads) for s in rank_shares(8, 2, 512, 4)] == [
         (0, 1, 0, 2), (0, 1, 2, 2), (1, 1, 4, 2), (1, 1, 6, 2)]
+
+
+@pytest.mark.parametrize(("model", "size", "tied"), [("even", 2, False), ("even", 4, False),
+                                                      ("uneven", 2, False), ("even", 2, True)])
+def test_each_rank_reads_only_its_slice_of_the_checkpoint(request: pytest.FixtureRequest, tmp_path: Path,
+                                                          model: str, size: int, tied: bool) -> None:
+    """A rank's layers, read sliced from the files, are its rows and columns of the whole ones (q/k/v and
+    gate/up rows, o and down columns), with its heads; the other ranks hold no untied lm_head."""
+    model_dir = (build_tiny_model("llama", tmp_path, tie_word_embeddings=True) if tied else
+                 request.getfixturevalue("tiny_llama_dir" if model == "even" else "three_kv_heads_dir"))
+    lean, cpu = read_lean_config(model_dir), torch.device("cpu")
+    assert not isinstance(lean, str)
+    whole = load_lean_model(lean, model_dir, torch.float32, cpu, 64)
+    for rank, share in enumerate(spec_shares(read_model_spec(model_dir), size)):
+        part = load_lean_model(lean, model_dir, torch.float32, cpu, 64, share, rank)
+        for full, mine in zip(whole.lean_body.layers, part.lean_body.layers, strict=True):
+            q_rows, kv_rows = share.q_rows(full.head_dim), share.kv_rows(full.head_dim)
+            q, k, v = full.qkv_proj.weight.split([full.q_size, full.kv_size, full.kv_size])
+            assert torch.equal(mine.qkv_proj.weight, torch.cat([q[q_rows], k[kv_rows], v[kv_rows]]))
+            gate, up = full.gate_up_proj.weight.split(full.intermediate)
+            mlp = share.mlp_rows
+            assert torch.equal(mine.gate_up_proj.weight, torch.cat([gate[mlp], up[mlp]]))
+            assert torch.equal(mine.o_proj.weight, full.o_proj.weight[:, q_rows])
+            assert torch.equal(mine.down_proj.weight, full.down_proj.weight[:, share.mlp_rows])
+            assert (mine.num_heads, mine.num_kv_heads, mine.intermediate) == (
+                share.num_heads, share.num_kv_heads, share.mlp_width)
+        assert torch.equal(part.lean_body.embed_tokens.weight, whole.lean_body.embed_tokens.weight)
+        if tied or rank == 0:
+            assert torch.equal(part.lm_head.weight, whole.lm_head.weight)
+        else:
+            assert isinstance(part.lm_head, nn.Identity)
 
 
 def test_engine_config_refuses_no_ranks() -> None:
