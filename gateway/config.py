@@ -30,7 +30,6 @@ from llm_engine.kv_sizing import parse_memory
 from llm_engine.model_files import check_model_name, is_local_path
 from llm_engine.model_loader import read_model_spec
 from llm_engine.tensor_parallel import check_tensor_parallel
-from tuner.simulator import Layout
 from worker_runtime.roles import Role
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -483,10 +482,11 @@ class ServeConfig(BaseSettings):
                              f"--max-workers {self.max_workers}")
         roles = self.role_bounds()
         ScalePolicy(low, self.max_workers, roles)  # some size in range has a layout within the role bounds
-        start = Layout(self.prefill or 0, self.decode or 0, self.mixed or 0)
-        if not roles.allows(start):
-            raise ValueError(f"the starting layout {start.label()} is outside {roles.describe()} (a mixed "
-                             "worker counts for both roles)")
+        start = (self.prefill or 0, self.decode or 0, self.mixed or 0)
+        if not roles.allows_counts(*start):
+            raise ValueError(f"the starting layout (--prefill {start[0]} --decode {start[1]} --mixed "
+                             f"{start[2]}) is outside {roles.describe()} (a mixed worker counts for both "
+                             "roles)")
 
     @property
     def is_auto(self) -> bool:

@@ -34,7 +34,10 @@ class RoleBounds:
         return self != RoleBounds()
 
     def allows(self, layout: Layout) -> bool:
-        prefill, decode = layout.prefill + layout.mixed, layout.decode + layout.mixed
+        return self.allows_counts(layout.prefill, layout.decode, layout.mixed)
+
+    def allows_counts(self, num_prefill: int, num_decode: int, num_mixed: int) -> bool:
+        prefill, decode = num_prefill + num_mixed, num_decode + num_mixed
         return (self.min_prefill <= prefill and (self.max_prefill is None or prefill <= self.max_prefill)
                 and self.min_decode <= decode and (self.max_decode is None or decode <= self.max_decode))
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,11 +128,11 @@ class Server:
             return client.get(path)
 
 
-def until(condition: object, timeout_s: float, what: str) -> None:
+def until(condition: object, timeout_s: float, what: str, state: Callable[[], object] | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():  # type: ignore[operator]
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}" + (f": {state()}" if state else ""))
         time.sleep(0.2)
 
 
@@ -153,7 +153,8 @@ def two_streams_on_each(server: Server, pids: list[int]
     readers = [threading.Thread(target=s.read, daemon=True) for s in everyone]
     for reader in readers:
         reader.start()
-    until(lambda: all(len(s.texts) >= 5 for s in everyone), 60, "every stream to be running")
+    until(lambda: all(len(s.texts) >= 5 for s in everyone), 60, "every stream to be running",
+          lambda: {pid: [(len(s.texts), s.done, s.error) for s in group] for pid, group in streams.items()})
     return streams, readers
 
 

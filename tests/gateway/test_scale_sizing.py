@@ -265,7 +265,8 @@ def test_per_role_flags_reach_the_policy_or_are_refused(tiny_chat_model_dir: Pat
     with pytest.raises(ValueError, match="--min-prefill-workers and --max-decode-workers bound the scale "
                                          "controller: give --scale auto too"):
         serve(min_prefill_workers=0, max_decode_workers=2)
-    with pytest.raises(ValueError, match=r"the starting layout 2M is outside --max-prefill-workers 1"):
+    with pytest.raises(ValueError, match=r"the starting layout \(--prefill 0 --decode 0 --mixed 2\) is "
+                                         "outside --max-prefill-workers 1"):
         serve(scale="auto", max_workers=4, profile=profile_path, mixed=2, max_prefill_workers=1)
     with pytest.raises(ValueError, match="--min-decode-workers 4 is above --max-decode-workers 2"):
         serve(scale="auto", max_workers=4, profile=profile_path, min_decode_workers=4, max_decode_workers=2)
