@@ -156,9 +156,9 @@ def corrected(plan: SizePlan, measured_attainment: float | None, current: Layout
     n = current.num_workers
     if measured_attainment is None or measured_attainment >= policy.target_attainment or plan.size > n:
         return plan
-    size = next((s for s in policy.sizes if s > n), n if n in policy.sizes else policy.sizes[-1])
+    size = next((s for s in policy.sizes if s > n), n)  # none larger: stays, and no fewer either
     best = plan.best_by_size.get(size)
-    layout = best.layout if best is not None else policy.layouts_of(size)[0]
+    layout = best.layout if best is not None else (policy.layouts_of(size) or [current])[0]
     return replace(plan, size=size, layout=layout, holds=False, measured_attainment=measured_attainment)
 
 
