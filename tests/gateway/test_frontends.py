@@ -35,7 +35,9 @@ from tests.helpers.servers import MODEL, free_port
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 MAX_TOKENS = 1000  # 1000 steps, seconds for six streams on this tiny model: the kill lands mid-stream
-SHUTDOWN_GRACE_S = 4  # a stopped frontend's streams outlive it: they end with the clear error at 3.2 s
+# A stopped frontend's streams outlive it: they end with the clear error at 1.6 s. Not longer: 1000 tokens
+# took 4.7 s here with twelve streams open, and under 3.2 s on CI's machine (they then ended whole).
+SHUTDOWN_GRACE_S = 2
 PROMPT = "The quick brown fox"
 
 

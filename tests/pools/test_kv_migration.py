@@ -5,6 +5,8 @@ transformers, and both workers end whole."""
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,13 +45,16 @@ class Outputs:
             self.final[output.request_id] = output
 
 
-def step_until(workers: list[DecodeWorker], done: object, limit: int = 2000) -> None:
-    for _ in range(limit):
+def step_until(workers: list[DecodeWorker], done: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """Steps the workers until `done()`. Bounded by time, not by a step count: a step waiting on a pull is
+    quick, and under a loaded machine the peer's polling thread may need many of them to answer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         for worker in workers:
             worker.step()
-        if callable(done) and done():
+        if done():
             return
-    raise AssertionError("the workers did not get there")
+    raise AssertionError(f"the workers did not get there in {timeout_s:.0f} s")
 
 
 def pair(model_dir: Path) -> tuple[DecodeWorker, DecodeWorker]:
