@@ -175,8 +175,8 @@ class FleetActor:
         books.report(report)
         for timings in report.finished:
             self._recent.add(timings)
-        for arrival in report.arrivals:
-            self._traffic.add(arrival)
+        for note in report.traffic:
+            self._traffic.note(note)
         per_worker = self.info().kv_tokens_per_decode_worker
         total = per_worker * len(self.plane.deployment.active(Role.DECODE, Role.MIXED))
         return books.admission_share(report.frontend_id, total, floor=per_worker)

@@ -16,7 +16,7 @@ from typing import Any
 from gateway.fleet.workers import PoolHealth
 from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.timings import Timings
-from gateway.telemetry.traffic import Arrival
+from gateway.telemetry.traffic import TrafficNote
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class FrontendReport:
     longest_local_prefill: int
     longest_prefill_beside_streams: int
     finished: list[Timings] = field(default_factory=list)  # requests finished since the last report
-    arrivals: list[Arrival] = field(default_factory=list)  # ... when each arrived, and its lengths
+    traffic: list[TrafficNote] = field(default_factory=list)  # requests arrived or finished since then
     # Its admission book: decode KV tokens reserved by its running requests, and those its waiting line
     # asks for on top (the fleet leases each frontend its share of the one capacity from these).
     reserved_tokens: int = 0

@@ -42,7 +42,7 @@ from gateway.fleet.workers import PoolHealth, Worker, WorkerState
 from gateway.requests.admission import Admission
 from gateway.requests.router import LocalPrefillPolicy, Router
 from gateway.telemetry.timings import Timings
-from gateway.telemetry.traffic import Arrival
+from gateway.telemetry.traffic import TrafficNote
 from worker_runtime.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class RemoteFleet:
         self._snapshot: FleetSnapshot | None = None
         self._reported_failed: dict[str, tuple[Role, float]] = {}  # worker id → (its role, when reported)
         self._finished: list[Timings] = []
-        self._arrivals: list[Arrival] = []
+        self._traffic: list[TrafficNote] = []
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -177,9 +177,12 @@ class RemoteFleet:
         if self._snapshot is not None and num_tokens >= self._snapshot.long_prompt_tokens:
             self.fleet.note_prompt(num_tokens)
 
-    def note_finished(self, timings: Timings, arrival: Arrival) -> None:
+    def note_finished(self, timings: Timings) -> None:
         self._finished.append(timings)
-        self._arrivals.append(arrival)
+
+    def note_traffic(self, note: TrafficNote) -> None:
+        """A request arrived or finished here (the fleet's planners count it from its arrival)."""
+        self._traffic.append(note)
 
     # The heartbeat thread and the two loops.
     def _beat(self) -> None:
@@ -229,17 +232,17 @@ class RemoteFleet:
 
     def _build_report(self) -> FrontendReport:
         finished, self._finished = self._finished, []
-        arrivals, self._arrivals = self._arrivals, []
+        traffic, self._traffic = self._traffic, []
         router, admission = self.router, self.admission
         reserved, waiting = (admission.reserved_tokens, admission.waiting_tokens) if admission else (0, 0)
         if router is None:
-            return FrontendReport(self.frontend_id, {}, {}, {}, 0, 0, finished, arrivals, reserved, waiting)
+            return FrontendReport(self.frontend_id, {}, {}, {}, 0, 0, finished, traffic, reserved, waiting)
         in_flight = {worker_id: router.in_flight(worker_id) for worker_id in self.workers}
         return FrontendReport(
             self.frontend_id, {w: n for w, n in in_flight.items() if n},
             {w: n for w, n in router.prefill_tokens.items() if n},
             {w: n for w, n in router.local_prefill_tokens.items() if n},
-            router.longest_local_prefill(), router.longest_prefill_beside_streams(), finished, arrivals,
+            router.longest_local_prefill(), router.longest_prefill_beside_streams(), finished, traffic,
             reserved, waiting)
 
     def _apply(self, snapshot: FleetSnapshot) -> None:

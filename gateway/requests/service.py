@@ -41,7 +41,7 @@ from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.timings import Timings
 from gateway.telemetry.tracing import RequestTracer, TracedRequest
-from gateway.telemetry.traffic import Arrival, RecentTraffic
+from gateway.telemetry.traffic import RecentTraffic, TrafficNote
 from prefill_pool.messages import PrefillResult
 from worker_runtime.roles import Role
 
@@ -98,14 +98,26 @@ class GatewayService:
         self.recent = RecentLatencies()  # the ratio controller's view of TTFT and ITL
         # Told of every prompt's length as it is routed (the ratio controller's long-prompt rule).
         self.on_prompt: list[Callable[[int], None]] = []
-        self.traffic = RecentTraffic()  # the ratio controller's planner replays it
-        # Each finished request's timings and shape (frontends report them to the fleet).
-        self.on_finished: list[Callable[[Timings, Arrival], None]] = []
+        self.traffic = RecentTraffic()  # the ratio and scale controllers' planners replay it
+        # Each finished request's timings, and each request's arrival and finish (frontends report them to
+        # the fleet).
+        self.on_finished: list[Callable[[Timings], None]] = []
+        self.on_traffic: list[Callable[[TrafficNote], None]] = []
 
     # Admission and generation.
     def try_admit(self, prepared: PreparedRequest) -> Reservation | None:
-        """The request's reservation when it needs no wait in line (the common case); None otherwise."""
+        """The request's reservation when it needs no wait in line (the common case); None otherwise.
+        Every route asks this first: the request counts in the recent traffic from here, before it waits."""
+        self._note_traffic(prepared)
         return self.admission.try_acquire(self.num_reserved_tokens(prepared))
+
+    def _note_traffic(self, prepared: PreparedRequest, num_output: int | None = None) -> None:
+        """The request arrived (num_output None) or finished, in the recent traffic here and the fleet's."""
+        note = TrafficNote(prepared.request_id, prepared.arrival, len(prepared.prompt_token_ids),
+                           prepared.sampling.n * prepared.sampling.max_tokens, num_output)
+        self.traffic.note(note)
+        for tell in self.on_traffic:
+            tell(note)
 
     @staticmethod
     def num_reserved_tokens(prepared: PreparedRequest) -> int:
@@ -240,10 +252,9 @@ class GatewayService:
                 if self.tracer is not None:
                     self.tracer.record(self._traced(prepared, num_output), timings)
                 self.recent.add(timings)
-                arrival = Arrival(prepared.arrival, num_prompt, num_output)
-                self.traffic.add(arrival)
+                self._note_traffic(prepared, num_output)
                 for note in self.on_finished:
-                    note(timings, arrival)
+                    note(timings)
                 deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, finish, len(choice.sent),
                                             timings, timings.cached_tokens, event.top_logprobs,
                                             event.prompt_logprobs, event.index))
