@@ -35,6 +35,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from benchmarks.server_ready import wait_compiled
 from llm_engine.default_model import prepare_default_model
 from llm_engine.tiny_model import build_tiny_llama
 from loadgen.summary import percentile
@@ -104,6 +105,7 @@ def start_server(model_dir: Path, code_dir: Path, frontends: int = 1) -> tuple[s
     while True:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                wait_compiled(f"http://127.0.0.1:{port}")  # its workers at their steady speed
                 return server, f"http://127.0.0.1:{port}"
         except httpx.TransportError:
             pass

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.server_ready import wait_compiled
 from llm_engine.default_model import prepare_default_model
 
 QUESTIONS = ["Hi!", "What is 2+2?", "Name a colour.", "Say hello.", "What day comes after Monday?"]
@@ -42,6 +43,7 @@ def serve(model_dir: Path, local_max_tokens: int) -> tuple[subprocess.Popen[byte
     while True:
         try:
             if httpx.get(f"{url}/health", timeout=2).json().get("status") == "ok":
+                wait_compiled(url)  # its workers at their steady speed
                 return server, url
         except (httpx.TransportError, ValueError):
             pass

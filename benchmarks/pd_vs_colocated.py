@@ -29,6 +29,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from benchmarks.server_ready import wait_compiled
 from loadgen.client import PINNED
 from loadgen.runner import BenchConfig, run_bench
 
@@ -70,6 +71,7 @@ def start_server(flags: list[str], port: int, code_dir: Path | None = None) -> s
     while True:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                wait_compiled(f"http://127.0.0.1:{port}")  # its workers at their steady speed
                 return server
         except httpx.TransportError:
             pass

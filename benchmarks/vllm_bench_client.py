@@ -27,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.server_ready import wait_compiled
+
 DEFAULT_VENV = Path("/work/venvs/vllm-bench")
 PREBUILT_VENV = Path("/work/vllm-venv")
 CLIENT = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
@@ -85,6 +87,7 @@ def wait_healthy(url: str, server: subprocess.Popen[bytes], timeout_s: float = 3
             raise SystemExit(f"pdserve exited with {server.returncode} before serving")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                wait_compiled(url)  # its workers at their steady speed
                 return
         except httpx.HTTPError:
             pass

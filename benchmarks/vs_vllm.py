@@ -43,6 +43,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.server_ready import wait_compiled
 from benchmarks.vllm_baseline import VllmServerConfig, stop_process_tree, vllm_server, wait_healthy
 from loadgen.client import RequestRecord, send_one
 from loadgen.summary import percentile
@@ -233,6 +234,7 @@ def pdserve_server(command: list[str], log_path: Path) -> Iterator[str]:
         url = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(process, url, 300.0, "pdserve serve")
+            wait_compiled(url)  # its workers at their steady speed
             yield url
         finally:
             stop_process_tree(process, signal.SIGINT, grace_s=60.0)

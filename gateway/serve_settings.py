@@ -88,6 +88,9 @@ def deployment_config(config: ServeConfig, model_dir: str) -> DeploymentConfig:
         "max_num_batched_tokens": config.max_num_batched_tokens, "linear_kernel": config.linear_kernel,
         "max_prefill_s_beside_decode": config.max_prefill_s_beside_decode,
         "decode_attention": config.decode_attention, "compile": config.compile,
+        # A worker serves from its load (one added under a burst, or a failed one's replacement), eager
+        # until its body is compiled beside serving (--compile auto; "on" compiles before it serves).
+        "compile_in_background": True,
         "tensor_parallel_size": config.tensor_parallel_size,
     }
     chosen = {k: v for k, v in engine_overrides.items() if v is not None}

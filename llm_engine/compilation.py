@@ -4,6 +4,10 @@
         → warm-up: one forward at 1 token and one at 2 (the two graphs a step can need: inductor
           specialises a size of 1, every larger count shares the dynamic graph) → the body + CompileReport
     a failure at any point: "on" → CompileError naming --compile; "auto" → the eager body, the reason logged.
+    in_background (a serving worker under "auto"): the eager body at once, its report `compiling`; the
+        runner then compiles on a thread of its own (BackgroundCompile) and swaps the compiled body in
+        between two forwards. A worker serves from its load, not after its compile: a worker added under
+        a burst, or replacing a failed one, serves at once (SmolLM2 bf16 here: load ~2 s, compile ~N s).
 The warm-up runs with no step context, so attention computes nothing (llm_engine/custom_ops.py) and no KV
 block is touched. Inductor's on-disk caches (FX graphs, AOT autograd, generated C++/Triton) go to
 $TORCHINDUCTOR_CACHE_DIR, which defaults here to ~/.cache/pdserve/inductor (not torch's /tmp default, which a
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,13 +69,14 @@ class CompileReport:
     compiled: bool
     body: str  # "lean" (the engine's own body, llm_engine/lean_model.py) or "transformers"
     reason: str  # one line
-    seconds: float  # compile and warm-up at load (0 when eager)
+    seconds: float  # compile and warm-up (0 when eager)
     cache_dir: str | None  # inductor's cache directory, when compiled
+    compiling: bool = False  # compiling beside serving (eager until it is done)
 
     @property
     def mode(self) -> str:
-        """What the worker's info shows: "compiled", "eager"."""
-        return "compiled" if self.compiled else "eager"
+        """What the worker's info shows: "compiled", "compiling", "eager"."""
+        return "compiled" if self.compiled else "compiling" if self.compiling else "eager"
 
 
 def inductor_cache_dir() -> str:
@@ -108,12 +114,15 @@ def auto_declines(device: torch.device, dtype: torch.dtype, native_bf16: bool | 
 
 def compile_body(body: nn.Module | None, requested: CompileMode | str, device: torch.device,
                  dtype: torch.dtype = torch.float32, no_lean_reason: str | None = None,
-                 compiler: Callable[[nn.Module], Body] | None = None) -> tuple[Body | None, CompileReport]:
+                 compiler: Callable[[nn.Module], Body] | None = None, in_background: bool = False,
+                 ) -> tuple[Body | None, CompileReport]:
     """The body to run each forward with, and the report.
 
     Args:
         body: the engine's own body, or None where the family has none (then `no_lean_reason` says why).
         compiler: what compiles (tests inject a failing one); torch.compile with inductor by default.
+        in_background: under "auto", where it compiles: nothing compiled here; the eager body, and a report
+            `compiling` (the runner hands it to BackgroundCompile).
 
     Returns:
         (the compiled body, or `body` itself when eager, or None when there is no lean body), report.
@@ -133,6 +142,16 @@ def compile_body(body: nn.Module | None, requested: CompileMode | str, device: t
     if declined:
         return body, CompileReport(requested.value, False, "lean", declined, 0.0, None)
     cache_dir = inductor_cache_dir()
+    if in_background and requested is CompileMode.AUTO:
+        return body, CompileReport(requested.value, False, "lean", "inductor, compiling beside serving "
+                                   "(eager until it is done)", 0.0, cache_dir, compiling=True)
+    return _compile_now(body, requested, device, compiler)
+
+
+def _compile_now(body: nn.Module, requested: CompileMode, device: torch.device,
+                 compiler: Callable[[nn.Module], Body] | None) -> tuple[Body, CompileReport]:
+    """Compile and warm up `body`; a failure: CompileError under "on", the eager body and why under "auto"."""
+    cache_dir = inductor_cache_dir()
     start = time.perf_counter()
     try:
         compiled = (compiler or _inductor)(body)
@@ -148,6 +167,29 @@ def compile_body(body: nn.Module | None, requested: CompileMode | str, device: t
     logger.info("model body compiled in %.1f s (inductor cache %s)", seconds, cache_dir)
     return compiled, CompileReport(requested.value, True, "lean", "inductor, one graph per step",
                                    seconds, cache_dir)
+
+
+class BackgroundCompile:
+    """Compiles an eager body on a thread of its own while the worker serves with it (compile_body's
+    `in_background`); `swap(body, report)` is called from that thread once it is done: the compiled body, or
+    the eager one again with the reason it stays so. The warm-up runs with no step context on this thread
+    (the step context is per thread: llm_engine/custom_ops.py), so the forwards beside it are untouched."""
+
+    def __init__(self, body: nn.Module, device: torch.device, swap: Callable[[Body, CompileReport], None],
+                 compiler: Callable[[nn.Module], Body] | None = None) -> None:
+        self._body, self._device, self._swap, self._compiler = body, device, swap, compiler
+        self._thread = threading.Thread(target=self._run, name="compile-beside-serving", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait for the compile (and the swap); False if it still runs after `timeout_s`."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        self._swap(*_compile_now(self._body, CompileMode.AUTO, self._device, self._compiler))
 
 
 def _inductor(body: nn.Module) -> Body:

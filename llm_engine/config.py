@@ -62,6 +62,10 @@ class EngineConfig:
     # worker) or "off". PDSERVE_COMPILE sets the default (the test suite runs eager: a compile per fleet
     # start would cost minutes; tests/engine/test_compiled_engine.py covers the compiled path).
     compile: str = field(default_factory=lambda: os.environ.get("PDSERVE_COMPILE", "auto"))
+    # Under "auto", where it compiles: serve eager from the load and compile beside serving, the compiled
+    # body swapped in once done (a serving worker: pdserve serve sets it); False: compile before the engine
+    # is ready (offline use, benchmarks of the compiled steps).
+    compile_in_background: bool = False
     # Ranks (processes) one worker's model is split over (llm_engine/tensor_parallel.py): each holds
     # 1/tensor_parallel_size of every layer's heads, MLP and KV cache.
     tensor_parallel_size: int = 1

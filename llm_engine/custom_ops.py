@@ -18,6 +18,7 @@ dispatcher, whose first call imports torch._dynamo (1.2 CPU-s, 0.75 s of a worke
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +30,14 @@ if TYPE_CHECKING:
     from llm_engine.linear_kernels import PackedLinear
     from llm_engine.paged_attention import PagedAttentionMetadata
 
-_step_metadata: PagedAttentionMetadata | None = None
+
+class _StepState(threading.local):
+    # Per thread: a body compiled beside serving warms up on its own thread (no context: attention computes
+    # nothing) while the worker's step thread runs forwards in theirs (llm_engine/compilation.py).
+    metadata: PagedAttentionMetadata | None = None
+
+
+_step = _StepState()
 # Packed linears by handle. Weak: an engine's layers go when it goes (tests build many in one process).
 _packed_linears: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
 _next_handle = 0
@@ -38,12 +46,11 @@ _next_handle = 0
 @contextmanager
 def step_context(metadata: PagedAttentionMetadata | None) -> Iterator[None]:
     """Make `metadata` the one every paged_attention call of this forward reads."""
-    global _step_metadata
-    previous, _step_metadata = _step_metadata, metadata
+    previous, _step.metadata = _step.metadata, metadata
     try:
         yield
     finally:
-        _step_metadata = previous
+        _step.metadata = previous
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
@@ -59,9 +66,10 @@ def _attend_in_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     scale: float) -> torch.Tensor:
     from llm_engine.paged_attention import attend
 
-    if _step_metadata is None:  # the compile warm-up: nothing to attend to
+    metadata = _step.metadata
+    if metadata is None:  # the compile warm-up: nothing to attend to
         return torch.zeros_like(query)
-    return attend(query, key, value, layer, _step_metadata, scale)
+    return attend(query, key, value, layer, metadata, scale)
 
 
 _paged_attention_op = torch.library.custom_op("pdserve::paged_attention", _attend_in_step, mutates_args=())
@@ -103,7 +111,7 @@ def _all_reduce_in_step(x: torch.Tensor, group: int) -> torch.Tensor:
     from llm_engine.tensor_parallel import group_by_handle
 
     out = x.contiguous().clone()
-    if _step_metadata is not None:  # not the compile warm-up
+    if _step.metadata is not None:  # not the compile warm-up
         group_by_handle(group).all_reduce(out)
     return out
 

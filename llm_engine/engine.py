@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from llm_engine.block_pool import BlockPool
+from llm_engine.compilation import CompileReport
 from llm_engine.config import EngineConfig, ModelSpec
 from llm_engine.finish_reason import FinishReason
 from llm_engine.hardware import device_memory
@@ -86,7 +87,6 @@ class LLMEngine:
             kv_cache = KVCacheSpec.from_model(self.spec, config).allocate(self.kv_capacity.num_blocks,
                                                                           config.device)
         logger.info("%s", self.kv_capacity.describe())
-        self.compilation = loaded.compilation
         self.mirror = StepMirror(tp_group) if tp_group is not None and tp_group.size > 1 else None
         self._staging: torch.Tensor | None = None
         if self.mirror is not None:
@@ -97,11 +97,16 @@ class LLMEngine:
                 whole = replace(rank_spec, num_kv_heads=self.spec.num_kv_heads)
                 self._staging = whole.allocate(self.kv_capacity.num_blocks, config.device)
         self.runner = ModelRunner(loaded.model, self.spec, config, self.kv_capacity.num_blocks, loaded.body,
-                                  kv_cache, self.mirror)
+                                  kv_cache, self.mirror, loaded.compilation)
         self.block_pool = BlockPool(self.runner.num_blocks)
         self.kv = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = self._make_scheduler(scheduler_cls, watermark)
         self._ids = itertools.count()
+
+    @property
+    def compilation(self) -> CompileReport:
+        """How the model body runs now: compiled, eager, or compiling beside serving (the runner's)."""
+        return self.runner.compilation
 
     @property
     def is_tensor_parallel(self) -> bool:

@@ -173,7 +173,8 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
             shard_lean_body(lean, tp_group)
     kernel = apply_linear_kernel(model, config.linear_kernel, config.torch_dtype, device)
     body, compilation = compile_body(lean, config.compile, device, config.torch_dtype,
-                                     no_lean_reason=f"no lean body for {spec.architecture}")
+                                     no_lean_reason=f"no lean body for {spec.architecture}",
+                                     in_background=config.compile_in_background)
     reader = "its files" if isinstance(lean_config, LeanConfig) else f"transformers ({lean_config})"
     logger.info(
         "loaded %s (%d layers, %d kv heads, over %d ranks) through %s as %s on %s; linears on %s (%s); "

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from llm_engine.batch import ModelInput, ModelOutput, SampledToken, ScheduledChunk
-from llm_engine.compilation import Body
+from llm_engine.compilation import BackgroundCompile, Body, CompileReport
 from llm_engine.config import EngineConfig, ModelSpec
 from llm_engine.custom_ops import step_context
 from llm_engine.grammar_mask import GrammarMask
@@ -79,10 +79,12 @@ def choose_decode_attention(config: EngineConfig, spec: ModelSpec | None = None
 class ModelRunner:
     def __init__(self, model: nn.Module, spec: ModelSpec, config: EngineConfig, num_blocks: int,
                  body: Body | None = None, kv_cache: torch.Tensor | None = None,
-                 mirror: StepMirror | None = None) -> None:
+                 mirror: StepMirror | None = None, compilation: CompileReport | None = None) -> None:
         """Args:
             body: the engine's own model body, compiled or not (llm_engine/compilation.py); None: run
                 transformers' modules (`model.model`) with the paged attention plugged in.
+            compilation: how `body` came to be; `compiling`: it is the eager body, compiled here on a thread
+                of its own and swapped in between two forwards once done.
             spec: the model's shape, its max_model_len the effective one (EngineConfig.max_model_len).
             num_blocks: KV blocks to allocate (llm_engine/kv_sizing.py plan_kv_cache).
             kv_cache: those blocks, allocated by the caller (LLMEngine, under the node's memory lock);
@@ -97,6 +99,11 @@ class ModelRunner:
         # transformers' decoder (no lean body): looked up once, not on every step
         self.hf_body = model.get_submodule("model") if body is None else None
         self.body = body
+        self.compilation = compilation or CompileReport("off", False, "transformers", "not built", 0.0, None)
+        self.background_compile: BackgroundCompile | None = None
+        if self.compilation.compiling and isinstance(body, nn.Module):
+            self.background_compile = BackgroundCompile(body, torch.device(config.device), self._swap_body)
+            self.background_compile.start()
         self.timeline = StepTimeline()  # every forward: when, how long, decode and prompt tokens
         self.spec = spec
         self.config = config
@@ -120,6 +127,11 @@ class ModelRunner:
         # The bans (allowed_token_ids, bad_words) before the grammar: it decides among what they leave.
         self.logits = LogitsPipeline(spec.vocab_size, spec.eos_token_ids, self.device,
                                      extra=(AllowedTokens(), BadWords(), self.grammar_mask))
+
+    def _swap_body(self, body: Body, report: CompileReport) -> None:
+        """The background compile is done (its thread): the next forward runs `body`. One attribute each,
+        read once per forward: a forward under way finishes on the body it started with."""
+        self.body, self.compilation = body, report
 
     def forget_all(self) -> None:
         """Drop every request's table and sampling state (the engine is idle; its scheduler is replaced)."""

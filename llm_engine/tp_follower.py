@@ -30,7 +30,8 @@ class TPFollower:
         with node_memory_lock(config.device):
             kv_cache = KVCacheSpec.from_model(self.spec, config, group.rank).allocate(start.num_blocks,
                                                                                       config.device)
-        self.runner = ModelRunner(loaded.model, self.spec, config, start.num_blocks, loaded.body, kv_cache)
+        self.runner = ModelRunner(loaded.model, self.spec, config, start.num_blocks, loaded.body, kv_cache,
+                                  compilation=loaded.compilation)
         self.runner.tp_group = group
         self.num_steps = 0
 

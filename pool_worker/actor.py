@@ -214,9 +214,11 @@ class WorkerActor:
         """The worker's latest load (`failure` is set once its step loop has died), with how long its
         running step has run (answered here, on the actor's loop: a hung step cannot stop it)."""
         front = self._started()
+        compilation = self.engine.compilation
         return replace(front.load(), role=self.role, step_running_s=front.loop.running_s(),
                        longest_step_s=front.loop.longest_step_s,
-                       step_tokens=self._step_tokens())
+                       step_tokens=self._step_tokens(), compile=compilation.mode,
+                       compile_reason=f"{compilation.body} body: {compilation.reason}")
 
     def _step_tokens(self) -> StepTokens:
         counts = self.engine.runner.timeline.tokens

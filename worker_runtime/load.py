@@ -42,6 +42,10 @@ class WorkerLoad:
     longest_step_s: float = 0.0
     # Tokens per forward since the engine started (vLLM's iteration_tokens_total), likewise from the actor.
     step_tokens: StepTokens = field(default_factory=StepTokens)
+    # How the model body runs now (llm_engine/compilation.py's CompileReport.mode and why), from the actor:
+    # "compiling" turns "compiled" once a body compiled beside serving is swapped in. Empty: not told.
+    compile: str = ""
+    compile_reason: str = ""
 
     @property
     def kv_occupancy(self) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -130,6 +131,13 @@ class Recovery:
                 self.mark_failed(worker.worker_id, hung)
             else:
                 loads.append(answer)
+                runtime = worker.runtime
+                if runtime is not None and answer.compile and answer.compile != runtime.compile:
+                    # A body compiled beside serving was swapped in (or its compile failed): as it runs now.
+                    logger.info("%s: model body %s (%s)", worker.worker_id, answer.compile,
+                                answer.compile_reason)
+                    worker.runtime = dataclasses.replace(runtime, compile=answer.compile,
+                                                         compile_reason=answer.compile_reason)
         self.last_loads = loads
         return loads
 

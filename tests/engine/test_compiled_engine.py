@@ -1,6 +1,7 @@
 """The compiled model body (llm_engine/compilation.py): float32 greedy tokens equal transformers' through
 chunked prefills, prefix hits and decodes; bfloat16 held to vLLM's standard; a compile failure is an error
-naming --compile ("on") or an eager worker with the reason ("auto"); --device auto chooses by what is visible.
+naming --compile ("on") or an eager worker with the reason ("auto"); a serving worker under "auto" serves
+eager at once and swaps in the body compiled beside it; --device auto chooses by what is visible.
 
 The suite runs eager elsewhere (PDSERVE_COMPILE=off, tests/conftest.py); these tests compile on purpose, with
 one inductor cache for the module."""
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_engine import EngineConfig, LLMEngine, SamplingParams
-from llm_engine.compilation import CompileError, CompileMode, auto_declines, compile_body
+from llm_engine import EngineConfig, LLMEngine, SamplingParams, compilation
+from llm_engine.compilation import BackgroundCompile, CompileError, CompileMode, auto_declines, compile_body
 from llm_engine.hardware import check_device_present, resolve_device
 from llm_engine.lean_model import LeanBody
 from llm_engine.tiny_model import build_tiny_model
@@ -119,6 +120,51 @@ def test_a_compile_failure_stops_on_and_falls_back_under_auto(tiny_llama_dir: Pa
         assert "running it eager" in caplog.text
     else:
         assert not report.compiled and report.reason.startswith("auto: eager")
+
+
+@pytest.mark.compile
+def test_auto_serves_eager_at_once_and_swaps_in_the_body_compiled_beside_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serving worker's engine (compile_in_background) answers from its load, eager, while its body compiles
+    on a thread of its own; every round, before and after the swap, is transformers' greedy answer (float32:
+    the step context is per thread, so the warm-up's empty one never meets a real forward)."""
+    monkeypatch.setattr(compilation, "auto_declines", lambda *args, **kwargs: None)  # auto compiles here too
+    model_dir = build_tiny_model("llama", tmp_path / "llama")
+    prompts = random_prompts([5, 40, 19, 1], 1000)
+    expected = hf_greedy(model_dir, prompts, 8)
+    engine = engine_for(model_dir, compile="auto", compile_in_background=True)
+    background = engine.runner.background_compile
+    assert background is not None and engine.compilation.mode == "compiling"
+    modes = []
+    while True:
+        modes.append(engine.compilation.mode)
+        assert [list(c.output_token_ids) for c in engine.generate(prompts, GREEDY)] == expected
+        if background.join(0):
+            break
+    assert modes[0] == "compiling"  # it served before its compile was done
+    assert engine.compilation.compiled and engine.compilation.seconds > 0
+    assert [list(c.output_token_ids) for c in engine.generate(prompts, GREEDY)] == expected
+    assert engine.block_pool.is_whole()
+
+
+def test_a_compile_beside_serving_that_fails_leaves_the_eager_body_and_says_why(tiny_llama_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    body = LeanBody.from_hf(AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval(), 64)
+    swaps: list[tuple[object, compilation.CompileReport]] = []
+    background = BackgroundCompile(body, torch.device("cpu"), lambda b, r: swaps.append((b, r)),
+                                   compiler=_failing_compiler)  # type: ignore[arg-type]
+    background.start()
+    assert background.join(60)
+    [(swapped, report)] = swaps
+    assert swapped is body and report.mode == "eager" and "no compiler" in report.reason
+    # Where auto compiles, a serving worker's compile_body compiles nothing itself: eager now, compiling.
+    eager, pending = compile_body(body, CompileMode.AUTO, torch.device("cpu"), torch.bfloat16,
+                                  in_background=True)
+    if auto_declines(torch.device("cpu"), torch.bfloat16) is None:
+        assert eager is body and pending.compiling and pending.mode == "compiling"
+    else:
+        assert eager is body and not pending.compiling and pending.mode == "eager"
 
 
 def test_compile_on_without_a_lean_body_is_refused_at_start(tmp_path: Path) -> None:
