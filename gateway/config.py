@@ -70,9 +70,10 @@ class ServeConfig(BaseSettings):
     compile: Literal["auto", "on", "off"] | None = Field(
         None,
         description="the model body as one compiled graph (torch.compile, inductor): auto (compile where it "
-                    "wins: CUDA, and CPUs that compute bfloat16 natively; eager elsewhere, and eager with "
-                    "the reason logged if compiling fails), on (a failure stops the worker) or off "
-                    "(default: the engine's, auto)")
+                    "wins: CUDA, and CPUs that compute bfloat16 natively, beside serving: a worker serves "
+                    "eager from its load and swaps the compiled body in when it is done; eager elsewhere, "
+                    "and eager with the reason logged if compiling fails), on (compiled before the worker "
+                    "serves; a failure stops it) or off (default: the engine's, auto)")
     linear_kernel: Literal["auto", "torch", "onednn-packed", "zentorch"] | None = Field(
         None,
         description="GEMM kernel of the linear layers: auto, torch (F.linear), onednn-packed (CPU: weights "

@@ -138,6 +138,7 @@ class Recovery:
                                 answer.compile_reason)
                     worker.runtime = dataclasses.replace(runtime, compile=answer.compile,
                                                          compile_reason=answer.compile_reason)
+                    self.deployment.changed()
         self.last_loads = loads
         return loads
 

@@ -9,6 +9,7 @@ import asyncio
 import collections
 import dataclasses
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from llm_engine import SamplingParams
 from llm_engine.choices import FirstToken
 from prefill_pool.messages import PrefillRequest
 from tests.helpers import actor_faults as faults
-from tests.helpers.fleets import call_on, events_of, tokens, until, with_deployment
+from tests.helpers.fleets import SharedDeployment, call_on, events_of, tokens, until, with_deployment
 from tests.helpers.reference import random_prompts
 from worker_runtime.model_source import ModelSource
 from worker_runtime.roles import Role
@@ -42,95 +43,6 @@ LONG = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
 
 def num_channels(actor: Any) -> int:
     return len(actor._outputs._channels)
-
-
-def test_an_abort_that_overtakes_its_submission_still_holds(tiny_llama_dir: Path) -> None:
-    """M1: Ray may run an async actor's abort before the submission sent ahead of it. The worker remembers
-    the abort and refuses the submission when it comes; it holds nothing for it."""
-    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
-        [prefill], [decode] = deployment.active(Role.PREFILL), deployment.active(Role.DECODE)
-        prompt = tuple(random_prompts([30], 1000)[0])
-        refusals = {}
-        # Review N6: a group of choices (n > 1) is aborted under its choices' ids, not its own.
-        group = DecodeRequest("gone-3", prompt, dataclasses.replace(LONG, n=2),
-                              choices=(FirstToken(0, 5, None), FirstToken(1, 6, None)))
-        for worker, submit, request in (
-                (decode, decode.client.submit_decode, DecodeRequest("gone-1", prompt, LONG)),
-                (prefill, prefill.client.submit_prefill, PrefillRequest("gone-2", prompt, LONG)),
-                (decode, decode.client.submit_decode, group)):
-            for request_id in getattr(request, "output_request_ids", (request.request_id,)):
-                worker.client.abort(request_id)
-            await worker.client.is_whole()  # the abort has run on the worker
-            outputs = worker.client.subscribe(request.request_id)
-            try:
-                await submit(request, outputs)  # type: ignore[operator]
-            except SubmissionRefused as refusal:
-                refusals[request.request_id] = str(refusal)
-            finally:
-                worker.client.unsubscribe(outputs)
-        loads = {w.role: await w.client.load() for w in (prefill, decode)}
-        whole = {w.role: await w.client.is_whole() for w in (prefill, decode)}
-        served = await events_of(router, "after", list(prompt), GREEDY)  # the workers serve on
-        return {"refusals": refusals, "loads": loads, "whole": whole, "served": served}
-
-    result = with_deployment(tiny_llama_dir, scenario)
-    assert set(result["refusals"]) == {"gone-1", "gone-2", "gone-3"}
-    assert all("aborted before it arrived" in r for r in result["refusals"].values())
-    assert all(load.num_requests == 0 for load in result["loads"].values())
-    assert all(result["whole"].values())
-    assert len(tokens(result["served"])) == 6
-
-
-def test_a_burst_books_its_decode_workers_at_pick_time_and_spreads(tiny_llama_dir: Path) -> None:
-    """H2: requests that arrive while others prefill see those requests' decode reservations, so a burst
-    spreads across the decode workers instead of all picking the one that looked idle."""
-    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
-        [prefill] = deployment.active(Role.PREFILL)
-        await call_on(prefill, faults.slow_steps, 0.2)
-        prompts = random_prompts([24] * 8, 1000, seed=5)
-        runs = [asyncio.ensure_future(events_of(router, f"burst-{i}", p, GREEDY))
-                for i, p in enumerate(prompts)]
-        await until(lambda: sum(router.prefill_tokens.values()) == 24 * 8)  # all 8 picked, none prefilled
-        booked = {w: n for w, n in router.decode_tokens.items() if n > 0}
-        in_flight = {w.worker_id: router.in_flight(w.worker_id) for w in deployment.active(Role.DECODE)}
-        await call_on(prefill, faults.heal)
-        served = await asyncio.gather(*runs)
-        return {"booked": booked, "in_flight": in_flight, "served": served,
-                "after": dict(router.decode_tokens)}
-
-    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=2)
-    assert len(result["booked"]) == 2, result["booked"]  # both decode workers carry part of the burst
-    assert sum(result["booked"].values()) == 8 * (24 + 6)
-    assert all(n > 0 for n in result["in_flight"].values())  # a drain or role change would wait for them
-    assert all(len(tokens(events)) == 6 for events in result["served"])
-    assert not any(result["after"].values())  # every booking released
-
-
-def test_a_decode_worker_that_changes_role_after_the_pick_sends_the_request_elsewhere(
-        tiny_llama_dir: Path) -> None:
-    """H2: the picked decode worker becomes prefill while the request prefills; its decode submission meets
-    WrongRole, and the request goes on to the other decode worker (no error, the same tokens)."""
-    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
-        [prefill] = deployment.active(Role.PREFILL)
-        prompt = random_prompts([40], 1000, seed=7)[0]
-        reference = tokens(await events_of(router, "reference", prompt, GREEDY))
-        await call_on(prefill, faults.slow_steps, 0.3)
-        run = asyncio.ensure_future(events_of(router, "moved", prompt, GREEDY))
-        await until(lambda: sum(router.prefill_tokens.values()) > 0)
-        [picked] = [w for w, n in router.decode_tokens.items() if n > 0]
-        # As an operator's change would without the gateway's in-flight count: it does not wait.
-        await deployment.change_role(picked, Role.PREFILL)
-        await call_on(prefill, faults.heal)
-        events = await run
-        return {"reference": reference, "events": events, "picked": picked,
-                "role": deployment.workers[picked].role, "failed": [
-                    w.worker_id for w in deployment.workers.values() if w.state is not WorkerState.ACTIVE]}
-
-    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=2)
-    assert result["role"] is Role.PREFILL
-    assert tokens(result["events"]) == result["reference"]
-    assert result["events"][-1].finish_reason == "length"
-    assert result["failed"] == []  # a worker in another role is not a failed worker
 
 
 def test_a_moved_streams_kv_is_freed_at_once_when_the_worker_it_was_handed_to_dies(tiny_llama_dir: Path
@@ -176,135 +88,6 @@ def test_a_moved_streams_kv_is_freed_at_once_when_the_worker_it_was_handed_to_di
 
 def known_peers(actor: Any) -> list[str]:
     return sorted(actor._front._peers)
-
-
-def test_a_peer_removal_that_arrives_after_a_later_add_is_ignored(tiny_llama_dir: Path) -> None:
-    """Ray does not keep an async actor's call order: a fire-and-forget remove_peer sent before an add_peer
-    of the same worker may land after it. The higher wiring generation wins, whatever the order."""
-    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
-        [prefill], [decode] = deployment.active(Role.PREFILL), deployment.active(Role.DECODE)
-        peer, handle = await prefill.client.peer_info(), decode.client.handle
-        before = await call_on(decode, known_peers)
-        # As delivered out of order: the add first, then the older remove (generations above the
-        # deployment's own, which count from the clock in microseconds).
-        later = time.time_ns()
-        await decode.client.add_peer(peer, prefill.client, later + 2)
-        handle.remove_peer.remote(prefill.worker_id, later + 1)
-        await handle.load.remote()  # after the remove
-        kept = await call_on(decode, known_peers)
-        prompt = random_prompts([24], 1000, seed=12)[0]
-        events = await events_of(router, "after", prompt, GREEDY)  # pulled from the prefill worker
-        decode.client.remove_peer(prefill.worker_id, later + 3)  # a newer removal does apply
-        await handle.load.remote()
-        return {"before": before, "kept": kept, "gone": await call_on(decode, known_peers),
-                "prefill_on": events[0].prefill is not None, "finish": events[-1].finish_reason,
-                "prefill": prefill.worker_id}
-
-    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=1)
-    assert result["before"] == result["kept"] == [result["prefill"]]
-    assert result["prefill_on"] and result["finish"] == "length"
-    assert result["gone"] == []
-
-
-def test_a_worker_in_another_role_than_the_gateway_believes_is_passed_over(tiny_llama_dir: Path) -> None:
-    """H2: the gateway's view of a worker's role is behind the worker's own (the race the re-pick before
-    submitting cannot close): the worker answers WrongRole, and the request goes on to another decode worker;
-    no 503, and the worker is not taken for failed."""
-    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
-        stale, other = deployment.active(Role.DECODE)
-        router.book_decode(other.worker_id, 10**6)  # the pick goes to `stale`
-        prompt = random_prompts([16], 1000, seed=11)[0]
-        reference = tokens(await events_of(router, "reference", prompt, GREEDY))
-        await stale.client.set_role(Role.PREFILL)  # behind the deployment's back: it still says decode
-        events = await events_of(router, "passed-over", prompt, GREEDY)
-        return {"reference": reference, "events": events, "state": stale.state}
-
-    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=2)
-    assert tokens(result["events"]) == result["reference"]
-    assert result["state"] is WorkerState.ACTIVE
-
-
-def test_a_cancelled_role_change_or_drain_puts_the_worker_back(tiny_llama_dir: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """H1: a change or drain waiting for a worker's stream is cancelled (auto turned off, the request
-    handler gone): the worker is ACTIVE in its old role again, the target as it was, and it serves on.
-    Meanwhile the worker says what it still holds (emptying); and a change whose calls to the worker go
-    unanswered ends within the call bound, rolled back, instead of holding the fleet's changes for good."""
-    monkeypatch.setattr(drain, "CALL_TIMEOUT_S", 1.0)
-
-    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
-        decodes = deployment.active(Role.DECODE)
-        await asyncio.gather(*(call_on(w, faults.slow_steps, 0.1) for w in decodes))
-        target = dict(deployment.target)
-        stream = asyncio.ensure_future(events_of(router, "held", random_prompts([20], 1000)[0], LONG))
-        await until(lambda: any(router.decode_tokens.values()))
-        [held] = [deployment.workers[w] for w, n in router.decode_tokens.items() if n > 0]
-        seen = []
-        # Booked at pick time, before its prefill: wait until the worker decodes it, or a change started now
-        # would send the request elsewhere (a worker changing role takes no new request) and succeed.
-        for _ in range(3000):
-            if (await held.client.load()).num_running:
-                break
-            await asyncio.sleep(0.02)
-        # First, while the stream surely runs: the change says what it waits for; cancelled, it rolls back.
-        change = asyncio.ensure_future(deployment.change_role(held.worker_id, Role.PREFILL, router,
-                                                              grace_s=200))
-        await until(lambda: held.emptying.startswith("1 requests"))
-        emptying = held.emptying
-        change.cancel()
-        await asyncio.gather(change, return_exceptions=True)
-        seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
-        for leave in (lambda: deployment.change_role(held.worker_id, Role.PREFILL, router,
-                                                     grace_s=200),
-                      lambda: deployment.drain_worker(held.worker_id, router, grace_s=200)):
-            task = asyncio.ensure_future(leave())
-            await until(lambda: held.state is not WorkerState.ACTIVE)
-            seen.append(held.state)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
-        held.client.handle.__ray_call__.remote(faults.hang_loads, 3.0)
-        started = time.monotonic()
-        unanswered = await asyncio.gather(
-            deployment.change_role(held.worker_id, Role.PREFILL, router, grace_s=200),
-            return_exceptions=True)
-        unanswered_s = time.monotonic() - started
-        await call_on(held, faults.heal)
-        seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
-        events = await stream
-        await asyncio.gather(*(call_on(w, faults.heal) for w in decodes))
-        return {"seen": seen, "events": events, "in": held.worker_id in deployment.workers,
-                "emptying": emptying, "after": held.emptying, "unanswered": unanswered[0],
-                "unanswered_s": unanswered_s}
-
-    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=2)
-    back = (WorkerState.ACTIVE, Role.DECODE, None, True)
-    assert result["seen"] == [back, WorkerState.CHANGING_ROLE, back, WorkerState.DRAINING, back, back]
-    assert result["emptying"].startswith("1 requests, ") and "tokens on their way" in result["emptying"]
-    assert result["after"] == ""
-    assert isinstance(result["unanswered"], TimeoutError) and "no answer" in str(result["unanswered"])
-    assert result["unanswered_s"] < 10
-    assert result["in"] and len(tokens(result["events"])) == 120
-
-
-def test_an_add_that_fails_to_start_leaves_nothing_behind(tiny_llama_dir: Path) -> None:
-    """M3, L3: the new worker's model is missing on its node: its actor is killed (its CPU free again), it is
-    forgotten, the target is as before; the resizer's answer names the move, not the remote traceback."""
-    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
-        before = (set(deployment.workers), dict(deployment.target))
-        cpus = ray.available_resources().get("CPU", 0.0)
-        deployment.config = dataclasses.replace(deployment.config,
-                                                model_source=ModelSource("/nonexistent/pdserve-model"))
-        result = await PoolResizer(deployment, router).apply([Move("add", Role.DECODE)])
-        await until(lambda: ray.available_resources().get("CPU", 0.0) == cpus)
-        return {"before": before, "after": (set(deployment.workers), dict(deployment.target)),
-                "error": result.error, "health": deployment.health().status}
-
-    result = with_deployment(tiny_llama_dir, scenario)
-    assert result["after"] == result["before"]
-    assert result["health"] == "ok"
-    assert result["error"].startswith("the move 1 of 1 (add decode) failed")
-    assert "nonexistent" not in result["error"] and "Traceback" not in result["error"]
 
 
 def test_role_changes_keep_the_output_stream_and_leaving_cancels_it(tiny_llama_dir: Path) -> None:
@@ -422,3 +205,248 @@ def test_a_request_taken_into_a_running_step_shows_in_the_workers_load(tiny_llam
     result = with_deployment(tiny_llama_dir, scenario, num_prefill=0, num_decode=0, num_mixed=1)
     assert result["seen"] == 1
     assert len(result["tokens"]) == 6
+
+
+def test_a_cancelled_role_change_or_drain_puts_the_worker_back(tiny_llama_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """H1: a change or drain waiting for a worker's stream is cancelled (auto turned off, the request
+    handler gone): the worker is ACTIVE in its old role again, the target as it was, and it serves on.
+    Meanwhile the worker says what it still holds (emptying); and a change whose calls to the worker go
+    unanswered ends within the call bound, rolled back, instead of holding the fleet's changes for good."""
+    monkeypatch.setattr(drain, "CALL_TIMEOUT_S", 1.0)
+
+    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+        decodes = deployment.active(Role.DECODE)
+        await asyncio.gather(*(call_on(w, faults.slow_steps, 0.1) for w in decodes))
+        target = dict(deployment.target)
+        stream = asyncio.ensure_future(events_of(router, "held", random_prompts([20], 1000)[0], LONG))
+        await until(lambda: any(router.decode_tokens.values()))
+        [held] = [deployment.workers[w] for w, n in router.decode_tokens.items() if n > 0]
+        seen = []
+        # Booked at pick time, before its prefill: wait until the worker decodes it, or a change started
+        # now would send the request elsewhere (a worker changing role takes no new request) and succeed.
+        for _ in range(3000):
+            if (await held.client.load()).num_running:
+                break
+            await asyncio.sleep(0.02)
+        # First, while the stream surely runs: the change says what it waits for; cancelled, it rolls back.
+        change = asyncio.ensure_future(deployment.change_role(held.worker_id, Role.PREFILL, router,
+                                                              grace_s=200))
+        await until(lambda: held.emptying.startswith("1 requests"))
+        emptying = held.emptying
+        change.cancel()
+        await asyncio.gather(change, return_exceptions=True)
+        seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
+        for leave in (lambda: deployment.change_role(held.worker_id, Role.PREFILL, router,
+                                                     grace_s=200),
+                      lambda: deployment.drain_worker(held.worker_id, router, grace_s=200)):
+            task = asyncio.ensure_future(leave())
+            await until(lambda: held.state is not WorkerState.ACTIVE)
+            seen.append(held.state)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
+        held.client.handle.__ray_call__.remote(faults.hang_loads, 3.0)
+        started = time.monotonic()
+        unanswered = await asyncio.gather(
+            deployment.change_role(held.worker_id, Role.PREFILL, router, grace_s=200),
+            return_exceptions=True)
+        unanswered_s = time.monotonic() - started
+        await call_on(held, faults.heal)
+        seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
+        events = await stream
+        await asyncio.gather(*(call_on(w, faults.heal) for w in decodes))
+        return {"seen": seen, "events": events, "in": held.worker_id in deployment.workers,
+                "emptying": emptying, "after": held.emptying, "unanswered": unanswered[0],
+                "unanswered_s": unanswered_s}
+
+    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=2)
+    back = (WorkerState.ACTIVE, Role.DECODE, None, True)
+    assert result["seen"] == [back, WorkerState.CHANGING_ROLE, back, WorkerState.DRAINING, back, back]
+    assert result["emptying"].startswith("1 requests, ") and "tokens on their way" in result["emptying"]
+    assert result["after"] == ""
+    assert isinstance(result["unanswered"], TimeoutError) and "no answer" in str(result["unanswered"])
+    assert result["unanswered_s"] < 10
+    assert result["in"] and len(tokens(result["events"])) == 120
+
+
+class TestOnOneSharedDeploymentOf1P1D:
+    """Scenarios that leave 1 prefill + 1 decode worker as they found them share one deployment (the
+    class's); SharedDeployment fails a scenario that does not."""
+
+    @pytest.fixture(scope="class")
+    def shared(self, tiny_llama_dir: Path, ray_local: None) -> Iterator[SharedDeployment]:
+        deployment = SharedDeployment(tiny_llama_dir, num_prefill=1, num_decode=1)
+        yield deployment
+        deployment.close()
+
+    def test_an_abort_that_overtakes_its_submission_still_holds(self, shared: SharedDeployment) -> None:
+        """M1: Ray may run an async actor's abort before the submission sent ahead of it. The worker remembers
+        the abort and refuses the submission when it comes; it holds nothing for it."""
+        async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+            [prefill], [decode] = deployment.active(Role.PREFILL), deployment.active(Role.DECODE)
+            prompt = tuple(random_prompts([30], 1000)[0])
+            refusals = {}
+            # Review N6: a group of choices (n > 1) is aborted under its choices' ids, not its own.
+            group = DecodeRequest("gone-3", prompt, dataclasses.replace(LONG, n=2),
+                                  choices=(FirstToken(0, 5, None), FirstToken(1, 6, None)))
+            for worker, submit, request in (
+                    (decode, decode.client.submit_decode, DecodeRequest("gone-1", prompt, LONG)),
+                    (prefill, prefill.client.submit_prefill, PrefillRequest("gone-2", prompt, LONG)),
+                    (decode, decode.client.submit_decode, group)):
+                for request_id in getattr(request, "output_request_ids", (request.request_id,)):
+                    worker.client.abort(request_id)
+                await worker.client.is_whole()  # the abort has run on the worker
+                outputs = worker.client.subscribe(request.request_id)
+                try:
+                    await submit(request, outputs)  # type: ignore[operator]
+                except SubmissionRefused as refusal:
+                    refusals[request.request_id] = str(refusal)
+                finally:
+                    worker.client.unsubscribe(outputs)
+            loads = {w.role: await w.client.load() for w in (prefill, decode)}
+            whole = {w.role: await w.client.is_whole() for w in (prefill, decode)}
+            served = await events_of(router, "after", list(prompt), GREEDY)  # the workers serve on
+            return {"refusals": refusals, "loads": loads, "whole": whole, "served": served}
+
+        result = shared.run(scenario)
+        assert set(result["refusals"]) == {"gone-1", "gone-2", "gone-3"}
+        assert all("aborted before it arrived" in r for r in result["refusals"].values())
+        assert all(load.num_requests == 0 for load in result["loads"].values())
+        assert all(result["whole"].values())
+        assert len(tokens(result["served"])) == 6
+
+    def test_a_peer_removal_that_arrives_after_a_later_add_is_ignored(self, shared: SharedDeployment) -> None:
+        """Ray does not keep an async actor's call order: a fire-and-forget remove_peer sent before an
+        add_peer of the same worker may land after it. The higher wiring generation wins, whatever the
+        order."""
+        async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+            [prefill], [decode] = deployment.active(Role.PREFILL), deployment.active(Role.DECODE)
+            peer, handle = await prefill.client.peer_info(), decode.client.handle
+            before = await call_on(decode, known_peers)
+            # As delivered out of order: the add first, then the older remove (generations above the
+            # deployment's own, which count from the clock in microseconds).
+            later = time.time_ns()
+            await decode.client.add_peer(peer, prefill.client, later + 2)
+            handle.remove_peer.remote(prefill.worker_id, later + 1)
+            await handle.load.remote()  # after the remove
+            kept = await call_on(decode, known_peers)
+            prompt = random_prompts([24], 1000, seed=12)[0]
+            events = await events_of(router, "after-peers", prompt, GREEDY)  # pulled from the prefill worker
+            decode.client.remove_peer(prefill.worker_id, later + 3)  # a newer removal does apply
+            await handle.load.remote()
+            gone = await call_on(decode, known_peers)
+            await decode.client.add_peer(peer, prefill.client, later + 4)  # wired again, as it started
+            return {"before": before, "kept": kept, "gone": gone, "prefill_on": events[0].prefill is not None,
+                    "finish": events[-1].finish_reason, "prefill": prefill.worker_id}
+
+        result = shared.run(scenario)
+        assert result["before"] == result["kept"] == [result["prefill"]]
+        assert result["prefill_on"] and result["finish"] == "length"
+        assert result["gone"] == []
+
+    def test_an_add_that_fails_to_start_leaves_nothing_behind(self, shared: SharedDeployment) -> None:
+        """M3, L3: the new worker's model is missing on its node: its actor is killed (its CPU free again), it
+        is forgotten, the target is as before; the resizer's answer names the move, not the remote
+        traceback."""
+        async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+            before = (set(deployment.workers), dict(deployment.target))
+            cpus = ray.available_resources().get("CPU", 0.0)
+            config = deployment.config
+            missing = ModelSource("/nonexistent/pdserve-model")
+            deployment.config = dataclasses.replace(config, model_source=missing)
+            try:
+                result = await PoolResizer(deployment, router).apply([Move("add", Role.DECODE)])
+            finally:
+                deployment.config = config
+            await until(lambda: ray.available_resources().get("CPU", 0.0) == cpus)
+            return {"before": before, "after": (set(deployment.workers), dict(deployment.target)),
+                    "error": result.error, "health": deployment.health().status}
+
+        result = shared.run(scenario)
+        assert result["after"] == result["before"]
+        assert result["health"] == "ok"
+        assert result["error"].startswith("the move 1 of 1 (add decode) failed")
+        assert "nonexistent" not in result["error"] and "Traceback" not in result["error"]
+
+
+class TestOnOneSharedDeploymentOf1P2D:
+    """Scenarios on 1 prefill + 2 decode workers that put back what they change share one deployment."""
+
+    @pytest.fixture(scope="class")
+    def shared(self, tiny_llama_dir: Path, ray_local: None) -> Iterator[SharedDeployment]:
+        deployment = SharedDeployment(tiny_llama_dir, num_prefill=1, num_decode=2)
+        yield deployment
+        deployment.close()
+
+    def test_a_burst_books_its_decode_workers_at_pick_time_and_spreads(self, shared: SharedDeployment
+                                                                      ) -> None:
+        """H2: requests that arrive while others prefill see those requests' decode reservations, so a burst
+        spreads across the decode workers instead of all picking the one that looked idle."""
+        async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+            [prefill] = deployment.active(Role.PREFILL)
+            await call_on(prefill, faults.slow_steps, 0.2)
+            prompts = random_prompts([24] * 8, 1000, seed=5)
+            runs = [asyncio.ensure_future(events_of(router, f"burst-{i}", p, GREEDY))
+                    for i, p in enumerate(prompts)]
+            await until(lambda: sum(router.prefill_tokens.values()) == 24 * 8)  # all 8 picked, none prefilled
+            booked = {w: n for w, n in router.decode_tokens.items() if n > 0}
+            in_flight = {w.worker_id: router.in_flight(w.worker_id) for w in deployment.active(Role.DECODE)}
+            await call_on(prefill, faults.heal)
+            served = await asyncio.gather(*runs)
+            return {"booked": booked, "in_flight": in_flight, "served": served,
+                    "after": dict(router.decode_tokens)}
+
+        result = shared.run(scenario)
+        assert len(result["booked"]) == 2, result["booked"]  # both decode workers carry part of the burst
+        assert sum(result["booked"].values()) == 8 * (24 + 6)
+        assert all(n > 0 for n in result["in_flight"].values())  # a drain or role change would wait for them
+        assert all(len(tokens(events)) == 6 for events in result["served"])
+        assert not any(result["after"].values())  # every booking released
+
+    def test_a_decode_worker_that_changes_role_after_the_pick_sends_the_request_elsewhere(
+            self, shared: SharedDeployment) -> None:
+        """H2: the picked decode worker becomes prefill while the request prefills; its decode submission
+        meets WrongRole, and the request goes on to the other decode worker (no error, the same tokens)."""
+        async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+            [prefill] = deployment.active(Role.PREFILL)
+            prompt = random_prompts([40], 1000, seed=7)[0]
+            reference = tokens(await events_of(router, "reference-moved", prompt, GREEDY))
+            await call_on(prefill, faults.slow_steps, 0.3)
+            run = asyncio.ensure_future(events_of(router, "moved", prompt, GREEDY))
+            await until(lambda: sum(router.prefill_tokens.values()) > 0)
+            [picked] = [w for w, n in router.decode_tokens.items() if n > 0]
+            # As an operator's change would without the gateway's in-flight count: it does not wait.
+            await deployment.change_role(picked, Role.PREFILL)
+            await call_on(prefill, faults.heal)
+            events = await run
+            role = deployment.workers[picked].role
+            failed = [w.worker_id for w in deployment.workers.values() if w.state is not WorkerState.ACTIVE]
+            await deployment.change_role(picked, Role.DECODE, router)  # back, as it started
+            return {"reference": reference, "events": events, "picked": picked, "role": role,
+                    "failed": failed}
+
+        result = shared.run(scenario)
+        assert result["role"] is Role.PREFILL
+        assert tokens(result["events"]) == result["reference"]
+        assert result["events"][-1].finish_reason == "length"
+        assert result["failed"] == []  # a worker in another role is not a failed worker
+
+    def test_a_worker_in_another_role_than_the_gateway_believes_is_passed_over(
+            self, shared: SharedDeployment) -> None:
+        """H2: the gateway's view of a worker's role is behind the worker's own (the race the re-pick before
+        submitting cannot close): the worker answers WrongRole, and the request goes on to another decode
+        worker; no 503, and the worker is not taken for failed."""
+        async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+            stale, other = deployment.active(Role.DECODE)
+            router.book_decode(other.worker_id, 10**6)  # the pick goes to `stale`
+            prompt = random_prompts([16], 1000, seed=11)[0]
+            reference = tokens(await events_of(router, "reference-passed", prompt, GREEDY))
+            await stale.client.set_role(Role.PREFILL)  # behind the deployment's back: it still says decode
+            events = await events_of(router, "passed-over", prompt, GREEDY)
+            await stale.client.set_role(Role.DECODE)  # back, as it started
+            return {"reference": reference, "events": events, "state": stale.state}
+
+        result = shared.run(scenario)
+        assert tokens(result["events"]) == result["reference"]
+        assert result["state"] is WorkerState.ACTIVE
