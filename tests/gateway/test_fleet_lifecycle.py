@@ -207,69 +207,6 @@ def test_a_request_taken_into_a_running_step_shows_in_the_workers_load(tiny_llam
     assert len(result["tokens"]) == 6
 
 
-def test_a_cancelled_role_change_or_drain_puts_the_worker_back(tiny_llama_dir: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """H1: a change or drain waiting for a worker's stream is cancelled (auto turned off, the request
-    handler gone): the worker is ACTIVE in its old role again, the target as it was, and it serves on.
-    Meanwhile the worker says what it still holds (emptying); and a change whose calls to the worker go
-    unanswered ends within the call bound, rolled back, instead of holding the fleet's changes for good."""
-    monkeypatch.setattr(drain, "CALL_TIMEOUT_S", 1.0)
-
-    async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
-        decodes = deployment.active(Role.DECODE)
-        await asyncio.gather(*(call_on(w, faults.slow_steps, 0.1) for w in decodes))
-        target = dict(deployment.target)
-        stream = asyncio.ensure_future(events_of(router, "held", random_prompts([20], 1000)[0], LONG))
-        await until(lambda: any(router.decode_tokens.values()))
-        [held] = [deployment.workers[w] for w, n in router.decode_tokens.items() if n > 0]
-        seen = []
-        # Booked at pick time, before its prefill: wait until the worker decodes it, or a change started
-        # now would send the request elsewhere (a worker changing role takes no new request) and succeed.
-        for _ in range(3000):
-            if (await held.client.load()).num_running:
-                break
-            await asyncio.sleep(0.02)
-        # First, while the stream surely runs: the change says what it waits for; cancelled, it rolls back.
-        change = asyncio.ensure_future(deployment.change_role(held.worker_id, Role.PREFILL, router,
-                                                              grace_s=200))
-        await until(lambda: held.emptying.startswith("1 requests"))
-        emptying = held.emptying
-        change.cancel()
-        await asyncio.gather(change, return_exceptions=True)
-        seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
-        for leave in (lambda: deployment.change_role(held.worker_id, Role.PREFILL, router,
-                                                     grace_s=200),
-                      lambda: deployment.drain_worker(held.worker_id, router, grace_s=200)):
-            task = asyncio.ensure_future(leave())
-            await until(lambda: held.state is not WorkerState.ACTIVE)
-            seen.append(held.state)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
-        held.client.handle.__ray_call__.remote(faults.hang_loads, 3.0)
-        started = time.monotonic()
-        unanswered = await asyncio.gather(
-            deployment.change_role(held.worker_id, Role.PREFILL, router, grace_s=200),
-            return_exceptions=True)
-        unanswered_s = time.monotonic() - started
-        await call_on(held, faults.heal)
-        seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
-        events = await stream
-        await asyncio.gather(*(call_on(w, faults.heal) for w in decodes))
-        return {"seen": seen, "events": events, "in": held.worker_id in deployment.workers,
-                "emptying": emptying, "after": held.emptying, "unanswered": unanswered[0],
-                "unanswered_s": unanswered_s}
-
-    result = with_deployment(tiny_llama_dir, scenario, num_prefill=1, num_decode=2)
-    back = (WorkerState.ACTIVE, Role.DECODE, None, True)
-    assert result["seen"] == [back, WorkerState.CHANGING_ROLE, back, WorkerState.DRAINING, back, back]
-    assert result["emptying"].startswith("1 requests, ") and "tokens on their way" in result["emptying"]
-    assert result["after"] == ""
-    assert isinstance(result["unanswered"], TimeoutError) and "no answer" in str(result["unanswered"])
-    assert result["unanswered_s"] < 10
-    assert result["in"] and len(tokens(result["events"])) == 120
-
-
 class TestOnOneSharedDeploymentOf1P1D:
     """Scenarios that leave 1 prefill + 1 decode worker as they found them share one deployment (the
     class's); SharedDeployment fails a scenario that does not."""
@@ -444,9 +381,74 @@ class TestOnOneSharedDeploymentOf1P2D:
             reference = tokens(await events_of(router, "reference-passed", prompt, GREEDY))
             await stale.client.set_role(Role.PREFILL)  # behind the deployment's back: it still says decode
             events = await events_of(router, "passed-over", prompt, GREEDY)
-            await stale.client.set_role(Role.DECODE)  # back, as it started
+            # Back, as it started: the actor's new front knows no peer until the deployment wires it again.
+            await stale.client.set_role(Role.DECODE)
+            await deployment.wiring.connect([stale])
             return {"reference": reference, "events": events, "state": stale.state}
 
         result = shared.run(scenario)
         assert tokens(result["events"]) == result["reference"]
         assert result["state"] is WorkerState.ACTIVE
+
+    def test_a_cancelled_role_change_or_drain_puts_the_worker_back(self, shared: SharedDeployment,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+        """H1: a change or drain waiting for a worker's stream is cancelled (auto turned off, the request
+        handler gone): the worker is ACTIVE in its old role again, the target as it was, and it serves on.
+        Meanwhile the worker says what it still holds (emptying); and a change whose calls to the worker go
+        unanswered ends within the call bound, rolled back, instead of holding the fleet's changes for
+        good."""
+        monkeypatch.setattr(drain, "CALL_TIMEOUT_S", 1.0)
+
+        async def scenario(deployment: PDDeployment, router: Router) -> dict[str, Any]:
+            decodes = deployment.active(Role.DECODE)
+            await asyncio.gather(*(call_on(w, faults.slow_steps, 0.1) for w in decodes))
+            target = dict(deployment.target)
+            stream = asyncio.ensure_future(events_of(router, "held", random_prompts([20], 1000)[0], LONG))
+            await until(lambda: any(router.decode_tokens.values()))
+            [held] = [deployment.workers[w] for w, n in router.decode_tokens.items() if n > 0]
+            seen = []
+            # Booked at pick time, before its prefill: wait until the worker decodes it, or a change started
+            # now would send the request elsewhere (a worker changing role takes no new request) and succeed.
+            for _ in range(3000):
+                if (await held.client.load()).num_running:
+                    break
+                await asyncio.sleep(0.02)
+            # First, while the stream surely runs: the change says what it waits for; cancelled, rolled back.
+            change = asyncio.ensure_future(deployment.change_role(held.worker_id, Role.PREFILL, router,
+                                                                  grace_s=200))
+            await until(lambda: held.emptying.startswith("1 requests"))
+            emptying = held.emptying
+            change.cancel()
+            await asyncio.gather(change, return_exceptions=True)
+            seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
+            for leave in (lambda: deployment.change_role(held.worker_id, Role.PREFILL, router,
+                                                         grace_s=200),
+                          lambda: deployment.drain_worker(held.worker_id, router, grace_s=200)):
+                task = asyncio.ensure_future(leave())
+                await until(lambda: held.state is not WorkerState.ACTIVE)
+                seen.append(held.state)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
+            held.client.handle.__ray_call__.remote(faults.hang_loads, 3.0)
+            started = time.monotonic()
+            unanswered = await asyncio.gather(
+                deployment.change_role(held.worker_id, Role.PREFILL, router, grace_s=200),
+                return_exceptions=True)
+            unanswered_s = time.monotonic() - started
+            await call_on(held, faults.heal)
+            seen.append((held.state, held.role, held.next_role, dict(deployment.target) == target))
+            events = await stream
+            await asyncio.gather(*(call_on(w, faults.heal) for w in decodes))
+            return {"seen": seen, "events": events, "in": held.worker_id in deployment.workers,
+                    "emptying": emptying, "after": held.emptying, "unanswered": unanswered[0],
+                    "unanswered_s": unanswered_s}
+
+        result = shared.run(scenario)
+        back = (WorkerState.ACTIVE, Role.DECODE, None, True)
+        assert result["seen"] == [back, WorkerState.CHANGING_ROLE, back, WorkerState.DRAINING, back, back]
+        assert result["emptying"].startswith("1 requests, ") and "tokens on their way" in result["emptying"]
+        assert result["after"] == ""
+        assert isinstance(result["unanswered"], TimeoutError) and "no answer" in str(result["unanswered"])
+        assert result["unanswered_s"] < 10
+        assert result["in"] and len(tokens(result["events"])) == 120
