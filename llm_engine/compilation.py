@@ -7,7 +7,8 @@
     in_background (a serving worker under "auto"): the eager body at once, its report `compiling`; the
         runner then compiles on a thread of its own (BackgroundCompile) and swaps the compiled body in
         between two forwards. A worker serves from its load, not after its compile: a worker added under
-        a burst, or replacing a failed one, serves at once (SmolLM2 bf16 here: load ~2 s, compile ~N s).
+        a burst, or replacing a failed one, serves at once (`--scale auto`, SmolLM2 bf16, a 2-core Intel:
+        3 s after the decision instead of 29-31 s; eager and slower until the swap).
 The warm-up runs with no step context, so attention computes nothing (llm_engine/custom_ops.py) and no KV
 block is touched. Inductor's on-disk caches (FX graphs, AOT autograd, generated C++/Triton) go to
 $TORCHINDUCTOR_CACHE_DIR, which defaults here to ~/.cache/pdserve/inductor (not torch's /tmp default, which a
