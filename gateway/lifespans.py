@@ -178,7 +178,7 @@ def join_fleet(config: ServeConfig, frontend: FrontendSpec) -> Lifespan:
             service.on_prompt.append(fleet.note_prompt)
             service.router.on_local_prefill.append(fleet.note_prompt)
             service.on_finished.append(fleet.note_finished)
-            service.on_traffic.append(fleet.note_traffic)
+            service.traffic.on_note.append(fleet.note_traffic)
             app.state.control = client  # the admin routes ask the fleet actor
             announce(app, config, info.backend, f" (frontend pid {os.getpid()} of {frontend.num_frontends})")
             yield

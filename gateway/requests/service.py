@@ -99,10 +99,7 @@ class GatewayService:
         # Told of every prompt's length as it is routed (the ratio controller's long-prompt rule).
         self.on_prompt: list[Callable[[int], None]] = []
         self.traffic = RecentTraffic()  # the ratio and scale controllers' planners replay it
-        # Each finished request's timings, and each request's arrival and finish (frontends report them to
-        # the fleet).
-        self.on_finished: list[Callable[[Timings], None]] = []
-        self.on_traffic: list[Callable[[TrafficNote], None]] = []
+        self.on_finished: list[Callable[[Timings], None]] = []  # each one's timings (frontends report them)
 
     # Admission and generation.
     def try_admit(self, prepared: PreparedRequest) -> Reservation | None:
@@ -113,11 +110,8 @@ class GatewayService:
 
     def _note_traffic(self, prepared: PreparedRequest, num_output: int | None = None) -> None:
         """The request arrived (num_output None) or finished, in the recent traffic here and the fleet's."""
-        note = TrafficNote(prepared.request_id, prepared.arrival, len(prepared.prompt_token_ids),
-                           prepared.sampling.n * prepared.sampling.max_tokens, num_output)
-        self.traffic.note(note)
-        for tell in self.on_traffic:
-            tell(note)
+        self.traffic.note(TrafficNote(prepared.request_id, prepared.arrival, len(prepared.prompt_token_ids),
+                                      prepared.sampling.n * prepared.sampling.max_tokens, num_output))
 
     @staticmethod
     def num_reserved_tokens(prepared: PreparedRequest) -> int:
