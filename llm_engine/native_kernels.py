@@ -2,7 +2,7 @@
 
     paged_decode_attention() → the kernel, or None where it cannot be built (no compiler, no headers): the
     engine then keeps the gather + SDPA path, and says which one it runs in the worker's info.
-The build (about 25 s, once per machine and torch version) goes to torch's extension cache
+The build (about 6 s, once per machine and torch version) goes to torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); processes that start together wait on a flock
 (llm_engine/node_locks.py), which a builder killed mid-build does not leave held. The
 build uses every instruction this CPU has (-march=native), so its name carries a digest of the CPU's flags:
@@ -74,11 +74,12 @@ def paged_decode_attention() -> DecodeKernel | None:
             # replaced while it started) leaves it, and every later process waits on it for ever. Under our
             # flock nobody else is building, so such a file is stale.
             (build_dir / "lock").unlink(missing_ok=True)
-            module = load(name, [str(SOURCES / "paged_decode_attention.cpp")],
-                          extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+            # A library that registers the op (torch.ops.pdserve_native), not a Python module.
+            load(name, [str(SOURCES / "paged_decode_attention.cpp")], extra_cflags=CFLAGS,
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as error:  # a missing compiler or header is a slower engine, not a dead one
         logger.warning("pdserve's paged decode attention kernel did not build (%s: %s); decode attention "
                        "gathers each sequence's KV and runs SDPA instead", type(error).__name__, error)
         return None
-    kernel: DecodeKernel = module.paged_decode_attention
+    kernel: DecodeKernel = torch.ops.pdserve_native.paged_decode_attention
     return kernel

@@ -5,8 +5,12 @@
 // once, with an online softmax in fp32 (as SDPA's flash kernel computes), so K and V are read exactly once.
 // The gather + SDPA path it replaces copies every sequence's whole KV into a new tensor in every layer of
 // every step: on a CPU that copy costs as much as the attention itself (llm_engine/paged_attention.py).
-#include <torch/extension.h>
+// The lightest headers that serve, and the op registered with torch's dispatcher rather than built as a pybind11
+// module: with <torch/extension.h> (all of ATen, pybind11, Python) the build took 21 s on a 2-core Intel, now 6.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -102,8 +106,8 @@ void decode_task(const scalar_t* query,            // [G, D] of this sequence an
 }
 
 template <typename scalar_t, int kHeadDim>
-void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-         const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, at::Tensor& out) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t num_groups = num_heads / num_kv_heads;
@@ -127,9 +131,9 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch
 }
 
 template <int kHeadDim>
-void dispatch_dtype(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
-                    torch::Tensor& out) {
+void dispatch_dtype(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                    at::Tensor& out) {
   switch (query.scalar_type()) {
     case at::kFloat: run<float, kHeadDim>(query, key_cache, value_cache, block_tables, context_lens, scale, out); break;
     case at::kBFloat16:
@@ -145,9 +149,9 @@ void dispatch_dtype(const torch::Tensor& query, const torch::Tensor& key_cache, 
 // query: [B, H, D] contiguous; key_cache, value_cache: one layer's [num_blocks, block_size, KVH, D] (strided
 // views into the whole cache are fine: the last dim must be contiguous); block_tables: [B, max_blocks] int64;
 // context_lens: [B] int64 (keys each sequence attends to, its new token included). Returns [B, H, D].
-torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
-                                     const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens, double scale) {
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [B, H, D]");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.stride(3) == 1 && value_cache.strides() == key_cache.strides(),
               "key/value caches must be [num_blocks, block_size, KVH, D] with a contiguous last dim");
@@ -158,7 +162,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads must be a multiple of KV heads");
   TORCH_CHECK(query.size(1) / key_cache.size(2) <= kMaxGroups && key_cache.size(1) <= kMaxBlockSize,
               "at most ", kMaxGroups, " query heads per KV head and ", kMaxBlockSize, " tokens per block");
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   switch (query.size(2)) {
     case 64: dispatch_dtype<64>(query, key_cache, value_cache, block_tables, context_lens, scale, out); break;
     case 128: dispatch_dtype<128>(query, key_cache, value_cache, block_tables, context_lens, scale, out); break;
@@ -170,6 +174,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");
+// torch.ops.pdserve_native.paged_decode_attention (llm_engine/native_kernels.py loads the library).
+TORCH_LIBRARY(pdserve_native, m) {
+  m.def("paged_decode_attention", &paged_decode_attention);
 }
