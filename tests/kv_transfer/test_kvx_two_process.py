@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -35,15 +36,28 @@ def _decode_options(**extra) -> dict:
     return {"num_blocks": DST_BLOCKS, **extra}
 
 
-@pytest.fixture(scope="module", params=_backends())
-def pair(request):
-    if request.param == "nixl":
-        pytest.importorskip("nixl._bindings")
-    started = start_pair(request.param, _prefill_options(), _decode_options())
-    started.decode.call("add_peer", started.prefill.call("peer_info"))
-    yield request.param, started
-    started.decode.stop()
-    started.prefill.stop()
+@pytest.fixture(scope="module")
+def started_pairs() -> Iterator[dict[str, Pair]]:
+    """One sender and one receiver per backend for the whole module, each started by its first test. Not a
+    module-scoped parametrized fixture: the tests that name one backend (indirect) would make pytest stop and
+    start it again around them (6 starts of about 2.7 s for 2)."""
+    pairs: dict[str, Pair] = {}
+    yield pairs
+    for started in pairs.values():
+        started.decode.stop()
+        started.prefill.stop()
+
+
+@pytest.fixture(params=_backends())
+def pair(request: pytest.FixtureRequest, started_pairs: dict[str, Pair]) -> tuple[str, Pair]:
+    backend = request.param
+    if backend not in started_pairs:
+        if backend == "nixl":
+            pytest.importorskip("nixl._bindings")
+        started = start_pair(backend, _prefill_options(), _decode_options())
+        started.decode.call("add_peer", started.prefill.call("peer_info"))
+        started_pairs[backend] = started
+    return backend, started_pairs[backend]
 
 
 def _transfer_id(handle: bytes) -> int:
