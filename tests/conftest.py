@@ -28,6 +28,8 @@ os.environ.setdefault("PDSERVE_COMPILE", "off")
 SHARED_SHAPES = {"shared_default_server": "default", "shared_two_stage_server": "two_stage"}
 # The shared shape of a test's module (any of its tests asking for one), set at collection.
 MODULE_SHAPE = pytest.StashKey[str | None]()
+# Where the tiny chat model's template gets its enable_thinking switch (tiny_chat_model_dir).
+THINKING_SWITCH_AT = "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 
 
 def shared_shape(item: pytest.Item) -> str | None:
@@ -157,6 +159,14 @@ def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: P
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (smollm2_dir / name).is_file():
             shutil.copy2(smollm2_dir / name, out / name)
+    # Qwen3's enable_thinking switch in the template (vLLM's chat_template_kwargs, test_vllm_extensions):
+    # false writes an empty think block after the generation prompt; otherwise the template is SmolLM2's.
+    template = (out / "chat_template.jinja").read_text()
+    assert THINKING_SWITCH_AT in template
+    (out / "chat_template.jinja").write_text(template.replace(THINKING_SWITCH_AT, (
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+        "{% if enable_thinking is defined and enable_thinking is false %}"
+        "{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}")))
     return out
 
 

@@ -11,7 +11,6 @@ result back as a `tool` message. Bad input is a 400 naming the field."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,10 @@ import pytest
 
 from llm_engine import SamplingParams
 from llm_engine.structured import GrammarSpec
+from tests.helpers import two_stage_server
 from tests.helpers.engines import make_engine
 from tests.helpers.forced_migration import stream_across_a_failure
-from tests.helpers.servers import MODEL, serving, two_stage_config, whole_after
+from tests.helpers.servers import MODEL
 from tests.helpers.structured_schemas import SCHEMAS
 
 EOS = 2  # the tokenizer's <|im_end|>: the tiny model's config names none, so the gateway adds it
@@ -39,23 +39,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
-    config = two_stage_config(tiny_chat_model_dir, kv_cache_mib=4, max_num_batched_tokens=128, max_waiting=32,
-                              queue_timeout_s=60)
-    with serving(config) as (url, _):
-        yield url
-
-
-@pytest.fixture
-def sdk(server: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture
-def client(server: str) -> Iterator[httpx.Client]:
-    with whole_after(server) as c:
-        yield c
+# The shared two-stage server's fixtures (tests/helpers/two_stage_server.py), by the names the tests ask for.
+server, sdk, client = two_stage_server.shared_two_stage_server, two_stage_server.sdk, two_stage_server.client
 
 
 def schema_format(name: str, schema: dict[str, Any]) -> dict[str, Any]:

@@ -3,15 +3,13 @@ decode worker the rest; Ray actors, the tiny random Llama with SmolLM2's tokeniz
 `enable_thinking` in its chat template), sent as a vLLM user sends them: the openai SDK's `extra_body`. Each
 at its default changes nothing; at another value it does what vLLM documents, and the tokens equal the engine
 alone with the same parameters; sampling state (bad words, allowed ids, min_p/top_k with a seed) survives a
-decode worker failing mid-stream. A request without `model` gets the served model. One server for the
-module."""
+decode worker failing mid-stream. A request without `model` gets the served model. On the shared two-stage
+server (its last test leaves a decode worker replaced)."""
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,50 +24,29 @@ from tests.helpers import two_stage_server
 from tests.helpers.engines import make_engine
 from tests.helpers.forced_migration import stream_across_a_failure
 from tests.helpers.reference import random_prompts
-from tests.helpers.servers import MODEL, serving, two_stage_config
+from tests.helpers.servers import MODEL
 from tests.helpers.vllm_defaults import CHAT_DEFAULTS, DEFAULTS
 
 pytestmark = pytest.mark.slow  # a Ray fleet (1 prefill + 2 decode workers) and a server
 
 VOCAB = 49152
-THINK = "<think>\n\n</think>\n\n"  # what Qwen3's template writes when enable_thinking is false
-GENERATION_PROMPT = "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+
+
+# The shared two-stage server's fixtures (tests/helpers/two_stage_server.py), by the names the tests ask for:
+# the tiny chat model's template has Qwen3's enable_thinking switch (tests/conftest.py).
+server, sdk, client = two_stage_server.shared_two_stage_server, two_stage_server.sdk, two_stage_server.client
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny chat model, its template taught Qwen3's enable_thinking switch."""
-    out = tmp_path_factory.mktemp("thinking") / "model"
-    shutil.copytree(tiny_chat_model_dir, out)
-    template = (out / "chat_template.jinja").read_text()
-    assert GENERATION_PROMPT in template
-    thinking = ("{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-                "{% if enable_thinking is defined and enable_thinking is false %}"
-                "{{ '" + THINK + "' }}{% endif %}{% endif %}")
-    (out / "chat_template.jinja").write_text(template.replace(GENERATION_PROMPT, thinking))
-    return out
+def engine_alone(tiny_chat_model_dir: Path) -> Any:
+    return make_engine(tiny_chat_model_dir)
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, ray_local: None) -> Iterator[str]:
-    with serving(two_stage_config(model_dir)) as (url, _):
-        yield url
-
-
-# The two-stage suites' clients of this module's own `server` (tests/helpers/two_stage_server.py).
-sdk, client = two_stage_server.sdk, two_stage_server.client
-
-
-@pytest.fixture(scope="module")
-def engine_alone(model_dir: Path) -> Any:
-    return make_engine(model_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
+def tokenizer(tiny_chat_model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(tiny_chat_model_dir)
 
 
 def reference(engine: Any, prompt: list[int], max_tokens: int, **fields: Any) -> list[int]:
@@ -166,12 +143,12 @@ def test_bad_words_and_allowed_token_ids(sdk: openai.OpenAI, engine_alone: Any, 
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "allowed_token_ids"
 
 
-def test_prompt_logprobs(sdk: openai.OpenAI, model_dir: Path, client: httpx.Client) -> None:
+def test_prompt_logprobs(sdk: openai.OpenAI, tiny_chat_model_dir: Path, client: httpx.Client) -> None:
     from transformers import AutoModelForCausalLM
 
     prompt = random_prompts([20], VOCAB, seed=34)[0]
     scored = complete(sdk, prompt, 2, prompt_logprobs=2).choices[0].prompt_logprobs
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)  # [P, V]
     assert len(scored) == len(prompt) and scored[0] is None

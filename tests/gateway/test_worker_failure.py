@@ -1,24 +1,15 @@
 """The only decode worker dies (1 prefill + 1 decode): the next request waits for the replacement the gateway
-starts by itself and is served; /health says degraded meanwhile (states and counts only), then ok."""
+starts by itself and is served; /health says degraded meanwhile (states and counts only), then ok. On the
+shared default server (tests/gateway/conftest.py), which it leaves serving with the replacement."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 import ray
 
-from tests.helpers.servers import MODEL, serve_config, serving, wait_until_no_blocks_used
-
-
-@pytest.fixture(scope="module")
-def server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str]:
-    """Its own server of the default shape, not the shared one: this module kills a worker."""
-    with serving(serve_config(tiny_chat_model_dir)) as (url, _):
-        yield url
+from tests.helpers.servers import MODEL, wait_until_no_blocks_used
 
 
 def test_dead_only_decode_worker_is_replaced_and_requests_wait_for_it(client: httpx.Client) -> None:
