@@ -48,6 +48,11 @@ INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {
     "epilogue_fusion": True,
     "cpp.dynamic_threads": True,
 }
+# Dynamo keeps one graph per value of the body's integer attributes (a layer's q_size: per model, per rank
+# share) under one code object, LeanBody.forward, for the whole process; past its default of 8 the next
+# compile fails under fullgraph. A worker compiles one body, but a process that builds engines of several
+# models or ranks (a library user, the test suite) meets it.
+RECOMPILE_LIMIT = 64
 
 Body = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -154,6 +159,7 @@ def _compile_now(body: nn.Module, requested: CompileMode, device: torch.device,
     """Compile and warm up `body`; a failure: CompileError under "on", the eager body and why under "auto"."""
     cache_dir = inductor_cache_dir()
     start = time.perf_counter()
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     try:
         compiled = (compiler or _inductor)(body)
         _warm_up(compiled, device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -197,3 +198,26 @@ def test_device_auto_follows_what_is_visible(tiny_llama_dir: Path) -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="--device cuda: no CUDA GPU is visible"):
             LLMEngine(EngineConfig(str(tiny_llama_dir), device="cuda", dtype="float32"))
+
+
+def test_one_process_compiles_more_bodies_than_dynamos_default_limit() -> None:
+    """Dynamo keeps a process's graphs of one forward per value of the body's integer attributes, 8 by
+    default: the ninth model (or rank share) a process compiled failed under fullgraph (seen in the suite:
+    two TP ranks compiled in a pytest process after eight other models). Dynamo's eager backend here: the
+    limit is Dynamo's, whatever compiles the graph."""
+    class Toy(torch.nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.width, self.embed = width, torch.nn.Embedding(8, 16)
+
+        def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return self.embed(ids)[:, : self.width] + positions[:, None]
+
+    def dynamo_eager(body: torch.nn.Module) -> Any:
+        return torch.compile(body, backend="eager", fullgraph=True, dynamic=True)
+
+    for width in range(1, 13):
+        compiled, report = compile_body(Toy(width), CompileMode.ON, torch.device("cpu"),
+                                        compiler=dynamo_eager)
+        assert report.compiled and compiled is not None
+        assert compiled(torch.zeros(3, dtype=torch.long), torch.arange(3)).shape == (3, width)
