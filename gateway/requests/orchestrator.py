@@ -140,7 +140,7 @@ class RequestRun:
             return
         prefill, result = await prefill_stage.prefill(self)
         handle = result.kv_handle
-        is_pulled = False  # the first decode worker finished the request, so it had pulled the KV
+        is_pulled = False  # the first decode worker finished the request from the KV it pulled
         try:
             if result.finish_reason == "abort":  # refused by the worker: no token to send
                 yield StreamEvent(self.request_id, (), (), (), "abort", prefill=result)
@@ -157,7 +157,10 @@ class RequestRun:
                                     result.first_token_id, result.first_logprob, handle,
                                     first_top_logprobs=result.first_top_logprobs)
             async for event in decode_stage.decode_stream(self, decode, request):
-                is_pulled = event.finish_reason is not None and not (self.num_migrations or self.num_moves)
+                # No bytes pulled: the decode worker recomputed the prompt (its pull failed, or it knew no
+                # such peer and so could not tell the sender), and the offer is still held.
+                is_pulled = (event.finish_reason is not None and not (self.num_migrations or self.num_moves)
+                             and event.decode is not None and event.decode.transfer_bytes > 0)
                 yield event
         finally:
             if handle is not None and not is_pulled:

@@ -273,14 +273,25 @@ class TestOnOneSharedDeploymentOf1P1D:
             decode.client.remove_peer(prefill.worker_id, later + 3)  # a newer removal does apply
             await handle.load.remote()
             gone = await call_on(decode, known_peers)
+            # A handle from a peer the decode worker does not know: it recomputes the prompt and cannot tell
+            # the sender, so the gateway releases the offer at the request's end, not the 30 s lease.
+            unknown = await events_of(router, "unknown-peer", prompt, GREEDY)
+            released_in = time.monotonic()
+            while not await prefill.client.is_whole() and time.monotonic() - released_in < 10:
+                await asyncio.sleep(0.05)
+            released_in = time.monotonic() - released_in
             await decode.client.add_peer(peer, prefill.client, later + 4)  # wired again, as it started
             return {"before": before, "kept": kept, "gone": gone, "prefill_on": events[0].prefill is not None,
-                    "finish": events[-1].finish_reason, "prefill": prefill.worker_id}
+                    "finish": events[-1].finish_reason, "prefill": prefill.worker_id,
+                    "same_tokens": tokens(unknown) == tokens(events), "released_in": released_in,
+                    "unknown_bytes": unknown[-1].decode.transfer_bytes if unknown[-1].decode else -1}
 
         result = shared.run(scenario)
         assert result["before"] == result["kept"] == [result["prefill"]]
         assert result["prefill_on"] and result["finish"] == "length"
         assert result["gone"] == []
+        assert result["same_tokens"] and result["unknown_bytes"] == 0
+        assert result["released_in"] < 5, result  # the offer's lease is 30 s
 
     def test_an_add_that_fails_to_start_leaves_nothing_behind(self, shared: SharedDeployment) -> None:
         """M3, L3: the new worker's model is missing on its node: its actor is killed (its CPU free again), it
