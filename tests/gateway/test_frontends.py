@@ -141,7 +141,9 @@ def until(condition: object, timeout_s: float, what: str, state: Callable[[], ob
 def two_streams_on_each(server: Server, pids: list[int]
                         ) -> tuple[dict[int, list[Stream]], list[threading.Thread]]:
     """Streams opened until each frontend holds two (the kernel hands each connection to whichever accepts
-    first), their readers started, every stream running; by frontend pid."""
+    first), their readers started, every stream running; by frontend pid. A frontend just restarted holds the
+    shared socket before it accepts (its imports, under the suite's load, take seconds): once one frontend
+    has its two, the next connections wait a little each, for the other to take one."""
     streams: dict[int, list[Stream]] = {pid: [] for pid in pids}
     for _ in range(40):
         if all(len(s) >= 2 for s in streams.values()):
@@ -149,7 +151,10 @@ def two_streams_on_each(server: Server, pids: list[int]
         stream = open_stream(server.port, server.tls)
         until(lambda port=stream.port: owner(port, pids) is not None, 10,
               "the connection to be accepted")
-        streams[owner(stream.port, pids)].append(stream)  # type: ignore[index]
+        accepted_by = streams[owner(stream.port, pids)]  # type: ignore[index]
+        accepted_by.append(stream)
+        if len(accepted_by) > 2:
+            time.sleep(0.5)
     assert all(len(s) >= 2 for s in streams.values()), {pid: len(s) for pid, s in streams.items()}
     everyone = [s for group in streams.values() for s in group]
     readers = [threading.Thread(target=s.read, daemon=True) for s in everyone]
