@@ -62,11 +62,11 @@ XDIST := -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 unit: $(DEV_STAMP) $(PROMTOOL)
 	$(BIN)/python -m pytest -q --durations=20 $(XDIST)
 
-# ruff, then pytest with mypy beside it: mypy (about 30 s on one core) before pytest left the other core idle.
-# Its report follows pytest's; either failing fails the target.
+# ruff, then pytest with mypy beside it: mypy (about 30 s on one core) before pytest left the other core idle;
+# niced, so that it takes what the tests leave. Its report follows pytest's; either failing fails the target.
 test: $(DEV_STAMP) $(PROMTOOL)
 	$(BIN)/ruff check .
-	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & typing=$$!; \
+	@nice -n 10 $(BIN)/mypy > $(VENV)/mypy.log 2>&1 & typing=$$!; \
 	$(BIN)/python -m pytest -q --durations=20 $(XDIST); tests=$$?; \
 	wait $$typing; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; exit $$((tests || typed))
 
