@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import json
 import random
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,10 @@ def main() -> None:
     parser.add_argument("--tail-s", type=float, default=60.0, help="watching the fleet after the load")
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/scale_auto"))
+    parser.add_argument("--serve-flags", default="",
+                        help='more `pdserve serve` flags for every setup, e.g. "--dtype float32" (where '
+                             '--compile auto runs eager: an added worker serves at full speed from its load; '
+                             'take the profile with the same flags)')
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     slo = SLO(args.ttft_slo_s, args.itl_slo_s)
@@ -171,7 +176,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     for name in args.setups:
         scaled = "--scale" in SETUPS[name]
-        flags = SETUPS[name] + ([*common, "--profile", args.profile] if scaled else common[:4])
+        flags = (SETUPS[name] + ([*common, "--profile", args.profile] if scaled else common[:4])
+                 + shlex.split(args.serve_flags))
         print(f"{name}: {len(specs)} requests over {len(args.rates)} phases", flush=True)
         records, samples = asyncio.run(run_setup(flags, specs, "SmolLM2-135M-Instruct", args.tail_s))
         load_end = len(args.rates) * args.phase_s
