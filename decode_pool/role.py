@@ -50,12 +50,15 @@ class DecodeRole:
             config, gateway/fleet/config.py).
         """
         engine.use_scheduler(Scheduler, watermark)
-        # The transfer cache: the engine's own, or a tensor-parallel worker's whole-head staging cache.
-        receiver = make_receiver(backend, worker_id, engine.transfer_cache, config=transfer_config)
+        # The transfer cache: the engine's own, or a tensor-parallel worker's whole-head staging cache; or,
+        # where the backend reads each rank's heads where they live, rank 0's own and the other ranks'.
+        receiver = make_receiver(backend, worker_id, engine.transfer_cache, config=transfer_config,
+                                 ranks=engine.rank_call)
         migration = None
         if can_move_kv_between_decode_workers(backend):
             migration = MigrationOffers(make_sender(backend, worker_id, engine.transfer_cache,
-                                                    config=transfer_config), engine.kv, engine.export_blocks)
+                                                    config=transfer_config, ranks=engine.rank_call),
+                                        engine.kv, engine.export_blocks)
         self.outputs = outputs
         self.worker = DecodeWorker(worker_id, engine, receiver, deliver_pull=self._deliver_pull,
                                    release_source=self._release_source, on_step_end=outputs.flush,

@@ -298,7 +298,7 @@ class DecodeWorker:
             self.engine.kv.free(request_id)
             self._finish(request_id, entry.abort_reason, entry.transfer_finished)
             return
-        if state is TransferState.DONE and self.engine.is_tensor_parallel:  # each rank takes its heads
+        if state is TransferState.DONE and self.engine.stages_kv:  # each rank takes its heads
             self.engine.import_blocks(self.engine.kv.block_table(request_id))
         if entry.request.choices:
             self._admission.split(request_id, is_pulled=state is TransferState.DONE)

@@ -3,12 +3,16 @@
 The engine's KV cache is one contiguous tensor per worker:
     kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 so block i is the byte range [i * block_bytes, (i + 1) * block_bytes) of that tensor.
+A tensor-parallel worker whose ranks are reached one by one (NIXL) has one such tensor per rank, each with
+that rank's KV heads and the same block ids: its layout describes the whole heads (what a peer's blocks must
+match) and lists the ranks' slices (`KVLayout.ranks`), and a peer reads each head from the rank that holds it
+(kv_transfer/head_slices.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -36,6 +40,17 @@ class MemoryRegion:
 
 
 @dataclass(frozen=True)
+class RankSlice:
+    """The KV heads [first_kv_head, first_kv_head + num_kv_heads) of every layer, held by one rank of a
+    tensor-parallel worker in blocks of its own ([layers, 2, block_size, num_kv_heads, head_dim])."""
+
+    rank: int  # the rank within its worker; 0 is the one the worker's transfer endpoints live in
+    first_kv_head: int
+    num_kv_heads: int
+    region: MemoryRegion  # the rank's whole cache, in the rank's process
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """What a peer must know about a worker's KV memory to read or write its blocks."""
 
@@ -48,6 +63,9 @@ class KVLayout:
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
     device: str  # "cpu" or "cuda"; the memory kind, not the ordinal
     regions: tuple[MemoryRegion, ...]  # where the blocks lie; one region for the engine's single tensor
+    # Empty: one process holds every head, in `regions`. Else a tensor-parallel worker's ranks, in rank order,
+    # each holding a slice of the heads (`regions` is then empty: no process holds whole-head blocks).
+    ranks: tuple[RankSlice, ...] = ()
 
     @property
     def fingerprint(self) -> str:
@@ -104,6 +122,33 @@ def layout_from_tensor(kv_cache: torch.Tensor) -> KVLayout:
         device=kv_cache.device.type,
         regions=(region,),
     )
+
+
+def rank_slices_layout(rank_caches: list[tuple[int, int, MemoryRegion]], rank0: KVLayout) -> KVLayout:
+    """The layout of a tensor-parallel worker whose ranks are read one by one.
+
+    Args:
+        rank_caches: per rank, in rank order: (first KV head, KV heads, its cache's region).
+        rank0: layout_from_tensor of rank 0's cache (its geometry; the heads are widened to all of them).
+
+    Returns:
+        The whole-head layout (its fingerprint matches a one-rank worker's) with the ranks' slices.
+    """
+    slices = tuple(RankSlice(rank, first, num, region)
+                   for rank, (first, num, region) in enumerate(rank_caches))
+    num_kv_heads = max(s.first_kv_head + s.num_kv_heads for s in slices)
+    per_head = rank0.block_bytes // rank0.num_kv_heads
+    return replace(rank0, num_kv_heads=num_kv_heads, block_bytes=per_head * num_kv_heads, regions=(),
+                   ranks=slices)
+
+
+def layout_slices(layout: KVLayout) -> tuple[RankSlice, ...]:
+    """Which ranks hold which heads: a tensor-parallel layout's slices, or one slice of every head."""
+    if layout.ranks:
+        return layout.ranks
+    if len(layout.regions) != 1:
+        raise ValueError(f"a one-rank layout with {len(layout.regions)} regions has no single slice")
+    return (RankSlice(0, 0, layout.num_kv_heads, layout.regions[0]),)
 
 
 def check_compatible(source: KVLayout, destination: KVLayout) -> None:

@@ -61,6 +61,9 @@ class KVReceiver(TransferEndpoint, ABC):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.ranks is not None and not self.capabilities.reads_rank_slices:
+            raise ValueError(f"the {self.backend} backend moves a tensor-parallel worker's KV through rank "
+                             f"0's staging cache; it cannot take its ranks one by one")
         self.peers: dict[str, PeerInfo] = {}
         self._pulls: dict[PullKey, Pull] = {}
 

@@ -36,6 +36,9 @@ class KVSender(TransferEndpoint, ABC):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.ranks is not None and not self.capabilities.reads_rank_slices:
+            raise ValueError(f"the {self.backend} backend moves a tensor-parallel worker's KV through rank "
+                             f"0's staging cache; it cannot take its ranks one by one")
         self._leases = LeaseTable()
         # Until then a claim for a withdrawn lease may still arrive (its receiver had the handle): it must be
         # refused at once, or that receiver waits for its pull's deadline with its blocks allocated.

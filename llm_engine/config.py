@@ -69,6 +69,10 @@ class EngineConfig:
     # Ranks (processes) one worker's model is split over (llm_engine/tensor_parallel.py): each holds
     # 1/tensor_parallel_size of every layer's heads, MLP and KV cache.
     tensor_parallel_size: int = 1
+    # Rank 0 of a tensor-parallel worker keeps a whole-head staging copy of the cache, for KV that leaves or
+    # arrives through its process alone (the torch and local transfer backends). False where the transfer
+    # backend reads each rank's heads where they live (NIXL: kv_transfer/head_slices.py): no copy to pay for.
+    tp_staging: bool = True
 
     def __post_init__(self) -> None:
         problems = []

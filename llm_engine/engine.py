@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -28,7 +28,14 @@ from llm_engine.node_locks import node_memory_lock
 from llm_engine.request import Request
 from llm_engine.sampling import SamplingParams
 from llm_engine.scheduler import Scheduler
-from llm_engine.tensor_parallel import StartFollowers, StepMirror, Stop, TPGroup
+from llm_engine.tensor_parallel import (
+    RankCall,
+    RankCallFailed,
+    StartFollowers,
+    StepMirror,
+    Stop,
+    TPGroup,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +98,7 @@ class LLMEngine:
         self._staging: torch.Tensor | None = None
         if self.mirror is not None:
             self.mirror.send(StartFollowers(self.kv_capacity.num_blocks))
+        if self.mirror is not None and config.tp_staging:
             # Whole-head blocks for the KV that leaves or arrives: the same ids as the ranks' caches.
             with node_memory_lock(config.device):
                 rank_spec = KVCacheSpec.from_model(self.spec, config)
@@ -109,9 +117,32 @@ class LLMEngine:
         return self.runner.compilation
 
     @property
-    def is_tensor_parallel(self) -> bool:
-        """Rank 0 of several: blocks that leave or arrive go through export_blocks / import_blocks."""
+    def stages_kv(self) -> bool:
+        """Rank 0 of several with a staging cache: blocks that leave or arrive go through export_blocks /
+        import_blocks."""
         return self._staging is not None
+
+    @property
+    def rank_call(self) -> Callable[[object], list[object]] | None:
+        """Rank 0 of several without a staging cache: what the transfer layer runs on the other ranks
+        (call_ranks); None otherwise."""
+        return self.call_ranks if self.mirror is not None and self._staging is None else None
+
+    def call_ranks(self, op: object) -> list[object]:
+        """Run `op` on every other rank (their runner's rank_handler: the transfer layer's, installed by the
+        worker) and return each one's answer, in rank order.
+
+        Raises:
+            RuntimeError: a rank's handler raised (its error named).
+        """
+        assert self.mirror is not None
+        with self.mirror.lock:
+            self.mirror.send(RankCall(op))
+            answers = self.mirror.group.gather_objects(None)[1:]
+        for rank, answer in enumerate(answers, start=1):
+            if isinstance(answer, RankCallFailed):
+                raise RuntimeError(f"rank {rank} failed {type(op).__name__}: {answer.error}")
+        return answers
 
     @property
     def transfer_cache(self) -> torch.Tensor:

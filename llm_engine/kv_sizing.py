@@ -188,7 +188,7 @@ def plan_kv_cache(config: EngineConfig, spec: ModelSpec, memory: DeviceMemory) -
     # leaves or arrives (llm_engine/tensor_parallel.py); the budget pays for both, and every rank takes as
     # many blocks as rank 0 can hold (rank 0's share of the heads is the largest).
     block_bytes = cache.block_bytes
-    if config.tensor_parallel_size > 1:
+    if config.tensor_parallel_size > 1 and config.tp_staging:
         block_bytes += replace(cache, num_kv_heads=spec.num_kv_heads).block_bytes
     capacity = kv_capacity(kv_budget(config, memory, activation), block_bytes, config.block_size)
     return replace(capacity, num_bytes=capacity.num_blocks * cache.block_bytes)  # the rank's own cache

@@ -117,6 +117,23 @@ class TPGroup:
         given = [[c.contiguous() for c in chunks]] if self.rank == 0 else []
         self._reduce.scatter([out], given, options).wait()
 
+    def gather_objects(self, obj: object) -> list[object]:
+        """Every rank's `obj`, in rank order, on rank 0; [] on the others (pickled; sizes first)."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self._control.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+        longest = int(max(size[0] for size in sizes))
+        payload = torch.zeros(longest, dtype=torch.uint8)
+        payload[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else payload[:0]
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        gathered = [torch.empty_like(payload) for _ in range(self.size)] if self.rank == 0 else []
+        self._control.gather([gathered] if self.rank == 0 else [], [payload], options).wait()
+        if self.rank != 0:
+            return []
+        return [pickle.loads(part[:int(size[0])].numpy().tobytes())
+                for part, size in zip(gathered, sizes, strict=True)]
+
     def broadcast_object(self, obj: object | None = None) -> object:
         """Rank 0 sends `obj`; every rank returns it (ranks > 0 wait for it, without a deadline)."""
         size = torch.zeros(1, dtype=torch.int64)
@@ -249,11 +266,25 @@ class ForgetAll:
 
 
 @dataclass(frozen=True)
+class RankCall:
+    """An op for the other ranks' rank_handler (the transfer layer's: kv_transfer/backends/nixl_ranks.py);
+    each answers through gather_objects, a RankCallFailed if its handler raised."""
+
+    op: object
+
+
+@dataclass(frozen=True)
+class RankCallFailed:
+    error: str
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
 
-MirroredCall = StartFollowers | Execute | CopyBlocks | GatherBlocks | ScatterBlocks | ForgetAll | Stop
+MirroredCall = (StartFollowers | Execute | CopyBlocks | GatherBlocks | ScatterBlocks | ForgetAll | RankCall
+                | Stop)
 
 
 class StepMirror:

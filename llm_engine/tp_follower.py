@@ -3,18 +3,22 @@
     TPFollower(config, group): load this rank's slice (llm_engine/model_loader.py) → wait for rank 0's cache
         size (StartFollowers) → allocate as many blocks of this rank's KV heads
     → serve(): replay each call rank 0's runner mirrors (execute, copy_blocks, forget_all, and the gather and
-      scatter of blocks that leave or arrive), until Stop.
+      scatter of blocks that leave or arrive), and answer rank 0's RankCalls through rank_handler (the NIXL
+      transfer layer's ops on this rank's cache: kv_transfer/backends/nixl_ranks.py), until Stop.
 No scheduler and no sampling here: rank 0 decides every step (llm_engine/tensor_parallel.py says why).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from llm_engine.config import EngineConfig
 from llm_engine.kv_cache import KVCacheSpec
 from llm_engine.model_loader import LoadedModel, load_model
 from llm_engine.model_runner import ModelRunner
 from llm_engine.node_locks import node_memory_lock
-from llm_engine.tensor_parallel import StartFollowers, StepMirror, Stop, TPGroup
+from llm_engine.rank_shares import spec_shares
+from llm_engine.tensor_parallel import RankCall, RankCallFailed, StartFollowers, StepMirror, Stop, TPGroup
 
 
 class TPFollower:
@@ -33,7 +37,14 @@ class TPFollower:
         self.runner = ModelRunner(loaded.model, self.spec, config, start.num_blocks, loaded.body, kv_cache,
                                   compilation=loaded.compilation)
         self.runner.tp_group = group
+        self.group = group
         self.num_steps = 0
+        # Answers rank 0's RankCalls (the transfer layer's ops, installed by the worker); None: refused.
+        self.rank_handler: Callable[[object], object] | None = None
+
+    @property
+    def first_kv_head(self) -> int:
+        return spec_shares(self.spec, self.group.size)[self.group.rank].kv_start
 
     def serve(self) -> None:
         """Replay rank 0's calls until it sends Stop (or a collective fails: rank 0 is gone)."""
@@ -43,5 +54,17 @@ class TPFollower:
                 return
             if isinstance(call, StartFollowers):
                 raise RuntimeError("rank 0 sent a second cache size")
+            if isinstance(call, RankCall):
+                self.group.gather_objects(self._answer(call.op))
+                continue
             self.runner.replay(call)
             self.num_steps += 1
+
+    def _answer(self, op: object) -> object:
+        """The handler's answer, or what went wrong: rank 0 waits in the gather either way."""
+        if self.rank_handler is None:
+            return RankCallFailed("no handler for rank calls on this rank")
+        try:
+            return self.rank_handler(op)
+        except Exception as exc:
+            return RankCallFailed(f"{type(exc).__name__}: {exc}")

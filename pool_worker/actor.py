@@ -40,7 +40,15 @@ import ray
 
 from decode_pool.messages import DecodeRequest
 from decode_pool.role import DecodeRole
-from kv_transfer import BackendName, PeerInfo, PullReply, PullRequest, TransferConfig, TransferRecord
+from kv_transfer import (
+    BackendName,
+    PeerInfo,
+    PullReply,
+    PullRequest,
+    TransferConfig,
+    TransferRecord,
+    capabilities,
+)
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.model_loader import num_model_loads
 from llm_engine.step_timeline import STEP_TOKEN_BUCKETS, StepRecord
@@ -128,7 +136,9 @@ class WorkerActor:
         model_dir = self._model_source.resolve_here(node)  # before the group: a rank without it fails alone
         self._cpu_ids = setup_worker_process(self._num_threads, torch_group, cpu_slot)
         self._cpu_slot = cpu_slot
-        config = replace(self._engine_config, model_dir=model_dir)
+        # No staging cache where the backend reads each rank's heads where they live.
+        config = replace(self._engine_config, model_dir=model_dir,
+                         tp_staging=not capabilities(self._backend).reads_rank_slices)
         if config.tensor_parallel_size > 1:
             self.engine = self._start_tp_group(config)
         else:

@@ -9,7 +9,9 @@ Lifecycle (driven by WorkerActor.start when tensor_parallel_size > 1):
     → rank 0 picks a free port on its node; each rank's start() joins the group there, loads its slice of
         the model and waits for the cache size (llm_engine/tp_follower.py), while rank 0 builds its
         LLMEngine over the same group (which sends the size) → TPRanks.wait_started()
-    → each rank replays rank 0's steps on a thread of its own (TPFollower.serve)
+    → each rank replays rank 0's steps on a thread of its own (TPFollower.serve), and, where the transfer
+      backend reads each rank's heads where they live (NIXL), answers rank 0's transfer ops over its cache
+      (kv_transfer/backends/nixl_ranks.py RankTransfers)
     → a rank that dies: rank 0's next all-reduce fails, its step loop fails the worker, and the gateway
       replaces it as any failed worker (the other ranks go with rank 0's actor). Rank 0 that dies: Ray ends
       the ranks it owns.
@@ -26,6 +28,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from kv_transfer.backends.nixl_ranks import RankTransfers
 from llm_engine import EngineConfig
 from llm_engine.tensor_parallel import TPGroup, TPRank
 from llm_engine.tp_follower import TPFollower
@@ -51,6 +54,10 @@ class TPRankActor:
         Returns this process's id."""
         setup_worker_process(num_threads)
         self._follower = TPFollower(replace(engine_config, model_dir=model_dir), TPGroup(tp))
+        if not engine_config.tp_staging:  # the transfer layer reads and writes this rank's heads here
+            transfers = RankTransfers(self.worker_id, self.rank, self._follower.first_kv_head,
+                                      self._follower.runner.kv_cache)
+            self._follower.rank_handler = transfers.handle
         threading.Thread(target=self._serve, name=f"tp-rank-{self.rank}", daemon=True).start()
         return os.getpid()
 

@@ -40,7 +40,8 @@ class PrefillRole:
                  transfer_config: TransferConfig, outputs: OutputChannels, num_threads: int = 1) -> None:
         engine.use_scheduler(PrefillScheduler)
         # The transfer cache: the engine's own, or a tensor-parallel worker's whole-head staging cache.
-        sender = make_sender(backend, worker_id, engine.transfer_cache, config=transfer_config)
+        sender = make_sender(backend, worker_id, engine.transfer_cache, config=transfer_config,
+                             ranks=engine.rank_call)
         # The role polls the sender from the actor's event loop (_poll_transfers): the loop thread sleeps
         # when idle.
         self.worker = PrefillWorker(worker_id, engine, sender, is_sender_polled_elsewhere=True)

@@ -46,6 +46,9 @@ class WorkerRuntime:
     # Ranks its model is split over (llm_engine/tensor_parallel.py); kv_cache_bytes is each rank's.
     tensor_parallel_size: int = 1
     tp_rank_pids: tuple[int, ...] = ()  # the processes of ranks 1.. (pool_worker/tp_ranks.py)
+    # How KV leaves and arrives at several ranks: "rank slices" (each rank's heads read where they live,
+    # kv_transfer/head_slices.py) or "rank 0 staging" (whole-head blocks through rank 0); "" at one rank.
+    tp_kv_handoff: str = ""
 
     @classmethod
     def of(cls, engine: LLMEngine, num_threads: int, cpu_ids: tuple[int, ...],
@@ -58,7 +61,8 @@ class WorkerRuntime:
                    # A token's KV over every rank: what moves between workers.
                    engine.runner.cache_spec.bytes_per_token * engine.config.tensor_parallel_size,
                    kv.num_blocks, kv.num_tokens, kv.num_bytes,
-                   kv.source, engine.config.tensor_parallel_size, tp_rank_pids)
+                   kv.source, engine.config.tensor_parallel_size, tp_rank_pids,
+                   "" if engine.mirror is None else "rank 0 staging" if engine.stages_kv else "rank slices")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,11 @@ Handshake once per peer: the receiver loads the sender's agent metadata and prep
 all of the peer's blocks; its own blocks are prepared once at construction. Per pull only indices are passed.
 The sender learns how to reach a receiver from its claims, which carry the receiver's connection info until
 that sender has answered one, so PeerInfo still goes one way only.
+Tensor-parallel workers (kv_transfer/backends/nixl_ranks.py): the lease, claim and grant stay with rank 0; a
+pull where either side has ranks posts, on every destination rank, one READ per source rank it shares heads
+with (kv_transfer/head_slices.py), with no notification attached; rank 0 sends PULLED once every rank's
+READs are DONE, and DROP (after cancelling them all) when one fails. backend_metadata lists every rank's
+agent metadata, rank 0's first.
 Transfer handles: each READ's handle is released exactly once, when the READ is seen DONE or ERR, when the
 deadline cancels it, or at close(). A release NIXL refuses is logged and retried at every poll(); a pull whose
 READ could not be cancelled is reported only once it has been, so nothing lands in freed destination blocks.
@@ -37,9 +42,23 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+import msgpack
+
 from kv_transfer.backends.nixl_agent import NixlAgent
 from kv_transfer.backends.nixl_notif import NixlNotif, NotifKind, decode_notif, encode_notif
+from kv_transfer.backends.nixl_ranks import (
+    CancelReads,
+    ForgetAgents,
+    LoadAgents,
+    OpenRank,
+    PollReads,
+    PostReads,
+    RankMemory,
+    SliceReads,
+)
 from kv_transfer.enums import BackendName, ReleaseReason, TransferState
+from kv_transfer.head_slices import plan_slice_reads
+from kv_transfer.layout import rank_slices_layout
 from kv_transfer.receiver import KVReceiver, Pull
 from kv_transfer.sender import KVSender
 
@@ -54,13 +73,21 @@ logger = logging.getLogger(__name__)
 _incarnations = itertools.count()
 
 
-def _registered_agent(end: KVSender | KVReceiver) -> NixlAgent:
-    """A NIXL agent named for the worker and this endpoint, with its whole KV tensor registered."""
+def _registered_agent(end: KVSender | KVReceiver) -> tuple[NixlAgent, list[bytes]]:
+    """A NIXL agent named for the worker and this endpoint, with its whole KV tensor registered; and every
+    rank's agent metadata, this one's first. A tensor-parallel worker's other ranks open their agents first
+    (once per rank), and the endpoint's layout becomes the ranks' slices."""
     config = end.config
+    others: list[RankMemory] = [] if end.ranks is None else end.ranks(OpenRank(config))
+    own = end.layout
+    if others:
+        end.layout = rank_slices_layout(
+            [(0, own.num_kv_heads, own.regions[0]),
+             *((m.first_kv_head, m.num_kv_heads, m.region) for m in others)], own)
     name = f"{end.worker_id}#{os.getpid()}.{next(_incarnations)}"
     agent = NixlAgent(name, config.nixl_progress_delay_us, config.nixl_error_mode, config.ucx_cma_seg_size)
-    agent.register(end.layout)
-    return agent
+    agent.register(end.layout, own.regions)
+    return agent, [agent.metadata(), *(m.agent_metadata for m in others)]
 
 
 @dataclass
@@ -78,12 +105,12 @@ class NixlSender(KVSender):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.agent = _registered_agent(self)
+        self.agent, self._metadata = _registered_agent(self)
         self._grants: dict[int, _Grant] = {}  # by transfer id
         self._connections: dict[str, bytes] = {}  # receiver agent name -> connection info loaded for it
 
     def _backend_metadata(self) -> bytes:
-        return self.agent.metadata()
+        return msgpack.packb(self._metadata, use_bin_type=True)
 
     def _progress(self) -> list[tuple[int, ReleaseReason, str]]:
         done: list[tuple[int, ReleaseReason, str]] = []
@@ -151,6 +178,7 @@ class _Read:
     agent_name: str  # the sender's NIXL agent
     claim_sent_at: float  # time.monotonic() when the claim left; the sender's hold counts from later
     xfer: int | None = None  # the READ's transfer handle, from posting until it is released
+    is_sliced: bool = False  # READs of rank slices, on every rank (SliceReads), not one READ
     is_release_refused: bool = False  # NIXL refused to cancel it at the deadline once (logged once)
 
 
@@ -161,21 +189,31 @@ class NixlReceiver(KVReceiver):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.agent = _registered_agent(self)
+        self.agent, _ = _registered_agent(self)
         self._connection_info = self.agent.connection_info()
-        self._local_dlist = self.agent.prep_blocks("", self.layout)
-        self._remote_dlists: dict[str, int] = {}  # by source worker id
-        self._agent_names: dict[str, str] = {}  # source worker id -> its NIXL agent name
+        self._local_dlist = None if self.layout.ranks else self.agent.prep_blocks("", self.layout)
+        self._remote_dlists: dict[str, int] = {}  # by source worker id, for one-rank to one-rank pulls
+        self._agent_names: dict[str, str] = {}  # source worker id -> its NIXL agent name (rank 0's)
+        self._rank_agents: dict[str, tuple[str, ...]] = {}  # source worker id -> its ranks' agents, if sliced
+        self._slices = SliceReads(self.agent, self.layout)  # this rank's READs of sliced pulls
+        self._slice_states: dict[tuple[str, int], str] = {}  # sliced pull -> PROC / DONE / ERR, all ranks
         self._workers: dict[str, str] = {}  # NIXL agent name -> source worker id
         self._answered: set[str] = set()  # source workers that answered a claim: they can reach us
         self._unreleased: list[int] = []  # handles of finished READs that NIXL refused to release yet
-        self._retiring: dict[str, int | None] = {}  # agent name of a removed peer → its prepared list
+        # Agent name of a removed peer's rank 0 → its prepared list and every rank's agent name.
+        self._retiring: dict[str, tuple[int | None, tuple[str, ...]]] = {}
 
     def _on_add_peer(self, peer: PeerInfo) -> None:
-        agent_name = self.agent.add_remote(peer.backend_metadata)
-        self._remote_dlists[peer.worker_id] = self.agent.prep_blocks(agent_name, peer.layout)
-        self._agent_names[peer.worker_id] = agent_name
-        self._workers[agent_name] = peer.worker_id
+        metadata = tuple(msgpack.unpackb(peer.backend_metadata, raw=False))
+        names = tuple(self.agent.add_remote(m) for m in metadata)
+        if peer.layout.ranks or self.layout.ranks:
+            if self.ranks is not None:
+                self.ranks(LoadAgents(metadata))
+            self._rank_agents[peer.worker_id] = names
+        else:
+            self._remote_dlists[peer.worker_id] = self.agent.prep_blocks(names[0], peer.layout)
+        self._agent_names[peer.worker_id] = names[0]
+        self._workers[names[0]] = peer.worker_id
 
     def _on_remove_peer(self, worker_id: str) -> None:
         # If the worker comes back (a new endpoint, a new agent name), it must be sent our connection info
@@ -186,7 +224,8 @@ class NixlReceiver(KVReceiver):
             self._workers.pop(agent_name, None)
             # Released once no READ of it is in flight, not leaked per role change (the worker's next
             # endpoint gets its own list and metadata).
-            self._retiring[agent_name] = self._remote_dlists.pop(worker_id, None)
+            self._retiring[agent_name] = (self._remote_dlists.pop(worker_id, None),
+                                          self._rank_agents.pop(worker_id, ()))
 
     def _start(self, pull: Pull, peer: PeerInfo) -> None:
         now = time.monotonic()
@@ -203,7 +242,14 @@ class NixlReceiver(KVReceiver):
             reading = {pull.backend_state.agent_name for pull in self._pulls.values()
                        if isinstance(pull.backend_state, _Read)}
             for agent_name in [name for name in self._retiring if name not in reading]:
-                self.agent.forget_remote(agent_name, self._retiring.pop(agent_name))
+                dlist, rank_agents = self._retiring.pop(agent_name)
+                self.agent.forget_remote(agent_name, dlist)
+                for name in rank_agents[1:]:
+                    self.agent.forget_remote(name, None)
+                if rank_agents and self.ranks is not None:
+                    self.ranks(ForgetAgents(rank_agents))
+        if self._slice_states:
+            self._poll_slices()
         for agent_name, messages in self.agent.notifications().items():
             worker_id = self._workers.get(agent_name)
             if worker_id is None:
@@ -233,6 +279,10 @@ class NixlReceiver(KVReceiver):
         if time.monotonic() > pull.deadline:
             self._drop(read.agent_name, pull.handle.transfer_id, "the grant arrived after its hold")
             return  # fails at this poll's deadline check
+        if pull.handle.source_worker_id in self._rank_agents:
+            self._read_slices(pull)
+            return
+        assert self._local_dlist is not None  # a one-rank receiver: sliced otherwise
         pulled = encode_notif(NotifKind.PULLED, pull.handle.transfer_id)
         try:
             read.xfer, status = self.agent.read(self._local_dlist, pull.dst_block_ids,
@@ -245,9 +295,64 @@ class NixlReceiver(KVReceiver):
         pull.state = TransferState.TRANSFERRING
         self._settle(pull, status)
 
+    def _read_slices(self, pull: Pull) -> None:
+        """Post every rank's READs of its heads (rank 0's here, the others' through the step mirror)."""
+        read: _Read = pull.backend_state
+        handle, peer = pull.handle, self.peers[pull.handle.source_worker_id]
+        agents = self._rank_agents[handle.source_worker_id]
+        mine = [r for r in plan_slice_reads(peer.layout, self.layout, handle.block_ids, pull.dst_block_ids)
+                if r.dst_rank == 0]
+        read.is_sliced = True
+        posted = self._slices.post(pull.key, mine, agents)
+        if posted and self.ranks is not None:
+            op = PostReads(pull.key, peer.layout, self.layout, handle.block_ids, pull.dst_block_ids, agents)
+            posted = all(self.ranks(op))
+        if not posted:
+            self._stop_slices(pull)  # what was posted is cancelled; a refusal is retried at the deadline
+            pull.fail("a rank's READs could not be posted")
+            self._drop(read.agent_name, handle.transfer_id, "the READ could not be posted")
+            return
+        self._slice_states[pull.key] = "PROC"
+        pull.state = TransferState.TRANSFERRING
+
+    def _poll_slices(self) -> None:
+        """Every rank's READs of sliced pulls: a pull is DONE once all are, ERR once one failed."""
+        answers = [self._slices.poll(), *(self.ranks(PollReads()) if self.ranks is not None else [])]
+        for key in self._slice_states:
+            states = {answer.get(key, "DONE") for answer in answers}
+            self._slice_states[key] = "ERR" if "ERR" in states else "PROC" if "PROC" in states else "DONE"
+
+    def _stop_slices(self, pull: Pull) -> bool:
+        """Cancel a sliced pull's READs on every rank; True once none can write any more."""
+        stopped = self._slices.cancel(pull.key)
+        if self.ranks is not None:
+            stopped = all(self.ranks(CancelReads(pull.key))) and stopped
+        if stopped:
+            self._slice_states.pop(pull.key, None)
+        return stopped
+
+    def _settle_slices(self, pull: Pull) -> None:
+        read: _Read = pull.backend_state
+        state = self._slice_states.get(pull.key, "PROC")
+        if state == "PROC":
+            return
+        if state == "DONE":
+            self._slice_states.pop(pull.key, None)
+            if time.monotonic() <= pull.deadline:
+                pulled = encode_notif(NotifKind.PULLED, pull.handle.transfer_id)
+                self.agent.send_notif(read.agent_name, pulled)
+                pull.state = TransferState.DONE
+            else:
+                pull.fail("READ completed too late to be trusted: the sender's hold was over")
+        elif self._stop_slices(pull):  # one rank's READ failed: the others' stopped before the report
+            pull.fail("NIXL READ of a rank's heads failed (peer gone or memory no longer registered)")
+            self._drop(read.agent_name, pull.handle.transfer_id, "the READ failed")
+
     def _advance(self, pull: Pull) -> None:
         read: _Read = pull.backend_state
-        if pull.state == TransferState.TRANSFERRING and read.xfer is not None:
+        if pull.state == TransferState.TRANSFERRING and read.is_sliced:
+            self._settle_slices(pull)
+        elif pull.state == TransferState.TRANSFERRING and read.xfer is not None:
             self._settle(pull, self.agent.status(read.xfer))
 
     def _settle(self, pull: Pull, status: str) -> None:
@@ -269,6 +374,11 @@ class NixlReceiver(KVReceiver):
         read: _Read | None = pull.backend_state
         if read is None:
             return True  # no claim sent
+        if read.is_sliced:
+            if not self._stop_slices(pull):
+                return False
+            self._drop(read.agent_name, pull.handle.transfer_id, "deadline passed; READs cancelled")
+            return True
         if read.xfer is None:
             # No READ posted. The claim may have been granted (or will be): tell the sender now, so that it
             # frees its blocks at once even if this receiver stops polling (a grant that still comes while
@@ -294,6 +404,10 @@ class NixlReceiver(KVReceiver):
         self.agent.send_notif(agent_name, encode_notif(NotifKind.DROP, transfer_id, reason=reason))
 
     def close(self) -> None:
+        for pull in self._pulls.values():
+            if isinstance(pull.backend_state, _Read) and pull.backend_state.is_sliced:
+                self._stop_slices(pull)
+        self._slices.cancel_all()
         for pull in self._pulls.values():
             read = pull.backend_state
             if isinstance(read, _Read) and read.xfer is not None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from kv_transfer.layout import KVLayout
+    from kv_transfer.layout import KVLayout, MemoryRegion
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +54,12 @@ class NixlAgent:
     def _mem_type(self, layout: KVLayout) -> object:
         return self._bind.VRAM_SEG if layout.device == "cuda" else self._bind.DRAM_SEG
 
-    def register(self, layout: KVLayout) -> None:
-        """Register every region of `layout` with UCX (pins it / creates its rkeys)."""
-        regions = [(r.address, r.num_bytes, r.device_id, "") for r in layout.regions]
-        reg = self._bind.nixlRegDList(self._mem_type(layout), regions)
+    def register(self, layout: KVLayout, regions: tuple[MemoryRegion, ...] | None = None) -> None:
+        """Register memory of `layout`'s kind with UCX (pins it / creates its rkeys): `regions`, or the
+        layout's own."""
+        regions = layout.regions if regions is None else regions
+        descs = [(r.address, r.num_bytes, r.device_id, "") for r in regions]
+        reg = self._bind.nixlRegDList(self._mem_type(layout), descs)
         self._check(self._agent.registerMem(reg, [self._ucx]), "registerMem")
         self._registered.append(reg)
 
@@ -131,6 +133,28 @@ class NixlAgent:
             return xfer, self._status(self._agent.postXferReq(xfer, notif))
         except Exception as exc:
             if not self.release(xfer):  # never posted, so nothing is in flight to refuse its release
+                logger.error("NIXL transfer handle %#x of a READ that failed to post was not released", xfer)
+            raise RuntimeError(f"NIXL READ could not be posted: {exc}") from exc
+
+    def read_descriptors(self, layout: KVLayout, local: np.ndarray, agent_name: str, remote: np.ndarray
+                         ) -> tuple[int, XferStatus]:
+        """Post a READ of arbitrary descriptors ([n, 3] uint64: address, bytes, device id) of a peer's
+        registered memory into this agent's (rank slices: kv_transfer/head_slices.py); no notification.
+
+        Returns and raises as read().
+        """
+        mem_type = self._mem_type(layout)
+        local_list = self._bind.nixlXferDList(mem_type, np.ascontiguousarray(local))
+        remote_list = self._bind.nixlXferDList(mem_type, np.ascontiguousarray(remote))
+        try:
+            xfer = int(self._agent.createXferReq(self._bind.NIXL_READ, local_list, remote_list, agent_name,
+                                                 "", [self._ucx]))
+        except Exception as exc:
+            raise RuntimeError(f"NIXL READ could not be made: {exc}") from exc
+        try:
+            return xfer, self._status(self._agent.postXferReq(xfer))
+        except Exception as exc:
+            if not self.release(xfer):
                 logger.error("NIXL transfer handle %#x of a READ that failed to post was not released", xfer)
             raise RuntimeError(f"NIXL READ could not be posted: {exc}") from exc
 

@@ -56,6 +56,8 @@ def test_kv_from_one_rank_to_two_gives_one_ranks_greedy_tokens(client: httpx.Cli
     runtimes = {w["role"]: w["runtime"] for w in client.get("/admin/pools").json()["workers"]}
     assert runtimes["decode"]["tensor_parallel_size"] == 2 and len(runtimes["decode"]["tp_rank_pids"]) == 1
     assert runtimes["prefill"]["tensor_parallel_size"] == 1
+    # NIXL: each rank reads its own heads, so rank 0 keeps no whole-head staging copy of the cache.
+    assert runtimes["decode"]["tp_kv_handoff"] == "rank slices" and runtimes["prefill"]["tp_kv_handoff"] == ""
     # The bytes a token's KV moves are the same whole-head bytes at either degree.
     assert runtimes["decode"]["kv_bytes_per_token"] == runtimes["prefill"]["kv_bytes_per_token"]
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "return_token_ids": True}

@@ -1,7 +1,8 @@
 """SmolLM2 (9 query heads, 3 KV heads) through 1 prefill + 1 decode worker on Ray at each pair of degrees
 the issue asks for, one fleet changed by PUT /admin/pools: prefill at two ranks (6 + 3 heads, 2 + 1 KV
 heads) and decode at one, then decode at two, then prefill at one. Greedy float32 tokens equal one rank's
-every time, and the KV is handed over, not recomputed."""
+every time, and the KV is handed over, not recomputed: each decode rank reads its heads from the prefill
+ranks that hold them (kv_transfer/head_slices.py)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def test_smollm2_at_two_ranks_and_one_hands_kv_both_ways_with_one_ranks_greedy_t
             assert answer.status_code == 200 and answer.json()["error"] == "", answer.text
         workers = client.get("/admin/pools").json()["workers"]
         degrees = {w["role"]: w["runtime"]["tensor_parallel_size"] for w in workers}
+        handoffs = {w["runtime"]["tp_kv_handoff"] for w in workers if degrees[w["role"]] > 1}
+        assert handoffs == {"rank slices"}  # each rank's heads read where they live, through NIXL
         response = client.post("/v1/completions", json=body)
         assert response.json()["choices"][0]["token_ids"] == one_rank, degrees
         assert response.json()["timings"]["transfer_bytes"] > 0, degrees

@@ -1,0 +1,93 @@
+"""NIXL between workers of different tensor-parallel degrees, in one process: each "rank" is a real agent over
+its own cache (a RankTransfers, reached by a direct call where a worker's step mirror would carry the op), and
+every destination rank's heads arrive, read from the source ranks that hold them; the sender is told PULLED
+only when every rank's READs are done."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kv_transfer import ReleaseReason, TransferState, make_receiver, make_sender
+from kv_transfer.backends.nixl_ranks import RankTransfers
+from kv_transfer.enums import BackendName
+
+pytest.importorskip("nixl._bindings")
+
+SHARES = {1: [(0, 3)], 2: [(0, 2), (2, 1)]}  # (first KV head, KV heads) per rank: 3 heads over 1 or 2 ranks
+_names = itertools.count()
+
+
+class Worker:
+    """One worker's ranks: rank 0's cache goes to its sender or receiver; the others answer its ops."""
+
+    def __init__(self, tp: int, name: str, seed: int | None) -> None:
+        generator = torch.Generator().manual_seed(seed or 0)
+        self.caches = [torch.zeros(8, 2, 2, 4, n, 8) for _, n in SHARES[tp]]
+        if seed is not None:
+            for cache in self.caches:
+                cache.copy_(torch.randn(cache.shape, generator=generator))
+        self.others = [RankTransfers(name, rank, first, self.caches[rank])
+                       for rank, (first, _) in enumerate(SHARES[tp]) if rank > 0]
+        self.name = name
+
+    def call_ranks(self, op: object) -> list[Any]:
+        return [rank.handle(op) for rank in self.others]
+
+    def endpoint_kwargs(self) -> dict[str, Any]:
+        return {"ranks": self.call_ranks} if self.others else {}
+
+    def whole(self) -> torch.Tensor:
+        return torch.cat(self.caches, dim=4)
+
+    def close(self) -> None:
+        for rank in self.others:
+            rank.close()
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    made: list[Worker] = []
+    yield made
+    for worker in made:
+        worker.close()
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 2), (2, 2)])
+def test_every_rank_pulls_its_heads_from_the_ranks_that_hold_them(src_tp: int, dst_tp: int,
+                                                                  workers: list[Worker]) -> None:
+    n = next(_names)
+    src, dst = Worker(src_tp, f"p-ranks-{n}", seed=n), Worker(dst_tp, f"d-ranks-{n}", seed=None)
+    workers += [src, dst]
+    sender = make_sender(BackendName.NIXL, src.name, src.caches[0], **src.endpoint_kwargs())
+    receiver = make_receiver(BackendName.NIXL, dst.name, dst.caches[0], **dst.endpoint_kwargs())
+    try:
+        assert sender.layout.fingerprint == receiver.layout.fingerprint
+        assert len(sender.layout.ranks) == (src_tp if src_tp > 1 else 0)
+        receiver.add_peer(sender.peer_info())
+        handle = sender.offer([1, 2, 5], num_tokens=12)
+        receiver.start_pull(handle, [4, 0, 3])
+        results, released = [], []
+        deadline = time.monotonic() + 10
+        while not (results and released) and time.monotonic() < deadline:
+            results += receiver.poll()
+            released += sender.poll()
+        assert [r.state for r in results] == [TransferState.DONE], results
+        assert [r.reason for r in released] == [ReleaseReason.PULLED]
+        assert torch.equal(dst.whole()[[4, 0, 3]], src.whole()[[1, 2, 5]])
+        assert not dst.whole()[[1, 2, 5, 6, 7]].any()
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_backend_that_stages_kv_refuses_ranks(workers: list[Worker]) -> None:
+    worker = Worker(2, "torch-ranks", seed=None)
+    workers.append(worker)
+    with pytest.raises(ValueError, match="staging cache"):
+        make_sender(BackendName.LOCAL, worker.name, worker.caches[0], ranks=worker.call_ranks)
