@@ -25,6 +25,10 @@ class TransferConfig:
     # default (hundreds of KiB) made 16-256 MiB READs ~2x slower here. Set through the environment before the
     # agent starts, unless UCX_CMA_SEG_SIZE is already set. Empty: leave UCX's default.
     ucx_cma_seg_size: str = "64M"
+    # Each receiving rank of a tensor-parallel worker (NIXL): a buffer for the whole source blocks of pulls
+    # whose ranks hold other heads, copied into the cache locally once read (kv_transfer/head_slices.py);
+    # a pull that finds it full reads row by row instead. Allocated at the first such pull.
+    rank_scratch_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0 or self.transfer_timeout_s <= 0 or self.lease_margin_s < 0:

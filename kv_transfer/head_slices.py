@@ -2,11 +2,16 @@
 own KV heads, each from the source rank that holds them (kv_transfer/layout.py RankSlice).
 
 A block of a rank's cache is [layers, 2, block_size, heads, head_dim]: a head range is contiguous only within
-one row (one token of one layer's K or V). So a read between slices that differ is one descriptor per row
-(layers × 2 × block_size per block, each the overlap's heads × head_dim elements); between slices that hold
-the same heads it is one descriptor per block. NIXL merges descriptors adjacent on both sides.
-Why not change the cache to head-major blocks (as vLLM's NixlConnector asks for heterogeneous TP): every
-kernel reads the token-major layout; a row is 64-512 bytes here, a handful of descriptors per token.
+one row (one token of one layer's K or V). So a pair of ranks that hold the same heads reads whole blocks
+(one descriptor per block; NIXL merges adjacent ones), and a pair whose heads differ reads either
+    staged: the source rank's whole blocks into a scratch buffer of the destination rank, then a local copy
+        of the shared heads into the cache (more bytes over the wire where the source holds heads the
+        destination rank does not, one descriptor per block), or
+    direct: one descriptor per row (layers × 2 × block_size per block, each the shared heads × head_dim
+        elements), straight into the cache: what a pull does when its scratch is taken.
+Why staged first: a descriptor costs about a microsecond in UCX here whatever its size (15,360 rows of
+128-256 bytes: 13 ms to post), and a row is 64-512 bytes in the models we serve. Why not head-major blocks
+(vLLM's NixlConnector asks for them with heterogeneous TP): every kernel reads the token-major layout.
 """
 
 from __future__ import annotations
@@ -14,22 +19,63 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from kv_transfer.layout import KVLayout, RankSlice, layout_slices
 
 
 @dataclass(frozen=True)
 class SliceRead:
-    """The descriptors one destination rank reads from one source rank (internal; never sent)."""
+    """What one destination rank reads from one source rank: KV heads [lo, hi) of the blocks (internal)."""
 
-    src_rank: int
-    dst_rank: int
-    local: np.ndarray  # [n, 3] uint64: (address, bytes, device id) in the destination rank's memory
-    remote: np.ndarray  # [n, 3] uint64: the same rows' bytes in the source rank's memory
+    src: RankSlice
+    dst: RankSlice
+    lo: int
+    hi: int
+    src_ids: np.ndarray  # uint64 block ids, pairwise with dst_ids
+    dst_ids: np.ndarray
+    rows: int  # rows per block: layers × 2 × block_size
+    head_bytes: int  # head_dim × element size
 
     @property
-    def num_bytes(self) -> int:
-        return int(self.local[:, 1].sum())
+    def same_heads(self) -> bool:
+        """Both ranks hold exactly the heads read: whole blocks on both sides."""
+        return (self.src.first_kv_head, self.src.num_kv_heads, self.dst.first_kv_head,
+                self.dst.num_kv_heads) == (self.lo, self.hi - self.lo, self.lo, self.hi - self.lo)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Scratch a staged read takes: the source rank's whole blocks."""
+        return len(self.src_ids) * self._block_bytes(self.src)
+
+    def direct(self) -> tuple[np.ndarray, np.ndarray]:
+        """(local, remote) descriptors, [n, 3] uint64 (address, bytes, device id): into the cache."""
+        whole = self.same_heads
+        return (_descriptors(self.dst, self.dst_ids, self.lo, self.hi, self.rows, self.head_bytes, whole),
+                _descriptors(self.src, self.src_ids, self.lo, self.hi, self.rows, self.head_bytes, whole))
+
+    def staged(self, scratch: int, device_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """(local, remote) descriptors of the source's whole blocks into scratch bytes from address
+        `scratch` on, block after block."""
+        block_bytes = self._block_bytes(self.src)
+        local = np.empty((len(self.src_ids), 3), dtype=np.uint64)
+        local[:, 0] = scratch + np.arange(len(self.src_ids), dtype=np.uint64) * np.uint64(block_bytes)
+        local[:, 1] = block_bytes
+        local[:, 2] = device_id
+        return local, _descriptors(self.src, self.src_ids, self.lo, self.hi, self.rows, self.head_bytes, True)
+
+    def copy_staged(self, scratch: torch.Tensor, cache: torch.Tensor) -> None:
+        """Once a staged read is done: the shared heads of `scratch` (uint8, from the read's first byte)
+        into the destination rank's `cache` ([blocks, layers, 2, block_size, heads, head_dim])."""
+        shape = (len(self.src_ids), *cache.shape[1:4], self.src.num_kv_heads, cache.shape[5])
+        source = scratch[:self.staged_bytes].view(cache.dtype).view(shape)
+        index = torch.as_tensor(self.dst_ids.astype(np.int64), device=cache.device)
+        first, last = self.lo - self.dst.first_kv_head, self.hi - self.dst.first_kv_head
+        cache[index, :, :, :, first:last] = source[:, :, :, :, self.lo - self.src.first_kv_head:
+                                                   self.hi - self.src.first_kv_head]
+
+    def _block_bytes(self, rank: RankSlice) -> int:
+        return self.rows * rank.num_kv_heads * self.head_bytes
 
 
 def plan_slice_reads(src: KVLayout, dst: KVLayout, src_ids: tuple[int, ...],
@@ -53,33 +99,26 @@ def plan_slice_reads(src: KVLayout, dst: KVLayout, src_ids: tuple[int, ...],
         covered, end = d.first_kv_head, d.first_kv_head + d.num_kv_heads
         for s in layout_slices(src):
             lo, hi = max(covered, s.first_kv_head), min(end, s.first_kv_head + s.num_kv_heads)
-            if hi <= lo:
-                continue
-            local = _descriptors(d, dst_blocks, lo, hi, rows, head_bytes, whole=_same_heads(d, s))
-            remote = _descriptors(s, src_blocks, lo, hi, rows, head_bytes, whole=_same_heads(d, s))
-            reads.append(SliceRead(s.rank, d.rank, local, remote))
-            covered = hi
+            if hi > lo:
+                reads.append(SliceRead(s, d, lo, hi, src_blocks, dst_blocks, rows, head_bytes))
+                covered = hi
         if covered != end:
             raise ValueError(f"no source rank holds KV heads [{covered}, {end}) of destination rank {d.rank}")
     return reads
 
 
-def _same_heads(a: RankSlice, b: RankSlice) -> bool:
-    return (a.first_kv_head, a.num_kv_heads) == (b.first_kv_head, b.num_kv_heads)
-
-
 def _descriptors(rank: RankSlice, blocks: np.ndarray, lo: int, hi: int, rows: int, head_bytes: int,
                  whole: bool) -> np.ndarray:
     """(address, bytes, device) of heads [lo, hi) of `blocks` in `rank`'s memory: one row per block when
-    `whole` (the rank holds exactly those heads), else one per block row."""
+    `whole` (the whole block), else one per block row."""
     row_bytes = rank.num_kv_heads * head_bytes
     block_bytes = rows * row_bytes
     starts = rank.region.address + (blocks - np.uint64(rank.region.first_block)) * np.uint64(block_bytes)
     if whole:
         length = block_bytes
     else:
-        within = np.arange(rows, dtype=np.uint64) * np.uint64(row_bytes) + np.uint64((lo - rank.first_kv_head)
-                                                                                       * head_bytes)
+        offset = (lo - rank.first_kv_head) * head_bytes
+        within = np.arange(rows, dtype=np.uint64) * np.uint64(row_bytes) + np.uint64(offset)
         starts = (starts[:, None] + within[None, :]).ravel()
         length = (hi - lo) * head_bytes
     descs = np.empty((len(starts), 3), dtype=np.uint64)

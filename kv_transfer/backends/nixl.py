@@ -195,7 +195,7 @@ class NixlReceiver(KVReceiver):
         self._remote_dlists: dict[str, int] = {}  # by source worker id, for one-rank to one-rank pulls
         self._agent_names: dict[str, str] = {}  # source worker id -> its NIXL agent name (rank 0's)
         self._rank_agents: dict[str, tuple[str, ...]] = {}  # source worker id -> its ranks' agents, if sliced
-        self._slices = SliceReads(self.agent, self.layout)  # this rank's READs of sliced pulls
+        self._slices = SliceReads(self.agent, self.kv_cache, self.config.rank_scratch_bytes)  # rank 0's READs
         self._slice_states: dict[tuple[str, int], str] = {}  # sliced pull -> PROC / DONE / ERR, all ranks
         self._workers: dict[str, str] = {}  # NIXL agent name -> source worker id
         self._answered: set[str] = set()  # source workers that answered a claim: they can reach us
@@ -301,7 +301,7 @@ class NixlReceiver(KVReceiver):
         handle, peer = pull.handle, self.peers[pull.handle.source_worker_id]
         agents = self._rank_agents[handle.source_worker_id]
         mine = [r for r in plan_slice_reads(peer.layout, self.layout, handle.block_ids, pull.dst_block_ids)
-                if r.dst_rank == 0]
+                if r.dst.rank == 0]
         read.is_sliced = True
         posted = self._slices.post(pull.key, mine, agents)
         if posted and self.ranks is not None:

@@ -9,6 +9,7 @@ on every other rank and returns each one's answer, in rank order:
     LoadAgents / ForgetAgents    a receiver's peers: every source rank's agent metadata, loaded on every rank
     PostReads(key, ...)   plan the pull as rank 0 did, post this rank's reads (no notification) → bool
     PollReads()           {key: "PROC" | "DONE" | "ERR"} of the reads in flight; finished ones are released
+                          (a DONE pull's heads read into the rank's scratch are in its cache by then)
     CancelReads(key)      stop them; True once none can write any more
 A rank's own reads run on its agent's progress thread, so they move while the rank waits for rank 0's next
 step. Rank 0 tells the sender PULLED only once every rank's reads are DONE.
@@ -80,36 +81,60 @@ class CancelReads:
 
 
 @dataclass
-class SliceReads:
-    """The reads one rank has in flight, by pull; rank 0's receiver keeps one too, for its own heads."""
+class _Posted:
+    """One pull's READs on one rank (internal)."""
 
-    agent: NixlAgent
-    layout: KVLayout  # the memory kind the reads write into
-    _xfers: dict[PullKey, list[int]] = field(default_factory=dict)
+    handles: list[int] = field(default_factory=list)  # NIXL transfer handles not yet released
+    staged: list[tuple[SliceRead, int]] = field(default_factory=list)  # reads into scratch, at these offsets
+
+
+class SliceReads:
+    """The READs one rank has in flight, by pull: rank 0's receiver keeps one for its own heads, every other
+    rank one in its RankTransfers. Reads between ranks whose heads differ go through a scratch buffer of
+    `scratch_bytes` (registered at first use) while it has room, straight into the cache otherwise
+    (kv_transfer/head_slices.py says why)."""
+
+    def __init__(self, agent: NixlAgent, cache: torch.Tensor, scratch_bytes: int) -> None:
+        self.agent, self.cache = agent, cache
+        self.layout = layout_from_tensor(cache)
+        self._scratch_bytes = scratch_bytes
+        self._scratch: torch.Tensor | None = None
+        self._taken: dict[int, int] = {}  # scratch offset -> bytes, of reads in flight
+        self._posted: dict[PullKey, _Posted] = {}
+        self._device_id = self.layout.regions[0].device_id
 
     def post(self, key: PullKey, reads: list[SliceRead], src_agents: tuple[str, ...]) -> bool:
         """Post every read; False (and nothing left in flight) if one could not be posted."""
-        handles: list[int] = []
+        posted = self._posted[key] = _Posted()
         try:
             for read in reads:
-                handles.append(self.agent.read_descriptors(self.layout, read.local, src_agents[read.src_rank],
-                                                           read.remote)[0])
+                offset = None if read.same_heads else self._take(read.staged_bytes)
+                if offset is None:
+                    local, remote = read.direct()
+                else:
+                    assert self._scratch is not None
+                    posted.staged.append((read, offset))
+                    local, remote = read.staged(self._scratch.data_ptr() + offset, self._device_id)
+                source = src_agents[read.src.rank]
+                posted.handles.append(self.agent.read_descriptors(self.layout, local, source, remote)[0])
         except RuntimeError as exc:
             logger.warning("rank reads of transfer %s could not be posted: %s", key, exc)
-            self._xfers[key] = handles
             self.cancel(key)
             return False
-        self._xfers[key] = handles
         return True
 
     def poll(self) -> dict[PullKey, XferStatus]:
-        """Each pull's state: DONE once every read is, ERR once one failed (its handles are then released)."""
+        """Each pull's state: DONE once every read is (staged heads copied into the cache by then), ERR once
+        one failed (its reads are then cancelled)."""
         states: dict[PullKey, XferStatus] = {}
-        for key, handles in list(self._xfers.items()):
-            statuses = [self.agent.status(h) for h in handles]
+        for key, posted in list(self._posted.items()):
+            statuses = [self.agent.status(h) for h in posted.handles]
             if "ERR" in statuses:
                 states[key] = "ERR" if self.cancel(key) else "PROC"
             elif all(s == "DONE" for s in statuses):
+                assert self._scratch is not None or not posted.staged
+                for read, offset in posted.staged:
+                    read.copy_staged(self._scratch[offset:], self.cache)  # type: ignore[index]
                 states[key] = "DONE"
                 self.cancel(key)
             else:
@@ -117,18 +142,41 @@ class SliceReads:
         return states
 
     def cancel(self, key: PullKey) -> bool:
-        """Release the pull's handles (cancelling reads in flight); False while NIXL refuses one."""
-        handles = self._xfers.get(key, [])
-        handles[:] = [h for h in handles if not self.agent.release(h)]
-        if handles:
+        """Release the pull's handles (cancelling reads in flight) and its scratch; False while NIXL refuses
+        one (the scratch stays taken until then)."""
+        posted = self._posted.get(key)
+        if posted is None:
+            return True
+        posted.handles[:] = [h for h in posted.handles if not self.agent.release(h)]
+        if posted.handles:
             return False
-        self._xfers.pop(key, None)
+        for _, offset in posted.staged:
+            del self._taken[offset]
+        del self._posted[key]
         return True
 
     def cancel_all(self) -> None:
-        for key in list(self._xfers):
+        for key in list(self._posted):
             if not self.cancel(key):
                 logger.error("closing with NIXL reads of %s that could not be cancelled", key)
+
+    def _take(self, num_bytes: int) -> int | None:
+        """First fit in the scratch (made and registered at first use); None if it has no room."""
+        if num_bytes > self._scratch_bytes:
+            return None
+        if self._scratch is None:
+            self._scratch = torch.empty(self._scratch_bytes, dtype=torch.uint8, device=self.cache.device)
+            self.agent.register(self.layout, (MemoryRegion(self._scratch.data_ptr(), self._scratch_bytes,
+                                                           self._device_id, 0),))
+        start = 0
+        for offset, size in sorted(self._taken.items()):
+            if offset - start >= num_bytes:
+                break
+            start = -(-(offset + size) // 256) * 256  # aligned for any element type
+        if start + num_bytes > self._scratch_bytes:
+            return None
+        self._taken[start] = num_bytes
+        return start
 
 
 _incarnations = itertools.count()
@@ -164,7 +212,7 @@ class RankTransfers:
             return None
         if isinstance(op, PostReads):
             plan = plan_slice_reads(op.src, op.dst, op.src_ids, op.dst_ids)
-            return reads.post(op.key, [r for r in plan if r.dst_rank == self.rank], op.src_agents)
+            return reads.post(op.key, [r for r in plan if r.dst.rank == self.rank], op.src_agents)
         if isinstance(op, PollReads):
             return reads.poll()
         if isinstance(op, CancelReads):
@@ -176,7 +224,7 @@ class RankTransfers:
             agent = NixlAgent(f"{self.worker_id}.rank{self.rank}#{os.getpid()}.{next(_incarnations)}",
                               config.nixl_progress_delay_us, config.nixl_error_mode, config.ucx_cma_seg_size)
             agent.register(self.layout)
-            self._reads = SliceReads(agent, self.layout)
+            self._reads = SliceReads(agent, self.kv_cache, config.rank_scratch_bytes)
         region = self.layout.regions[0]
         return RankMemory(self.first_kv_head, self.layout.num_kv_heads, region, self._reads.agent.metadata())
 

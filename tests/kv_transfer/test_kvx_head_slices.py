@@ -48,7 +48,8 @@ def test_each_destination_rank_gets_its_heads_of_the_source_blocks(src_tp: int, 
     src_ids, dst_ids = (1, 2, 5), (4, 0, 3)
     reads = plan_slice_reads(src, dst, src_ids, dst_ids)
     for read in reads:
-        for (dst_addr, length, _), (src_addr, src_length, _) in zip(read.local, read.remote, strict=True):
+        local, remote = read.direct()
+        for (dst_addr, length, _), (src_addr, src_length, _) in zip(local, remote, strict=True):
             assert length == src_length
             ctypes.memmove(int(dst_addr), int(src_addr), int(length))
     expected = whole(src_caches, SHARES[src_tp])[list(src_ids)]
@@ -58,18 +59,36 @@ def test_each_destination_rank_gets_its_heads_of_the_source_blocks(src_tp: int, 
     assert not whole(dst_caches, SHARES[dst_tp])[untouched].any()
     # Every destination byte read once: no head read twice, none missed.
     bytes_per_block = LAYERS * 2 * BLOCK_SIZE * HEADS * HEAD_DIM * src_caches[0].element_size()
-    assert sum(r.num_bytes for r in reads) == len(dst_ids) * bytes_per_block
+    assert sum(int(r.direct()[0][:, 1].sum()) for r in reads) == len(dst_ids) * bytes_per_block
 
 
 def test_ranks_that_hold_the_same_heads_read_whole_blocks() -> None:
     src, _ = split(SHARES[2], torch.float32)
     dst, _ = split(SHARES[2], torch.float32)
     reads = plan_slice_reads(src, dst, (0, 1), (2, 3))
-    assert [(r.src_rank, r.dst_rank, len(r.local)) for r in reads] == [(0, 0, 2), (1, 1, 2)]
+    assert [(r.src.rank, r.dst.rank, len(r.direct()[0])) for r in reads] == [(0, 0, 2), (1, 1, 2)]
 
 
 def test_replicated_heads_are_read_from_the_first_rank_that_holds_them() -> None:
     # 4 ranks over 2 KV heads: heads 0, 0, 1, 1 (llm_engine/rank_shares.py); to one rank of both heads.
     src, _ = split([(0, 1), (0, 1), (1, 1), (1, 1)], torch.float32)
     dst, _ = split([(0, 2)], torch.float32)
-    assert [r.src_rank for r in plan_slice_reads(src, dst, (0,), (0,))] == [0, 2]
+    assert [r.src.rank for r in plan_slice_reads(src, dst, (0,), (0,))] == [0, 2]
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 2), (2, 3), (3, 2)])
+def test_a_staged_read_copies_the_same_heads_from_scratch(src_tp: int, dst_tp: int) -> None:
+    src, src_caches = split(SHARES[src_tp], torch.bfloat16)
+    dst, dst_caches = split(SHARES[dst_tp], torch.bfloat16)
+    for cache in src_caches:
+        cache.copy_(torch.randn(cache.shape))
+    src_ids, dst_ids = (0, 3), (5, 1)
+    for read in plan_slice_reads(src, dst, src_ids, dst_ids):
+        scratch = torch.zeros(read.staged_bytes + 64, dtype=torch.uint8)
+        local, remote = read.direct() if read.same_heads else read.staged(scratch.data_ptr() + 64, 0)
+        for (dst_addr, length, _), (src_addr, _, _) in zip(local, remote, strict=True):
+            ctypes.memmove(int(dst_addr), int(src_addr), int(length))
+        if not read.same_heads:
+            read.copy_staged(scratch[64:], dst_caches[read.dst.rank])
+    assert torch.equal(whole(dst_caches, SHARES[dst_tp])[list(dst_ids)],
+                       whole(src_caches, SHARES[src_tp])[list(src_ids)])

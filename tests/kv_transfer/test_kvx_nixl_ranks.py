@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from kv_transfer import ReleaseReason, TransferState, make_receiver, make_sender
+from kv_transfer import ReleaseReason, TransferConfig, TransferState, make_receiver, make_sender
 from kv_transfer.backends.nixl_ranks import RankTransfers
 from kv_transfer.enums import BackendName
 
@@ -39,7 +39,7 @@ class Worker:
     def call_ranks(self, op: object) -> list[Any]:
         return [rank.handle(op) for rank in self.others]
 
-    def endpoint_kwargs(self) -> dict[str, Any]:
+    def kwargs(self) -> dict[str, Any]:
         return {"ranks": self.call_ranks} if self.others else {}
 
     def whole(self) -> torch.Tensor:
@@ -58,32 +58,48 @@ def workers() -> Iterator[list[Worker]]:
         worker.close()
 
 
+def pulls(src: Worker, dst: Worker, config: TransferConfig, moves: list[tuple[list[int], list[int]]]) -> None:
+    """Pull each (source blocks, destination blocks) of `moves`, all started before the first poll."""
+    sender = make_sender(BackendName.NIXL, src.name, src.caches[0], config=config, **src.kwargs())
+    receiver = make_receiver(BackendName.NIXL, dst.name, dst.caches[0], config=config, **dst.kwargs())
+    try:
+        assert sender.layout.fingerprint == receiver.layout.fingerprint
+        assert len(sender.layout.ranks) == (len(src.caches) if len(src.caches) > 1 else 0)
+        receiver.add_peer(sender.peer_info())
+        for src_ids, dst_ids in moves:
+            receiver.start_pull(sender.offer(src_ids, num_tokens=4 * len(src_ids)), dst_ids)
+        results, released = [], []
+        deadline = time.monotonic() + 10
+        while len(results) + len(released) < 2 * len(moves) and time.monotonic() < deadline:
+            results += receiver.poll()
+            released += sender.poll()
+        assert [r.state for r in results] == [TransferState.DONE] * len(moves), results
+        assert [r.reason for r in released] == [ReleaseReason.PULLED] * len(moves)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+@pytest.mark.parametrize("scratch", [64 << 20, 0], ids=["staged", "row-by-row"])
 @pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 2), (2, 2)])
-def test_every_rank_pulls_its_heads_from_the_ranks_that_hold_them(src_tp: int, dst_tp: int,
+def test_every_rank_pulls_its_heads_from_the_ranks_that_hold_them(src_tp: int, dst_tp: int, scratch: int,
                                                                   workers: list[Worker]) -> None:
     n = next(_names)
     src, dst = Worker(src_tp, f"p-ranks-{n}", seed=n), Worker(dst_tp, f"d-ranks-{n}", seed=None)
     workers += [src, dst]
-    sender = make_sender(BackendName.NIXL, src.name, src.caches[0], **src.endpoint_kwargs())
-    receiver = make_receiver(BackendName.NIXL, dst.name, dst.caches[0], **dst.endpoint_kwargs())
-    try:
-        assert sender.layout.fingerprint == receiver.layout.fingerprint
-        assert len(sender.layout.ranks) == (src_tp if src_tp > 1 else 0)
-        receiver.add_peer(sender.peer_info())
-        handle = sender.offer([1, 2, 5], num_tokens=12)
-        receiver.start_pull(handle, [4, 0, 3])
-        results, released = [], []
-        deadline = time.monotonic() + 10
-        while not (results and released) and time.monotonic() < deadline:
-            results += receiver.poll()
-            released += sender.poll()
-        assert [r.state for r in results] == [TransferState.DONE], results
-        assert [r.reason for r in released] == [ReleaseReason.PULLED]
-        assert torch.equal(dst.whole()[[4, 0, 3]], src.whole()[[1, 2, 5]])
-        assert not dst.whole()[[1, 2, 5, 6, 7]].any()
-    finally:
-        receiver.close()
-        sender.close()
+    pulls(src, dst, TransferConfig(rank_scratch_bytes=scratch), [([1, 2, 5], [4, 0, 3])])
+    assert torch.equal(dst.whole()[[4, 0, 3]], src.whole()[[1, 2, 5]])
+    assert not dst.whole()[[1, 2, 5, 6, 7]].any()
+
+
+def test_pulls_that_find_the_scratch_taken_read_row_by_row(workers: list[Worker]) -> None:
+    n = next(_names)
+    src, dst = Worker(1, f"p-ranks-{n}", seed=n), Worker(2, f"d-ranks-{n}", seed=None)
+    workers += [src, dst]
+    one_pull = 3 * src.caches[0][0].nbytes  # three whole-head source blocks
+    moves = [([1, 2, 5], [4, 0, 3]), ([0, 3, 6], [1, 2, 5])]
+    pulls(src, dst, TransferConfig(rank_scratch_bytes=one_pull), moves)
+    assert torch.equal(dst.whole()[[4, 0, 3, 1, 2, 5]], src.whole()[[1, 2, 5, 0, 3, 6]])
 
 
 def test_a_backend_that_stages_kv_refuses_ranks(workers: list[Worker]) -> None:
