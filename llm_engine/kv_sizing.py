@@ -184,9 +184,9 @@ def plan_kv_cache(config: EngineConfig, spec: ModelSpec, memory: DeviceMemory) -
     is_utilization = (config.device.startswith("cuda") and config.kv_cache_bytes is None
                       and config.kv_cache_fraction is None)
     activation = activation_reserve_bytes(spec, config, cache.dtype_bytes) if is_utilization else 0
-    # Tensor parallel: rank 0 holds, per block, its own heads and a whole-head staging copy for the KV that
-    # leaves or arrives (llm_engine/tensor_parallel.py); the budget pays for both, and every rank takes as
-    # many blocks as rank 0 can hold (rank 0's share of the heads is the largest).
+    # Tensor parallel: every rank takes as many blocks as rank 0 can hold (rank 0's share of the heads is the
+    # largest). With staging (the torch backend: llm_engine/tensor_parallel.py) rank 0 also holds a
+    # whole-head copy of each block for the KV that leaves or arrives, and the budget pays for both.
     block_bytes = cache.block_bytes
     if config.tensor_parallel_size > 1 and config.tp_staging:
         block_bytes += replace(cache, num_kv_heads=spec.num_kv_heads).block_bytes

@@ -14,12 +14,17 @@ heads and MLP, and step together.
         or writes the KV cache or the runner's block tables (StepMirror.send: execute, copy_blocks,
         forget_all) to the other ranks, under one lock so the collectives of two calls never interleave
     ranks > 0: TPFollower.serve() replays each mirrored call over its own slice until Stop.
-KV that leaves or arrives (a prefill's handoff, a pull, a stream's migration): the transfer layer sees one
-whole-head cache, rank 0's staging cache (as many blocks as each rank's cache, all the heads), so that a
-worker of any degree hands KV to a worker of any other through the same handles, leases and layouts as
-one-rank workers. Before an offer rank 0 gathers every rank's heads of the blocks into it (GatherBlocks);
-after a pull it scatters them to the ranks (ScatterBlocks). The price: rank 0 holds a whole-head copy of the
-cache's size, and the bytes cross the group once more; a rank-to-rank pull of head slices would spare both.
+KV that leaves or arrives (a prefill's handoff, a pull, a stream's migration), two ways, by the transfer
+backend (EngineConfig.tp_staging), so that a worker of any degree hands KV to a worker of any other through
+the same handles, leases and layout checks as one-rank workers:
+    rank slices (NIXL): every rank's cache is registered where it lives; a peer reads each head from the rank
+        that holds it and each receiving rank reads its own (kv_transfer/head_slices.py). The transfer layer
+        reaches the other ranks through RankCall, an op for their rank_handler answered with gather_objects.
+    rank 0 staging (torch, local: one process sends and receives): the transfer layer sees one whole-head
+        cache, rank 0's staging cache (as many blocks as each rank's cache, all the heads). Before an offer
+        rank 0 gathers every rank's heads of the blocks into it (GatherBlocks); after a pull it scatters them
+        to the ranks (ScatterBlocks). The price: rank 0 holds a whole-head copy of the cache's size (from
+        the same KV budget), and the bytes cross the group once more.
 Why rank 0 alone schedules and samples: one schedule and one token per request, nothing to agree on; the
 other ranks need only the batch, and after the last all-reduce the hidden states are whole on every rank.
 A rank that dies: the others' next collective fails (gloo: the peer's socket closes; NCCL: the timeout), the

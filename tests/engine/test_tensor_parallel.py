@@ -141,6 +141,27 @@ def test_each_rank_holds_its_share_of_the_kv_heads_and_rank_0_its_staging_within
             engine.stop_followers()
 
 
+def test_without_staging_each_rank_holds_only_its_heads_and_answers_rank_0s_calls(tiny_llama_dir: Path
+                                                                                  ) -> None:
+    """tp_staging off (NIXL reads each rank's heads where they live): the whole budget is the ranks' own
+    blocks, twice one rank's at two ranks; a call the other rank cannot answer is an error naming it, and
+    the worker steps on."""
+    config = replace(_engine_config(tiny_llama_dir, 2), tp_staging=False)
+    with other_ranks(config) as (tp, _):
+        engine = LLMEngine(config, tp_group=TPGroup(tp))
+        try:
+            assert not engine.stages_kv and engine.transfer_cache is engine.runner.kv_cache
+            single = LLMEngine(_engine_config(tiny_llama_dir, 1))
+            assert engine.kv_capacity.num_blocks == 2 * single.kv_capacity.num_blocks
+            assert engine.rank_call is not None
+            with pytest.raises(RuntimeError, match="rank 1 failed str: no handler"):
+                engine.rank_call("an op for the transfer layer")
+            tokens = [c.output_token_ids for c in engine.generate(PROMPTS[:1], GREEDY)]
+            assert tokens == [c.output_token_ids for c in single.generate(PROMPTS[:1], GREEDY)]
+        finally:
+            engine.stop_followers()
+
+
 @pytest.mark.slow
 def test_smollm2_over_two_and_three_ranks_gives_one_ranks_greedy_tokens(smollm2_dir: Path) -> None:
     """SmolLM2's 9 query and 3 KV heads split over 3 ranks evenly, over 2 as 6 + 3 and 2 + 1."""
