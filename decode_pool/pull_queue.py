@@ -113,7 +113,7 @@ class PullQueue:
             request_id = entry.request.request_id
             dst = self.engine.kv.allocate_blocks(request_id, handle.num_tokens)
             entry.transfer_started = time.time()
-            entry.transfer_bytes = len(dst) * self.engine.runner.cache_spec.block_bytes
+            entry.transfer_bytes = len(dst) * self.engine.kv_block_bytes
             try:
                 with self._watcher.lock:
                     self.receiver.start_pull(handle, dst)

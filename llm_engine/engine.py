@@ -117,6 +117,11 @@ class LLMEngine:
         return self.runner.compilation
 
     @property
+    def kv_block_bytes(self) -> int:
+        """KV bytes of one block over every rank (all the heads): what a handoff of a block moves."""
+        return replace(self.runner.cache_spec, num_kv_heads=self.spec.num_kv_heads).block_bytes
+
+    @property
     def stages_kv(self) -> bool:
         """Rank 0 of several with a staging cache: blocks that leave or arrive go through export_blocks /
         import_blocks."""

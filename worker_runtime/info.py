@@ -59,7 +59,7 @@ class WorkerRuntime:
                    engine.runner.decode_attention, engine.compilation.mode,
                    f"{engine.compilation.body} body: {engine.compilation.reason}", num_threads, cpu_ids,
                    # A token's KV over every rank: what moves between workers.
-                   engine.runner.cache_spec.bytes_per_token * engine.config.tensor_parallel_size,
+                   engine.kv_block_bytes // engine.config.block_size,
                    kv.num_blocks, kv.num_tokens, kv.num_bytes,
                    kv.source, engine.config.tensor_parallel_size, tp_rank_pids,
                    "" if engine.mirror is None else "rank 0 staging" if engine.stages_kv else "rank slices")

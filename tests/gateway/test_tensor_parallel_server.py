@@ -15,7 +15,8 @@ import ray
 
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.sampling import SamplingParams
-from tests.helpers.forced_migration import stream_across_a_failure
+from tests.helpers import actor_faults as faults
+from tests.helpers.forced_migration import on_actor, stream_across_a_failure
 from tests.helpers.servers import MODEL, serve_config, serving, wait_until_whole, whole_after
 
 pytestmark = pytest.mark.slow
@@ -66,6 +67,31 @@ def test_kv_from_one_rank_to_two_gives_one_ranks_greedy_tokens(client: httpx.Cli
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["token_ids"] == one_rank_tokens
         assert response.json()["timings"]["transfer_bytes"] > 0  # handed over, not recomputed
+
+
+def test_a_stream_evacuated_between_two_rank_workers_continues_from_its_pulled_kv(
+        client: httpx.Client, one_rank_tokens: list[int]) -> None:
+    """Migration between decode workers of two ranks: each rank of the new worker reads its heads of the
+    stream's KV (prompt and tokens so far) from the rank of the old one that holds them."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    evacuated: list[str] = []
+
+    def evacuate(worker_id: str) -> None:
+        evacuated.append(worker_id)
+        ray.get(ray.get_actor(f"pdserve-{worker_id}").evacuate.remote())
+
+    tokens, moves = stream_across_a_failure(client, body, breaker=evacuate)
+    on_actor(evacuated[0], faults.heal)
+    assert tokens == {0: one_rank_tokens}
+    assert moves == [1]  # continued on the other decode worker
+    records = on_actor(evacuated[0], _sent_records)
+    assert [r.outcome for r in records] == ["PULLED"], records  # its KV was pulled, not recomputed
+    assert wait_until_whole(client) is None
+
+
+def _sent_records(actor: object) -> list[object]:
+    migration = actor._front.worker.migration  # type: ignore[attr-defined]
+    return list(migration.sender.recorder.records)
 
 
 def kill_rank_1(worker_id: str) -> None:

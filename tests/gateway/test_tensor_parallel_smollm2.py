@@ -51,6 +51,8 @@ def test_smollm2_at_two_ranks_and_one_hands_kv_both_ways_with_one_ranks_greedy_t
         degrees = {w["role"]: w["runtime"]["tensor_parallel_size"] for w in workers}
         handoffs = {w["runtime"]["tp_kv_handoff"] for w in workers if degrees[w["role"]] > 1}
         assert handoffs == {"rank slices"}  # each rank's heads read where they live, through NIXL
+        # 3 KV heads over 2 ranks are 2 + 1: a token's KV is the same bytes at either degree.
+        assert len({w["runtime"]["kv_bytes_per_token"] for w in workers}) == 1, workers
         response = client.post("/v1/completions", json=body)
         assert response.json()["choices"][0]["token_ids"] == one_rank, degrees
         assert response.json()["timings"]["transfer_bytes"] > 0, degrees
