@@ -9,7 +9,7 @@ then costs what reading the weights costs, and its process skips ~3.4 CPU-second
 Each tensor is read when its module is built, and a rank of a tensor-parallel worker (`share`) reads only
 its rows or columns of each layer's projections (safetensors reads a slice without the rest), so a rank
 never holds more than its share of the layers, on the device or off it: what lets a model larger than one
-device load over several. The other ranks' lm_head, which only rank 0 runs, is not read at all.
+device load over several; the same for the lm_head, split over the ranks by vocabulary rows.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 
 from llm_engine.checkpoint_config import SAFETENSORS_FILE, SAFETENSORS_INDEX, LeanConfig
 from llm_engine.lean_model import LayerWeights, LeanBody, LeanLayer, linear_from
-from llm_engine.rank_shares import RankShare
+from llm_engine.rank_shares import RankShare, vocab_rows
 
 
 class LeanCausalLM(nn.Module):
@@ -87,21 +87,22 @@ def rotary_table(config: LeanConfig, max_positions: int, dtype: torch.dtype, dev
 
 
 def load_lean_model(config: LeanConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-                    max_positions: int, share: RankShare | None = None, rank: int = 0) -> LeanCausalLM:
+                    max_positions: int, share: RankShare | None = None, rank: int = 0, size: int = 1
+                    ) -> LeanCausalLM:
     """The model's weights in `dtype` on `device`, as a lean body and an lm_head; with `share`, rank `rank`'s
     slice of every layer (q/k/v and gate/up rows, o and down columns: llm_engine/rank_shares.py), the
-    layers' head counts set to it.
+    layers' head counts set to it, and its rows of the lm_head (of `size` ranks).
 
     Raises:
         ValueError: the checkpoint lacks a tensor the config calls for (the message names it).
     """
     with ExitStack() as files:
         checkpoint = _Checkpoint(Path(model_dir), dtype, device, files)
-        return _build(config, checkpoint, max_positions, share, rank)
+        return _build(config, checkpoint, max_positions, share, rank, size)
 
 
 def _build(config: LeanConfig, checkpoint: _Checkpoint, max_positions: int, share: RankShare | None,
-           rank: int) -> LeanCausalLM:
+           rank: int, size: int) -> LeanCausalLM:
     take, dim = checkpoint.take, config.head_dim
     # None: the whole tensor (one rank)
     q_rows, kv_rows = (share.q_rows(dim), share.kv_rows(dim)) if share else (None, None)
@@ -139,15 +140,14 @@ def _build(config: LeanConfig, checkpoint: _Checkpoint, max_positions: int, shar
     # from_pretrained: no init of a weight about to be replaced (on the meta device, that init alone would
     # import torch's dynamo through its reference ops: half a CPU-second of a worker's start)
     embedding = nn.Embedding.from_pretrained(take("model.embed_tokens.weight"), freeze=True)
-    # Tied: one tensor, as transformers ties them (a checkpoint may still carry a copy of it). Untied, only
-    # rank 0 samples: the other ranks keep an empty head (its rows are the vocabulary's, a GB on large ones).
-    lm_head: nn.Module
-    if config.tie_word_embeddings:
-        lm_head = linear_from(embedding.weight)
-    elif rank == 0:
-        lm_head = linear_from(take("lm_head.weight"))
-    else:
-        lm_head = nn.Identity()
+    # Tied: one tensor, as transformers ties them (a checkpoint may still carry a copy of it). Tensor
+    # parallel: this rank's rows of the vocabulary (llm_engine/tp_sharding.py VocabParallelHead).
+    if share is not None and size < 2:
+        raise ValueError(f"rank {rank}'s share of a tensor-parallel model needs the number of ranks, got "
+                         f"{size}")
+    vocab = vocab_rows(config.vocab_size, size, rank) if share else None
+    lm_head = (linear_from(embedding.weight if vocab is None else embedding.weight[vocab])
+               if config.tie_word_embeddings else linear_from(take("lm_head.weight", vocab)))
     cos, sin = rotary_table(config, max_positions, embedding.weight.dtype, embedding.weight.device)
     body = LeanBody(embedding, layers, norm("model.norm.weight"), config.rms_norm_eps, cos, sin)
     return LeanCausalLM(body, lm_head)

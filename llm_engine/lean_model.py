@@ -121,7 +121,7 @@ class LeanLayer(nn.Module):
         self.q_norm, self.k_norm = weights.q_norm, weights.k_norm
         self.qk_eps = weights.eps if weights.qk_eps is None else weights.qk_eps
         # Tensor parallel: the group whose ranks sum o_proj's and down_proj's partial outputs
-        # (llm_engine/tensor_parallel.py shard_lean_body); None: one rank, nothing to sum.
+        # (llm_engine/tp_sharding.py shard_lean_body); None: one rank, nothing to sum.
         self.tp_handle: int | None = None
 
     def _sum_over_ranks(self, x: torch.Tensor) -> torch.Tensor:

@@ -145,6 +145,7 @@ def apply_linear_kernel(model: nn.Module, requested: LinearKernel | str, dtype: 
         return LinearKernelReport(LinearKernel.TORCH, requested, "; ".join(skipped.values()), 0, len(layers),
                                   kernels_in_use=(LinearKernel.TORCH,))
     head = getattr(model, "lm_head", None)
+    head = getattr(head, "linear", head)  # a tensor-parallel rank's rows of it (VocabParallelHead)
     shapes: dict[tuple[int, int], _ShapeProbe] = {}
     for _, _, layer in layers:
         key = (layer.out_features, layer.in_features)

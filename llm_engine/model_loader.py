@@ -21,7 +21,8 @@ from llm_engine.lean_loader import load_lean_model
 from llm_engine.lean_model import LEAN_ARCHITECTURES, LeanBody, has_lean_body
 from llm_engine.linear_probe import LinearKernelReport, apply_linear_kernel
 from llm_engine.rank_shares import spec_shares
-from llm_engine.tensor_parallel import check_tensor_parallel, join_group, shard_lean_body
+from llm_engine.tensor_parallel import check_tensor_parallel
+from llm_engine.tp_sharding import join_group, shard_lean_body, vocab_parallel_head
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -160,10 +161,11 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
         rank = tp_group.rank if tp_group is not None and tp_size > 1 else 0
         share = spec_shares(spec, tp_size)[rank] if tp_size > 1 else None
         model = load_lean_model(lean_config, config.model_dir, config.torch_dtype, device, spec.max_model_len,
-                                share, rank)
+                                share, rank, tp_size)
         lean = model.lean_body
         if tp_group is not None and tp_size > 1:
             join_group(lean, tp_group)
+            vocab_parallel_head(model, spec.vocab_size, tp_group, whole=False)
     else:
         model = _load_transformers_model(config, device)
         if has_lean_body(spec.architecture):
@@ -171,6 +173,7 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
             lean = model.lean_body = LeanBody.from_hf(model, spec.max_model_len)
         if lean is not None and tp_group is not None and tp_size > 1:
             shard_lean_body(lean, tp_group)
+            vocab_parallel_head(model, spec.vocab_size, tp_group, whole=True)
     kernel = apply_linear_kernel(model, config.linear_kernel, config.torch_dtype, device)
     body, compilation = compile_body(lean, config.compile, device, config.torch_dtype,
                                      no_lean_reason=f"no lean body for {spec.architecture}",

@@ -30,7 +30,7 @@ from llm_engine.input_batch import InputBatch
 from llm_engine.kv_cache import KVCacheSpec
 from llm_engine.kv_cache_manager import blocks_for
 from llm_engine.logits_processors import LogitsPipeline, SamplingRows
-from llm_engine.logprobs import PromptLogprobsChunk, prompt_logprobs, sampled_logprobs
+from llm_engine.logprobs import PROMPT_ROWS_PER_SLICE, PromptLogprobsChunk, prompt_logprobs, sampled_logprobs
 from llm_engine.native_kernels import DecodeKernel, kernel_unfit_reason, paged_decode_attention
 from llm_engine.rank_shares import RankShare, spec_shares
 from llm_engine.sampling import SamplingParams, choose_tokens
@@ -46,6 +46,7 @@ from llm_engine.tensor_parallel import (
     TPGroup,
 )
 from llm_engine.token_bans import AllowedTokens, BadWords
+from llm_engine.tp_sharding import VocabParallelHead
 from llm_engine.varlen_attention import varlen_fits, varlen_kernel
 
 
@@ -227,7 +228,9 @@ class ModelRunner:
     def replay(self, call: Execute | CopyBlocks | GatherBlocks | ScatterBlocks | ForgetAll) -> None:
         """A rank > 0: what rank 0's runner did, over this rank's slice (its KV heads, its tables)."""
         if isinstance(call, Execute):
-            self.forward(call.batch)
+            forwarded = self.forward(call.batch)
+            if forwarded is not None and isinstance(self.lm_head, VocabParallelHead):
+                self._replay_head(call.batch, *forwarded)
         elif isinstance(call, CopyBlocks):
             self._copy_blocks(call.pairs)
         elif isinstance(call, GatherBlocks | ScatterBlocks):
@@ -241,6 +244,19 @@ class ModelRunner:
                 self.kv_cache[index] = received[:, :, :, :, :self.kv_cache.shape[4]]
         else:
             self.inputs.forget_all()
+
+    def _replay_head(self, batch: ModelInput, hidden: torch.Tensor, sample_rows: torch.Tensor | None) -> None:
+        """A rank > 0: the vocab-parallel lm_head calls rank 0's _execute makes, in its order (each is a
+        gather): prompt logprobs' slices (_score_prompts, prompt_logprobs), then the rows that sample."""
+        q_start = 0
+        for chunk in batch.chunks:
+            num_rows = len(chunk.prompt_logprob_targets)
+            for start in range(0, num_rows, PROMPT_ROWS_PER_SLICE):
+                end = min(start + PROMPT_ROWS_PER_SLICE, num_rows)
+                self.lm_head(hidden[0, q_start + start : q_start + end])
+            q_start += chunk.num_tokens
+        if any(c.sampling is not None for c in batch.chunks):
+            self.lm_head(hidden[0] if sample_rows is None else hidden[0, sample_rows])
 
     def forward(self, batch: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The batch's tables updated and its tokens through the body (their KV written): (the hidden states

@@ -64,5 +64,12 @@ def rank_shares(num_heads: int, num_kv_heads: int, intermediate_size: int, size:
     return shares
 
 
+def vocab_rows(vocab_size: int, size: int, rank: int) -> slice:
+    """Rank `rank`'s rows of the lm_head (its share of the vocabulary): as even as they go, the first ranks
+    one more."""
+    start = rank * (vocab_size // size) + min(rank, vocab_size % size)
+    return slice(start, start + vocab_size // size + (rank < vocab_size % size))
+
+
 def spec_shares(spec: ModelSpec, size: int) -> list[RankShare]:
     return rank_shares(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, size)

@@ -5,15 +5,18 @@ heads and MLP, and step together.
         broadcast; on a CPU also the all-reduces) and, on CUDA, an NCCL group beside it for the all-reduces
     Megatron-style slices: q/k/v and gate/up column-parallel (each rank its heads and its share of the MLP),
         o and down row-parallel, their partial sums added over the ranks (pdserve::tp_all_reduce); embeddings
-        and norms whole on every rank, the lm_head on rank 0 (the only one that samples). A rank reads only
+        and norms whole on every rank; the lm_head split by vocabulary rows (VocabParallelHead: each rank
+        projects onto its rows, rank 0 gathers the logits: the only rank that samples). A rank reads only
         its slice from the checkpoint (llm_engine/lean_loader.py, then join_group); a body that
-        transformers loaded whole is sliced in place (shard_lean_body). The shares need not be
-        equal (rank_shares): 3 KV heads over 2 ranks are 2 + 1, each with its KV heads' query heads, so
-        SmolLM2 (9 heads, 3 KV heads) splits over 2 ranks as well as 3; a step waits for the larger share
-    rank 0: an LLMEngine as ever (scheduler, sampling, lm_head); its ModelRunner mirrors each call that reads
+        transformers loaded whole is sliced in place (shard_lean_body): llm_engine/tp_sharding.py. The
+        shares need not be equal (rank_shares): 3 KV heads over 2 ranks are 2 + 1, each with its KV heads'
+        query heads, so SmolLM2 (9 heads, 3 KV heads) splits over 2 ranks as well as 3; a step waits for the
+        larger share
+    rank 0: an LLMEngine as ever (scheduler, sampling); its ModelRunner mirrors each call that reads
         or writes the KV cache or the runner's block tables (StepMirror.send: execute, copy_blocks,
         forget_all) to the other ranks, under one lock so the collectives of two calls never interleave
-    ranks > 0: TPFollower.serve() replays each mirrored call over its own slice until Stop.
+    ranks > 0: TPFollower.serve() replays each mirrored call over its own slice until Stop (an Execute: the
+        forward, then the lm_head calls rank 0's makes, each a gather).
 KV that leaves or arrives (a prefill's handoff, a pull, a stream's migration), two ways, by the transfer
 backend (EngineConfig.tp_staging), so that a worker of any degree hands KV to a worker of any other through
 the same handles, leases and layout checks as one-rank workers:
@@ -44,14 +47,13 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from llm_engine.batch import ModelInput
 from llm_engine.config import ModelSpec
-from llm_engine.rank_shares import degrees, rank_shares
+from llm_engine.rank_shares import degrees
 
 if TYPE_CHECKING:
-    from llm_engine.lean_model import LeanBody, LeanLayer
+    pass
 
 # How long an all-reduce waits for a slow rank before the step fails. The step broadcast has no such
 # bound: ranks > 0 wait there while the worker is idle, for as long as that lasts.
@@ -172,63 +174,6 @@ def register_group(group: TPGroup) -> int:
 
 def group_by_handle(handle: int) -> TPGroup:
     return _groups[handle]
-
-
-def _column_rows(weight: torch.Tensor | None, parts: list[tuple[int, slice]]) -> torch.Tensor | None:
-    """A rank's rows of a fused column-parallel weight (or bias): of each part (its rows, the rank's rows of
-    it), the rank's rows, side by side."""
-    if weight is None:
-        return None
-    pieces, start = [], 0
-    for rows, mine in parts:
-        pieces.append(weight[start:start + rows][mine])
-        start += rows
-    return torch.cat(pieces).contiguous()
-
-
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
-                      dtype=weight.dtype)
-    with torch.no_grad():
-        layer.weight.copy_(weight)
-        if bias is not None:
-            layer.bias.copy_(bias)
-    return layer
-
-
-def _shard_layer(layer: LeanLayer, group: TPGroup) -> None:
-    share = rank_shares(layer.num_heads, layer.num_kv_heads, layer.intermediate, group.size)[group.rank]
-    q_rows, kv_rows = share.q_rows(layer.head_dim), share.kv_rows(layer.head_dim)
-    qkv: nn.Linear = layer.qkv_proj  # type: ignore[assignment]  # sharded before the kernel probe
-    parts = [(layer.q_size, q_rows), (layer.kv_size, kv_rows), (layer.kv_size, kv_rows)]
-    layer.qkv_proj = _linear(_column_rows(qkv.weight, parts),  # type: ignore[arg-type]
-                             _column_rows(qkv.bias, parts))
-    gate_up: nn.Linear = layer.gate_up_proj  # type: ignore[assignment]
-    parts = [(layer.intermediate, share.mlp_rows), (layer.intermediate, share.mlp_rows)]
-    layer.gate_up_proj = _linear(_column_rows(gate_up.weight, parts),  # type: ignore[arg-type]
-                                 _column_rows(gate_up.bias, parts))
-    # Row-parallel: each rank's input columns; a bias is added once, by rank 0, before the sum.
-    for name, columns in (("o_proj", q_rows), ("down_proj", share.mlp_rows)):
-        full: nn.Linear = getattr(layer, name)
-        bias = full.bias if group.rank == 0 else None
-        setattr(layer, name, _linear(full.weight[:, columns].contiguous(), bias))
-    layer.num_heads, layer.num_kv_heads = share.num_heads, share.num_kv_heads
-    layer.q_size, layer.kv_size = share.num_heads * layer.head_dim, share.num_kv_heads * layer.head_dim
-    layer.intermediate = share.mlp_width
-
-
-def shard_lean_body(body: LeanBody, group: TPGroup) -> None:
-    """Keep this rank's slice of every layer of a body loaded whole (in place; transformers' modules, which
-    a few checkpoints need: llm_engine/model_loader.py), and join the group."""
-    for layer in body.layers:
-        _shard_layer(layer, group)  # type: ignore[arg-type]
-    join_group(body, group)
-
-
-def join_group(body: LeanBody, group: TPGroup) -> None:
-    """The layers of a body that holds this rank's slice sum their row-parallel outputs over the group."""
-    for layer in body.layers:
-        layer.tp_handle = group.handle  # type: ignore[assignment]
 
 
 # --- the step mirror: rank 0's runner calls, replayed by the other ranks ---

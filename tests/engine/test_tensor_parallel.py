@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from decode_pool.worker import DecodeWorker
 from kv_transfer import TransferConfig, make_receiver, make_sender
@@ -20,10 +19,11 @@ from llm_engine import EngineConfig, LLMEngine, ModelSpec
 from llm_engine.checkpoint_config import read_lean_config
 from llm_engine.lean_loader import load_lean_model
 from llm_engine.model_loader import read_model_spec
-from llm_engine.rank_shares import RankShare, rank_shares, spec_shares
+from llm_engine.rank_shares import RankShare, rank_shares, spec_shares, vocab_rows
 from llm_engine.sampling import SamplingParams
 from llm_engine.tensor_parallel import TPGroup, check_tensor_parallel
 from llm_engine.tiny_model import build_tiny_model
+from llm_engine.tp_sharding import VocabParallelHead
 from prefill_pool.scheduler import PrefillScheduler
 from prefill_pool.worker import PrefillWorker
 from tests.helpers.engines import run_handoff
@@ -68,14 +68,14 @@ def test_shares_are_as_even_as_they_go_with_each_kv_heads_query_heads() -> None:
 def test_each_rank_reads_only_its_slice_of_the_checkpoint(request: pytest.FixtureRequest, tmp_path: Path,
                                                           model: str, size: int, tied: bool) -> None:
     """A rank's layers, read sliced from the files, are its rows and columns of the whole ones (q/k/v and
-    gate/up rows, o and down columns), with its heads; the other ranks hold no untied lm_head."""
+    gate/up rows, o and down columns), with its heads, and its rows of the lm_head (tied or not)."""
     model_dir = (build_tiny_model("llama", tmp_path, tie_word_embeddings=True) if tied else
                  request.getfixturevalue("tiny_llama_dir" if model == "even" else "three_kv_heads_dir"))
     lean, cpu = read_lean_config(model_dir), torch.device("cpu")
     assert not isinstance(lean, str)
     whole = load_lean_model(lean, model_dir, torch.float32, cpu, 64)
     for rank, share in enumerate(spec_shares(read_model_spec(model_dir), size)):
-        part = load_lean_model(lean, model_dir, torch.float32, cpu, 64, share, rank)
+        part = load_lean_model(lean, model_dir, torch.float32, cpu, 64, share, rank, size)
         for full, mine in zip(whole.lean_body.layers, part.lean_body.layers, strict=True):
             q_rows, kv_rows = share.q_rows(full.head_dim), share.kv_rows(full.head_dim)
             q, k, v = full.qkv_proj.weight.split([full.q_size, full.kv_size, full.kv_size])
@@ -88,10 +88,8 @@ def test_each_rank_reads_only_its_slice_of_the_checkpoint(request: pytest.Fixtur
             assert (mine.num_heads, mine.num_kv_heads, mine.intermediate) == (
                 share.num_heads, share.num_kv_heads, share.mlp_width)
         assert torch.equal(part.lean_body.embed_tokens.weight, whole.lean_body.embed_tokens.weight)
-        if tied or rank == 0:
-            assert torch.equal(part.lm_head.weight, whole.lm_head.weight)
-        else:
-            assert isinstance(part.lm_head, nn.Identity)
+        vocab = vocab_rows(whole.lm_head.weight.shape[0], size, rank)  # the lm_head's rows of this rank
+        assert torch.equal(part.lm_head.weight, whole.lm_head.weight[vocab])
 
 
 def test_engine_config_refuses_no_ranks() -> None:
@@ -121,6 +119,30 @@ def _tokens_over_ranks(config: EngineConfig, prompts: list[list[int]]) -> list[t
 def test_two_ranks_give_one_ranks_greedy_tokens(tiny_llama_dir: Path) -> None:
     one = [c.output_token_ids for c in LLMEngine(_engine_config(tiny_llama_dir, 1)).generate(PROMPTS, GREEDY)]
     assert _tokens_over_ranks(_engine_config(tiny_llama_dir, 2), PROMPTS) == one
+
+
+def test_the_vocabulary_split_over_two_ranks_gives_one_ranks_logprobs(tiny_llama_dir: Path) -> None:
+    """Each rank projects onto its half of the vocabulary and rank 0 gathers the logits: the chosen tokens'
+    logprobs, the top 5 and the prompt's logprobs (over a prompt longer than a prefill chunk) are one
+    rank's."""
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=5, prompt_logprobs=3)
+    one = LLMEngine(_engine_config(tiny_llama_dir, 1)).generate(PROMPTS[:2], sampling)
+    config = _engine_config(tiny_llama_dir, 2)
+    with other_ranks(config) as (tp, _):
+        engine = LLMEngine(config, tp_group=TPGroup(tp))
+        try:
+            assert isinstance(engine.runner.lm_head, VocabParallelHead)
+            two = engine.generate(PROMPTS[:2], sampling)
+        finally:
+            engine.stop_followers()
+    for a, b in zip(one, two, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-4)
+        assert [[t for t, _ in top] for top in a.output_top_logprobs] == [
+            [t for t, _ in top] for top in b.output_top_logprobs]
+        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+        assert a.prompt_logprobs.logprobs == pytest.approx(b.prompt_logprobs.logprobs, abs=1e-4)
+        assert a.prompt_logprobs.ranks == b.prompt_logprobs.ranks
 
 
 def test_each_rank_holds_its_share_of_the_kv_heads_and_rank_0_its_staging_within_the_budget(
