@@ -395,6 +395,19 @@ class NixlReceiver(KVReceiver):
         self._drop(read.agent_name, pull.handle.transfer_id, "deadline passed; READ cancelled")
         return True
 
+    def _forget_rank_agents(self) -> None:
+        """The other ranks drop the peers' agents this receiver had them load (their agents outlive it: a
+        worker that changes role builds new endpoints over the same ranks)."""
+        loaded = [*self._rank_agents.values(), *(names for _, names in self._retiring.values())]
+        if self.ranks is None or not any(loaded):
+            return
+        try:
+            for names in loaded:
+                if names:
+                    self.ranks(ForgetAgents(names))
+        except Exception as exc:  # the ranks are gone (the worker is ending): nothing left to tidy
+            logger.info("the other ranks could not drop their peers' agents: %s", exc)
+
     def _release(self, xfer: int) -> None:
         if not self.agent.release(xfer):
             logger.warning("NIXL refused to release transfer handle %#x; retrying at each poll", xfer)
@@ -408,6 +421,7 @@ class NixlReceiver(KVReceiver):
             if isinstance(pull.backend_state, _Read) and pull.backend_state.is_sliced:
                 self._stop_slices(pull)
         self._slices.cancel_all()
+        self._forget_rank_agents()
         for pull in self._pulls.values():
             read = pull.backend_state
             if isinstance(read, _Read) and read.xfer is not None:

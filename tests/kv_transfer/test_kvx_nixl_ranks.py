@@ -90,6 +90,8 @@ def test_every_rank_pulls_its_heads_from_the_ranks_that_hold_them(src_tp: int, d
     pulls(src, dst, TransferConfig(rank_scratch_bytes=scratch), [([1, 2, 5], [4, 0, 3])])
     assert torch.equal(dst.whole()[[4, 0, 3]], src.whole()[[1, 2, 5]])
     assert not dst.whole()[[1, 2, 5, 6, 7]].any()
+    # The receiver closed: its other ranks dropped the peers' agents it had them load (their own live on).
+    assert all(not rank._loaded for rank in dst.others)
 
 
 def test_pulls_that_find_the_scratch_taken_read_row_by_row(workers: list[Worker]) -> None:
