@@ -306,20 +306,23 @@ class NixlReceiver(KVReceiver):
         posted = self._slices.post(pull.key, mine, agents)
         if posted and self.ranks is not None:
             op = PostReads(pull.key, peer.layout, self.layout, handle.block_ids, pull.dst_block_ids, agents)
-            posted = all(self.ranks(op))
-        if not posted:
-            self._stop_slices(pull)  # what was posted is cancelled; a refusal is retried at the deadline
-            pull.fail("a rank's READs could not be posted")
-            self._drop(read.agent_name, handle.transfer_id, "the READ could not be posted")
-            return
-        self._slice_states[pull.key] = "PROC"
+            try:
+                posted = all(self.ranks(op))
+            except RuntimeError as exc:  # a rank's op raised: what it posted is cancelled below
+                logger.warning("a rank could not post its READs of transfer %s: %s", pull.key, exc)
+                posted = False
+        self._slice_states[pull.key] = "PROC" if posted else "ERR"
         pull.state = TransferState.TRANSFERRING
+        if not posted:  # what was posted is stopped before the pull fails (now, or at a later poll)
+            self._settle_slices(pull)
 
     def _poll_slices(self) -> None:
         """Every rank's READs of sliced pulls: a pull is DONE once all are, ERR once one failed."""
         answers = [self._slices.poll(), *(self.ranks(PollReads()) if self.ranks is not None else [])]
-        for key in self._slice_states:
-            states = {answer.get(key, "DONE") for answer in answers}
+        for key, state in self._slice_states.items():
+            if state == "ERR":  # stays until the pull is stopped
+                continue
+            states = {answer.get(key, "DONE") for answer in answers}  # a rank answers DONE once, then forgets
             self._slice_states[key] = "ERR" if "ERR" in states else "PROC" if "PROC" in states else "DONE"
 
     def _stop_slices(self, pull: Pull) -> bool:
@@ -345,7 +348,8 @@ class NixlReceiver(KVReceiver):
             else:
                 pull.fail("READ completed too late to be trusted: the sender's hold was over")
         elif self._stop_slices(pull):  # one rank's READ failed: the others' stopped before the report
-            pull.fail("NIXL READ of a rank's heads failed (peer gone or memory no longer registered)")
+            pull.fail("NIXL READ of a rank's heads failed or could not be posted (peer gone or memory no "
+                      "longer registered)")
             self._drop(read.agent_name, pull.handle.transfer_id, "the READ failed")
 
     def _advance(self, pull: Pull) -> None:

@@ -85,6 +85,7 @@ class _Posted:
     """One pull's READs on one rank (internal)."""
 
     handles: list[int] = field(default_factory=list)  # NIXL transfer handles not yet released
+    failed: bool = False  # a READ failed: ERR until the pull is cancelled
     staged: list[tuple[SliceRead, int]] = field(default_factory=list)  # reads into scratch, at these offsets
 
 
@@ -124,13 +125,14 @@ class SliceReads:
         return True
 
     def poll(self) -> dict[PullKey, XferStatus]:
-        """Each pull's state: DONE once every read is (staged heads copied into the cache by then), ERR once
-        one failed (its reads are then cancelled)."""
+        """Each pull's state: DONE once every read is (staged heads copied into the cache by then: reported
+        once, the pull then forgotten), ERR once one failed (until cancel())."""
         states: dict[PullKey, XferStatus] = {}
         for key, posted in list(self._posted.items()):
             statuses = [self.agent.status(h) for h in posted.handles]
-            if "ERR" in statuses:
-                states[key] = "ERR" if self.cancel(key) else "PROC"
+            if posted.failed or "ERR" in statuses:
+                posted.failed = True
+                states[key] = "ERR"
             elif all(s == "DONE" for s in statuses):
                 assert self._scratch is not None or not posted.staged
                 for read, offset in posted.staged:

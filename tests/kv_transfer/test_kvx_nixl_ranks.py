@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kv_transfer import ReleaseReason, TransferConfig, TransferState, make_receiver, make_sender
-from kv_transfer.backends.nixl_ranks import RankTransfers
+from kv_transfer.backends.nixl_ranks import PostReads, RankTransfers
 from kv_transfer.enums import BackendName
 
 pytest.importorskip("nixl._bindings")
@@ -58,8 +58,10 @@ def workers() -> Iterator[list[Worker]]:
         worker.close()
 
 
-def pulls(src: Worker, dst: Worker, config: TransferConfig, moves: list[tuple[list[int], list[int]]]) -> None:
-    """Pull each (source blocks, destination blocks) of `moves`, all started before the first poll."""
+def pulls(src: Worker, dst: Worker, config: TransferConfig, moves: list[tuple[list[int], list[int]]],
+          expect: TransferState = TransferState.DONE) -> None:
+    """Pull each (source blocks, destination blocks) of `moves`, all started before the first poll; each ends
+    `expect`, and the source is told PULLED (or, for a failed pull, that it may free its blocks)."""
     sender = make_sender(BackendName.NIXL, src.name, src.caches[0], config=config, **src.kwargs())
     receiver = make_receiver(BackendName.NIXL, dst.name, dst.caches[0], config=config, **dst.kwargs())
     try:
@@ -73,8 +75,9 @@ def pulls(src: Worker, dst: Worker, config: TransferConfig, moves: list[tuple[li
         while len(results) + len(released) < 2 * len(moves) and time.monotonic() < deadline:
             results += receiver.poll()
             released += sender.poll()
-        assert [r.state for r in results] == [TransferState.DONE] * len(moves), results
-        assert [r.reason for r in released] == [ReleaseReason.PULLED] * len(moves)
+        assert [r.state for r in results] == [expect] * len(moves), results
+        reason = ReleaseReason.PULLED if expect == TransferState.DONE else ReleaseReason.FAILED
+        assert [r.reason for r in released] == [reason] * len(moves)
     finally:
         receiver.close()
         sender.close()
@@ -109,3 +112,21 @@ def test_a_backend_that_stages_kv_refuses_ranks(workers: list[Worker]) -> None:
     workers.append(worker)
     with pytest.raises(ValueError, match="staging cache"):
         make_sender(BackendName.LOCAL, worker.name, worker.caches[0], ranks=worker.call_ranks)
+
+
+class RefusingRank(RankTransfers):
+    """A rank whose READs cannot be posted (as when NIXL refuses them)."""
+
+    def handle(self, op: object) -> object:
+        if isinstance(op, PostReads):
+            return False
+        return super().handle(op)
+
+
+def test_a_rank_that_cannot_post_its_reads_fails_the_pull_and_frees_every_rank(workers: list[Worker]) -> None:
+    n = next(_names)
+    src, dst = Worker(1, f"p-ranks-{n}", seed=n), Worker(2, f"d-ranks-{n}", seed=None)
+    workers += [src, dst]
+    dst.others = [RefusingRank(dst.name, 1, 2, dst.caches[1])]
+    pulls(src, dst, TransferConfig(), [([1, 2, 5], [4, 0, 3])], expect=TransferState.FAILED)
+    assert not dst.others[0]._reads._posted  # type: ignore[union-attr]  # nothing left in flight
