@@ -192,7 +192,7 @@ def main() -> None:
 
         from llm_engine import EngineConfig, LLMEngine
         from llm_engine.sampling import SamplingParams
-        from llm_engine.tensor_parallel import TPGroup, TPRank
+        from llm_engine.tensor_parallel import TPGroup, TPRank, bind_group_address
         from llm_engine.tiny_model import build_tiny_llama
 
         gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
@@ -205,7 +205,7 @@ def main() -> None:
         sampling = SamplingParams(max_tokens=32, temperature=0.0)
         one = LLMEngine(replace(config, tensor_parallel_size=1))
         expected = [c.output_token_ids for c in one.generate(prompts, sampling)]
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = bind_group_address("127.0.0.1", 2)
         backend = "nccl" if gpus else "gloo"
         follower = mp.get_context("spawn").Process(target=_tp_rank, args=(config, init, backend, bool(gpus)))
         follower.start()
@@ -229,14 +229,6 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(RESULTS, indent=1, default=str))
     print("written to", args.out)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tp_rank(config: Any, init: str, backend: str, on_gpu: bool) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import socket
 import statistics
 import time
 from dataclasses import replace
@@ -27,12 +26,6 @@ from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
 LAYOUTS = ((2, 1), (1, 2), (2, 2))  # (prefill ranks, decode ranks)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _follow(config: Any, rank: int, size: int, init_method: str, worker_id: str) -> None:
@@ -52,12 +45,12 @@ def _follow(config: Any, rank: int, size: int, init_method: str, worker_id: str)
 
 def _engine(config: Any, worker_id: str) -> tuple[Any, list[Any]]:
     from llm_engine import LLMEngine
-    from llm_engine.tensor_parallel import TPGroup, TPRank
+    from llm_engine.tensor_parallel import TPGroup, TPRank, bind_group_address
 
     size = config.tensor_parallel_size
     if size == 1:
         return LLMEngine(config), []
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = bind_group_address("127.0.0.1", size)
     context = mp.get_context("spawn")
     processes = [context.Process(target=_follow, args=(config, r, size, init, worker_id), daemon=True)
                  for r in range(1, size)]

@@ -13,18 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import socket
 import statistics
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _follow(config: object, rank: int, size: int, init_method: str, threads: int) -> None:
@@ -45,14 +38,14 @@ def measure(model_dir: str, degree: int, repeats: int, prompt_len: int, batch: i
 
     from llm_engine import EngineConfig, LLMEngine
     from llm_engine.sampling import SamplingParams
-    from llm_engine.tensor_parallel import TPGroup, TPRank
+    from llm_engine.tensor_parallel import TPGroup, TPRank, bind_group_address
 
     torch.set_num_threads(threads)
     config = EngineConfig(model_dir, dtype="float32", device="cpu", compile="off", kv_cache_bytes=256 << 20,
                           max_num_batched_tokens=max(512, prompt_len), tensor_parallel_size=degree)
     processes, group = [], None
     if degree > 1:
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = bind_group_address("127.0.0.1", degree)
         context = mp.get_context("spawn")
         processes = [context.Process(target=_follow, args=(config, r, degree, init, threads), daemon=True)
                      for r in range(1, degree)]

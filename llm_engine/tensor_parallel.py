@@ -1,7 +1,8 @@
 """Tensor parallelism inside one worker: its ranks are processes that each hold a slice of every layer's
 heads and MLP, and step together.
 
-    TPGroup.join(TPRank(rank, size, init_method)) → a gloo group over a TCP store of its own (the step
+    bind_group_address(host, size) on rank 0 → init_method; TPGroup(TPRank(rank, size, init_method)) on every
+        rank → a gloo group over a TCP store of its own (the step
         broadcast; on a CPU also the all-reduces) and, on CUDA, an NCCL group beside it for the all-reduces
     Megatron-style slices: q/k/v and gate/up column-parallel (each rank its heads and its share of the MLP),
         o and down row-parallel, their partial sums added over the ranks (pdserve::tp_all_reduce); embeddings
@@ -83,6 +84,21 @@ class TPRank:
     backend: str = "gloo"  # "nccl": the all-reduces on CUDA (the step broadcast stays on gloo)
 
 
+# Rank 0's stores bound by bind_group_address, by init_method, until its TPGroup takes its own.
+_bound_stores: dict[str, Any] = {}
+
+
+def bind_group_address(host: str, size: int) -> str:
+    """Where a group of `size` ranks will meet on `host`: rank 0's store, listening already on a port it chose
+    itself, kept for rank 0's TPGroup. Returns the group's init_method. (A port found free and bound later
+    can be taken in between: seen, EADDRINUSE, with a test suite's processes starting around it.)"""
+    store = dist.TCPStore(host, 0, size, is_master=True, timeout=timedelta(seconds=300),
+                          wait_for_workers=False)
+    init_method = f"tcp://{f'[{host}]' if ':' in host else host}:{store.port}"
+    _bound_stores[init_method] = store
+    return init_method
+
+
 class TPGroup:
     """One worker's ranks: the step broadcast (gloo) and the all-reduce (gloo, or NCCL on CUDA)."""
 
@@ -91,8 +107,10 @@ class TPGroup:
         if url.scheme != "tcp" or url.hostname is None or url.port is None:
             raise ValueError(f"a tensor-parallel group meets at tcp://host:port, got {rank.init_method!r}")
         self.rank, self.size = rank.rank, rank.size
-        store = dist.TCPStore(url.hostname, url.port, rank.size, is_master=rank.rank == 0,
-                              timeout=timedelta(seconds=300))
+        store = _bound_stores.pop(rank.init_method, None) if rank.rank == 0 else None
+        if store is None:
+            store = dist.TCPStore(url.hostname, url.port, rank.size, is_master=rank.rank == 0,
+                                  timeout=timedelta(seconds=300))
         self._store = store  # the groups keep using it
         # Typed Any: torch's stubs miss the backends' own collectives (broadcast(tensor, root)).
         self._control: Any = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank.rank, rank.size,

@@ -52,7 +52,7 @@ from kv_transfer import (
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.model_loader import num_model_loads
 from llm_engine.step_timeline import STEP_TOKEN_BUCKETS, StepRecord
-from llm_engine.tensor_parallel import TPGroup, TPRank
+from llm_engine.tensor_parallel import TPGroup, TPRank, bind_group_address
 from pool_worker.submissions import compile_grammars, is_final, submit_each
 from pool_worker.tp_ranks import TPRanks
 from prefill_pool.messages import PrefillRequest
@@ -151,7 +151,7 @@ class WorkerActor:
         """Rank 0 of a tensor-parallel worker: the other ranks started on this node (pool_worker/tp_ranks.py),
         the group joined, and this rank's engine built over it."""
         size = config.tensor_parallel_size
-        tp = TPRank(0, size, f"tcp://{self._placement.node_ip}:{self.free_port()}",
+        tp = TPRank(0, size, bind_group_address(self._placement.node_ip, size),
                     "nccl" if config.device.startswith("cuda") else "gloo")
         gpu_ids = [str(i) for i in ray.get_gpu_ids()]  # one per rank (placement.py actor_options)
         if gpu_ids and len(gpu_ids) < size:

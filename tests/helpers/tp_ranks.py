@@ -5,20 +5,12 @@ tests, which need no Ray."""
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 from llm_engine import EngineConfig
-from llm_engine.tensor_parallel import TPGroup, TPRank
+from llm_engine.tensor_parallel import TPGroup, TPRank, bind_group_address
 from tests.helpers.child_processes import preloaded_context
-
-
-def _free_port() -> int:
-    # Not tests.helpers.servers': each rank's process imports this module, and that one imports the gateway.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _follow(config: EngineConfig, tp: TPRank) -> None:
@@ -35,7 +27,7 @@ def other_ranks(config: EngineConfig) -> Iterator[tuple[TPRank, list[Any]]]:
     """Ranks 1..size-1 of `config` started (each loads its slice and waits for rank 0); yields rank 0's
     TPRank and the processes. The processes are ended on exit."""
     size = config.tensor_parallel_size
-    tp = TPRank(0, size, f"tcp://127.0.0.1:{_free_port()}")
+    tp = TPRank(0, size, bind_group_address("127.0.0.1", size))
     context = preloaded_context()  # not a fork of the test process: it holds threads (and maybe Ray)
     processes = [context.Process(target=_follow, args=(config, TPRank(rank, size, tp.init_method)),
                                  daemon=True) for rank in range(1, size)]
