@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from benchmarks.tp_spawn import start_other_ranks
 
 RESULTS = Path(__file__).parent / "results"
 LAYOUTS = ((2, 1), (1, 2), (2, 2))  # (prefill ranks, decode ranks)
@@ -45,18 +46,11 @@ def _follow(config: Any, rank: int, size: int, init_method: str, worker_id: str)
 
 def _engine(config: Any, worker_id: str) -> tuple[Any, list[Any]]:
     from llm_engine import LLMEngine
-    from llm_engine.tensor_parallel import TPGroup, TPRank, bind_group_address
 
-    size = config.tensor_parallel_size
-    if size == 1:
+    if config.tensor_parallel_size == 1:
         return LLMEngine(config), []
-    init = bind_group_address("127.0.0.1", size)
-    context = mp.get_context("spawn")
-    processes = [context.Process(target=_follow, args=(config, r, size, init, worker_id), daemon=True)
-                 for r in range(1, size)]
-    for process in processes:
-        process.start()
-    return LLMEngine(config, tp_group=TPGroup(TPRank(0, size, init))), processes
+    group, processes = start_other_ranks(config, _follow, worker_id)
+    return LLMEngine(config, tp_group=group), processes
 
 
 def measure(base: Any, src_tp: int, dst_tp: int, staging: bool, token_counts: list[int], repeats: int

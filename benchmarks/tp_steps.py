@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import time
 from pathlib import Path
+
+from benchmarks.tp_spawn import start_other_ranks
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -38,20 +39,10 @@ def measure(model_dir: str, degree: int, repeats: int, prompt_len: int, batch: i
 
     from llm_engine import EngineConfig, LLMEngine
     from llm_engine.sampling import SamplingParams
-    from llm_engine.tensor_parallel import TPGroup, TPRank, bind_group_address
-
     torch.set_num_threads(threads)
     config = EngineConfig(model_dir, dtype="float32", device="cpu", compile="off", kv_cache_bytes=256 << 20,
                           max_num_batched_tokens=max(512, prompt_len), tensor_parallel_size=degree)
-    processes, group = [], None
-    if degree > 1:
-        init = bind_group_address("127.0.0.1", degree)
-        context = mp.get_context("spawn")
-        processes = [context.Process(target=_follow, args=(config, r, degree, init, threads), daemon=True)
-                     for r in range(1, degree)]
-        for process in processes:
-            process.start()
-        group = TPGroup(TPRank(0, degree, init))
+    group, processes = start_other_ranks(config, _follow, threads) if degree > 1 else (None, [])
     engine = LLMEngine(config, tp_group=group)
     prefill_ms, decode_ms, tokens = [], [], []
     for repeat in range(repeats + 1):  # the first round warms up and is not counted
