@@ -318,11 +318,18 @@ class NixlReceiver(KVReceiver):
 
     def _poll_slices(self) -> None:
         """Every rank's READs of sliced pulls: a pull is DONE once all are, ERR once one failed."""
-        answers = [self._slices.poll(), *(self.ranks(PollReads()) if self.ranks is not None else [])]
+        own = self._slices.poll()
+        # The other ranks are asked (a collective, which a forward waits behind) only once this rank's READs
+        # of some pull are done or failed: theirs, posted just after, end no sooner. Unasked, they keep
+        # their answers for the next ask.
+        ask = self.ranks is not None and any(own.get(key, "DONE") != "PROC" for key in self._slice_states)
+        answers = [own, *(self.ranks(PollReads()) if ask and self.ranks is not None else [])]
         for key, state in self._slice_states.items():
             if state == "ERR":  # stays until the pull is stopped
                 continue
             states = {answer.get(key, "DONE") for answer in answers}  # a rank answers DONE once, then forgets
+            if self.ranks is not None and not ask:
+                states.add("PROC")  # what the other ranks would say is not known yet
             self._slice_states[key] = "ERR" if "ERR" in states else "PROC" if "PROC" in states else "DONE"
 
     def _stop_slices(self, pull: Pull) -> bool:
