@@ -1,5 +1,6 @@
 """(Over 300 lines: every call that reads or writes the KV cache the runner owns, the forward and a
-tensor-parallel rank 0's gather and scatter of blocks among them: one owner of the cache and its lock.)
+tensor-parallel rank 0's gather and scatter of blocks among them, and the lm_head calls a rank > 0 replays:
+one owner of the cache and its lock.)
 
 Runs one forward of a packed, mixed prefill/decode batch over the paged KV cache and samples.
 

@@ -1,4 +1,5 @@
-"""(Over 300 lines: the two halves of one claim/grant protocol, which read best beside its table below.)
+"""(Over 300 lines: the two halves of one claim/grant protocol, which read best beside its table below; a
+tensor-parallel receiver's READs on every rank are that protocol's READ step, with the same deadlines.)
 
 NIXL backend: the receiver READs the sender's blocks over UCX, once the sender has granted the READ.
 
