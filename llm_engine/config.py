@@ -73,6 +73,9 @@ class EngineConfig:
     # arrives through its process alone (the torch and local transfer backends). False where the transfer
     # backend reads each rank's heads where they live (NIXL: kv_transfer/head_slices.py): no copy to pay for.
     tp_staging: bool = True
+    # Device memory each rank's transfer layer takes beside the KV cache (NIXL rank slices' scratch: set by
+    # the worker); --gpu-memory-utilization's KV budget leaves it out, as it leaves out the activations.
+    transfer_scratch_bytes: int = 0
 
     def __post_init__(self) -> None:
         problems = []

@@ -136,9 +136,11 @@ class WorkerActor:
         model_dir = self._model_source.resolve_here(node)  # before the group: a rank without it fails alone
         self._cpu_ids = setup_worker_process(self._num_threads, torch_group, cpu_slot)
         self._cpu_slot = cpu_slot
-        # No staging cache where the backend reads each rank's heads where they live.
-        config = replace(self._engine_config, model_dir=model_dir,
-                         tp_staging=not capabilities(self._backend).reads_rank_slices)
+        # No staging cache where the backend reads each rank's heads where they live; its scratch instead.
+        slices = capabilities(self._backend).reads_rank_slices
+        config = replace(self._engine_config, model_dir=model_dir, tp_staging=not slices,
+                         transfer_scratch_bytes=self._transfer_config.rank_scratch_bytes
+                         if slices and self._engine_config.tensor_parallel_size > 1 else 0)
         if config.tensor_parallel_size > 1:
             self.engine = self._start_tp_group(config)
         else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,19 @@ def test_cuda_utilization_leaves_out_weights_activations_and_the_context() -> No
     capacity = plan_kv_cache(config, LLAMA_8B, memory)
     assert capacity.num_blocks == (72 * GiB - 16 * GiB - activation - NON_TORCH_BYTES) // BLOCK_BYTES
     assert "0.9 of 80.00 GiB GPU memory" in capacity.source
+
+
+def test_cuda_utilization_leaves_out_the_scratch_of_a_tensor_parallel_ranks_transfers() -> None:
+    """Two ranks reading their heads where they live (NIXL): no staging copy in the budget, the transfer
+    layer's scratch out of it (each rank's block: 4 of the 8 KV heads, 1 MiB)."""
+    config = EngineConfig("m", device="cuda", dtype="bfloat16", gpu_memory_utilization=0.9,
+                          tensor_parallel_size=2, tp_staging=False)
+    memory = DeviceMemory(total=80 * GiB, free=70 * GiB, weights=8 * GiB, held=9 * GiB)
+    without = plan_kv_cache(config, LLAMA_8B, memory)
+    scratch = plan_kv_cache(replace(config, transfer_scratch_bytes=64 * MiB), LLAMA_8B, memory)
+    assert without.num_blocks - scratch.num_blocks == 64
+    staged = plan_kv_cache(replace(config, tp_staging=True), LLAMA_8B, memory)
+    assert staged.num_blocks == without.num_blocks // 3  # each block's 1 MiB plus a whole-head 2 MiB copy
 
 
 def test_cuda_refuses_a_utilization_beyond_the_free_memory_or_that_leaves_nothing() -> None:
