@@ -37,6 +37,7 @@ from dataclasses import replace
 from typing import Any
 
 import ray
+from ray.util.placement_group import get_current_placement_group
 
 from decode_pool.messages import DecodeRequest
 from decode_pool.role import DecodeRole
@@ -155,10 +156,13 @@ class WorkerActor:
         size = config.tensor_parallel_size
         tp = TPRank(0, size, bind_group_address(self._placement.node_ip, size),
                     "nccl" if config.device.startswith("cuda") else "gloo")
-        gpu_ids = [str(i) for i in ray.get_gpu_ids()]  # one per rank (placement.py actor_options)
-        if gpu_ids and len(gpu_ids) < size:
-            raise RuntimeError(f"{self.worker_id}: {size} tensor-parallel ranks need a GPU each; Ray gave "
-                               f"this worker {len(gpu_ids)} (--gpus-per-worker is per rank: give 1)")
+        gpu_ids = [str(i) for i in ray.get_gpu_ids()]
+        # Rank 0's own GPU in the worker's placement group (a bundle per rank); without one, every rank's.
+        needed = 1 if get_current_placement_group() is not None else size
+        held = ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)
+        if gpu_ids and (len(gpu_ids) < needed or held < needed):
+            raise RuntimeError(f"{self.worker_id}: each of its {size} tensor-parallel ranks needs a GPU of "
+                               f"its own; Ray gave rank 0 {held:g} (--gpus-per-worker is per rank: give 1)")
         self._tp_ranks = TPRanks.create(self.worker_id, tp, config, config.model_dir, self._num_threads,
                                         self._placement.node_id, gpu_ids)
         try:

@@ -2,10 +2,10 @@
 actor (rank 0), so that they end when it ends.
 
 Lifecycle (driven by WorkerActor.start when tensor_parallel_size > 1):
-    TPRanks.create(worker_id, size, ...) → ranks 1..size-1 (TPRankActor), each held to rank 0's node (Ray's
-        node affinity, not soft), asking Ray for nothing: rank 0's actor holds the CPUs and GPUs of the whole
-        group (gateway/fleet/placement.py actor_options), so Ray placed it only where the group fits, and each
-        rank runs on its share (on CUDA: the GPU id rank 0 was given for it, as its CUDA_VISIBLE_DEVICES)
+    TPRanks.create(worker_id, size, ...) → ranks 1..size-1 (TPRankActor), each in its bundle of the worker's
+        placement group (one bundle per rank on one node, made with the worker: gateway/fleet/rank_groups.py),
+        with its own CPUs and GPU; an actor made without one (a library user's) pins the ranks to its node
+        and shares what it holds (on CUDA: the GPU id rank 0 was given for each, as its CUDA_VISIBLE_DEVICES)
     → rank 0 picks a free port on its node; each rank's start() joins the group there, loads its slice of
         the model and waits for the cache size (llm_engine/tp_follower.py), while rank 0 builds its
         LLMEngine over the same group (which sends the size) → TPRanks.wait_started()
@@ -26,7 +26,8 @@ from dataclasses import replace
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from kv_transfer.backends.nixl_ranks import RankTransfers
 from llm_engine import EngineConfig
@@ -85,21 +86,30 @@ class TPRanks:
     @classmethod
     def create(cls, worker_id: str, tp: TPRank, engine_config: EngineConfig, model_dir: str, num_threads: int,
                node_id: str, gpu_ids: list[str]) -> TPRanks:
-        """Ranks 1..tp.size-1 on node `node_id`, each starting (joining the group at tp.init_method).
+        """Ranks 1..tp.size-1 on node `node_id`, each starting (joining the group at tp.init_method): in the
+        bundles of the worker's placement group (gateway/fleet/rank_groups.py), each rank with its own CPUs
+        and GPU; or, for an actor made without one, pinned to rank 0's node, sharing what rank 0 holds.
 
         Args:
-            gpu_ids: the GPUs Ray gave rank 0's actor, one per rank (rank 0 runs on the first); [] on a CPU.
+            gpu_ids: without a placement group, the GPUs Ray gave rank 0's actor, one per rank (rank 0 runs
+                on the first); [] on a CPU.
 
         Raises:
             RuntimeError: a rank was not placed in PLACEMENT_TIMEOUT_S.
         """
-        strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        group = get_current_placement_group()
         actors: list[Any] = []
         for rank in range(1, tp.size):
-            options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0, "scheduling_strategy": strategy,
-                                       "max_concurrency": 4, "name": f"pdserve-{worker_id}-rank{rank}"}
-            if gpu_ids:
-                options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": str(gpu_ids[rank])}}
+            options: dict[str, Any] = {"max_concurrency": 4, "name": f"pdserve-{worker_id}-rank{rank}"}
+            if group is not None and group.bundle_count == tp.size:  # the worker's group: a bundle per rank
+                held = ray.get_runtime_context().get_assigned_resources()  # rank 0's, as each rank's
+                options |= {"num_cpus": held.get("CPU", 0.0), "num_gpus": held.get("GPU", 0.0),
+                            "scheduling_strategy": PlacementGroupSchedulingStrategy(group, rank)}
+            else:  # rank 0 holds the whole group's resources: each rank takes its share of them
+                options |= {"num_cpus": 0, "num_gpus": 0,
+                            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+                if gpu_ids:
+                    options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": str(gpu_ids[rank])}}
             actors.append(ray.remote(TPRankActor).options(**options).remote(worker_id, rank))
         placed = [actor.node_id.remote() for actor in actors]
         ready, _ = ray.wait(placed, num_returns=len(placed), timeout=PLACEMENT_TIMEOUT_S)

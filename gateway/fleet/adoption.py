@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, cast
 
 import ray
 
+from gateway.fleet.rank_groups import remove_rank_group
 from gateway.fleet.worker_client import WorkerClient
 from gateway.fleet.workers import Worker, WorkerState
 from worker_runtime.info import WorkerStanding
@@ -84,6 +85,7 @@ def survivors(keeper: str, digest: str) -> dict[str, ActorHandle[WorkerActor]]:
         else:
             logger.warning("a surviving worker %s was started under other settings: killed", worker_id)
             ray.kill(handle, no_restart=True)
+            remove_rank_group(name)
     return found
 
 
@@ -95,11 +97,13 @@ async def adopt_survivors(deployment: PDDeployment, keeper: str) -> list[Worker]
     standings = await asyncio.gather(*(_standing(handle) for handle in handles.values()))
     adopted: list[Worker] = []
     for (worker_id, handle), standing in zip(handles.items(), standings, strict=True):
+        name = worker_actor_name(keeper, deployment.digest, worker_id)
         if standing is None or not deployment.can_change:
             ray.kill(handle, no_restart=True)
+            remove_rank_group(name)
             continue
         info, placement = standing.info, standing.placement
-        worker = Worker(worker_id, info.role, WorkerClient(worker_id, handle, deployment.gateway_id),
+        worker = Worker(worker_id, info.role, WorkerClient(worker_id, handle, deployment.gateway_id, name),
                         state=WorkerState.ACTIVE, node_id=placement.node_id, node_ip=placement.node_ip,
                         pid=placement.pid, cpu_slot=standing.cpu_slot, runtime=info.runtime,
                         tp=info.runtime.tensor_parallel_size if info.runtime else 1)

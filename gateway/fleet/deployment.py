@@ -71,6 +71,7 @@ from gateway.fleet.placement import (
     wait_all_placed,
     wait_placed,
 )
+from gateway.fleet.rank_groups import rank_group
 from gateway.fleet.recovery import Recovery
 from gateway.fleet.reshape import Reshape
 from gateway.fleet.wiring import PeerWiring
@@ -227,12 +228,13 @@ class PDDeployment:
     def create(self, role: Role) -> Worker:
         """A new actor in `role`, PENDING until Ray places it (placement.wait_placed)."""
         worker_id = self._worker_id(next(self._ids))
-        if self.keeper:  # outlives the fleet actor, for its restart to adopt
-            name = worker_actor_name(self.keeper, self.digest, worker_id)
-            options = actor_options(self.config, role, name)
+        # With a keeper the worker outlives the fleet actor, for its restart to adopt.
+        name = (worker_actor_name(self.keeper, self.digest, worker_id) if self.keeper
+                else f"pdserve-{worker_id}")
+        group = rank_group(self.config, role, name, detached=bool(self.keeper))
+        options = actor_options(self.config, role, name, group)
+        if self.keeper:
             options["lifetime"] = "detached"
-        else:
-            options = actor_options(self.config, role, f"pdserve-{worker_id}")
         handle: ActorHandle[WorkerActor] = cast("ActorHandle[WorkerActor]",
             ray.remote(WorkerActor)
             .options(**options)
@@ -240,7 +242,7 @@ class PDDeployment:
                     self.config.transfer,
                     watermark=self.config.watermark, num_threads=self.config.num_threads,
                     model_source=self.config.model_source, keeper=self.keeper))
-        worker = Worker(worker_id, role, WorkerClient(worker_id, handle, self.gateway_id),
+        worker = Worker(worker_id, role, WorkerClient(worker_id, handle, self.gateway_id, name),
                         state=WorkerState.PENDING, tp=self.config.tp_of(role))
         self.workers[worker_id] = worker
         return worker

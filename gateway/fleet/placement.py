@@ -1,5 +1,7 @@
 """Where each worker runs: the Ray options that pin a role to nodes, and the wait until Ray has placed it.
 
+    [rank_group(role): a tensor-parallel worker's placement group, a bundle per rank on one node
+     (gateway/fleet/rank_groups.py)]
     actor_options(role) → the actor is created, PENDING → Ray places it on a node that offers the role's
     resources (CPUs, GPUs, custom resources such as {"pdserve_decode": 1}) → its constructor answers
     placement() (node id, node IP) → STARTING: it loads the model on that node → ACTIVE
@@ -21,6 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.workers import Worker, WorkerState, transition
@@ -34,21 +38,22 @@ class PlacementTimeout(RuntimeError):
     """Start-up waited its time and the workers Ray placed cannot serve (or a torch group lacks a rank)."""
 
 
-def actor_options(config: DeploymentConfig, role: Role, name: str) -> dict[str, Any]:
-    """Ray options of one worker actor in `role`. A tensor-parallel worker's actor (its rank 0) asks for the
-    CPUs and GPUs of all its ranks, so that Ray places it only on a node with room for the whole group (or
-    keeps it pending, with the reason, as any worker); its other ranks then take their share of what it
-    holds (pool_worker/tp_ranks.py)."""
-    ranks = config.tp_of(role)
+def actor_options(config: DeploymentConfig, role: Role, name: str, group: PlacementGroup | None = None
+                  ) -> dict[str, Any]:
+    """Ray options of one worker actor in `role`: a tensor-parallel worker's actor (its rank 0) in the first
+    bundle of its `group` (rank_group), its other ranks then in the others (pool_worker/tp_ranks.py)."""
     options: dict[str, Any] = {
-        "num_cpus": config.num_cpus_per_worker * ranks,
-        "num_gpus": config.num_gpus_per_worker * ranks,
+        "num_cpus": config.num_cpus_per_worker,
+        "num_gpus": config.num_gpus_per_worker,
         "name": name,
         "max_concurrency": 1000,
     }
     resources = config.role_resources.get(role)
     if resources:
         options["resources"] = dict(resources)
+    if group is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group,
+                                                                          placement_group_bundle_index=0)
     if config.worker_env:
         # Ray merges these into the job's environment; a worker with its own env gets its own process.
         options["runtime_env"] = {"env_vars": dict(config.worker_env)}

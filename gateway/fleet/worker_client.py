@@ -20,6 +20,7 @@ import ray
 
 from decode_pool.messages import DecodeRequest
 from gateway.fleet.output_streams import OutputStream, RequestOutputs
+from gateway.fleet.rank_groups import remove_rank_group
 from gateway.fleet.ray_calls import translated
 from gateway.fleet.submissions import Submissions
 from gateway.fleet.worker_errors import StillBusy, WorkerLost, WrongRoleError
@@ -42,13 +43,16 @@ T = TypeVar("T")
 
 
 class WorkerClient:
-    def __init__(self, worker_id: str, handle: ActorHandle[WorkerActor], gateway_id: str) -> None:
+    def __init__(self, worker_id: str, handle: ActorHandle[WorkerActor], gateway_id: str,
+                 actor_name: str = "") -> None:
         """Args:
         handle: the Ray actor (pool_worker.actor.WorkerActor).
         gateway_id: names this gateway to the worker (its output channel ids start with it).
+        actor_name: the actor's name in Ray, which names its ranks' placement group (if it has ranks).
         """
         self.worker_id = worker_id
         self.handle = handle
+        self.actor_name = actor_name
         self.outputs = OutputStream(worker_id, gateway_id, self._output_stream)
         self._prefills: Submissions[PrefillRequest] = Submissions(self._submit_prefills)
         self._decodes: Submissions[DecodeRequest] = Submissions(self._submit_decodes)
@@ -149,6 +153,8 @@ class WorkerClient:
         self.close()
         with contextlib.suppress(Exception):  # already gone
             ray.kill(self.handle, no_restart=True)
+        if self.actor_name:  # its ranks' resources, if it has ranks, go back to the cluster
+            remove_rank_group(self.actor_name)
 
     # The wire.
     def _output_stream(self, channel_id: str) -> ray.ObjectRefGenerator:

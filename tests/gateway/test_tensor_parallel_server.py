@@ -52,8 +52,9 @@ def decode_workers(client: httpx.Client) -> list[str]:
 
 def test_kv_from_one_rank_to_two_gives_one_ranks_greedy_tokens(client: httpx.Client,
                                                                one_rank_tokens: list[int]) -> None:
-    for worker in decode_workers(client):  # its other rank is a live actor of its own
+    for worker in decode_workers(client):  # its other rank is a live actor of its own, in the worker's group
         assert ray.get_actor(f"pdserve-{worker}-rank1") is not None
+        assert rank_group(worker) == ("CREATED", "STRICT_PACK", 2)
     runtimes = {w["role"]: w["runtime"] for w in client.get("/admin/pools").json()["workers"]}
     assert runtimes["decode"]["tensor_parallel_size"] == 2 and len(runtimes["decode"]["tp_rank_pids"]) == 1
     assert runtimes["prefill"]["tensor_parallel_size"] == 1
@@ -127,8 +128,16 @@ def test_a_worker_whose_rank_0_dies_leaves_no_rank_behind(client: httpx.Client,
         time.sleep(0.5)
     assert not _alive(rank_1), "rank 1 outlived its worker"
     assert wait_until_whole(client) is None  # replaced
+    assert rank_group(victim)[0] == "REMOVED"  # its ranks' resources went back to the cluster
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
     assert client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == one_rank_tokens
+
+
+def rank_group(worker_id: str) -> tuple[str, str, int]:
+    """(state, strategy, bundles) of the placement group of a worker's ranks (gateway/fleet/rank_groups)."""
+    name = f"pdserve-{worker_id}.ranks"
+    [group] = [g for g in ray.util.placement_group_table().values() if g["name"] == name]
+    return group["state"], group["strategy"], len(group["bundles"])
 
 
 def _alive(actor: object) -> bool:

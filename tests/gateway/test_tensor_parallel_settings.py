@@ -10,6 +10,7 @@ import pytest
 from gateway.config import ServeConfig
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.placement import actor_options, pending_reason
+from gateway.fleet.rank_groups import rank_bundles
 from gateway.fleet.workers import Worker, WorkerState
 from gateway.ratio.resize import Move, plan_moves
 from llm_engine import EngineConfig
@@ -39,14 +40,17 @@ def test_a_layout_adds_and_drains_rather_than_change_a_worker_between_degrees() 
 
 
 def test_a_tensor_parallel_worker_asks_ray_for_all_its_ranks_and_says_so_while_pending() -> None:
-    """Rank 0's actor holds the whole group's CPUs and GPUs: Ray places it only on a node where the group
-    fits, and a worker no node can take is pending with the group's demand as its reason."""
+    """A bundle per rank, the role's resources in rank 0's, each rank's actor its own share: Ray places the
+    worker only on a node where the group fits, and a worker no node can take is pending with the group's
+    demand as its reason."""
     engine = EngineConfig("unused", device="cpu", tensor_parallel_size=1)
     config = DeploymentConfig(engine, num_prefill=1, num_decode=1, num_cpus_per_worker=1.5,
-                              role_tp={Role.DECODE: 2})
+                              role_tp={Role.DECODE: 2}, role_resources={Role.DECODE: {"pdserve_decode": 1}})
     assert actor_options(config, Role.PREFILL, "p")["num_cpus"] == 1.5
-    assert actor_options(config, Role.DECODE, "d")["num_cpus"] == 3.0
+    assert actor_options(config, Role.DECODE, "d")["num_cpus"] == 1.5  # rank 0's bundle
+    assert rank_bundles(config, Role.DECODE) == [{"CPU": 1.5, "pdserve_decode": 1}, {"CPU": 1.5}]
+    assert rank_bundles(config, Role.PREFILL) == [{"CPU": 1.5}]
     assert config.engine_for(Role.MIXED).tensor_parallel_size == 2  # a mixed worker takes the decode degree
     pending = Worker("worker-x-1", Role.DECODE, None, state=WorkerState.PENDING)  # type: ignore[arg-type]
     reason = pending_reason(pending, config, {"CPU": 2.0})
-    assert "no node has {'CPU': 3.0} free" in reason, reason
+    assert "no node has {'CPU': 3.0, 'pdserve_decode': 1} free" in reason, reason
