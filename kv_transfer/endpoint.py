@@ -20,7 +20,7 @@ class TransferEndpoint:
         kv_cache: torch.Tensor,
         config: TransferConfig | None = None,
         recorder: TransferRecorder | None = None,
-        ranks: Callable[[object], list[Any]] | None = None,
+        ranks: Callable[..., list[Any]] | None = None,
     ) -> None:
         """Register `kv_cache` as the memory this half reads from (sender) or writes into (receiver).
 

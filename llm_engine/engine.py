@@ -128,14 +128,14 @@ class LLMEngine:
         return self._staging is not None
 
     @property
-    def rank_call(self) -> Callable[[object], list[object]] | None:
+    def rank_call(self) -> Callable[..., list[object]] | None:
         """Rank 0 of several without a staging cache: what the transfer layer runs on the other ranks
         (call_ranks); None otherwise."""
         return self.call_ranks if self.mirror is not None and self._staging is None else None
 
-    def call_ranks(self, op: object) -> list[object]:
+    def call_ranks(self, op: object, meanwhile: Callable[[], object] | None = None) -> list[object]:
         """Run `op` on every other rank (their runner's rank_handler: the transfer layer's, installed by the
-        worker) and return each one's answer, in rank order.
+        worker) and return each one's answer, in rank order; `meanwhile` runs here while they work.
 
         Raises:
             RuntimeError: a rank's handler raised (its error named).
@@ -143,6 +143,8 @@ class LLMEngine:
         assert self.mirror is not None
         with self.mirror.lock:
             self.mirror.send(RankCall(op))
+            if meanwhile is not None:
+                meanwhile()
             answers = self.mirror.group.gather_objects(None)[1:]
         for rank, answer in enumerate(answers, start=1):
             if isinstance(answer, RankCallFailed):

@@ -304,14 +304,23 @@ class NixlReceiver(KVReceiver):
         mine = [r for r in plan_slice_reads(peer.layout, self.layout, handle.block_ids, pull.dst_block_ids)
                 if r.dst.rank == 0]
         read.is_sliced = True
-        posted = self._slices.post(pull.key, mine, agents)
-        if posted and self.ranks is not None:
+        own: list[bool] = []
+
+        def post_own() -> None:
+            own.append(self._slices.post(pull.key, mine, agents))
+
+        posted = True
+        if self.ranks is not None:
+            # This rank's READs posted while the others post theirs (a post of CMA reads copies the bytes).
             op = PostReads(pull.key, peer.layout, self.layout, handle.block_ids, pull.dst_block_ids, agents)
             try:
-                posted = all(self.ranks(op))
+                posted = all(self.ranks(op, meanwhile=post_own))
             except RuntimeError as exc:  # a rank's op raised: what it posted is cancelled below
                 logger.warning("a rank could not post its READs of transfer %s: %s", pull.key, exc)
                 posted = False
+        else:
+            post_own()
+        posted = posted and own == [True]
         self._slice_states[pull.key] = "PROC" if posted else "ERR"
         pull.state = TransferState.TRANSFERRING
         if not posted:  # what was posted is stopped before the pull fails (now, or at a later poll)

@@ -4,7 +4,7 @@ of its own, is read by peers from there, and reads its own heads of a pull itsel
 
 Rank 0's NixlSender / NixlReceiver hold the lease, the claim and the grant as for a one-rank worker; they
 reach the other ranks through a RankCall (the worker's step mirror: LLMEngine.call_ranks), which runs an op
-on every other rank and returns each one's answer, in rank order:
+on every other rank (and, meanwhile, a call of rank 0's own) and returns each one's answer, in rank order:
     OpenRank(config)      the rank's agent (made once, for the rank's life), its heads and memory → RankMemory
     LoadAgents / ForgetAgents    a receiver's peers: every source rank's agent metadata, loaded on every rank
     PostReads(key, ...)   plan the pull as rank 0 did, post this rank's reads (no notification) → bool
@@ -34,7 +34,8 @@ from kv_transfer.layout import KVLayout, MemoryRegion, layout_from_tensor
 logger = logging.getLogger(__name__)
 
 PullKey = tuple[str, int]  # (source worker id, transfer id), as the receiver's
-RankCall = Callable[[object], list[Any]]  # an op on every other rank → their answers, in rank order
+# An op on every other rank → their answers, in rank order; `meanwhile=` runs on rank 0 while they work.
+RankCall = Callable[..., list[Any]]
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,11 @@ class Worker:
                        for rank, (first, _) in enumerate(SHARES[tp]) if rank > 0]
         self.name = name
 
-    def call_ranks(self, op: object) -> list[Any]:
-        return [rank.handle(op) for rank in self.others]
+    def call_ranks(self, op: object, meanwhile: Any = None) -> list[Any]:
+        answers = [rank.handle(op) for rank in self.others]
+        if meanwhile is not None:
+            meanwhile()
+        return answers
 
     def kwargs(self) -> dict[str, Any]:
         return {"ranks": self.call_ranks} if self.others else {}
