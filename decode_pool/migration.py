@@ -40,7 +40,7 @@ class MigrationOffers:
         self.sender = sender
         self._kv = kv
         self._export = export
-        self._offered: dict[int, str] = {}  # transfer_id → request id whose blocks the lease holds
+        self._offered: dict[int, str] = {}  # transfer_id → the lease's key of its blocks in the KV manager
         self._lock = threading.Lock()  # every call on the sender
         self._released: list[ReleasedBlocks] = []  # seen by the polling thread, freed by poll()
         self._has_offers = threading.Event()
@@ -66,7 +66,10 @@ class MigrationOffers:
             self._export(blocks)
         with self._lock:
             handle = self.sender.offer(blocks, num_tokens)
-        self._offered[handle.transfer_id] = request.request_id
+        # The blocks are the lease's from now on: the request's id is free (the stream may come back here).
+        lease = f"migration-lease-{handle.transfer_id}"
+        self._kv.rekey(request.request_id, lease)
+        self._offered[handle.transfer_id] = lease
         self._has_offers.set()
         return handle
 
@@ -105,9 +108,9 @@ class MigrationOffers:
             time.sleep(POLL_S)
 
     def _free(self, transfer_id: int) -> None:
-        request_id = self._offered.pop(transfer_id, None)
-        if request_id is not None:
-            self._kv.free(request_id)
+        lease = self._offered.pop(transfer_id, None)
+        if lease is not None:
+            self._kv.free(lease)
 
     def close(self) -> None:
         self._is_stopped = True

@@ -22,8 +22,9 @@ Lifecycle of a request on this worker, one line per queue:
     Whenever a handle will not be pulled (aborted before its pull, pull FAILED), release_source() tells the
     prefill side at once, so its blocks do not wait for the lease to end.
     fail() (the step loop died) ends every request here with finish_reason "error" (those in the batch of the
-    step that raised marked in_failed_step); later submissions raise WorkerFailed, and the gateway migrates
-    the streams to another decode worker.
+    step that raised marked in_failed_step, unless the worker's own fault broke it:
+    llm_engine/step_faults.py); later submissions raise WorkerFailed, and the gateway migrates the streams to
+    another decode worker.
 Only the step loop's thread touches the engine; the receiver is shared with the PullWatcher's thread under
 its lock; other threads use the inbox, and load() returns the snapshot the loop thread published after its
 last step.
@@ -47,6 +48,7 @@ from kv_transfer import KVHandle, KVReceiver, PeerInfo, PullReply, PullRequest, 
 from llm_engine import LLMEngine
 from llm_engine.finish_reason import FinishReason
 from llm_engine.request import Request
+from llm_engine.step_faults import is_worker_fault
 from worker_runtime.inbox import WorkerInbox
 from worker_runtime.load import WorkerLoad
 from worker_runtime.prefill_slicer import PrefillSlicer
@@ -107,8 +109,23 @@ class DecodeWorker:
         """Queue a request; raises ValueError at once if it can never be served here."""
         self.engine.check_request(request.prompt_token_ids, request.sampling)
         queued = time.time()
+        on_output = self._settling(request, on_output)
         self._inbox.submit(request.request_id, (request, on_output, queued),
-                           lambda: self._accept(request, on_output, queued))
+                           lambda: self._accept(request, on_output, queued),
+                           output_ids=request.output_request_ids)
+
+    def _settling(self, request: DecodeRequest, on_output: OutputCallback) -> OutputCallback:
+        """on_output, with each id settled in the inbox as its last output leaves (the request's own id with
+        the last of its choices'): from then on the worker holds nothing under it (a migrating stream's
+        blocks belong to its lease), and the id may come again."""
+        open_ids = set(request.output_request_ids)
+
+        def answer(output: DecodeOutput) -> None:
+            if output.finish_reason is not None:
+                open_ids.discard(output.request_id)
+                self._inbox.settle(output.request_id, *(() if open_ids else (request.request_id,)))
+            on_output(output)
+        return answer
 
     def abort(self, request_id: str) -> None:
         self._inbox.post(lambda: self._abort(request_id))
@@ -180,13 +197,17 @@ class DecodeWorker:
             self._release_unpulled(request, "the decode worker failed")
             on_output(DecodeOutput(request.request_id, (), (), now, finish_reason=FinishReason.ERROR,
                                    error=message))
-        suspects = set(self._in_step)
+        # The batch of the step that raised is suspect, unless the worker's own fault broke it.
+        suspects = set() if is_worker_fault(error) else set(self._in_step)
+        failed_step_id = f"{self.worker_id}@{now:.6f}"
         for request_id, entry in list(self._entries.items()):
             if entry.transfer_finished is None:
                 self._release_unpulled(entry.request, "the decode worker failed")
+            is_suspect = request_id in suspects
             self._finish(request_id, FinishReason.ERROR, now, DecodeOutput(
                 request_id, (), (), now, finish_reason=FinishReason.ERROR, error=message,
-                in_failed_step=request_id in suspects))
+                in_failed_step=is_suspect, failed_step_id=failed_step_id if is_suspect else "",
+                num_in_failed_step=len(suspects) if is_suspect else 0))
         self._load = dataclasses.replace(self._load, failure=self.failure)
         self.on_step_end()
 

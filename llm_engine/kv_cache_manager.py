@@ -208,6 +208,15 @@ class KVCacheManager:
         if table is not None:
             self.pool.free(table)
 
+    def rekey(self, request_id: str, owner: str) -> None:
+        """Hand the request's table to another owner (a lease that offers its KV): the request's id is free
+        from now on, and the blocks go back when `owner` is freed."""
+        if owner in self._tables:
+            raise RuntimeError(f"{owner} already holds blocks")
+        self._tables[owner] = self._tables.pop(request_id)
+        self._num_cached_blocks[owner] = self._num_cached_blocks.pop(request_id)
+        self._last_hash[owner] = self._last_hash.pop(request_id)
+
     @property
     def num_requests(self) -> int:
         return len(self._tables)

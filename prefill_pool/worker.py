@@ -47,6 +47,11 @@ class _Pending:
     started: float = 0.0
 
 
+def _lease(transfer_id: int) -> str:
+    """The KV manager's key of an offered prompt's blocks: the lease owns them, not the request's id."""
+    return f"prefill-lease-{transfer_id}"
+
+
 class PrefillWorker:
     def __init__(self, worker_id: str, engine: LLMEngine, sender: KVSender,
                  is_sender_polled_elsewhere: bool = False) -> None:
@@ -67,7 +72,7 @@ class PrefillWorker:
         self._sender_lock = threading.Lock()
         self._released: list[ReleasedBlocks] = []  # seen by poll_transfers(), freed by the loop thread
         self._pending: dict[str, _Pending] = {}
-        self._offered: dict[int, str] = {}  # transfer_id → request_id whose blocks it holds
+        self._offered: dict[int, str] = {}  # transfer_id → the request whose blocks it holds (under _lease())
         self._load = self._snapshot()
 
     # Called from any thread.
@@ -75,8 +80,12 @@ class PrefillWorker:
         """Queue a prompt; raises ValueError at once if it can never be served here."""
         self.engine.check_request(request.prompt_token_ids, request.sampling)
         queued = time.time()
-        self._inbox.submit(request.request_id, (request, on_result, queued),
-                           lambda: self._start(request, on_result, queued), len(request.prompt_token_ids))
+
+        def answer(result: PrefillResult) -> None:  # a prompt's result is its last word: its id is free
+            self._inbox.settle(request.request_id)
+            on_result(result)
+        self._inbox.submit(request.request_id, (request, answer, queued),
+                           lambda: self._start(request, answer, queued), len(request.prompt_token_ids))
 
     def abort(self, request_id: str) -> None:
         self._inbox.post(lambda: self._abort(request_id))
@@ -133,9 +142,8 @@ class PrefillWorker:
             releases = self._released + self.sender.poll()
             self._released = []
         for released in releases:
-            request_id = self._offered.pop(released.transfer_id, None)
-            if request_id is not None:
-                self.engine.kv.free(request_id)
+            if self._offered.pop(released.transfer_id, None) is not None:
+                self.engine.kv.free(_lease(released.transfer_id))
         scheduler = self.engine.scheduler
         batch = scheduler.schedule() if scheduler.num_unfinished else None
         if batch is not None and batch.chunks:
@@ -205,9 +213,8 @@ class PrefillWorker:
     def _release(self, transfer_id: int, why: str) -> None:
         with self._sender_lock:
             released = self.sender.withdraw(transfer_id, why)
-        request_id = self._offered.pop(transfer_id, None) if released is not None else None
-        if request_id is not None:
-            self.engine.kv.free(request_id)
+        if released is not None and self._offered.pop(transfer_id, None) is not None:
+            self.engine.kv.free(_lease(transfer_id))
 
     def _finish_prefill(self, request: Request) -> None:
         request_id = request.request_id
@@ -230,6 +237,8 @@ class PrefillWorker:
             self.engine.export_blocks(table)  # a tensor-parallel worker's ranks' heads, gathered
             with self._sender_lock:
                 handle = self.sender.offer(table, request.num_computed_tokens)
+            # The blocks are the lease's from now on: the id is free for another attempt of the request.
+            self.engine.kv.rekey(request_id, _lease(handle.transfer_id))
             self._offered[handle.transfer_id] = request_id
         else:
             self.engine.kv.free(request_id)

@@ -136,7 +136,7 @@ class ChoicesRun(RequestRun):
         going_on = tuple(c for c in result.choices if c.finish_reason is None)
         if not going_on:
             return firsts, []
-        group = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
+        group = DecodeRequest(self.new_attempt_id(), self.prompt_token_ids, self.sampling,
                               kv_handle=result.kv_handle, choices=going_on)
         submitted = await self._submit_group(decode, group)
         streams: list[ChoiceStream] = []
@@ -144,9 +144,12 @@ class ChoicesRun(RequestRun):
             run = self._choice_run(choice.index)
             run.generated.append(choice.token_id)
             # Used only if the choice must start again elsewhere: prompt + its first token, recomputed.
-            request = DecodeRequest(run.request_id, self.prompt_token_ids, run.sampling,
+            request = DecodeRequest(run.new_attempt_id(), self.prompt_token_ids, run.sampling,
                                     generated_token_ids=(choice.token_id,))
-            stream = decode_stage.decode_stream(run, decode, request, submitted.get(run.request_id))
+            # The group's choice streams go under the group's attempt id; each choice's own attempts
+            # (moves, retries) under its run's.
+            outputs = submitted.get(choice_request_id(group.request_id, choice.index))
+            stream = decode_stage.decode_stream(run, decode, request, outputs)
             streams.append((choice.index, run, stream))
         return firsts, streams
 

@@ -14,10 +14,12 @@ Failures (a worker's actor died, its step loop died, or it answered with finish_
     PREFILL: the worker is marked failed and the request retried once on another prefill worker.
     DECODE:  the worker is marked failed; the request migrates to another decode worker with the tokens the
              client already has (that worker recomputes prompt + those tokens), and the stream goes on
-             without a duplicate or missing token. Up to MAX_MIGRATIONS times, and at most once after a
-             failed step that computed it (it may be what breaks the steps: MAX_FAILED_STEPS); after such a
-             step it is a suspect, computed alone on the next worker, so that a second failure is its own
-             and an innocent request that shared the first batch is never failed for it.
+             without a duplicate or missing token. Up to MAX_MIGRATIONS times. After a failed step that
+             computed it (it may be what breaks the steps) it is a suspect: the batch of that step is tried
+             again as one group, apart from other requests, halved at each failure of its own, and lifted
+             once it has computed a token; a suspect that fails alone is the culprit and ends with an error
+             (decode_stage.MAX_FAILED_STEPS bounds the halvings). A worker's own fault (an allocator OOM, a
+             dead tensor-parallel rank) makes no suspects.
     With no live worker of the role needed (1P+1D), it waits for the replacement the pool starts, until the
     stage's deadline; then, and whenever a deadline passes, it raises RequestFailed (a clear error).
 Clearing: a long prompt that a worker will prefill itself while it decodes streams has those streams moved
@@ -73,9 +75,19 @@ class RequestRun:
         self.num_migrations = 0  # moves forced by failed decode workers
         self.num_moves = 0  # moves because a decode worker changed role or left (not failures)
         self.num_failed_steps = 0  # decode workers whose failing step had this request in its batch
+        self.suspect_group = ""  # since such a step: its group of suspects, until a worker lifts it
         self.local_prefill_reason = ""  # why the decode worker prefilled the prompt; empty: the prefill pool
         self.num_reserved = len(prompt_token_ids) + sampling.max_tokens  # booked on its decode worker
         self._booked: str | None = None  # the decode worker holding that booking
+        self._num_attempts = 0  # submissions to workers so far (new_attempt_id())
+
+    def new_attempt_id(self) -> str:
+        """The id the request's next submission to a worker goes under: the request's own the first time,
+        then `<request id>~<n>`. A worker remembers the ids it aborted (and refuses them) and holds blocks
+        under live ones: a new attempt (after a closed stream, a lost, refusing or misrouted worker, a move)
+        is never taken for the one before it."""
+        self._num_attempts += 1
+        return self.request_id if self._num_attempts == 1 else f"{self.request_id}~{self._num_attempts - 1}"
 
     async def events(self) -> AsyncGenerator[StreamEvent, None]:
         try:
@@ -129,14 +141,15 @@ class RequestRun:
             # Prompt tokens sent to a decode or mixed worker and not yet prefilled (the ratio controller's
             # view of prompt work on workers that also decode).
             await self._clear_for_prompt(decode)  # first: the controller, told next, sees no stream beside it
-            self.router.start_local_prefill(decode.worker_id, self.request_id, len(self.prompt_token_ids))
+            request = DecodeRequest(self.new_attempt_id(), self.prompt_token_ids, self.sampling)
+            attempt_id = request.request_id  # the id its stream is subscribed under there
+            self.router.start_local_prefill(decode.worker_id, attempt_id, len(self.prompt_token_ids))
             try:
-                request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling)
                 async for event in decode_stage.decode_stream(self, decode, request):
-                    self.router.end_local_prefill(decode.worker_id, self.request_id)  # its first token came
+                    self.router.end_local_prefill(decode.worker_id, attempt_id)  # its first token came
                     yield event
             finally:
-                self.router.end_local_prefill(decode.worker_id, self.request_id)
+                self.router.end_local_prefill(decode.worker_id, attempt_id)
             return
         prefill, result = await prefill_stage.prefill(self)
         handle = result.kv_handle
@@ -153,7 +166,7 @@ class RequestRun:
                               result.prompt_logprobs, prefill=result, prefilled_by=prefill.worker_id)
             if result.finish_reason is not None:
                 return
-            request = DecodeRequest(self.request_id, self.prompt_token_ids, self.sampling,
+            request = DecodeRequest(self.new_attempt_id(), self.prompt_token_ids, self.sampling,
                                     result.first_token_id, result.first_logprob, handle,
                                     first_top_logprobs=result.first_top_logprobs)
             async for event in decode_stage.decode_stream(self, decode, request):

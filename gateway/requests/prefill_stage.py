@@ -35,8 +35,9 @@ async def prefill(run: RequestRun) -> tuple[Worker, PrefillResult]:
         prefill = await run.wait_for_worker("prefill", run.deadlines.prefill_by, tried)
         tried.add(prefill.worker_id)
         client = prefill.client
+        attempt_id = run.new_attempt_id()  # a retry is never taken for the attempt the worker aborted
         try:
-            outputs = client.subscribe(run.request_id)  # before submitting: no result unheard
+            outputs = client.subscribe(attempt_id)  # before submitting: no result unheard
         except WorkerLost:
             continue  # it left the deployment since it was picked
         # Booked only now, so that every booking is released in the `finally` below: a worker's drain or
@@ -45,11 +46,11 @@ async def prefill(run: RequestRun) -> tuple[Worker, PrefillResult]:
         run.at(f"prefilling on {prefill.worker_id}")
         try:
             async with asyncio.timeout(run.time_left(run.deadlines.prefill_by)):
-                await client.submit_prefill(PrefillRequest(run.request_id, run.prompt_token_ids,
-                                                           run.sampling), outputs)
+                await client.submit_prefill(PrefillRequest(attempt_id, run.prompt_token_ids, run.sampling),
+                                            outputs)
                 result = await outputs.prefill_result()
         except TimeoutError:
-            client.abort(run.request_id)
+            client.abort(attempt_id)
             raise RequestFailed(run.late("prefill", run.deadlines.prefill_by), "deadline_exceeded"
                                 ) from None
         except WorkerLost as error:  # its actor or step loop died, or its output stream ended
@@ -65,7 +66,7 @@ async def prefill(run: RequestRun) -> tuple[Worker, PrefillResult]:
                 raise RequestFailed(f"the request was refused: {refused}", "refused", 400) from None
             continue  # another worker may take it (one started later may have fewer blocks)
         except asyncio.CancelledError:  # the client went away: stop the prefill (and free its KV)
-            client.abort(run.request_id)
+            client.abort(attempt_id)
             raise
         finally:
             client.unsubscribe(outputs)

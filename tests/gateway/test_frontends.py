@@ -370,3 +370,38 @@ def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_hea
     assert answer.status_code == 200 and expected.startswith(answer.json()["choices"][0]["text"])
     assert worker_pids(client) == before, "the restarted fleet did not adopt its workers"
     client.close()
+
+
+def test_a_frontend_paused_past_the_fleets_lease_resumes_every_request_whole(two_frontends: Server) -> None:
+    """Issue 48, defect 2 (review P2). A frontend SIGSTOPped for 15 s, past the fleet's 10 s lease, is taken
+    for dead: every worker ends its channels and aborts what they carried. Resumed, it submits each of its
+    requests again as a new attempt (its own id on the workers, never refused as "aborted before it
+    arrived"): every stream, and every prompt it had just sent, ends whole with the reference text."""
+    supervisor = two_frontends.supervisor
+    with two_frontends.client() as client:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+        expected = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        before = worker_pids(client)
+    pids = frontend_pids(supervisor)
+    streams, readers = two_streams_on_each(two_frontends, pids)
+    victim, survivor = pids
+    num_expired = two_frontends.log.read_text().count("taken for dead")
+    # Sent just before the pause: whichever frontend takes them, the victim's may still be prefilling.
+    late = [open_stream(two_frontends.port, two_frontends.tls) for _ in range(2)]
+    late_readers = [threading.Thread(target=s.read, daemon=True) for s in late]
+    for reader in late_readers:
+        reader.start()
+    os.kill(victim, signal.SIGSTOP)
+    time.sleep(15)
+    os.kill(victim, signal.SIGCONT)
+    for reader in readers + late_readers:
+        reader.join(180)
+    assert two_frontends.log.read_text().count("taken for dead") > num_expired, \
+        "the fleet never took the paused frontend for dead: no proof"
+    for stream in streams[survivor] + streams[victim] + late:
+        assert stream.done and not stream.error_code, (stream.error, stream.error_code, len(stream.texts))
+        assert "".join(stream.texts) == expected
+    assert victim in frontend_pids(supervisor), "uvicorn replaced a frontend that was only paused"
+    with two_frontends.client() as client:
+        until(lambda: client.get("/health").status_code == 200, 60, "health")
+        assert worker_pids(client) == before, "a healthy worker was replaced"

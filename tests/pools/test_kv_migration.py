@@ -153,3 +153,47 @@ def test_a_stream_moved_out_is_pulled_while_its_source_does_not_step(tiny_llama_
     assert [moved.tokens["r0"], seen.tokens["r1"]] == expected
     first.migration.close()
     assert first.engine.block_pool.is_whole() and second.engine.block_pool.is_whole()
+
+
+def test_a_stream_handed_back_to_the_worker_still_leasing_its_kv_continues(tiny_llama_dir: Path) -> None:
+    """The role-flip defect (issue 48): a stream moved off a worker came back to it while that worker's
+    migration lease still held the stream's old blocks. Its step loop died on "already holds blocks". The
+    lease's blocks are the lease's, not the request's: the id is free once its last output went out, the
+    stream continues here (recomputed: a worker does not pull from itself) and every block comes back."""
+    prompt = random_prompts([37], 1000, seed=5)[0]
+    first, _ = pair(tiny_llama_dir)
+    seen = Outputs()
+    first.submit(DecodeRequest("r", tuple(prompt), GREEDY), seen)
+    step_until([first], lambda: len(seen.tokens.get("r", ())) >= 4)
+    first.move_out(["r"])
+    step_until([first], lambda: "r" in seen.final)
+    handle = seen.final["r"].kv_handle
+    assert handle is not None and first.load().num_requests == 1  # the lease holds the old blocks
+
+    back = Outputs()
+    back.tokens["r"] = list(seen.tokens["r"])
+    first.release_source = lambda h, why: first.release(h.transfer_id, why)
+    first.submit(DecodeRequest("r", tuple(prompt), GREEDY, generated_token_ids=tuple(seen.tokens["r"]),
+                               kv_handle=handle), back)
+    step_until([first], lambda: "r" in back.final and first.load().num_requests == 0)
+    assert not first.failure
+    assert back.tokens["r"] == hf_greedy(tiny_llama_dir, [prompt], GREEDY.max_tokens)[0]
+    assert first.engine.block_pool.is_whole()
+
+
+def test_a_submission_under_an_id_still_live_here_is_refused_at_submit(tiny_llama_dir: Path) -> None:
+    """Two submissions under one id would share a block table: the second is refused to its caller
+    (ValueError, which the actor answers as a refusal) and the step loop serves on."""
+    prompt = random_prompts([21], 1000, seed=8)[0]
+    first, _ = pair(tiny_llama_dir)
+    seen = Outputs()
+    first.submit(DecodeRequest("r", tuple(prompt), GREEDY), seen)
+    with pytest.raises(ValueError, match="already"):  # still in the inbox
+        first.submit(DecodeRequest("r", tuple(prompt), GREEDY), seen)
+    step_until([first], lambda: len(seen.tokens.get("r", ())) >= 2)
+    with pytest.raises(ValueError, match="already"):  # running
+        first.submit(DecodeRequest("r", tuple(prompt), GREEDY), seen)
+    step_until([first], lambda: "r" in seen.final)
+    assert not first.failure and seen.final["r"].finish_reason == "length"
+    assert seen.tokens["r"] == hf_greedy(tiny_llama_dir, [prompt], GREEDY.max_tokens)[0]
+    assert first.engine.block_pool.is_whole()
