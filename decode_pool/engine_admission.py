@@ -32,7 +32,7 @@ class EngineAdmission:
         request = self._entries[request_id].request
         self.engine.scheduler.add(Request(request_id, list(request.prompt_token_ids), request.sampling,
                                           self._eos, output_token_ids=list(request.generated_token_ids),
-                                          is_suspect=request.is_suspect))
+                                          suspect_group=request.suspect_group))
 
     def start_pulled(self, request_id: str, is_pulled: bool, reason: str = "") -> None:
         """A single request's pull ended: it runs from its KV (`is_pulled`) or is recomputed (why: `reason`),
@@ -50,7 +50,7 @@ class EngineAdmission:
             request_id, list(request.prompt_token_ids), request.sampling, self._eos,
             output_token_ids=output_token_ids, output_logprobs=output_logprobs,
             output_top_logprobs=[request.first_top_logprobs] if request.first_top_logprobs else [],
-            is_suspect=request.is_suspect,
+            suspect_group=request.suspect_group,
         )
         if is_pulled:
             engine_request.num_computed_tokens = request.kv_handle.num_tokens

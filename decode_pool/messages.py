@@ -31,9 +31,10 @@ class DecodeRequest:
     # its own, forked from the pulled blocks, under choice_request_id(request_id, index) with
     # sampling.for_choice(index): its outputs, its abort, its migration (llm_engine/choices.py).
     choices: tuple[FirstToken, ...] = ()
-    # It was in the batch of a decode step that failed on another worker: it computes alone here (a second
-    # failure then names it, and no request beside it shares the blame).
-    is_suspect: bool = False
+    # It was in the batch of a decode step that failed on another worker: the gateway's name for its group of
+    # suspects, which compute apart from every other request here until each has sampled a token (a second
+    # failure then blames that group only); "": not a suspect.
+    suspect_group: str = ""
 
     @property
     def output_request_ids(self) -> tuple[str, ...]:
@@ -70,8 +71,11 @@ class DecodeOutput:
     num_cached_tokens: int = 0  # prompt tokens this worker found in its prefix cache (final output)
     error: str = ""  # why, when finish_reason is "error"
     # finish_reason "error": the request was in the batch whose step raised, so it may be what broke the
-    # worker (a "query of death"); the gateway gives such a request one more worker, not several.
+    # worker (a "query of death"). Never set when the worker's own fault broke the step (an allocator OOM, a
+    # collective that failed: llm_engine/step_faults.py).
     in_failed_step: bool = False
+    failed_step_id: str = ""  # with in_failed_step: names that step (the gateway's suspect group)
+    num_in_failed_step: int = 0  # with in_failed_step: how many requests that step computed (1: it alone)
     # finish_reason "migrate": the stream's KV (prompt + tokens so far but the last), offered by this worker
     # for the next one to pull; None: the next worker recomputes it.
     kv_handle: KVHandle | None = None

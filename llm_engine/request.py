@@ -58,8 +58,13 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     # sampling.n > 1: the first tokens of choices 1..n-1 (output_token_ids[0] is choice 0's), drawn with it.
     other_first_tokens: tuple[SampledToken, ...] = ()
-    # It was in the batch of a step that failed on another worker: it computes alone (llm_engine/scheduler.py)
-    is_suspect: bool = False
+    # It was in the batch of a step that failed on another worker: the failure's group, computed apart from
+    # every other request until it has sampled a token here (llm_engine/scheduler.py); "": not a suspect.
+    suspect_group: str = ""
+
+    @property
+    def is_suspect(self) -> bool:
+        return bool(self.suspect_group)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -17,9 +17,13 @@ schedule() remembers that, and until a request comes or goes or blocks are freed
 once, without looking for cached prefixes again (a worker polling for transfers would otherwise re-hash the
 head prompt every poll); while others run, a waiting request's block hashes are kept on it
 (Request.block_hashes), so looking up its cached prefix again costs dict lookups, not hashing.
-A suspect (Request.is_suspect: it was in the batch of a step that failed on another worker) never shares a
-forward: it computes alone, on every other step while others run, so that if it breaks the next forward too,
-only it is to blame, and the requests that happened to share its failed batch are not failed with it.
+A suspect (Request.suspect_group: it was in the batch of a step that failed on another worker) computes
+with the other suspects of its group only (the gateway names the group: one failed step's batch, halved at
+each failure after that), on every other step while others run, so that if it breaks the next forward too,
+only its group is to blame and the requests beside it are not failed with it. Once it has sampled a token
+in such a forward, its suspicion is lifted: it batches like any other request from then on. Group testing,
+not one forward per suspect: after a failed batch of 64 the innocent go on at full speed after one forward,
+and a culprit is named in about six failures, not sixty-four.
 Each chunk carries only the blocks its request's table gained since its previous chunk (the runner keeps
 the tables), and each forward names the requests that left since the last one, so the runner can drop
 their tables. Plain Python: no tensors, no model.
@@ -56,7 +60,7 @@ class Scheduler:
         # Prompt tokens one forward may carry while any running request decodes (None: no limit beyond
         # max_num_batched_tokens).
         self.prefill_budget_beside_decode: int | None = None
-        self._num_turns = 0  # steps since a suspect was first seen: suspects' turns alternate with the rest
+        self._num_turns = 0  # steps since a suspect was first seen: suspect groups take every other turn
 
     @property
     def num_unfinished(self) -> int:
@@ -184,22 +188,20 @@ class Scheduler:
         """Its next chunk is its one newest token (not a prompt's, nor a recomputation after preemption)."""
         return request.num_output_tokens > 0 and request.num_tokens - request.num_computed_tokens == 1
 
-    def _suspect_turn(self) -> Request | None:
-        """The suspect that computes alone this step, or None (this step is the others')."""
-        suspects = [r for r in self.running if r.is_suspect and r.status is RequestStatus.RUNNING]
-        if self.waiting and self.waiting[0].is_suspect:
-            suspects.append(self.waiting[0])
-        if not suspects:
+    def _suspect_turn(self) -> str | None:
+        """The suspect group that computes apart this step, or None (this step is the others')."""
+        groups = list(dict.fromkeys(r.suspect_group for r in (*self.running, *self.waiting) if r.is_suspect))
+        if not groups:
             return None
-        has_others = (any(not r.is_suspect for r in self.running)
-                      or bool(self.waiting and not self.waiting[0].is_suspect))
+        has_others = any(not r.is_suspect for r in (*self.running, *self.waiting))
         self._num_turns += 1
         if has_others and self._num_turns % 2:
             return None
-        return suspects[(self._num_turns // 2) % len(suspects)]
+        return groups[(self._num_turns // 2) % len(groups)]
 
     def _schedule(self) -> ModelInput:
-        alone = self._suspect_turn()
+        # Every forward holds one suspect group only, or no suspect at all ("" is the others' group).
+        turn = self._suspect_turn() or ""
         budget = self.max_num_batched_tokens
         prefill_budget = budget
         if self.prefill_budget_beside_decode is not None and any(map(self._is_decoding, self.running)):
@@ -211,8 +213,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older request
-            if (request.is_suspect or alone is not None) and request is not alone:
-                continue  # a suspect computes alone, on its turn; the others without it
+            if request.suspect_group != turn:
+                continue  # not this forward's group: a suspect group on its turn, the others on theirs
             is_decoding = self._is_decoding(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget,
                           budget if is_decoding else prefill_budget)
@@ -232,12 +234,11 @@ class Scheduler:
             budget -= num_new
             if not is_decoding:
                 prefill_budget -= num_new
-        # Admitting while preempting would thrash: the freed blocks belong to the re-queued requests.
-        while (self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.max_num_seqs
-               and not preempted):
-            request = self.waiting[0]
-            if (request is not alone) if alone is not None else request.is_suspect:
-                break  # a suspect is admitted alone, on its turn; nobody joins it then
+        # Admitting while preempting would thrash: the freed blocks belong to the re-queued requests. In
+        # arrival order among this forward's group (a waiting suspect holds back nobody else's admission).
+        for request in [r for r in self.waiting if r.suspect_group == turn] if not preempted else ():
+            if min(budget, prefill_budget) <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             token_ids = request.all_token_ids
             hashes = self._prefix_hashes(request)
             cached = len(self.kv.find_cached_prefix(token_ids, hashes)) * self.kv.block_size
@@ -246,7 +247,7 @@ class Scheduler:
             reserve = self.watermark_blocks if self.running else 0
             if not self.kv.can_allocate(token_ids, cached + num_new, reserve, hashes):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.num_computed_tokens = self.kv.allocate(request.request_id, token_ids, cached + num_new,
                                                            hashes)
             if not request.num_preemptions:
@@ -284,6 +285,7 @@ class Scheduler:
             if request is None:
                 continue
             request.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            request.suspect_group = ""  # it computed a token in its group's own forward: suspicion lifted
             if sampled.other_choices:
                 request.other_first_tokens = sampled.other_choices
             advanced.append(request)

@@ -7,8 +7,9 @@ stream survives that worker failing or leaving.
         Misrouted       the worker changed role since it was picked: the same request goes to another
         Refused         too few KV blocks there, a grammar it cannot compile: another worker, or a 400
         WorkerLostHere  its actor or step loop died, or it answered finish "error": marked failed; the
-                        request migrates with the tokens the client has (up to MAX_MIGRATIONS, and at most
-                        MAX_FAILED_STEPS workers whose failing step computed it: it may be what breaks them)
+                        request migrates with the tokens the client has (up to MAX_MIGRATIONS); if the
+                        failing step computed it, as a suspect (next_suspect_group(): it may be what breaks
+                        the steps), and it ends with an error once it fails alone
         Evacuated       it hands the request back (finish "migrate": it changes role or leaves), or the fleet
                         closed the stream: moved without marking it failed, pulling the KV it offers
         Requeued        handed back before its first token: the orchestrator routes it again from the start
@@ -19,6 +20,8 @@ stream survives that worker failing or leaving.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 from collections.abc import AsyncGenerator, Awaitable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -35,17 +38,32 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 MAX_MIGRATIONS = 3  # decode workers a request may move across before it ends with an error
-# Workers a request may see fail in a step that computed it: a request that broke one worker's forward may
-# be what breaks every forward it is in (a "query of death"): it gets one more worker, then an error.
-MAX_FAILED_STEPS = 2
+# Steps a request may see fail while it was in their batch. A request that broke one worker's forward may be
+# what breaks every forward it is in (a "query of death"): the suspects of one failure are tried again as a
+# group, halved at each failure of theirs, and a suspect whose step fails with it alone is the culprit
+# (an error). 64 requests take 7 halvings to name one: 8 covers a full batch.
+MAX_FAILED_STEPS = 8
+
+
+def next_suspect_group(group: str, failed_step_id: str, request_id: str) -> str:
+    """The request's suspect group after a step it was in failed: that step's whole batch the first time
+    (one forward tells whether the failure follows them); a suspect's group in halves (by a stable hash of the
+    request's id, so each member picks its half alone)."""
+    if not group:
+        return failed_step_id
+    half = hashlib.blake2b(f"{failed_step_id}|{request_id}".encode(), digest_size=1).digest()[0] & 1
+    return f"{failed_step_id}/{half}"
 
 
 class WorkerLostHere(Exception):
     """A worker failed while holding this request (internal: triggers a retry or a migration)."""
 
-    def __init__(self, message: str, in_failed_step: bool = False) -> None:
+    def __init__(self, message: str, in_failed_step: bool = False, failed_step_id: str = "",
+                 num_in_failed_step: int = 0) -> None:
         super().__init__(message)
         self.in_failed_step = in_failed_step  # the request was in the batch whose step raised
+        self.failed_step_id = failed_step_id  # that step's name (the suspects' next group)
+        self.num_in_failed_step = num_in_failed_step  # how many requests it computed (1: this one alone)
 
 
 class Evacuated(Exception):
@@ -88,10 +106,12 @@ async def decode_stream(run: RequestRun, decode: Worker, request: DecodeRequest,
             return
         except Misrouted:  # the same request (its prefill KV included) goes to another decode worker
             submitted = None
+            request = dataclasses.replace(request, request_id=run.new_attempt_id())
             decode = await run.pick_decode(run.deadlines.finish_by, {decode.worker_id})
             continue
         except Refused as refused:  # another worker may take it; when none is left, it is a 400
             submitted = None
+            request = dataclasses.replace(request, request_id=run.new_attempt_id())
             refusers.add(decode.worker_id)
             if not any(w.worker_id not in refusers for w in run.fleet.active(Role.DECODE, Role.MIXED)):
                 raise RequestFailed(f"the request was refused: {refused}", "refused", 400) from None
@@ -103,10 +123,14 @@ async def decode_stream(run: RequestRun, decode: Worker, request: DecodeRequest,
             # It may have died before pulling the KV it was handed (an evacuated worker's): its holder
             # frees it now rather than at the lease's end (its role change waits for that).
             release(run, request.kv_handle, "the worker it was handed to failed")
-            run.num_failed_steps += lost.in_failed_step
-            if run.num_failed_steps >= MAX_FAILED_STEPS:
-                raise RequestFailed(f"generation stopped: the step computing this request failed on "
-                                    f"{run.num_failed_steps} decode workers", "worker_failed") from None
+            if lost.in_failed_step:
+                run.num_failed_steps += 1
+                is_named = bool(run.suspect_group) and lost.num_in_failed_step == 1  # it failed alone again
+                if is_named or run.num_failed_steps >= MAX_FAILED_STEPS:
+                    raise RequestFailed(f"generation stopped: the step computing this request failed on "
+                                        f"{run.num_failed_steps} decode workers", "worker_failed") from None
+                run.suspect_group = next_suspect_group(run.suspect_group, lost.failed_step_id,
+                                                       run.request_id)
             if run.num_migrations >= MAX_MIGRATIONS:
                 raise RequestFailed(f"generation stopped: {run.num_migrations + 1} decode workers "
                                     "failed while serving this request", "worker_failed") from None
@@ -128,9 +152,9 @@ async def decode_stream(run: RequestRun, decode: Worker, request: DecodeRequest,
             # had not been pulled yet) may free it now.
             release(run, handle, "the request found no worker to move to")
             raise
-        request = DecodeRequest(run.request_id, run.prompt_token_ids, run.sampling,
+        request = DecodeRequest(run.new_attempt_id(), run.prompt_token_ids, run.sampling,
                                 generated_token_ids=tuple(run.generated), kv_handle=handle,
-                                is_suspect=run.num_failed_steps > 0)
+                                suspect_group=run.suspect_group)
 
 
 def release(run: RequestRun, handle: KVHandle | None, why: str) -> None:
@@ -148,9 +172,10 @@ async def decode_once(run: RequestRun, decode: Worker, request: DecodeRequest,
     """The request on one decode worker, until it finishes or leaves it (the exceptions above say why)."""
     client = decode.client
     run.at(f"{'submitting to' if submitted is None else 'decoding on'} {decode.worker_id}")
+    attempt_id = submitted.request_id if submitted is not None else request.request_id  # the worker's id
     try:
         # Before submitting: no output goes unheard.
-        outputs = submitted if submitted is not None else client.subscribe(run.request_id)
+        outputs = submitted if submitted is not None else client.subscribe(attempt_id)
     except WorkerLost as error:
         raise WorkerLostHere(str(error)) from None
     is_finished = False
@@ -171,7 +196,10 @@ async def decode_once(run: RequestRun, decode: Worker, request: DecodeRequest,
             except ChannelClosed:  # the worker aborted it and serves on: the request starts again
                 raise Evacuated(None, may_stay=True) from None
             if output.finish_reason == "error":
-                raise WorkerLostHere(output.error or "decode worker failed", output.in_failed_step)
+                raise WorkerLostHere(output.error or "decode worker failed", output.in_failed_step,
+                                     output.failed_step_id, output.num_in_failed_step)
+            if output.token_ids:  # computed in its suspect group's own forward: the worker lifted suspicion
+                run.suspect_group = ""
             is_evacuated = output.finish_reason == "migrate"
             is_finished = output.finish_reason is not None  # evacuated: the worker let go of it too
             run.generated.extend(output.token_ids)
@@ -192,7 +220,7 @@ async def decode_once(run: RequestRun, decode: Worker, request: DecodeRequest,
         client.unsubscribe(outputs)
         if not is_finished:
             # Client gone, deadline, or worker lost: stop the work there (abort is idempotent).
-            client.abort(run.request_id)
+            client.abort(attempt_id)
 
 
 async def call_worker(run: RequestRun, work: Awaitable[T]) -> T:

@@ -144,13 +144,62 @@ def test_a_suspect_computes_alone_and_every_request_finishes() -> None:
     scheduler = make(budget=64)
     innocents = [add(scheduler, f"r{i}", 6, max_tokens=6) for i in range(3)]
     scheduler.schedule()  # (the innocents' prompts, batched)
-    suspect = Request("q", list(range(9)), SamplingParams(max_tokens=6), is_suspect=True)
+    suspect = Request("q", list(range(9)), SamplingParams(max_tokens=6), suspect_group="w1/7")
     scheduler.add(suspect)  # it arrives while the others run, as a migrated request does
     batches = run_to_end(scheduler)
     with_suspect = [b for b in batches if any(c.request_id == "q" for c in b.chunks)]
-    assert with_suspect and all(len(b.chunks) == 1 for b in with_suspect)
+    # Alone until its recompute has given a token; then it is cleared and batches with the others.
+    first = batches.index(with_suspect[0])
+    [recompute] = with_suspect[0].chunks
+    assert recompute.start_position + recompute.num_tokens == 9  # its whole prompt (past a cached block)
+    assert not suspect.is_suspect
+    assert any(len(b.chunks) > 1 for b in with_suspect[1:])
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in [*innocents, suspect])
     assert len(suspect.output_token_ids) == 6
-    # Its turns alternate with the others' while they run: neither side waits for the other to finish.
-    first = batches.index(with_suspect[0])
     assert any(c.request_id.startswith("r") for b in batches[first + 1:] for c in b.chunks)
+
+
+def test_suspects_of_one_failure_compute_together_and_never_beside_others() -> None:
+    """Issue 48, defect 3 (review P1): the suspects of one failed step are tried as one group (one forward
+    for all of them, not one forward each), apart from the other requests and from another failure's
+    suspects; each is cleared once it has computed a token in its group's forward."""
+    scheduler = make(budget=256)
+    innocents = [add(scheduler, f"r{i}", 6, max_tokens=8) for i in range(2)]
+    scheduler.update(batch := scheduler.schedule(), fake_forward(batch))
+    group_a = [Request(f"a{i}", list(range(10 * i, 10 * i + 7)), SamplingParams(max_tokens=4),
+                       suspect_group="w1/3") for i in range(4)]
+    group_b = [Request(f"b{i}", list(range(100 + 10 * i, 100 + 10 * i + 5)), SamplingParams(max_tokens=4),
+                       suspect_group="w2/9") for i in range(2)]
+    for request in group_a + group_b:
+        scheduler.add(request)
+    batches = run_to_end(scheduler)
+    suspect_ids = {r.request_id for r in group_a + group_b}
+    for batch in batches:
+        # A forward with a suspect's recompute (its chunk of prompt + tokens, computed while still a
+        # suspect) holds that suspect's group and nobody else.
+        if any(c.request_id in suspect_ids and c.num_tokens > 1 for c in batch.chunks):
+            assert len({c.request_id[0] for c in batch.chunks}) == 1, [c.request_id for c in batch.chunks]
+    first_a = next(b for b in batches if any(c.request_id == "a0" for c in b.chunks))
+    assert {c.request_id for c in first_a.chunks} == {f"a{i}" for i in range(4)}  # the group at once
+    assert all(not r.is_suspect for r in group_a + group_b)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in [*innocents, *group_a, *group_b])
+    assert scheduler.kv.pool.is_whole()
+
+
+def test_a_suspect_waiting_does_not_hold_back_the_others_admission() -> None:
+    """A suspect at the head of WAITING used to stop every admission on the others' turns: now the others
+    are admitted past it."""
+    scheduler = make(budget=256)
+    add(scheduler, "r0", 6, max_tokens=8)
+    scheduler.update(batch := scheduler.schedule(), fake_forward(batch))
+    scheduler.add(Request("q", list(range(50, 57)), SamplingParams(max_tokens=3), suspect_group="w1/1"))
+    late = add(scheduler, "late", 6, max_tokens=3)
+    seen: list[set[str]] = []
+    for _ in range(2):
+        batch = scheduler.schedule()
+        seen.append({c.request_id for c in batch.chunks})
+        scheduler.update(batch, fake_forward(batch))
+    assert {"r0", "late"} in seen and {"q"} in seen, seen
+    assert late.num_output_tokens >= 1
+    run_to_end(scheduler)
+    assert scheduler.kv.pool.is_whole()

@@ -211,6 +211,36 @@ def test_a_query_of_death_costs_at_most_one_more_worker_and_other_streams_surviv
     assert not set(decodes) & set(active_workers(client))
 
 
+def test_requests_whose_streams_the_fleet_closed_start_again_as_new_attempts(
+        fault_server: tuple[str, FastAPI], client: httpx.Client, tiny_chat_model_dir: Path) -> None:
+    """Issue 48, defect 2 (review P2): the fleet closes this gateway's channels on every worker (as it does
+    for a frontend it takes for dead), while one request decodes and another is mid-prefill. The workers
+    abort what the channels carried and remember those ids; the gateway submits each request again as a new
+    attempt (an id of its own), never refused as "aborted before it arrived": both end with the reference
+    tokens, and no worker is replaced."""
+    _, app = fault_server
+    gateway_id = app.state.service.fleet.gateway_id
+    [prefill] = active_workers(client, "prefill")
+    decodes = active_workers(client, "decode")
+    for decode in decodes:
+        with_actor(decode, faults.slow_steps, 0.02)
+    prompts = random_prompts([30, 40], VOCAB, seed=31)
+    decoding = in_thread(lambda: complete(client, prompts[0], 40))
+    wait_for(lambda: any(worker_load(client, w)["running_requests"] for w in decodes))
+    with_actor(prefill, faults.hold_steps)  # the next prompt stays mid-prefill
+    prefilling = in_thread(lambda: complete(client, prompts[1], 12))
+    wait_for(lambda: worker_load(client, prefill)["requests"] == 1)
+    for worker in [prefill, *decodes]:
+        ray.get(ray.get_actor(f"pdserve-{worker}").close_channels.remote(gateway_id))
+    with_actor(prefill, faults.release_steps)
+    responses = [decoding(), prefilling()]
+    assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
+    expected = [hf_greedy(tiny_chat_model_dir, [prompts[0]], 40)[0],
+                hf_greedy(tiny_chat_model_dir, [prompts[1]], 12)[0]]
+    assert [r.json()["choices"][0]["token_ids"] for r in responses] == expected
+    assert sorted(active_workers(client)) == sorted([prefill, *decodes])  # nobody replaced
+
+
 def test_evacuation_hands_an_unpulled_handoff_on_to_be_pulled_not_recomputed(
         client: httpx.Client, tiny_chat_model_dir: Path) -> None:
     decodes = active_workers(client, "decode")

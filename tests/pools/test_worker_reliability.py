@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
 from gateway.requests.events import StreamEvent
@@ -239,3 +240,86 @@ def test_each_token_of_a_merged_event_gets_its_own_time() -> None:
     assert token_times(event, received=100.0) == [99.0, 99.5, 100.0]
     assert token_times(StreamEvent("r", (4, 5), (), ()), received=7.0) == [7.0, 7.0]
     assert token_times(StreamEvent("r", (), (), ()), received=7.0) == []
+
+
+def test_a_prompt_resubmitted_while_its_kv_is_offered_is_prefilled_again(tiny_llama_dir: Path) -> None:
+    """A prefill worker offers a prompt's KV under a lease; the same id submitted again while that lease is
+    out (a frontend resuming, a retry) gets its own blocks: the step loop does not die on "already holds
+    blocks", and both leases' blocks come back."""
+    prefill, decode = make_pair(tiny_llama_dir)
+    prompt = random_prompts([40], 1000, seed=2)[0]
+    first = prefill_all(prefill, [prompt])[0]
+    assert first.kv_handle is not None
+    again = prefill_all(prefill, [prompt])[0]
+    assert not prefill.failure and again.kv_handle is not None
+    assert again.first_token_id == first.first_token_id
+    prefill.release(first.kv_handle.transfer_id, "test")
+    prefill.release(again.kv_handle.transfer_id, "test")
+    prefill.step()
+    assert prefill.engine.block_pool.is_whole() and decode.engine.block_pool.is_whole()
+
+
+def running_decode(tiny_llama_dir: Path, prompts: list[list[int]], sampling: SamplingParams = GREEDY
+                   ) -> tuple[Any, list[DecodeOutput]]:
+    """A decode worker (prefilling its own prompts) with these requests in its batch, one token each."""
+    _, decode = make_pair(tiny_llama_dir)
+    outputs: list[DecodeOutput] = []
+    for index, prompt in enumerate(prompts):
+        decode.submit(DecodeRequest(f"r{index}", tuple(prompt), sampling), outputs.append)
+    while len({o.request_id for o in outputs}) < len(prompts):
+        decode.step()
+    return decode, outputs
+
+
+@pytest.mark.parametrize("error, is_blamed", [
+    (RuntimeError("injected fault: the forward failed"), True),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    (RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"), False),
+])
+def test_a_failed_step_blames_its_batch_only_when_the_worker_is_not_at_fault(
+        tiny_llama_dir: Path, error: BaseException, is_blamed: bool) -> None:
+    """Issue 48, defect 3: the batch of a step that raised becomes one group of suspects (the step named,
+    with its size), unless the worker's own fault broke it (an allocator OOM, a dead rank's collective)."""
+    decode, outputs = running_decode(tiny_llama_dir, random_prompts([10, 14, 18], 1000, seed=4))
+
+    def failing(batch: Any) -> Any:
+        raise error
+    decode.engine.runner.execute = failing  # type: ignore[method-assign]
+    with pytest.raises(type(error)):
+        decode.step()
+    decode.fail(error)
+    final = [o for o in outputs if o.finish_reason == "error"]
+    assert len(final) == 3 and all(o.in_failed_step is is_blamed for o in final)
+    if is_blamed:
+        assert len({o.failed_step_id for o in final}) == 1 and final[0].failed_step_id
+        assert all(o.num_in_failed_step == 3 for o in final)
+    else:
+        assert all(not o.failed_step_id and not o.num_in_failed_step for o in final)
+
+
+def test_suspects_moved_here_are_recomputed_together_then_batch_with_the_rest(tiny_llama_dir: Path) -> None:
+    """Issue 48, defect 3 (review P1): four streams that shared a failed step come to a worker that runs a
+    stream of its own. They are recomputed in one forward of their own (not one forward each), then decode
+    in the same forwards as the worker's own stream; every token equals transformers'."""
+    sampling = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = random_prompts([9, 13, 17, 21, 25], 1000, seed=6)
+    decode, outputs = running_decode(tiny_llama_dir, prompts[:1], sampling)
+    expected = hf_greedy(tiny_llama_dir, prompts, sampling.max_tokens)
+    for index, prompt in enumerate(prompts[1:], start=1):  # moved with the first three tokens they had
+        decode.submit(DecodeRequest(f"r{index}", tuple(prompt), sampling,
+                                    generated_token_ids=tuple(expected[index][:3]), suspect_group="w9@1"),
+                      outputs.append)
+    records = decode.engine.runner.timeline
+    num_before = len(records.since(0))
+    while sum(o.finish_reason is not None for o in outputs) < len(prompts):
+        decode.step()
+    steps = records.since(0)[num_before:]
+    recomputes = [s for s in steps if s.num_prefill_tokens]
+    assert len(recomputes) == 1 and recomputes[0].num_decode_tokens == 0  # the group, apart, at once
+    assert max(s.num_decode_tokens for s in steps) == len(prompts)  # then everyone in one forward
+    tokens: dict[str, list[int]] = {f"r{i}": list(expected[i][:3]) for i in range(1, len(prompts))}
+    tokens["r0"] = []
+    for output in outputs:
+        tokens[output.request_id].extend(output.token_ids)
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
+    assert decode.engine.block_pool.is_whole()
