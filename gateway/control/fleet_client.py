@@ -7,7 +7,7 @@ written once:
     the frontend's heartbeat thread: heartbeat (blocking, with a timeout)
     the admin routes (FleetControl): pools, put_pools, status, steps; a refusal raises as itself (the API
       maps it to 400 or 409), a fleet actor restarting or not started again is RequestFailed
-      "fleet_unavailable" (503)
+      FailureCode.FLEET_UNAVAILABLE (503)
     the supervisor (gateway/frontends.py, pdserve fleet): start, rejoin, probe_started, shutdown, kill
       (blocking: it runs no event loop of its own), frontends_exited (sent); start_progress (from its
       start answerer's thread, while start runs)
@@ -26,7 +26,7 @@ from gateway.fleet.ray_calls import translated
 from gateway.ratio.ladder import ControllerPolicy
 from gateway.ratio.pool_layout import PoolLayout
 from gateway.ratio.resize import ResizeConflict, ResizeRefused
-from gateway.requests.events import RequestFailed
+from gateway.requests.events import FailureCode, RequestFailed
 from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.fleet_metrics import FleetStatus
 
@@ -97,8 +97,8 @@ class FleetClient:
     async def _admin(call: Awaitable[T]) -> T:
         """The fleet's refusals raise here as themselves (the API maps them to 400 and 409); a fleet actor
         that is restarting, or not started again yet, is a 503 that says so (not "a worker failed")."""
-        return await translated(call, lambda _: RequestFailed(FLEET_RESTARTING, "fleet_unavailable"),
-                                _admin_cause)
+        unavailable = FailureCode.FLEET_UNAVAILABLE
+        return await translated(call, lambda _: RequestFailed(FLEET_RESTARTING, unavailable), _admin_cause)
 
     # The supervisor (blocking).
     def start(self, config: DeploymentConfig, policy: ControllerPolicy, local_prefill: LocalPrefillPolicy,
@@ -140,5 +140,5 @@ def _admin_cause(cause: BaseException) -> BaseException | None:
     if isinstance(cause, (ResizeRefused, ResizeConflict, ValueError, KeyError)):
         return cause
     if isinstance(cause, RuntimeError) and "has not started" in str(cause):
-        return RequestFailed(FLEET_RESTARTING, "fleet_unavailable")
+        return RequestFailed(FLEET_RESTARTING, FailureCode.FLEET_UNAVAILABLE)
     return None

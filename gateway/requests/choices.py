@@ -29,11 +29,12 @@ from gateway.fleet.worker_errors import SubmissionRefused, WorkerLost, WrongRole
 from gateway.fleet.workers import Worker
 from gateway.requests import decode_stage, prefill_stage
 from gateway.requests.deadlines import RequestDeadlines
-from gateway.requests.events import RequestFailed, StreamEvent
+from gateway.requests.events import FailureCode, RequestFailed, StreamEvent
 from gateway.requests.orchestrator import RequestRun
 from gateway.requests.router import Router
-from llm_engine import SamplingParams
 from llm_engine.choices import FirstToken, choice_request_id
+from llm_engine.finish_reason import FinishReason
+from llm_engine.sampling import SamplingParams
 from prefill_pool.messages import PrefillResult
 from worker_runtime.roles import Role
 
@@ -47,10 +48,13 @@ class ChoicesRun(RequestRun):
                  sampling: SamplingParams, deadlines: RequestDeadlines,
                  block_hashes: list[bytes] | None = None) -> None:
         super().__init__(router, request_id, prompt_token_ids, sampling, deadlines, block_hashes)
-        self.num_reserved = len(prompt_token_ids) + sampling.n * sampling.max_tokens  # the prompt once
         self._choices: list[RequestRun] = []  # each choice's own run, once it streams on its own
         self._pumps: dict[int, asyncio.Task[None]] = {}
         self._prefilled: tuple[Worker, PrefillResult] | None = None
+
+    @staticmethod
+    def _num_reserved(num_prompt_tokens: int, sampling: SamplingParams) -> int:
+        return num_prompt_tokens + sampling.n * sampling.max_tokens  # the prompt once
 
     def stop(self, index: int) -> None:
         """End choice `index` (its stream closes, which aborts it on its worker); the others go on."""
@@ -85,8 +89,8 @@ class ChoicesRun(RequestRun):
                 # reader closes the stream on the last event (the usual end of a request with several
                 # choices), and a booking left behind would hold every drain of that worker for good.
                 for run in self._choices:
-                    run.book(None)
-                self.book(None)
+                    run.route.release()
+                self.route.release()
                 if self._prefilled is not None and self._prefilled[1].kv_handle is not None:
                     # Pulled already, being pulled, or never to be: the sender leaves the first two alone.
                     prefill, result = self._prefilled
@@ -108,55 +112,55 @@ class ChoicesRun(RequestRun):
             try:
                 await stream.aclose()
             finally:
-                run.book(None)
+                run.route.release()
                 queue.put_nowait(None)
 
     def _choice_run(self, index: int) -> RequestRun:
-        run = RequestRun(self.router, choice_request_id(self.request_id, index), self.prompt_token_ids,
-                         self.sampling.for_choice(index), self.deadlines, self.block_hashes)
+        state = self.state
+        run = RequestRun(self.router, choice_request_id(state.request_id, index), state.prompt_token_ids,
+                         state.sampling.for_choice(index), state.deadlines, state.block_hashes)
         self._choices.append(run)
         return run
 
     async def _start(self) -> tuple[list[StreamEvent], list[ChoiceStream]]:
         """Prefill once and hand the choices that go on to one decode worker: their first events and the
         streams that follow; or, where the decode worker would prefill, n requests of their own."""
-        decode = await self.pick_decode(self.deadlines.prefill_by)
-        has_prefill_pool = (self.fleet.active(Role.PREFILL) or self.fleet.is_replacing(Role.PREFILL)
-                            or self.is_prefill_coming())
-        if decode.role is Role.MIXED or not has_prefill_pool:
-            self.book(None)  # each choice books its own worker
-            runs = [self._choice_run(i) for i in range(self.sampling.n)]
+        state, route = self.state, self.route
+        decode = await route.pick_decode(state.deadlines.prefill_by)
+        if decode.role is Role.MIXED or not route.has_prefill_pool():
+            route.release()  # each choice books its own worker
+            runs = [self._choice_run(i) for i in range(state.sampling.n)]
             return [], [(i, run, run.events()) for i, run in enumerate(runs)]
-        prefill, result = await prefill_stage.prefill(self)
+        prefill, result = await prefill_stage.prefill(state, route)
         self._prefilled = (prefill, result)
-        if result.finish_reason == "abort":  # refused by the worker: no token to send
-            return [StreamEvent(choice_request_id(self.request_id, i), (), (), (), "abort", prefill=result,
-                                index=i) for i in range(self.sampling.n)], []
+        if result.finish_reason == FinishReason.ABORT:  # refused by the worker: no token to send
+            return [StreamEvent(choice_request_id(state.request_id, i), (), (), (), FinishReason.ABORT,
+                                prefill=result, index=i) for i in range(state.sampling.n)], []
         firsts = [self._first_event(prefill, result, choice) for choice in result.choices]
         going_on = tuple(c for c in result.choices if c.finish_reason is None)
         if not going_on:
             return firsts, []
-        group = DecodeRequest(self.new_attempt_id(), self.prompt_token_ids, self.sampling,
+        group = DecodeRequest(state.new_attempt_id(), state.prompt_token_ids, state.sampling,
                               kv_handle=result.kv_handle, choices=going_on)
         submitted = await self._submit_group(decode, group)
         streams: list[ChoiceStream] = []
         for choice in going_on:
             run = self._choice_run(choice.index)
-            run.generated.append(choice.token_id)
+            run.state.generated.append(choice.token_id)
             # Used only if the choice must start again elsewhere: prompt + its first token, recomputed.
-            request = DecodeRequest(run.new_attempt_id(), self.prompt_token_ids, run.sampling,
+            request = DecodeRequest(run.state.new_attempt_id(), state.prompt_token_ids, run.state.sampling,
                                     generated_token_ids=(choice.token_id,))
             # The group's choice streams go under the group's attempt id; each choice's own attempts
             # (moves, retries) under its run's.
             outputs = submitted.get(choice_request_id(group.request_id, choice.index))
-            stream = decode_stage.decode_stream(run, decode, request, outputs)
+            stream = decode_stage.decode_stream(run.state, run.route, decode, request, outputs)
             streams.append((choice.index, run, stream))
         return firsts, streams
 
     def _first_event(self, prefill: Worker, result: PrefillResult, choice: FirstToken) -> StreamEvent:
-        logprobs = () if choice.logprob is None or not self.sampling.logprobs else (choice.logprob,)
-        return StreamEvent(choice_request_id(self.request_id, choice.index), (choice.token_id,), logprobs,
-                           (result.times.finished,), choice.finish_reason,
+        logprobs = () if choice.logprob is None or not self.state.sampling.logprobs else (choice.logprob,)
+        return StreamEvent(choice_request_id(self.state.request_id, choice.index), (choice.token_id,),
+                           logprobs, (result.times.finished,), choice.finish_reason,
                            (choice.top_logprobs,) if logprobs else (), result.prompt_logprobs, prefill=result,
                            prefilled_by=prefill.worker_id, index=choice.index)
 
@@ -165,17 +169,18 @@ class ChoicesRun(RequestRun):
         when the worker did not take it: each choice then starts again on its own (recomputing prompt + its
         first token) and the prefill worker frees the KV at the request's end."""
         client = decode.client
+        state, finish_by = self.state, self.state.deadlines.finish_by
         subscribed: dict[str, RequestOutputs] = {}
-        self.at(f"handing its choices to {decode.worker_id}")
+        self.route.at(f"handing its choices to {decode.worker_id}")
         try:
             for choice_id in group.output_request_ids:
                 subscribed[choice_id] = client.subscribe(choice_id)
             # Within the request's deadline, as every other wait on a worker (nothing else would end it).
-            async with asyncio.timeout(self.time_left(self.deadlines.finish_by)):
+            async with asyncio.timeout(state.time_left(finish_by)):
                 await client.submit_decode(group, next(iter(subscribed.values())))
         except (WorkerLost, WrongRoleError, SubmissionRefused) as error:
             if isinstance(error, WorkerLost):
-                self.fleet.mark_failed(decode.worker_id, f"decode worker lost: {error}")
+                self.route.fleet.mark_failed(decode.worker_id, f"decode worker lost: {error}")
             for outputs in subscribed.values():
                 client.unsubscribe(outputs)
             return {}
@@ -185,7 +190,6 @@ class ChoicesRun(RequestRun):
             for choice_id in subscribed:
                 client.abort(choice_id)
             if isinstance(error, TimeoutError):
-                raise RequestFailed(self.late("decode", self.deadlines.finish_by), "deadline_exceeded"
-                                    ) from None
+                raise RequestFailed(state.late("decode", finish_by), FailureCode.DEADLINE_EXCEEDED) from None
             raise
         return subscribed

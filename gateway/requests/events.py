@@ -3,19 +3,32 @@ orchestrator.py drives a request through both stages; prefill_stage.py and decod
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from decode_pool.messages import DecodeOutput
 from llm_engine import PromptLogprobs, TopLogprobs
+from llm_engine.finish_reason import FinishReason
 from prefill_pool.messages import PrefillResult
+
+
+class FailureCode(enum.StrEnum):
+    """Why a request could not finish, as the client's error object names it."""
+
+    WORKER_FAILED = "worker_failed"  # the workers that served it failed (more than it may move across)
+    NO_WORKER = "no_worker"  # no worker of a role it needs is alive, or none came before its deadline
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    REFUSED = "refused"  # no worker will take it (a grammar none compiles, more KV than any holds): a 400
+    SHUTTING_DOWN = "shutting_down"  # the server stops: send it again
+    FLEET_UNAVAILABLE = "fleet_unavailable"  # the fleet actor restarts (several frontends)
 
 
 class RequestFailed(Exception):
     """The request cannot finish; the message is safe to show the client (no internals)."""
 
-    def __init__(self, message: str, code: str, status: int = 503) -> None:
+    def __init__(self, message: str, code: FailureCode, status: int = 503) -> None:
         super().__init__(message)
-        self.code = code  # "worker_failed", "no_worker", "deadline_exceeded" or "refused"
+        self.code = code
         self.status = status  # HTTP: 503 (try again), or 400 for a request no worker will ever take
 
 
@@ -26,7 +39,7 @@ class StreamEvent:
     token_ids: tuple[int, ...]  # new tokens
     logprobs: tuple[float, ...]
     token_times: tuple[float, ...]  # worker wall clock when each token was produced
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     top_logprobs: tuple[TopLogprobs, ...] = ()  # per token, when sampling.top_logprobs > 0
     prompt_logprobs: PromptLogprobs | None = None  # on the first token's event, when asked for
     prefill: PrefillResult | None = None  # on the first event

@@ -1,8 +1,8 @@
 """The prefill stage of one request: a prefill worker computes the prompt's KV and first token.
 
     pick a prefill worker (the router's, not one tried already; waits for a replacement until prefill_by)
-      → its prompt tokens booked on it (the router's prefill_tokens) → subscribe to its outputs → submit
-      → PrefillResult (first token + KVHandle) → the booking released.
+      → subscribe to its outputs under a new attempt id → its prompt tokens booked on it while it works →
+      submit → PrefillResult (first token + KVHandle) → the booking released.
     A worker lost (actor or step loop dead, output stream ended) or answering finish "error" is marked
     failed and the request tried once more elsewhere (MAX_PREFILL_ATTEMPTS); one that changed role
     (WrongRoleError), or whose stream the fleet closed (ChannelClosed), is simply passed over; a refusal
@@ -13,48 +13,46 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from gateway.fleet.worker_errors import ChannelClosed, SubmissionRefused, WorkerLost, WrongRoleError
 from gateway.fleet.workers import Worker
-from gateway.requests.events import RequestFailed
+from gateway.requests.events import FailureCode, RequestFailed
+from gateway.requests.route import RequestRoute
+from gateway.requests.state import RequestState
+from llm_engine.finish_reason import FinishReason
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from worker_runtime.roles import Role
-
-if TYPE_CHECKING:
-    from gateway.requests.orchestrator import RequestRun
 
 MAX_PREFILL_ATTEMPTS = 2  # the first try and one retry on another worker
 
 
-async def prefill(run: RequestRun) -> tuple[Worker, PrefillResult]:
+async def prefill(state: RequestState, route: RequestRoute) -> tuple[Worker, PrefillResult]:
     """The worker that prefilled the prompt and its result (RequestFailed: none could)."""
     tried: set[str] = set()
-    num_prompt = len(run.prompt_token_ids)
+    prefill_by = state.deadlines.prefill_by
     for _ in range(MAX_PREFILL_ATTEMPTS):
-        prefill = await run.wait_for_worker("prefill", run.deadlines.prefill_by, tried)
+        prefill = await route.wait_for_worker(Role.PREFILL, deadline=prefill_by, exclude=tried)
         tried.add(prefill.worker_id)
         client = prefill.client
-        attempt_id = run.new_attempt_id()  # a retry is never taken for the attempt the worker aborted
+        attempt_id = state.new_attempt_id()  # a retry is never taken for the attempt the worker aborted
         try:
             outputs = client.subscribe(attempt_id)  # before submitting: no result unheard
         except WorkerLost:
             continue  # it left the deployment since it was picked
-        # Booked only now, so that every booking is released in the `finally` below: a worker's drain or
-        # role change waits for its books to read 0.
-        run.router.book_prefill(prefill.worker_id, num_prompt, run.request_id)
-        run.at(f"prefilling on {prefill.worker_id}")
+        # Booked only now, and released however the block ends: a worker's drain or role change waits for
+        # its books to read 0.
+        route.at(f"prefilling on {prefill.worker_id}")
         try:
-            async with asyncio.timeout(run.time_left(run.deadlines.prefill_by)):
-                await client.submit_prefill(PrefillRequest(attempt_id, run.prompt_token_ids, run.sampling),
-                                            outputs)
-                result = await outputs.prefill_result()
+            with route.prefill_booking(prefill):
+                async with asyncio.timeout(state.time_left(prefill_by)):
+                    await client.submit_prefill(PrefillRequest(attempt_id, state.prompt_token_ids,
+                                                               state.sampling), outputs)
+                    result = await outputs.prefill_result()
         except TimeoutError:
             client.abort(attempt_id)
-            raise RequestFailed(run.late("prefill", run.deadlines.prefill_by), "deadline_exceeded"
-                                ) from None
+            raise RequestFailed(state.late("prefill", prefill_by), FailureCode.DEADLINE_EXCEEDED) from None
         except WorkerLost as error:  # its actor or step loop died, or its output stream ended
-            run.fleet.mark_failed(prefill.worker_id, f"prefill worker lost: {error}")
+            route.fleet.mark_failed(prefill.worker_id, f"prefill worker lost: {error}")
             continue
         except WrongRoleError:  # it changed role since it was picked: another one
             continue
@@ -62,20 +60,17 @@ async def prefill(run: RequestRun) -> tuple[Worker, PrefillResult]:
             tried.discard(prefill.worker_id)
             continue
         except SubmissionRefused as refused:  # a grammar that does not compile, too few KV blocks there
-            if not any(w.worker_id not in tried for w in run.fleet.active(Role.PREFILL)):
-                raise RequestFailed(f"the request was refused: {refused}", "refused", 400) from None
+            if not any(w.worker_id not in tried for w in route.fleet.active(Role.PREFILL)):
+                raise RequestFailed(f"the request was refused: {refused}", FailureCode.REFUSED, 400) from None
             continue  # another worker may take it (one started later may have fewer blocks)
         except asyncio.CancelledError:  # the client went away: stop the prefill (and free its KV)
             client.abort(attempt_id)
             raise
         finally:
             client.unsubscribe(outputs)
-            run.router.unbook_prefill(prefill.worker_id, num_prompt, run.request_id)
-        if result.finish_reason == "error":
-            run.fleet.mark_failed(prefill.worker_id, result.error)
+        if result.finish_reason == FinishReason.ERROR:
+            route.fleet.mark_failed(prefill.worker_id, result.error)
             continue
         return prefill, result
-    raise RequestFailed(
-        f"the prompt could not be prefilled: {MAX_PREFILL_ATTEMPTS} prefill workers failed",
-        "worker_failed",
-    )
+    raise RequestFailed(f"the prompt could not be prefilled: {MAX_PREFILL_ATTEMPTS} prefill workers failed",
+                        FailureCode.WORKER_FAILED)

@@ -32,7 +32,7 @@ from gateway.requests.admission import Admission, Reservation, admission_capacit
 from gateway.requests.choices import ChoicesRun
 from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.requests.detokenizer import IncrementalDetokenizer
-from gateway.requests.events import RequestFailed
+from gateway.requests.events import FailureCode, RequestFailed
 from gateway.requests.orchestrator import RequestRun
 from gateway.requests.prepared import PreparedRequest, TextDelta
 from gateway.requests.router import LocalPrefillPolicy, Router
@@ -42,6 +42,7 @@ from gateway.telemetry.recent import RecentLatencies
 from gateway.telemetry.timings import Timings
 from gateway.telemetry.tracing import RequestTracer, TracedRequest
 from gateway.telemetry.traffic import RecentTraffic, TrafficNote
+from llm_engine.finish_reason import FinishReason
 from prefill_pool.messages import PrefillResult
 from worker_runtime.roles import Role
 
@@ -170,7 +171,8 @@ class GatewayService:
     def end_open_requests(self) -> int:
         """The server is stopping (gateway/stop_signals.py): every request still open ends now with a clear
         error, its workers aborted. Returns how many."""
-        stopping = RequestFailed("the server is shutting down: send the request again", "shutting_down")
+        stopping = RequestFailed("the server is shutting down: send the request again",
+                                 FailureCode.SHUTTING_DOWN)
         for deltas in self._open:
             deltas.put_nowait(stopping)  # read before anything the request adds after it
         return len(self._open)
@@ -199,7 +201,7 @@ class GatewayService:
                     continue  # a choice cut at a stop string: what its worker sent before it stopped
                 if prepared.is_prompt_only:  # the prompt's logprobs are the answer; its token is dropped
                     event = dataclasses.replace(event, token_ids=(), logprobs=(), top_logprobs=(),
-                                                token_times=(), finish_reason="length")
+                                                token_times=(), finish_reason=FinishReason.LENGTH)
                 prefill = event.prefill or prefill
                 decode = event.decode or decode
                 prefilled_by = event.prefilled_by or prefilled_by
