@@ -26,8 +26,8 @@ from gateway.api.responses_api.routes import router as responses_api_routes
 from gateway.api.status_routes import status_routes
 from gateway.api.utility_routes import router as utility_routes
 from gateway.config import ServeConfig
-from gateway.http_settings import add_cors
 from gateway.lifespans import FrontendSpec, join_fleet, own_fleet
+from gateway.serve_settings import add_cors
 
 
 def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> FastAPI:
@@ -38,7 +38,7 @@ def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> Fas
     app = FastAPI(title="pdserve", lifespan=lifespan, openapi_url="/openapi.json" if has_docs else None,
                   docs_url="/docs" if has_docs else None, redoc_url="/redoc" if has_docs else None)
     app.state.config = config
-    app.root_path = config.root_path  # --root-path, as vLLM sets it (gateway/http_settings.py says why here)
+    app.root_path = config.root_path  # --root-path, as vLLM sets it (gateway/serve_settings.py says why here)
 
     install_error_handlers(app)
     app.add_middleware(BodyGuard)

@@ -191,7 +191,8 @@ class ServeConfig(BaseSettings):
                     "CPU, see README)")
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port")
-    # The HTTP server, under vLLM's names (gateway/http_settings.py: uvicorn's options and CORS).
+    # The HTTP server, under vLLM's names (checked in gateway/http_settings.py; uvicorn's options and CORS:
+    # gateway/serve_settings.py).
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="uvicorn's log level: its access log is at info")
     disable_uvicorn_access_log: bool = Field(

@@ -45,13 +45,14 @@ import ray
 from gateway.config import ServeConfig
 from gateway.control.fleet_client import FleetClient
 from gateway.fleet.config import DeploymentConfig
-from gateway.http_settings import base_url, uvicorn_options
 from gateway.lifespans import RAY_NAMESPACE
 from gateway.serve_settings import (
+    base_url,
     controller_policy,
     deployment_config,
     local_prefill_policy,
     planner_settings,
+    uvicorn_options,
 )
 from gateway.start_answerer import answering_while_starting
 

@@ -1,12 +1,8 @@
-"""What `pdserve serve`'s HTTP settings (gateway/config.py ServeConfig, named as vLLM names them) become:
-uvicorn's options (--uvicorn-log-level, --disable-uvicorn-access-log, --ssl-keyfile/--ssl-certfile,
---ssl-ca-certs/--ssl-cert-reqs for client certificates), the app's root_path (--root-path), and
-CORS (--allowed-origins with --allowed-methods, --allowed-headers, --allow-credentials) as Starlette's
-CORSMiddleware. One process (pdserve/serve.py) and every --api-server-count frontend (gateway/frontends.py)
-take the same options from uvicorn_options(); create_app() sets the root path and adds the CORS middleware.
-
-The root path is the app's, as vLLM sets it, not uvicorn's: uvicorn's would prefix every request's path, so
-that only the proxy's stripped paths answered; the app's lets the routes answer with and without the prefix.
+"""The checks and parsers of `pdserve serve`'s HTTP settings (gateway/config.py ServeConfig, named as vLLM
+names them): list flags as vLLM or pdserve takes them (--allowed-origins, ...), --root-path, and the TLS files
+(--ssl-keyfile/--ssl-certfile, --ssl-ca-certs/--ssl-cert-reqs for client certificates), read at load so a
+wrong file stops the server before any worker starts. What the settings become (uvicorn's options, the CORS
+middleware, the base URL) is in gateway/serve_settings.py, with the other translations of ServeConfig.
 """
 
 from __future__ import annotations
@@ -14,12 +10,6 @@ from __future__ import annotations
 import json
 import ssl
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from fastapi import FastAPI
-
-    from gateway.config import ServeConfig
 
 
 def json_list(value: object) -> object:
@@ -82,31 +72,3 @@ def check_tls(keyfile: str | None, certfile: str | None, ca_certs: str | None = 
     except (ssl.SSLError, OSError) as error:
         raise ValueError(f"--ssl-certfile {certfile} with --ssl-keyfile {keyfile}: not a PEM certificate and "
                          f"its private key ({error})") from None
-
-
-def uvicorn_options(config: ServeConfig) -> dict[str, Any]:
-    """The options every uvicorn server of this gateway runs with, beside the app, host and port."""
-    return {"log_level": config.uvicorn_log_level, "access_log": not config.disable_uvicorn_access_log,
-            "ssl_keyfile": config.ssl_keyfile, "ssl_certfile": config.ssl_certfile,
-            "ssl_ca_certs": config.ssl_ca_certs, "ssl_cert_reqs": config.ssl_cert_reqs,
-            "timeout_graceful_shutdown": config.shutdown_grace_s}
-
-
-def add_cors(app: FastAPI, config: ServeConfig) -> None:
-    """CORS headers for the origins --allowed-origins names (none given: no CORS headers, so a browser page
-    from another origin cannot read the answers)."""
-    from starlette.middleware.cors import CORSMiddleware
-
-    if config.allowed_origins is None:
-        return
-    app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
-                       allow_methods=config.allowed_methods, allow_headers=config.allowed_headers,
-                       allow_credentials=config.allow_credentials)
-
-
-def base_url(config: ServeConfig) -> str:
-    """Where this server listens, as start-up says it: http or https, host and port (a proxy in front adds
-    --root-path; the server answers with and without it)."""
-    scheme = "https" if config.ssl_certfile else "http"
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    return f"{scheme}://{host}:{config.port}"

@@ -2,11 +2,21 @@
 fleet's DeploymentConfig, the router's LocalPrefillPolicy, the ratio controller's ControllerPolicy, the
 planner's PlannerSettings and the request deadlines' DeadlinePolicy. A setting left unset defers to that
 part's own default, which is not repeated here.
+
+The HTTP settings (checked in gateway/http_settings.py) become uvicorn's options (--uvicorn-log-level,
+--disable-uvicorn-access-log, --ssl-*), the app's root_path (--root-path), and CORS (--allowed-origins with
+--allowed-methods, --allowed-headers, --allow-credentials) as Starlette's CORSMiddleware. One process
+(pdserve/serve.py) and every --api-server-count frontend (gateway/frontends.py) take the same options from
+uvicorn_options(); create_app() sets the root path and adds the CORS middleware.
+
+The root path is the app's, as vLLM sets it, not uvicorn's: uvicorn's would prefix every request's path, so
+that only the proxy's stripped paths answered; the app's lets the routes answer with and without the prefix.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 from gateway.config import ServeConfig
 from gateway.control.plane import PlannerSettings
@@ -20,6 +30,9 @@ from llm_engine import EngineConfig
 from llm_engine.kv_sizing import parse_memory
 from worker_runtime.model_source import ModelSource
 from worker_runtime.roles import Role
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 def kv_memory_settings(config: ServeConfig) -> dict[str, int | float]:
@@ -115,3 +128,31 @@ def deployment_config(config: ServeConfig, model_dir: str) -> DeploymentConfig:
                             model_source=ModelSource.named(config.model, config.revision, model_dir),
                             num_threads=threads_per_worker(config), pin_cpus=config.pin_cpus,
                             **{k: v for k, v in placement.items() if v is not None})  # type: ignore[arg-type]
+
+
+def uvicorn_options(config: ServeConfig) -> dict[str, Any]:
+    """The options every uvicorn server of this gateway runs with, beside the app, host and port."""
+    return {"log_level": config.uvicorn_log_level, "access_log": not config.disable_uvicorn_access_log,
+            "ssl_keyfile": config.ssl_keyfile, "ssl_certfile": config.ssl_certfile,
+            "ssl_ca_certs": config.ssl_ca_certs, "ssl_cert_reqs": config.ssl_cert_reqs,
+            "timeout_graceful_shutdown": config.shutdown_grace_s}
+
+
+def add_cors(app: FastAPI, config: ServeConfig) -> None:
+    """CORS headers for the origins --allowed-origins names (none given: no CORS headers, so a browser page
+    from another origin cannot read the answers)."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    if config.allowed_origins is None:
+        return
+    app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
+                       allow_methods=config.allowed_methods, allow_headers=config.allowed_headers,
+                       allow_credentials=config.allow_credentials)
+
+
+def base_url(config: ServeConfig) -> str:
+    """Where this server listens, as start-up says it: http or https, host and port (a proxy in front adds
+    --root-path; the server answers with and without it)."""
+    scheme = "https" if config.ssl_certfile else "http"
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    return f"{scheme}://{host}:{config.port}"

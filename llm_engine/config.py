@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
 import torch
 
 from llm_engine.hardware import DTYPES, resolve_device, resolve_dtype
-from llm_engine.linear_kernels import LinearKernel
 
 # Families whose attention is plain causal attention over rotary q/k (what the paged attention computes):
 # each is tested token-equal to transformers (tests/engine/test_model_families.py). Not Gemma 2/3: their
@@ -20,6 +20,15 @@ COMPILE_CHOICES = ("auto", "on", "off")
 MiB = 1 << 20
 # The KV cache of a CPU worker when no KV memory is named (on CUDA: gpu_memory_utilization decides).
 CPU_KV_CACHE_BYTES = 512 * MiB
+
+
+# The GEMM kernels of llm_engine/linear_kernels.py. Here, not there: naming one in a config must not load the
+# kernels (nor register the engine's torch ops, llm_engine/custom_ops.py).
+class LinearKernel(StrEnum):
+    AUTO = "auto"  # probe at load and keep the fastest per shape and band (CPU); cuBLAS on CUDA
+    TORCH = "torch"  # F.linear as torch dispatches it: MKL (CPU fp32), oneDNN (CPU bf16), cuBLAS (CUDA)
+    ONEDNN_PACKED = "onednn-packed"  # oneDNN with weights reordered once at load (CPU only)
+    ZENTORCH = "zentorch"  # ZenDNN's linear (AMD CPUs, the optional extra pdserve[zen])
 
 
 @dataclass(frozen=True)

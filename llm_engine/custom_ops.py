@@ -22,13 +22,22 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from llm_engine.tp_groups import group_by_handle
+
 if TYPE_CHECKING:
-    from llm_engine.linear_kernels import PackedLinear
     from llm_engine.paged_attention import PagedAttentionMetadata
+
+
+class EagerLinear(Protocol):
+    """What the op needs of a layer (llm_engine/linear_kernels.py PackedLinear, which imports this module)."""
+
+    out_features: int
+
+    def eager_forward(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class _StepState(threading.local):
@@ -39,7 +48,7 @@ class _StepState(threading.local):
 
 _step = _StepState()
 # Packed linears by handle. Weak: an engine's layers go when it goes (tests build many in one process).
-_packed_linears: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+_packed_linears: weakref.WeakValueDictionary[int, EagerLinear] = weakref.WeakValueDictionary()
 _next_handle = 0
 
 
@@ -81,7 +90,7 @@ def _paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.T
     return torch.empty_like(query)
 
 
-def register_packed_linear(layer: PackedLinear) -> int:
+def register_packed_linear(layer: EagerLinear) -> int:
     """A handle the compiled graph names `layer` by (an opaque oneDNN weight cannot be a graph input)."""
     global _next_handle
     handle, _next_handle = _next_handle, _next_handle + 1
@@ -108,8 +117,6 @@ def tp_all_reduce(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def _all_reduce_in_step(x: torch.Tensor, group: int) -> torch.Tensor:
-    from llm_engine.tensor_parallel import group_by_handle
-
     out = x.contiguous().clone()
     if _step.metadata is not None:  # not the compile warm-up
         group_by_handle(group).all_reduce(out)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from llm_engine import paged_attention
+import llm_engine.paged_attention as paged_attention
 from llm_engine.checkpoint_config import LeanConfig, read_lean_config
 from llm_engine.compilation import Body, CompileReport, compile_body
 from llm_engine.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelSpec

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from llm_engine.batch import ModelInput
 from llm_engine.config import ModelSpec
 from llm_engine.rank_shares import degrees
+from llm_engine.tp_groups import register_group
 
 if TYPE_CHECKING:
     pass
@@ -178,20 +179,6 @@ def _nccl_group(store: Any, rank: int, size: int) -> Any:
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = ALL_REDUCE_TIMEOUT
     return dist.ProcessGroupNCCL(store, rank, size, options)
-
-
-# Groups by handle: the compiled graph names a group by an int (a process group cannot be a graph input).
-_groups: dict[int, TPGroup] = {}
-
-
-def register_group(group: TPGroup) -> int:
-    handle = len(_groups)
-    _groups[handle] = group
-    return handle
-
-
-def group_by_handle(handle: int) -> TPGroup:
-    return _groups[handle]
 
 
 # --- the step mirror: rank 0's runner calls, replayed by the other ranks ---

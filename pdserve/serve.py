@@ -60,7 +60,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.http_settings import uvicorn_options
+    from gateway.serve_settings import uvicorn_options
     from llm_engine.hardware import check_device_present, resolve_device
 
     try:

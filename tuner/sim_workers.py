@@ -27,10 +27,29 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from tuner.simulator import Simulation
+    from tuner.fits import StepModel
+    from tuner.profile import WorkerShape
+
+
+class SimEvents(Protocol):
+    """What the workers call back (tuner/simulator.py Simulation, which imports this module): its clock, the
+    step prices, the request lifecycle's events, and the counters a step adds to."""
+
+    model: StepModel
+    num_preemptions: int
+    itl_gaps: list[float]
+    itl_steps: list[tuple[float, int]]
+
+    def at(self, time: float, callback: Callable[[Any, float], None], argument: Any, *,
+           is_last: bool = False) -> None: ...
+    def prefill_done(self, r: SimRequest, now: float) -> None: ...
+    def pull_done(self, r: SimRequest, now: float) -> None: ...
+    def first_token(self, r: SimRequest, now: float) -> None: ...
+    def finish(self, r: SimRequest, now: float) -> None: ...
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -63,12 +82,12 @@ class SimRequest:
 
 
 class _Worker:
-    def __init__(self, sim: Simulation, name: str) -> None:
-        shape = sim.config.shape
+    def __init__(self, sim: SimEvents, name: str, shape: WorkerShape) -> None:
         self.sim, self.name = sim, name
         self.block_size, self.budget, self.max_num_seqs = (shape.block_size, shape.max_num_batched_tokens,
                                                            shape.max_num_seqs)
         self.num_free = shape.num_blocks
+        self.block_bytes = shape.block_bytes
         self.waiting: deque[SimRequest] = deque()  # engine WAITING
         self.prefilling: list[SimRequest] = []  # RUNNING, prompt not yet computed
         self.is_busy = False
@@ -165,11 +184,12 @@ class PrefillWorkerSim(_Worker):
 class DecodeWorkerSim(_Worker):
     """decode_pool/worker.py over the engine scheduler; `is_mixed`: a colocated worker."""
 
-    def __init__(self, sim: Simulation, name: str, is_mixed: bool) -> None:
-        super().__init__(sim, name)
+    def __init__(self, sim: SimEvents, name: str, shape: WorkerShape, is_mixed: bool, watermark: float,
+                 prefill_slice: int | None) -> None:
+        super().__init__(sim, name, shape)
         self.is_mixed = is_mixed
-        self.watermark_blocks = int(sim.config.watermark * sim.config.shape.num_blocks)
-        self.prefill_slice = sim.config.prefill_slice_tokens(sim.model)  # None: no slicing
+        self.watermark_blocks = int(watermark * shape.num_blocks)
+        self.prefill_slice = prefill_slice  # None: no slicing
         self.awaiting: deque[SimRequest] = deque()  # AWAITING_BLOCKS
         self.num_transferring = 0
         self.arrived: list[SimRequest] = []  # pulls done; they join RUNNING at the next step
@@ -205,7 +225,7 @@ class DecodeWorkerSim(_Worker):
             self.awaiting.popleft()
             self.num_free -= needed
             self.num_transferring += 1
-            size = needed * self.sim.config.shape.block_bytes
+            size = needed * self.block_bytes
             self.sim.at(now + self.sim.model.transfer_s(size), self.transfer_done, r)
 
     def _join(self, r: SimRequest, step: int) -> None:

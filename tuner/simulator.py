@@ -123,9 +123,12 @@ class Simulation:
             raise ValueError(f"layout {layout.label()} cannot serve: it needs a prefill or mixed worker "
                              "and a decode or mixed worker")
         self.layout, self.config, self.model = layout, config, model
-        self.prefills = [PrefillWorkerSim(self, f"prefill-{i}") for i in range(layout.prefill)]
-        self.decodes = [DecodeWorkerSim(self, f"decode-{i}", False) for i in range(layout.decode)]
-        self.decodes += [DecodeWorkerSim(self, f"mixed-{i}", True) for i in range(layout.mixed)]
+        shape, watermark, prefill_slice = config.shape, config.watermark, config.prefill_slice_tokens(model)
+        self.prefills = [PrefillWorkerSim(self, f"prefill-{i}", shape) for i in range(layout.prefill)]
+        self.decodes = [DecodeWorkerSim(self, f"decode-{i}", shape, False, watermark, prefill_slice)
+                        for i in range(layout.decode)]
+        self.decodes += [DecodeWorkerSim(self, f"mixed-{i}", shape, True, watermark, prefill_slice)
+                         for i in range(layout.mixed)]
         # The router's counts: prompt tokens sent to each prefill worker and not back; tokens of requests
         # decoding on each decode or mixed worker.
         self.prefill_tokens = dict.fromkeys(self.prefills, 0)

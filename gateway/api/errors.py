@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from ray.exceptions import RayError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.api.prepare import BadRequest
+from gateway.api.bad_request import BadRequest
 from gateway.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,

@@ -19,6 +19,8 @@ from typing import Any
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.api.errors import error
+
 HEADER = "X-Request-Id"
 MAX_LENGTH = 128
 # Visible ASCII without quotes or backslash: safe in a header, a log line and a JSON string, and wide enough
@@ -69,8 +71,6 @@ class RequestIdMiddleware:
             await send(message)
 
         if given is not None and not _VALID.fullmatch(given):
-            from gateway.api.errors import error  # here: errors imports the request path, which imports us
-
             request_id = RequestId.mint()
             response = error(400, f"{HEADER}: 1 to {MAX_LENGTH} visible ASCII characters, no quotes or "
                                   "backslashes", param=HEADER)

@@ -1,6 +1,6 @@
-"""The chaos run's extra request kinds (benchmarks/chaoslib/extra_traffic.py), without a server: the draw, the
-bodies (the gateway's own request models take them), and the checks of answers right and wrong, whole and
-streamed (over httpx's mock transport)."""
+"""The chaos run's extra request kinds (tests/reliability/chaoslib/extra_traffic.py), without a server: the
+draw, the bodies (the gateway's own request models take them), and the checks of answers right and wrong,
+whole and streamed (over httpx's mock transport)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks.chaoslib.config import ChaosConfig
-from benchmarks.chaoslib.extra_traffic import (
+from gateway.api.protocol import ChatCompletionRequest, CompletionRequest
+from tests.reliability.chaoslib.config import ChaosConfig
+from tests.reliability.chaoslib.extra_traffic import (
     EXTRA_KINDS,
     Answer,
     ExtraRequest,
@@ -22,9 +23,8 @@ from benchmarks.chaoslib.extra_traffic import (
     extra_body,
     run_extra,
 )
-from benchmarks.chaoslib.reference import GreedyPrompt
-from benchmarks.chaoslib.traffic import ChaosRecord, ChaosSpec, build_specs
-from gateway.api.protocol import ChatCompletionRequest, CompletionRequest
+from tests.reliability.chaoslib.reference import GreedyPrompt
+from tests.reliability.chaoslib.traffic import ChaosRecord, ChaosSpec, build_specs
 
 VOCAB = 1000
 POOL = [GreedyPrompt((1, 2, 3), (4, 5, 6))]

@@ -7,11 +7,11 @@ import random
 from pathlib import Path
 from typing import Any
 
-from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
-from benchmarks.chaoslib.departures import WorkerLedger, cause_of
-from benchmarks.chaoslib.driver import FRONTENDS_ONLY, WEIGHTS, FaultDriver, drawable
-from benchmarks.chaoslib.frontends import FrontendCut, FrontendMap
-from benchmarks.chaoslib.log import ChaosLog
+from tests.reliability.chaoslib.config import ChaosConfig, ChaosTarget
+from tests.reliability.chaoslib.departures import WorkerLedger, cause_of
+from tests.reliability.chaoslib.driver import FRONTENDS_ONLY, WEIGHTS, FaultDriver, drawable
+from tests.reliability.chaoslib.frontends import FrontendCut, FrontendMap
+from tests.reliability.chaoslib.log import ChaosLog
 
 
 def pools(target: dict[str, int], *workers: tuple[str, int | None, str, str]) -> dict[str, Any]:

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from llm_engine import EngineConfig, KVCacheSpec, LLMEngine, SamplingParams, linear_kernels
+from llm_engine.config import LinearKernel
 from llm_engine.hardware import resolve_dtype
 from llm_engine.linear_kernels import (
-    LinearKernel,
     PackedLinear,
     onednn_unavailable_reason,
     zentorch_unavailable_reason,

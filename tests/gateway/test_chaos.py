@@ -1,8 +1,8 @@
 """The chaos run, short (issue 19's acceptance test): a real server (local Ray, tiny Llama, nixl) under mixed
 traffic for about 75 s while a driver changes layouts, toggles the ratio controller (also mid-move), SIGKILLs
-busy workers and sets a drain grace past the drain timeout (benchmarks/chaoslib/). Every invariant holds:
-each request ends within its deadline with all its tokens (greedy ones equal to transformers') or a clear
-error; no worker stays outside `active` past its bound; the last accepted layout is reached; 0 KV blocks
+busy workers and sets a drain grace past the drain timeout (tests/reliability/chaoslib/). Every invariant
+holds: each request ends within its deadline with all its tokens (greedy ones equal to transformers') or a
+clear error; no worker stays outside `active` past its bound; the last accepted layout is reached; 0 KV blocks
 are used once idle. The bounds are generous hang bounds, never speed targets."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
-from benchmarks.chaoslib.report import write_report
-from benchmarks.chaoslib.run import run_chaos
 from gateway.config import ServeConfig
 from tests.helpers.servers import MODEL, free_port, serving
+from tests.reliability.chaoslib.config import ChaosConfig, ChaosTarget
+from tests.reliability.chaoslib.report import write_report
+from tests.reliability.chaoslib.run import run_chaos
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from ray.exceptions import RayError
 
+from gateway.api.bad_request import BadRequest
 from gateway.api.body_guard import BodyGuard
 from gateway.api.errors import install_error_handlers
-from gateway.api.prepare import BadRequest
 from gateway.api.protocol import CompletionRequest
 from gateway.requests.admission import Overloaded
 

@@ -20,7 +20,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import ServeConfig
-from gateway.http_settings import uvicorn_options
+from gateway.serve_settings import uvicorn_options
 from pdserve.main import build_parser
 from pdserve.serve import load_serve_config, run_serve
 from tests.helpers.servers import free_port

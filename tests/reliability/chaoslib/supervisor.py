@@ -16,10 +16,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
-from benchmarks.chaoslib.frontends import FrontendCut, FrontendMap
-from benchmarks.chaoslib.log import ChaosLog
-from benchmarks.chaoslib.watch import PoolWatch
+from tests.reliability.chaoslib.config import ChaosConfig, ChaosTarget
+from tests.reliability.chaoslib.frontends import FrontendCut, FrontendMap
+from tests.reliability.chaoslib.log import ChaosLog
+from tests.reliability.chaoslib.watch import PoolWatch
 
 
 @dataclass

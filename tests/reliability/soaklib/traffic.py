@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
-from benchmarks.soaklib.config import SoakConfig
 from loadgen.client import RequestRecord
 from loadgen.workload import RequestSpec, poisson_arrivals
+from tests.reliability.soaklib.config import SoakConfig
 
 # Prompt text for chat requests: common words, about one token each with SmolLM2's tokenizer.
 _WORDS_TEXT = """

@@ -11,10 +11,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.chaoslib.run import WARMUP_S, ChaosResult
-from benchmarks.chaoslib.survival import survival_md, survival_rows
-from benchmarks.chaoslib.traffic import record_row
-from benchmarks.chaoslib.worker_faults import KINDS as WORKER_FAULT_KINDS
+from tests.reliability.chaoslib.run import WARMUP_S, ChaosResult
+from tests.reliability.chaoslib.survival import survival_md, survival_rows
+from tests.reliability.chaoslib.traffic import record_row
+from tests.reliability.chaoslib.worker_faults import KINDS as WORKER_FAULT_KINDS
 
 
 def summarize(result: ChaosResult) -> dict[str, Any]:

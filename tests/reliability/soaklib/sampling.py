@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.soaklib.cluster import SoakSystem, worker_pids
-from benchmarks.soaklib.config import SoakConfig
+from tests.reliability.soaklib.cluster import SoakSystem, worker_pids
+from tests.reliability.soaklib.config import SoakConfig
 
 
 def label_process(process: psutil.Process, roots: dict[int, str], actors: dict[int, str]) -> tuple[str, str]:

@@ -1,7 +1,7 @@
 """The frontends of `--api-server-count N`: which one holds which client connection, and their faults.
 
 FrontendMap samples, every second, the connections each frontend process holds on the server's port (the
-client's port of each: benchmarks/chaoslib/connections.py records every request's), so that the report can
+client's port of each: chaoslib/connections.py records every request's), so that the report can
 say that both frontends served, and which. Its faults, both on a frontend drawn at random:
   kill_frontend   SIGSTOP (it accepts nothing more), note the client ports of its connections, SIGKILL;
                   uvicorn's supervisor starts another
@@ -11,7 +11,7 @@ say that both frontends served, and which. Its faults, both on a frontend drawn 
                   (10 s), not killed, and must resume serving)
 A request whose connection was one of those noted and that ended in a connection error is "cut by a
 frontend fault" (FrontendMap.cut_of): allowed; so is any request open during a supervisor restart
-(benchmarks/chaoslib/supervisor.py), which stops every frontend. A connection error on any other
+(tests/reliability/chaoslib/supervisor.py), which stops every frontend. A connection error on any other
 connection stays a violation.
 """
 
@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
-from benchmarks.chaoslib.log import ChaosLog
+from tests.reliability.chaoslib.config import ChaosConfig, ChaosTarget
+from tests.reliability.chaoslib.log import ChaosLog
 
 PAUSES_S = (4.0, 6.0, 12.0)
 

@@ -18,7 +18,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.soaklib.sampling import SoakMonitor
+from tests.reliability.soaklib.sampling import SoakMonitor
 
 
 @dataclass

@@ -13,8 +13,8 @@ FaultDriver: one fault every [fault_min_s, fault_max_s] while the traffic runs, 
   grace_past_timeout  PUT a layout with drain_grace_s past the drain timeout: refused (4xx), or applied
                       within the bounds like any other change
 With several frontends (ChaosConfig.num_frontends > 1), also (FRONTENDS_ONLY):
-  kill_frontend, pause_frontend   benchmarks/chaoslib/frontends.py
-  kill_fleet, pause_fleet         benchmarks/chaoslib/fleet_faults.py (a killed fleet is waited for: its
+  kill_frontend, pause_frontend   tests/reliability/chaoslib/frontends.py
+  kill_fleet, pause_fleet         chaoslib/fleet_faults.py (a killed fleet is waited for: its
                                   recovery is measured, no other fault meanwhile)
   pause_worker                    SIGSTOP a busy worker for 8 s (fleet_faults.py)
   loop_burst                      large distinct schemas and MiB-sized /tokenize at once (burst.py)
@@ -41,16 +41,16 @@ from typing import Any
 
 import httpx
 
-from benchmarks.chaoslib.burst import LoopBurst
-from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
-from benchmarks.chaoslib.connections import PORTS
-from benchmarks.chaoslib.fleet_faults import FleetFaults
-from benchmarks.chaoslib.frontends import FrontendMap
-from benchmarks.chaoslib.log import ChaosLog
-from benchmarks.chaoslib.supervisor import SupervisorRestarts
-from benchmarks.chaoslib.watch import PoolWatch
-from benchmarks.chaoslib.worker_faults import KINDS as WORKER_FAULT_KINDS
-from benchmarks.chaoslib.worker_faults import WorkerFaults
+from tests.reliability.chaoslib.burst import LoopBurst
+from tests.reliability.chaoslib.config import ChaosConfig, ChaosTarget
+from tests.reliability.chaoslib.connections import PORTS
+from tests.reliability.chaoslib.fleet_faults import FleetFaults
+from tests.reliability.chaoslib.frontends import FrontendMap
+from tests.reliability.chaoslib.log import ChaosLog
+from tests.reliability.chaoslib.supervisor import SupervisorRestarts
+from tests.reliability.chaoslib.watch import PoolWatch
+from tests.reliability.chaoslib.worker_faults import KINDS as WORKER_FAULT_KINDS
+from tests.reliability.chaoslib.worker_faults import WorkerFaults
 
 # Of the fault kinds; ChaosConfig.skip_faults leaves some out. One process draws the first six only.
 WEIGHTS = {"kill_busy": 0.3, "put_layout": 0.25, "auto_on": 0.08, "auto_off": 0.07,

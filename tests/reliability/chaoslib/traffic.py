@@ -4,7 +4,7 @@ What the chaos run sends, one client per request, and each request checked as it
 
 Kinds: "greedy" (token-id prompt from the reference pool, temperature 0, ignore_eos: compared token for
 token), "sampled" (random token ids, temperature 0.8 with a seed), "chat" (words through the chat template);
-and, a share of EXTRA_FRACTION of the arrivals, the kinds of benchmarks/chaoslib/extra_traffic.py (n_group,
+and, a share of EXTRA_FRACTION of the arrivals, the kinds of chaoslib/extra_traffic.py (n_group,
 best_of, tool_call, biased, echo_logprobs, max_tokens_0, batched), each checked in its own way there.
 Client behaviours: "read" (reads to the end), "cancel_first" (leaves before the first token), "cancel_after"
 (leaves after some tokens), "give_up" (a whole response abandoned after a delay), "stall_leave" and
@@ -15,7 +15,7 @@ A request's outcome, set once it ends:
   cancelled  the client left on purpose
   error      a clear error: HTTP 4xx/5xx with an OpenAI-shaped body, or an SSE error event
   cut        its connection failed, and it was a connection a frontend fault struck (kill or SIGSTOP of the
-             frontend holding it: benchmarks/chaoslib/frontends.py); only with several frontends
+             frontend holding it: tests/reliability/chaoslib/frontends.py); only with several frontends
   violation  anything else: hung past its deadline, a stream cut without an error, a body that is not an
              OpenAI error, wrong tokens, too few tokens (the `violations` field says which)
 """
@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from benchmarks.chaoslib.config import ChaosConfig
-from benchmarks.chaoslib.connections import PORTS
-from benchmarks.chaoslib.frontends import FrontendMap
-from benchmarks.chaoslib.reference import GreedyPrompt
-from benchmarks.soaklib.traffic import WORDS  # about one token each with SmolLM2's tokenizer
+from tests.reliability.chaoslib.config import ChaosConfig
+from tests.reliability.chaoslib.connections import PORTS
+from tests.reliability.chaoslib.frontends import FrontendMap
+from tests.reliability.chaoslib.reference import GreedyPrompt
+from tests.reliability.soaklib.traffic import WORDS  # about one token each with SmolLM2's tokenizer
 
 if TYPE_CHECKING:
-    from benchmarks.chaoslib.extra_traffic import ExtraRequest
+    from tests.reliability.chaoslib.extra_traffic import ExtraRequest
 
 CHAT_TEMPLATE_TOKENS = 40  # what the chat template adds around the words, at most (for the deadline)
 
@@ -55,7 +55,7 @@ class ChaosSpec:
     reference: tuple[int, ...]  # greedy: the tokens it must get (the first max_tokens at most); else empty
     leave_after_tokens: int = 0  # cancel_after / stall_*: tokens read before leaving or stalling
     leave_after_s: float = 0.0  # give_up: seconds; stall_*: seconds left unread
-    extra: ExtraRequest | None = None  # an extra kind's request (benchmarks/chaoslib/extra_traffic.py)
+    extra: ExtraRequest | None = None  # an extra kind's request (tests/reliability/chaoslib/extra_traffic.py)
 
 
 @dataclass
@@ -87,7 +87,7 @@ class ChaosRecord:
 
 def build_specs(config: ChaosConfig, pool: list[GreedyPrompt], vocab_size: int,
                 max_model_len: int) -> list[ChaosSpec]:
-    from benchmarks.chaoslib.extra_traffic import EXTRA_FRACTION, extra_spec  # it imports this module
+    from tests.reliability.chaoslib.extra_traffic import EXTRA_FRACTION, extra_spec  # it imports this module
 
     rng = random.Random(config.seed)
     specs: list[ChaosSpec] = []
@@ -279,7 +279,7 @@ async def send(client: httpx.AsyncClient, spec: ChaosSpec, model: str, start: fl
                ) -> ChaosRecord:
     """Send one request at its arrival time; it must end by its server deadline plus the hang grace."""
     await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
-    from benchmarks.chaoslib import extra_traffic  # it imports this module
+    from tests.reliability.chaoslib import extra_traffic  # it imports this module
 
     ports: list[int] = []
     PORTS.set(ports)  # this task's: its connection's port lands here

@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from benchmarks.soaklib.config import SoakConfig
+from tests.reliability.soaklib.config import SoakConfig
 
-REPO = Path(__file__).resolve().parents[2]  # soaklib → benchmarks → the repository
+REPO = Path(__file__).resolve().parents[3]  # soaklib → reliability → tests → the repository
 BIN = Path(sys.executable).parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

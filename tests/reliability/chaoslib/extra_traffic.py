@@ -1,7 +1,7 @@
 """(Over 300 lines: one sender and one checker per request kind, kept beside each other.)
 
 The request kinds the base mix never sent (issue 31, item 2): a share of EXTRA_FRACTION of the arrivals,
-drawn with the run's seeded rng (benchmarks/chaoslib/traffic.py build_specs), each checked as it ends.
+drawn with the run's seeded rng (tests/reliability/chaoslib/traffic.py build_specs), each checked as it ends.
 
 Kinds (ChaosRecord.kind):
   n_group        n = 2..3 choices, completions or chat, streamed or not; some clients leave mid-group
@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.chaoslib.traffic import (
+from tests.reliability.chaoslib.traffic import (
     CHAT_TEMPLATE_TOKENS,
     ChaosRecord,
     ChaosSpec,
@@ -50,7 +50,7 @@ from benchmarks.chaoslib.traffic import (
     error_event,
     post_whole,
 )
-from benchmarks.soaklib.traffic import WORDS
+from tests.reliability.soaklib.traffic import WORDS
 
 EXTRA_FRACTION = 0.2  # of the arrivals, whatever the config
 EXTRA_KINDS = ("n_group", "best_of", "tool_call", "biased", "echo_logprobs", "max_tokens_0", "batched")

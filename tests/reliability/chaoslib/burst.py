@@ -18,12 +18,12 @@ from typing import Any
 
 import httpx
 
-from benchmarks.chaoslib.config import ChaosConfig
-from benchmarks.chaoslib.connections import PORTS
-from benchmarks.chaoslib.frontends import FrontendMap
-from benchmarks.chaoslib.log import ChaosLog
-from benchmarks.chaoslib.traffic import ChaosRecord, connection_failed, error_answer
-from benchmarks.soaklib.traffic import WORDS
+from tests.reliability.chaoslib.config import ChaosConfig
+from tests.reliability.chaoslib.connections import PORTS
+from tests.reliability.chaoslib.frontends import FrontendMap
+from tests.reliability.chaoslib.log import ChaosLog
+from tests.reliability.chaoslib.traffic import ChaosRecord, connection_failed, error_answer
+from tests.reliability.soaklib.traffic import WORDS
 
 NUM_SCHEMAS = 50
 PROPERTIES_PER_SCHEMA = 200

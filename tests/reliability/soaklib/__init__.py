@@ -1,4 +1,4 @@
-"""The soak benchmark's parts (benchmarks/soak.py runs them in order).
+"""The soak benchmark's parts (tests/reliability/soak.py runs them in order).
 
 config   SoakConfig, the run's settings
 cluster  the Ray head and `pdserve serve` processes it starts and stops, worker pids, the model it serves

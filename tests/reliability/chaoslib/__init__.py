@@ -1,4 +1,4 @@
-"""The chaos benchmark's parts (benchmarks/chaos.py and tests/gateway/test_chaos.py run them).
+"""The chaos benchmark's parts (tests/reliability/chaos.py and tests/gateway/test_chaos.py run them).
 
 config        ChaosConfig (the run's settings) and ChaosTarget (the server under test: URL, its processes)
 reference     the greedy prompts and their tokens from transformers' `generate`

@@ -1,4 +1,4 @@
-"""Faults planted inside the workers (through Ray, benchmarks/chaoslib/injectors.py and
+"""Faults planted inside the workers (through Ray, tests/reliability/chaoslib/injectors.py and
 tests/helpers/actor_faults.py), and in the KV transfers between them; only workers of this run's own fleet.
 
   hang_step        a busy decode worker's next step waits at a gate (no error, no dead process): the fleet's
@@ -38,9 +38,9 @@ from typing import Any
 
 import httpx
 
-from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
-from benchmarks.chaoslib.log import ChaosLog
-from benchmarks.chaoslib.watch import PoolWatch
+from tests.reliability.chaoslib.config import ChaosConfig, ChaosTarget
+from tests.reliability.chaoslib.log import ChaosLog
+from tests.reliability.chaoslib.watch import PoolWatch
 
 RAY_NAMESPACE = "pdserve"  # gateway/lifespans.py's: the workers' actors are named in it
 CALL_TIMEOUT_S = 20.0
@@ -60,7 +60,7 @@ def _actor_faults() -> Any:
 
 
 def _injectors() -> Any:
-    from benchmarks.chaoslib import injectors  # imports ray: only once connected
+    from tests.reliability.chaoslib import injectors  # imports ray: only once connected
 
     return injectors
 

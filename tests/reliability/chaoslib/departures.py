@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.chaoslib.config import ChaosConfig
-from benchmarks.chaoslib.log import ChaosLog
+from tests.reliability.chaoslib.config import ChaosConfig
+from tests.reliability.chaoslib.log import ChaosLog
 
 KILLS_WORKERS = ("kill", "pause_worker", "kill_fleet", "put", "auto_off_mid_move", "hang_step", "step_error",
                  "query_of_death")

@@ -1,7 +1,7 @@
 """What survives what, from one chaos run's files: per fault kind, what the clients saw while it was under way
 (their requests' outcomes and error codes) and how long until the server was healthy again.
 
-    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.chaoslib.survival benchmarks/results/chaos/RUN
+    PYTHONPATH=$PWD .venv/bin/python -m tests.reliability.chaoslib.survival benchmarks/results/chaos/RUN
 
 reads RUN/events.jsonl and RUN/requests.jsonl (or, without the latter, the request counts of summary.json
 are left out) and prints a markdown table. A request counts for a fault when it ended while the fault was

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.soaklib.config import SoakConfig
-from benchmarks.soaklib.traffic import SoakRecord
 from loadgen.summary import percentiles
+from tests.reliability.soaklib.config import SoakConfig
+from tests.reliability.soaklib.traffic import SoakRecord
 
 
 @dataclass(frozen=True)

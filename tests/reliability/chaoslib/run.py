@@ -23,19 +23,19 @@ from typing import Any
 
 import httpx
 
-from benchmarks.chaoslib.burst import LoopBurst
-from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
-from benchmarks.chaoslib.connections import chaos_client
-from benchmarks.chaoslib.departures import check_departures
-from benchmarks.chaoslib.driver import ROLES, FaultDriver, drawable
-from benchmarks.chaoslib.fleet_faults import FleetFaults
-from benchmarks.chaoslib.frontends import FrontendCut, FrontendMap
-from benchmarks.chaoslib.log import ChaosLog
-from benchmarks.chaoslib.reference import greedy_prompts, greedy_reference
-from benchmarks.chaoslib.supervisor import SupervisorRestarts
-from benchmarks.chaoslib.traffic import ChaosRecord, build_specs, send
-from benchmarks.chaoslib.watch import PoolWatch
-from benchmarks.chaoslib.worker_faults import WorkerFaults
+from tests.reliability.chaoslib.burst import LoopBurst
+from tests.reliability.chaoslib.config import ChaosConfig, ChaosTarget
+from tests.reliability.chaoslib.connections import chaos_client
+from tests.reliability.chaoslib.departures import check_departures
+from tests.reliability.chaoslib.driver import ROLES, FaultDriver, drawable
+from tests.reliability.chaoslib.fleet_faults import FleetFaults
+from tests.reliability.chaoslib.frontends import FrontendCut, FrontendMap
+from tests.reliability.chaoslib.log import ChaosLog
+from tests.reliability.chaoslib.reference import greedy_prompts, greedy_reference
+from tests.reliability.chaoslib.supervisor import SupervisorRestarts
+from tests.reliability.chaoslib.traffic import ChaosRecord, build_specs, send
+from tests.reliability.chaoslib.watch import PoolWatch
+from tests.reliability.chaoslib.worker_faults import WorkerFaults
 
 
 @dataclass

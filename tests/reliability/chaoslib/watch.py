@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
-from benchmarks.chaoslib.departures import WorkerLedger
-from benchmarks.chaoslib.log import ChaosLog
+from tests.reliability.chaoslib.config import ChaosConfig, ChaosTarget
+from tests.reliability.chaoslib.departures import WorkerLedger
+from tests.reliability.chaoslib.log import ChaosLog
 
 
 @dataclass

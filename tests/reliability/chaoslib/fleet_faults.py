@@ -8,7 +8,7 @@
                 must be among them, the same one ("fleet_adopts_workers"). Meanwhile the watch does not
                 count /admin/pools' silence (the fleet is down on purpose).
   pause_fleet   SIGSTOP the fleet actor for 6 s, then SIGCONT: nothing may be replaced because of it
-                (benchmarks/chaoslib/departures.py); whether /health said 503 meanwhile is noted.
+                (tests/reliability/chaoslib/departures.py); whether /health said 503 meanwhile is noted.
   pause_worker  SIGSTOP a busy worker for 8 s, then SIGCONT (a hung worker): the fleet may replace it or
                 not; its requests must end within their deadlines like any other.
 """
@@ -22,9 +22,9 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.chaoslib.config import ChaosConfig, ChaosTarget
-from benchmarks.chaoslib.log import ChaosLog
-from benchmarks.chaoslib.watch import PoolWatch
+from tests.reliability.chaoslib.config import ChaosConfig, ChaosTarget
+from tests.reliability.chaoslib.log import ChaosLog
+from tests.reliability.chaoslib.watch import PoolWatch
 
 PROBE_EVERY_S = 0.5
 HEALTHY_IN_A_ROW = 4  # fresh connections: both frontends answer among them, most likely

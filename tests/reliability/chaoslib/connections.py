@@ -2,7 +2,7 @@
 
 With several frontends (`--api-server-count N`) every request opens its own connection (no keep-alive): the
 frontends accept on one shared socket, so fresh connections spread over them, and a request's connection is
-one TCP port that names the frontend holding it (benchmarks/chaoslib/frontends.py FrontendMap). A request
+one TCP port that names the frontend holding it (chaoslib/frontends.py FrontendMap). A request
 records that port through `PORTS` (set by its task): a connection cut by a frontend fault is then told
 from one cut for no reason.
 """
