@@ -79,9 +79,8 @@ class PDDeployment:
 
     def __init__(self, config: DeploymentConfig, keeper: str | None = None) -> None:
         """Args:
-            keeper: the name of the fleet actor that runs this deployment: its workers are then detached
-                actors named under it, which outlive that actor's death and are adopted by its restart
-                (gateway/fleet/adoption.py). None: they die with whoever created them.
+            keeper: the name of the fleet actor that runs this deployment, if one does (WorkerTable: its
+                workers then outlive it, for its restart to adopt).
         """
         self.bring_up_log = BringUpLog()  # says each worker's placement and model load as they happen
         # Composed downward: recovery and reshape work on the table; the table knows neither.
