@@ -2,15 +2,16 @@
 all, instead of loading the model again.
 
 The workers of a fleet kept by a named actor (the FleetActor, gateway/control/fleet_actor.py) are detached Ray
-actors named "<keeper>.<settings digest>.<worker id>": they outlive the fleet actor's death, and each ends
-itself once no actor bears the keeper's name for a while (worker_runtime/keeper_watch.py).
+actors named "<keeper>.<settings digest>.<worker id>" (gateway/fleet/table.py creates them): they outlive the
+fleet actor's death, and each ends itself once no actor bears the keeper's name for a while
+(worker_runtime/keeper_watch.py).
 
     survivors(keeper): the live actors of that prefix in this namespace; those started under other settings
       (a fleet replaced by one with other settings, whose shutdown did not end them) are killed
     → each asked standing() within STANDING_TIMEOUT_S
-    → one that serves, with a live step loop, becomes an ACTIVE Worker of the new deployment: its role, node,
-      process and cores as it reports them (its own id, so the frontends' mirrors, which key workers by id,
-      keep their clients and the streams open on it)
+    → one that serves, with a live step loop, becomes an ACTIVE Worker in the new deployment's table
+      (WorkerTable.add): its role, node, process and cores as it reports them (its own id, so the frontends'
+      mirrors, which key workers by id, keep their clients and the streams open on it)
     → any other (not started, between two roles, not answering, step loop dead) is killed: the deployment
       starts a new one in its place if its layout misses it.
 The deployment then wires every adopted worker again (PeerWiring's generations come from the clock, above
@@ -22,13 +23,13 @@ starts anew).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from typing import TYPE_CHECKING, cast
 
 import ray
 
 from gateway.fleet.rank_groups import remove_rank_group
+from gateway.fleet.table import worker_actor_name
 from gateway.fleet.worker_client import WorkerClient
 from gateway.fleet.workers import Worker, WorkerState
 from worker_runtime.info import WorkerStanding
@@ -37,22 +38,12 @@ from worker_runtime.roles import Role
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-    from gateway.fleet.config import DeploymentConfig
-    from gateway.fleet.deployment import PDDeployment
+    from gateway.fleet.table import WorkerTable
     from pool_worker.actor import WorkerActor
 
 logger = logging.getLogger(__name__)
 
 STANDING_TIMEOUT_S = 15.0  # a survivor that cannot say who it is in this long is not adopted
-
-
-def settings_digest(config: DeploymentConfig) -> str:
-    """Names the settings a worker was started under: only a fleet with the same ones adopts it."""
-    return hashlib.sha256(repr(config).encode()).hexdigest()[:12]
-
-
-def worker_actor_name(keeper: str, digest: str, worker_id: str) -> str:
-    return f"{keeper}.{digest}.{worker_id}"
 
 
 def worker_actor(worker_id: str) -> ActorHandle[WorkerActor]:
@@ -89,25 +80,25 @@ def survivors(keeper: str, digest: str) -> dict[str, ActorHandle[WorkerActor]]:
     return found
 
 
-async def adopt_survivors(deployment: PDDeployment, keeper: str) -> list[Worker]:
-    """Add the survivors that serve to `deployment` as ACTIVE workers (not yet wired); kill the others."""
-    handles = survivors(keeper, deployment.digest)
+async def adopt_survivors(table: WorkerTable, keeper: str) -> list[Worker]:
+    """Add the survivors that serve to `table` as ACTIVE workers (not yet wired); kill the others."""
+    handles = survivors(keeper, table.digest)
     if not handles:
         return []
     standings = await asyncio.gather(*(_standing(handle) for handle in handles.values()))
     adopted: list[Worker] = []
     for (worker_id, handle), standing in zip(handles.items(), standings, strict=True):
-        name = worker_actor_name(keeper, deployment.digest, worker_id)
-        if standing is None or not deployment.can_change:
+        name = worker_actor_name(keeper, table.digest, worker_id)
+        if standing is None or not table.can_change:
             ray.kill(handle, no_restart=True)
             remove_rank_group(name)
             continue
         info, placement = standing.info, standing.placement
-        worker = Worker(worker_id, info.role, WorkerClient(worker_id, handle, deployment.gateway_id, name),
+        worker = Worker(worker_id, info.role, WorkerClient(worker_id, handle, table.gateway_id, name),
                         state=WorkerState.ACTIVE, node_id=placement.node_id, node_ip=placement.node_ip,
                         pid=placement.pid, cpu_slot=standing.cpu_slot, runtime=info.runtime,
                         tp=info.runtime.tensor_parallel_size if info.runtime else 1)
-        deployment.workers[worker_id] = worker
+        table.add(worker)
         adopted.append(worker)
     logger.info("adopted %d of %d surviving workers: %s", len(adopted), len(handles),
                 ", ".join(f"{w.worker_id} ({w.role.value})" for w in adopted))

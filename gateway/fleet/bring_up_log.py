@@ -3,7 +3,7 @@ created, so that a start-up of minutes (Ray placing workers, each loading the mo
 silent.
 
     created (PENDING) → placed: Ray put it on a node → loading: the model is found there and loaded, its KV
-    cache sized → loaded (or failed) → wired to its peers → ACTIVE (gateway/fleet/deployment.py)
+    cache sized → loaded (or failed) → wired to its peers → ACTIVE (gateway/fleet/table.py)
 Start-up's workers, a late one, a replacement and one added by PUT /admin/pools say the same lines. Start-up
 (PDDeployment.start) runs inside start_up(), which says what starts and, once it is over, how long it took;
 meanwhile, where stderr is a terminal, a bar counts the workers loaded. The lines are printed, as the

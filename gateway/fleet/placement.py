@@ -5,7 +5,7 @@
     actor_options(role) → the actor is created, PENDING → Ray places it on a node that offers the role's
     resources (CPUs, GPUs, custom resources such as {"pdserve_decode": 1}) → its constructor answers
     placement() (node id, node IP) → STARTING: it loads the model on that node → ACTIVE
-    (gateway/fleet/deployment.py).
+    (gateway/fleet/table.py: create, bring_up).
 A worker no node can take stays PENDING as long as that lasts (Ray keeps it queued and places it when a node
 with the resources joins; its resource demand is what Ray's autoscaler adds nodes for); /health and
 /admin/pools report it, with why (pending_reason). A worker added by PUT /admin/pools waits at most its

@@ -5,6 +5,7 @@
     of routing at once. A draining worker is then just forgotten; any other is forgotten and a new worker
     of its role (its next role, if it was changing) is started by start_until_up(), retried with backoff
     until one is up: it may stay PENDING for as long as no node can take it.
+    start_late(): the workers start() went on without (still PENDING) are brought up by start_until_up too.
     watch() polls loads() once a second, so that a worker that dies while idle is noticed too.
 With a torch group (fixed at start) a failed worker is not replaced.
 """
@@ -22,7 +23,7 @@ from worker_runtime.load import WorkerLoad
 from worker_runtime.roles import Role
 
 if TYPE_CHECKING:
-    from gateway.fleet.deployment import PDDeployment
+    from gateway.fleet.table import WorkerTable
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,13 @@ STEP_WATCHDOG_FACTOR = 10.0  # a step 10× the worker's longest finished one (an
 class Recovery:
     """Owns the failed workers' replacements and the workers still starting after start() went on."""
 
-    def __init__(self, deployment: PDDeployment) -> None:
-        self.deployment = deployment
+    def __init__(self, table: WorkerTable, step_watchdog_s: float) -> None:
+        """Args:
+            table: the fleet's workers: it creates, brings up and forgets them.
+            step_watchdog_s: the floor under which no running step counts as hung (0: none does).
+        """
+        self.table = table
+        self.step_watchdog_s = step_watchdog_s
         # Failed worker id → (that worker, the task starting its replacement).
         self.replacements: dict[str, tuple[Worker, asyncio.Task[None]]] = {}
         self.late_starts: list[asyncio.Task[None]] = []  # workers still pending when start() went on
@@ -45,10 +51,14 @@ class Recovery:
         """Every start still running (shutdown cancels them)."""
         return [*(task for _, task in self.replacements.values()), *self.late_starts]
 
+    def start_late(self, workers: list[Worker]) -> None:
+        """Bring up, in the background, the `workers` start() went on without (still PENDING)."""
+        self.late_starts = [asyncio.create_task(self.start_until_up(w.role, "start-up", w)) for w in workers]
+
     def mark_failed(self, worker_id: str, why: str) -> None:
         """Take a worker out of routing at once and start its replacement (idempotent)."""
-        deployment = self.deployment
-        worker = deployment.workers.get(worker_id)
+        table = self.table
+        worker = table.workers.get(worker_id)
         # PENDING and STARTING workers are their bring-up's to clean up; FAILED and STOPPED ones are done.
         if worker is None or worker.state in (WorkerState.FAILED, WorkerState.PENDING, WorkerState.STARTING,
                                               WorkerState.STOPPED):
@@ -56,15 +66,15 @@ class Recovery:
         logger.error("worker %s failed: %s", worker_id, why)
         was_draining = worker.state is WorkerState.DRAINING
         transition(worker, WorkerState.FAILED)
-        deployment.changed()
-        if deployment.is_closing:
+        table.changed()
+        if table.is_closing:
             return
-        if not deployment.can_change:
+        if not table.can_change:
             logger.error("the %s transfer backend fixes its workers at start: %s is not replaced",
-                         deployment.backend, worker_id)
+                         table.backend, worker_id)
             return
         if was_draining:  # it was leaving anyway: remove it, start nothing
-            deployment.forget(worker)
+            table.forget(worker)
             return
         # Not the request's that noticed the failure (its log lines' request id): an empty context.
         replacing = asyncio.create_task(self._replace(worker), context=contextvars.Context())
@@ -75,7 +85,7 @@ class Recovery:
         return any((w.next_role or w.role) in roles for w, _ in self.replacements.values())
 
     async def _replace(self, failed: Worker) -> None:
-        self.deployment.forget(failed)
+        self.table.forget(failed)
         role = failed.next_role or failed.role  # a worker that failed while changing role: its new role
         await self.start_until_up(role, failed.worker_id)
         self.replacements.pop(failed.worker_id, None)
@@ -84,19 +94,19 @@ class Recovery:
                              first_retry_s: float = 1.0) -> None:
         """Bring a worker in `role` up, retrying with backoff until one is; it may stay PENDING for as long
         as no node can take it (a lost node's replacement waits for capacity to return)."""
-        deployment = self.deployment
+        table = self.table
         retry_s = first_retry_s
-        while not deployment.is_closing:
-            worker = worker or deployment.create(role)
+        while not table.is_closing:
+            worker = worker or table.create(role)
             try:
-                await deployment.bring_up(worker)
+                await table.bring_up(worker)
             except BaseException as error:
                 if not isinstance(error, Exception):  # cancelled (shutdown): nothing half started stays
-                    deployment.forget(worker)
+                    table.forget(worker)
                     raise
                 logger.error("worker %s (for %s) did not start (%s: %s); retrying in %.0f s",
                              worker.worker_id, instead_of, type(error).__name__, error, retry_s)
-                deployment.forget(worker)
+                table.forget(worker)
                 worker = None
                 await asyncio.sleep(retry_s)
                 retry_s = min(2 * retry_s, 30.0)
@@ -116,7 +126,7 @@ class Recovery:
     async def loads(self) -> list[WorkerLoad]:
         """Loads of the live workers; a worker that is dead or reports a failure is marked failed."""
         live = (WorkerState.ACTIVE, WorkerState.DRAINING, WorkerState.CHANGING_ROLE)
-        workers = [w for w in self.deployment.workers.values() if w.state in live]
+        workers = [w for w in self.table.workers.values() if w.state in live]
         answers = await asyncio.gather(
             *(asyncio.wait_for(w.client.load(), LOAD_TIMEOUT_S) for w in workers),
             return_exceptions=True,
@@ -138,7 +148,7 @@ class Recovery:
                                 answer.compile_reason)
                     worker.runtime = dataclasses.replace(runtime, compile=answer.compile,
                                                          compile_reason=answer.compile_reason)
-                    self.deployment.changed()
+                    self.table.changed()
         self.last_loads = loads
         return loads
 
@@ -146,7 +156,7 @@ class Recovery:
         """Why the worker's running step counts as hung (empty: it does not): it has run past both the
         configured floor and STEP_WATCHDOG_FACTOR times the longest step the worker has finished, so a
         worker whose steps are slow by nature (long prefill chunks on a CPU) is judged by its own."""
-        floor = self.deployment.config.step_watchdog_s
+        floor = self.step_watchdog_s
         if not floor:
             return ""
         bound = max(floor, STEP_WATCHDOG_FACTOR * load.longest_step_s)

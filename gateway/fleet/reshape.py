@@ -30,7 +30,9 @@ from gateway.fleet.workers import Worker, WorkerState, transition
 from worker_runtime.roles import Role
 
 if TYPE_CHECKING:
-    from gateway.fleet.deployment import PDDeployment
+    from gateway.fleet.recovery import Recovery
+    from gateway.fleet.table import WorkerTable
+    from gateway.fleet.wiring import PeerWiring
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +42,15 @@ SET_ROLE_ATTEMPTS = 5  # a role change refused because work landed late is asked
 class Reshape:
     """Owns role changes and drains, and the rewiring they leave running in the background."""
 
-    def __init__(self, deployment: PDDeployment) -> None:
-        self.deployment = deployment
+    def __init__(self, table: WorkerTable, wiring: PeerWiring, recovery: Recovery) -> None:
+        """Args:
+            table: the fleet's workers and target layout.
+            wiring: tells the peers of a worker whose endpoint goes or comes back.
+            recovery: replaces a worker left in an unknown state (mark_failed).
+        """
+        self.table = table
+        self.wiring = wiring
+        self.recovery = recovery
         self.rewiring: set[asyncio.Task[None]] = set()  # role changes finishing in the background
 
     async def change_role(self, worker_id: str, role: Role, books: BooksOnTheWay | None = None,
@@ -52,10 +61,10 @@ class Reshape:
             books: the routers' count of what they have sent the worker and not seen come back.
             grace_s: how long its decode streams may run on before they are evacuated to other workers.
         """
-        deployment = self.deployment
-        deployment.check_can_change()
+        table = self.table
+        table.check_can_change()
         check_grace(grace_s, timeout_s)
-        worker, role = deployment.workers[worker_id], Role(role)
+        worker, role = table.workers[worker_id], Role(role)
         old = worker.role
         if not worker.is_active:
             raise RuntimeError(f"{worker_id} is {worker.state.value}, not active")
@@ -65,17 +74,17 @@ class Reshape:
         if old.can_decode and role.can_decode:  # decode ⇄ mixed: only the routing changes
             await worker.client.set_role(role)
             worker.role = role
-            self._move_target(old, role)
-            deployment.changed()
+            table.move_target(old, role)
+            table.changed()
             return
         transition(worker, WorkerState.CHANGING_ROLE)
         worker.next_role = role
-        self._move_target(old, role)
-        deployment.changed()
+        table.move_target(old, role)
+        table.changed()
         is_unwired = is_sent = False
         try:
             await wait_until_empty(worker, books, grace_s, timeout_s)
-            deployment.wiring.unwire(worker)  # its endpoint closes with its old front
+            self.wiring.unwire(worker)  # its endpoint closes with its old front
             is_unwired = is_sent = True
             for attempt in range(1, SET_ROLE_ATTEMPTS + 1):
                 try:
@@ -93,62 +102,58 @@ class Reshape:
                 raise
             if is_sent:  # the actor may be in either role, or without a front: replace it
                 why = f"its change to {role.value} failed: {type(error).__name__}"
-                deployment.mark_failed(worker_id, why)
+                self.recovery.mark_failed(worker_id, why)
             else:
                 logger.warning("%s: the change to %s stopped (%s); it stays %s", worker_id, role.value,
                                type(error).__name__, old.value)
-                self._move_target(role, old)
+                table.move_target(role, old)
                 worker.next_role = old if is_unwired else None
                 self._finish_role_change(worker, is_unwired)
             raise
         worker.role = role
         try:
-            await deployment.wiring.connect([worker])
+            await self.wiring.connect([worker])
         except BaseException as error:
             if isinstance(error, Exception):
                 why = f"its peers could not be told of it: {type(error).__name__}"
-                deployment.mark_failed(worker_id, why)
+                self.recovery.mark_failed(worker_id, why)
             else:  # cancelled: the wiring finishes in the background
                 self._finish_role_change(worker, is_unwired=True)
             raise
         self._finish_role_change(worker, is_unwired=False)
 
-    def _move_target(self, old: Role, new: Role) -> None:
-        self.deployment.target[old] -= 1
-        self.deployment.target[new] += 1
-
     def _finish_role_change(self, worker: Worker, is_unwired: bool) -> None:
         """ACTIVE in worker.role: at once if its peers know its endpoint, else once they are told it (in the
         background: the change was cancelled or stopped; a worker that cannot be wired is FAILED).
         next_role stays set until then: requests waiting for a worker in that role wait for it."""
-        deployment = self.deployment
+        table = self.table
         if worker.state is not WorkerState.CHANGING_ROLE:  # it failed meanwhile: being replaced
             return
         if not is_unwired:
             transition(worker, WorkerState.ACTIVE)
             worker.next_role = None
-            deployment.changed()
+            table.changed()
             return
 
         async def rewire() -> None:
             try:
-                await deployment.wiring.connect([worker])
+                await self.wiring.connect([worker])
             except Exception as error:
                 why = f"its peers could not be told of it: {type(error).__name__}"
-                deployment.mark_failed(worker.worker_id, why)
+                self.recovery.mark_failed(worker.worker_id, why)
                 return
             if worker.state is WorkerState.CHANGING_ROLE:
                 transition(worker, WorkerState.ACTIVE)
                 worker.next_role = None
-                deployment.changed()
+                table.changed()
 
         task = asyncio.get_running_loop().create_task(rewire(), context=contextvars.Context())
         self.rewiring.add(task)
         task.add_done_callback(self.rewiring.discard)
-        deployment.changed()
+        table.changed()
 
     def _check_others_can_decode(self, leaving: Worker, new_role: Role | None = None) -> None:
-        others = [w for w in self.deployment.workers.values() if w.is_active and w is not leaving]
+        others = [w for w in self.table.workers.values() if w.is_active and w is not leaving]
         if leaving.is_active and not (new_role and new_role.can_decode) and not any(
                 w.role.can_decode for w in others):
             raise ValueError(f"{leaving.worker_id} is the last active worker that can decode")
@@ -162,24 +167,24 @@ class Reshape:
                 on its way is not in the worker's load yet, so the drain also waits for this to be 0.
             grace_s: how long its decode streams may run on before they are evacuated to other workers.
         """
-        deployment = self.deployment
-        deployment.check_can_change()
+        table = self.table
+        table.check_can_change()
         check_grace(grace_s, timeout_s)
-        worker = deployment.workers[worker_id]
+        worker = table.workers[worker_id]
         self._check_others_can_decode(worker)
         transition(worker, WorkerState.DRAINING)
-        deployment.target[worker.role] -= 1
-        deployment.changed()
+        table.move_target(worker.role, None)
+        table.changed()
         try:
             await wait_until_empty(worker, books, grace_s, timeout_s)
         except BaseException as error:
             if worker.state is WorkerState.DRAINING:  # not failed meanwhile: it serves on
                 logger.warning("%s: the drain stopped (%s); it stays", worker_id, type(error).__name__)
                 transition(worker, WorkerState.ACTIVE)
-                deployment.target[worker.role] += 1
-                deployment.changed()
+                table.move_target(None, worker.role)
+                table.changed()
             raise
         try:
             await worker.client.shutdown()
         finally:  # it holds nothing: whatever the shutdown call did, it goes
-            deployment.forget(worker)
+            table.forget(worker)

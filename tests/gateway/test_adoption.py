@@ -11,7 +11,8 @@ import time
 import pytest
 import ray
 
-from gateway.fleet.adoption import layout_after_adoption, survivors, worker_actor, worker_actor_name
+from gateway.fleet.adoption import layout_after_adoption, survivors, worker_actor
+from gateway.fleet.table import worker_actor_name
 from worker_runtime.keeper_watch import KeeperWatch
 from worker_runtime.roles import Role
 

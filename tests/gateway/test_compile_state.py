@@ -2,7 +2,8 @@
 compiled body is in: the fleet's every-second load poll (gateway/fleet/recovery.py) updates the worker's
 runtime (what /admin/pools and pdserve:worker_runtime_info show) and says so, once.
 
-No Ray: the deployment is a plain namespace holding one Worker whose client answers load() as the actor does.
+No Ray: the fleet's table is a plain namespace holding one Worker whose client answers load() as the actor
+does.
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ def test_the_fleet_learns_when_a_body_compiled_beside_serving_is_in() -> None:
     answers = Answers()
     worker = Worker("w0", Role.MIXED, answers, WorkerState.ACTIVE, runtime=RUNTIME)  # type: ignore[arg-type]
     changes: list[None] = []
-    deployment = SimpleNamespace(workers={"w0": worker}, config=SimpleNamespace(step_watchdog_s=0.0),
-                                 changed=lambda: changes.append(None))
-    recovery = Recovery(deployment)  # type: ignore[arg-type]
+    table = SimpleNamespace(workers={"w0": worker}, changed=lambda: changes.append(None))
+    recovery = Recovery(table, step_watchdog_s=0.0)  # type: ignore[arg-type]
     asyncio.run(recovery.loads())
     assert worker.runtime.compile == "compiling" and not changes  # as it started
     answers.mode, answers.reason = "compiled", "lean body: inductor, one graph per step"

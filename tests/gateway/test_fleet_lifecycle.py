@@ -302,11 +302,11 @@ class TestOnOneSharedDeploymentOf1P1D:
             cpus = ray.available_resources().get("CPU", 0.0)
             config = deployment.config
             missing = ModelSource("/nonexistent/pdserve-model")
-            deployment.config = dataclasses.replace(config, model_source=missing)
+            deployment.table.config = dataclasses.replace(config, model_source=missing)
             try:
                 result = await PoolResizer(deployment, router).apply([Move("add", Role.DECODE)])
             finally:
-                deployment.config = config
+                deployment.table.config = config
             await until(lambda: ray.available_resources().get("CPU", 0.0) == cpus)
             return {"before": before, "after": (set(deployment.workers), dict(deployment.target)),
                     "error": result.error, "health": deployment.health().status}
