@@ -3,8 +3,9 @@ worker: every one when the worker changes role or leaves (evacuate()), or chosen
 clears the worker for a long prompt (move_out()). Each goes back the cheapest way it can:
     1. AWAITING_BLOCKS (its pull not started): with its KV handle unused; the next worker pulls that KV
        from where it is (the prefill worker) instead of recomputing it;
-    2. RUNNING, with a migration sender: detached with its blocks, its KV offered (decode_pool.migration);
-       its last output carries the handle, and the worker holds work until the lease ends;
+    2. RUNNING, with a migration sender: detached with its blocks, its KV offered
+       (worker_runtime/kv_offers.py); its last output carries the handle, and the worker holds work until the
+       lease ends;
     3. otherwise (pulling, mid-prefill, no sender): evacuate() aborts it with "migrate" and the next
        worker recomputes it; move_out() keeps it here, unless it is a prompt not started yet.
 Runs on the step loop's thread, through the worker's own finish and abort.
@@ -18,11 +19,11 @@ from collections.abc import Callable, Mapping
 from decode_pool.choice_groups import ChoiceGroups
 from decode_pool.entry import DecodeEntry
 from decode_pool.messages import DecodeOutput
-from decode_pool.migration import MigrationOffers
 from decode_pool.pull_queue import PullQueue
 from kv_transfer import KVHandle
 from llm_engine import LLMEngine
 from llm_engine.finish_reason import FinishReason
+from worker_runtime.kv_offers import KVOffers
 
 # (request id, reason, now, last output)
 FinishCallback = Callable[[str, FinishReason, float, DecodeOutput], None]
@@ -31,7 +32,7 @@ AbortCallback = Callable[[str, FinishReason], None]  # (request id, finish reaso
 
 class Evacuation:
     def __init__(self, engine: LLMEngine, entries: Mapping[str, DecodeEntry], pulls: PullQueue,
-                 groups: ChoiceGroups, migration: MigrationOffers | None, finish: FinishCallback,
+                 groups: ChoiceGroups, migration: KVOffers | None, finish: FinishCallback,
                  abort: AbortCallback) -> None:
         """Args:
         entries: the worker's requests by id (read, never changed here).
@@ -79,7 +80,7 @@ class Evacuation:
             return False  # no sender, not running, or mid-prefill: evacuated without KV
         if scheduler.detach(request_id) is None:
             return False
-        self._hand_back(request_id, self._migration.offer(request))
+        self._hand_back(request_id, self._migration.offer(request_id, request.num_computed_tokens))
         return True
 
     def _hand_back(self, request_id: str, handle: KVHandle | None) -> None:

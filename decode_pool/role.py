@@ -5,8 +5,8 @@ thread.
 
 Lifecycle:  DecodeRole(engine, outputs) — the engine's scheduler becomes the decode scheduler (with the
     admission watermark), a KV receiver is built and registered over the engine's KV cache (and, where the
-    backend allows, a KV sender too, to offer evacuated streams' KV: decode_pool.migration), the step loop
-    starts → add_peer() / submit() / abort() / evacuate() / release_kv() → close(): the loop stops, the
+    backend allows, a KV sender too, to offer evacuated streams' KV: worker_runtime/kv_offers.py), the step
+    loop starts → add_peer() / submit() / abort() / evacuate() / release_kv() → close(): the loop stops, the
     receiver and sender deregister.
     Peers are the workers this one may pull KV from: every prefill worker, and every other decode or mixed
     worker where migration is possible.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 
 from decode_pool.messages import DecodeRequest
-from decode_pool.migration import MigrationOffers
 from decode_pool.worker import DecodeWorker
 from kv_transfer import (
     BackendName,
@@ -35,6 +34,7 @@ from kv_transfer import (
 )
 from llm_engine import LLMEngine
 from llm_engine.scheduler import Scheduler
+from worker_runtime.kv_offers import KVOffers
 from worker_runtime.load import WorkerLoad
 from worker_runtime.output_channels import OutputChannels
 from worker_runtime.peer_client import PeerClient
@@ -56,9 +56,9 @@ class DecodeRole:
                                  ranks=engine.rank_call)
         migration = None
         if can_move_kv_between_decode_workers(backend):
-            migration = MigrationOffers(make_sender(backend, worker_id, engine.transfer_cache,
-                                                    config=transfer_config, ranks=engine.rank_call),
-                                        engine.kv, engine.export_blocks)
+            sender = make_sender(backend, worker_id, engine.transfer_cache, config=transfer_config,
+                                 ranks=engine.rank_call)
+            migration = KVOffers(sender, engine.kv, "migration", engine.export_blocks)
         self.outputs = outputs
         self.worker = DecodeWorker(worker_id, engine, receiver, deliver_pull=self._deliver_pull,
                                    release_source=self._release_source, on_step_end=outputs.flush,

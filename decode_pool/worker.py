@@ -9,7 +9,7 @@ Lifecycle of a request on this worker, one line per queue:
     3. TRANSFERRING     (pull_queue.py) blocks allocated, pull started; polled, never awaited
     4. RUNNING          (engine_admission.py) in the engine's batch from the next step (or WAITING: prefill)
     5. FINISHED         finish_reason "stop" or "length" (the engine), "abort", "error" (fail()) or
-                        "migrate" (handed back: evacuation.py); its blocks freed, or offered (migration.py)
+                        "migrate" (handed back: evacuation.py); its blocks freed, or offered (KVOffers)
     A request without a handle (the mixed role, or one migrated from a failed worker with the tokens it
     already generated) is prefilled here: the engine's WAITING queue. One moved from a worker that evacuated
     it comes with the tokens so far and a handle to their KV: it is pulled like a prefill worker's.
@@ -42,14 +42,15 @@ from decode_pool.engine_admission import EngineAdmission
 from decode_pool.entry import DecodeEntry, OutputCallback
 from decode_pool.evacuation import Evacuation
 from decode_pool.messages import DecodeOutput, DecodeRequest, DecodeTimes
-from decode_pool.migration import MigrationOffers
 from decode_pool.pull_queue import PullEnd, PullQueue
 from kv_transfer import KVHandle, KVReceiver, PeerInfo, PullReply, PullRequest, TransferState
 from llm_engine import LLMEngine
+from llm_engine.batch import ModelInput
 from llm_engine.finish_reason import FinishReason
 from llm_engine.request import Request
 from llm_engine.step_faults import is_worker_fault
 from worker_runtime.inbox import WorkerInbox
+from worker_runtime.kv_offers import KVOffers
 from worker_runtime.load import WorkerLoad
 from worker_runtime.prefill_slicer import PrefillSlicer
 from worker_runtime.roles import Role
@@ -68,7 +69,7 @@ class DecodeWorker:
                  deliver_pull: Callable[[PullRequest], None] | None = None,
                  release_source: Callable[[KVHandle, str], None] | None = None,
                  on_step_end: Callable[[], None] | None = None,
-                 wake: Callable[[], None] | None = None, migration: MigrationOffers | None = None) -> None:
+                 wake: Callable[[], None] | None = None, migration: KVOffers | None = None) -> None:
         """Args:
         deliver_pull: carries a PullRequest to its prefill worker (backends whose sender takes part);
             the reply comes back through on_pull_reply().
@@ -132,7 +133,7 @@ class DecodeWorker:
 
     def start_watching(self) -> None:
         """Watch pulls on a thread of their own (see the PullWatcher), and poll the migration sender on one
-        (decode_pool.migration); stop_watching() before closing."""
+        (worker_runtime/kv_offers.py); stop_watching() before closing."""
         self._pulls.start_watching()
         if self.migration is not None:
             self.migration.start_polling(self._wake)
@@ -230,22 +231,15 @@ class DecodeWorker:
             self._pulls.wait_finished(min(MAX_JOIN_WAIT_S, JOIN_WAIT_SHARE * self._last_step_s))
         for ended in self._pulls.take_ended():
             self._on_pull_end(ended)
-        scheduler = self.engine.scheduler
-        scheduler.prefill_budget_beside_decode = self._slicer.budget()
-        batch = scheduler.schedule() if scheduler.num_unfinished else None
-        if batch is not None and batch.chunks:
-            # What the inbox just handed over is in no load report until this step ends: report it now, or a
-            # request taken in this step looks like nowhere (neither arriving nor held) for the step's length.
-            self._load = self._snapshot()
-            self._in_step = tuple(chunk.request_id for chunk in batch.chunks)
-            output = self.engine.runner.execute(batch)
-            now = time.time()
-            step = self.engine.runner.timeline.last
+        self.engine.scheduler.prefill_budget_beside_decode = self._slicer.budget()
+        forward = self.engine.forward_step(self._before_forward)
+        if forward is not None:
+            step = forward.record
             if step is not None:
                 self._last_step_s = step.duration_ms / 1000
                 self._slicer.observe(step.duration_ms / 1000, step.num_prefill_tokens, step.num_decode_tokens)
-            for request in scheduler.update(batch, output):
-                self._emit(request, now)
+            for request in forward.advanced:
+                self._emit(request, forward.finished_at)
             self._in_step = ()
             self._load = self._snapshot()
             return 0.0
@@ -258,8 +252,14 @@ class DecodeWorker:
         if is_polling:
             return TRANSFER_POLL_S
         # A claim for withdrawn migration KV may still come: refuse it soon, whoever waits for it.
-        is_claimable = self.migration is not None and self.migration.sender.expects_claims
+        is_claimable = self.migration is not None and self.migration.expects_claims
         return WITHDRAWN_CLAIM_POLL_S if is_claimable else None
+
+    def _before_forward(self, batch: ModelInput) -> None:
+        # What the inbox just handed over is in no load report until this step ends: report it now, or a
+        # request taken in this step looks like nowhere (neither arriving nor held) for the step's length.
+        self._load = self._snapshot()
+        self._in_step = tuple(chunk.request_id for chunk in batch.chunks)  # suspects if the forward raises
 
     @property
     def _num_offered(self) -> int:

@@ -1,18 +1,22 @@
 """LLMEngine: one worker's model, KV cache and scheduler behind a small synchronous API.
 
-    add_request → [step() = schedule → execute → update]* → RequestOutput per new token → finished.
-No Ray and no threads here: the pools wrap an engine in an actor and drive step() from their loop.
+    add_request → [step() = forward_step(): schedule → execute → update]* → RequestOutput per new token
+    → finished.
+No Ray and no threads here: a worker (prefill_pool, decode_pool) runs forward_step() from its step loop, with
+its own queues around it; step() is the same forward for a caller with none (generate(), tests).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
+from llm_engine.batch import ModelInput
 from llm_engine.block_pool import BlockPool
 from llm_engine.compilation import CompileReport
 from llm_engine.config import EngineConfig, ModelSpec
@@ -28,6 +32,7 @@ from llm_engine.node_locks import node_memory_lock
 from llm_engine.request import Request
 from llm_engine.sampling import SamplingParams
 from llm_engine.scheduler import Scheduler
+from llm_engine.step_timeline import StepRecord
 from llm_engine.tensor_parallel import (
     RankCall,
     RankCallFailed,
@@ -53,6 +58,16 @@ class RequestOutput:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ForwardStep:
+    """What one forward did (LLMEngine.forward_step())."""
+
+    batch: ModelInput  # what was computed
+    advanced: list[Request]  # the requests that gained a token (finished ones included)
+    record: StepRecord | None  # its timing and token counts (the runner's timeline)
+    finished_at: float  # time.time() when the forward returned
 
 
 @dataclass(frozen=True)
@@ -235,10 +250,25 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def step(self) -> list[RequestOutput]:
+    def forward_step(self, before_forward: Callable[[ModelInput], None] | None = None) -> ForwardStep | None:
+        """One forward: schedule → execute → update, the one place that runs them. None when the schedule is
+        empty (nothing waits, or every waiting request needs blocks). `before_forward(batch)` runs between
+        the schedule and the forward (a worker marks the batch's requests, publishes its load)."""
+        if not self.scheduler.num_unfinished:
+            return None
         batch = self.scheduler.schedule()
+        if not batch.chunks:
+            return None
+        if before_forward is not None:
+            before_forward(batch)
         output = self.runner.execute(batch)
+        finished_at = time.time()
         advanced = self.scheduler.update(batch, output)
+        return ForwardStep(batch, advanced, self.runner.timeline.last, finished_at)
+
+    def step(self) -> list[RequestOutput]:
+        forward = self.forward_step()
+        advanced = forward.advanced if forward is not None else []
         return [
             RequestOutput(
                 request_id=r.request_id,

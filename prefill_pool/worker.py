@@ -8,35 +8,36 @@ Lifecycle of a request on this worker:
     abort() works in every state; an OFFERED request's lease is withdrawn (unless a pull has claimed it).
     release(transfer_id) ends an OFFERED request's lease at once when nobody will pull it (the decode side's
     pull failed or was aborted, or the client left): the lease itself is only the last resort.
+    The leases are KVOffers' (worker_runtime/kv_offers.py), as a decode worker's handed-back streams are.
     fail() (the step loop died) ends every request still here with finish_reason "error"; later submissions
     raise WorkerFailed.
 Only the step loop's thread touches the engine; submit(), abort() and release() go through a thread-safe
-inbox. load() returns the snapshot the loop thread published after its last step.
+inbox. load() returns the snapshot the loop thread published after its last step. Its step is the engine's
+forward_step() between the inbox and the offers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable
 
-from kv_transfer import KVHandle, KVSender, PullReply, PullRequest, ReleasedBlocks
+from kv_transfer import KVHandle, KVSender, PullReply, PullRequest
 from llm_engine import LLMEngine
+from llm_engine.batch import ModelInput
 from llm_engine.choices import FirstToken
 from llm_engine.finish_reason import FinishReason
 from llm_engine.request import Request, RequestStatus
 from prefill_pool.messages import PrefillRequest, PrefillResult, PrefillTimes
 from prefill_pool.scheduler import PrefillScheduler
 from worker_runtime.inbox import WorkerInbox
+from worker_runtime.kv_offers import POLL_S, KVOffers
 from worker_runtime.load import WorkerLoad
 from worker_runtime.roles import Role
 
 logger = logging.getLogger(__name__)
 ResultCallback = Callable[[PrefillResult], None]
-# While leases are outstanding the loop polls the sender this often (seconds) even with no compute to do.
-TRANSFER_POLL_S = 0.002
 
 
 @dataclasses.dataclass
@@ -47,33 +48,24 @@ class _Pending:
     started: float = 0.0
 
 
-def _lease(transfer_id: int) -> str:
-    """The KV manager's key of an offered prompt's blocks: the lease owns them, not the request's id."""
-    return f"prefill-lease-{transfer_id}"
-
-
 class PrefillWorker:
-    def __init__(self, worker_id: str, engine: LLMEngine, sender: KVSender,
-                 is_sender_polled_elsewhere: bool = False) -> None:
-        """Args:
-        is_sender_polled_elsewhere: another thread calls poll_transfers() and wakes the loop when blocks
-            come back (the actor does), so the idle loop need not poll the sender itself.
-        """
+    def __init__(self, worker_id: str, engine: LLMEngine, sender: KVSender) -> None:
+        """The offers' sender is polled by the loop between forwards; offers.start_polling() polls it on a
+        thread of its own as well (the role does), so that a pull is answered while a forward runs."""
         if not isinstance(engine.scheduler, PrefillScheduler):
             raise TypeError("a prefill worker's engine must use PrefillScheduler")
         self.worker_id = worker_id
-        self.is_sender_polled_elsewhere = is_sender_polled_elsewhere
         self.engine = engine
-        self.sender = sender
+        self.offers = KVOffers(sender, engine.kv, "prefill", engine.export_blocks)
         # Commands from other threads, run by the loop thread at the start of its next step.
         self._inbox: WorkerInbox[tuple[PrefillRequest, ResultCallback, float]] = WorkerInbox(
             f"prefill worker {worker_id}")
-        # The sender is polled by the loop thread and answers pull requests (torch) from the actor's thread.
-        self._sender_lock = threading.Lock()
-        self._released: list[ReleasedBlocks] = []  # seen by poll_transfers(), freed by the loop thread
         self._pending: dict[str, _Pending] = {}
-        self._offered: dict[int, str] = {}  # transfer_id → the request whose blocks it holds (under _lease())
         self._load = self._snapshot()
+
+    @property
+    def sender(self) -> KVSender:
+        return self.offers.sender
 
     # Called from any thread.
     def submit(self, request: PrefillRequest, on_result: ResultCallback) -> None:
@@ -92,7 +84,7 @@ class PrefillWorker:
 
     def release(self, transfer_id: int, why: str) -> None:
         """Nobody will pull this transfer: free its blocks now instead of when its lease ends."""
-        self._inbox.post(lambda: self._release(transfer_id, why))
+        self._inbox.post(lambda: self.offers.release(transfer_id, why))
 
     @property
     def failure(self) -> str:
@@ -110,62 +102,32 @@ class PrefillWorker:
             on_result(dataclasses.replace(result, error=f"prefill worker failed: {self.failure}"))
         self._load = dataclasses.replace(self._load, failure=self.failure)
 
-    # The sender, from any thread (each call holds _sender_lock).
-    def poll_transfers(self) -> bool:
-        """Advance the sender (answer NIXL claims, see pulls finish) from any thread, so that a decode
-        worker's pull does not wait for a forward to end; the blocks are freed by the loop thread.
-
-        Returns:
-            Whether some transfers were released (wake the loop to free their blocks).
-        """
-        with self._sender_lock:
-            releases = self.sender.poll()
-            self._released.extend(releases)
-        return bool(releases)
-
-    @property
-    def has_transfers(self) -> bool:
-        """Whether any offered KV waits for its pull (safe from any thread)."""
-        return self.sender.num_outstanding > 0
-
-    @property
-    def expects_claims(self) -> bool:
-        """Whether a receiver may still claim something here: KV is offered, or was withdrawn recently (its
-        claim must be refused at once). Safe from any thread."""
-        return self.sender.expects_claims
-
     # Called only from the step loop's thread (and accept_pull, load: from any thread, as marked).
     def step(self) -> float | None:
-        """Run the inbox, release pulled/expired leases, run one forward; returns the wait before the next."""
+        """Run the inbox, free pulled/expired leases, run one forward; returns the wait before the next."""
         self._inbox.drain()
-        with self._sender_lock:
-            releases = self._released + self.sender.poll()
-            self._released = []
-        for released in releases:
-            if self._offered.pop(released.transfer_id, None) is not None:
-                self.engine.kv.free(_lease(released.transfer_id))
-        scheduler = self.engine.scheduler
-        batch = scheduler.schedule() if scheduler.num_unfinished else None
-        if batch is not None and batch.chunks:
-            now = time.time()
-            for chunk in batch.chunks:
-                pending = self._pending[chunk.request_id]
-                pending.started = pending.started or now
-            self._load = self._snapshot()  # the requests just taken from the inbox, for the step's length
-            output = self.engine.runner.execute(batch)
-            for request in scheduler.update(batch, output):
+        self.offers.poll()
+        forward = self.engine.forward_step(self._before_forward)
+        if forward is not None:
+            for request in forward.advanced:
                 self._finish_prefill(request)
             self._load = self._snapshot()
             return 0.0
         self._load = self._snapshot()
         # Nothing to compute (idle, or every waiting prompt needs blocks that leases hold): sleep until woken,
-        # polling the sender while leases are out, since their release is what frees blocks here.
-        return TRANSFER_POLL_S if self._offered and not self.is_sender_polled_elsewhere else None
+        # polling the sender while leases are out (unless a thread does), since their end frees blocks here.
+        return POLL_S if self.offers.num_outstanding and not self.offers.is_polled else None
+
+    def _before_forward(self, batch: ModelInput) -> None:
+        now = time.time()
+        for chunk in batch.chunks:
+            pending = self._pending[chunk.request_id]
+            pending.started = pending.started or now
+        self._load = self._snapshot()  # the requests just taken from the inbox, for the step's length
 
     def accept_pull(self, pull: PullRequest) -> PullReply:
         """For backends whose sender takes part (torch): post the send leg of a pull (any thread)."""
-        with self._sender_lock:
-            return self.sender.accept_pull(pull)
+        return self.offers.accept_pull(pull)
 
     def load(self) -> WorkerLoad:
         """The loop thread's latest snapshot, plus prompt tokens still in the inbox (any thread)."""
@@ -180,10 +142,10 @@ class PrefillWorker:
             worker_id=self.worker_id, role=Role.PREFILL, num_waiting=len(scheduler.waiting),
             num_queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens
                                          for r in scheduler.requests.values()),
-            num_running=len(scheduler.running), num_transferring=len(self._offered),
+            num_running=len(scheduler.running), num_transferring=self.offers.num_outstanding,
             num_free_blocks=self.engine.block_pool.num_free_blocks,
             num_total_blocks=self.engine.block_pool.num_blocks, num_outstanding_tokens=0,
-            failure=self.failure, num_requests=len(self._pending) + len(self._offered),
+            failure=self.failure, num_requests=len(self._pending) + self.offers.num_outstanding,
         )
 
     def _start(self, request: PrefillRequest, on_result: ResultCallback, queued: float) -> None:
@@ -201,20 +163,12 @@ class PrefillWorker:
     def _abort(self, request_id: str) -> None:
         pending = self._pending.pop(request_id, None)
         if pending is None:  # already finished; if its KV is still offered, nobody will pull it now
-            for transfer_id, offered_id in list(self._offered.items()):
-                if offered_id == request_id:
-                    self._release(transfer_id, "the request was aborted")
+            self.offers.release_request(request_id, "the request was aborted")
             return
         self.engine.scheduler.abort(request_id)
         self.engine.kv.free(request_id)
         pending.on_result(self._result(request_id, -1, None, FinishReason.ABORT, None, 0, pending.queued,
                                        pending.started or time.time()))
-
-    def _release(self, transfer_id: int, why: str) -> None:
-        with self._sender_lock:
-            released = self.sender.withdraw(transfer_id, why)
-        if released is not None and self._offered.pop(transfer_id, None) is not None:
-            self.engine.kv.free(_lease(transfer_id))
 
     def _finish_prefill(self, request: Request) -> None:
         request_id = request.request_id
@@ -233,13 +187,7 @@ class PrefillWorker:
             for i, t in enumerate(request.other_first_tokens, start=1))
         handle = None
         if finish_reason is None or any(c.finish_reason is None for c in others):
-            table = self.engine.kv.block_table(request_id)
-            self.engine.export_blocks(table)  # a tensor-parallel worker's ranks' heads, gathered
-            with self._sender_lock:
-                handle = self.sender.offer(table, request.num_computed_tokens)
-            # The blocks are the lease's from now on: the id is free for another attempt of the request.
-            self.engine.kv.rekey(request_id, _lease(handle.transfer_id))
-            self._offered[handle.transfer_id] = request_id
+            handle = self.offers.offer(request_id, request.num_computed_tokens)
         else:
             self.engine.kv.free(request_id)
         logprob = request.output_logprobs[0] if request.output_logprobs else None

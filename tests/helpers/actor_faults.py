@@ -109,9 +109,8 @@ def stall_pulls(actor: Any) -> None:
 def _kv_sender(actor: Any) -> Any:
     """The worker's KV sender: a prefill worker's own, a decode or mixed worker's migration sender (None:
     it has none)."""
-    sender = getattr(actor.worker, "sender", None)
-    migration = getattr(actor.worker, "migration", None)
-    return sender if sender is not None else getattr(migration, "sender", None)
+    offers = getattr(actor.worker, "offers", None) or getattr(actor.worker, "migration", None)
+    return getattr(offers, "sender", None)
 
 
 def lose_releases_and_shorten_leases(actor: Any) -> None:

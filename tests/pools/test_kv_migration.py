@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from decode_pool.messages import DecodeOutput, DecodeRequest
-from decode_pool.migration import MigrationOffers
 from decode_pool.worker import DecodeWorker
 from kv_transfer import TransferConfig, make_receiver, make_sender
 from llm_engine import EngineConfig, LLMEngine, SamplingParams
 from tests.helpers.reference import hf_greedy, random_prompts
+from worker_runtime.kv_offers import KVOffers
 
 pytest.importorskip("nixl._bindings")
 
@@ -30,7 +30,7 @@ def make_decode_worker(model_dir: Path, name: str) -> DecodeWorker:
     config = TransferConfig(lease_s=30.0)
     kv_cache = engine.runner.kv_cache
     receiver = make_receiver("nixl", name, kv_cache, config=config)
-    migration = MigrationOffers(make_sender("nixl", name, kv_cache, config=config), engine.kv)
+    migration = KVOffers(make_sender("nixl", name, kv_cache, config=config), engine.kv, "migration")
     return DecodeWorker(name, engine, receiver, migration=migration)
 
 
