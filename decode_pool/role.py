@@ -33,7 +33,7 @@ from kv_transfer import (
     make_receiver,
     make_sender,
 )
-from llm_engine import LLMEngine
+from llm_engine.engine import LLMEngine
 from llm_engine.scheduler import Scheduler
 from worker_runtime.load import WorkerLoad
 from worker_runtime.output_channels import OutputChannels

@@ -44,7 +44,7 @@ from decode_pool.messages import DecodeOutput, DecodeRequest, DecodeTimes
 from decode_pool.migration import MigrationOffers
 from decode_pool.pull_queue import PullEnd, PullQueue
 from kv_transfer import KVHandle, KVReceiver, PeerInfo, PullReply, PullRequest, TransferState
-from llm_engine import LLMEngine
+from llm_engine.engine import LLMEngine
 from llm_engine.finish_reason import FinishReason
 from llm_engine.request import Request
 from worker_runtime.inbox import WorkerInbox

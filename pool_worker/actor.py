@@ -50,7 +50,8 @@ from kv_transfer import (
     TransferRecord,
     capabilities,
 )
-from llm_engine import EngineConfig, LLMEngine
+from llm_engine.config import EngineConfig
+from llm_engine.engine import LLMEngine
 from llm_engine.model_loader import num_model_loads
 from llm_engine.step_timeline import STEP_TOKEN_BUCKETS, StepRecord
 from llm_engine.tensor_parallel import TPGroup, TPRank, bind_group_address

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 
 from kv_transfer import KVHandle, KVSender, PullReply, PullRequest, ReleasedBlocks
-from llm_engine import LLMEngine
 from llm_engine.choices import FirstToken
+from llm_engine.engine import LLMEngine
 from llm_engine.finish_reason import FinishReason
 from llm_engine.request import Request, RequestStatus
 from prefill_pool.messages import PrefillRequest, PrefillResult, PrefillTimes

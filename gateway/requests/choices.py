@@ -32,8 +32,8 @@ from gateway.requests.deadlines import RequestDeadlines
 from gateway.requests.events import RequestFailed, StreamEvent
 from gateway.requests.orchestrator import RequestRun
 from gateway.requests.router import Router
-from llm_engine import SamplingParams
 from llm_engine.choices import FirstToken, choice_request_id
+from llm_engine.params import SamplingParams
 from prefill_pool.messages import PrefillResult
 from worker_runtime.roles import Role
 

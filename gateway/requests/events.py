@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from decode_pool.messages import DecodeOutput
-from llm_engine import PromptLogprobs, TopLogprobs
+from llm_engine.params import PromptLogprobs, TopLogprobs
 from prefill_pool.messages import PrefillResult
 
 

@@ -50,7 +50,7 @@ from gateway.requests import decode_stage, prefill_stage
 from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.requests.events import RequestFailed, StreamEvent
 from gateway.requests.router import Router
-from llm_engine import SamplingParams
+from llm_engine.params import SamplingParams
 from worker_runtime.roles import Role
 
 WORKER_POLL_S = 0.1  # while waiting for a replacement worker
