@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import TYPE_CHECKING
 
-import torch
+from llm_engine.hardware import resolve_device, resolve_dtype
 
-from llm_engine.hardware import DTYPES, resolve_device, resolve_dtype
-from llm_engine.linear_kernels import LinearKernel
+if TYPE_CHECKING:
+    import torch
 
 # Families whose attention is plain causal attention over rotary q/k (what the paged attention computes):
 # each is tested token-equal to transformers (tests/engine/test_model_families.py). Not Gemma 2/3: their
@@ -20,6 +22,15 @@ COMPILE_CHOICES = ("auto", "on", "off")
 MiB = 1 << 20
 # The KV cache of a CPU worker when no KV memory is named (on CUDA: gpu_memory_utilization decides).
 CPU_KV_CACHE_BYTES = 512 * MiB
+
+
+class LinearKernel(StrEnum):
+    """The GEMM kernel of every linear layer (llm_engine/linear_kernels.py runs them)."""
+
+    AUTO = "auto"  # probe at load and keep the fastest per shape and band (CPU); cuBLAS on CUDA
+    TORCH = "torch"  # F.linear as torch dispatches it: MKL (CPU fp32), oneDNN (CPU bf16), cuBLAS (CUDA)
+    ONEDNN_PACKED = "onednn-packed"  # oneDNN with weights reordered once at load (CPU only)
+    ZENTORCH = "zentorch"  # ZenDNN's linear (AMD CPUs, the optional extra pdserve[zen])
 
 
 @dataclass(frozen=True)
@@ -124,7 +135,10 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch  # here: the gateway reads this config without torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)  # a name of hardware.DTYPE_NAMES
+        return dtype
 
 
 @dataclass(frozen=True)

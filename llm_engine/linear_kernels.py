@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from enum import StrEnum
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llm_engine.config import LinearKernel
 from llm_engine.custom_ops import register_packed_linear
 from llm_engine.hardware import cpu_flags, cpu_vendor
 
@@ -45,13 +45,6 @@ PACK_BATCH_HINT = 16
 def row_band(num_rows: int) -> int:
     """Which probed row count (index into PROBE_ROWS) a GEMM of num_rows rows is dispatched by."""
     return 0 if num_rows <= BAND_UPPER_ROWS[0] else 1 if num_rows <= BAND_UPPER_ROWS[1] else 2
-
-
-class LinearKernel(StrEnum):
-    AUTO = "auto"  # probe at load and keep the fastest per shape and band (CPU); cuBLAS on CUDA
-    TORCH = "torch"  # F.linear as torch dispatches it: MKL (CPU fp32), oneDNN (CPU bf16), cuBLAS (CUDA)
-    ONEDNN_PACKED = "onednn-packed"  # oneDNN with weights reordered once at load (CPU only)
-    ZENTORCH = "zentorch"  # ZenDNN's linear (AMD CPUs, the optional extra pdserve[zen])
 
 
 Bands = tuple[LinearKernel, LinearKernel, LinearKernel]  # the kernel of each band of row counts

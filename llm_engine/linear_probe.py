@@ -14,12 +14,12 @@ from functools import partial
 import torch
 from torch import nn
 
+from llm_engine.config import LinearKernel
 from llm_engine.linear_kernels import (
     HEAD_PROBE_ROWS,
     PROBE_REPEATS,
     PROBE_ROWS,
     Bands,
-    LinearKernel,
     PackedLinear,
     kernel_unavailable_reason,
 )

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from llm_engine.params import PromptLogprobsChunk, SamplingParams, TopLogprobs
-
-PROMPT_ROWS_PER_SLICE = 256  # rows of [rows, vocab] float32 log-softmax held at once for prompt logprobs
+from llm_engine.params import PROMPT_ROWS_PER_SLICE, PromptLogprobsChunk, SamplingParams, TopLogprobs
 
 
 def _top(logprobs: torch.Tensor, ks: list[int]) -> list[TopLogprobs]:

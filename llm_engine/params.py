@@ -11,6 +11,9 @@ from dataclasses import dataclass, replace
 from llm_engine.structured import GrammarSpec
 
 MAX_LOGPROBS = 20  # most likely alternatives per position, as OpenAI's top_logprobs and vLLM's default
+# Rows of [rows, vocab] float32 log-softmax held at once for prompt logprobs (llm_engine/logprobs.py; the
+# KV sizing reserves room for them: llm_engine/kv_sizing.py).
+PROMPT_ROWS_PER_SLICE = 256
 
 
 @dataclass(frozen=True)

@@ -78,13 +78,15 @@ from gateway.fleet.wiring import PeerWiring
 from gateway.fleet.worker_client import WorkerClient
 from gateway.fleet.workers import PoolHealth, Worker, WorkerState, can_transition, transition
 from kv_transfer import capabilities
-from pool_worker.actor import WorkerActor
+from pool_worker.api import worker_actor_class
 from worker_runtime.load import WorkerLoad
 from worker_runtime.roles import Role
 from worker_runtime.worker_setup import TorchGroupSpec
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
+
+    from pool_worker.actor import WorkerActor
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +238,7 @@ class PDDeployment:
         if self.keeper:
             options["lifetime"] = "detached"
         handle: ActorHandle[WorkerActor] = cast("ActorHandle[WorkerActor]",
-            ray.remote(WorkerActor)
+            ray.remote(worker_actor_class())
             .options(**options)
             .remote(worker_id, role.value, self.config.engine_for(role), self.backend.value,
                     self.config.transfer,
