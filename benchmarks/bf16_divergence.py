@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     from llm_engine import EngineConfig, LLMEngine, SamplingParams
     from llm_engine.default_model import prepare_default_model
-    from llm_engine.model_loader import load_tokenizer
+    from llm_engine.model_files import load_tokenizer
 
     torch.set_num_threads(1)
     model_dir = Path(args.model) if args.model else prepare_default_model()

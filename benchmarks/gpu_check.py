@@ -97,7 +97,7 @@ def main() -> None:
 
     @step("parity")
     def parity() -> dict[str, Any]:
-        from llm_engine import SamplingParams
+        from llm_engine.params import SamplingParams
 
         report: dict[str, Any] = {}
         for dtype in ("float32", "bfloat16"):
@@ -123,7 +123,7 @@ def main() -> None:
     def step_times() -> dict[str, Any]:
         from transformers import AutoModelForCausalLM
 
-        from llm_engine import SamplingParams
+        from llm_engine.params import SamplingParams
 
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
         bare = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
@@ -191,7 +191,7 @@ def main() -> None:
         import multiprocessing as mp
 
         from llm_engine import EngineConfig, LLMEngine
-        from llm_engine.sampling import SamplingParams
+        from llm_engine.params import SamplingParams
         from llm_engine.tensor_parallel import TPGroup, TPRank, bind_group_address
         from llm_engine.tiny_model import build_tiny_llama
 

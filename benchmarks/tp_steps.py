@@ -38,7 +38,7 @@ def measure(model_dir: str, degree: int, repeats: int, prompt_len: int, batch: i
     import torch
 
     from llm_engine import EngineConfig, LLMEngine
-    from llm_engine.sampling import SamplingParams
+    from llm_engine.params import SamplingParams
     torch.set_num_threads(threads)
     config = EngineConfig(model_dir, dtype="float32", device="cpu", compile="off", kv_cache_bytes=256 << 20,
                           max_num_batched_tokens=max(512, prompt_len), tensor_parallel_size=degree)

@@ -35,7 +35,7 @@ def one_side(model_dir: str, starts: int) -> dict[str, list[float]]:
     from gateway.requests.orchestrator import run_request
     from gateway.requests.router import Router
     from llm_engine.config import EngineConfig
-    from llm_engine.sampling import SamplingParams
+    from llm_engine.params import SamplingParams
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)

@@ -11,7 +11,7 @@ import time
 
 from decode_pool.choice_groups import ChoiceGroups
 from decode_pool.entry import DecodeEntry
-from llm_engine import LLMEngine
+from llm_engine.engine import LLMEngine
 from llm_engine.request import Request
 
 logger = logging.getLogger(__name__)

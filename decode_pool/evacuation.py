@@ -21,7 +21,7 @@ from decode_pool.entry import DecodeEntry
 from decode_pool.messages import DecodeOutput
 from decode_pool.pull_queue import PullQueue
 from kv_transfer import KVHandle
-from llm_engine import LLMEngine
+from llm_engine.engine import LLMEngine
 from llm_engine.finish_reason import FinishReason
 from worker_runtime.kv_offers import KVOffers
 

@@ -6,9 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from kv_transfer import KVHandle
-from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
 from llm_engine.choices import FirstToken, choice_request_id
 from llm_engine.finish_reason import FinishReason
+from llm_engine.params import PromptLogprobs, SamplingParams, TopLogprobs
 
 
 @dataclass(frozen=True)

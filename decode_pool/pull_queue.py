@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from decode_pool.entry import DecodeEntry
 from decode_pool.pull_watcher import PullWatcher
 from kv_transfer import KVHandle, KVReceiver, PullRequest, TransferState
-from llm_engine import LLMEngine
+from llm_engine.engine import LLMEngine
 from llm_engine.kv_cache_manager import blocks_for
 
 logger = logging.getLogger(__name__)

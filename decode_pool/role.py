@@ -32,7 +32,7 @@ from kv_transfer import (
     make_receiver,
     make_sender,
 )
-from llm_engine import LLMEngine
+from llm_engine.engine import LLMEngine
 from llm_engine.scheduler import Scheduler
 from worker_runtime.kv_offers import KVOffers
 from worker_runtime.load import WorkerLoad

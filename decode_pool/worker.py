@@ -44,8 +44,8 @@ from decode_pool.evacuation import Evacuation
 from decode_pool.messages import DecodeOutput, DecodeRequest, DecodeTimes
 from decode_pool.pull_queue import PullEnd, PullQueue
 from kv_transfer import KVHandle, KVReceiver, PeerInfo, PullReply, PullRequest, TransferState
-from llm_engine import LLMEngine
 from llm_engine.batch import ModelInput
+from llm_engine.engine import LLMEngine
 from llm_engine.finish_reason import FinishReason
 from llm_engine.request import Request
 from llm_engine.step_faults import is_worker_fault

@@ -24,12 +24,11 @@ from gateway.ratio.ladder import ControllerPolicy
 from gateway.ratio.role_bounds import RoleBounds
 from gateway.ratio.sizing import ScalePolicy
 from gateway.telemetry.tracing import check_endpoint
-from llm_engine import ModelSpec
+from llm_engine.config import ModelSpec
 from llm_engine.hardware import resolve_device, resolve_dtype
 from llm_engine.kv_sizing import parse_memory
-from llm_engine.model_files import check_model_name, is_local_path
-from llm_engine.model_loader import read_model_spec
-from llm_engine.tensor_parallel import check_tensor_parallel
+from llm_engine.model_files import check_model_name, is_local_path, read_model_spec
+from llm_engine.rank_shares import check_tensor_parallel
 from worker_runtime.roles import Role
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

@@ -139,8 +139,11 @@ def serve_frontends(config: ServeConfig) -> None:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         spec_path = Path(metrics_dir) / "frontend.json"  # in a directory of mode 0700, removed at the end
         spec_path.touch(mode=0o600)
+        # The device and dtype as resolved here: a frontend that read "auto" would ask torch (it has none).
+        engine = deployment.engine
+        resolved = config.model_copy(update={"device": engine.device, "dtype": engine.dtype})
         spec_path.write_text(json.dumps({
-            "config": config.model_dump(mode="json"), "fleet_actor": name,
+            "config": resolved.model_dump(mode="json"), "fleet_actor": name,
             "ray_address": ray.get_runtime_context().gcs_address, "num_frontends": config.api_server_count}))
         os.environ[FRONTEND_ENV] = str(spec_path)
         # TLS too: each frontend loads the key and certificate into its own SSL context.

@@ -43,8 +43,7 @@ from gateway.startup import announce, announce_kv, resolve_model_dir
 from gateway.stop_signals import end_requests_before_the_grace, join_ray, unless_stopped
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.tracing import RequestTracer
-from llm_engine.model_files import served_name
-from llm_engine.model_loader import load_tokenizer
+from llm_engine.model_files import load_tokenizer, served_name
 from worker_runtime.roles import Role
 
 # A fixed namespace, so that operators' tools find the workers: ray.get_actor("pdserve-worker-…",

@@ -26,7 +26,7 @@ from gateway.ratio.sizing import ScalePolicy
 from gateway.requests.deadlines import DeadlinePolicy
 from gateway.requests.router import LocalPrefillPolicy
 from kv_transfer import TransferConfig
-from llm_engine import EngineConfig
+from llm_engine.config import EngineConfig
 from llm_engine.kv_sizing import parse_memory
 from worker_runtime.model_source import ModelSource
 from worker_runtime.roles import Role

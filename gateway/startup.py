@@ -11,8 +11,7 @@ from fastapi import FastAPI
 from gateway.config import ServeConfig
 from gateway.fleet.workers import Worker
 from gateway.serve_settings import base_url
-from llm_engine.model_files import ModelNotFoundError, resolve_model
-from llm_engine.model_loader import read_model_spec
+from llm_engine.model_files import ModelNotFoundError, read_model_spec, resolve_model
 from worker_runtime.process_heap import freeze_startup_heap
 
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llm_engine.logprobs import PromptLogprobsChunk, TopLogprobs
-from llm_engine.sampling import SamplingParams
+from llm_engine.params import PromptLogprobsChunk, SamplingParams, TopLogprobs
 
 
 @dataclass(frozen=True)

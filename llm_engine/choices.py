@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llm_engine.finish_reason import FinishReason
-from llm_engine.logprobs import TopLogprobs
+from llm_engine.params import TopLogprobs
 
 MAX_CHOICES = 16  # choices one request may ask for (the gateway refuses more: 400 naming `n`)
 _SEPARATOR = "~c"  # request ids are the gateway's ("req-<hex>"): this never occurs in one

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
-import torch
+from llm_engine.hardware import resolve_device, resolve_dtype
 
-from llm_engine.hardware import DTYPES, resolve_device, resolve_dtype
+if TYPE_CHECKING:
+    import torch
 
 # Families whose attention is plain causal attention over rotary q/k (what the paged attention computes):
 # each is tested token-equal to transformers (tests/engine/test_model_families.py). Not Gemma 2/3: their
@@ -133,7 +135,10 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch  # here: the gateway reads this config without torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)  # a name of hardware.DTYPE_NAMES
+        return dtype
 
 
 @dataclass(frozen=True)

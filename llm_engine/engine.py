@@ -25,12 +25,11 @@ from llm_engine.hardware import device_memory
 from llm_engine.kv_cache import KVCacheSpec
 from llm_engine.kv_cache_manager import KVCacheManager, blocks_for
 from llm_engine.kv_sizing import KVCapacity, plan_kv_cache
-from llm_engine.logprobs import PromptLogprobs, TopLogprobs
 from llm_engine.model_loader import LoadedModel, load_model
 from llm_engine.model_runner import ModelRunner
 from llm_engine.node_locks import node_memory_lock
+from llm_engine.params import PromptLogprobs, SamplingParams, TopLogprobs
 from llm_engine.request import Request
-from llm_engine.sampling import SamplingParams
 from llm_engine.scheduler import Scheduler
 from llm_engine.step_timeline import StepRecord
 from llm_engine.tensor_parallel import (

@@ -4,6 +4,7 @@ memory (what llm_engine/kv_sizing.py sizes the KV cache from).
 `--dtype auto` (the default, as in vLLM) is bfloat16 where the hardware computes it natively and float32
 elsewhere: on a CPU, native means AVX512_BF16 or AMX-BF16 (without them torch emulates bf16 in fp32 and is
 no faster, measured on an AVX2-only AMD); on CUDA, any device that runs bf16 (float16 on older ones).
+torch is imported only where a CUDA device is asked about: the gateway checks its flags with this module.
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *DTYPES)
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # each the name of its torch dtype
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 # CPU flags (as /proc/cpuinfo names them) that mean the cores compute bf16 natively.
 NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
@@ -56,8 +55,11 @@ def resolve_device(device: str, cuda_visible: bool | None = None) -> str:
         ValueError: not "auto", "cpu", "cuda" or "cuda:N".
     """
     if device == "auto":
-        visible = torch.cuda.is_available() if cuda_visible is None else cuda_visible
-        return "cuda" if visible else "cpu"
+        if cuda_visible is None:
+            import torch
+
+            cuda_visible = torch.cuda.is_available()
+        return "cuda" if cuda_visible else "cpu"
     if device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
         return device
     raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
@@ -67,6 +69,8 @@ def check_device_present(device: str, cuda_visible: bool | None = None) -> None:
     """Raises ValueError naming --device when `device` is CUDA and no GPU is visible to this process."""
     if not device.startswith("cuda"):
         return
+    import torch
+
     visible = torch.cuda.is_available() if cuda_visible is None else cuda_visible
     if not visible:
         raise ValueError(f"--device {device}: no CUDA GPU is visible to this process "
@@ -91,6 +95,8 @@ def resolve_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) 
         return dtype
     if is_cuda:
         # The gateway may resolve this on a node without the GPU: assume a current one (bf16) there.
+        import torch
+
         if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             return "float16"
         return "bfloat16"
@@ -152,6 +158,8 @@ def device_memory(device: str) -> DeviceMemory:
     if not device.startswith("cuda"):
         total, available = ram()
         return DeviceMemory(total=total, free=available, weights=0, held=0)
+    import torch
+
     cuda = torch.device(device)
     torch.cuda.empty_cache()  # the load's freed scratch is not ours to keep
     free, total = torch.cuda.mem_get_info(cuda)

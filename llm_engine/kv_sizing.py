@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from llm_engine.config import CPU_KV_CACHE_BYTES, EngineConfig, ModelSpec
 from llm_engine.hardware import DeviceMemory
-from llm_engine.kv_cache import KVCacheSpec
-from llm_engine.logprobs import PROMPT_ROWS_PER_SLICE
+from llm_engine.params import PROMPT_ROWS_PER_SLICE
+
+if TYPE_CHECKING:
+    from llm_engine.kv_cache import KVCacheSpec
 
 GiB = 1 << 30
 # Memory a CUDA worker uses outside torch's allocator (CUDA context, cuBLAS workspace), which
@@ -179,7 +182,9 @@ def plan_kv_cache(config: EngineConfig, spec: ModelSpec, memory: DeviceMemory) -
     Raises:
         ValueError: the budget does not fit, or holds no block.
     """
-    cache = KVCacheSpec.from_model(spec, config)
+    from llm_engine.kv_cache import KVCacheSpec  # here: it brings torch, and the gateway parses memory here
+
+    cache: KVCacheSpec = KVCacheSpec.from_model(spec, config)
     # Only gpu_memory_utilization's rule leaves room for activations: a named KV size is taken as is (vLLM).
     is_utilization = (config.device.startswith("cuda") and config.kv_cache_bytes is None
                       and config.kv_cache_fraction is None)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from llm_engine.batch import TokenHistory
-from llm_engine.sampling import SamplingParams
+from llm_engine.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -7,37 +7,9 @@ temperature and filtering (as vLLM's default "raw" logprobs), so they equal a pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from llm_engine.sampling import SamplingParams
-
-# (token id, log-probability) pairs, most likely first.
-TopLogprobs = tuple[tuple[int, float], ...]
-PROMPT_ROWS_PER_SLICE = 256  # rows of [rows, vocab] float32 log-softmax held at once for prompt logprobs
-
-
-@dataclass(frozen=True)
-class PromptLogprobs:
-    """Log-probabilities of prompt tokens 1..P-1 (token 0 has no context), each given those before it."""
-
-    logprobs: tuple[float, ...]  # [P - 1]
-    top: tuple[TopLogprobs, ...]  # [P - 1] the k most likely tokens at each position; () entries when k = 0
-    # [P - 1] each prompt token's rank in its position's distribution (1: the most likely), as vLLM reports
-    # it beside the logprob; () from a worker that did not compute them.
-    ranks: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class PromptLogprobsChunk:
-    """One forward's share of a request's prompt logprobs (prefill is chunked)."""
-
-    request_id: str
-    first_position: int  # prompt position of the token logprobs[0] scores (>= 1)
-    logprobs: tuple[float, ...]
-    top: tuple[TopLogprobs, ...]
-    ranks: tuple[int, ...] = ()  # each scored token's rank (1: the most likely at its position)
+from llm_engine.params import PROMPT_ROWS_PER_SLICE, PromptLogprobsChunk, SamplingParams, TopLogprobs
 
 
 def _top(logprobs: torch.Tensor, ks: list[int]) -> list[TopLogprobs]:

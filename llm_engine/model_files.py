@@ -9,12 +9,23 @@ tokenizer files, and with `weights=True` the top-level safetensors.
 Each process resolves the id for itself: the gateway for the tokenizer and chat template (`weights=False`),
 each worker on its own node for the weights (worker_runtime/model_source.py), so the nodes of a cluster
 need no shared disk: each fills its own cache, or finds it filled.
+
+What a model directory says, read without torch (the gateway reads it): its shape (read_model_spec) and its
+tokenizer (load_tokenizer).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llm_engine.checkpoint_config import LeanConfig, read_lean_config
+from llm_engine.config import SUPPORTED_ARCHITECTURES, ModelSpec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 # Top-level files transformers reads for the config, the tokenizer and the chat template.
 CONFIG_FILES = (
@@ -123,3 +134,88 @@ def _resolve_hub_id(model: str, revision: str | None, weights: bool) -> Path:
         raise ModelNotFoundError(f"{named} has no *.safetensors weights at its top level in {path} (pdserve "
                                  "loads safetensors only; offline, the cache must hold the whole model)")
     return path
+
+
+def read_model_spec(model_dir: str | Path) -> ModelSpec:
+    """Read and check a model directory's config.json without loading weights.
+
+    Raises:
+        FileNotFoundError: the directory or its config.json does not exist.
+        ValueError: the architecture is not one the engine supports.
+    """
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face model directory")
+    raw = json.loads(config_path.read_text())
+    architectures = raw.get("architectures") or []
+    supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+    if not supported:
+        raise ValueError(
+            f"unsupported architecture {architectures or raw.get('model_type')!r} in {str(path)!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    eos = raw.get("eos_token_id")
+    generation_config = path / "generation_config.json"
+    if generation_config.is_file():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id", eos)
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    lean = read_lean_config(path)
+    if isinstance(lean, LeanConfig):  # plain rope: the context is the model's; a window caps it
+        window = lean.sliding_window
+        return ModelSpec(
+            architecture=lean.architecture, num_layers=lean.num_layers, num_heads=lean.num_heads,
+            num_kv_heads=lean.num_kv_heads, head_dim=lean.head_dim, hidden_size=lean.hidden_size,
+            intermediate_size=lean.intermediate_size, vocab_size=lean.vocab_size,
+            max_model_len=min(lean.max_position_embeddings, window or lean.max_position_embeddings),
+            eos_token_ids=eos_ids,
+        )
+    return _spec_from_transformers(path, supported[0], eos_ids)
+
+
+def _spec_from_transformers(path: Path, architecture: str, eos_ids: tuple[int, ...]) -> ModelSpec:
+    """transformers' own reading of the config: its class fills the family's defaults (Mistral's window
+    when the file names none, Qwen's use_sliding_window), exactly as the model it loads will see them."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    num_heads = config.num_attention_heads
+    max_model_len = min(config.max_position_embeddings, _static_rope_limit(config))
+    # The paged attention is full attention; a sliding window only changes results past the window, so cap
+    # the context there rather than serve wrong tokens (paged_attention.py checks it on every forward).
+    window = getattr(config, "sliding_window", None)
+    if window:
+        max_model_len = min(max_model_len, window)
+    return ModelSpec(
+        architecture=architecture,
+        num_layers=config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        hidden_size=config.hidden_size,
+        intermediate_size=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+        vocab_size=config.vocab_size,
+        max_model_len=max_model_len,
+        eos_token_ids=eos_ids,
+    )
+
+
+def _static_rope_limit(config: PretrainedConfig) -> int:
+    """The longest context over which the rotary frequencies stay fixed. "dynamic" and "longrope" scaling
+    switch frequencies by the longest position in the forward, and a packed batch mixes requests: past the
+    original length one request's length would change another's tokens, so the context stops there."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type") in ("dynamic", "longrope"):
+        original = rope.get("original_max_position_embeddings")
+        return int(original or getattr(config, "original_max_position_embeddings", None)
+                   or config.max_position_embeddings)
+    return int(config.max_position_embeddings)
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    read_model_spec(model_dir)
+    return AutoTokenizer.from_pretrained(str(model_dir))

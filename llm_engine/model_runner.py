@@ -31,10 +31,11 @@ from llm_engine.input_batch import InputBatch
 from llm_engine.kv_cache import KVCacheSpec
 from llm_engine.kv_cache_manager import blocks_for
 from llm_engine.logits_processors import LogitsPipeline, SamplingRows
-from llm_engine.logprobs import PROMPT_ROWS_PER_SLICE, PromptLogprobsChunk, prompt_logprobs, sampled_logprobs
+from llm_engine.logprobs import prompt_logprobs, sampled_logprobs
 from llm_engine.native_kernels import DecodeKernel, kernel_unfit_reason, paged_decode_attention
+from llm_engine.params import PROMPT_ROWS_PER_SLICE, PromptLogprobsChunk, SamplingParams
 from llm_engine.rank_shares import RankShare, spec_shares
-from llm_engine.sampling import SamplingParams, choose_tokens
+from llm_engine.sampling import choose_tokens
 from llm_engine.step_timeline import StepRecord, StepTimeline
 from llm_engine.structured import GrammarCache
 from llm_engine.tensor_parallel import (

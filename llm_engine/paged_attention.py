@@ -182,7 +182,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
 
 def _check_within_window(meta: PagedAttentionMetadata, window: int) -> None:
     """Every context fits the layer's sliding window, where full attention and the window's agree. The
-    loader caps max_model_len there (model_loader.read_model_spec); this keeps a wrong cap from serving
+    loader caps max_model_len there (model_files.read_model_spec); this keeps a wrong cap from serving
     wrong tokens."""
     longest = max([s.context_len for s in meta.prefills] + ([meta.decode.num_keys] if meta.decode else []))
     if longest > window:

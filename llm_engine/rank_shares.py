@@ -73,3 +73,15 @@ def vocab_rows(vocab_size: int, size: int, rank: int) -> slice:
 
 def spec_shares(spec: ModelSpec, size: int) -> list[RankShare]:
     return rank_shares(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, size)
+
+
+def check_tensor_parallel(spec: ModelSpec, size: int, flag: str = "--tensor-parallel-size") -> None:
+    """Raise ValueError naming `flag` if `size` ranks cannot split this model's heads
+    (degrees above)."""
+    if size < 1:
+        raise ValueError(f"{flag} must be >= 1, got {size}")
+    if size not in (possible := degrees(spec.num_heads, spec.num_kv_heads)):
+        raise ValueError(
+            f"{flag} {size} does not split the model's {spec.num_heads} attention heads and "
+            f"{spec.num_kv_heads} KV heads: up to one rank per KV head, past that a multiple of the KV heads "
+            f"that divides the attention heads; degrees that do: {', '.join(map(str, possible))}")

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 from llm_engine.batch import SampledToken
 from llm_engine.finish_reason import FinishReason
-from llm_engine.logprobs import PromptLogprobs, PromptLogprobsChunk, TopLogprobs
-from llm_engine.sampling import SamplingParams
+from llm_engine.params import PromptLogprobs, PromptLogprobsChunk, SamplingParams, TopLogprobs
 
 
 class RequestStatus(enum.Enum):

@@ -43,36 +43,19 @@ import pickle
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from llm_engine.batch import ModelInput
-from llm_engine.config import ModelSpec
-from llm_engine.rank_shares import degrees
 from llm_engine.tp_groups import register_group
-
-if TYPE_CHECKING:
-    pass
 
 # How long an all-reduce waits for a slow rank before the step fails. The step broadcast has no such
 # bound: ranks > 0 wait there while the worker is idle, for as long as that lasts.
 ALL_REDUCE_TIMEOUT = timedelta(seconds=120)
 IDLE_TIMEOUT = timedelta(days=365)
-
-
-def check_tensor_parallel(spec: ModelSpec, size: int, flag: str = "--tensor-parallel-size") -> None:
-    """Raise ValueError naming `flag` if `size` ranks cannot split this model's heads
-    (llm_engine/rank_shares.py degrees)."""
-    if size < 1:
-        raise ValueError(f"{flag} must be >= 1, got {size}")
-    if size not in (possible := degrees(spec.num_heads, spec.num_kv_heads)):
-        raise ValueError(
-            f"{flag} {size} does not split the model's {spec.num_heads} attention heads and "
-            f"{spec.num_kv_heads} KV heads: up to one rank per KV head, past that a multiple of the KV heads "
-            f"that divides the attention heads; degrees that do: {', '.join(map(str, possible))}")
 
 
 @dataclass(frozen=True)

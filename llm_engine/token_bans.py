@@ -14,7 +14,7 @@ import torch
 
 from llm_engine.batch import TokenHistory
 from llm_engine.logits_processors import LogitsProcessor, SamplingRows
-from llm_engine.sampling import SamplingParams
+from llm_engine.params import SamplingParams
 
 
 class AllowedTokens(LogitsProcessor):

@@ -66,7 +66,7 @@ def sharegpt_requests(path: str | Path, count: int, seed: int, rate: float, burs
     arrivals = poisson_arrivals(rate, count, random.Random(seed), burstiness)
     tokenizer = None
     if output_len is None and tokenizer_dir is not None:
-        from llm_engine.model_loader import load_tokenizer
+        from llm_engine.model_files import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer_dir)
     specs = []

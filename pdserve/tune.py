@@ -31,7 +31,7 @@ def _serving_defaults() -> dict[str, float]:
     from gateway.config import ServeConfig
     from gateway.fleet.config import DeploymentConfig
     from gateway.requests.router import LocalPrefillPolicy
-    from llm_engine import EngineConfig
+    from llm_engine.config import EngineConfig
 
     return {"watermark": DeploymentConfig.watermark,
             "max_waiting": ServeConfig.model_fields["max_waiting"].default,
@@ -46,7 +46,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
     import torch
 
-    from llm_engine import EngineConfig
+    from llm_engine.config import EngineConfig
     from llm_engine.default_model import prepare_default_model
     from llm_engine.model_files import ModelNotFoundError, check_model_name, resolve_model, served_name
     from tuner.measure import QUICK_GRID, ProfileGrid, profile_engine

@@ -144,7 +144,7 @@ def load_format(value: str, flags: dict[str, Any]) -> Outcome:
 
 
 def max_logprobs(value: str, flags: dict[str, Any]) -> Outcome:
-    from llm_engine.sampling import MAX_LOGPROBS  # not at import: it brings torch, and --help needs none
+    from llm_engine.params import MAX_LOGPROBS  # not at import: it brings torch, and --help needs none
 
     if int(value) <= MAX_LOGPROBS:
         return Outcome(f"accepted, no effect: a request may ask for up to {MAX_LOGPROBS} logprobs per token "

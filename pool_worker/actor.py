@@ -50,10 +50,12 @@ from kv_transfer import (
     TransferRecord,
     capabilities,
 )
-from llm_engine import EngineConfig, LLMEngine
+from llm_engine.config import EngineConfig
+from llm_engine.engine import LLMEngine
 from llm_engine.model_loader import num_model_loads
 from llm_engine.step_timeline import STEP_TOKEN_BUCKETS, StepRecord
 from llm_engine.tensor_parallel import TPGroup, TPRank, bind_group_address
+from pool_worker.api import StillHoldsWork, WrongRole
 from pool_worker.submissions import compile_grammars, is_final, submit_each
 from pool_worker.tp_ranks import TPRanks
 from prefill_pool.messages import PrefillRequest
@@ -70,15 +72,6 @@ from worker_runtime.roles import Role
 from worker_runtime.worker_setup import TorchGroupSpec, setup_worker_process
 
 TP_START_TIMEOUT_S = 600.0  # the other ranks load their slices while rank 0 loads its own
-
-
-class WrongRole(RuntimeError):
-    """A call meant for another role reached this worker."""
-
-
-class StillHoldsWork(RuntimeError):
-    """set_role() refused: the worker holds requests or KV blocks (a submission landed after the fleet saw
-    it empty); nothing changed: drain it again, then ask again."""
 
 
 class WorkerActor:

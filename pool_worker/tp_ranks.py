@@ -30,7 +30,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from kv_transfer.backends.nixl_ranks import RankTransfers
-from llm_engine import EngineConfig
+from llm_engine.config import EngineConfig
 from llm_engine.tensor_parallel import TPGroup, TPRank
 from llm_engine.tp_follower import TPFollower
 from worker_runtime.worker_setup import setup_worker_process

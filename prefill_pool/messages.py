@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_transfer import KVHandle
-from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
 from llm_engine.choices import FirstToken
 from llm_engine.finish_reason import FinishReason
+from llm_engine.params import PromptLogprobs, SamplingParams, TopLogprobs
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from kv_transfer import (
     TransferRecord,
     make_sender,
 )
-from llm_engine import LLMEngine
+from llm_engine.engine import LLMEngine
 from prefill_pool.messages import PrefillRequest
 from prefill_pool.scheduler import PrefillScheduler
 from prefill_pool.worker import PrefillWorker

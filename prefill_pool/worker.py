@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable
 
 from kv_transfer import KVHandle, KVSender, PullReply, PullRequest
-from llm_engine import LLMEngine
 from llm_engine.batch import ModelInput
 from llm_engine.choices import FirstToken
+from llm_engine.engine import LLMEngine
 from llm_engine.finish_reason import FinishReason
 from llm_engine.request import Request, RequestStatus
 from prefill_pool.messages import PrefillRequest, PrefillResult, PrefillTimes

@@ -27,7 +27,10 @@ from pathlib import Path
 
 import torch
 
-from llm_engine import EngineConfig, LLMEngine, ModelInput, SamplingParams
+from llm_engine.batch import ModelInput
+from llm_engine.config import EngineConfig
+from llm_engine.engine import LLMEngine
+from llm_engine.params import SamplingParams
 from llm_engine.request import Request
 from tuner.fits import StepPoint, fit_step_model
 from tuner.profile import Profile, WorkerShape

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from worker_runtime.step_loop import WorkerFailed
+from pool_worker.api import WorkerFailed
 
 Submission = TypeVar("Submission")
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from worker_runtime.roles import Role
 
 if TYPE_CHECKING:
-    from llm_engine import LLMEngine
+    from llm_engine.engine import LLMEngine
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-class WorkerFailed(RuntimeError):
-    """The worker's step loop died; it serves nothing more (the gateway replaces the worker)."""
-
-
 class StepLoop:
     def __init__(self, name: str, step: Callable[[], float | None], num_threads: int | None = None,
                  on_error: Callable[[BaseException], None] | None = None) -> None:

@@ -15,8 +15,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 GIL_SLICE_S = 0.0005  # sys.setswitchinterval in worker processes (CPython's default: 0.005)
 
 logger = logging.getLogger(__name__)
@@ -50,6 +48,8 @@ def setup_worker_process(num_threads: int, group: TorchGroupSpec | None = None,
                          cpu_slot: int | None = None) -> tuple[int, ...]:
     """Set the torch threads, pin the process to its slot's cores (None: not pinned), and join the torch
     group. Returns the cores the process may run on."""
+    import torch  # here: the gateway imports TorchGroupSpec, and has no torch
+
     if num_threads < 1:
         raise ValueError(f"threads per worker must be >= 1, got {num_threads}")
     torch.set_num_threads(num_threads)

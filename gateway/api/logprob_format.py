@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from gateway.api.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
 from gateway.api.protocol_extensions import PromptLogprob
-from llm_engine import PromptLogprobs, TopLogprobs
+from llm_engine.params import PromptLogprobs, TopLogprobs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -47,8 +47,9 @@ from gateway.api.surface import MESSAGE_NOT_YET_SUPPORTED, check_fields
 from gateway.api.tool_parsers import ToolCallParser, choose_parser
 from gateway.api.tool_prompt import ToolPlan, plan_tools, template_messages
 from gateway.requests.prepared import PreparedRequest
-from llm_engine import ModelSpec, SamplingParams
+from llm_engine.config import ModelSpec
 from llm_engine.kv_cache_manager import prefix_hashes
+from llm_engine.params import SamplingParams
 from llm_engine.structured import GrammarSpec
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llm_engine import SamplingParams
+from llm_engine.params import SamplingParams
 
 if TYPE_CHECKING:
     from gateway.api.protocol import ChatCompletionRequest, CompletionRequest

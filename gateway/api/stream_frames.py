@@ -30,7 +30,7 @@ from gateway.api.protocol import (
 from gateway.requests.events import RequestFailed
 from gateway.requests.prepared import PreparedRequest, TextDelta
 from gateway.telemetry.timings import Timings
-from llm_engine import TopLogprobs
+from llm_engine.params import TopLogprobs
 
 logger = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field, replace
 
 from kv_transfer import BackendName, TransferConfig
 from kv_transfer.registry import resolve
-from llm_engine import EngineConfig
-from llm_engine.model_loader import read_model_spec
-from llm_engine.tensor_parallel import check_tensor_parallel
+from llm_engine.config import EngineConfig
+from llm_engine.model_files import read_model_spec
+from llm_engine.rank_shares import check_tensor_parallel
 from worker_runtime.model_source import ModelSource
 from worker_runtime.roles import Role
 

@@ -29,7 +29,7 @@ from gateway.fleet.wiring import PeerWiring
 from gateway.fleet.worker_client import WorkerClient
 from gateway.fleet.workers import Worker, WorkerState, can_transition, transition
 from kv_transfer import capabilities
-from pool_worker.actor import WorkerActor
+from pool_worker.api import worker_actor_class
 from worker_runtime.roles import Role
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from gateway.fleet.bring_up_log import BringUpLog
     from gateway.fleet.config import DeploymentConfig
+    from pool_worker.actor import WorkerActor
     from worker_runtime.worker_setup import TorchGroupSpec
 
 SHUTDOWN_TIMEOUT_S = 30.0  # workers that have not closed their fronts by then are killed anyway
@@ -121,7 +122,7 @@ class WorkerTable:
         if self.keeper:
             options["lifetime"] = "detached"
         handle: ActorHandle[WorkerActor] = cast("ActorHandle[WorkerActor]",
-            ray.remote(WorkerActor)
+            ray.remote(worker_actor_class())
             .options(**options)
             .remote(worker_id, role.value, self.config.engine_for(role), self.backend.value,
                     self.config.transfer,

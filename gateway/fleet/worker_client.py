@@ -26,18 +26,17 @@ from gateway.fleet.submissions import Submissions
 from gateway.fleet.worker_errors import StillBusy, WorkerLost, WrongRoleError
 from kv_transfer import PeerInfo, TransferRecord
 from llm_engine.step_timeline import StepRecord
-from pool_worker.actor import StillHoldsWork, WrongRole
+from pool_worker.api import StillHoldsWork, WorkerFailed, WrongRole
 from prefill_pool.messages import PrefillRequest
 from worker_runtime.load import WorkerLoad
 from worker_runtime.roles import Role
-from worker_runtime.step_loop import WorkerFailed
-from worker_runtime.worker_setup import TorchGroupSpec
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from pool_worker.actor import WorkerActor
     from worker_runtime.info import WorkerInfo, WorkerPlacement
+    from worker_runtime.worker_setup import TorchGroupSpec
 
 T = TypeVar("T")
 

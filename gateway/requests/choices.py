@@ -34,7 +34,7 @@ from gateway.requests.orchestrator import RequestRun
 from gateway.requests.router import Router
 from llm_engine.choices import FirstToken, choice_request_id
 from llm_engine.finish_reason import FinishReason
-from llm_engine.sampling import SamplingParams
+from llm_engine.params import SamplingParams
 from prefill_pool.messages import PrefillResult
 from worker_runtime.roles import Role
 

@@ -7,8 +7,8 @@ import enum
 from dataclasses import dataclass
 
 from decode_pool.messages import DecodeOutput
-from llm_engine import PromptLogprobs, TopLogprobs
 from llm_engine.finish_reason import FinishReason
+from llm_engine.params import PromptLogprobs, TopLogprobs
 from prefill_pool.messages import PrefillResult
 
 

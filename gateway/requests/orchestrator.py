@@ -58,7 +58,7 @@ from gateway.requests.route import RequestRoute
 from gateway.requests.router import Router
 from gateway.requests.state import RequestState
 from llm_engine.finish_reason import FinishReason
-from llm_engine.sampling import SamplingParams
+from llm_engine.params import SamplingParams
 from worker_runtime.roles import Role
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.telemetry.timings import Timings
-from llm_engine import PromptLogprobs, SamplingParams, TopLogprobs
+from llm_engine.params import PromptLogprobs, SamplingParams, TopLogprobs
 
 
 @dataclass(frozen=True)

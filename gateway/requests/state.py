@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.requests.deadlines import RequestDeadlines
-from llm_engine.sampling import SamplingParams
+from llm_engine.params import SamplingParams
 
 
 @dataclass

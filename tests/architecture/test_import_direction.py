@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # Each unit may import the units listed for it (and itself); anything else in this table is forbidden.
 # The worker side reads top-down: pool_worker (the Ray actor) → prefill_pool / decode_pool (the roles) →
 # worker_runtime (what runs an engine in a worker process; its `roles` module, the Role enum, is a leaf).
+# pool_worker.api is a leaf too: what the gateway knows of the worker side (the actor's class by name, the
+# errors of its calls), torch-free, so that a frontend process never imports the worker stack.
 ALLOWED: dict[str, set[str]] = {
     "pdserve": {"gateway", "gateway.api", "gateway.control", "gateway.ratio", "gateway.requests",
                  "gateway.fleet",
@@ -22,7 +24,8 @@ ALLOWED: dict[str, set[str]] = {
     # app.py and config.py: the composition root of the server
     "gateway": {"gateway.api", "gateway.control", "gateway.ratio", "gateway.requests", "gateway.fleet",
                 "gateway.telemetry",
-                "pool_worker", "worker_runtime", "worker_runtime.roles", "kv_transfer", "llm_engine"},
+                "pool_worker", "pool_worker.api", "worker_runtime", "worker_runtime.roles", "kv_transfer",
+                "llm_engine"},
     "gateway.api": {"gateway.control", "gateway.ratio", "gateway.requests", "gateway.fleet",
                     "gateway.telemetry",
                     "worker_runtime.roles", "llm_engine"},
@@ -34,21 +37,23 @@ ALLOWED: dict[str, set[str]] = {
                       "worker_runtime", "tuner", "loadgen"},
     "gateway.requests": {"gateway.fleet", "gateway.telemetry", "worker_runtime.roles", "worker_runtime",
                          "prefill_pool.messages", "decode_pool.messages", "kv_transfer", "llm_engine"},
-    "gateway.fleet": {"pool_worker", "worker_runtime.roles", "worker_runtime",
+    "gateway.fleet": {"pool_worker", "pool_worker.api", "worker_runtime.roles", "worker_runtime",
                       "prefill_pool.messages", "decode_pool.messages", "kv_transfer", "llm_engine"},
     "gateway.telemetry": {"worker_runtime", "worker_runtime.roles"},
-    "pool_worker": {"prefill_pool", "decode_pool", "prefill_pool.messages", "decode_pool.messages",
-                    "worker_runtime", "worker_runtime.roles", "kv_transfer", "llm_engine"},
+    "pool_worker": {"pool_worker.api", "prefill_pool", "decode_pool", "prefill_pool.messages",
+                    "decode_pool.messages", "worker_runtime", "worker_runtime.roles", "kv_transfer",
+                    "llm_engine"},
     "prefill_pool": {"prefill_pool.messages", "worker_runtime", "worker_runtime.roles", "kv_transfer",
                      "llm_engine"},
     "prefill_pool.messages": {"kv_transfer", "llm_engine"},
     "decode_pool": {"decode_pool.messages", "prefill_pool.messages", "worker_runtime",
                     "worker_runtime.roles", "kv_transfer", "llm_engine"},
     "decode_pool.messages": {"kv_transfer", "llm_engine"},
-    "worker_runtime": {"worker_runtime.roles", "kv_transfer", "llm_engine"},
+    "worker_runtime": {"worker_runtime.roles", "pool_worker.api", "kv_transfer", "llm_engine"},
     "tuner": {"loadgen", "kv_transfer", "llm_engine"},  # the simulator and profiler; never the gateway
     "loadgen": {"llm_engine"},
     "worker_runtime.roles": set(),
+    "pool_worker.api": set(),
     "kv_transfer": set(),
     "llm_engine": set(),
 }

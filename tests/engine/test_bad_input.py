@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from llm_engine import EngineConfig, LLMEngine, SamplingParams
-from llm_engine.model_loader import read_model_spec
+from llm_engine.model_files import read_model_spec
 
 
 def test_unknown_model_dir(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ from llm_engine.checkpoint_config import LeanConfig, read_lean_config
 from llm_engine.config import EngineConfig
 from llm_engine.lean_loader import load_lean_model
 from llm_engine.lean_model import LeanBody
-from llm_engine.model_loader import _load_transformers_model, _spec_from_transformers, read_model_spec
+from llm_engine.model_files import _spec_from_transformers, read_model_spec
+from llm_engine.model_loader import _load_transformers_model
 from llm_engine.tiny_model import build_tiny_model
 
 LEAN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")

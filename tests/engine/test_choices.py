@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from llm_engine import BlockPool, KVCacheManager, LLMEngine, SamplingParams
+from llm_engine import BlockPool, KVCacheManager, LLMEngine
 from llm_engine.choices import choice_request_id
+from llm_engine.params import SamplingParams, choice_seed
 from llm_engine.request import Request
-from llm_engine.sampling import choice_seed
 from prefill_pool.scheduler import PrefillScheduler
 from tests.helpers.engines import make_engine
 from tests.helpers.reference import random_prompts

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llm_engine import EngineConfig, LLMEngine, SamplingParams
-from llm_engine.model_loader import load_tokenizer, read_model_spec
+from llm_engine.model_files import load_tokenizer, read_model_spec
 
 pytestmark = pytest.mark.slow
 

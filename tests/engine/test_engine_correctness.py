@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llm_engine import SamplingParams
-from llm_engine.model_loader import read_model_spec
+from llm_engine.model_files import read_model_spec
 from llm_engine.scheduler import Scheduler
 from prefill_pool.scheduler import PrefillScheduler
 from tests.helpers.engines import make_engine

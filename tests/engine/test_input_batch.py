@@ -8,7 +8,8 @@ import torch
 
 from llm_engine.batch import ModelInput, ScheduledChunk
 from llm_engine.input_batch import InputBatch
-from llm_engine.sampling import SamplingParams, _filter_rows, _filter_top_k_top_p, sample
+from llm_engine.params import SamplingParams
+from llm_engine.sampling import _filter_rows, _filter_top_k_top_p, sample
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0)

@@ -23,7 +23,7 @@ from llm_engine.linear_kernels import (
     onednn_unavailable_reason,
     zentorch_unavailable_reason,
 )
-from llm_engine.model_loader import read_model_spec
+from llm_engine.model_files import read_model_spec
 from llm_engine.native_kernels import paged_decode_attention
 from tests.helpers.reference import hf_greedy, random_prompts
 from worker_runtime.worker_setup import cores_for_slot

@@ -11,7 +11,7 @@ import pytest
 
 from llm_engine import EngineConfig, LLMEngine, SamplingParams
 from llm_engine.config import SUPPORTED_ARCHITECTURES
-from llm_engine.model_loader import read_model_spec
+from llm_engine.model_files import read_model_spec
 from llm_engine.tiny_model import TINY_FAMILIES, build_tiny_model
 from tests.helpers.reference import hf_greedy, random_prompts
 

@@ -88,7 +88,7 @@ def test_bad_decode_attention_values_are_refused() -> None:
 @needs_kernel
 def test_auto_decodes_with_the_kernel_on_a_cpu_and_sdpa_where_it_is_not_built(tmp_path: Path,
                                                                              tiny_llama_dir: Path) -> None:
-    from llm_engine.model_loader import read_model_spec
+    from llm_engine.model_files import read_model_spec
     from llm_engine.tiny_model import build_tiny_model
 
     config = EngineConfig(str(tiny_llama_dir), dtype="float32", kv_cache_bytes=4 << 20)

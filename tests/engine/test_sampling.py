@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_engine.sampling import SamplingParams, sample
+from llm_engine.params import SamplingParams
+from llm_engine.sampling import sample
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ from __future__ import annotations
 from llm_engine.batch import ModelInput, ModelOutput, SampledToken
 from llm_engine.block_pool import BlockPool
 from llm_engine.kv_cache_manager import KVCacheManager
+from llm_engine.params import SamplingParams
 from llm_engine.request import Request, RequestStatus
-from llm_engine.sampling import SamplingParams
 from llm_engine.scheduler import Scheduler
 
 BLOCK = 4

@@ -18,10 +18,10 @@ from kv_transfer import TransferConfig, make_receiver, make_sender
 from llm_engine import EngineConfig, LLMEngine, ModelSpec
 from llm_engine.checkpoint_config import read_lean_config
 from llm_engine.lean_loader import load_lean_model
-from llm_engine.model_loader import read_model_spec
-from llm_engine.rank_shares import RankShare, rank_shares, spec_shares, vocab_rows
-from llm_engine.sampling import SamplingParams
-from llm_engine.tensor_parallel import TPGroup, check_tensor_parallel
+from llm_engine.model_files import read_model_spec
+from llm_engine.params import SamplingParams
+from llm_engine.rank_shares import RankShare, check_tensor_parallel, rank_shares, spec_shares, vocab_rows
+from llm_engine.tensor_parallel import TPGroup
 from llm_engine.tiny_model import build_tiny_model
 from llm_engine.tp_sharding import VocabParallelHead
 from prefill_pool.scheduler import PrefillScheduler

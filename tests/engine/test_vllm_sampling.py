@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_engine import SamplingParams
+from llm_engine.params import SamplingParams
 from llm_engine.request import Request
 from llm_engine.sampling import choose_tokens
 from tests.helpers.engines import make_engine

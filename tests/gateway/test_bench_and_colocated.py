@@ -16,7 +16,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import ServeConfig
-from llm_engine.model_loader import load_tokenizer
+from llm_engine.model_files import load_tokenizer
 from pdserve.main import main
 from tests.helpers.reference import hf_greedy
 from tests.helpers.servers import API_KEY, MODEL, free_port, wait_until_no_blocks_used

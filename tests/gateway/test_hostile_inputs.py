@@ -15,7 +15,7 @@ import pytest
 
 from gateway.api.prepare import LONG_PROMPT_TOKENS, Preparer
 from gateway.api.protocol import ChatCompletionRequest, ChatMessage
-from llm_engine.model_loader import load_tokenizer, read_model_spec
+from llm_engine.model_files import load_tokenizer, read_model_spec
 from tests.helpers.servers import MODEL, wait_until_no_blocks_used
 
 VOCAB_SIZE = 49152  # the tiny chat model's (SmolLM2's tokenizer)

@@ -14,7 +14,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_engine.model_loader import load_tokenizer
+from llm_engine.model_files import load_tokenizer
 from tests.helpers.reference import hf_greedy
 from tests.helpers.servers import API_KEY, MODEL, burst, wait_until_no_blocks_used
 

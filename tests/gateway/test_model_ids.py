@@ -21,8 +21,7 @@ from pydantic import ValidationError
 from gateway.config import ServeConfig
 from gateway.serve_settings import deployment_config
 from llm_engine import model_files
-from llm_engine.model_files import ModelNotFoundError, resolve_model, served_name
-from llm_engine.model_loader import load_tokenizer
+from llm_engine.model_files import ModelNotFoundError, load_tokenizer, resolve_model, served_name
 from pdserve.main import main
 from tests.helpers.reference import hf_greedy
 from tests.helpers.servers import API_KEY, serve_config, serving

@@ -24,7 +24,7 @@ from gateway.api.sampling_defaults import SamplingDefaults, check_generation_con
 from gateway.api.tool_parsers import choose_parser
 from gateway.requests.prepared import PreparedRequest, TextDelta
 from llm_engine import SamplingParams
-from llm_engine.model_loader import load_tokenizer, read_model_spec
+from llm_engine.model_files import load_tokenizer, read_model_spec
 
 QWEN3 = PARSERS["qwen3"]  # type: ignore[index]
 ASK = [ChatMessage(role="user", content="What is 2+2?")]

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from llm_engine import EngineConfig, LLMEngine
-from llm_engine.sampling import SamplingParams
+from llm_engine.params import SamplingParams
 from tests.helpers import actor_faults as faults
 from tests.helpers.forced_migration import on_actor, stream_across_a_failure
 from tests.helpers.servers import MODEL, serve_config, serving, wait_until_whole, whole_after

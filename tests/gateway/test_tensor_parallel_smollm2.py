@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from llm_engine import EngineConfig, LLMEngine
-from llm_engine.sampling import SamplingParams
+from llm_engine.params import SamplingParams
 from tests.helpers.servers import MODEL, serve_config, serving, whole_after
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from decode_pool.messages import DecodeOutput, DecodeRequest
 from decode_pool.worker import DecodeWorker
 from kv_transfer import TransferConfig, make_receiver, make_sender
 from llm_engine import EngineConfig, KVCacheSpec, LLMEngine, SamplingParams
-from llm_engine.model_loader import read_model_spec
+from llm_engine.model_files import read_model_spec
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.scheduler import PrefillScheduler
 from prefill_pool.worker import PrefillWorker

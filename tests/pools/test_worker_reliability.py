@@ -17,11 +17,12 @@ from gateway.requests.events import StreamEvent
 from gateway.requests.stage_timings import token_times
 from kv_transfer import IncompatibleLayoutError, KVHandle
 from llm_engine import SamplingParams
+from pool_worker.api import WorkerFailed
 from prefill_pool.messages import PrefillRequest, PrefillResult
 from prefill_pool.worker import PrefillWorker
 from tests.helpers.engines import make_pair
 from tests.helpers.reference import hf_greedy, random_prompts
-from worker_runtime.step_loop import StepLoop, WorkerFailed
+from worker_runtime.step_loop import StepLoop
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pool_worker.api import WorkerFailed
 from worker_runtime.inbox import DuplicateRequest, WorkerInbox
-from worker_runtime.step_loop import WorkerFailed
 
 
 def test_a_failed_inbox_refuses_submissions_and_drops_posts() -> None:
