@@ -40,7 +40,7 @@ class PullEnd:
 
 class PullQueue:
     def __init__(self, engine: LLMEngine, receiver: KVReceiver, wake: Callable[[], None],
-                 deliver_pull: Callable[[PullRequest], None] | None, name: str) -> None:
+                 deliver_pull: Callable[[PullRequest], None], name: str) -> None:
         """Args:
         wake: wakes the step loop when the watcher thread sees a pull end.
         deliver_pull: carries a PullRequest to its sender (backends whose sender takes part).

@@ -201,10 +201,7 @@ class DecodeWorker(StepWorker[DecodeRequest, DecodeOutput]):
 
     def _deliver_pull(self, pull: PullRequest) -> None:
         # On the watcher's or the loop's thread: hop to the actor's event loop to make the actor call.
-        if self._event_loop is None:  # stepped by hand: nobody carries it
-            self.on_pull_reply(PullReply(pull.source_worker_id, pull.transfer_id, is_accepted=False,
-                                         reason="no event loop to carry it", send_seq=-1, num_blocks=0))
-            return
+        assert self._event_loop is not None, "a pull comes after its request's submit_to()"
         asyncio.run_coroutine_threadsafe(self._carry_pull(pull), self._event_loop)
 
     async def _carry_pull(self, pull: PullRequest) -> None:

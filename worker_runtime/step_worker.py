@@ -22,6 +22,7 @@ An id is live from submit() until its last output (_is_final) leaves: the inbox 
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import dataclasses
 import time
@@ -53,7 +54,7 @@ RequestT = TypeVar("RequestT", bound=Submitted)
 OutputT = TypeVar("OutputT", bound=Output)
 
 
-class StepWorker(Generic[RequestT, OutputT]):
+class StepWorker(abc.ABC, Generic[RequestT, OutputT]):
     role: Role  # the role's own (the actor reports MIXED for a decode worker serving mixed)
 
     def __init__(self, worker_id: str, engine: LLMEngine, offers: KVOffers | None,
@@ -200,41 +201,47 @@ class StepWorker(Generic[RequestT, OutputT]):
         # request taken in this step looks like nowhere (neither arriving nor held) for the step's length.
         self._load = self._snapshot()
 
-    # The role's step policy.
+    # The role's step policy (loop thread, but for the first three).
     def _output_ids(self, request: RequestT) -> tuple[str, ...]:
+        """The ids the request's outputs stream under."""
         return (request.request_id,)
 
     def _num_queued_tokens(self, request: RequestT) -> int:
         """Tokens a queued submission adds to the load's num_queued_prompt_tokens."""
         return 0
 
+    @abc.abstractmethod
     def _is_final(self, output: OutputT) -> bool:
-        raise NotImplementedError
+        """Whether the output is the last under its id."""
 
+    @abc.abstractmethod
     def _accept(self, request: RequestT, on_output: Callable[[OutputT], None], queued: float) -> None:
-        """Take a submission from the inbox (loop thread)."""
-        raise NotImplementedError
+        """Take a submission from the inbox."""
 
+    @abc.abstractmethod
     def _abort(self, request_id: str) -> None:
-        raise NotImplementedError
+        """End the request in whatever state it is, with finish_reason "abort"."""
 
     def _before_step(self) -> None:
         """After the inbox, before the forward."""
 
+    @abc.abstractmethod
     def _after_forward(self, forward: ForwardStep) -> None:
-        raise NotImplementedError
+        """Each advanced request's output."""
 
     def _idle_wait(self) -> float | None:
         """No forward ran: how long to sleep (None: until woken)."""
         return None
 
+    @abc.abstractmethod
     def _fail_requests(self, error: BaseException,
                        arriving: list[tuple[RequestT, Callable[[OutputT], None], float]]) -> None:
         """Answer every request held, and `arriving` (the inbox's, untaken), with an error."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _snapshot(self) -> WorkerLoad:
-        raise NotImplementedError
+        """The load after this step (published whole: other threads only read the latest)."""
 
+    @abc.abstractmethod
     def transfer_records(self) -> list[TransferRecord]:
-        raise NotImplementedError
+        """The transfer endpoint's records (any thread)."""
