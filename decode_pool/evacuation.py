@@ -8,70 +8,75 @@ clears the worker for a long prompt (move_out()). Each goes back the cheapest wa
        lease ends;
     3. otherwise (pulling, mid-prefill, no sender): evacuate() aborts it with "migrate" and the next
        worker recomputes it; move_out() keeps it here, unless it is a prompt not started yet.
-Runs on the step loop's thread, through the worker's own finish and abort.
+Runs on the step loop's thread. It decides and detaches; the worker ends what it returns (Evacuated): each
+handed-back stream with its last output, each other one as an abort with "migrate".
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from decode_pool.choice_groups import ChoiceGroups
 from decode_pool.entry import DecodeEntry
-from decode_pool.messages import DecodeOutput
 from decode_pool.pull_queue import PullQueue
 from kv_transfer import KVHandle
 from llm_engine.engine import LLMEngine
-from llm_engine.finish_reason import FinishReason
 from worker_runtime.kv_offers import KVOffers
 
-# (request id, reason, now, last output)
-FinishCallback = Callable[[str, FinishReason, float, DecodeOutput], None]
-AbortCallback = Callable[[str, FinishReason], None]  # (request id, finish reason)
+
+@dataclass
+class Evacuated:
+    """What the worker ends with finish_reason "migrate"."""
+
+    # (request id, the handle its KV goes with: offered here, or its unused pull's; None: none)
+    handed_back: list[tuple[str, KVHandle | None]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)  # ended as an abort: recomputed where it goes
 
 
 class Evacuation:
     def __init__(self, engine: LLMEngine, entries: Mapping[str, DecodeEntry], pulls: PullQueue,
-                 groups: ChoiceGroups, migration: KVOffers | None, finish: FinishCallback,
-                 abort: AbortCallback) -> None:
+                 groups: ChoiceGroups, migration: KVOffers | None) -> None:
         """Args:
         entries: the worker's requests by id (read, never changed here).
-        finish, abort: the worker's own: end a request with this output, or as an abort does.
         """
         self.engine = engine
         self._entries = entries
         self._pulls = pulls
         self._groups = groups
         self._migration = migration
-        self._finish = finish
-        self._abort = abort
 
-    def evacuate(self) -> None:
+    def evacuate(self) -> Evacuated:
         """Hand every request here back (1, 2, else aborted with "migrate")."""
+        evacuated = Evacuated()
         for request_id in list(self._entries):
-            if not (self._hand_back_unpulled(request_id) or self._offer_for_migration(request_id)):
-                self._abort(request_id, FinishReason.MIGRATE)
+            if not (self._hand_back_unpulled(request_id, evacuated)
+                    or self._offer_for_migration(request_id, evacuated)):
+                evacuated.aborted.append(request_id)
+        return evacuated
 
-    def move_out(self, request_ids: list[str]) -> None:
+    def move_out(self, request_ids: list[str]) -> Evacuated:
         """Hand these requests back: a running stream with its KV offered (2), a prompt not started yet as it
         came (the gateway routes it again); any other stays here."""
+        evacuated = Evacuated()
         for request_id in request_ids:
-            if request_id not in self._entries or self._offer_for_migration(request_id):
+            if request_id not in self._entries or self._offer_for_migration(request_id, evacuated):
                 continue
             request = self.engine.scheduler.requests.get(request_id)
             if request is not None and not request.num_computed_tokens and not request.num_output_tokens:
                 # A prompt not started here: the gateway routes it again.
-                self._abort(request_id, FinishReason.MIGRATE)
+                evacuated.aborted.append(request_id)
+        return evacuated
 
-    def _hand_back_unpulled(self, request_id: str) -> bool:
+    def _hand_back_unpulled(self, request_id: str, evacuated: Evacuated) -> bool:
         """1: hand back a request whose pull has not started, with its handle unused. False: its pull has
         started, or it has several choices (which cannot share one handle elsewhere)."""
         if self._groups.is_group(request_id) or not self._pulls.withdraw(request_id):
             return False
-        self._hand_back(request_id, self._entries[request_id].request.kv_handle)
+        evacuated.handed_back.append((request_id, self._entries[request_id].request.kv_handle))
         return True
 
-    def _offer_for_migration(self, request_id: str) -> bool:
+    def _offer_for_migration(self, request_id: str, evacuated: Evacuated) -> bool:
         """2: hand a running stream back with its KV offered; False: not possible here."""
         scheduler = self.engine.scheduler
         request = scheduler.requests.get(request_id)
@@ -80,11 +85,6 @@ class Evacuation:
             return False  # no sender, not running, or mid-prefill: evacuated without KV
         if scheduler.detach(request_id) is None:
             return False
-        self._hand_back(request_id, self._migration.offer(request_id, request.num_computed_tokens))
+        handle = self._migration.offer(request_id, request.num_computed_tokens)
+        evacuated.handed_back.append((request_id, handle))
         return True
-
-    def _hand_back(self, request_id: str, handle: KVHandle | None) -> None:
-        now = time.time()
-        migrate = FinishReason.MIGRATE
-        self._finish(request_id, migrate, now,
-                     DecodeOutput(request_id, (), (), now, finish_reason=migrate, kv_handle=handle))

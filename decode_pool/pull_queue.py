@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from decode_pool.entry import DecodeEntry
@@ -40,7 +40,7 @@ class PullEnd:
 
 class PullQueue:
     def __init__(self, engine: LLMEngine, receiver: KVReceiver, wake: Callable[[], None],
-                 deliver_pull: Callable[[PullRequest], None] | None, name: str) -> None:
+                 deliver_pull: Callable[[PullRequest], None], name: str) -> None:
         """Args:
         wake: wakes the step loop when the watcher thread sees a pull end.
         deliver_pull: carries a PullRequest to its sender (backends whose sender takes part).
@@ -50,8 +50,9 @@ class PullQueue:
         self.receiver = receiver
         self._watcher = PullWatcher(receiver, wake, deliver_pull, name)
         self.is_watching = False  # the watcher thread runs (else pulls are polled at each step only)
-        self._awaiting_blocks: collections.deque[str] = collections.deque()
-        self._transferring: dict[tuple[str, int], str] = {}  # (source worker, transfer id) → request id
+        # The queues own the entries they hold (the worker's table names them too, for their ends).
+        self._awaiting_blocks: collections.deque[DecodeEntry] = collections.deque()
+        self._transferring: dict[tuple[str, int], DecodeEntry] = {}  # by (source worker, transfer id)
 
     @property
     def num_awaiting_blocks(self) -> int:
@@ -73,33 +74,34 @@ class PullQueue:
         with self._watcher.lock:
             call()
 
-    def add(self, request_id: str) -> None:
+    def add(self, entry: DecodeEntry) -> None:
         """The request (with a KV handle) waits for blocks."""
-        self._awaiting_blocks.append(request_id)
+        self._awaiting_blocks.append(entry)
 
     def withdraw(self, request_id: str) -> bool:
         """Take a request out of AWAITING_BLOCKS; False: it is not there (its pull started, or none)."""
-        if request_id not in self._awaiting_blocks:
-            return False
-        self._awaiting_blocks.remove(request_id)
-        return True
+        for entry in self._awaiting_blocks:
+            if entry.request.request_id == request_id:
+                self._awaiting_blocks.remove(entry)
+                return True
+        return False
 
     def is_transferring(self, request_id: str) -> bool:
-        return request_id in self._transferring.values()
+        return any(e.request.request_id == request_id for e in self._transferring.values())
 
     def cancel(self, handle: KVHandle, why: str) -> None:
         """Stop a running pull where the backend can; its end still comes through take_ended()."""
         with self._watcher.lock:
             self.receiver.cancel(handle.source_worker_id, handle.transfer_id, why)
 
-    def admit(self, entries: Mapping[str, DecodeEntry], on_refused: Callable[[str, str], None]) -> int:
+    def admit(self, on_refused: Callable[[str, str], None]) -> int:
         """Start pulls, oldest first, while blocks for the prompt plus the watermark reserve are free;
         returns how many started. A pull the receiver refuses goes to on_refused(request_id, why) at once,
         its blocks still allocated."""
         pool = self.engine.block_pool
         num_started = 0
         while self._awaiting_blocks:
-            entry = entries[self._awaiting_blocks[0]]
+            entry = self._awaiting_blocks[0]
             handle = entry.request.kv_handle
             assert handle is not None
             busy = self.engine.scheduler.num_unfinished or self._transferring
@@ -122,7 +124,7 @@ class PullQueue:
                 logger.warning("pull for %s refused (%s); recomputing the prompt here", request_id, error)
                 on_refused(request_id, str(error))
                 continue
-            self._transferring[(handle.source_worker_id, handle.transfer_id)] = request_id
+            self._transferring[(handle.source_worker_id, handle.transfer_id)] = entry
             num_started += 1
         return num_started
 
@@ -134,7 +136,7 @@ class PullQueue:
         """Every pull that ended since the last call, leaving TRANSFERRING."""
         ended = []
         for result, finished_at in self._watcher.take():
-            request_id = self._transferring.pop((result.source_worker_id, result.transfer_id), None)
-            if request_id is not None:
-                ended.append(PullEnd(request_id, result.state, result.reason, finished_at))
+            entry = self._transferring.pop((result.source_worker_id, result.transfer_id), None)
+            if entry is not None:
+                ended.append(PullEnd(entry.request.request_id, result.state, result.reason, finished_at))
         return ended

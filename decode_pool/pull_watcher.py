@@ -25,7 +25,7 @@ POLL_S = 0.001  # between polls while a pull is in flight
 
 class PullWatcher:
     def __init__(self, receiver: KVReceiver, on_finished: Callable[[], None],
-                 deliver_pull: Callable[[PullRequest], None] | None, name: str) -> None:
+                 deliver_pull: Callable[[PullRequest], None], name: str) -> None:
         """Args:
         on_finished: called (on the watcher thread) when a pull finished: wakes the step loop.
         deliver_pull: carries a PullRequest to its sender (backends whose sender takes part); thread-safe.
@@ -70,9 +70,8 @@ class PullWatcher:
     def _poll(self) -> None:
         """One poll of the receiver (holding `lock`)."""
         results = self.receiver.poll()
-        if self._deliver_pull is not None:
-            for pull in self.receiver.take_pull_requests():
-                self._deliver_pull(pull)
+        for pull in self.receiver.take_pull_requests():
+            self._deliver_pull(pull)
         if results:
             now = time.time()
             self._finished.extend((result, now) for result in results)

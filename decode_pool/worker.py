@@ -1,7 +1,9 @@
-"""(Over 300 lines: the step and the request's ends (emit, abort, finish, fail) share one entry table; its
-queues, engine admission and evacuation are split out.)
+"""(Over 300 lines: the step policy and the request's ends (emit, abort, finish, fail) share one entry table;
+its queues, engine admission and evacuation are split out.)
 
-Decode worker: requests with a KV handle in, tokens out, one step at a time (schedule → execute → emit).
+Decode worker: requests with a KV handle in, tokens out; its step policy over the worker skeleton
+(worker_runtime/step_worker.py: the inbox, the step loop, the load, the output channels). Also the mixed
+role: a request sent without a KV handle is prefilled here.
 
 Lifecycle of a request on this worker, one line per queue:
     1. INBOX            submit() from any thread; taken by the loop at its next step
@@ -25,13 +27,16 @@ Lifecycle of a request on this worker, one line per queue:
     step that raised marked in_failed_step, unless the worker's own fault broke it:
     llm_engine/step_faults.py); later submissions raise WorkerFailed, and the gateway migrates the streams to
     another decode worker.
+Peers are the workers this one pulls KV from (every prefill worker, and every other decode or mixed worker
+where migration is possible): add_peer() learns one with its PeerClient, through which the worker itself
+carries pull requests and releases on the actor's event loop (captured at submit_to()).
 Only the step loop's thread touches the engine; the receiver is shared with the PullWatcher's thread under
-its lock; other threads use the inbox, and load() returns the snapshot the loop thread published after its
-last step.
+its lock; other threads use the inbox.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -40,20 +45,36 @@ from collections.abc import Callable
 from decode_pool.choice_groups import ChoiceGroups
 from decode_pool.engine_admission import EngineAdmission
 from decode_pool.entry import DecodeEntry, OutputCallback
-from decode_pool.evacuation import Evacuation
+from decode_pool.evacuation import Evacuated, Evacuation
 from decode_pool.messages import DecodeOutput, DecodeRequest, DecodeTimes
 from decode_pool.pull_queue import PullEnd, PullQueue
-from kv_transfer import KVHandle, KVReceiver, PeerInfo, PullReply, PullRequest, TransferState
+from kv_transfer import (
+    BackendName,
+    KVHandle,
+    KVReceiver,
+    PeerInfo,
+    PullReply,
+    PullRequest,
+    TransferConfig,
+    TransferRecord,
+    TransferState,
+    can_move_kv_between_decode_workers,
+    make_receiver,
+    make_sender,
+)
 from llm_engine.batch import ModelInput
-from llm_engine.engine import LLMEngine
+from llm_engine.engine import ForwardStep, LLMEngine
 from llm_engine.finish_reason import FinishReason
 from llm_engine.request import Request
+from llm_engine.scheduler import Scheduler
 from llm_engine.step_faults import is_worker_fault
-from worker_runtime.inbox import WorkerInbox
 from worker_runtime.kv_offers import KVOffers
 from worker_runtime.load import WorkerLoad
+from worker_runtime.output_channels import OutputChannels
+from worker_runtime.peer_client import PeerClient
 from worker_runtime.prefill_slicer import PrefillSlicer
 from worker_runtime.roles import Role
+from worker_runtime.step_worker import StepWorker
 
 logger = logging.getLogger(__name__)
 TRANSFER_POLL_S = 0.001  # the idle loop's poll while pulls run, when no PullWatcher thread wakes it
@@ -64,116 +85,103 @@ JOIN_WAIT_SHARE = 0.2
 WITHDRAWN_CLAIM_POLL_S = 0.05  # the idle loop's poll while only claims for withdrawn KV may still come
 
 
-class DecodeWorker:
+class DecodeWorker(StepWorker[DecodeRequest, DecodeOutput]):
+    role = Role.DECODE
+
     def __init__(self, worker_id: str, engine: LLMEngine, receiver: KVReceiver,
-                 deliver_pull: Callable[[PullRequest], None] | None = None,
-                 release_source: Callable[[KVHandle, str], None] | None = None,
-                 on_step_end: Callable[[], None] | None = None,
-                 wake: Callable[[], None] | None = None, migration: KVOffers | None = None) -> None:
+                 migration: KVOffers | None = None, outputs: OutputChannels | None = None,
+                 num_threads: int = 1) -> None:
         """Args:
-        deliver_pull: carries a PullRequest to its prefill worker (backends whose sender takes part);
-            the reply comes back through on_pull_reply().
-        release_source: tells a handle's prefill worker that nobody will pull it (with why), so that it
-            frees the blocks now. Called on the loop thread; must not block.
-        on_step_end: called on the loop thread after each step (and after fail()) has handed out its
-            outputs, so that a caller can send one message per step instead of one per request.
-        wake: wakes the step loop; given, a PullWatcher thread watches the pulls and wakes the loop when one
-            ends (start it with start_watching()); without it, pulls are polled at each step only.
-        migration: offers evacuated streams' KV to the worker that continues them; None: they are
-            recomputed there.
+        migration: offers evacuated streams' KV to the worker that continues them (the skeleton's offers);
+            None: they are recomputed there.
         """
-        self.worker_id = worker_id
-        self.engine = engine
         self.receiver = receiver
-        self.deliver_pull = deliver_pull
-        self.release_source = release_source
-        self.on_step_end = on_step_end or (lambda: None)
-        self.migration = migration
-        self._wake = wake or (lambda: None)
-        self._pulls = PullQueue(engine, receiver, self._wake, deliver_pull, f"pulls-{worker_id}")
-        # Commands from other threads, run by the loop thread at the start of its next step.
-        self._inbox: WorkerInbox[tuple[DecodeRequest, OutputCallback, float]] = WorkerInbox(
-            f"decode worker {worker_id}")
+        self._peers: dict[str, PeerClient | None] = {}  # id of a worker this one pulls from → its client
+        self._pulls = PullQueue(engine, receiver, self.wake, self._deliver_pull, f"pulls-{worker_id}")
         self._entries: dict[str, DecodeEntry] = {}
         self._groups = ChoiceGroups()  # requests with several choices, until their pull ends
         self._admission = EngineAdmission(engine, self._entries, self._groups)
-        self._evacuation = Evacuation(engine, self._entries, self._pulls, self._groups, migration,
-                                      self._finish, self._abort)
+        self._evacuation = Evacuation(engine, self._entries, self._pulls, self._groups, migration)
         self._in_step: tuple[str, ...] = ()  # the requests of the forward under way (suspects if it raises)
         config = engine.config
         self._slicer = PrefillSlicer(config.max_prefill_s_beside_decode, config.max_num_batched_tokens)
         self._last_step_s = 0.0  # the last forward's duration (bounds the wait for a pull at a step's start)
-        self._load = self._snapshot()
+        super().__init__(worker_id, engine, migration, outputs, num_threads)
+
+    @classmethod
+    def create(cls, worker_id: str, engine: LLMEngine, backend: BackendName, transfer_config: TransferConfig,
+               outputs: OutputChannels, watermark: float, num_threads: int = 1) -> DecodeWorker:
+        """The worker over `engine` (its scheduler becomes the decode scheduler, with the admission
+        `watermark`: its default lives in gateway/fleet/config.py), its KV receiver built and registered over
+        the transfer cache (and, where the backend can move KV between decode workers, a sender to offer
+        evacuated streams' KV), started."""
+        engine.use_scheduler(Scheduler, watermark)
+        # The transfer cache: the engine's own, or a tensor-parallel worker's whole-head staging cache; or,
+        # where the backend reads each rank's heads where they live, rank 0's own and the other ranks'.
+        receiver = make_receiver(backend, worker_id, engine.transfer_cache, config=transfer_config,
+                                 ranks=engine.rank_call)
+        migration = None
+        if can_move_kv_between_decode_workers(backend):
+            sender = make_sender(backend, worker_id, engine.transfer_cache, config=transfer_config,
+                                 ranks=engine.rank_call)
+            migration = KVOffers(sender, engine.kv, "migration", engine.export_blocks)
+        worker = cls(worker_id, engine, receiver, migration, outputs, num_threads)
+        worker.start()
+        return worker
+
+    def start(self) -> None:
+        """The step loop, the migration sender's poller, and the PullWatcher's thread (it wakes the loop when
+        a pull ends); a worker never started polls its pulls at each step."""
+        super().start()
+        self._pulls.start_watching()
+
+    def close(self) -> None:
+        super().close()
+        self._pulls.stop_watching()
+        self.receiver.close()
+
+    def transfer_records(self) -> list[TransferRecord]:
+        return self.receiver.recorder.records
 
     # Called from any thread.
-    def submit(self, request: DecodeRequest, on_output: OutputCallback) -> None:
-        """Queue a request; raises ValueError at once if it can never be served here."""
-        self.engine.check_request(request.prompt_token_ids, request.sampling)
-        queued = time.time()
-        on_output = self._settling(request, on_output)
-        self._inbox.submit(request.request_id, (request, on_output, queued),
-                           lambda: self._accept(request, on_output, queued),
-                           output_ids=request.output_request_ids)
+    def _output_ids(self, request: DecodeRequest) -> tuple[str, ...]:
+        return request.output_request_ids
 
-    def _settling(self, request: DecodeRequest, on_output: OutputCallback) -> OutputCallback:
-        """on_output, with each id settled in the inbox as its last output leaves (the request's own id with
-        the last of its choices'): from then on the worker holds nothing under it (a migrating stream's
-        blocks belong to its lease), and the id may come again."""
-        open_ids = set(request.output_request_ids)
-
-        def answer(output: DecodeOutput) -> None:
-            if output.finish_reason is not None:
-                open_ids.discard(output.request_id)
-                self._inbox.settle(output.request_id, *(() if open_ids else (request.request_id,)))
-            on_output(output)
-        return answer
-
-    def abort(self, request_id: str) -> None:
-        self._inbox.post(lambda: self._abort(request_id))
-
-    def start_watching(self) -> None:
-        """Watch pulls on a thread of their own (see the PullWatcher), and poll the migration sender on one
-        (worker_runtime/kv_offers.py); stop_watching() before closing."""
-        self._pulls.start_watching()
-        if self.migration is not None:
-            self.migration.start_polling(self._wake)
-
-    def stop_watching(self) -> None:
-        self._pulls.stop_watching()
+    def _is_final(self, output: DecodeOutput) -> bool:
+        return output.finish_reason is not None
 
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate", freeing its blocks (see the lifecycle)."""
-        self._inbox.post(self._evacuation.evacuate)
+        self._post(lambda: self._hand_back(self._evacuation.evacuate()))
 
     def move_out(self, request_ids: list[str]) -> None:
         """Hand these requests back (finish_reason "migrate"), as evacuate() does, for the gateway to continue
         on another worker: a running stream with its KV offered, a prompt not started yet as it came (the
         gateway routes it again). One mid-prefill, or whose KV cannot be offered (no migration sender),
         stays here."""
-        self._inbox.post(lambda: self._evacuation.move_out(request_ids))
+        self._post(lambda: self._hand_back(self._evacuation.move_out(request_ids)))
 
-    def release(self, transfer_id: int, why: str) -> None:
-        """Nobody will pull this migrating stream's KV: free its blocks now rather than at the lease's end."""
-        if self.migration is not None:
-            migration = self.migration
-            self._inbox.post(lambda: migration.release(transfer_id, why))
-
-    def add_peer(self, peer: PeerInfo) -> None:
-        """Learn a sender. A peer this worker can never pull from (another layout, another backend) is
-        refused here, in the caller (the fleet's wiring fails, not this worker); an error of the transfer
-        library while adding it is logged on the step thread and the peer stays unknown (pulls from it are
-        refused and recomputed): neither kills the step loop.
+    def add_peer(self, peer: PeerInfo, client: PeerClient | None = None) -> None:
+        """Learn a sender, and `client`, through which this worker tells it about handles nobody will pull
+        and carries pulls where the sender takes part (None: tests that wire in-process peers). A peer this
+        worker can never pull from (another layout, another backend) is refused here, in the caller (the
+        fleet's wiring fails, not this worker); an error of the transfer library while adding it is logged
+        on the step thread and the peer stays unknown (pulls from it are refused and recomputed): neither
+        kills the step loop.
 
         Raises:
             IncompatibleLayoutError, ValueError: as KVReceiver.check_peer.
         """
         self.receiver.check_peer(peer)
-        self._inbox.post(lambda: self._peer_command(f"adding peer {peer.worker_id}",
-                                                    lambda: self.receiver.add_peer(peer)))
+        self._peers[peer.worker_id] = client
+        self._post(lambda: self._peer_command(f"adding peer {peer.worker_id}",
+                                              lambda: self.receiver.add_peer(peer)))
 
     def remove_peer(self, worker_id: str) -> None:
-        self._inbox.post(lambda: self._peer_command(f"removing peer {worker_id}",
-                                                    lambda: self.receiver.remove_peer(worker_id)))
+        """A worker left its role or the deployment: forget its endpoint."""
+        self._peers.pop(worker_id, None)
+        self._post(lambda: self._peer_command(f"removing peer {worker_id}",
+                                              lambda: self.receiver.remove_peer(worker_id)))
 
     def _peer_command(self, what: str, call: Callable[[], None]) -> None:
         try:
@@ -182,16 +190,34 @@ class DecodeWorker:
             logger.exception("%s failed; the worker serves on without it", what)
 
     def on_pull_reply(self, reply: PullReply) -> None:
-        self._inbox.post(lambda: self._pulls.with_receiver(lambda: self.receiver.on_pull_reply(reply)))
+        self._post(lambda: self._pulls.with_receiver(lambda: self.receiver.on_pull_reply(reply)))
 
-    @property
-    def failure(self) -> str:
-        """Why the step loop died; empty while it serves."""
-        return self._inbox.failure
+    def release_source(self, handle: KVHandle, why: str) -> None:
+        """Tell a handle's sender that nobody will pull it, so that it frees the blocks now (loop thread; fire
+        and forget: if the sender is gone, so are its blocks)."""
+        client = self._peers.get(handle.source_worker_id)
+        if client is not None and self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(client.release_kv, handle.transfer_id, why)
 
-    def fail(self, error: BaseException) -> None:
-        """The step loop died: answer every request still here with an error (called on the loop thread)."""
-        arriving = self._inbox.fail(error)
+    def _deliver_pull(self, pull: PullRequest) -> None:
+        # On the watcher's or the loop's thread: hop to the actor's event loop to make the actor call.
+        assert self._event_loop is not None, "a pull comes after its request's submit_to()"
+        asyncio.run_coroutine_threadsafe(self._carry_pull(pull), self._event_loop)
+
+    async def _carry_pull(self, pull: PullRequest) -> None:
+        # Nobody reads this coroutine's future: the client turns a failed call into a refused reply (the
+        # prompt is recomputed now) rather than leaving the pull to wait for its deadline.
+        client = self._peers.get(pull.source_worker_id)
+        if client is None:
+            reply = PullReply(pull.source_worker_id, pull.transfer_id, is_accepted=False,
+                              reason="no client for the peer", send_seq=-1, num_blocks=0)
+        else:
+            reply = await client.accept_pull(pull)
+        self.on_pull_reply(reply)
+
+    # Called only from the step loop's thread.
+    def _fail_requests(self, error: BaseException,
+                       arriving: list[tuple[DecodeRequest, OutputCallback, float]]) -> None:
         now = time.time()
         message = f"decode worker failed: {self.failure}"
         for request, on_output, _ in arriving:
@@ -209,22 +235,10 @@ class DecodeWorker:
                 request_id, (), (), now, finish_reason=FinishReason.ERROR, error=message,
                 in_failed_step=is_suspect, failed_step_id=failed_step_id if is_suspect else "",
                 num_in_failed_step=len(suspects) if is_suspect else 0))
-        self._load = dataclasses.replace(self._load, failure=self.failure)
-        self.on_step_end()
 
-    # Called only from the step loop's thread.
-    def step(self) -> float | None:
-        """Inbox → admission → transfers → one forward → stream; returns the wait before the next step."""
-        try:
-            return self._step()
-        finally:
-            self.on_step_end()
-
-    def _step(self) -> float | None:
-        self._inbox.drain()
-        if self.migration is not None:
-            self.migration.poll()
-        num_started = self._pulls.admit(self._entries, self._on_pull_refused)
+    def _before_step(self) -> None:
+        """Admission → transfers: pulls started while blocks allow, ended pulls admitted to the engine."""
+        num_started = self._pulls.admit(self._on_pull_refused)
         if num_started and self._pulls.is_watching and self.engine.scheduler.running:
             # A pull takes milliseconds: wait for it (briefly) so that the request joins this step rather
             # than the next; a moved stream would otherwise miss one more of this worker's steps.
@@ -232,18 +246,17 @@ class DecodeWorker:
         for ended in self._pulls.take_ended():
             self._on_pull_end(ended)
         self.engine.scheduler.prefill_budget_beside_decode = self._slicer.budget()
-        forward = self.engine.forward_step(self._before_forward)
-        if forward is not None:
-            step = forward.record
-            if step is not None:
-                self._last_step_s = step.duration_ms / 1000
-                self._slicer.observe(step.duration_ms / 1000, step.num_prefill_tokens, step.num_decode_tokens)
-            for request in forward.advanced:
-                self._emit(request, forward.finished_at)
-            self._in_step = ()
-            self._load = self._snapshot()
-            return 0.0
-        self._load = self._snapshot()
+
+    def _after_forward(self, forward: ForwardStep) -> None:
+        step = forward.record
+        if step is not None:
+            self._last_step_s = step.duration_ms / 1000
+            self._slicer.observe(step.duration_ms / 1000, step.num_prefill_tokens, step.num_decode_tokens)
+        for request in forward.advanced:
+            self._emit(request, forward.finished_at)
+        self._in_step = ()
+
+    def _idle_wait(self) -> float | None:
         # Nothing to compute (idle, or every waiting request needs blocks): sleep until woken (a submission,
         # an abort, the end of a pull), since a pull's end is what frees or fills blocks; without a watcher
         # thread, poll the receiver while pulls run.
@@ -252,23 +265,16 @@ class DecodeWorker:
         if is_polling:
             return TRANSFER_POLL_S
         # A claim for withdrawn migration KV may still come: refuse it soon, whoever waits for it.
-        is_claimable = self.migration is not None and self.migration.expects_claims
+        is_claimable = self.offers is not None and self.offers.expects_claims
         return WITHDRAWN_CLAIM_POLL_S if is_claimable else None
 
     def _before_forward(self, batch: ModelInput) -> None:
-        # What the inbox just handed over is in no load report until this step ends: report it now, or a
-        # request taken in this step looks like nowhere (neither arriving nor held) for the step's length.
-        self._load = self._snapshot()
+        super()._before_forward(batch)
         self._in_step = tuple(chunk.request_id for chunk in batch.chunks)  # suspects if the forward raises
 
     @property
     def _num_offered(self) -> int:
-        return self.migration.num_outstanding if self.migration is not None else 0
-
-    def load(self) -> WorkerLoad:
-        """The loop thread's latest snapshot (never reads the scheduler from another thread)."""
-        load = self._load
-        return dataclasses.replace(load, num_requests=load.num_requests + self._inbox.num_arriving)
+        return self.offers.num_outstanding if self.offers is not None else 0
 
     def _snapshot(self) -> WorkerLoad:
         scheduler = self.engine.scheduler
@@ -303,7 +309,7 @@ class DecodeWorker:
             else:
                 self._admission.start_local(request.request_id)
         else:
-            self._pulls.add(request.request_id)
+            self._pulls.add(self._entries[request.request_id])
 
     def _on_pull_refused(self, request_id: str, why: str) -> None:
         self._on_pull_end(PullEnd(request_id, TransferState.FAILED, why, time.time()))
@@ -327,7 +333,7 @@ class DecodeWorker:
             self._admission.start_pulled(request_id, is_pulled=state is TransferState.DONE, reason=reason)
 
     def _release_unpulled(self, request: DecodeRequest, why: str) -> None:
-        if request.kv_handle is not None and self.release_source is not None:
+        if request.kv_handle is not None:
             self.release_source(request.kv_handle, why)
 
     def _emit(self, request: Request, now: float) -> None:
@@ -373,6 +379,17 @@ class DecodeWorker:
         else:
             self.engine.scheduler.abort(request_id)
         self._finish(request_id, reason, time.time())
+
+    def _hand_back(self, evacuated: Evacuated) -> None:
+        """End what the evacuation handed back with finish_reason "migrate": with its KV handle (offered
+        here, or its pull's, unused), or aborted (recomputed where it goes)."""
+        now = time.time()
+        migrate = FinishReason.MIGRATE
+        for request_id, handle in evacuated.handed_back:
+            self._finish(request_id, migrate, now,
+                         DecodeOutput(request_id, (), (), now, finish_reason=migrate, kv_handle=handle))
+        for request_id in evacuated.aborted:
+            self._abort(request_id, migrate)
 
     def _finish(self, request_id: str, reason: FinishReason, now: float, output: DecodeOutput | None = None,
                 error: str = "") -> None:

@@ -1,4 +1,4 @@
-"""(Over 300 lines: every remote method of the one actor class, each a thin call into its role.)
+"""(Over 300 lines: every remote method of the one actor class, each a thin call into its worker.)
 
 WorkerActor: the one Ray actor class every pool worker runs. It loads the model and sizes the KV cache
 once, then serves in a role (prefill, decode or mixed) and can change role without reloading anything.
@@ -7,17 +7,17 @@ Lifecycle:  WorkerActor(role): cheap, so that the gateway learns at once that Ra
     (placement(); the torch group's first rank also offers a free port on its node: free_port())
     → start(torch_group): the model is found on this node (ModelSource), the engine loads (weights + KV
     cache, once per process; a tensor-parallel worker starts its other ranks on this node first and loads
-    its slice: pool_worker/tp_ranks.py), the torch group (if any) is joined → the role's front is built
-    over it
-    (PrefillRole: sender + prefill scheduler; DecodeRole: receiver + decode scheduler)
+    its slice: pool_worker/tp_ranks.py), the torch group (if any) is joined → the role's worker is built
+    over it (worker_runtime/step_worker.py; PrefillWorker: sender + prefill scheduler; DecodeWorker:
+    receiver + decode scheduler). Each remote method is one call into the worker, which calls the engine.
     → serves (every role sends its outputs through output_stream(), one per gateway reader: prefill results,
       decode tokens; every
       role offers KV through peer_info()'s endpoint: prefill its prompts, decode and mixed their evacuated
       streams where the backend allows)
     → set_role(other):
-        decode ⇄ mixed: the same DecodeRole; only the label changes (the gateway routes differently);
+        decode ⇄ mixed: the same DecodeWorker; only the label changes (the gateway routes differently);
         prefill ⇄ decode/mixed: the worker must hold nothing (the gateway drained it, evacuating decode
-            streams to other workers); the old front closes (step loop stopped, transfer endpoint
+            streams to other workers); the old worker closes (step loop stopped, transfer endpoint
             deregistered), the new one is built over the same engine: free blocks and their cached
             prefixes stay, the model is not touched
     → shutdown().
@@ -40,7 +40,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 
 from decode_pool.messages import DecodeRequest
-from decode_pool.role import DecodeRole
+from decode_pool.worker import DecodeWorker
 from kv_transfer import (
     BackendName,
     PeerInfo,
@@ -59,7 +59,7 @@ from pool_worker.api import StillHoldsWork, WrongRole
 from pool_worker.submissions import compile_grammars, is_final, submit_each
 from pool_worker.tp_ranks import TPRanks
 from prefill_pool.messages import PrefillRequest
-from prefill_pool.role import PrefillRole
+from prefill_pool.worker import PrefillWorker
 from worker_runtime.aborted import AbortedIds
 from worker_runtime.info import WorkerInfo, WorkerPlacement, WorkerRuntime, WorkerStanding
 from worker_runtime.keeper_watch import KeeperWatch
@@ -102,7 +102,7 @@ class WorkerActor:
         self.role = Role(role)  # likewise
         self._placement = WorkerPlacement(ray.get_runtime_context().get_node_id(),
                                           ray.util.get_node_ip_address(), os.getpid())
-        self._front: PrefillRole | DecodeRole | None = None  # built by start()
+        self._worker: PrefillWorker | DecodeWorker | None = None  # built by start()
         self._cpu_slot: int | None = None
         self._keeper = KeeperWatch(keeper).start() if keeper else None
         self._tp_ranks: TPRanks | None = None  # ranks 1.. of a tensor-parallel worker (start() makes them)
@@ -139,7 +139,7 @@ class WorkerActor:
             self.engine = self._start_tp_group(config)
         else:
             self.engine = LLMEngine(config)
-        self._front = self._build_front(self.role)
+        self._worker = self._build_worker(self.role)
         freeze_startup_heap()  # a full collection over the model's heap would stall the step loop
         return self.info()
 
@@ -166,17 +166,17 @@ class WorkerActor:
             raise
         return engine
 
-    def _build_front(self, role: Role) -> PrefillRole | DecodeRole:
+    def _build_worker(self, role: Role) -> PrefillWorker | DecodeWorker:
         if role is Role.PREFILL:
-            return PrefillRole(self.worker_id, self.engine, self._backend, self._transfer_config,
-                               self._outputs, self._num_threads)
-        return DecodeRole(self.worker_id, self.engine, self._backend, self._transfer_config, self._outputs,
-                          self._watermark, self._num_threads)
+            return PrefillWorker.create(self.worker_id, self.engine, self._backend, self._transfer_config,
+                                        self._outputs, self._num_threads)
+        return DecodeWorker.create(self.worker_id, self.engine, self._backend, self._transfer_config,
+                                   self._outputs, self._watermark, self._num_threads)
 
     @property
-    def worker(self) -> Any:
-        """The current role's worker (PrefillWorker or DecodeWorker); tests reach the engine through it."""
-        return self._started().worker
+    def worker(self) -> PrefillWorker | DecodeWorker:
+        """The current role's worker; tests reach the engine through it."""
+        return self._started()
 
     def info(self) -> WorkerInfo:
         actor_id = ray.get_runtime_context().get_actor_id() or ""
@@ -185,7 +185,7 @@ class WorkerActor:
 
     def standing(self) -> WorkerStanding:
         """Who and where this worker is and whether it serves: for a restarted fleet actor to adopt it."""
-        return WorkerStanding(self.info(), self._placement, self._cpu_slot, self._front is not None)
+        return WorkerStanding(self.info(), self._placement, self._cpu_slot, self._worker is not None)
 
     def _runtime(self) -> WorkerRuntime | None:
         engine: LLMEngine | None = getattr(self, "engine", None)
@@ -208,7 +208,7 @@ class WorkerActor:
                     f"{self.engine.block_pool.num_used_blocks} KV blocks; drain it before it changes role"
                 )
             self._started().close()
-            self._front = self._build_front(new)
+            self._worker = self._build_worker(new)
             self.role = new
         self._num_role_changes += 1
         return self.info()
@@ -222,10 +222,10 @@ class WorkerActor:
     def load(self) -> WorkerLoad:
         """The worker's latest load (`failure` is set once its step loop has died), with how long its
         running step has run (answered here, on the actor's loop: a hung step cannot stop it)."""
-        front = self._started()
+        worker = self._started()
         compilation = self.engine.compilation
-        return replace(front.load(), role=self.role, step_running_s=front.loop.running_s(),
-                       longest_step_s=front.loop.longest_step_s,
+        return replace(worker.load(), role=self.role, step_running_s=worker.loop.running_s(),
+                       longest_step_s=worker.loop.longest_step_s,
                        step_tokens=self._step_tokens(), compile=compilation.mode,
                        compile_reason=f"{compilation.body} body: {compilation.reason}")
 
@@ -247,8 +247,8 @@ class WorkerActor:
     def shutdown(self) -> None:
         if self._keeper is not None:
             self._keeper.stop()
-        if self._front is not None:
-            self._front.close()
+        if self._worker is not None:
+            self._worker.close()
         if self._tp_ranks is not None:
             self.engine.stop_followers()
             self._tp_ranks.kill()
@@ -273,7 +273,7 @@ class WorkerActor:
         raised for the whole batch."""
         prefill = self._prefill()
         refused = await compile_grammars(self.engine.runner.grammar_mask.cache, requests)
-        return submit_each(requests, lambda request: prefill.submit(request, channel_id), self._aborted,
+        return submit_each(requests, lambda request: prefill.submit_to(request, channel_id), self._aborted,
                            refused)
 
     def accept_pull(self, pull: PullRequest) -> PullReply:
@@ -286,14 +286,14 @@ class WorkerActor:
         decode = self._decode()
         if not self._is_newest_wiring(peer.worker_id, generation):
             return
-        await decode.add_peer(peer, PeerClient(peer.worker_id, actor) if actor is not None else None)
+        decode.add_peer(peer, PeerClient(peer.worker_id, actor) if actor is not None else None)
 
     def remove_peer(self, worker_id: str, generation: int = 0) -> None:
         """Forget a worker's endpoint, unless a later wiring of it has been applied already."""
         if not self._is_newest_wiring(worker_id, generation):
             return
-        if isinstance(self._front, DecodeRole):  # a prefill worker knows no peers: nothing to forget
-            self._front.remove_peer(worker_id)
+        if isinstance(self._worker, DecodeWorker):  # a prefill worker knows no peers: nothing to forget
+            self._worker.remove_peer(worker_id)
 
     def _is_newest_wiring(self, worker_id: str, generation: int) -> bool:
         if generation and generation <= self._peer_generations.get(worker_id, 0):
@@ -320,31 +320,31 @@ class WorkerActor:
         whole batch."""
         decode = self._decode()
         refused = await compile_grammars(self.engine.runner.grammar_mask.cache, requests)
-        return submit_each(requests, lambda request: decode.submit(request, channel_id), self._aborted,
+        return submit_each(requests, lambda request: decode.submit_to(request, channel_id), self._aborted,
                            refused)
 
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate": the gateway continues them elsewhere."""
-        if isinstance(self._front, DecodeRole):
-            self._front.evacuate()
+        if isinstance(self._worker, DecodeWorker):
+            self._worker.evacuate()
 
     def move_out(self, request_ids: list[str]) -> None:
         """Hand these running streams back with their KV offered (finish_reason "migrate"), for the gateway
         to continue elsewhere: it clears this worker for a long prompt. Streams whose KV cannot move stay."""
-        if isinstance(self._front, DecodeRole):
-            self._front.move_out(request_ids)
+        if isinstance(self._worker, DecodeWorker):
+            self._worker.move_out(request_ids)
 
-    def _started(self) -> PrefillRole | DecodeRole:
-        if self._front is None:
+    def _started(self) -> PrefillWorker | DecodeWorker:
+        if self._worker is None:
             raise RuntimeError(f"{self.worker_id} has not started (start() loads the model)")
-        return self._front
+        return self._worker
 
-    def _prefill(self) -> PrefillRole:
-        if not isinstance(self._front, PrefillRole):
+    def _prefill(self) -> PrefillWorker:
+        if not isinstance(self._worker, PrefillWorker):
             raise WrongRole(f"{self.worker_id} serves as {self.role.value}, not prefill")
-        return self._front
+        return self._worker
 
-    def _decode(self) -> DecodeRole:
-        if not isinstance(self._front, DecodeRole):
+    def _decode(self) -> DecodeWorker:
+        if not isinstance(self._worker, DecodeWorker):
             raise WrongRole(f"{self.worker_id} serves as prefill, not decode or mixed")
-        return self._front
+        return self._worker

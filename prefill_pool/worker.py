@@ -1,4 +1,5 @@
-"""Prefill worker: prompts in, first tokens and KV handles out.
+"""Prefill worker: prompts in, first tokens and KV handles out. Its step policy over the worker skeleton
+(worker_runtime/step_worker.py: the inbox, the step loop, the load, the output channels).
 
 Lifecycle of a request on this worker:
     submit() → INBOX → WAITING → RUNNING (chunks) → PREFILLED: first token sampled
@@ -6,14 +7,13 @@ Lifecycle of a request on this worker:
       → RELEASED (pulled, or lease expired) → blocks freed.
     A request whose first token ends it (EOS, stop token, max_tokens 1) is freed at once, with no handle.
     abort() works in every state; an OFFERED request's lease is withdrawn (unless a pull has claimed it).
-    release(transfer_id) ends an OFFERED request's lease at once when nobody will pull it (the decode side's
-    pull failed or was aborted, or the client left): the lease itself is only the last resort.
-    The leases are KVOffers' (worker_runtime/kv_offers.py), as a decode worker's handed-back streams are.
+    release_kv(transfer_id) ends an OFFERED request's lease at once when nobody will pull it (the decode
+    side's pull failed or was aborted, or the client left): the lease itself is only the last resort.
+    The leases are KVOffers' (worker_runtime/kv_offers.py), as a decode worker's handed-back streams are;
+    their own thread polls the sender, so that a pull is answered while a forward runs.
     fail() (the step loop died) ends every request still here with finish_reason "error"; later submissions
     raise WorkerFailed.
-Only the step loop's thread touches the engine; submit(), abort() and release() go through a thread-safe
-inbox. load() returns the snapshot the loop thread published after its last step. Its step is the engine's
-forward_step() between the inbox and the offers.
+Only the step loop's thread touches the engine; other threads go through the inbox.
 """
 
 from __future__ import annotations
@@ -23,18 +23,19 @@ import logging
 import time
 from collections.abc import Callable
 
-from kv_transfer import KVHandle, KVSender, PullReply, PullRequest
+from kv_transfer import BackendName, KVHandle, KVSender, TransferConfig, TransferRecord, make_sender
 from llm_engine.batch import ModelInput
 from llm_engine.choices import FirstToken
-from llm_engine.engine import LLMEngine
+from llm_engine.engine import ForwardStep, LLMEngine
 from llm_engine.finish_reason import FinishReason
 from llm_engine.request import Request, RequestStatus
 from prefill_pool.messages import PrefillRequest, PrefillResult, PrefillTimes
 from prefill_pool.scheduler import PrefillScheduler
-from worker_runtime.inbox import WorkerInbox
 from worker_runtime.kv_offers import POLL_S, KVOffers
 from worker_runtime.load import WorkerLoad
+from worker_runtime.output_channels import OutputChannels
 from worker_runtime.roles import Role
+from worker_runtime.step_worker import StepWorker
 
 logger = logging.getLogger(__name__)
 ResultCallback = Callable[[PrefillResult], None]
@@ -48,72 +49,60 @@ class _Pending:
     started: float = 0.0
 
 
-class PrefillWorker:
-    def __init__(self, worker_id: str, engine: LLMEngine, sender: KVSender) -> None:
-        """The offers' sender is polled by the loop between forwards; offers.start_polling() polls it on a
-        thread of its own as well (the role does), so that a pull is answered while a forward runs."""
+class PrefillWorker(StepWorker[PrefillRequest, PrefillResult]):
+    role = Role.PREFILL
+    offers: KVOffers  # its prompts' (a prefill worker always offers)
+
+    def __init__(self, worker_id: str, engine: LLMEngine, sender: KVSender,
+                 outputs: OutputChannels | None = None, num_threads: int = 1) -> None:
+        """The offers' sender is polled by the loop between forwards, and by a thread of its own once
+        start()ed."""
         if not isinstance(engine.scheduler, PrefillScheduler):
             raise TypeError("a prefill worker's engine must use PrefillScheduler")
-        self.worker_id = worker_id
-        self.engine = engine
-        self.offers = KVOffers(sender, engine.kv, "prefill", engine.export_blocks)
-        # Commands from other threads, run by the loop thread at the start of its next step.
-        self._inbox: WorkerInbox[tuple[PrefillRequest, ResultCallback, float]] = WorkerInbox(
-            f"prefill worker {worker_id}")
         self._pending: dict[str, _Pending] = {}
-        self._load = self._snapshot()
+        super().__init__(worker_id, engine, KVOffers(sender, engine.kv, "prefill", engine.export_blocks),
+                         outputs, num_threads)
+
+    @classmethod
+    def create(cls, worker_id: str, engine: LLMEngine, backend: BackendName, transfer_config: TransferConfig,
+               outputs: OutputChannels, num_threads: int = 1) -> PrefillWorker:
+        """The worker over `engine` (its scheduler becomes PrefillScheduler), its KV sender built and
+        registered over the transfer cache (the engine's own, or a tensor-parallel worker's whole-head
+        staging cache), started."""
+        engine.use_scheduler(PrefillScheduler)
+        sender = make_sender(backend, worker_id, engine.transfer_cache, config=transfer_config,
+                             ranks=engine.rank_call)
+        worker = cls(worker_id, engine, sender, outputs, num_threads)
+        worker.start()
+        return worker
 
     @property
     def sender(self) -> KVSender:
         return self.offers.sender
 
-    # Called from any thread.
-    def submit(self, request: PrefillRequest, on_result: ResultCallback) -> None:
-        """Queue a prompt; raises ValueError at once if it can never be served here."""
-        self.engine.check_request(request.prompt_token_ids, request.sampling)
-        queued = time.time()
+    def transfer_records(self) -> list[TransferRecord]:
+        return self.sender.recorder.records
 
-        def answer(result: PrefillResult) -> None:  # a prompt's result is its last word: its id is free
-            self._inbox.settle(request.request_id)
-            on_result(result)
-        self._inbox.submit(request.request_id, (request, answer, queued),
-                           lambda: self._start(request, answer, queued), len(request.prompt_token_ids))
+    def _num_queued_tokens(self, request: PrefillRequest) -> int:
+        return len(request.prompt_token_ids)
 
-    def abort(self, request_id: str) -> None:
-        self._inbox.post(lambda: self._abort(request_id))
+    def _is_final(self, output: PrefillResult) -> bool:
+        return True  # a prompt's result is its only output here
 
-    def release(self, transfer_id: int, why: str) -> None:
-        """Nobody will pull this transfer: free its blocks now instead of when its lease ends."""
-        self._inbox.post(lambda: self.offers.release(transfer_id, why))
-
-    @property
-    def failure(self) -> str:
-        """Why the step loop died; empty while it serves."""
-        return self._inbox.failure
-
-    def fail(self, error: BaseException) -> None:
-        """The step loop died: answer every request still here with an error (called on the loop thread)."""
-        arriving = self._inbox.fail(error)
+    def _fail_requests(self, error: BaseException,
+                       arriving: list[tuple[PrefillRequest, ResultCallback, float]]) -> None:
         now = time.time()
         answers = [(p.request, p.on_result, p.queued) for p in self._pending.values()] + arriving
         self._pending.clear()
         for request, on_result, queued in answers:
             result = self._result(request.request_id, -1, None, FinishReason.ERROR, None, 0, queued, now)
             on_result(dataclasses.replace(result, error=f"prefill worker failed: {self.failure}"))
-        self._load = dataclasses.replace(self._load, failure=self.failure)
 
-    # Called only from the step loop's thread (and accept_pull, load: from any thread, as marked).
-    def step(self) -> float | None:
-        """Run the inbox, free pulled/expired leases, run one forward; returns the wait before the next."""
-        self._inbox.drain()
-        self.offers.poll()
-        forward = self.engine.forward_step(self._before_forward)
-        if forward is not None:
-            for request in forward.advanced:
-                self._finish_prefill(request)
-            self._load = self._snapshot()
-            return 0.0
-        self._load = self._snapshot()
+    def _after_forward(self, forward: ForwardStep) -> None:
+        for request in forward.advanced:
+            self._finish_prefill(request)
+
+    def _idle_wait(self) -> float | None:
         # Nothing to compute (idle, or every waiting prompt needs blocks that leases hold): sleep until woken,
         # polling the sender while leases are out (unless a thread does), since their end frees blocks here.
         return POLL_S if self.offers.num_outstanding and not self.offers.is_polled else None
@@ -123,18 +112,7 @@ class PrefillWorker:
         for chunk in batch.chunks:
             pending = self._pending[chunk.request_id]
             pending.started = pending.started or now
-        self._load = self._snapshot()  # the requests just taken from the inbox, for the step's length
-
-    def accept_pull(self, pull: PullRequest) -> PullReply:
-        """For backends whose sender takes part (torch): post the send leg of a pull (any thread)."""
-        return self.offers.accept_pull(pull)
-
-    def load(self) -> WorkerLoad:
-        """The loop thread's latest snapshot, plus prompt tokens still in the inbox (any thread)."""
-        load = self._load
-        queued = load.num_queued_prompt_tokens + self._inbox.num_tokens
-        return dataclasses.replace(load, num_queued_prompt_tokens=queued,
-                                   num_requests=load.num_requests + self._inbox.num_arriving)
+        super()._before_forward(batch)
 
     def _snapshot(self) -> WorkerLoad:
         scheduler = self.engine.scheduler
@@ -148,7 +126,7 @@ class PrefillWorker:
             failure=self.failure, num_requests=len(self._pending) + self.offers.num_outstanding,
         )
 
-    def _start(self, request: PrefillRequest, on_result: ResultCallback, queued: float) -> None:
+    def _accept(self, request: PrefillRequest, on_result: ResultCallback, queued: float) -> None:
         self._inbox.take(request.request_id)
         # The engine generates exactly one token here; the request's own max_tokens is judged in _finish.
         one_token = dataclasses.replace(request.sampling, max_tokens=1)

@@ -22,11 +22,11 @@ FRONTEND_MODULES = (
     "prefill_pool.messages", "decode_pool.messages", "kv_transfer.messages", "worker_runtime.load",
     "worker_runtime.info", "pool_worker.api", "llm_engine.params", "llm_engine.finish_reason",
 )
-# Never in a frontend: torch, the engine and its kernels, the worker actor and the roles it runs.
+# Never in a frontend: torch, the engine and its kernels, the worker actor and the workers it runs.
 FORBIDDEN = (
     "torch", "llm_engine.engine", "llm_engine.model_runner", "llm_engine.model_loader",
-    "llm_engine.custom_ops", "llm_engine.tensor_parallel", "pool_worker.actor", "prefill_pool.role",
-    "decode_pool.role",
+    "llm_engine.custom_ops", "llm_engine.tensor_parallel", "pool_worker.actor", "prefill_pool.worker",
+    "decode_pool.worker", "worker_runtime.step_worker",
 )
 
 PROBE = """

@@ -87,7 +87,7 @@ def test_a_moved_streams_kv_is_freed_at_once_when_the_worker_it_was_handed_to_di
 
 
 def known_peers(actor: Any) -> list[str]:
-    return sorted(actor._front._peers)
+    return sorted(actor.worker._peers)
 
 
 def test_role_changes_keep_the_output_stream_and_leaving_cancels_it(tiny_llama_dir: Path) -> None:

@@ -91,7 +91,7 @@ def test_a_stream_evacuated_between_two_rank_workers_continues_from_its_pulled_k
 
 
 def _sent_records(actor: object) -> list[object]:
-    migration = actor._front.worker.migration  # type: ignore[attr-defined]
+    migration = actor.worker.offers  # type: ignore[attr-defined]
     return list(migration.sender.recorder.records)
 
 

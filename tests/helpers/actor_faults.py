@@ -109,14 +109,14 @@ def stall_pulls(actor: Any) -> None:
 def _kv_sender(actor: Any) -> Any:
     """The worker's KV sender: a prefill worker's own, a decode or mixed worker's migration sender (None:
     it has none)."""
-    offers = getattr(actor.worker, "offers", None) or getattr(actor.worker, "migration", None)
+    offers = actor.worker.offers
     return getattr(offers, "sender", None)
 
 
 def lose_releases_and_shorten_leases(actor: Any) -> None:
     import dataclasses
 
-    actor.worker.release = lambda transfer_id, why: None  # explicit releases never arrive
+    actor.worker.release_kv = lambda transfer_id, why: None  # explicit releases never arrive
     sender = _kv_sender(actor)
     if sender is None:
         raise ValueError("this worker sends no KV: no lease to shorten")
@@ -138,7 +138,7 @@ def hang_loads(actor: Any, seconds: float) -> None:
 def heal(actor: Any) -> None:
     release_steps(actor)
     actor.worker.engine.runner.__dict__.pop("execute", None)
-    actor.worker.__dict__.pop("release", None)
+    actor.worker.__dict__.pop("release_kv", None)
     actor.worker.__dict__.pop("load", None)
     actor.worker.__dict__.pop("accept_pull", None)
     sender = _kv_sender(actor)

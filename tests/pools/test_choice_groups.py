@@ -52,7 +52,7 @@ def decoded(prefill: PrefillWorker, decode: DecodeWorker, prompt: list[int], sam
             break
     assert result.kv_handle is not None
     # As the gateway does at the request's end (ChoicesRun): a pulled lease is left alone, an unpulled freed.
-    prefill.release(result.kv_handle.transfer_id, "the request ended")
+    prefill.release_kv(result.kv_handle.transfer_id, "the request ended")
     for _ in range(3):
         prefill.step()  # the sender sees the pull (or the release) and frees the prompt's blocks
     assert prefill.engine.block_pool.is_whole() and decode.engine.block_pool.is_whole()

@@ -112,7 +112,7 @@ def test_abort_while_the_claim_waits_frees_the_decode_blocks_without_the_sender(
 
     assert outputs[-1].finish_reason == "abort"
     assert decode.engine.block_pool.is_whole()
-    prefill.release(result.kv_handle.transfer_id, "the client left")  # what the gateway sends
+    prefill.release_kv(result.kv_handle.transfer_id, "the client left")  # what the gateway sends
     for _ in range(1000):
         prefill.step()
         if prefill.engine.block_pool.is_whole():

@@ -25,7 +25,8 @@ _names = itertools.count()
 
 
 def make_decode_worker(model_dir: Path, name: str) -> DecodeWorker:
-    """A decode worker as DecodeRole builds it with nixl: receiver and migration sender over one KV cache."""
+    """A decode worker as DecodeWorker.create builds it with nixl: receiver and migration sender over one KV
+    cache."""
     engine = LLMEngine(EngineConfig(str(model_dir), dtype="float32", kv_cache_bytes=8 << 20), watermark=0.05)
     config = TransferConfig(lease_s=30.0)
     kv_cache = engine.runner.kv_cache
@@ -60,9 +61,9 @@ def step_until(workers: list[DecodeWorker], done: Callable[[], bool], timeout_s:
 def pair(model_dir: Path) -> tuple[DecodeWorker, DecodeWorker]:
     n = next(_names)
     first, second = make_decode_worker(model_dir, f"dA{n}"), make_decode_worker(model_dir, f"dB{n}")
-    assert first.migration is not None and second.migration is not None
-    second.add_peer(first.migration.peer_info())
-    first.add_peer(second.migration.peer_info())
+    assert first.offers is not None and second.offers is not None
+    second.add_peer(first.offers.peer_info())
+    first.add_peer(second.offers.peer_info())
     return first, second
 
 
@@ -111,7 +112,7 @@ def test_a_refused_migration_is_recomputed_and_frees_the_source(tiny_llama_dir: 
 
     moved = Outputs()
     moved.tokens["r"] = list(seen.tokens["r"])
-    stranger.release_source = lambda h, why: first.release(h.transfer_id, why)
+    stranger.release_source = lambda h, why: first.release_kv(h.transfer_id, why)
     stranger.submit(DecodeRequest("r", tuple(prompt), GREEDY, generated_token_ids=tuple(seen.tokens["r"]),
                                   kv_handle=handle), moved)
     step_until([first, stranger], lambda: "r" in moved.final and first.load().num_requests == 0)
@@ -127,8 +128,8 @@ def test_a_stream_moved_out_is_pulled_while_its_source_does_not_step(tiny_llama_
     match transformers."""
     prompts = random_prompts([20, 45], 1000, seed=11)
     first, second = pair(tiny_llama_dir)
-    assert first.migration is not None
-    first.migration.start_polling(lambda: None)
+    assert first.offers is not None
+    first.offers.start_polling(lambda: None)
     seen = Outputs()
     for index, prompt in enumerate(prompts):
         first.submit(DecodeRequest(f"r{index}", tuple(prompt), GREEDY), seen)
@@ -151,7 +152,7 @@ def test_a_stream_moved_out_is_pulled_while_its_source_does_not_step(tiny_llama_
     step_until([first], lambda: "r1" in seen.final and first.load().num_requests == 0)
     expected = hf_greedy(tiny_llama_dir, prompts, GREEDY.max_tokens)
     assert [moved.tokens["r0"], seen.tokens["r1"]] == expected
-    first.migration.close()
+    first.offers.close()
     assert first.engine.block_pool.is_whole() and second.engine.block_pool.is_whole()
 
 
@@ -172,7 +173,7 @@ def test_a_stream_handed_back_to_the_worker_still_leasing_its_kv_continues(tiny_
 
     back = Outputs()
     back.tokens["r"] = list(seen.tokens["r"])
-    first.release_source = lambda h, why: first.release(h.transfer_id, why)
+    first.release_source = lambda h, why: first.release_kv(h.transfer_id, why)
     first.submit(DecodeRequest("r", tuple(prompt), GREEDY, generated_token_ids=tuple(seen.tokens["r"]),
                                kv_handle=handle), back)
     step_until([first], lambda: "r" in back.final and first.load().num_requests == 0)

@@ -94,7 +94,7 @@ def test_decode_step_loop_that_dies_answers_every_request_and_releases_unpulled_
 def test_handles_nobody_will_pull_are_released_at_once(tiny_llama_dir: Path) -> None:
     # Decode KV for one prompt only: the second request waits for blocks, then is aborted there.
     prefill, decode = make_pair(tiny_llama_dir, decode_blocks=6, lease_s=3600)
-    decode.release_source = lambda handle, why: prefill.release(handle.transfer_id, why)
+    decode.release_source = lambda handle, why: prefill.release_kv(handle.transfer_id, why)
     prompts = random_prompts([60, 60], 1000)
     results = prefill_all(prefill, prompts)
     outputs: list[DecodeOutput] = []
@@ -112,7 +112,7 @@ def test_handles_nobody_will_pull_are_released_at_once(tiny_llama_dir: Path) -> 
 
 def test_failed_pull_is_recomputed_and_its_source_released(tiny_llama_dir: Path) -> None:
     prefill, decode = make_pair(tiny_llama_dir, lease_s=3600)
-    decode.release_source = lambda handle, why: prefill.release(handle.transfer_id, why)
+    decode.release_source = lambda handle, why: prefill.release_kv(handle.transfer_id, why)
     decode.receiver._start = lambda pull, peer: pull.fail("injected: dropped")  # type: ignore[method-assign]
     [prompt] = random_prompts([40], 1000)
     [result] = prefill_all(prefill, [prompt])
@@ -178,7 +178,7 @@ def test_blocked_prefill_worker_sleeps_and_does_not_rehash(tiny_llama_dir: Path)
     assert calls["schedule"] == 1  # and looks at the blocked prompt once, not every poll
     handle = results[0].kv_handle
     assert isinstance(handle, KVHandle)
-    prefill.release(handle.transfer_id, "test: nobody will pull")
+    prefill.release_kv(handle.transfer_id, "test: nobody will pull")
     while len(results) < 2:
         prefill.step()
     assert results[1].request_id == "b" and results[1].finish_reason is None
@@ -254,8 +254,8 @@ def test_a_prompt_resubmitted_while_its_kv_is_offered_is_prefilled_again(tiny_ll
     again = prefill_all(prefill, [prompt])[0]
     assert not prefill.failure and again.kv_handle is not None
     assert again.first_token_id == first.first_token_id
-    prefill.release(first.kv_handle.transfer_id, "test")
-    prefill.release(again.kv_handle.transfer_id, "test")
+    prefill.release_kv(first.kv_handle.transfer_id, "test")
+    prefill.release_kv(again.kv_handle.transfer_id, "test")
     prefill.step()
     assert prefill.engine.block_pool.is_whole() and decode.engine.block_pool.is_whole()
 

@@ -19,7 +19,7 @@ import ray
 
 def _on_step_thread(actor: Any, command: Any) -> None:
     actor.worker._inbox.post(command)
-    actor._front.loop.wake()
+    actor.worker.wake()
 
 
 def stall_new_pulls(actor: Any, seconds: float) -> int:
