@@ -219,7 +219,7 @@ def test_requests_whose_streams_the_fleet_closed_start_again_as_new_attempts(
     attempt (an id of its own), never refused as "aborted before it arrived": both end with the reference
     tokens, and no worker is replaced."""
     _, app = fault_server
-    gateway_id = app.state.service.fleet.gateway_id
+    gateway_id = app.state.service.fleet.table.gateway_id
     [prefill] = active_workers(client, "prefill")
     decodes = active_workers(client, "decode")
     for decode in decodes:
