@@ -232,8 +232,9 @@ class ServeConfig(BaseSettings):
         False, description="serve no /openapi.json, /docs or /redoc (--no-disable-fastapi-docs: serve them)")
     api_server_count: int = Field(
         1, ge=1, le=64,
-        description="HTTP frontend processes on that port, sharing one fleet of workers (in a named Ray "
-                    "actor); one that dies is restarted (1: the whole gateway in one process)")
+        description="HTTP frontends on that port, sharing one fleet of workers (in a named Ray actor): 1 "
+                    "serves in the gateway's own process; more are processes of their own, one that dies "
+                    "is restarted")
     fleet_name: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
         description="keep the workers in a detached Ray actor of this name that outlives the gateway "

@@ -1,9 +1,9 @@
-"""FleetView: what the request path needs of the fleet, whoever owns it.
+"""FleetView: what the request path needs of the fleet.
 
-Two things provide it: the fleet's owner itself (PDDeployment, in a gateway that runs one HTTP process) and a
-frontend's mirror of a fleet owned elsewhere (gateway/control/remote_fleet.py: one of several HTTP processes,
-the fleet in a named Ray actor). The router and the orchestrator read workers and states through it and
-report failures to it; they never change a worker's state themselves.
+A frontend's mirror of the fleet that the fleet actor owns provides it (gateway/control/remote_fleet.py). The
+router and the orchestrator read workers and states through it and report failures to it; they never change
+a worker's state themselves. The service tells it of prompts, finished requests and arrivals: the fleet's
+controller and planners read them.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from gateway.fleet.workers import PoolHealth, Worker
+from gateway.telemetry.timings import Timings
+from gateway.telemetry.traffic import TrafficNote
 from worker_runtime.roles import Role
 
 
@@ -34,7 +36,18 @@ class FleetView(Protocol):
         ...
 
     def mark_failed(self, worker_id: str, why: str) -> None:
-        """A call to the worker failed: take it out of routing now (the owner replaces it)."""
+        """A call to the worker failed: take it out of routing now (the fleet probes it, and replaces it if
+        the probe confirms the failure)."""
         ...
 
     def health(self) -> PoolHealth: ...
+
+    def note_prompt(self, num_tokens: int) -> None:
+        """A prompt was routed, or a decode worker started prefilling one itself."""
+        ...
+
+    def note_finished(self, timings: Timings) -> None: ...
+
+    def note_traffic(self, note: TrafficNote) -> None:
+        """A request arrived (note.num_output None) or finished."""
+        ...
