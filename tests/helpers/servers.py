@@ -101,6 +101,18 @@ def serving(config: ServeConfig, send_buffer_bytes: int | None = None,
         wait_for_ray_cpus()
 
 
+def fleet_output(app: FastAPI) -> str:
+    """What the server's fleet actor printed (its workers' bring-up lines, their KV): the tests' Ray does not
+    forward a worker's output to the driver, so it is read from Ray's log of the actor's process."""
+    import os
+
+    import ray
+
+    pid = ray.get(app.state.control.handle.__ray_call__.remote(lambda _: os.getpid()))
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    return "".join(path.read_text() for path in sorted(logs.glob(f"worker-*-{pid}.out")))
+
+
 def wait_for_ray_cpus(timeout_s: float = 60.0) -> None:
     """Until every CPU of the local Ray is free again (its workers' actors are reaped a little after)."""
     import ray
