@@ -14,7 +14,7 @@ RemoteFleet is the FleetView the frontend's request path runs on:
               frontend's own WorkerClient (its own output stream and submissions, under this frontend's
               gateway id); one gone from it is closed and forgotten (on_remove); a role change is
               on_remove too (the router forgets its prefix-cache beliefs); the router takes the
-              snapshot's local-prefill policy; on_change when the active set moved
+              snapshot's local-prefill policy
       report: twice a second, this frontend's routers' counts, its admission book and its finished
               requests' timings (the fleet's controller reads them); the answer is this frontend's admission
               share until the next report (the admission's capacity)
@@ -72,7 +72,6 @@ class RemoteFleet:
         self._view_failing_since: float | None = None  # the follow loop's view calls fail (since when)
         self._heartbeat: threading.Thread | None = None
         self.workers: dict[str, Worker] = {}
-        self.on_change: list[Callable[[], None]] = []
         self.on_remove: list[Callable[[str], None]] = []
         self._router: Router | None = None  # set by start(): its policy follows the fleet's
         self._admission: Admission | None = None  # set by start(): its book goes in every report
@@ -107,7 +106,6 @@ class RemoteFleet:
         """Report `router`'s counts and `admission`'s book, set its capacity to each share the fleet answers,
         follow the fleet's snapshots (`router` takes their local-prefill policy), send heartbeats."""
         self._router, self._admission = router, admission
-        router.local_prefill = self.local_prefill
         self._tasks = [asyncio.create_task(self._follow(), name="fleet-follow"),
                        asyncio.create_task(self._report(), name="fleet-report")]
         self._heartbeat = threading.Thread(target=self._beat, name="fleet-heartbeat", daemon=True)
@@ -162,7 +160,6 @@ class RemoteFleet:
         worker.state = WorkerState.FAILED  # out of this frontend's routing until the fleet says otherwise
         self._reported_failed[worker_id] = (worker.next_role or worker.role, time.monotonic())
         self.fleet.mark_failed(worker_id, why)
-        self._changed()
 
     @property
     def local_prefill(self) -> LocalPrefillPolicy:
@@ -260,7 +257,6 @@ class RemoteFleet:
         if self._snapshot is not None and snapshot.epoch == self._snapshot.epoch and (
                 snapshot.version < self._snapshot.version):
             return
-        before = {w.worker_id for w in self.workers.values() if w.is_active}
         seen = set()
         for entry in snapshot.workers:
             seen.add(entry.worker_id)
@@ -281,10 +277,4 @@ class RemoteFleet:
         self._snapshot = snapshot
         if self._router is not None:
             self._router.local_prefill = snapshot.local_prefill
-        if {w.worker_id for w in self.workers.values() if w.is_active} != before:
-            self._changed()
-
-    def _changed(self) -> None:
-        for callback in self.on_change:
-            callback()
 

@@ -29,8 +29,9 @@ mixed. Lifecycle of a worker (WorkerState):
     answering): not routable; the actor is killed and a new worker of the same role is started in its place
     (retried with backoff until it comes up), so the pools return to their target size by themselves.
 Failures are noticed two ways: a frontend reports a worker whose call failed, which the fleet actor
-confirms with its own probe before it calls mark_failed (gateway/control/fleet_actor.py), and watch() polls every worker's load once a second: no answer, a dead step loop, or a step running far past
-the worker's own (hung: step_watchdog_s) fail it. health() says ok / degraded / unavailable from the states.
+confirms with its own probe before it calls mark_failed (gateway/control/fleet_actor.py), and watch() polls
+every worker's load once a second: no answer, a dead step loop, or a step running far past the worker's own
+(hung: step_watchdog_s) fail it. health() says ok / degraded / unavailable from the states.
 A deployment kept by a fleet actor (keeper) starts by adopting the workers a predecessor of that actor left
 running (gateway/fleet/adoption.py: Ray restarted it), and creates only what its layout still misses.
 start() waits up to placement_timeout_s for Ray to place every worker (less where no live node can take the

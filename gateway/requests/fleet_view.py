@@ -19,7 +19,6 @@ from worker_runtime.roles import Role
 
 class FleetView(Protocol):
     workers: dict[str, Worker]  # every worker the fleet knows, by id (any state)
-    on_change: list[Callable[[], None]]  # called when the set of active workers changes
     on_remove: list[Callable[[str], None]]  # called with the id of a worker gone from its role
 
     @property
