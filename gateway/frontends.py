@@ -178,6 +178,7 @@ def serve_frontends(config: ServeConfig) -> None:
 def serve_one(config: ServeConfig, fleet: StartedFleet, stopping: threading.Event, lost: list[str]) -> None:
     """The one frontend in this process, on uvicorn without its multiprocess supervisor."""
     import uvicorn
+    from uvicorn.main import STARTUP_FAILURE
 
     from gateway.app import create_app
 
@@ -192,6 +193,8 @@ def serve_one(config: ServeConfig, fleet: StartedFleet, stopping: threading.Even
     threading.Thread(target=watch_fleet, args=(fleet.client, fleet.start, on_lost, stopping),
                      name="fleet-watch", daemon=True).start()
     server.run()
+    if not server.started:  # its lifespan failed (it said why), as uvicorn.run() exits then
+        raise SystemExit(STARTUP_FAILURE)
 
 
 def serve_several(config: ServeConfig, fleet: StartedFleet, stopping: threading.Event, lost: list[str]

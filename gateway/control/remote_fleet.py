@@ -77,6 +77,8 @@ class RemoteFleet:
         self._admission: Admission | None = None  # set by start(): its book goes in every report
         self.info: FleetInfo | None = None
         self._snapshot: FleetSnapshot | None = None
+        self._long_prompt = 0  # the longest prompt noted since the last report (0: none)
+        self._report_now = asyncio.Event()  # a long prompt: report now, then tell it
         self._reported_failed: dict[str, tuple[Role, float]] = {}  # worker id → (its role, when reported)
         self._finished: list[Timings] = []
         self._traffic: list[TrafficNote] = []
@@ -180,9 +182,11 @@ class RemoteFleet:
 
     # What this frontend tells the fleet.
     def note_prompt(self, num_tokens: int) -> None:
-        """A prompt was routed (or a decode worker started prefilling one): a long one is told at once."""
+        """A prompt was routed (or a decode worker started prefilling one): a long one is told at once, right
+        after a report of the counts that place it (the controller's tick reads them as it wakes)."""
         if self._snapshot is not None and num_tokens >= self._snapshot.long_prompt_tokens:
-            self.fleet.note_prompt(num_tokens)
+            self._long_prompt = max(self._long_prompt, num_tokens)
+            self._report_now.set()
 
     def note_finished(self, timings: Timings) -> None:
         self._finished.append(timings)
@@ -222,7 +226,10 @@ class RemoteFleet:
 
     async def _report(self) -> None:
         while True:
-            await asyncio.sleep(REPORT_S)
+            with contextlib.suppress(TimeoutError):  # every REPORT_S, or at once for a long prompt
+                await asyncio.wait_for(self._report_now.wait(), REPORT_S)
+            self._report_now.clear()
+            long_prompt, self._long_prompt = self._long_prompt, 0
             try:
                 report = self._build_report()
                 share = await asyncio.wait_for(self.fleet.report(report), REPORT_TIMEOUT_S)
@@ -230,6 +237,9 @@ class RemoteFleet:
                 raise
             except Exception:  # gone, paused, restarting: the last share stands (the heartbeat tells /health)
                 continue
+            finally:
+                if long_prompt:
+                    self.fleet.note_prompt(long_prompt)
             if self._admission is not None and share != self._admission.capacity_tokens:
                 self._admission.set_capacity(share)
 
