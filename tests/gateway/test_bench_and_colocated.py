@@ -15,7 +15,7 @@ from gateway.config import ServeConfig
 from llm_engine.model_loader import load_tokenizer
 from pdserve.main import main
 from tests.helpers.reference import hf_greedy
-from tests.helpers.servers import API_KEY, MODEL, free_port, serving, wait_until_no_blocks_used
+from tests.helpers.servers import API_KEY, MODEL, SHARED, free_port, serving, wait_until_no_blocks_used
 
 pytestmark = pytest.mark.slow
 
@@ -119,6 +119,7 @@ def colocated_server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str
         max_num_batched_tokens=64,
         api_key=API_KEY,
     )
+    SHARED.close()  # the shared server's workers first: serving() ends once every CPU of Ray is free again
     with serving(config) as (url, _):
         yield url
 

@@ -123,6 +123,7 @@ def test_pdserve_serve_hands_uvicorn_these_options(monkeypatch: pytest.MonkeyPat
 
     def run(server: uvicorn.Server) -> None:
         given.update(vars(server.config), app=server.config.app)
+        server.started = True
 
     monkeypatch.setattr(gateway.frontends, "fleet_started", no_fleet)
     monkeypatch.setattr(gateway.frontends, "watch_fleet", lambda *args: None)
