@@ -1,5 +1,5 @@
-"""The FastAPI application: `create_app(config)`; all state lives in app.state, set up by its lifespan
-(gateway/lifespans.py: the whole gateway in this process, or one of several frontends over a fleet actor).
+"""The FastAPI application: `create_app(config, frontend)`; all state lives in app.state, set up by its
+lifespan (gateway/lifespans.py: a frontend over the fleet actor).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (gateway/api/generate_routes.py); POST /v1/responses
 (gateway/api/responses_api/routes.py, served by the chat path); GET /health,
@@ -10,6 +10,8 @@ workers.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -26,14 +28,15 @@ from gateway.api.responses_api.routes import router as responses_api_routes
 from gateway.api.status_routes import status_routes
 from gateway.api.utility_routes import router as utility_routes
 from gateway.config import ServeConfig
-from gateway.lifespans import FrontendSpec, join_fleet, own_fleet
+from gateway.lifespans import FrontendSpec, join_fleet
 from gateway.serve_settings import add_cors
 
 
-def create_app(config: ServeConfig, frontend: FrontendSpec | None = None) -> FastAPI:
-    """The gateway: with `frontend`, one of several HTTP processes over a fleet actor; else the whole gateway
-    in this process (fleet included)."""
-    lifespan = own_fleet(config) if frontend is None else join_fleet(config, frontend)
+def create_app(config: ServeConfig, frontend: FrontendSpec, on_ready: Callable[[], None] | None = None
+               ) -> FastAPI:
+    """A frontend of the gateway over the fleet actor that `frontend` names; `on_ready` is called once it is
+    about to serve (gateway/lifespans.py)."""
+    lifespan = join_fleet(config, frontend, on_ready)
     has_docs = not config.disable_fastapi_docs
     app = FastAPI(title="pdserve", lifespan=lifespan, openapi_url="/openapi.json" if has_docs else None,
                   docs_url="/docs" if has_docs else None, redoc_url="/redoc" if has_docs else None)

@@ -1,10 +1,13 @@
-"""`pdserve serve --api-server-count N`: one fleet, N HTTP frontends on one port.
+"""`pdserve serve`: one fleet actor, N ≥ 1 HTTP frontends on one port (N: --api-server-count, default 1).
 
-    supervisor (this process, a Ray driver):
+    supervisor (this process, a Ray driver): fleet_started():
       Ray (join or start) → the FleetActor, named in RAY_NAMESPACE, started: every worker up and wired,
-      the control plane running (gateway/control/fleet_actor.py)
-      → the listening socket bound once → prometheus_client's multiprocess directory (a fresh one)
-      → uvicorn's Multiprocess supervisor: N frontend processes accept on that socket (the kernel spreads
+      the control plane running (gateway/control/fleet_actor.py), while the port answers "starting"
+      (gateway/start_answerer.py)
+      → N = 1: the one frontend in this process (a plain uvicorn server; the start answerer gives up the
+        port once the frontend has joined the fleet)
+      → N > 1: the listening socket bound once → prometheus_client's multiprocess directory (a fresh one)
+        → uvicorn's Multiprocess supervisor: N frontend processes accept on that socket (the kernel spreads
         connections across them); one that dies is started again (its own connections are lost: the
         fleet ends its streams on the workers once it stops reporting; the other frontends' carry on)
       → a watch thread: should the fleet actor die (a crash, Ray's memory monitor), Ray restarts it empty
@@ -18,15 +21,16 @@
     process, which leaves it running when it ends. The next supervisor with the same settings rejoins it
     (its workers as they were: layout, cached prefixes, running streams' KV), so a gateway restarted by
     deploy/supervise.py or the kubelet costs no weight load; one with other settings replaces it.
-    frontend (gateway/app.py create_app(config, FrontendSpec), built by frontend_app() in each child):
+    frontend (gateway/app.py create_app(config, FrontendSpec); in each child, built by frontend_app()):
       joins the supervisor's Ray, finds the fleet actor, mirrors its workers, serves.
-Why uvicorn's own supervisor: it is what `uvicorn --workers N` runs (fork-free spawn, health pings,
+Why uvicorn's own supervisor for N > 1: it is what `uvicorn --workers N` runs (fork-free spawn, health pings,
 restart of dead children), so the frontends are plain uvicorn servers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -36,7 +40,8 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +50,7 @@ import ray
 from gateway.config import ServeConfig
 from gateway.control.fleet_client import FleetClient
 from gateway.fleet.config import DeploymentConfig
-from gateway.lifespans import RAY_NAMESPACE
+from gateway.lifespans import RAY_NAMESPACE, FrontendSpec
 from gateway.serve_settings import (
     base_url,
     controller_policy,
@@ -54,7 +59,7 @@ from gateway.serve_settings import (
     planner_settings,
     uvicorn_options,
 )
-from gateway.start_answerer import answering_while_starting
+from gateway.start_answerer import StartAnswerer
 
 # The child reads its settings from the file named here (uvicorn builds each frontend from an import string):
 # a file only this user can read, not the environment, which would show the API keys to anyone who can
@@ -79,7 +84,6 @@ logger = logging.getLogger(__name__)
 def frontend_app() -> object:
     """uvicorn's app factory in each frontend process."""
     from gateway.app import create_app
-    from gateway.lifespans import FrontendSpec
 
     forget_dead_frontends(os.environ["PROMETHEUS_MULTIPROC_DIR"])
 
@@ -102,77 +106,150 @@ def forget_dead_frontends(directory: str) -> None:
             multiprocess.mark_process_dead(pid, directory)
 
 
-def serve_frontends(config: ServeConfig) -> None:
-    """Run the fleet and config.api_server_count frontends until a signal stops them."""
-    import uvicorn
-    from uvicorn.supervisors import Multiprocess
+@dataclass
+class StartedFleet:
+    """The fleet actor, started, and how frontends find it."""
 
+    client: FleetClient
+    spec: FrontendSpec
+    start: Callable[[FleetClient], None]  # starts it again (after Ray restarted it empty)
+    ready: Callable[[], None]  # the port is the frontends' now: the start answerer lets it go
+    # The settings with the device and dtype as resolved here: a frontend process that read "auto" would ask
+    # torch (it has none).
+    resolved: ServeConfig
+
+
+@contextlib.contextmanager
+def fleet_started(config: ServeConfig) -> Iterator[StartedFleet]:
+    """Ray (join or start) → the fleet actor started, or rejoined (a named one), while the port answers
+    "starting" → yields it → the fleet stopped (not a named one: see the module's docstring), Ray if ours."""
     from gateway.startup import resolve_model_dir
 
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address=config.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
                  configure_logging=False)
-    deployment = deployment_config(config, resolve_model_dir(config))
-    is_named = config.fleet_name is not None
-    name = f"pdserve-fleet-{config.fleet_name if is_named else uuid.uuid4().hex[:6]}"
-    fleet, is_rejoined = open_fleet(name, deployment, outlives=is_named)
-    metrics_dir = tempfile.mkdtemp(prefix="pdserve-metrics-")
-    stopping = threading.Event()
-
-    def start(fleet: FleetClient) -> None:
-        fleet.start(deployment, controller_policy(config), local_prefill_policy(config),
-                    config.is_auto, planner_settings(config))
-
-    lost: list[str] = []  # why the fleet is gone for good (the watch says)
-
     try:
-        # GET /health says how far the fleet's start has come until the frontends bind the port.
-        with answering_while_starting(config, fleet.start_progress):
-            if is_rejoined:
-                print(f"pdserve: rejoined fleet {name} and its workers", flush=True)
-                for note in fleet.rejoin(controller_policy(config), local_prefill_policy(config),
-                                         config.is_auto, planner_settings(config)):
-                    print(f"pdserve: fleet {name}: {note}", flush=True)
+        deployment = deployment_config(config, resolve_model_dir(config))
+        is_named = config.fleet_name is not None
+        name = f"pdserve-fleet-{config.fleet_name if is_named else uuid.uuid4().hex[:6]}"
+        fleet, is_rejoined = open_fleet(name, deployment, outlives=is_named)
+
+        def start(fleet: FleetClient) -> None:
+            fleet.start(deployment, controller_policy(config), local_prefill_policy(config),
+                        config.is_auto, planner_settings(config))
+
+        try:
+            # GET /health says how far the fleet's start has come until a frontend binds the port.
+            answerer = StartAnswerer(config, fleet.start_progress)
+            try:
+                if is_rejoined:
+                    print(f"pdserve: rejoined fleet {name} and its workers", flush=True)
+                    for note in fleet.rejoin(controller_policy(config), local_prefill_policy(config),
+                                             config.is_auto, planner_settings(config)):
+                        print(f"pdserve: fleet {name}: {note}", flush=True)
+                else:
+                    start(fleet)
+                spec = FrontendSpec(name, ray.get_runtime_context().gcs_address, config.api_server_count)
+                engine = deployment.engine
+                resolved = config.model_copy(update={"device": engine.device, "dtype": engine.dtype})
+                yield StartedFleet(fleet, spec, start, answerer.close, resolved)
+            finally:
+                answerer.close()
+        finally:
+            if not is_named:
+                stop_fleet(fleet)
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def serve_frontends(config: ServeConfig) -> None:
+    """Run the fleet and config.api_server_count frontends until a signal stops them."""
+    stopping = threading.Event()
+    lost: list[str] = []  # why the fleet is gone for good (the watch says)
+    if config.api_server_count == 1:  # this process is the frontend: its slowest import meanwhile
+        threading.Thread(target=warm_frontend, args=(config,), name="warm-frontend", daemon=True).start()
+    with fleet_started(config) as fleet:
+        try:
+            if config.api_server_count == 1:
+                serve_one(config, fleet, stopping, lost)
             else:
-                start(fleet)
+                serve_several(config, fleet, stopping, lost)
+        finally:
+            stopping.set()
+    if lost:
+        raise SystemExit(f"pdserve: {lost[0]}: stopping, so that this gateway is started again")
+
+
+def warm_frontend(config: ServeConfig) -> None:
+    """Load the tokenizer once while the fleet starts: the first load in a process imports transformers'
+    tokenizer code (~1.5 s on 2 cores), which the frontend's start-up would otherwise wait for after the
+    fleet is up. A failure is left for the frontend's own load to report."""
+    from gateway.startup import resolve_model_dir
+    from llm_engine.model_files import load_tokenizer
+
+    with contextlib.suppress(Exception):
+        load_tokenizer(resolve_model_dir(config))
+
+
+def serve_one(config: ServeConfig, fleet: StartedFleet, stopping: threading.Event, lost: list[str]) -> None:
+    """The one frontend in this process, on uvicorn without its multiprocess supervisor."""
+    import uvicorn
+    from uvicorn.main import STARTUP_FAILURE
+
+    from gateway.app import create_app
+
+    server = uvicorn.Server(uvicorn.Config(create_app(config, fleet.spec, on_ready=fleet.ready),
+                                           host=config.host, port=config.port, loop="uvloop",
+                                           **uvicorn_options(config)))
+
+    def on_lost(why: str) -> None:
+        lost.append(why)
+        server.should_exit = True
+
+    threading.Thread(target=watch_fleet, args=(fleet.client, fleet.start, on_lost, stopping),
+                     name="fleet-watch", daemon=True).start()
+    server.run()
+    if not server.started:  # its lifespan failed (it said why), as uvicorn.run() exits then
+        raise SystemExit(STARTUP_FAILURE)
+
+
+def serve_several(config: ServeConfig, fleet: StartedFleet, stopping: threading.Event, lost: list[str]
+                  ) -> None:
+    """config.api_server_count frontend processes under uvicorn's supervisor, on one socket."""
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    metrics_dir = tempfile.mkdtemp(prefix="pdserve-metrics-")
+    try:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         spec_path = Path(metrics_dir) / "frontend.json"  # in a directory of mode 0700, removed at the end
         spec_path.touch(mode=0o600)
-        # The device and dtype as resolved here: a frontend that read "auto" would ask torch (it has none).
-        engine = deployment.engine
-        resolved = config.model_copy(update={"device": engine.device, "dtype": engine.dtype})
-        spec_path.write_text(json.dumps({
-            "config": resolved.model_dump(mode="json"), "fleet_actor": name,
-            "ray_address": ray.get_runtime_context().gcs_address, "num_frontends": config.api_server_count}))
+        spec_path.write_text(json.dumps({"config": fleet.resolved.model_dump(mode="json"),
+                                         **dataclasses.asdict(fleet.spec)}))
         os.environ[FRONTEND_ENV] = str(spec_path)
         # TLS too: each frontend loads the key and certificate into its own SSL context.
         server = uvicorn.Config("gateway.frontends:frontend_app", factory=True, host=config.host,
                                 port=config.port, loop="uvloop", workers=config.api_server_count,
                                 timeout_worker_healthcheck=int(FRONTEND_UNANSWERED_S),
                                 **uvicorn_options(config))
-        print(f"pdserve: fleet {name} is up; starting {config.api_server_count} frontends on "
-              f"{base_url(config)}", flush=True)
+        print(f"pdserve: fleet {fleet.spec.fleet_actor} is up; starting {config.api_server_count} frontends "
+              f"on {base_url(config)}", flush=True)
+        fleet.ready()
         frontends = Multiprocess(server, sockets=[server.bind_socket()])
 
         def on_lost(why: str) -> None:
             lost.append(why)
             frontends.should_exit.set()
 
-        threading.Thread(target=watch_fleet, args=(fleet, start, on_lost, stopping), name="fleet-watch",
-                         daemon=True).start()
-        threading.Thread(target=watch_exits, args=(frontends, fleet, stopping), name="frontend-exits",
+        threading.Thread(target=watch_fleet, args=(fleet.client, fleet.start, on_lost, stopping),
+                         name="fleet-watch", daemon=True).start()
+        threading.Thread(target=watch_exits, args=(frontends, fleet.client, stopping), name="frontend-exits",
                          daemon=True).start()
         frontends.run()
-        if lost:
-            raise SystemExit(f"pdserve: {lost[0]}: stopping, so that this gateway is started again")
     finally:
-        stopping.set()
-        if not is_named:  # a named fleet outlives this process (see the module's docstring)
-            stop_fleet(fleet)
         shutil.rmtree(metrics_dir, ignore_errors=True)
-        if started_ray:
-            ray.shutdown()
 
 
 def watch_fleet(fleet: FleetClient, start: Callable[[FleetClient], None], on_lost: Callable[[str], None],

@@ -1,6 +1,6 @@
-"""What the gateway does before it serves, whichever way it runs (one process, or a fleet and frontends):
-find the model's config and tokenizer here (resolve_model_dir), then say what it serves (announce, and each
-worker's KV capacity: announce_kv)."""
+"""What the gateway does before it serves: find the model's config and tokenizer here (resolve_model_dir),
+then say what it serves (announce; each worker's KV capacity is the fleet's to say: gateway/fleet/
+bring_up_log.py announce_kv)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import time
 from fastapi import FastAPI
 
 from gateway.config import ServeConfig
-from gateway.fleet.workers import Worker
 from gateway.serve_settings import base_url
 from llm_engine.model_files import ModelNotFoundError, read_model_spec, resolve_model
 from worker_runtime.process_heap import freeze_startup_heap
@@ -46,13 +45,3 @@ def announce(app: FastAPI, config: ServeConfig, backend: str, frontends: str = "
               f"mixed workers (KV transfer: {backend}; ratio {config.ratio})")
     print(f"pdserve: serving {app.state.service.model_name} on {base_url(config)} with {layout}{frontends}",
           flush=True)
-
-
-def announce_kv(workers: list[Worker]) -> None:
-    """One line per worker: its KV capacity and how it was sized (also in GET /admin/pools)."""
-    for worker in workers:
-        kv = worker.runtime
-        if kv is not None:
-            print(f"pdserve: {worker.worker_id} ({worker.role.value}): KV cache {kv.num_kv_blocks} blocks = "
-                  f"{kv.num_kv_tokens} tokens, {kv.kv_cache_bytes / (1 << 20):.1f} MiB "
-                  f"(from {kv.kv_cache_source})", flush=True)

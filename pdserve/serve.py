@@ -57,10 +57,6 @@ def load_serve_config(args: argparse.Namespace) -> Any:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from gateway.app import create_app
-    from gateway.serve_settings import uvicorn_options
     from llm_engine.hardware import check_device_present, resolve_device
 
     try:
@@ -74,11 +70,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     # Before Ray starts: a model id that cannot be resolved fails here, naming --model.
     resolve_model_dir(config)
-    if config.api_server_count > 1 or config.fleet_name is not None:  # the fleet in an actor of its own
-        from gateway.frontends import serve_frontends
+    from gateway.frontends import serve_frontends
 
-        serve_frontends(config)
-        return 0
-    uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop",
-                **uvicorn_options(config))
+    serve_frontends(config)  # the fleet actor, and --api-server-count frontends over it
     return 0

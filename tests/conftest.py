@@ -142,7 +142,9 @@ def ray_local() -> Iterator[None]:
 
     # Worker processes inherit this environment: UCX stays on loopback, tokenizers stay single-threaded.
     os.environ["UCX_NET_DEVICES"] = "lo"
-    init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # pdserve's namespace, as `pdserve serve` joins it: the fleet actor's (detached) workers are found there.
+    init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                   namespace="pdserve")
     yield
     close_shared_server()  # its fleet's actors before the Ray they live in
     ray.shutdown()

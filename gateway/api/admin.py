@@ -6,8 +6,8 @@ GET /admin/pools  each worker's role, state, Ray node, load and KV capacity (tot
 GET /admin/workers/{id}/steps  the worker's recent forwards: start, duration, decode and prompt tokens.
 PUT /admin/pools  {"prefill": N, "decode": M, "mixed": K} → checked (4xx before anything moves), then
                   applied one worker at a time (gateway/ratio/resize.py); answers the plan and what was done.
-Both are the fleet owner's (gateway/control/plane.py): in this process, or in the fleet actor that every
-frontend shares. Their answers' models: gateway/api/admin_protocol.py (in the OpenAPI schema).
+Both are the fleet owner's (gateway/control/plane.py), in the fleet actor that every frontend shares. Their
+answers' models: gateway/api/admin_protocol.py (in the OpenAPI schema).
 """
 
 from __future__ import annotations

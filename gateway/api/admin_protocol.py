@@ -1,6 +1,6 @@
 """The admin routes' answers as pydantic models, so that OpenAPI shows their schema (gateway/api/admin.py).
 
-The fleet owner (gateway/control/plane.py, in this process or the fleet actor) builds the answer; the edge
+The fleet owner (gateway/control/plane.py, in the fleet actor) builds the answer; the edge
 validates it into these models and answers only the keys it set (response_model_exclude_unset), so that a
 key a worker does not have yet (a pending worker's load) stays absent rather than null. extra="forbid":
 a key the plane adds without a field here fails loudly in the tests, not silently in the schema.

@@ -1,5 +1,5 @@
 """FleetActor: the fleet's owner as a named Ray actor, shared by every HTTP frontend of one gateway
-(`pdserve serve --api-server-count N`).
+(`pdserve serve`, with N ≥ 1 frontends: --api-server-count).
 
     FleetActor() → start(config, policy, auto): the deployment's workers placed, started and wired; the
         control plane (pool watch, resizer, ratio controller) running → FleetInfo
@@ -38,7 +38,7 @@ import ray
 from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport, WorkerEntry, frontend_prefix
 from gateway.control.plane import ControlPlane, PlannerSettings, decode_kv_tokens
 from gateway.control.reported_books import ReportedBooks
-from gateway.fleet.bring_up_log import StartProgress
+from gateway.fleet.bring_up_log import StartProgress, announce_kv
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.workers import WorkerState
@@ -93,6 +93,7 @@ class FleetActor:
         deployment.on_change.append(self._bump)
         self._expiry = asyncio.create_task(self._expire_frontends())
         self._config, self._planning = config, planning
+        announce_kv(list(deployment.workers.values()))
         return self._info
 
     async def rejoin(self, policy: ControllerPolicy, local_prefill: LocalPrefillPolicy, auto: bool,
@@ -169,7 +170,6 @@ class FleetActor:
         """A frontend's counts; answers its admission share (decode KV tokens it may reserve until its next
         report: ReportedBooks.admission_share over the live decode and mixed workers' capacity)."""
         books = self.plane.books
-        assert isinstance(books, ReportedBooks)
         if report.frontend_id not in books.frontends():
             logger.info("frontend %s joined", report.frontend_id)
         books.report(report)
@@ -184,7 +184,6 @@ class FleetActor:
     def heartbeat(self, frontend_id: str) -> bool:
         """A frontend is alive; False: the fleet does not know it (new, or taken for dead since)."""
         books = self.plane.books
-        assert isinstance(books, ReportedBooks)
         return books.heard(frontend_id)
 
     def note_prompt(self, num_tokens: int) -> None:
@@ -227,14 +226,12 @@ class FleetActor:
         if self._plane is None:  # not started (again) yet: no frontend has joined it
             return
         books = self.plane.books
-        assert isinstance(books, ReportedBooks)
         for frontend_id in books.forget([frontend_prefix(host, pid) for pid in pids]):
             print(f"pdserve: frontend {frontend_id} exited: its streams end on every worker", flush=True)
             self._end_frontend(frontend_id)
 
     async def _expire_frontends(self) -> None:
         books = self.plane.books
-        assert isinstance(books, ReportedBooks)
         while True:
             await asyncio.sleep(EXPIRY_CHECK_S)
             for frontend_id in books.expire():

@@ -7,10 +7,9 @@ controller, runs the pool watch, and answers the admin routes and the fleet's me
     pools() / put_pools(layout): GET and PUT /admin/pools
     status(): the fleet's series for /metrics (gateway/telemetry/fleet_metrics.py)
     stop() → the deployment's shutdown (every actor)
-In a gateway of one HTTP process it lives in that process, its books the one router's; with several
-frontends it lives in the fleet actor (gateway/control/fleet_actor.py), its books summed from the frontends'
-reports. FleetControl is what the admin routes call: the ControlPlane itself, or a frontend's link to the
-actor (gateway/control/remote_fleet.py).
+It lives in the fleet actor (gateway/control/fleet_actor.py), its books summed from the frontends' reports
+(gateway/control/reported_books.py). FleetControl is what the admin routes call: a frontend's client of the
+actor (gateway/control/fleet_client.py).
 """
 
 from __future__ import annotations
@@ -23,10 +22,10 @@ from typing import Protocol
 
 import ray
 
+from gateway.control.reported_books import ReportedBooks
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.placement import pending_reason
 from gateway.fleet.workers import WorkerState
-from gateway.ratio.books import RoutingBooks
 from gateway.ratio.controller import RatioController
 from gateway.ratio.ladder import ControllerPolicy, Decision
 from gateway.ratio.planner import LayoutPlanner
@@ -108,12 +107,12 @@ async def decode_kv_tokens(deployment: PDDeployment) -> list[int]:
 
 
 class ControlPlane:
-    def __init__(self, deployment: PDDeployment, books: RoutingBooks, recent: RecentLatencies,
+    def __init__(self, deployment: PDDeployment, books: ReportedBooks, recent: RecentLatencies,
                  policy: ControllerPolicy, traffic: RecentTraffic | None = None,
                  planning: PlannerSettings | None = None) -> None:
         """Args:
         deployment: started.
-        books: the routers' counts (queued prompts, what is on its way to each worker).
+        books: the frontends' routers' counts (queued prompts, what is on its way to each worker).
         recent: finished requests' latencies (the controller's TTFT and ITL).
         traffic, planning: the recent arrivals, and the settings of the planner that replays them (with
             --profile); with a scale policy in them the scale controller sizes the fleet, else the ratio

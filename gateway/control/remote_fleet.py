@@ -1,9 +1,10 @@
-"""A frontend's side of a fleet owned by the fleet actor (`--api-server-count N`).
+"""A frontend's side of the fleet, which the fleet actor owns (every `pdserve serve` runs N ≥ 1 frontends).
 
 RemoteFleet is the FleetView the frontend's request path runs on:
-    start() → (the fleet started: a frontend started while the fleet actor restarts waits for the supervisor
-      to start it again) → FleetInfo → the first snapshot → a heartbeat thread and two tasks for the
-      frontend's life:
+    join() → (the fleet started: a frontend started while the fleet actor restarts waits for the supervisor
+      to start it again) → FleetInfo → the first snapshot → the first admission share (an empty report)
+    start(router, admission) once the request path is built over it → a heartbeat thread and two tasks for
+      the frontend's life:
       heartbeat (a thread, so that a busy event loop cannot starve it): twice a second tells the fleet this
               frontend lives, and notes when the fleet last answered: a fleet silent for FLEET_SILENT_S
               (dead, or paused) turns /health "unavailable" (503) until it answers again
@@ -13,11 +14,13 @@ RemoteFleet is the FleetView the frontend's request path runs on:
               frontend's own WorkerClient (its own output stream and submissions, under this frontend's
               gateway id); one gone from it is closed and forgotten (on_remove); a role change is
               on_remove too (the router forgets its prefix-cache beliefs); the router takes the
-              snapshot's local-prefill policy; on_change when the active set moved
+              snapshot's local-prefill policy
       report: twice a second, this frontend's routers' counts, its admission book and its finished
               requests' timings (the fleet's controller reads them); the answer is this frontend's admission
-              share until the next report (on_share)
-    mark_failed(): the worker leaves this frontend's routing at once, and the fleet is told (it replaces it)
+              share until the next report (the admission's capacity)
+    mark_failed(): the worker leaves this frontend's routing at once, and the fleet is told: it probes the
+      worker and replaces it if the probe confirms the failure
+    note_prompt / note_finished / note_traffic: what the request path tells the fleet's controller
 The mirror's states are the fleet's: only the fleet moves a worker through its lifecycle.
 Every call to the fleet actor goes through its FleetClient (gateway/control/fleet_client.py), which is also
 the admin routes' FleetControl in a frontend.
@@ -69,13 +72,13 @@ class RemoteFleet:
         self._view_failing_since: float | None = None  # the follow loop's view calls fail (since when)
         self._heartbeat: threading.Thread | None = None
         self.workers: dict[str, Worker] = {}
-        self.on_change: list[Callable[[], None]] = []
         self.on_remove: list[Callable[[str], None]] = []
-        self.router: Router | None = None  # its policy follows the fleet's
-        self.admission: Admission | None = None  # its book goes in every report
-        self.on_share: list[Callable[[int], None]] = []  # the admission share each report's answer sets
+        self._router: Router | None = None  # set by start(): its policy follows the fleet's
+        self._admission: Admission | None = None  # set by start(): its book goes in every report
         self.info: FleetInfo | None = None
         self._snapshot: FleetSnapshot | None = None
+        self._long_prompt = 0  # the longest prompt noted since the last report (0: none)
+        self._report_now = asyncio.Event()  # a long prompt: report now, then tell it
         self._reported_failed: dict[str, tuple[Role, float]] = {}  # worker id → (its role, when reported)
         self._finished: list[Timings] = []
         self._traffic: list[TrafficNote] = []
@@ -86,22 +89,29 @@ class RemoteFleet:
         assert self.info is not None, "start() first"
         return self.info.block_size
 
-    async def start(self) -> FleetInfo:
+    async def join(self) -> tuple[FleetInfo, int]:
+        """The fleet's info, and this frontend's first admission share (decode KV tokens)."""
         while True:
             await self._until_fleet_started()
             try:
                 self.info = await self.fleet.info()
                 snapshot = await self.fleet.view(-1, "")
+                share = await self.fleet.report(self._build_report())
                 break
             except RayActorError:  # it died again just now: wait for it again
                 continue
         self._apply(snapshot)
         self.fleet_heard_at = time.monotonic()
+        return self.info, share
+
+    def start(self, router: Router, admission: Admission) -> None:
+        """Report `router`'s counts and `admission`'s book, set its capacity to each share the fleet answers,
+        follow the fleet's snapshots (`router` takes their local-prefill policy), send heartbeats."""
+        self._router, self._admission = router, admission
         self._tasks = [asyncio.create_task(self._follow(), name="fleet-follow"),
                        asyncio.create_task(self._report(), name="fleet-report")]
         self._heartbeat = threading.Thread(target=self._beat, name="fleet-heartbeat", daemon=True)
         self._heartbeat.start()
-        return self.info
 
     async def _until_fleet_started(self) -> None:
         """Wait while the fleet actor is restarting, or restarted and not started again yet. Failing this
@@ -152,7 +162,6 @@ class RemoteFleet:
         worker.state = WorkerState.FAILED  # out of this frontend's routing until the fleet says otherwise
         self._reported_failed[worker_id] = (worker.next_role or worker.role, time.monotonic())
         self.fleet.mark_failed(worker_id, why)
-        self._changed()
 
     @property
     def local_prefill(self) -> LocalPrefillPolicy:
@@ -173,9 +182,11 @@ class RemoteFleet:
 
     # What this frontend tells the fleet.
     def note_prompt(self, num_tokens: int) -> None:
-        """A prompt was routed (or a decode worker started prefilling one): a long one is told at once."""
+        """A prompt was routed (or a decode worker started prefilling one): a long one is told at once, right
+        after a report of the counts that place it (the controller's tick reads them as it wakes)."""
         if self._snapshot is not None and num_tokens >= self._snapshot.long_prompt_tokens:
-            self.fleet.note_prompt(num_tokens)
+            self._long_prompt = max(self._long_prompt, num_tokens)
+            self._report_now.set()
 
     def note_finished(self, timings: Timings) -> None:
         self._finished.append(timings)
@@ -215,7 +226,10 @@ class RemoteFleet:
 
     async def _report(self) -> None:
         while True:
-            await asyncio.sleep(REPORT_S)
+            with contextlib.suppress(TimeoutError):  # every REPORT_S, or at once for a long prompt
+                await asyncio.wait_for(self._report_now.wait(), REPORT_S)
+            self._report_now.clear()
+            long_prompt, self._long_prompt = self._long_prompt, 0
             try:
                 report = self._build_report()
                 share = await asyncio.wait_for(self.fleet.report(report), REPORT_TIMEOUT_S)
@@ -223,8 +237,11 @@ class RemoteFleet:
                 raise
             except Exception:  # gone, paused, restarting: the last share stands (the heartbeat tells /health)
                 continue
-            for callback in self.on_share:
-                callback(share)
+            finally:
+                if long_prompt:
+                    self.fleet.note_prompt(long_prompt)
+            if self._admission is not None and share != self._admission.capacity_tokens:
+                self._admission.set_capacity(share)
 
     def _seen(self) -> tuple[int, str]:
         """The latest snapshot's version and epoch (the long poll answers once the fleet is past them)."""
@@ -233,7 +250,7 @@ class RemoteFleet:
     def _build_report(self) -> FrontendReport:
         finished, self._finished = self._finished, []
         traffic, self._traffic = self._traffic, []
-        router, admission = self.router, self.admission
+        router, admission = self._router, self._admission
         reserved, waiting = (admission.reserved_tokens, admission.waiting_tokens) if admission else (0, 0)
         if router is None:
             return FrontendReport(self.frontend_id, {}, {}, {}, 0, 0, finished, traffic, reserved, waiting)
@@ -250,7 +267,6 @@ class RemoteFleet:
         if self._snapshot is not None and snapshot.epoch == self._snapshot.epoch and (
                 snapshot.version < self._snapshot.version):
             return
-        before = {w.worker_id for w in self.workers.values() if w.is_active}
         seen = set()
         for entry in snapshot.workers:
             seen.add(entry.worker_id)
@@ -269,12 +285,6 @@ class RemoteFleet:
             for callback in self.on_remove:
                 callback(worker_id)
         self._snapshot = snapshot
-        if self.router is not None:
-            self.router.local_prefill = snapshot.local_prefill
-        if {w.worker_id for w in self.workers.values() if w.is_active} != before:
-            self._changed()
-
-    def _changed(self) -> None:
-        for callback in self.on_change:
-            callback()
+        if self._router is not None:
+            self._router.local_prefill = snapshot.local_prefill
 

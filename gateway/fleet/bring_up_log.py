@@ -7,7 +7,7 @@ silent.
 Start-up's workers, a late one, a replacement and one added by PUT /admin/pools say the same lines. Start-up
 (PDDeployment.start) runs inside start_up(), which says what starts and, once it is over, how long it took;
 meanwhile, where stderr is a terminal, a bar counts the workers loaded. The lines are printed, as the
-gateway's other start-up lines are (gateway/startup.py): in the fleet actor of --api-server-count, whose
+gateway's other start-up lines are (gateway/startup.py): in the fleet actor, whose
 logging Ray does not show at info, Ray forwards its stdout.
 """
 
@@ -149,3 +149,13 @@ class BringUpLog:
             return
         with self._bar.external_write_mode(file=sys.stdout):  # the bar steps aside for the line
             self._write(line)
+
+
+def announce_kv(workers: list[Worker]) -> None:
+    """One line per worker: its KV capacity and how it was sized (also in GET /admin/pools)."""
+    for worker in workers:
+        kv = worker.runtime
+        if kv is not None:
+            print(f"pdserve: {worker.worker_id} ({worker.role.value}): KV cache {kv.num_kv_blocks} blocks = "
+                  f"{kv.num_kv_tokens} tokens, {kv.kv_cache_bytes / (1 << 20):.1f} MiB "
+                  f"(from {kv.kv_cache_source})", flush=True)

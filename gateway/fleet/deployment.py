@@ -28,9 +28,10 @@ mixed. Lifecycle of a worker (WorkerState):
     ACTIVE | DRAINING | CHANGING_ROLE → FAILED (its actor died, its step loop died, or it stopped
     answering): not routable; the actor is killed and a new worker of the same role is started in its place
     (retried with backoff until it comes up), so the pools return to their target size by themselves.
-Failures are noticed two ways: the orchestrator reports a worker whose call failed (mark_failed), and
-watch() polls every worker's load once a second: no answer, a dead step loop, or a step running far past
-the worker's own (hung: step_watchdog_s) fail it. health() says ok / degraded / unavailable from the states.
+Failures are noticed two ways: a frontend reports a worker whose call failed, which the fleet actor
+confirms with its own probe before it calls mark_failed (gateway/control/fleet_actor.py), and watch() polls
+every worker's load once a second: no answer, a dead step loop, or a step running far past the worker's own
+(hung: step_watchdog_s) fail it. health() says ok / degraded / unavailable from the states.
 A deployment kept by a fleet actor (keeper) starts by adopting the workers a predecessor of that actor left
 running (gateway/fleet/adoption.py: Ray restarted it), and creates only what its layout still misses.
 start() waits up to placement_timeout_s for Ray to place every worker (less where no live node can take the

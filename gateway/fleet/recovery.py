@@ -1,10 +1,11 @@
 """Recovery: noticing a failed worker and starting one in its place.
 
-    ACTIVE | DRAINING | CHANGING_ROLE → FAILED: mark_failed() (the orchestrator reports a worker whose call
-    failed; loads() finds one that does not answer, reports a failure, or whose step is hung) takes it out
-    of routing at once. A draining worker is then just forgotten; any other is forgotten and a new worker
-    of its role (its next role, if it was changing) is started by start_until_up(), retried with backoff
-    until one is up: it may stay PENDING for as long as no node can take it.
+    ACTIVE | DRAINING | CHANGING_ROLE → FAILED: mark_failed() (the fleet actor, once its own probe confirms
+    a failure a frontend reported: gateway/control/fleet_actor.py; loads() finds one that does not answer,
+    reports a failure, or whose step is hung) takes it out of routing at once. A draining worker is then
+    just forgotten; any other is forgotten and a new worker of its role (its next role, if it was changing)
+    is started by start_until_up(), retried with backoff until one is up: it may stay PENDING for as long
+    as no node can take it.
     start_late(): the workers start() went on without (still PENDING) are brought up by start_until_up too.
     watch() polls loads() once a second, so that a worker that dies while idle is noticed too.
 With a torch group (fixed at start) a failed worker is not replaced.

@@ -1,9 +1,9 @@
 """RoutingBooks: the router's counts that the ratio controller and the resizer read, wherever the routers are.
 
-In a gateway of one HTTP process the router itself provides them (gateway/requests/router.py). With several
-frontends each has its own router, and the fleet's owner sums what they report
-(gateway/control/reported_books.py). The controller also sets the router's local-prefill policy through
-them: a frontend's router takes it from the fleet.
+Each frontend has its own router (gateway/requests/router.py); the fleet actor sums what they report
+(gateway/control/reported_books.py), and its controller and resizer read those sums. The controller also sets
+the routers' local-prefill policy through them: each frontend's router takes it from the fleet. (A Router
+provides them too: the unit tests drive a controller with one.)
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 States of a request here: WAITING (in order of priority, lower first as vLLM's, then of arrival; bounded in
 requests and in tokens) → ADMITTED (holds a reservation) → released. A full waiting line, or a wait past the
-timeout, is an Overloaded error (HTTP 429 with Retry-After). The capacity follows the live decode workers
-(set_capacity): a failed worker's share is gone until its replacement is up, and requests wait for it in the
-line (within its timeout). Whoever follows the line (the metrics) is told of every change (on_change).
+timeout, is an Overloaded error (HTTP 429 with Retry-After). The capacity is this frontend's share of the live
+decode workers' KV, leased by the fleet with every report (set_capacity, gateway/control/remote_fleet.py): a
+failed worker's share is gone until its replacement is up, and requests wait for it in the line (within its
+timeout). Whoever follows the line (the metrics) is told of every change (on_change).
 """
 
 from __future__ import annotations
@@ -14,18 +15,6 @@ import bisect
 import itertools
 import time
 from collections.abc import Callable
-
-
-def admission_capacity(kv_tokens_per_worker: int, num_decoding: int, num_frontends: int = 1) -> int:
-    """Decode KV tokens one gateway process may reserve: every decode or mixed worker's, or with several
-    frontends an even share of them, never less than one request's worth (a frontend must be able to admit
-    the longest request; the fleet may then be overcommitted by that much per frontend, and the workers'
-    own KV admission holds the rest back)."""
-    total = kv_tokens_per_worker * num_decoding
-    if not total or num_frontends == 1:
-        return total
-    return max(total // num_frontends, kv_tokens_per_worker)
-
 
 _Waiting = tuple[int, int, int, "asyncio.Future[None]"]  # priority, arrival number, tokens, wakes it
 
@@ -40,7 +29,7 @@ class Admission:
     def __init__(self, capacity_tokens: int, max_waiting: int, timeout_s: float,
                  max_waiting_tokens: int | None = None) -> None:
         """Args:
-        capacity_tokens: decode KV tokens all decode workers hold together (less their watermarks).
+        capacity_tokens: decode KV tokens this frontend may reserve (its share, less the watermarks).
         max_waiting: requests allowed to wait for capacity; beyond that, Overloaded at once.
         timeout_s: how long a request may wait before Overloaded.
         max_waiting_tokens: tokens (prompt + max_tokens) allowed to wait; default: capacity_tokens.

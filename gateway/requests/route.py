@@ -15,9 +15,9 @@ import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from gateway.fleet.view import FleetView
 from gateway.fleet.workers import Worker
 from gateway.requests.events import FailureCode, RequestFailed
+from gateway.requests.fleet_view import FleetView
 from gateway.requests.router import Router
 from gateway.requests.state import RequestState
 from worker_runtime.roles import Role

@@ -24,8 +24,8 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.fleet.view import FleetView
 from gateway.fleet.workers import Worker
+from gateway.requests.fleet_view import FleetView
 from llm_engine.kv_cache_manager import prefix_hashes
 from worker_runtime.roles import Role
 

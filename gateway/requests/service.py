@@ -22,29 +22,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from decode_pool.messages import DecodeOutput
-from gateway.fleet.view import FleetView
-from gateway.requests.admission import Admission, Reservation, admission_capacity
+from gateway.requests.admission import Admission, Reservation
 from gateway.requests.choices import ChoicesRun
 from gateway.requests.deadlines import DeadlinePolicy, RequestDeadlines
 from gateway.requests.detokenizer import IncrementalDetokenizer
 from gateway.requests.events import FailureCode, RequestFailed
+from gateway.requests.fleet_view import FleetView
 from gateway.requests.orchestrator import RequestRun
 from gateway.requests.prepared import PreparedRequest, TextDelta
 from gateway.requests.router import LocalPrefillPolicy, Router
 from gateway.requests.stage_timings import stage_timings, token_times
 from gateway.telemetry.metrics import Metrics
-from gateway.telemetry.recent import RecentLatencies
-from gateway.telemetry.timings import Timings
 from gateway.telemetry.tracing import RequestTracer, TracedRequest
-from gateway.telemetry.traffic import RecentTraffic, TrafficNote
+from gateway.telemetry.traffic import TrafficNote
 from llm_engine.finish_reason import FinishReason
 from prefill_pool.messages import PrefillResult
-from worker_runtime.roles import Role
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -71,13 +68,13 @@ class GatewayService:
         max_request_tokens: int,
         deadline_policy: DeadlinePolicy | None = None,
         local_prefill: LocalPrefillPolicy | None = None,
-        num_frontends: int = 1,
         metrics: Metrics | None = None,
         tracer: RequestTracer | None = None,
     ) -> None:
         """Args:
-        num_frontends: HTTP processes sharing the fleet (--api-server-count); each admits against its
-            share of the decode KV capacity (never less than one request's worth).
+        fleet: the workers (a frontend's mirror of the fleet actor's); told of every prompt routed, every
+            request finished and every arrival (the fleet's controller and planners read them).
+        admission: its capacity is this frontend's share of the decode KV, leased by the fleet.
         metrics: this gateway's Prometheus series (default: a set labelled with model_name).
         tracer: where finished requests' traces go (--otlp-traces-endpoint); None: not traced.
         """
@@ -85,22 +82,16 @@ class GatewayService:
         self.model_name = model_name
         self.fleet = fleet
         self.router = Router(fleet, local_prefill)
+        self.router.on_local_prefill.append(fleet.note_prompt)  # a decode worker prefills a prompt itself
         self.admission = admission
         self.metrics = metrics or Metrics(model_name)
         admission.on_change.append(self._admission_changed)
         self.tracer = tracer
         self.max_request_tokens = max_request_tokens  # KV one decode worker can hold for one request
-        self.num_frontends = num_frontends
-        self.admission_share: int | None = None  # several frontends: leased by the fleet (set_share)
         self.deadline_policy = deadline_policy or DeadlinePolicy()
         self._open: set[asyncio.Queue[TextDelta | Exception | None]] = set()  # each open request's deltas
         # Past the request's finish_by, how long a client may take to read the rest before it is cut.
         self.delivery_grace_s = DELIVERY_GRACE_S
-        self.recent = RecentLatencies()  # the ratio controller's view of TTFT and ITL
-        # Told of every prompt's length as it is routed (the ratio controller's long-prompt rule).
-        self.on_prompt: list[Callable[[int], None]] = []
-        self.traffic = RecentTraffic()  # the ratio and scale controllers' planners replay it
-        self.on_finished: list[Callable[[Timings], None]] = []  # each one's timings (frontends report them)
 
     # Admission and generation.
     def try_admit(self, prepared: PreparedRequest) -> Reservation | None:
@@ -110,9 +101,10 @@ class GatewayService:
         return self.admission.try_acquire(self.num_reserved_tokens(prepared))
 
     def _note_traffic(self, prepared: PreparedRequest, num_output: int | None = None) -> None:
-        """The request arrived (num_output None) or finished, in the recent traffic here and the fleet's."""
-        self.traffic.note(TrafficNote(prepared.request_id, prepared.arrival, len(prepared.prompt_token_ids),
-                                      prepared.sampling.n * prepared.sampling.max_tokens, num_output))
+        """The request arrived (num_output None) or finished: the fleet's planners count it."""
+        self.fleet.note_traffic(TrafficNote(prepared.request_id, prepared.arrival,
+                                            len(prepared.prompt_token_ids),
+                                            prepared.sampling.n * prepared.sampling.max_tokens, num_output))
 
     @staticmethod
     def num_reserved_tokens(prepared: PreparedRequest) -> int:
@@ -190,8 +182,7 @@ class GatewayService:
         prefilled_by = ""
         outcome = "abort"
         deadlines = self.deadlines(prepared, reservation)
-        for hook in self.on_prompt:
-            hook(len(prepared.prompt_token_ids))
+        self.fleet.note_prompt(len(prepared.prompt_token_ids))
         run = self._request_run(prepared, deadlines)
         events = run.events()
         try:
@@ -247,10 +238,8 @@ class GatewayService:
                     self.metrics.observe_prefix_cache(prefilled_by, num_prompt, timings.cached_tokens)
                 if self.tracer is not None:
                     self.tracer.record(self._traced(prepared, num_output), timings)
-                self.recent.add(timings)
                 self._note_traffic(prepared, num_output)
-                for note in self.on_finished:
-                    note(timings)
+                self.fleet.note_finished(timings)
                 deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, finish, len(choice.sent),
                                             timings, timings.cached_tokens, event.top_logprobs,
                                             event.prompt_logprobs, event.index))
@@ -278,23 +267,3 @@ class GatewayService:
         run_cls = ChoicesRun if prepared.sampling.n > 1 else RequestRun
         return run_cls(self.router, prepared.request_id, prepared.prompt_token_ids, prepared.sampling,
                        deadlines, prepared.block_hashes)
-
-    def on_pool_change(self) -> None:
-        """The set of active decode or mixed workers changed (failure, replacement, resize, role change):
-        recompute capacity."""
-        self.admission.set_capacity(self.capacity())
-
-    def capacity(self) -> int:
-        """Decode KV tokens this gateway may reserve: the active decode and mixed workers' (less their
-        watermarks), or this frontend's share of them: leased by the fleet with every report (set_share),
-        an even share until the first."""
-        if self.admission_share is not None:
-            return self.admission_share
-        return admission_capacity(self.max_request_tokens, len(self.fleet.active(Role.DECODE, Role.MIXED)),
-                                  self.num_frontends)
-
-    def set_share(self, tokens: int) -> None:
-        """The fleet's answer to this frontend's report: its share of the one admission capacity."""
-        if tokens != self.admission_share:
-            self.admission_share = tokens
-            self.admission.set_capacity(tokens)

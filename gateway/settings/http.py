@@ -58,8 +58,9 @@ class HttpSettings(BaseModel):
         False, description="serve no /openapi.json, /docs or /redoc (--no-disable-fastapi-docs: serve them)")
     api_server_count: int = Field(
         1, ge=1, le=64,
-        description="HTTP frontend processes on that port, sharing one fleet of workers (in a named Ray "
-                    "actor); one that dies is restarted (1: the whole gateway in one process)")
+        description="HTTP frontends on that port, sharing one fleet of workers (in a named Ray actor): 1 "
+                    "serves in the gateway's own process; more are processes of their own, one that dies "
+                    "is restarted")
     api_key: str | None = Field(
         None,
         description="require this Bearer key on /v1 routes, and on /metrics with --metrics-require-key "

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 MAX_REQUESTS = 4096
@@ -56,12 +55,9 @@ class RecentTraffic:
         self._notes: collections.OrderedDict[str, TrafficNote] = collections.OrderedDict()
         self._outputs: collections.deque[int] = collections.deque(maxlen=RECENT_OUTPUTS)
         self._unnamed = itertools.count()
-        self.on_note: list[Callable[[TrafficNote], None]] = []  # told each note (a frontend tells the fleet)
 
     def note(self, note: TrafficNote) -> None:
         """A request arrived, or finished (replacing its arrival's note, wherever it stands)."""
-        for tell in self.on_note:
-            tell(note)
         if note.output_tokens is not None:
             self._outputs.append(note.output_tokens)
         self._notes[note.request_id] = note

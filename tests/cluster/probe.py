@@ -14,6 +14,8 @@ from typing import Any
 
 import ray
 
+from gateway.fleet.adoption import worker_actor
+
 
 def _module_file(actor: Any) -> str:
     return str(sys.modules["pool_worker"].__file__)
@@ -30,7 +32,7 @@ def main(argv: list[str]) -> None:
     nodes = [{"node_id": n["NodeID"], "alive": n["Alive"], "resources": n["Resources"]} for n in ray.nodes()]
     workers: dict[str, object] = {}
     for worker_id in rest:
-        actor = ray.get_actor(f"pdserve-{worker_id}")
+        actor = worker_actor(worker_id)
         records: list[Any] = ray.get(actor.transfer_records.remote())
         workers[worker_id] = {
             "module_file": ray.get(actor.__ray_call__.remote(_module_file)),
@@ -40,7 +42,7 @@ def main(argv: list[str]) -> None:
     for worker_id, seconds in slow.items():
         from tests.helpers import actor_faults
 
-        ray.get(ray.get_actor(f"pdserve-{worker_id}").__ray_call__.remote(actor_faults.slow_steps, seconds))
+        ray.get(worker_actor(worker_id).__ray_call__.remote(actor_faults.slow_steps, seconds))
     print(json.dumps({"nodes": nodes, "workers": workers}))
 
 

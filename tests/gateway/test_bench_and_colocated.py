@@ -5,21 +5,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
-from gateway.app import create_app
 from gateway.config import ServeConfig
 from llm_engine.model_files import load_tokenizer
 from pdserve.main import main
 from tests.helpers.reference import hf_greedy
-from tests.helpers.servers import API_KEY, MODEL, free_port, wait_until_no_blocks_used
+from tests.helpers.servers import API_KEY, MODEL, SHARED, free_port, serving, wait_until_no_blocks_used
 
 pytestmark = pytest.mark.slow
 
@@ -123,17 +119,9 @@ def colocated_server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[str
         max_num_batched_tokens=64,
         api_key=API_KEY,
     )
-    uv = uvicorn.Server(
-        uvicorn.Config(create_app(config), host=config.host, port=config.port, log_level="warning")
-    )
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        assert thread.is_alive(), "pdserve did not start"
-        time.sleep(0.1)
-    yield f"http://{config.host}:{config.port}"
-    uv.should_exit = True
-    thread.join(60)
+    SHARED.close()  # the shared server's workers first: serving() ends once every CPU of Ray is free again
+    with serving(config) as (url, _):
+        yield url
 
 
 def test_colocated_workers_serve_the_same_tokens(colocated_server: str, tiny_chat_model_dir: Path) -> None:

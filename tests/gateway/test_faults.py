@@ -22,6 +22,7 @@ import ray
 from fastapi import FastAPI
 
 from gateway.config import ServeConfig
+from gateway.fleet.adoption import worker_actor
 from gateway.requests.deadlines import DeadlinePolicy
 from gateway.requests.router import LocalPrefillPolicy
 from kv_transfer import TransferConfig
@@ -67,7 +68,7 @@ def active_workers(client: httpx.Client, kind: str | None = None) -> list[str]:
 
 
 def with_actor(worker_id: str, fn: Callable[..., None], *args: object) -> None:
-    actor = ray.get_actor(f"pdserve-{worker_id}")
+    actor = worker_actor(worker_id)
     ray.get(actor.__ray_call__.remote(fn, *args))
 
 
@@ -132,7 +133,7 @@ def test_prefill_worker_killed_mid_prefill_is_retried_on_its_replacement(
     prompt = random_prompts([400], VOCAB, seed=11)[0]  # 13 chunks of 32 tokens: ~0.7 s of prefill
     join = in_thread(lambda: complete(client, prompt, 8))
     wait_for(lambda: worker_load(client, prefill).get("running_requests", 0) > 0)
-    ray.kill(ray.get_actor(f"pdserve-{prefill}"))
+    ray.kill(worker_actor(prefill))
     assert wait_for_health(client, "degraded", timeout_s=10)["target_workers"]["prefill"] == 1
     response = join()
     assert response.status_code == 200, response.text
@@ -161,7 +162,7 @@ def test_decode_worker_killed_mid_stream_migrates_without_losing_a_token(
             if len(token_ids) >= 5 and not killed:
                 [killed] = [w for w in active_workers(client, "decode")
                             if worker_load(client, w)["running_requests"] > 0]
-                ray.kill(ray.get_actor(f"pdserve-{killed}"))
+                ray.kill(worker_actor(killed))
     assert not [e for e in events if "error" in e]
     assert events[-1] == {"done": True}
     assert killed, "the stream ended before a worker could be killed"
@@ -219,7 +220,7 @@ def test_requests_whose_streams_the_fleet_closed_start_again_as_new_attempts(
     attempt (an id of its own), never refused as "aborted before it arrived": both end with the reference
     tokens, and no worker is replaced."""
     _, app = fault_server
-    gateway_id = app.state.service.fleet.table.gateway_id
+    gateway_id = app.state.service.fleet.frontend_id  # its output channels' prefix on every worker
     [prefill] = active_workers(client, "prefill")
     decodes = active_workers(client, "decode")
     for decode in decodes:
@@ -231,7 +232,7 @@ def test_requests_whose_streams_the_fleet_closed_start_again_as_new_attempts(
     prefilling = in_thread(lambda: complete(client, prompts[1], 12))
     wait_for(lambda: worker_load(client, prefill)["requests"] == 1)
     for worker in [prefill, *decodes]:
-        ray.get(ray.get_actor(f"pdserve-{worker}").close_channels.remote(gateway_id))
+        ray.get(worker_actor(worker).close_channels.remote(gateway_id))
     with_actor(prefill, faults.release_steps)
     responses = [decoding(), prefilling()]
     assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
@@ -259,7 +260,7 @@ def test_evacuation_hands_an_unpulled_handoff_on_to_be_pulled_not_recomputed(
     wait_for(lambda: sum(worker_load(client, w)["requests"] for w in decodes) == 3,
              state=lambda: client.get("/admin/pools").json())  # its handoff reached a decode worker
     [holder] = [w for w in decodes if worker_load(client, w)["requests"] == 2]
-    evacuate = ray.get_actor(f"pdserve-{holder}").evacuate.remote()  # queued after the handoff
+    evacuate = worker_actor(holder).evacuate.remote()  # queued after the handoff
     ray.get(evacuate)
     for decode in decodes:
         with_actor(decode, faults.release_steps)
@@ -275,7 +276,7 @@ def test_evacuation_hands_an_unpulled_handoff_on_to_be_pulled_not_recomputed(
 
 
 def test_health_checks_cost_the_workers_nothing(client: httpx.Client) -> None:
-    actor = ray.get_actor(f"pdserve-{active_workers(client, 'decode')[0]}")
+    actor = worker_actor(active_workers(client, 'decode')[0])
     ray.get(actor.__ray_call__.remote(faults.count_loads))
     for _ in range(40):
         assert client.get("/health").json()["status"] == "ok"
@@ -359,10 +360,10 @@ def test_lease_ends_unpulled_kv_when_every_release_is_lost(client: httpx.Client)
             if event.get("choices"):
                 break
     assert wait_until_no_blocks_used(client, timeout_s=10) == 0
-    records = ray.get(ray.get_actor(f"pdserve-{prefill}").transfer_records.remote())
+    records = ray.get(worker_actor(prefill).transfer_records.remote())
     assert records[-1].outcome == "EXPIRED"
     with_actor(prefill, faults.heal)  # (the fixture heals too, whether or not the test got here)
-    lease_s = ray.get(ray.get_actor(f"pdserve-{prefill}").__ray_call__.remote(_lease_s))
+    lease_s = ray.get(worker_actor(prefill).__ray_call__.remote(_lease_s))
     assert lease_s == TransferConfig().lease_s
 
 

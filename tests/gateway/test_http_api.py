@@ -14,6 +14,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.fleet.adoption import worker_actor
 from llm_engine.model_files import load_tokenizer
 from tests.helpers.reference import hf_greedy
 from tests.helpers.servers import API_KEY, MODEL, burst, wait_until_no_blocks_used
@@ -315,7 +316,7 @@ def test_the_gateway_and_every_worker_froze_their_startup_heap(client: httpx.Cli
     """A full collection over the startup heap (torch, transformers, Ray) stalled every stream for ~200 ms."""
     assert gc.get_freeze_count() > 0  # the gateway runs in this process
     for worker in client.get("/admin/pools").json()["workers"]:
-        actor = ray.get_actor(f"pdserve-{worker['worker_id']}")
+        actor = worker_actor(worker['worker_id'])
         assert ray.get(actor.__ray_call__.remote(_freeze_count)) > 0
 
 

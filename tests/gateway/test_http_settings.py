@@ -20,6 +20,8 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import ServeConfig
+from gateway.frontends import StartedFleet
+from gateway.lifespans import FrontendSpec
 from gateway.serve_settings import uvicorn_options
 from pdserve.main import build_parser
 from pdserve.serve import load_serve_config, run_serve
@@ -35,7 +37,8 @@ def parsed(*argv: str) -> ServeConfig:
 def app_server(config: ServeConfig) -> Iterator[str]:
     """The gateway's app on a real uvicorn with `pdserve serve`'s options for `config`, no lifespan (no
     fleet); yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host=config.host, port=config.port,
+    no_fleet = FrontendSpec(fleet_actor="", ray_address="", num_frontends=1)  # never joined: no lifespan
+    server = uvicorn.Server(uvicorn.Config(create_app(config, no_fleet), host=config.host, port=config.port,
                                            lifespan="off", **uvicorn_options(config)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -108,11 +111,24 @@ def test_a_bad_value_is_a_sentence_naming_the_flag(tmp_path: Path) -> None:
 
 
 def test_pdserve_serve_hands_uvicorn_these_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import gateway.frontends
     import gateway.startup
 
     keyfile, certfile = self_signed(tmp_path)
     given: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: given.update(options, app=app))
+
+    @contextmanager
+    def no_fleet(config: ServeConfig) -> Iterator[StartedFleet]:  # no Ray, no fleet actor
+        yield StartedFleet(typing.cast(Any, None), FrontendSpec("", "", 1), lambda _: None, lambda: None,
+                           config)
+
+    def run(server: uvicorn.Server) -> None:
+        given.update(vars(server.config), app=server.config.app)
+        server.started = True
+
+    monkeypatch.setattr(gateway.frontends, "fleet_started", no_fleet)
+    monkeypatch.setattr(gateway.frontends, "watch_fleet", lambda *args: None)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
     monkeypatch.setattr(gateway.startup, "resolve_model_dir", lambda config: str(tmp_path))  # no model read
     argv = ["serve", "--uvicorn-log-level", "debug", "--ssl-keyfile", str(keyfile), "--ssl-certfile",
             str(certfile), "--ssl-ca-certs", str(certfile), "--ssl-cert-reqs", "1", "--root-path", "/llm",

@@ -24,7 +24,7 @@ from llm_engine import model_files
 from llm_engine.model_files import ModelNotFoundError, load_tokenizer, resolve_model, served_name
 from pdserve.main import main
 from tests.helpers.reference import hf_greedy
-from tests.helpers.servers import API_KEY, serve_config, serving
+from tests.helpers.servers import API_KEY, fleet_output, serve_config, serving
 from worker_runtime.model_source import ModelSource
 
 REPO_ID = "acme/tiny-chat"
@@ -142,11 +142,11 @@ def test_a_server_of_an_id_names_it_and_matches_transformers(hub_cache: Path, ti
     worker_env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
     config = serve_config(tiny_chat_model_dir, model=REPO_ID, served_model_name=None, worker_env=worker_env)
     starting: list[dict[str, Any]] = []
-    with serving(config, starting_answers=starting) as (url, _), httpx.Client(base_url=url, timeout=120,
+    with serving(config, starting_answers=starting) as (url, app), httpx.Client(base_url=url, timeout=120,
                                                    headers={"Authorization": f"Bearer {API_KEY}"}) as client:
         [model] = client.get("/v1/models").json()["data"]
         assert (model["id"], model["root"]) == (REPO_ID, REPO_ID)
-        said = capsys.readouterr().out
+        said = fleet_output(app)  # the fleet actor says the bring-up
         for line in ("pdserve: starting 2 workers (1 prefill, 1 decode)", "(prefill): placed on node",
                      "(decode): placed on node", "(prefill): loading the model on its node",
                      "(prefill): model loaded in", "(decode): model loaded in",

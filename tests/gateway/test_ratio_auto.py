@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -16,8 +16,10 @@ import ray
 from fastapi import FastAPI
 
 from gateway.config import ServeConfig
+from gateway.fleet.adoption import worker_actor
 from gateway.ratio.ladder import ControllerPolicy
 from gateway.requests.router import LocalPrefillPolicy
+from gateway.serve_settings import local_prefill_policy, planner_settings
 from tests.helpers import actor_faults as faults
 from tests.helpers.reference import hf_greedy, random_prompts
 from tests.helpers.servers import MODEL, free_port, serving, wait_until_no_blocks_used
@@ -34,8 +36,16 @@ def auto_server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[tuple[st
                          model=str(tiny_chat_model_dir), served_model_name=MODEL, backend="nixl", mixed=2,
                          ratio="auto", port=free_port(), kv_cache_mib=2, max_num_batched_tokens=64)
     with serving(config) as (url, app):
-        app.state.control.controller.set_policy(FAST)
+        # The controller runs in the fleet actor: FAST applied as a supervisor rejoining it applies its own.
+        app.state.control.rejoin(FAST, local_prefill_policy(config), True, planner_settings(config))
         yield url, app
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "never true"
+        time.sleep(0.01)
 
 
 def layout_of(client: httpx.Client) -> tuple[int, int, int]:
@@ -73,9 +83,8 @@ def test_auto_leaves_a_long_prompt_alone_on_a_worker_with_nothing_else_to_decode
     """Light traffic: one stream decodes on one worker, the long prompt goes to the other, which stalls no
     one by prefilling it; both workers stay mixed (with the controller running all along)."""
     url, app = auto_server
-    controller = app.state.control.controller
     with httpx.Client(base_url=url, timeout=120) as client:
-        assert layout_of(client) == (0, 0, 2) and controller.is_on
+        assert layout_of(client) == (0, 0, 2) and client.get("/admin/pools").json()["auto"]
         num_decisions = len(client.get("/admin/pools").json()["ratio_decisions"])
         before = prompt_tokens_prefilled(app)
         streamed: list[list[int]] = []
@@ -96,7 +105,7 @@ def test_auto_leaves_a_long_prompt_alone_on_a_worker_with_nothing_else_to_decode
         after = prompt_tokens_prefilled(app)
         grown = {w: after[w] - before.get(w, 0.0) for w in after}
         assert sorted(grown.values()) == [20.0, 300.0], grown
-        assert layout_of(client) == (0, 0, 2) and controller.is_on
+        assert layout_of(client) == (0, 0, 2) and client.get("/admin/pools").json()["auto"]
         assert len(client.get("/admin/pools").json()["ratio_decisions"]) == num_decisions
 
 
@@ -106,7 +115,7 @@ def test_auto_disaggregates_for_a_long_prompt_and_goes_back_when_calm(
     with httpx.Client(base_url=url, timeout=120) as client:
         assert layout_of(client) == (0, 0, 2) and client.get("/admin/pools").json()["auto"] is True
         ids = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]]
-        actors = [ray.get_actor(f"pdserve-{i}") for i in ids]
+        actors = [worker_actor(i) for i in ids]
         before = {i: ray.get(a.info.remote()) for i, a in zip(ids, actors, strict=True)}
         ray.get([a.__ray_call__.remote(faults.slow_steps, 0.01) for a in actors])
 
@@ -154,7 +163,7 @@ def test_auto_keeps_short_prompts_from_waiting_behind_long_ones(auto_server: tup
     with httpx.Client(base_url=url, timeout=120) as client:
         assert layout_of(client) == (0, 0, 2)
         ids = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]]
-        actors = [ray.get_actor(f"pdserve-{i}") for i in ids]
+        actors = [worker_actor(i) for i in ids]
         ray.get([a.__ray_call__.remote(faults.slow_steps, 0.01) for a in actors])
         streamed: list[list[int]] = []
         threads = [threading.Thread(target=stream_tokens, args=(url, prompt, 120, streamed))
@@ -168,7 +177,7 @@ def test_auto_keeps_short_prompts_from_waiting_behind_long_ones(auto_server: tup
         wait_for_layout(client, (1, 1, 0), timeout_s=10)  # disaggregated for the long prompt
         [prefill] = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]
                      if w["role"] == "prefill"]
-        ray.get(ray.get_actor(f"pdserve-{prefill}").__ray_call__.remote(faults.slow_steps, 0.3))
+        ray.get(worker_actor(prefill).__ray_call__.remote(faults.slow_steps, 0.3))
 
         def short_prompt_beside_a_long_one(seed: int) -> dict[str, object]:
             """The timings of a short prompt sent while the prefill pool prefills a long one."""
@@ -194,7 +203,7 @@ def test_auto_keeps_short_prompts_from_waiting_behind_long_ones(auto_server: tup
             assert timings["prefill_on"] == "decode"
             assert str(timings["local_prefill_reason"]).startswith("prefill queue")
             assert client.put("/admin/pools", json={"auto": False}).status_code == 200
-            assert router.local_prefill == LocalPrefillPolicy()
+            until(lambda: router.local_prefill == LocalPrefillPolicy())  # the fleet's next snapshot
             timings = short_prompt_beside_a_long_one(59)
             assert timings["prefill_on"] == "prefill"
         finally:
@@ -202,6 +211,6 @@ def test_auto_keeps_short_prompts_from_waiting_behind_long_ones(auto_server: tup
             ray.get([a.__ray_call__.remote(faults.heal) for a in actors])
             for thread in threads:
                 thread.join(120)
-        assert router.local_prefill.queue_rule_below_tokens == FAST.long_prompt_tokens
+        until(lambda: router.local_prefill.queue_rule_below_tokens == FAST.long_prompt_tokens)
         wait_for_layout(client, (0, 0, 2), timeout_s=30)  # calm again: back to two mixed workers
         assert wait_until_no_blocks_used(client) == 0

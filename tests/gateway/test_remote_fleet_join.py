@@ -40,7 +40,7 @@ class RestartingFleet:
         self.started_config = _Method(self._started_config)
         self.info = _Method(self._info)
         self.view = _Method(self._view)
-        self.report = _Method(lambda report: None)
+        self.report = _Method(self._report)
         self.heartbeat = _Method(lambda frontend_id: None)  # ray.get() of it fails: the thread shrugs
         self._num_views = 0
 
@@ -58,6 +58,9 @@ class RestartingFleet:
             raise RuntimeError("the fleet has not started")
         return INFO
 
+    async def _report(self, report: object) -> int:
+        return INFO.kv_tokens_per_decode_worker  # the admission share
+
     async def _view(self, version: int, epoch: str) -> FleetSnapshot:
         self._num_views += 1
         if self._num_views > 1:  # the follow loop's long poll: nothing changes
@@ -73,7 +76,9 @@ def test_a_frontend_started_while_the_fleet_restarts_waits_for_it(monkeypatch: p
 
     async def join() -> FleetInfo:
         try:
-            return await fleet.start()
+            info, share = await fleet.join()
+            assert share == INFO.kv_tokens_per_decode_worker
+            return info
         finally:
             await fleet.stop()
 

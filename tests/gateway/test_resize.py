@@ -15,11 +15,13 @@ import ray
 from fastapi import FastAPI
 
 from gateway.config import ServeConfig
+from gateway.fleet.adoption import worker_actor
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.deployment import PDDeployment
 from gateway.ratio.pool_layout import PoolLayout
 from gateway.ratio.resize import PoolResizer, ResizeConflict
 from gateway.requests.router import LocalPrefillPolicy, Router
+from gateway.serve_settings import controller_policy, planner_settings
 from llm_engine import EngineConfig
 from tests.helpers import actor_faults as faults
 from tests.helpers.reference import hf_greedy, random_prompts
@@ -88,7 +90,7 @@ class SteadyLoad:
 def worker_infos(client: httpx.Client) -> dict[str, WorkerInfo]:
     """Each worker's own account of itself (role, process, weight loads), asked of its actor."""
     ids = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]]
-    return {i: ray.get(ray.get_actor(f"pdserve-{i}").info.remote()) for i in ids}
+    return {i: ray.get(worker_actor(i).info.remote()) for i in ids}
 
 
 def change_layout(client: httpx.Client, layout: dict[str, int]) -> dict[str, Any]:
@@ -146,7 +148,7 @@ def test_pools_grow_and_shrink_under_load_and_every_request_is_served(
 def test_a_stream_moves_off_a_worker_that_changes_role_with_its_kv_without_losing_a_token(
         client: httpx.Client, tiny_chat_model_dir: Path) -> None:
     change_layout(client, {"prefill": 0, "decode": 0, "mixed": 2})
-    actors = [ray.get_actor(f"pdserve-{i}") for i in worker_infos(client)]
+    actors = [worker_actor(i) for i in worker_infos(client)]
     # The engine keeps the slowdown across role changes.
     ray.get([a.__ray_call__.remote(faults.slow_steps, 0.02) for a in actors])
     try:
@@ -225,13 +227,24 @@ def test_the_torch_backend_cannot_resize(tiny_llama_dir: Path) -> None:
 
 def test_short_prompts_are_prefilled_on_the_decode_worker_when_asked(
         client: httpx.Client, running: tuple[str, FastAPI], tiny_chat_model_dir: Path) -> None:
-    router = running[1].state.service.router
-    router.local_prefill = LocalPrefillPolicy(max_uncached_tokens=16)
+    app = running[1]
+    config: ServeConfig = app.state.config
+    router = app.state.service.router
+
+    def set_policy(policy: LocalPrefillPolicy) -> None:
+        """The routers' policy is the fleet's: set there (as a rejoining supervisor does), then followed."""
+        app.state.control.rejoin(controller_policy(config), policy, False, planner_settings(config))
+        deadline = time.monotonic() + 10
+        while router.local_prefill != policy:
+            assert time.monotonic() < deadline, "the frontend never took the fleet's policy"
+            time.sleep(0.01)
+
+    set_policy(LocalPrefillPolicy(max_uncached_tokens=16))
     try:
         short, long = random_prompts([10, 40], VOCAB, seed=31)
         answers = [complete_greedy(client, prompt) for prompt in (short, long)]
     finally:
-        router.local_prefill = LocalPrefillPolicy()
+        set_policy(LocalPrefillPolicy())
     assert [a["choices"][0]["token_ids"] for a in answers] == hf_greedy(tiny_chat_model_dir, [short, long], 6)
     local, pooled = (a["timings"] for a in answers)
     assert local["prefill_on"] == "decode" and "10 uncached tokens <= 16" in local["local_prefill_reason"]

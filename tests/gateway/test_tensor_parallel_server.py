@@ -8,11 +8,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import ray
 
+from gateway.fleet.adoption import worker_actor
 from llm_engine import EngineConfig, LLMEngine
 from llm_engine.params import SamplingParams
 from tests.helpers import actor_faults as faults
@@ -53,7 +55,7 @@ def decode_workers(client: httpx.Client) -> list[str]:
 def test_kv_from_one_rank_to_two_gives_one_ranks_greedy_tokens(client: httpx.Client,
                                                                one_rank_tokens: list[int]) -> None:
     for worker in decode_workers(client):  # its other rank is a live actor of its own, in the worker's group
-        assert ray.get_actor(f"pdserve-{worker}-rank1") is not None
+        assert rank_actor(worker, 1) is not None
         assert rank_group(worker) == ("CREATED", "STRICT_PACK", 2)
     runtimes = {w["role"]: w["runtime"] for w in client.get("/admin/pools").json()["workers"]}
     assert runtimes["decode"]["tensor_parallel_size"] == 2 and len(runtimes["decode"]["tp_rank_pids"]) == 1
@@ -79,7 +81,7 @@ def test_a_stream_evacuated_between_two_rank_workers_continues_from_its_pulled_k
 
     def evacuate(worker_id: str) -> None:
         evacuated.append(worker_id)
-        ray.get(ray.get_actor(f"pdserve-{worker_id}").evacuate.remote())
+        ray.get(worker_actor(worker_id).evacuate.remote())
 
     tokens, moves = stream_across_a_failure(client, body, breaker=evacuate)
     on_actor(evacuated[0], faults.heal)
@@ -96,7 +98,7 @@ def _sent_records(actor: object) -> list[object]:
 
 
 def kill_rank_1(worker_id: str) -> None:
-    ray.kill(ray.get_actor(f"pdserve-{worker_id}-rank1"))
+    ray.kill(rank_actor(worker_id, 1))
 
 
 def test_a_killed_rank_takes_its_worker_down_and_the_stream_completes_elsewhere(
@@ -113,7 +115,7 @@ def test_a_killed_rank_takes_its_worker_down_and_the_stream_completes_elsewhere(
     assert moves and moves[0] >= 1  # continued on the other decode worker
     assert wait_until_whole(client) is None  # the gateway replaced the worker whose rank died
     with pytest.raises(ValueError):  # and ended its rank 0 as one unit with the dead rank
-        ray.get_actor(f"pdserve-{killed[0]}")
+        worker_actor(killed[0])
 
 
 def test_a_worker_whose_rank_0_dies_leaves_no_rank_behind(client: httpx.Client,
@@ -121,8 +123,8 @@ def test_a_worker_whose_rank_0_dies_leaves_no_rank_behind(client: httpx.Client,
     """Ray ends the ranks a worker's actor owns with it: no orphan keeps CPUs or memory, and the replacement
     starts a group of its own."""
     [victim, *_] = decode_workers(client)
-    rank_1 = ray.get_actor(f"pdserve-{victim}-rank1")
-    ray.kill(ray.get_actor(f"pdserve-{victim}"))
+    rank_1 = rank_actor(victim, 1)
+    ray.kill(worker_actor(victim))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and _alive(rank_1):
         time.sleep(0.5)
@@ -135,9 +137,15 @@ def test_a_worker_whose_rank_0_dies_leaves_no_rank_behind(client: httpx.Client,
 
 def rank_group(worker_id: str) -> tuple[str, str, int]:
     """(state, strategy, bundles) of the placement group of a worker's ranks (gateway/fleet/rank_groups)."""
-    name = f"pdserve-{worker_id}.ranks"
-    [group] = [g for g in ray.util.placement_group_table().values() if g["name"] == name]
+    [group] = [g for g in ray.util.placement_group_table().values()
+               if g["name"].endswith(f"{worker_id}.ranks")]  # named after its worker's actor
     return group["state"], group["strategy"], len(group["bundles"])
+
+
+def rank_actor(worker_id: str, rank: int) -> Any:
+    """The actor of a worker's rank (named after the worker's actor, whose name its keeper prefixes)."""
+    [name] = [n for n in ray.util.list_named_actors() if n.endswith(f"{worker_id}-rank{rank}")]
+    return ray.get_actor(name)
 
 
 def _alive(actor: object) -> bool:

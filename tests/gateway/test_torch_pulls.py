@@ -12,6 +12,7 @@ import pytest
 import ray
 
 from gateway.config import ServeConfig
+from gateway.fleet.adoption import worker_actor
 from tests.helpers import actor_faults as faults
 from tests.helpers.reference import hf_greedy, random_prompts
 from tests.helpers.servers import MODEL, free_port, serving, wait_until_no_blocks_used
@@ -32,8 +33,8 @@ def test_a_pull_request_that_cannot_be_carried_fails_the_pull_at_once(
         torch_server: str, tiny_chat_model_dir: Path) -> None:
     with httpx.Client(base_url=torch_server, timeout=120) as client:
         workers = client.get("/admin/pools").json()["workers"]
-        [prefill] = [ray.get_actor(f"pdserve-{w['worker_id']}") for w in workers if w["role"] == "prefill"]
-        [decode] = [ray.get_actor(f"pdserve-{w['worker_id']}") for w in workers if w["role"] == "decode"]
+        [prefill] = [worker_actor(w['worker_id']) for w in workers if w["role"] == "prefill"]
+        [decode] = [worker_actor(w['worker_id']) for w in workers if w["role"] == "decode"]
         ray.get(prefill.__ray_call__.remote(faults.refuse_pull_calls))
         try:
             prompt = random_prompts([40], VOCAB, seed=30)[0]

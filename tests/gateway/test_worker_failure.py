@@ -9,6 +9,7 @@ import time
 import httpx
 import ray
 
+from gateway.fleet.adoption import worker_actor
 from tests.helpers.servers import MODEL, wait_until_no_blocks_used
 
 
@@ -17,7 +18,7 @@ def test_dead_only_decode_worker_is_replaced_and_requests_wait_for_it(client: ht
     before = client.post("/v1/completions", json=body)
     assert before.status_code == 200
     [decode] = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"] if w["role"] == "decode"]
-    ray.kill(ray.get_actor(f"pdserve-{decode}"))
+    ray.kill(worker_actor(decode))
 
     # /health reads the pool watch's loads (no RPC per call): the death shows within its interval (1 s).
     for _ in range(100):

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import ray
 
+from gateway.fleet.adoption import worker_actor
 from tests.helpers import actor_faults as faults
 from tests.helpers.servers import API_KEY, MODEL, serve_config, serving, wait_until_no_blocks_used
 
@@ -41,7 +42,7 @@ def decode_worker(client: httpx.Client) -> str:
 def test_a_grammar_that_does_not_compile_refuses_its_request_alone(client: httpx.Client) -> None:
     pids = {w["worker_id"]: w["pid"] for w in client.get("/admin/pools").json()["workers"]}
     for worker_id in pids:
-        ray.get(ray.get_actor(f"pdserve-{worker_id}").__ray_call__.remote(faults.refuse_grammars))
+        ray.get(worker_actor(worker_id).__ray_call__.remote(faults.refuse_grammars))
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     refused = client.post("/v1/completions", json={
         **BODY, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
@@ -55,7 +56,7 @@ def test_a_hung_decode_step_gets_the_worker_replaced_and_the_request_finishes(cl
     expected = client.post("/v1/completions", json=BODY).json()["choices"][0]["token_ids"]
     hung = decode_worker(client)
     # Its next step waits at a gate for 60 s: far past the watchdog's bound, and no error anywhere.
-    ray.get(ray.get_actor(f"pdserve-{hung}").__ray_call__.remote(faults.hold_steps))
+    ray.get(worker_actor(hung).__ray_call__.remote(faults.hold_steps))
     answers: list[httpx.Response] = []
     request = threading.Thread(target=lambda: answers.append(client.post("/v1/completions", json=BODY)))
     request.start()

@@ -10,11 +10,12 @@ from typing import Any
 import httpx
 import ray
 
+from gateway.fleet.adoption import worker_actor
 from tests.helpers import actor_faults as faults
 
 
 def on_actor(worker_id: str, fn: Any, *args: object) -> Any:
-    return ray.get(ray.get_actor(f"pdserve-{worker_id}").__ray_call__.remote(fn, *args))
+    return ray.get(worker_actor(worker_id).__ray_call__.remote(fn, *args))
 
 
 def decode_workers(client: httpx.Client) -> list[str]:

@@ -25,6 +25,7 @@ from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.config import ServeConfig
+from gateway.frontends import fleet_started
 
 API_KEY = "sk-test-key"
 MODEL = "tiny"
@@ -40,28 +41,48 @@ def free_port() -> int:
 def serving(config: ServeConfig, send_buffer_bytes: int | None = None,
             starting_answers: list[dict[str, Any]] | None = None, start_timeout_s: float = 120.0
             ) -> Iterator[tuple[str, FastAPI]]:
-    """A real server on its own thread (uvicorn, the app's lifespan: Ray actors); yields (url, app).
+    """A real server on its own thread, as `pdserve serve` runs it with one frontend: the fleet actor in the
+    test's Ray (gateway/frontends.py fleet_started), the frontend's uvicorn in this process (its lifespan
+    joins the fleet); yields (url, app). app.state.control is the fleet actor's FleetClient.
 
     `send_buffer_bytes`: the kernel's send buffer of every connection (fixed: no autotuning to megabytes),
     so that a client that stops reading blocks the server's sends soon.
     `starting_answers`: collects GET /health's 503 bodies while the server starts (gateway/start_answerer.py).
     """
-    app = create_app(config)
-    uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                       lifespan="on"))
     sockets = None
     if send_buffer_bytes is not None:
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)  # accepted ones inherit
-        listener.bind((config.host, config.port))
         sockets = [listener]
-    thread = threading.Thread(target=lambda: uv.run(sockets=sockets), daemon=True)
+    running: list[uvicorn.Server] = []
+    apps: list[FastAPI] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with fleet_started(config) as fleet:
+                app = create_app(config, fleet.spec, on_ready=fleet.ready)
+                uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                                   log_level="warning", lifespan="on"))
+                apps.append(app)
+                running.append(uv)
+                if sockets is not None:  # bound once the start answerer has let the port go
+                    fleet.ready()
+                    sockets[0].bind((config.host, config.port))
+                uv.run(sockets=sockets)
+        except BaseException as error:
+            failed.append(error)
+            raise
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s
-    while not uv.started:
+    while not (running and running[0].started):
         if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("pdserve did not start")
+            if running:
+                running[0].should_exit = True
+            raise RuntimeError(f"pdserve did not start: {failed[0]!r}" if failed else "pdserve did not start")
         if starting_answers is not None:
             with contextlib.suppress(httpx.HTTPError):
                 health = httpx.get(f"http://{config.host}:{config.port}/health", timeout=2)
@@ -69,15 +90,27 @@ def serving(config: ServeConfig, send_buffer_bytes: int | None = None,
                     starting_answers.append(health.json())
         time.sleep(0.1)
     try:
-        yield f"http://{config.host}:{config.port}", app
+        yield f"http://{config.host}:{config.port}", apps[0]
     finally:
-        uv.should_exit = True
-        # The lifespan's shutdown stops every worker (a replacement still loading, too): the next server
-        # must not start before their CPUs are Ray's again, or it waits for a placement that never comes.
+        running[0].should_exit = True
+        # The fleet's shutdown stops every worker (a replacement still loading, too): the next server must
+        # not start before their CPUs are Ray's again, or it waits for a placement that never comes.
         thread.join(300)
         if thread.is_alive():
             raise RuntimeError("pdserve did not stop within 300 s")
         wait_for_ray_cpus()
+
+
+def fleet_output(app: FastAPI) -> str:
+    """What the server's fleet actor printed (its workers' bring-up lines, their KV): the tests' Ray does not
+    forward a worker's output to the driver, so it is read from Ray's log of the actor's process."""
+    import os
+
+    import ray
+
+    pid = ray.get(app.state.control.handle.__ray_call__.remote(lambda _: os.getpid()))
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    return "".join(path.read_text() for path in sorted(logs.glob(f"worker-*-{pid}.out")))
 
 
 def wait_for_ray_cpus(timeout_s: float = 60.0) -> None:
