@@ -243,6 +243,9 @@ class Scheduler:
             hashes = self._prefix_hashes(request)
             cached = len(self.kv.find_cached_prefix(token_ids, hashes)) * self.kv.block_size
             num_new = min(request.num_tokens - cached, budget, prefill_budget)
+            if (turn and chunks and num_new < request.num_tokens - cached
+                    and request.num_tokens - cached <= self.max_num_batched_tokens):
+                break  # a suspect's recompute is not split where one forward holds it: it computes whole
             # With nothing running the reserve protects nobody: admit rather than wait forever.
             reserve = self.watermark_blocks if self.running else 0
             if not self.kv.can_allocate(token_ids, cached + num_new, reserve, hashes):

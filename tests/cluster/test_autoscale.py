@@ -62,7 +62,10 @@ def test_a_layout_that_needs_a_new_node_waits_pending_then_completes_or_is_given
         assert "'pdserve_decode': 1.0" in reason and "autoscaler" in reason and "given up" in reason, reason
         pools = httpx.get(f"{url}/admin/pools", timeout=30).json()
         assert pools["change_in_progress"] is not None and pools["pending"] == 1
-        assert httpx.get(f"{url}/health", timeout=30).json()["pending"] == 1
+        # /health reads the frontend's mirror of the fleet, a snapshot behind /admin/pools (the fleet actor's
+        # own answer) by up to one report.
+        wait_for("/health to count the pending worker",
+                 lambda: httpx.get(f"{url}/health", timeout=30).json()["pending"] == 1, 10)
         assert thread.is_alive()  # the PUT waits for the node
 
         cluster.add_node(DECODE)  # what the autoscaler does for the demand
