@@ -29,7 +29,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     import ray
 
     from gateway.control.fleet_client import FleetClient
-    from gateway.frontends import stop_fleet
+    from gateway.fleet_supervisor import stop_fleet
     from gateway.lifespans import RAY_NAMESPACE
 
     try:

@@ -208,12 +208,14 @@ async def decode_once(state: RequestState, route: RequestRoute, decode: Worker, 
         route.at(f"decoding on {decode.worker_id}")
         while True:
             output = await call_worker(state, outputs.next())
+            if output.finish_reason == FinishReason.ERROR:
+                # Tokens coalesced into the error's output never reach the client: the next worker computes
+                # them again after the ones the client has.
+                yield Leave.lost(output.error or "decode worker failed", output)
+                return
             state.generated.extend(output.token_ids)
             if output.token_ids:  # computed in its suspect group's own forward: the worker lifted suspicion
                 state.suspect_group = ""
-            if output.finish_reason == FinishReason.ERROR:
-                yield Leave.lost(output.error or "decode worker failed", output)
-                return
             is_finished = output.finish_reason is not None
             is_held = not is_finished  # a final output (evacuated too): the worker let go of it
             if output.finish_reason == FinishReason.MIGRATE:

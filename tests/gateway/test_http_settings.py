@@ -20,7 +20,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import ServeConfig
-from gateway.frontends import StartedFleet
+from gateway.fleet_supervisor import StartedFleet
 from gateway.lifespans import FrontendSpec
 from gateway.serve_settings import uvicorn_options
 from pdserve.main import build_parser

@@ -25,7 +25,7 @@ from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.config import ServeConfig
-from gateway.frontends import fleet_started
+from gateway.fleet_supervisor import fleet_started
 
 API_KEY = "sk-test-key"
 MODEL = "tiny"
