@@ -141,7 +141,9 @@ def test_the_vocabulary_split_over_two_ranks_gives_one_ranks_logprobs(tiny_llama
         assert [[t for t, _ in top] for top in a.output_top_logprobs] == [
             [t for t, _ in top] for top in b.output_top_logprobs]
         assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
-        assert a.prompt_logprobs.logprobs == pytest.approx(b.prompt_logprobs.logprobs, abs=1e-4)
+        # A prompt's unlikely tokens have logprobs near -20: the split sum's rounding is relative there
+        # (1.3e-4 of -22.5 was seen under the full suite's load, the base tree too).
+        assert a.prompt_logprobs.logprobs == pytest.approx(b.prompt_logprobs.logprobs, abs=1e-4, rel=1e-5)
         assert a.prompt_logprobs.ranks == b.prompt_logprobs.ranks
 
 

@@ -1,4 +1,4 @@
-"""The supervisor's watch over its fleet actor (gateway/frontends.py watch_fleet), driven by a scripted
+"""The supervisor's watch over its fleet actor (gateway/fleet_supervisor.py watch_fleet), driven by a scripted
 probe (no Ray cluster): a fleet Ray is still restarting is waited for however long it takes, and started
 again once it answers; only a fleet Ray reports dead for good stops the gateway."""
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from gateway import frontends
+from gateway import fleet_supervisor
 
 
 class ScriptedFleet:
@@ -27,8 +27,8 @@ class ScriptedFleet:
 
 
 def watch(script: list[object], monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], int]:
-    monkeypatch.setattr(frontends, "FLEET_WATCH_S", 0.001)
-    monkeypatch.setattr(frontends, "FLEET_GONE_S", 0.05)
+    monkeypatch.setattr(fleet_supervisor, "FLEET_WATCH_S", 0.001)
+    monkeypatch.setattr(fleet_supervisor, "FLEET_GONE_S", 0.05)
     stopping = threading.Event()
     lost: list[str] = []
     starts: list[object] = []
@@ -39,7 +39,7 @@ def watch(script: list[object], monkeypatch: pytest.MonkeyPatch) -> tuple[list[s
         while True:
             yield "started"
 
-    frontends.watch_fleet(ScriptedFleet(steps()), starts.append, lost.append, stopping)  # type: ignore[arg-type]
+    fleet_supervisor.watch_fleet(ScriptedFleet(steps()), starts.append, lost.append, stopping)  # type: ignore[arg-type]
     return lost, len(starts)
 
 
