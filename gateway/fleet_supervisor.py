@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from gateway.config import ServeConfig
 from gateway.control.fleet_client import FleetClient
@@ -152,8 +153,13 @@ def open_fleet(name: str, deployment: DeploymentConfig, outlives: bool) -> tuple
     from gateway.control.fleet_actor import FleetActor
 
     # The fleet's loop does control work only (no request passes through it): it needs no CPU of its own.
-    # Ray restarts it should it die (empty: the supervisor's watch starts its fleet again).
-    options: dict[str, Any] = {"name": name, "num_cpus": 0, "max_concurrency": 1000, "max_restarts": -1}
+    # It runs on this process's node, beside the frontends: with no CPU asked, Ray would place it on any
+    # node, and a worker node's loss would then take the fleet down with it (soft: should this node go,
+    # Ray restarts it elsewhere). Ray restarts it should it die (empty: the supervisor's watch starts its
+    # fleet again).
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    options: dict[str, Any] = {"name": name, "num_cpus": 0, "max_concurrency": 1000, "max_restarts": -1,
+                               "scheduling_strategy": here}
     if not outlives:
         return FleetClient(ray.remote(FleetActor).options(**options).remote()), False
     options.update(lifetime="detached", get_if_exists=True)

@@ -1,6 +1,6 @@
 """A short-lived Ray driver that looks inside a running `pdserve serve` on a cluster, for the tests.
 
-    python -m tests.cluster.probe ADDRESS [WORKER_ID ...] [--slow WORKER_ID SECONDS]
+    python -m tests.cluster.probe ADDRESS [WORKER_ID ...] [--slow WORKER_ID SECONDS] [--heal WORKER_ID]
 prints JSON: the cluster's nodes (id, alive, resources), and for each worker the file its `pool_worker`
 was imported from (so a test can check the nodes run this worktree) and its transfer records. The gateway
 joins a cluster in the "pdserve" namespace, so its actors are found by name.
@@ -28,6 +28,11 @@ def main(argv: list[str]) -> None:
         at = rest.index("--slow")
         slow[rest[at + 1]] = float(rest[at + 2])
         rest = rest[:at] + rest[at + 3:]
+    heal: list[str] = []
+    if "--heal" in rest:
+        at = rest.index("--heal")
+        heal.append(rest[at + 1])
+        rest = rest[:at] + rest[at + 2:]
     ray.init(address=address, namespace="pdserve", log_to_driver=False, configure_logging=False)
     nodes = [{"node_id": n["NodeID"], "alive": n["Alive"], "resources": n["Resources"]} for n in ray.nodes()]
     workers: dict[str, object] = {}
@@ -43,6 +48,10 @@ def main(argv: list[str]) -> None:
         from tests.helpers import actor_faults
 
         ray.get(worker_actor(worker_id).__ray_call__.remote(actor_faults.slow_steps, seconds))
+    for worker_id in heal:
+        from tests.helpers import actor_faults
+
+        ray.get(worker_actor(worker_id).__ray_call__.remote(actor_faults.heal))
     print(json.dumps({"nodes": nodes, "workers": workers}))
 
 

@@ -53,8 +53,15 @@ def probe(cluster: LocalRayCluster, *args: str) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def get_pools(url: str) -> dict[str, Any]:
+    response = httpx.get(f"{url}/admin/pools", timeout=30)
+    assert response.status_code == 200, (response.status_code, response.text)
+    pools: dict[str, Any] = response.json()
+    return pools
+
+
 def workers_by_role(url: str) -> dict[str, dict[str, Any]]:
-    pools = httpx.get(f"{url}/admin/pools", timeout=30).json()
+    pools = get_pools(url)
     return {w["role"]: w for w in pools["workers"] if w["state"] == "active"}
 
 
@@ -132,7 +139,7 @@ def test_nixl_across_nodes_then_the_decode_node_dies_and_a_new_one_restores_serv
 
         def is_degraded_with_a_pending_decode_worker() -> bool:
             health = httpx.get(f"{url}/health", timeout=30).json()
-            workers = httpx.get(f"{url}/admin/pools", timeout=30).json()["workers"]
+            workers = get_pools(url)["workers"]
             return health["status"] == "degraded" and health["pending"] == 1 and any(
                 w["role"] == "decode" and w["state"] == "pending" and w["node_id"] is None for w in workers)
 
@@ -168,13 +175,13 @@ def test_a_worker_without_a_node_at_start_is_pending_until_one_joins(cluster: Lo
                  is_ready=lambda health: health["status"] == "degraded") as url:
         health = httpx.get(f"{url}/health", timeout=30).json()
         assert (health["active_workers"]["decode"], health["pending"]) == (1, 1)
-        [pending] = [w for w in httpx.get(f"{url}/admin/pools", timeout=30).json()["workers"]
+        [pending] = [w for w in get_pools(url)["workers"]
                      if w["state"] == "pending"]
         assert (pending["role"], pending["node_id"]) == ("decode", None)
         assert [greedy_over_http(url, p, 8) for p in prompts] == expected
         cluster.add_node(DECODE)
         wait_for("/health ok with both decode workers", lambda: _is_ok(url), 180)
-        workers = httpx.get(f"{url}/admin/pools", timeout=30).json()["workers"]
+        workers = get_pools(url)["workers"]
         decode_nodes = {w["node_id"] for w in workers if w["role"] == "decode" and w["state"] == "active"}
         assert len(decode_nodes) == 2 and pending["worker_id"] in [w["worker_id"] for w in workers]
         assert [greedy_over_http(url, p, 8) for p in prompts] == expected

@@ -35,9 +35,11 @@ from tests.helpers.servers import MODEL, free_port
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 MAX_TOKENS = 1000  # 1000 steps, seconds for six streams on this tiny model: the kill lands mid-stream
-# A stopped frontend's streams outlive it: they end with the clear error at 1.6 s. Not longer: 1000 tokens
-# took 4.7 s here with twelve streams open, and under 3.2 s on CI's machine (they then ended whole).
+# A stopped frontend's streams outlive it: they end with the clear error at 1.6 s. The decode worker's steps
+# are slowed for that part (STOPPED_STEP_S, at least 5 s for 1000 tokens): unslowed, 1000 tokens took under
+# 1.6 s on CI's machine, and the streams then ended whole before the grace.
 SHUTDOWN_GRACE_S = 2
+STOPPED_STEP_S = 0.005
 PROMPT = "The quick brown fox"
 
 
@@ -97,6 +99,25 @@ def frontend_pids(supervisor: psutil.Process) -> list[int]:
             if "spawn_main" in " ".join(child.cmdline()):
                 pids.append(child.pid)
     return pids
+
+
+def ray_address(supervisor: psutil.Process) -> str:
+    """The GCS address of the Ray instance the server started (its raylet's command line)."""
+    for process in supervisor.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            for arg in process.cmdline():
+                if arg.startswith(("--gcs-address=", "--gcs_address=")):
+                    return arg.split("=", 1)[1]
+    raise AssertionError("no raylet among the server's processes")
+
+
+def probe(supervisor: psutil.Process, *args: str) -> None:
+    """tests/cluster/probe.py against the server's Ray: --slow WORKER_ID SECONDS, --heal WORKER_ID. It runs
+    with Ray's token auth on (the head the server started requires the token it wrote to ~/.ray)."""
+    done = subprocess.run([sys.executable, "-m", "tests.cluster.probe", ray_address(supervisor), *args],
+                          env={**os.environ, "RAY_AUTH_MODE": "token"}, cwd=Path(__file__).parents[2], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def owner(port: int, pids: list[int]) -> int | None:
@@ -297,12 +318,17 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
     # takes no new connection, and each of its streams still open at 0.8 of --shutdown-grace-s ends with a
     # clear error event and [DONE] (gateway/stop_signals.py), not Ray's SIGTERM handler ending the process at
     # once with each request a bare 500. The other frontend's streams finish whole.
+    with two_frontends.client() as client:
+        [decode_worker] = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]
+                           if w["role"] == "decode"]
+    probe(supervisor, "--slow", decode_worker, str(STOPPED_STEP_S))
     pids = frontend_pids(supervisor)
     streams, readers = two_streams_on_each(two_frontends, pids)
     stopped, serving = pids
     os.kill(stopped, signal.SIGTERM)
     for reader in readers:
         reader.join(120)
+    probe(supervisor, "--heal", decode_worker)
     for stream in streams[stopped]:
         assert stream.done and stream.error_code == "shutting_down", (stream.error, stream.error_code)
         assert expected.startswith("".join(stream.texts))  # what it got before is right
