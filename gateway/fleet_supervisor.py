@@ -34,6 +34,7 @@ from gateway.serve_settings import (
     planner_settings,
 )
 from gateway.start_answerer import StartAnswerer
+from llm_engine.model_files import tokenizer_class_name
 
 FLEET_WATCH_S = 1.0
 FLEET_PROBE_TIMEOUT_S = 10.0  # a paused fleet is the frontends' to report (/health), not a death
@@ -86,8 +87,9 @@ def fleet_started(config: ServeConfig) -> Iterator[StartedFleet]:
                         print(f"pdserve: fleet {name}: {note}", flush=True)
                 else:
                     start(fleet)
-                spec = FrontendSpec(name, ray.get_runtime_context().gcs_address, config.api_server_count)
                 engine = deployment.engine
+                spec = FrontendSpec(name, ray.get_runtime_context().gcs_address, config.api_server_count,
+                                    tokenizer_class_name(engine.model_dir))
                 resolved = config.model_copy(update={"device": engine.device, "dtype": engine.dtype})
                 yield StartedFleet(fleet, spec, start, answerer.close, resolved)
             finally:

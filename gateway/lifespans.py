@@ -50,14 +50,17 @@ class FrontendSpec:
     fleet_actor: str  # the FleetActor's name in RAY_NAMESPACE
     ray_address: str  # the supervisor's Ray (GCS address)
     num_frontends: int
+    # The tokenizer's class as AutoTokenizer picked it in the supervisor (llm_engine/model_files.py
+    # load_tokenizer): a frontend loads it by name, without the torch that AutoTokenizer's choice imports.
+    tokenizer_class: str | None = None
 
 
 def serve_requests(app: FastAPI, config: ServeConfig, fleet: RemoteFleet, info: FleetInfo,
-                   share: int) -> GatewayService:
+                   share: int, tokenizer_class: str | None = None) -> GatewayService:
     """The request path over `fleet`: tokenizer, request preparation, admission (`share`: the decode KV
     tokens the fleet leased this frontend first), the service (app.state)."""
     kv_tokens_per_worker = info.kv_tokens_per_decode_worker
-    tokenizer = load_tokenizer(info.model_dir)
+    tokenizer = load_tokenizer(info.model_dir, tokenizer_class)
     if config.chat_template is not None:  # before the Preparer: its tool format is read off the template
         tokenizer.chat_template = load_chat_template(config.chat_template)
     model_name = config.served_model_name or served_name(config.model, info.model_dir)
@@ -117,7 +120,7 @@ def join_fleet(config: ServeConfig, frontend: FrontendSpec, on_ready: Callable[[
         fleet = RemoteFleet(client, frontend_id(socket.gethostname(), os.getpid()))
         try:
             info, share = await unless_stopped(fleet.join())
-            service = serve_requests(app, config, fleet, info, share)
+            service = serve_requests(app, config, fleet, info, share, frontend.tokenizer_class)
             fleet.start(service.router, service.admission)
             app.state.control = client  # the admin routes ask the fleet actor
             if on_ready is not None:

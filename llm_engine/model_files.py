@@ -214,8 +214,21 @@ def _static_rope_limit(config: PretrainedConfig) -> int:
     return int(config.max_position_embeddings)
 
 
-def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+def load_tokenizer(model_dir: str | Path, class_name: str | None = None) -> PreTrainedTokenizerBase:
+    """The model's tokenizer: AutoTokenizer's choice, or `class_name` (tokenizer_class_name's answer in a
+    process that has torch) loaded as it is: AutoTokenizer picks the class by the model's config, which
+    transformers reads through a module that imports torch; the class itself loads without it (a frontend
+    holds no torch). A class transformers does not export (a model's own code) goes through AutoTokenizer."""
+    import transformers
 
     read_model_spec(model_dir)
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    named = getattr(transformers, class_name, None) if class_name is not None else None
+    if named is None:
+        return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer: PreTrainedTokenizerBase = named.from_pretrained(str(model_dir))
+    return tokenizer
+
+
+def tokenizer_class_name(model_dir: str | Path) -> str:
+    """The name of the tokenizer class AutoTokenizer loads for the model (load_tokenizer's `class_name`)."""
+    return type(load_tokenizer(model_dir)).__name__

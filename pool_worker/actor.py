@@ -25,7 +25,9 @@ Calls meant for another role (submit_prefills on a decode worker, ...) raise Wro
 another worker (this one changed role since it was picked).
 Aborts are sticky: an abort that overtakes its submission (Ray does not order an async actor's calls) is
 remembered, and the submission is refused when it comes (worker_runtime/aborted.py, submissions.py).
-Wrapped with ray.remote(...) by the pool, which sets its resources and name.
+Wrapped with ray.remote(...) by the pool, which sets its resources and name. Ray imports this module wherever
+a handle of the actor is unpickled (frontends too): what imports torch is imported by start() only
+(pool_worker/engine_start.py).
 """
 
 from __future__ import annotations
@@ -34,13 +36,10 @@ import os
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
-from ray.util.placement_group import get_current_placement_group
 
-from decode_pool.messages import DecodeRequest
-from decode_pool.worker import DecodeWorker
 from kv_transfer import (
     BackendName,
     PeerInfo,
@@ -51,15 +50,9 @@ from kv_transfer import (
     capabilities,
 )
 from llm_engine.config import EngineConfig
-from llm_engine.engine import LLMEngine
-from llm_engine.model_loader import num_model_loads
 from llm_engine.step_timeline import STEP_TOKEN_BUCKETS, StepRecord
-from llm_engine.tensor_parallel import TPGroup, TPRank, bind_group_address
 from pool_worker.api import StillHoldsWork, WrongRole
 from pool_worker.submissions import compile_grammars, is_final, submit_each
-from pool_worker.tp_ranks import TPRanks
-from prefill_pool.messages import PrefillRequest
-from prefill_pool.worker import PrefillWorker
 from worker_runtime.aborted import AbortedIds
 from worker_runtime.info import WorkerInfo, WorkerPlacement, WorkerRuntime, WorkerStanding
 from worker_runtime.keeper_watch import KeeperWatch
@@ -71,7 +64,13 @@ from worker_runtime.process_heap import freeze_startup_heap
 from worker_runtime.roles import Role
 from worker_runtime.worker_setup import TorchGroupSpec, setup_worker_process
 
-TP_START_TIMEOUT_S = 600.0  # the other ranks load their slices while rank 0 loads its own
+if TYPE_CHECKING:  # the torch side: pool_worker/engine_start.py, imported by start()
+    from decode_pool.messages import DecodeRequest
+    from decode_pool.worker import DecodeWorker
+    from llm_engine.engine import LLMEngine
+    from pool_worker.tp_ranks import TPRanks
+    from prefill_pool.messages import PrefillRequest
+    from prefill_pool.worker import PrefillWorker
 
 
 class WorkerActor:
@@ -106,6 +105,7 @@ class WorkerActor:
         self._cpu_slot: int | None = None
         self._keeper = KeeperWatch(keeper).start() if keeper else None
         self._tp_ranks: TPRanks | None = None  # ranks 1.. of a tensor-parallel worker (start() makes them)
+        self._num_model_loads = 0  # in this process, as of start()
 
     def placement(self) -> WorkerPlacement:
         return self._placement
@@ -135,43 +135,20 @@ class WorkerActor:
         config = replace(self._engine_config, model_dir=model_dir, tp_staging=not slices,
                          transfer_scratch_bytes=self._transfer_config.rank_scratch_bytes
                          if slices and self._engine_config.tensor_parallel_size > 1 else 0)
-        if config.tensor_parallel_size > 1:
-            self.engine = self._start_tp_group(config)
-        else:
-            self.engine = LLMEngine(config)
+        from pool_worker.engine_start import load_engine
+
+        loaded = load_engine(self.worker_id, config, self._placement, self._num_threads)
+        self.engine, self._tp_ranks = loaded.engine, loaded.tp_ranks
+        self._num_model_loads = loaded.num_model_loads
         self._worker = self._build_worker(self.role)
         freeze_startup_heap()  # a full collection over the model's heap would stall the step loop
         return self.info()
 
-    def _start_tp_group(self, config: EngineConfig) -> LLMEngine:
-        """Rank 0 of a tensor-parallel worker: the other ranks started on this node (pool_worker/tp_ranks.py),
-        the group joined, and this rank's engine built over it."""
-        size = config.tensor_parallel_size
-        tp = TPRank(0, size, bind_group_address(self._placement.node_ip, size),
-                    "nccl" if config.device.startswith("cuda") else "gloo")
-        gpu_ids = [str(i) for i in ray.get_gpu_ids()]
-        # Rank 0's own GPU in the worker's placement group (a bundle per rank); without one, every rank's.
-        needed = 1 if get_current_placement_group() is not None else size
-        held = ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)
-        if gpu_ids and (len(gpu_ids) < needed or held < needed):
-            raise RuntimeError(f"{self.worker_id}: each of its {size} tensor-parallel ranks needs a GPU of "
-                               f"its own; Ray gave rank 0 {held:g} (--gpus-per-worker is per rank: give 1)")
-        self._tp_ranks = TPRanks.create(self.worker_id, tp, config, config.model_dir, self._num_threads,
-                                        self._placement.node_id, gpu_ids)
-        try:
-            engine = LLMEngine(config, tp_group=TPGroup(tp))
-            self._tp_ranks.wait_started(TP_START_TIMEOUT_S)
-        except BaseException:
-            self._tp_ranks.kill()
-            raise
-        return engine
-
     def _build_worker(self, role: Role) -> PrefillWorker | DecodeWorker:
-        if role is Role.PREFILL:
-            return PrefillWorker.create(self.worker_id, self.engine, self._backend, self._transfer_config,
-                                        self._outputs, self._num_threads)
-        return DecodeWorker.create(self.worker_id, self.engine, self._backend, self._transfer_config,
-                                   self._outputs, self._watermark, self._num_threads)
+        from pool_worker.engine_start import build_worker
+
+        return build_worker(role, self.worker_id, self.engine, self._backend, self._transfer_config,
+                            self._outputs, self._watermark, self._num_threads)
 
     @property
     def worker(self) -> PrefillWorker | DecodeWorker:
@@ -180,7 +157,7 @@ class WorkerActor:
 
     def info(self) -> WorkerInfo:
         actor_id = ray.get_runtime_context().get_actor_id() or ""
-        return WorkerInfo(self.worker_id, self.role, actor_id, os.getpid(), num_model_loads(),
+        return WorkerInfo(self.worker_id, self.role, actor_id, os.getpid(), self._num_model_loads,
                           self._num_role_changes, self._runtime())
 
     def standing(self) -> WorkerStanding:
@@ -292,8 +269,8 @@ class WorkerActor:
         """Forget a worker's endpoint, unless a later wiring of it has been applied already."""
         if not self._is_newest_wiring(worker_id, generation):
             return
-        if isinstance(self._worker, DecodeWorker):  # a prefill worker knows no peers: nothing to forget
-            self._worker.remove_peer(worker_id)
+        if self._worker is not None and self.role.can_decode:  # a prefill worker knows no peers
+            self._decode().remove_peer(worker_id)
 
     def _is_newest_wiring(self, worker_id: str, generation: int) -> bool:
         if generation and generation <= self._peer_generations.get(worker_id, 0):
@@ -325,26 +302,27 @@ class WorkerActor:
 
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate": the gateway continues them elsewhere."""
-        if isinstance(self._worker, DecodeWorker):
-            self._worker.evacuate()
+        if self._worker is not None and self.role.can_decode:
+            self._decode().evacuate()
 
     def move_out(self, request_ids: list[str]) -> None:
         """Hand these running streams back with their KV offered (finish_reason "migrate"), for the gateway
         to continue elsewhere: it clears this worker for a long prompt. Streams whose KV cannot move stay."""
-        if isinstance(self._worker, DecodeWorker):
-            self._worker.move_out(request_ids)
+        if self._worker is not None and self.role.can_decode:
+            self._decode().move_out(request_ids)
 
     def _started(self) -> PrefillWorker | DecodeWorker:
         if self._worker is None:
             raise RuntimeError(f"{self.worker_id} has not started (start() loads the model)")
         return self._worker
 
+    # The role says which worker this is (set_role changes both together).
     def _prefill(self) -> PrefillWorker:
-        if not isinstance(self._worker, PrefillWorker):
+        if self._worker is None or self.role is not Role.PREFILL:
             raise WrongRole(f"{self.worker_id} serves as {self.role.value}, not prefill")
-        return self._worker
+        return cast("PrefillWorker", self._worker)
 
     def _decode(self) -> DecodeWorker:
-        if not isinstance(self._worker, DecodeWorker):
+        if self._worker is None or not self.role.can_decode:
             raise WrongRole(f"{self.worker_id} serves as prefill, not decode or mixed")
-        return self._worker
+        return cast("DecodeWorker", self._worker)

@@ -115,8 +115,8 @@ def probe(supervisor: psutil.Process, *args: str) -> None:
     """tests/cluster/probe.py against the server's Ray: --slow WORKER_ID SECONDS, --heal WORKER_ID. It runs
     with Ray's token auth on (the head the server started requires the token it wrote to ~/.ray)."""
     done = subprocess.run([sys.executable, "-m", "tests.cluster.probe", ray_address(supervisor), *args],
-                          env={**os.environ, "RAY_AUTH_MODE": "token"}, cwd=Path(__file__).parents[2], capture_output=True,
-                          text=True, timeout=120)
+                          env={**os.environ, "RAY_AUTH_MODE": "token"}, cwd=Path(__file__).parents[2],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -254,6 +254,10 @@ def test_two_frontends_serve_https_under_a_proxy_prefix_and_say_their_start_up(
         preflight = client.options("/v1/completions", headers={
             "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
         assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+    # Neither frontend process holds torch (loaded, it would be mapped: libtorch_cpu and its kin).
+    for pid in frontend_pids(two_frontends.supervisor):
+        mapped = {m.path for m in psutil.Process(pid).memory_maps()}
+        assert not [path for path in mapped if "/torch/" in path], pid
     said = two_frontends.log.read_text()
     for line in ("starting 2 workers (1 prefill, 1 decode)", "(prefill): placed on node",
                  "(decode): loading the model on its node", "(decode): model loaded in",
