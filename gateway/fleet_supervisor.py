@@ -156,10 +156,12 @@ def open_fleet(name: str, deployment: DeploymentConfig, outlives: bool) -> tuple
 
     # The fleet's loop does control work only (no request passes through it): it needs no CPU of its own.
     # It runs on this process's node, beside the frontends: with no CPU asked, Ray would place it on any
-    # node, and a worker node's loss would then take the fleet down with it (soft: should this node go,
-    # Ray restarts it elsewhere). Ray restarts it should it die (empty: the supervisor's watch starts its
-    # fleet again).
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    # node, and a worker node's loss would then take the fleet down with it. The affinity is hard: Ray's
+    # soft affinity placed it on other nodes half the time where this node offers no CPU (a head started
+    # with --num-cpus 0), and a fleet this process owns dies with it anyway. A named fleet outlives this
+    # process: soft, so that Ray can restart it elsewhere should this node go. Ray restarts it should it
+    # die (empty: the supervisor's watch starts its fleet again, adopting the workers that live on).
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=outlives)
     options: dict[str, Any] = {"name": name, "num_cpus": 0, "max_concurrency": 1000, "max_restarts": -1,
                                "scheduling_strategy": here}
     if not outlives:

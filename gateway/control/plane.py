@@ -99,11 +99,19 @@ def build_planner(settings: PlannerSettings, deployment: PDDeployment, policy: C
 
 async def decode_kv_tokens(deployment: PDDeployment) -> list[int]:
     """KV tokens each decode or mixed worker can hold (less its watermark): admission's capacity, and the
-    longest request one worker can take."""
+    longest request one worker can take. Every worker runs the same engine settings: a restarted fleet
+    whose decode workers are all pending (their node lost) reads the live prefill workers' instead.
+
+    Raises:
+        RuntimeError: no worker answered.
+    """
     block_size = deployment.config.engine.block_size
     usable = 1.0 - deployment.config.watermark
-    return [int(x.num_total_blocks * block_size * usable) for x in await deployment.loads()
-            if Role(x.role).can_decode]
+    loads = await deployment.loads()
+    decoding = [x for x in loads if Role(x.role).can_decode] or loads
+    if not decoding:
+        raise RuntimeError("no worker of the fleet answered for its KV capacity")
+    return [int(x.num_total_blocks * block_size * usable) for x in decoding]
 
 
 class ControlPlane:

@@ -119,8 +119,8 @@ class PDDeployment:
         worker to every worker it may pull KV from.
 
         Raises:
-            PlacementTimeout: after placement_timeout_s, the placed workers cannot serve (or a torch
-                group lacks a rank); the message says what no node offers.
+            PlacementTimeout: after placement_timeout_s, a fresh fleet's placed workers cannot serve (or
+                a torch group lacks a rank); the message says what no node offers.
         """
         table = self.table
         adopted = await adopt_survivors(table, table.keeper) if table.keeper else []
@@ -146,7 +146,10 @@ class PDDeployment:
             await self._start_torch_group(workers)
             await self.wiring.connect(workers)
         else:
-            if not any(w.role.can_decode for w in [*adopted, *placed]):
+            # A fresh fleet that cannot decode does not start; a restarted one serves what lives on, its
+            # lost workers pending (as the fleet before it did), rather than failing every start again
+            # until a node comes back.
+            if not adopted and not any(w.role.can_decode for w in placed):
                 raise PlacementTimeout(describe_unplaced(unplaced, config, waited, fit_no_node))
             if unplaced:
                 logger.warning("serving without %d worker(s) Ray has not placed yet: %s", len(unplaced),

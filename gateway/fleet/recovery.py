@@ -46,6 +46,7 @@ class Recovery:
         # Failed worker id → (that worker, the task starting its replacement).
         self.replacements: dict[str, tuple[Worker, asyncio.Task[None]]] = {}
         self.late_starts: list[asyncio.Task[None]] = []  # workers still pending when start() went on
+        self.late_workers: list[Worker] = []  # and those workers
         self.last_loads: list[WorkerLoad] = []  # from the latest loads() (watch() refreshes it every second)
 
     def tasks(self) -> list[asyncio.Task[None]]:
@@ -54,6 +55,7 @@ class Recovery:
 
     def start_late(self, workers: list[Worker]) -> None:
         """Bring up, in the background, the `workers` start() went on without (still PENDING)."""
+        self.late_workers = workers
         self.late_starts = [asyncio.create_task(self.start_until_up(w.role, "start-up", w)) for w in workers]
 
     def mark_failed(self, worker_id: str, why: str) -> None:
@@ -82,8 +84,11 @@ class Recovery:
         self.replacements[worker_id] = (worker, replacing)
 
     def is_replacing(self, *roles: Role) -> bool:
-        """Whether a worker in any of `roles` is being started in place of a failed one."""
-        return any((w.next_role or w.role) in roles for w, _ in self.replacements.values())
+        """Whether a worker in any of `roles` is being started in place of a failed one, or is one start()
+        went on without (a restarted fleet's in place of one lost with its node): requests wait for it."""
+        coming = (WorkerState.PENDING, WorkerState.STARTING)
+        return (any((w.next_role or w.role) in roles for w, _ in self.replacements.values())
+                or any(w.role in roles and w.state in coming for w in self.late_workers))
 
     async def _replace(self, failed: Worker) -> None:
         self.table.forget(failed)

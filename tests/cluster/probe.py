@@ -1,9 +1,9 @@
 """A short-lived Ray driver that looks inside a running `pdserve serve` on a cluster, for the tests.
 
     python -m tests.cluster.probe ADDRESS [WORKER_ID ...] [--slow WORKER_ID SECONDS] [--heal WORKER_ID]
-prints JSON: the cluster's nodes (id, alive, resources), and for each worker the file its `pool_worker`
-was imported from (so a test can check the nodes run this worktree) and its transfer records. The gateway
-joins a cluster in the "pdserve" namespace, so its actors are found by name.
+prints JSON: the cluster's nodes (id, alive, resources), the fleet actors (node, restarts), and for each
+worker the file its `pool_worker` was imported from (so a test can check the nodes run this worktree) and its
+transfer records. The gateway joins a cluster in the "pdserve" namespace, so its actors are found by name.
 """
 
 from __future__ import annotations
@@ -52,7 +52,11 @@ def main(argv: list[str]) -> None:
         from tests.helpers import actor_faults
 
         ray.get(worker_actor(worker_id).__ray_call__.remote(actor_faults.heal))
-    print(json.dumps({"nodes": nodes, "workers": workers}))
+    # Where each fleet actor lives and how often Ray restarted it (a worker node's loss must not touch it).
+    fleets = [{"name": a["Name"], "state": a["State"], "node_id": a["Address"]["NodeID"],
+               "num_restarts": a["NumRestarts"], "pid": a["Pid"]}
+              for a in ray._private.state.actors().values() if a["ActorClassName"].endswith("FleetActor")]
+    print(json.dumps({"nodes": nodes, "workers": workers, "fleets": fleets}))
 
 
 if __name__ == "__main__":

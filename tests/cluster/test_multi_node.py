@@ -2,12 +2,15 @@
 own raylet on this machine): `pdserve serve --address` joins it, prefill and decode workers land on the
 nodes that offer their role's resources, the KV crosses nodes (torch group meeting at the first rank's node
 IP; NIXL over UCX TCP on the node's interface, not loopback), greedy output equals transformers, and when
-the decode node dies mid-stream the gateway reports it, waits for capacity, and a new decode node restores
+the decode node dies mid-stream the gateway reports it, waits for capacity (the fleet actor, on the serving
+process's node, lives on; killed then, its restart serves what lives on), and a new decode node restores
 service."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -139,12 +142,27 @@ def test_nixl_across_nodes_then_the_decode_node_dies_and_a_new_one_restores_serv
 
         def is_degraded_with_a_pending_decode_worker() -> bool:
             health = httpx.get(f"{url}/health", timeout=30).json()
-            workers = get_pools(url)["workers"]
+            pools = httpx.get(f"{url}/admin/pools", timeout=30)
+            if pools.status_code == 503:  # "the fleet is starting again": the API says to try again shortly
+                return False
+            assert pools.status_code == 200, pools.text
+            workers = pools.json()["workers"]
             return health["status"] == "degraded" and health["pending"] == 1 and any(
                 w["role"] == "decode" and w["state"] == "pending" and w["node_id"] is None for w in workers)
 
         wait_for("/health degraded, a decode worker pending", is_degraded_with_a_pending_decode_worker, 60)
         assert old_decode["worker_id"] not in [w["worker_id"] for w in workers_by_role(url).values()]
+        # The fleet actor lives on the serving process's node (the head's here), never on the node lost.
+        seen = probe(cluster)
+        [head] = [n["node_id"] for n in seen["nodes"] if n["alive"] and not n["resources"].get("CPU")]
+        [fleet] = [f for f in seen["fleets"] if f["state"] == "ALIVE"]
+        assert (fleet["node_id"], fleet["num_restarts"]) == (head, 0), json.dumps(seen, indent=1)
+        # Should the fleet actor die now, Ray restarts it and it serves what lives on, the decode worker
+        # still pending (not failing every start again until a decode node joins).
+        os.kill(fleet["pid"], signal.SIGKILL)
+        wait_for("the restarted fleet: degraded, a decode worker pending",
+                 is_degraded_with_a_pending_decode_worker, 120)
+        assert [f["num_restarts"] for f in probe(cluster)["fleets"] if f["state"] == "ALIVE"] == [1]
         new_node: RayNode = cluster.add_node(DECODE)
         wait_for("/health ok again", lambda: _is_ok(url), 180)
         streaming.join(300)

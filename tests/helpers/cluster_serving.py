@@ -44,6 +44,9 @@ def pdserve(cluster: LocalRayCluster, model_dir: Path, *args: str,
                 raise RuntimeError(f"pdserve serve did not come up: {log.read_text()[-4000:]}")
             time.sleep(0.5)
         yield url
+    except BaseException:  # the test failed: what the server printed is the first thing to read
+        print(f"--- pdserve serve's log ({log}), its tail ---\n{log.read_text()[-12000:]}", file=sys.stderr)
+        raise
     finally:
         server.send_signal(signal.SIGINT)  # the gateway shuts its workers down
         try:

@@ -157,7 +157,8 @@ def running_cluster(prefix: str, *nodes: dict[str, float], num_cpus: int = 1) ->
         yield cluster
     finally:
         cluster.stop()
-        shutil.rmtree(work_dir, ignore_errors=True)
+        if not os.environ.get("PDSERVE_KEEP_CLUSTER_DIR"):  # set it to read the nodes' Ray logs after a run
+            shutil.rmtree(work_dir, ignore_errors=True)
 
 
 def kill_tree(pid: int) -> None:
