@@ -15,12 +15,14 @@ import contextlib
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import uvicorn
+import uvloop
 from fastapi import FastAPI
 
 from gateway.app import create_app
@@ -58,19 +60,28 @@ def serving(config: ServeConfig, send_buffer_bytes: int | None = None,
     running: list[uvicorn.Server] = []
     apps: list[FastAPI] = []
     failed: list[BaseException] = []
+    loops: list[asyncio.AbstractEventLoop] = []
 
     def run() -> None:
         try:
             with fleet_started(config) as fleet:
                 app = create_app(config, fleet.spec, on_ready=fleet.ready)
+                # Its graceful stop is bounded as the product's is (gateway/serve_settings.py).
                 uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                                   log_level="warning", lifespan="on"))
+                                                   log_level="warning", lifespan="on",
+                                                   timeout_graceful_shutdown=config.shutdown_grace_s))
                 apps.append(app)
                 running.append(uv)
                 if sockets is not None:  # bound once the start answerer has let the port go
                     fleet.ready()
                     sockets[0].bind((config.host, config.port))
-                uv.run(sockets=sockets)
+                # uvicorn's own run() on a loop this helper holds: one that does not stop can be stopped.
+                loop = uvloop.new_event_loop()
+                loops.append(loop)
+                try:
+                    loop.run_until_complete(uv.serve(sockets=sockets))
+                finally:
+                    loop.close()
         except BaseException as error:
             failed.append(error)
             raise
@@ -95,10 +106,30 @@ def serving(config: ServeConfig, send_buffer_bytes: int | None = None,
         running[0].should_exit = True
         # The fleet's shutdown stops every worker (a replacement still loading, too): the next server must
         # not start before their CPUs are Ray's again, or it waits for a placement that never comes.
-        thread.join(300)
+        thread.join(config.shutdown_grace_s + STOP_MARGIN_S)
+        if thread.is_alive():  # as the product's supervisor ends a frontend that outlives its grace
+            _stop_stuck(loops[0])
+            thread.join(60)
         if thread.is_alive():
-            raise RuntimeError("pdserve did not stop within 300 s")
+            raise RuntimeError("pdserve did not stop, even with its event loop stopped")
         wait_for_ray_cpus()
+
+
+STOP_MARGIN_S = 60.0  # past the server's shutdown grace: its lifespan's own shutdown (the fleet's workers)
+
+
+def _stop_stuck(loop: asyncio.AbstractEventLoop) -> None:
+    """Stop a test server's loop that did not stop by itself (its thread then stops the fleet), warning with
+    where each of its tasks waits: that is a shutdown that hangs, to be found."""
+    stacks = []
+    for task in list(asyncio.all_tasks(loop)):  # read from this thread: a diagnosis, not a control path
+        frames = task.get_stack(limit=8)
+        where = " <- ".join(f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno} {f.f_code.co_name}"
+                            for f in reversed(frames))
+        stacks.append(f"{task.get_name()}: {where}")
+    warnings.warn("a test server did not stop within its grace; its loop was stopped. Its tasks:\n"
+                  + "\n".join(stacks), stacklevel=2)
+    loop.call_soon_threadsafe(loop.stop)
 
 
 def fleet_output(app: FastAPI) -> str:
