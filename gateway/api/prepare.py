@@ -48,7 +48,7 @@ from gateway.api.tool_parsers import ToolCallParser, choose_parser
 from gateway.api.tool_prompt import ToolPlan, plan_tools, template_messages
 from gateway.requests.prepared import PreparedRequest
 from llm_engine.config import ModelSpec
-from llm_engine.kv_cache_manager import prefix_hashes
+from llm_engine.kv_cache_manager import chain_root, prefix_hashes
 from llm_engine.params import SamplingParams
 from llm_engine.structured import GrammarSpec
 
@@ -76,12 +76,14 @@ class Preparer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: ModelSpec, model_name: str,
                  max_request_tokens: int, default_max_tokens: int | None, block_size: int,
                  tool_call_parser: str = "auto", reasoning_parser: ReasoningParser | None = None,
-                 sampling_defaults: SamplingDefaults | None = None) -> None:
+                 sampling_defaults: SamplingDefaults | None = None,
+                 priority_scheduling: bool = False) -> None:
         # default_max_tokens None: a chat request naming none gets the generation config's max_new_tokens,
         # else what the context leaves; sampling_defaults: --generation-config's (api/sampling_defaults.py).
         self.tokenizer = tokenizer
         self.reasoning_parser = reasoning_parser
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
+        self.priority_scheduling = priority_scheduling  # --scheduling-policy priority: else priority is 0
         template = getattr(tokenizer, "chat_template", None)
         self.tool_parser: ToolCallParser = choose_parser(tool_call_parser, template)
         self.template_knows_tools = isinstance(template, str) and "tools" in template
@@ -212,8 +214,9 @@ class Preparer:
     async def _hashed(self, prepared: PreparedRequest) -> PreparedRequest:
         """With the prompt's block hashes, which the router needs for every prefill pick."""
         prompt = prepared.prompt_token_ids
+        root = chain_root(prepared.sampling.cache_salt)  # the routing belief is salted as the workers' cache
         hashes = await self._off_loop_if(len(prompt) > LONG_PROMPT_TOKENS,
-                                         lambda: prefix_hashes(prompt, self.block_size))
+                                         lambda: prefix_hashes(prompt, self.block_size, root))
         return replace(prepared, block_hashes=hashes)
 
     def check_model(self, name: str | None) -> None:
@@ -268,6 +271,9 @@ class Preparer:
         value = self.sampling_defaults.value  # the request's own, or the generation config's
         temperature, top_p = value(request, "temperature"), value(request, "top_p")
         is_greedy = temperature < MIN_TEMPERATURE or top_p < MIN_TOP_P
+        if request.priority and not self.priority_scheduling:  # vLLM's rule: a priority that would not count
+            raise BadRequest(f"priority {request.priority} needs priority scheduling, and this server admits "
+                             "requests in arrival order (--scheduling-policy fcfs)", param="priority")
         if request.min_tokens > max_tokens:
             raise BadRequest(f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})",
                              param="min_tokens")
@@ -294,6 +300,7 @@ class Preparer:
                 stop_token_ids=self._stop_token_ids(request, grammar),
                 n=num_sampled,
                 grammar=grammar,
+                cache_salt=request.cache_salt,
             )
         except ValueError as error:
             raise BadRequest(str(error)) from None

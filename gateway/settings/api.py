@@ -32,6 +32,12 @@ class ApiSettings(BaseModel):
         None,
         description="a Jinja chat template replacing the tokenizer's: a file, or the template's text "
                     "(default: the model's own)")
+    enable_prompt_tokens_details: bool = Field(
+        False,
+        description="responses carry the prompt tokens served from the prefix cache (usage's "
+                    "prompt_tokens_details.cached_tokens, timings' cached_tokens and local_prefill_reason), "
+                    "as vLLM's flag: off by default, since the count tells one client whether another's "
+                    "prompt is cached (cache_salt keeps tenants apart)")
     generation_config: str = Field(
         "auto",
         description="sampling defaults for the fields a request leaves unset: auto (the model's "
