@@ -275,3 +275,31 @@ def test_a_lease_withdrawn_is_expected_to_be_claimed_only_until_its_deadline(pai
     sender.withdraw(handle.transfer_id, "the client left")
     time.sleep(0.1)
     assert not sender.expects_claims
+
+
+def test_a_sender_forgets_an_idle_receiver_and_loads_it_again_at_its_next_claim():
+    """Review P10: a sender kept every receiver agent it ever answered (one per role change or replacement
+    of each decode worker). One idle for idle_receiver_s with no grant is forgotten; its next claim carries
+    its connection info again, and the pull works."""
+    n = next(_names)
+    sender = make_sender("nixl", f"prefill-nixl-{n}", _cache(8, seed=n),
+                         config=TransferConfig(idle_receiver_s=0.2))
+    receiver = make_receiver("nixl", f"decode-nixl-{n}", _cache(8))
+    receiver.add_peer(sender.peer_info())
+    try:
+        for dst in ([0, 1], [2, 3]):
+            handle = sender.offer([4, 5], num_tokens=20)
+            receiver.start_pull(handle, dst)
+            released: dict[int, ReleaseReason] = {}
+            results = _drive(sender, receiver, released, lambda res, rel: res and rel)
+            assert results[handle.transfer_id].state == TransferState.DONE
+            assert torch.equal(receiver.kv_cache[dst], sender.kv_cache[[4, 5]])
+            assert sender.num_known_receivers == 1
+            deadline = time.monotonic() + 5
+            while sender.num_known_receivers and time.monotonic() < deadline:
+                sender.poll()
+                time.sleep(0.05)
+            assert sender.num_known_receivers == 0  # forgotten while idle
+    finally:
+        receiver.close()
+        sender.close()
