@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, cast
 
 import ray
 
-from gateway.fleet.rank_groups import remove_rank_group
+from gateway.fleet.rank_groups import remove_rank_group, remove_rank_groups_of
 from gateway.fleet.table import worker_actor_name
 from gateway.fleet.worker_client import WorkerClient
 from gateway.fleet.workers import Worker, WorkerState
@@ -84,6 +84,7 @@ async def adopt_survivors(table: WorkerTable, keeper: str) -> list[Worker]:
     """Add the survivors that serve to `table` as ACTIVE workers (not yet wired); kill the others."""
     handles = survivors(keeper, table.digest)
     if not handles:
+        _remove_orphan_rank_groups(keeper, [])
         return []
     standings = await asyncio.gather(*(_standing(handle) for handle in handles.values()))
     adopted: list[Worker] = []
@@ -102,7 +103,15 @@ async def adopt_survivors(table: WorkerTable, keeper: str) -> list[Worker]:
         adopted.append(worker)
     logger.info("adopted %d of %d surviving workers: %s", len(adopted), len(handles),
                 ", ".join(f"{w.worker_id} ({w.role.value})" for w in adopted))
+    kept = [worker_actor_name(keeper, table.digest, w.worker_id) for w in adopted]
+    _remove_orphan_rank_groups(keeper, kept)
     return adopted
+
+
+def _remove_orphan_rank_groups(keeper: str, adopted: list[str]) -> None:
+    """The rank groups of workers that died while no fleet actor watched (none adopts them) go back."""
+    for name in remove_rank_groups_of(keeper, keep=adopted):
+        logger.warning("removed the placement group %s: its worker is gone", name)
 
 
 def layout_after_adoption(layout: dict[Role, int], adopted: list[Role]) -> dict[Role, int]:
