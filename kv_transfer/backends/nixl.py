@@ -37,6 +37,7 @@ READ could not be cancelled is reported only once it has been, so nothing lands 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -225,14 +226,29 @@ class NixlReceiver(KVReceiver):
         self._retiring: dict[str, tuple[int | None, tuple[str, ...]]] = {}
 
     def _on_add_peer(self, peer: PeerInfo) -> None:
+        """Load the peer's agents (every rank's) and prepare its blocks; all or nothing: what was loaded
+        before a step failed is dropped again, and the error raised (the wiring call reports it)."""
         metadata = tuple(msgpack.unpackb(peer.backend_metadata, raw=False))
-        names = tuple(self.agent.add_remote(m) for m in metadata)
-        if peer.layout.ranks or self.layout.ranks:
-            if self.ranks is not None:
-                self.ranks(LoadAgents(metadata))
-            self._rank_agents[peer.worker_id] = names
-        else:
-            self._remote_dlists[peer.worker_id] = self.agent.prep_blocks(names[0], peer.layout)
+        names: list[str] = []
+        asked_ranks = False
+        try:
+            for m in metadata:
+                names.append(self.agent.add_remote(m))
+            if peer.layout.ranks or self.layout.ranks:
+                if self.ranks is not None:
+                    asked_ranks = True
+                    self.ranks(LoadAgents(metadata))
+                self._rank_agents[peer.worker_id] = tuple(names)
+            else:
+                self._remote_dlists[peer.worker_id] = self.agent.prep_blocks(names[0], peer.layout)
+        except Exception:
+            self._rank_agents.pop(peer.worker_id, None)
+            for name in names:
+                self.agent.forget_remote(name, None)
+            if asked_ranks and self.ranks is not None:
+                with contextlib.suppress(Exception):  # the ranks that loaded them drop them
+                    self.ranks(ForgetAgents(tuple(names)))
+            raise
         self._agent_names[peer.worker_id] = names[0]
         self._workers[names[0]] = peer.worker_id
 
