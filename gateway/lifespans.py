@@ -73,7 +73,8 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: RemoteFleet, info: 
                                   config.default_max_tokens, info.block_size, config.tool_call_parser,
                                   reasoning_parser(config.reasoning_parser),
                                   read_sampling_defaults(config.generation_config, info.model_dir),
-                                  priority_scheduling=config.scheduling_policy == "priority")
+                                  priority_scheduling=config.scheduling_policy == "priority",
+                                  max_logprobs=config.max_logprobs)
     app.state.token_texts = TokenTexts(tokenizer)  # logprobs show each token's own text
     # /v1/models' root: the model as given, as vLLM reports it (a remote `vllm bench serve` loads its
     # tokenizer from it; this server's snapshot path means nothing there); the default model by its directory.

@@ -146,9 +146,9 @@ def load_format(value: str, flags: dict[str, Any]) -> Outcome:
 def max_logprobs(value: str, flags: dict[str, Any]) -> Outcome:
     from llm_engine.params import MAX_LOGPROBS  # not at import: it brings torch, and --help needs none
 
-    if int(value) <= MAX_LOGPROBS:
-        return Outcome(f"accepted, no effect: a request may ask for up to {MAX_LOGPROBS} logprobs per token "
-                       "(OpenAI's bound); more is a 400", {})
+    if 0 <= int(value) <= MAX_LOGPROBS:
+        return Outcome(f"applied: a request may ask for up to {value} alternatives per token (top_logprobs, "
+                       "completions' logprobs, prompt_logprobs); more is a 400", {"max_logprobs": int(value)})
     raise RefusedFlag(f"pdserve returns at most {MAX_LOGPROBS} logprobs per token (OpenAI's top_logprobs "
                       "bound)")
 

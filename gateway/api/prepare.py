@@ -39,7 +39,7 @@ from gateway.api.extensions import (
     template_kwargs,
     truncated_prompt,
 )
-from gateway.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.api.protocol import MAX_LOGPROBS, ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.api.reasoning import ReasoningParser
 from gateway.api.request_id import RequestId
 from gateway.api.sampling_defaults import SamplingDefaults
@@ -77,13 +77,14 @@ class Preparer:
                  max_request_tokens: int, default_max_tokens: int | None, block_size: int,
                  tool_call_parser: str = "auto", reasoning_parser: ReasoningParser | None = None,
                  sampling_defaults: SamplingDefaults | None = None,
-                 priority_scheduling: bool = False) -> None:
+                 priority_scheduling: bool = False, max_logprobs: int = MAX_LOGPROBS) -> None:
         # default_max_tokens None: a chat request naming none gets the generation config's max_new_tokens,
         # else what the context leaves; sampling_defaults: --generation-config's (api/sampling_defaults.py).
         self.tokenizer = tokenizer
         self.reasoning_parser = reasoning_parser
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self.priority_scheduling = priority_scheduling  # --scheduling-policy priority: else priority is 0
+        self.max_logprobs = max_logprobs  # --max-logprobs: alternatives per token a request may ask for
         template = getattr(tokenizer, "chat_template", None)
         self.tool_parser: ToolCallParser = choose_parser(tool_call_parser, template)
         self.template_knows_tools = isinstance(template, str) and "tools" in template
@@ -271,6 +272,11 @@ class Preparer:
         value = self.sampling_defaults.value  # the request's own, or the generation config's
         temperature, top_p = value(request, "temperature"), value(request, "top_p")
         is_greedy = temperature < MIN_TEMPERATURE or top_p < MIN_TOP_P
+        for asked, param in ((top_logprobs, "logprobs" if isinstance(request, CompletionRequest)
+                              else "top_logprobs"), (prompt_logprobs or 0, "prompt_logprobs")):
+            if asked > self.max_logprobs:
+                raise BadRequest(f"{param} asks for {asked} alternatives per token, more than this server "
+                                 f"gives (--max-logprobs {self.max_logprobs})", param=param)
         if request.priority and not self.priority_scheduling:  # vLLM's rule: a priority that would not count
             raise BadRequest(f"priority {request.priority} needs priority scheduling, and this server admits "
                              "requests in arrival order (--scheduling-policy fcfs)", param="priority")

@@ -32,6 +32,11 @@ class ApiSettings(BaseModel):
         None,
         description="a Jinja chat template replacing the tokenizer's: a file, or the template's text "
                     "(default: the model's own)")
+    max_logprobs: int = Field(
+        20, ge=0, le=20,
+        description="the most alternatives per token a request may ask for (top_logprobs, completions' "
+                    "logprobs, prompt_logprobs; more is a 400), as vLLM's flag; 0: only the chosen tokens' "
+                    "own logprobs")
     enable_prompt_tokens_details: bool = Field(
         False,
         description="responses carry the prompt tokens served from the prefix cache (usage's "
