@@ -69,6 +69,9 @@ LONG_PROMPT_TOKENS = 1024
 # template's cost grows with the messages (empty ones too), not only with the characters.
 LONG_CONVERSATION_MESSAGES = 32
 COMPLETION_MAX_TOKENS = 16  # max_tokens of a completion that names none (OpenAI's default)
+# prompt_logprobs: positions × (k + 1) entries, each a Python pair on the worker and an object in the response
+# (~120 bytes): at k = 20 a 128k-token prompt was ~300 MB through both processes (review LOW).
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 19
 T = TypeVar("T")
 
 
@@ -277,6 +280,12 @@ class Preparer:
             if asked > self.max_logprobs:
                 raise BadRequest(f"{param} asks for {asked} alternatives per token, more than this server "
                                  f"gives (--max-logprobs {self.max_logprobs})", param=param)
+        if prompt_logprobs is not None and len(prompt) * (prompt_logprobs + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise BadRequest(f"prompt_logprobs {prompt_logprobs} over a {len(prompt)}-token prompt is "
+                             f"{len(prompt) * (prompt_logprobs + 1)} entries, more than one response carries "
+                             f"({MAX_PROMPT_LOGPROB_ENTRIES}): ask for fewer alternatives or a shorter "
+                             "prompt",
+                             param="prompt_logprobs")
         if request.priority and not self.priority_scheduling:  # vLLM's rule: a priority that would not count
             raise BadRequest(f"priority {request.priority} needs priority scheduling, and this server admits "
                              "requests in arrival order (--scheduling-policy fcfs)", param="priority")

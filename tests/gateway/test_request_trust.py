@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from gateway.api import prepare
 from gateway.api.bad_request import BadRequest
 from gateway.api.prepare import Preparer
 from gateway.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -37,6 +38,17 @@ def test_a_priority_is_refused_unless_the_server_schedules_by_priority(tiny_chat
     by_priority = preparer(tiny_chat_model_dir, priority_scheduling=True)
     [prepared] = asyncio.run(by_priority.prepare_completion(request))
     assert prepared.priority == -3
+
+
+def test_prompt_logprobs_over_a_long_prompt_are_bounded(tiny_chat_model_dir: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review LOW: positions × (k + 1) entries, each a Python object on the worker and in the response."""
+    monkeypatch.setattr(prepare, "MAX_PROMPT_LOGPROB_ENTRIES", 100)  # the tiny model's context is short
+    error = refused(preparer(tiny_chat_model_dir), CompletionRequest(
+        model=MODEL, prompt=list(range(100, 140)), prompt_logprobs=2, max_tokens=1))
+    assert error.param == "prompt_logprobs" and "120 entries" in str(error)
+    asyncio.run(preparer(tiny_chat_model_dir).prepare_completion(CompletionRequest(
+        model=MODEL, prompt=list(range(100, 133)), prompt_logprobs=2, max_tokens=1)))  # 99: served
 
 
 def test_alternatives_per_token_are_capped_by_max_logprobs(tiny_chat_model_dir: Path) -> None:
