@@ -121,7 +121,8 @@ class Preparer:
         if request.stream and request.num_sampled > request.n:  # the best are known only at the end
             raise BadRequest("best_of: cannot be more than n with stream: true", param="best_of",
                              code="unsupported_field")
-        grammar = output_grammar(request)
+        # A grammar is checked by the grammar engine (milliseconds for a large schema): off the event loop.
+        grammar = await self._off_loop_if(has_grammar(request), lambda: output_grammar(request))
         prepared = []
         for index, item in enumerate(request.prompts):
             prompt = await self._prompt_tokens(item)
@@ -159,8 +160,9 @@ class Preparer:
         check_common(request, self.spec.vocab_size)
         if request.top_logprobs and not request.logprobs:
             raise BadRequest("top_logprobs: needs logprobs: true", param="top_logprobs")
-        plan = plan_tools(request, self.tool_parser)
-        grammar = output_grammar(request)
+        plan, grammar = await self._off_loop_if(
+            has_grammar(request) or bool(request.tools),
+            lambda: (plan_tools(request, self.tool_parser), output_grammar(request)))
         if grammar is not None and plan.grammar is not None:
             param = "structured_outputs" if request.structured_outputs is not None else "response_format"
             raise BadRequest(f"{param}: cannot be combined with a forced tool call (tool_choice "
@@ -343,3 +345,10 @@ def _fast_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[in
     if backend is not None and backend.encode(probe).ids == list(tokenizer.encode(probe)):
         return lambda text: list(backend.encode(text).ids)
     return lambda text: list(tokenizer.encode(text))
+
+
+def has_grammar(request: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether the request's output follows a grammar the engine must check (structured outputs, or a
+    response_format other than text)."""
+    return request.structured_outputs is not None or (
+        request.response_format is not None and request.response_format.type != "text")
