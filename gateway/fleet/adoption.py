@@ -125,6 +125,17 @@ def layout_after_adoption(layout: dict[Role, int], adopted: list[Role]) -> dict[
     return target
 
 
+def adopted_degrees(adopted: list[tuple[Role, int]]) -> dict[Role, int]:
+    """The tensor-parallel degree per role (Role.DECODE's holds for mixed workers too) that the adopted
+    workers, given as (role, degree), all run at: a restarted fleet actor starts its missing workers at the
+    degrees a PUT had set before the restart, not the start's (review LOW). A role whose workers disagree
+    (a change cut short) or that has none is left out."""
+    by_role: dict[Role, set[int]] = {}
+    for role, degree in adopted:
+        by_role.setdefault(Role.DECODE if role is Role.MIXED else role, set()).add(degree)
+    return {role: next(iter(degrees)) for role, degrees in by_role.items() if len(degrees) == 1}
+
+
 async def _standing(handle: ActorHandle[WorkerActor]) -> WorkerStanding | None:
     """The survivor's standing if it serves with a live step loop, else None."""
     try:
