@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -63,8 +65,11 @@ def serving(config: ServeConfig, send_buffer_bytes: int | None = None,
         try:
             with fleet_started(config) as fleet:
                 app = create_app(config, fleet.spec, on_ready=fleet.ready)
+                # Its graceful stop is bounded as the product's is (gateway/serve_settings.py
+                # uvicorn_options): unbounded, one connection left open held the teardown for ever.
                 uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                                   log_level="warning", lifespan="on"))
+                                                   log_level="warning", lifespan="on",
+                                                   timeout_graceful_shutdown=config.shutdown_grace_s))
                 apps.append(app)
                 running.append(uv)
                 if sockets is not None:  # bound once the start answerer has let the port go
@@ -97,7 +102,9 @@ def serving(config: ServeConfig, send_buffer_bytes: int | None = None,
         # not start before their CPUs are Ray's again, or it waits for a placement that never comes.
         thread.join(300)
         if thread.is_alive():
-            raise RuntimeError("pdserve did not stop within 300 s")
+            frame = sys._current_frames().get(thread.ident or 0)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)"
+            raise RuntimeError(f"pdserve did not stop within 300 s; its thread is at:\n{where}")
         wait_for_ray_cpus()
 
 
