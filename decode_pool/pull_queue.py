@@ -23,7 +23,7 @@ from decode_pool.entry import DecodeEntry
 from decode_pool.pull_watcher import PullWatcher
 from kv_transfer import KVHandle, KVReceiver, PullRequest, TransferState
 from llm_engine.engine import LLMEngine
-from llm_engine.kv_cache_manager import blocks_for
+from llm_engine.kv_cache_manager import blocks_for, chain_root
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,8 @@ class PullQueue:
                 return num_started
             self._awaiting_blocks.popleft()
             request_id = entry.request.request_id
-            dst = self.engine.kv.allocate_blocks(request_id, handle.num_tokens)
+            dst = self.engine.kv.allocate_blocks(request_id, handle.num_tokens,
+                                                 chain_root(entry.request.sampling.cache_salt))
             entry.transfer_started = time.time()
             entry.transfer_bytes = len(dst) * self.engine.kv_block_bytes
             try:

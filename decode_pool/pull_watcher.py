@@ -9,7 +9,9 @@ happens, not at the step loop's next step.
 A pull advances in several hops (NIXL: claim → the sender's grant → READ → done), each seen only by a poll:
 polled only between forwards, a pull took two or three steps however fast its bytes moved. The receiver is
 not thread-safe: every call on it, from either thread, holds `lock`; the engine is still the loop thread's
-alone (the watcher only hands results over).
+alone (the watcher only hands results over). A poll that raises on the watcher thread (a dead tensor-parallel
+rank, a failed copy) ends it and is raised by the loop's next take(): the worker fails, never silently
+(worker_runtime/thread_failure.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from kv_transfer import KVReceiver, PullRequest, TransferResult
+from worker_runtime.thread_failure import ThreadFailure
 
 POLL_S = 0.001  # between polls while a pull is in flight
 
@@ -39,6 +42,7 @@ class PullWatcher:
         self._news = threading.Condition(self.lock)  # notified when a poll saw pulls finish
         self._is_stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._failure = ThreadFailure(f"the pull watcher thread {name}")
 
     def start(self) -> None:
         self._thread.start()
@@ -55,7 +59,9 @@ class PullWatcher:
 
     def take(self) -> list[tuple[TransferResult, float]]:
         """Every pull finished since the last take(), with the wall-clock time it was seen finished
-        (loop thread). Polls once itself too, so it works without the thread (tests that step by hand)."""
+        (loop thread). Polls once itself too, so it works without the thread (tests that step by hand).
+        Raises HelperThreadFailed once the watcher thread has died."""
+        self._failure.raise_if_any()
         with self.lock:
             self._poll()
             finished, self._finished = self._finished, []
@@ -65,7 +71,7 @@ class PullWatcher:
         """Wait until no pull is in flight (each seen finished by the watcher thread, for take()), at most
         `timeout` seconds (loop thread, with the watcher running)."""
         with self._news:
-            self._news.wait_for(lambda: not self.receiver.num_pulls, timeout)
+            self._news.wait_for(lambda: not self.receiver.num_pulls or self._failure.happened, timeout)
 
     def _poll(self) -> None:
         """One poll of the receiver (holding `lock`)."""
@@ -80,14 +86,20 @@ class PullWatcher:
             self._in_flight.clear()
 
     def _run(self) -> None:
-        while not self._is_stopped:
-            self._in_flight.wait()
-            if self._is_stopped:
-                return
+        try:
+            while not self._is_stopped:
+                self._in_flight.wait()
+                if self._is_stopped:
+                    return
+                with self.lock:
+                    num_finished = len(self._finished)
+                    self._poll()
+                    has_news = len(self._finished) > num_finished
+                if has_news:
+                    self._on_finished()
+                time.sleep(POLL_S)
+        except BaseException as error:
             with self.lock:
-                num_finished = len(self._finished)
-                self._poll()
-                has_news = len(self._finished) > num_finished
-            if has_news:
-                self._on_finished()
-            time.sleep(POLL_S)
+                self._failure.record(error)
+                self._news.notify_all()
+            self._on_finished()  # the loop wakes and raises it

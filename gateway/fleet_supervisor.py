@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from gateway.config import ServeConfig
 from gateway.control.fleet_client import FleetClient
 from gateway.fleet.config import DeploymentConfig
+from gateway.fleet.rank_groups import remove_rank_groups_of
 from gateway.lifespans import RAY_NAMESPACE, FrontendSpec
 from gateway.serve_settings import (
     controller_policy,
@@ -96,7 +97,7 @@ def fleet_started(config: ServeConfig) -> Iterator[StartedFleet]:
                 answerer.close()
         finally:
             if not is_named:
-                stop_fleet(fleet)
+                stop_fleet(fleet, name)
     finally:
         if started_ray:
             ray.shutdown()
@@ -172,7 +173,7 @@ def open_fleet(name: str, deployment: DeploymentConfig, outlives: bool) -> tuple
     if started is None or started == deployment:
         return fleet, started is not None
     print(f"pdserve: fleet {name} runs other settings: replacing it and its workers", flush=True)
-    stop_fleet(fleet)
+    stop_fleet(fleet, name)
     deadline = time.monotonic() + 60
     while _is_named_actor(name) and time.monotonic() < deadline:  # the name is free once it is gone
         time.sleep(0.5)
@@ -187,7 +188,11 @@ def _is_named_actor(name: str) -> bool:
     return True
 
 
-def stop_fleet(fleet: FleetClient) -> None:
+def stop_fleet(fleet: FleetClient, name: str) -> None:
+    """The fleet actor `name` stops its workers and is killed; the rank groups left under its name (a worker
+    that died while no fleet actor watched) are removed."""
     with contextlib.suppress(Exception):  # already gone, or stuck: the kill below ends it
         fleet.shutdown(timeout_s=60)
     fleet.kill()
+    for group in remove_rank_groups_of(name):
+        print(f"pdserve: removed the placement group {group}, left by a worker that is gone", flush=True)

@@ -72,7 +72,9 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: RemoteFleet, info: 
     app.state.preparer = Preparer(tokenizer, spec, model_name, kv_tokens_per_worker,
                                   config.default_max_tokens, info.block_size, config.tool_call_parser,
                                   reasoning_parser(config.reasoning_parser),
-                                  read_sampling_defaults(config.generation_config, info.model_dir))
+                                  read_sampling_defaults(config.generation_config, info.model_dir),
+                                  priority_scheduling=config.scheduling_policy == "priority",
+                                  max_logprobs=config.max_logprobs)
     app.state.token_texts = TokenTexts(tokenizer)  # logprobs show each token's own text
     # /v1/models' root: the model as given, as vLLM reports it (a remote `vllm bench serve` loads its
     # tokenizer from it; this server's snapshot path means nothing there); the default model by its directory.
@@ -84,6 +86,7 @@ def serve_requests(app: FastAPI, config: ServeConfig, fleet: RemoteFleet, info: 
         deadline_policy=deadline_policy(config), local_prefill=fleet.local_prefill,
         metrics=Metrics(model_name, spec.max_model_len, app.state.http_registry),
         tracer=RequestTracer(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None,
+        shows_prompt_cache=config.enable_prompt_tokens_details,
     )
     app.state.service = service
 

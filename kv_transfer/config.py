@@ -29,6 +29,11 @@ class TransferConfig:
     # whose ranks hold other heads, copied into the cache locally once read (kv_transfer/head_slices.py);
     # a pull that finds it full reads row by row instead. Allocated at the first such pull.
     rank_scratch_bytes: int = 64 << 20
+    # A NIXL sender forgets a receiver (its metadata, its UCX endpoint) that has claimed nothing this long and
+    # holds no grant: a receiver's agent changes with every role change and replacement, and a long-lived
+    # sender kept them all (review P10). A receiver's claims always carry its connection info, so one that
+    # comes back is loaded again.
+    idle_receiver_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0 or self.transfer_timeout_s <= 0 or self.lease_margin_s < 0:

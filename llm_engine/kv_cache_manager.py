@@ -27,10 +27,19 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
     return digest.digest()
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained hashes of every full block of `token_ids`."""
+def chain_root(cache_salt: str | None) -> bytes | None:
+    """The parent of a request's first block hash: its cache salt's digest, so that requests with different
+    salts (tenants) never share a block, nor see, through timing or counts, whether another one's prompt is
+    cached. None (no salt): the shared, unsalted chain."""
+    if cache_salt is None:
+        return None
+    return hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"pdserve-salt").digest()
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int, root: bytes | None = None) -> list[bytes]:
+    """Chained hashes of every full block of `token_ids`, from `root` (chain_root of the request's salt)."""
     hashes: list[bytes] = []
-    parent: bytes | None = None
+    parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)
@@ -64,8 +73,8 @@ class KVCacheManager:
     def has(self, request_id: str) -> bool:
         return request_id in self._tables
 
-    def find_cached_prefix(self, token_ids: Sequence[int],
-                           block_hashes: Sequence[bytes] | None = None) -> list[int]:
+    def find_cached_prefix(self, token_ids: Sequence[int], block_hashes: Sequence[bytes] | None = None,
+                           root: bytes | None = None) -> list[int]:
         """Block ids holding the longest cached prefix of `token_ids`.
 
         The last token is never served from cache: its forward produces the logits we sample from.
@@ -73,11 +82,12 @@ class KVCacheManager:
         Args:
             block_hashes: the chained hashes of the full blocks of `token_ids[:-1]` when the caller keeps them
                 (the scheduler does, per request), so that they are not computed again.
+            root: the chain's root (chain_root of the request's cache salt) when block_hashes is None.
         """
         if not self.enable_prefix_caching:
             return []
         if block_hashes is None:
-            block_hashes = prefix_hashes(token_ids[: len(token_ids) - 1], self.block_size)
+            block_hashes = prefix_hashes(token_ids[: len(token_ids) - 1], self.block_size, root)
         block_ids = []
         for block_hash in block_hashes:
             block_id = self.pool.lookup(block_hash)
@@ -93,21 +103,25 @@ class KVCacheManager:
         return num_new + num_revived
 
     def can_allocate(self, token_ids: Sequence[int], num_tokens: int, reserve_blocks: int = 0,
-                     block_hashes: Sequence[bytes] | None = None) -> bool:
+                     block_hashes: Sequence[bytes] | None = None, root: bytes | None = None) -> bool:
         """Could a new request get slots for its first `num_tokens` tokens, leaving `reserve_blocks` free?"""
-        cached = self.find_cached_prefix(token_ids, block_hashes)
+        cached = self.find_cached_prefix(token_ids, block_hashes, root)
         return self.pool.can_allocate(self._num_free_needed(cached, num_tokens) + reserve_blocks)
 
     def allocate(self, request_id: str, token_ids: Sequence[int], num_tokens: int,
-                 block_hashes: Sequence[bytes] | None = None) -> int:
+                 block_hashes: Sequence[bytes] | None = None, root: bytes | None = None) -> int:
         """Give a new request a table covering `num_tokens` positions, sharing its cached prefix.
+
+        Args:
+            root: the chain's root (chain_root of the request's cache salt): the blocks it fills are cached
+                under the chain from there, so that only requests of the same salt find them.
 
         Returns:
             The number of leading tokens whose KV is already in the shared blocks (a multiple of block_size).
         """
         if request_id in self._tables:
             raise RuntimeError(f"request {request_id} already holds blocks")
-        cached = self.find_cached_prefix(token_ids, block_hashes)
+        cached = self.find_cached_prefix(token_ids, block_hashes, root)
         num_tokens = max(num_tokens, len(cached) * self.block_size)
         if not self.pool.can_allocate(self._num_free_needed(cached, num_tokens)):
             raise RuntimeError(f"not enough free blocks for request {request_id}")
@@ -115,16 +129,17 @@ class KVCacheManager:
         num_new = blocks_for(num_tokens, self.block_size) - len(cached)
         self._tables[request_id] = cached + self.pool.allocate(num_new)
         self._num_cached_blocks[request_id] = len(cached)
-        self._last_hash[request_id] = self.pool.blocks[cached[-1]].block_hash if cached else None
+        self._last_hash[request_id] = self.pool.blocks[cached[-1]].block_hash if cached else root
         return len(cached) * self.block_size
 
-    def allocate_blocks(self, request_id: str, num_tokens: int) -> list[int]:
-        """Give a new request fresh, unshared blocks for `num_tokens` positions (to receive a transfer)."""
+    def allocate_blocks(self, request_id: str, num_tokens: int, root: bytes | None = None) -> list[int]:
+        """Give a new request fresh, unshared blocks for `num_tokens` positions (to receive a transfer);
+        `root`: as allocate's (the received blocks are cached under the request's salted chain)."""
         if request_id in self._tables:
             raise RuntimeError(f"request {request_id} already holds blocks")
         self._tables[request_id] = self.pool.allocate(blocks_for(num_tokens, self.block_size))
         self._num_cached_blocks[request_id] = 0
-        self._last_hash[request_id] = None
+        self._last_hash[request_id] = root
         return self._tables[request_id]
 
     def num_fork_blocks(self, num_tokens: int, num_children: int) -> int:

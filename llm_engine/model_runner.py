@@ -17,6 +17,7 @@ blocks that leave or arrive to the other ranks (llm_engine/tensor_parallel.py), 
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -36,6 +37,7 @@ from llm_engine.native_kernels import DecodeKernel, kernel_unfit_reason, paged_d
 from llm_engine.params import PROMPT_ROWS_PER_SLICE, PromptLogprobsChunk, SamplingParams
 from llm_engine.rank_shares import RankShare, spec_shares
 from llm_engine.sampling import choose_tokens
+from llm_engine.step_causes import SLOW_FACTOR, StepCauses, slow_cause
 from llm_engine.step_timeline import StepRecord, StepTimeline
 from llm_engine.structured import GrammarCache
 from llm_engine.tensor_parallel import (
@@ -50,6 +52,8 @@ from llm_engine.tensor_parallel import (
 from llm_engine.token_bans import AllowedTokens, BadWords
 from llm_engine.tp_sharding import VocabParallelHead
 from llm_engine.varlen_attention import varlen_fits, varlen_kernel
+
+logger = logging.getLogger(__name__)
 
 
 def choose_decode_attention(config: EngineConfig, spec: ModelSpec | None = None
@@ -108,6 +112,7 @@ class ModelRunner:
             self.background_compile = BackgroundCompile(body, torch.device(config.device), self._swap_body)
             self.background_compile.start()
         self.timeline = StepTimeline()  # every forward: when, how long, decode and prompt tokens
+        self.causes = StepCauses()  # what a slow forward waited for (gc, a compile)
         self.spec = spec
         self.config = config
         self.device = torch.device(config.device)
@@ -175,10 +180,19 @@ class ModelRunner:
         if not batch.chunks:
             return self._execute(batch)
         started = time.time()
+        self.causes.mark()
         output = self._execute(batch)
+        duration_ms = 1000 * (time.time() - started)
+        gc_ms, num_compiled = self.causes.since_mark()
         num_decode = sum(1 for c in batch.chunks if c.output_index and c.num_tokens == 1)
-        self.timeline.record(StepRecord(started, 1000 * (time.time() - started), num_decode,
-                                        batch.num_tokens - num_decode))
+        median = self.timeline.median_ms()
+        cause = ""
+        if median is not None and duration_ms > SLOW_FACTOR * median:
+            cause = slow_cause(duration_ms, gc_ms, num_compiled)
+            logger.warning("a forward took %.0f ms, %.0f× the recent median (%.1f ms): %s", duration_ms,
+                           duration_ms / median, median, cause)
+        self.timeline.record(StepRecord(started, duration_ms, num_decode, batch.num_tokens - num_decode,
+                                        gc_ms, num_compiled, cause))
         return output
 
     @torch.inference_mode()

@@ -49,6 +49,10 @@ class SamplingParams:
     n: int = 1
     # The output must be this grammar's text (structured outputs, forced tool calls): grammar_mask.py.
     grammar: GrammarSpec | None = None
+    # Not a sampling choice but the request's prefix-cache partition (vLLM's cache_salt), carried here because
+    # these parameters go with the request everywhere (both stages, every move): its blocks' hash chain starts
+    # from the salt, so only requests with the same salt share cached KV (llm_engine/kv_cache_manager.py).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         problems = self._sampling_problems() + self._processing_problems()
@@ -101,6 +105,8 @@ class SamplingParams:
                             "token ids")
         if not _is_int(self.n) or self.n < 1:
             problems.append(f"n must be an integer >= 1, got {self.n!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            problems.append(f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
         return problems
 
     def for_choice(self, index: int) -> SamplingParams:

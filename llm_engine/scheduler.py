@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import deque
 
 from llm_engine.batch import ModelInput, ModelOutput, ScheduledChunk, TokenHistory
-from llm_engine.kv_cache_manager import KVCacheManager, hash_block
+from llm_engine.kv_cache_manager import KVCacheManager, chain_root, hash_block
 from llm_engine.request import Request, RequestStatus
 
 
@@ -130,7 +130,7 @@ class Scheduler:
         num_full = (request.num_tokens - 1) // block_size
         if len(hashes) < num_full:
             token_ids = request.all_token_ids
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else chain_root(request.sampling.cache_salt)
             for index in range(len(hashes), num_full):
                 parent = hash_block(parent, token_ids[index * block_size : (index + 1) * block_size])
                 hashes.append(parent)
@@ -252,7 +252,7 @@ class Scheduler:
                 break
             self.waiting.remove(request)
             request.num_computed_tokens = self.kv.allocate(request.request_id, token_ids, cached + num_new,
-                                                           hashes)
+                                                           hashes, chain_root(request.sampling.cache_salt))
             if not request.num_preemptions:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING

@@ -24,6 +24,9 @@ class StepRecord:
     duration_ms: float
     num_decode_tokens: int  # running requests that each computed their newest token
     num_prefill_tokens: int  # prompt tokens (or tokens recomputed after a preemption or a migration)
+    gc_ms: float = 0.0  # garbage collection in the process meanwhile (llm_engine/step_causes.py)
+    num_compiled: int = 0  # graphs torch.compile built meanwhile
+    slow_cause: str = ""  # over SLOW_FACTOR × the recent median: why, as far as the worker can tell
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,12 @@ class StepTimeline:
         self._counts = [0] * (len(STEP_TOKEN_BUCKETS) + 1)
         # Replaced whole after each forward: a reader on another thread sees counts, sum and count agree.
         self.tokens = StepTokenCounts()
+
+    def median_ms(self, last: int = 64) -> float | None:
+        """The median duration of the last `last` forwards (None before any)."""
+        steps = self._steps
+        recent = sorted(steps[-i].duration_ms for i in range(1, min(last, len(steps)) + 1))
+        return recent[len(recent) // 2] if recent else None
 
     def record(self, step: StepRecord) -> None:
         self._steps.append(step)  # deque.append is atomic: readers on other threads see whole records

@@ -9,8 +9,11 @@ triton (~1 GB) into a CPU install. It is imported only when a request asks for a
 
     gateway:  GrammarSpec from response_format / tool_choice → check_grammar (a schema the engine rejects is
               a 400 there, before any worker sees it);
-    worker:   GrammarCache.compiled(spec) → a matcher built once per schema for this vocabulary (LRU, per
-              worker process) → a deep copy of it per request (llm_engine/grammar_mask.py).
+    worker:   GrammarCache.hold(spec) at submission, on a thread of its own: a matcher built once per schema
+              for this vocabulary (LRU, per worker process), kept with the request's spec for as long as the
+              request lives here → a deep copy of it per registration (llm_engine/grammar_mask.py: at
+              admission, and again after a preemption or a move), never a compilation on the step thread
+              however many grammars have been evicted from the LRU meanwhile (review P5).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     import llguidance
 
 MAX_CACHED_GRAMMARS = 64  # compiled grammars kept per worker process
+_HELD = "_held_matcher"  # a GrammarSpec's attribute: its compiled matcher, held for its request (hold())
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object
 # Fixed separators, no free whitespace: a model (a random one certainly) could otherwise write blanks forever
 # and never close the document.
@@ -54,6 +58,10 @@ class GrammarSpec:
     suffix: str = ""  # literal text after it
     kind: GrammarKind = GrammarKind.JSON_SCHEMA
     source: str = ""  # the regex, choices or grammar of the other kinds
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The matcher a worker holds with the spec (GrammarCache.hold) stays in that process.
+        return {k: v for k, v in self.__dict__.items() if k != _HELD}
 
     @classmethod
     def of_text(cls, kind: GrammarKind, source: str) -> GrammarSpec:
@@ -173,11 +181,18 @@ class GrammarCache:
                 self._compiled.popitem(last=False)
         return compiled
 
+    def hold(self, spec: GrammarSpec) -> None:
+        """Compile the request's spec (or find it cached) and keep the matcher with this spec object, which
+        lives as long as its request on this worker: matcher() then never compiles for it, whatever the LRU
+        evicts. Raises GrammarError."""
+        object.__setattr__(spec, _HELD, self.compile(spec))
+
     def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
-        """A fresh matcher for `spec` (a copy of the cached one; compiled here if it is not cached). Raises
-        GrammarError (the gateway checks specs first, and the worker compiles each request's before it
-        admits it, so the step loop sees this only for a spec that did not come through them)."""
-        return self.compile(spec).deep_copy()
+        """A fresh matcher for `spec`: a copy of the one held with it, else of the cached one (compiled
+        here if it is not cached: a spec that did not come through the worker's submission). Raises
+        GrammarError."""
+        held: llguidance.LLMatcher | None = spec.__dict__.get(_HELD)
+        return (held if held is not None else self.compile(spec)).deep_copy()
 
     def __len__(self) -> int:
         return len(self._compiled)

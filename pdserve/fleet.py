@@ -51,7 +51,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         if name not in names:
             known = ", ".join(n.removeprefix(FLEET_PREFIX) for n in names) or "none"
             raise ValueError(f"no fleet named {args.name!r} (named fleets: {known})")
-        stop_fleet(FleetClient(ray.get_actor(name)))
+        stop_fleet(FleetClient(ray.get_actor(name)), name)
         print(f"pdserve: fleet {args.name} stopped")
         return 0
     finally:

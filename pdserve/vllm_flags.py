@@ -143,16 +143,6 @@ def load_format(value: str, flags: dict[str, Any]) -> Outcome:
     raise RefusedFlag("pdserve reads safetensors weights only (auto, safetensors)")
 
 
-def max_logprobs(value: str, flags: dict[str, Any]) -> Outcome:
-    from llm_engine.params import MAX_LOGPROBS  # not at import: it brings torch, and --help needs none
-
-    if int(value) <= MAX_LOGPROBS:
-        return Outcome(f"accepted, no effect: a request may ask for up to {MAX_LOGPROBS} logprobs per token "
-                       "(OpenAI's bound); more is a 400", {})
-    raise RefusedFlag(f"pdserve returns at most {MAX_LOGPROBS} logprobs per token (OpenAI's top_logprobs "
-                      "bound)")
-
-
 def generation_only(value: str, flags: dict[str, Any]) -> Outcome:
     if value in ("auto", "generate"):
         return Outcome("accepted, no effect: pdserve serves text generation", {})
@@ -186,7 +176,6 @@ FLAGS: tuple[VllmFlag, ...] = (
              no_op("pdserve prints no periodic stats (see /metrics)"), takes_value=False),
     VllmFlag(("--tokenizer",), "the model's own only", tokenizer),
     VllmFlag(("--load-format",), "auto or safetensors only", load_format),
-    VllmFlag(("--max-logprobs",), "up to pdserve's bound (OpenAI's top_logprobs)", max_logprobs),
     VllmFlag(("--runner",), "generate only", generation_only),
     VllmFlag(("--task",), "generate only (vLLM's older spelling of --runner)", generation_only),
     VllmFlag(("--enable-log-requests",), "accepted: request contents are not logged",

@@ -52,7 +52,7 @@ from kv_transfer import (
 from llm_engine.config import EngineConfig
 from llm_engine.step_timeline import STEP_TOKEN_BUCKETS, StepRecord
 from pool_worker.api import StillHoldsWork, WrongRole
-from pool_worker.submissions import compile_grammars, is_final, submit_each
+from pool_worker.submissions import is_final, submit_batch
 from worker_runtime.aborted import AbortedIds
 from worker_runtime.info import WorkerInfo, WorkerPlacement, WorkerRuntime, WorkerStanding
 from worker_runtime.keeper_watch import KeeperWatch
@@ -249,9 +249,8 @@ class WorkerActor:
         Returns, per request, why it was refused ("" if it started); WorkerFailed (the step loop died) is
         raised for the whole batch."""
         prefill = self._prefill()
-        refused = await compile_grammars(self.engine.runner.grammar_mask.cache, requests)
-        return submit_each(requests, lambda request: prefill.submit_to(request, channel_id), self._aborted,
-                           refused)
+        return await submit_batch(requests, lambda request: prefill.submit_to(request, channel_id),
+                                  self._aborted, self.engine.runner.grammar_mask.cache)
 
     def accept_pull(self, pull: PullRequest) -> PullReply:
         return self._prefill().accept_pull(pull)
@@ -296,9 +295,8 @@ class WorkerActor:
         request, why it was refused ("" if it started); WorkerFailed (the step loop died) is raised for the
         whole batch."""
         decode = self._decode()
-        refused = await compile_grammars(self.engine.runner.grammar_mask.cache, requests)
-        return submit_each(requests, lambda request: decode.submit_to(request, channel_id), self._aborted,
-                           refused)
+        return await submit_batch(requests, lambda request: decode.submit_to(request, channel_id),
+                                  self._aborted, self.engine.runner.grammar_mask.cache)
 
     def evacuate(self) -> None:
         """End every request here with finish_reason "migrate": the gateway continues them elsewhere."""

@@ -13,6 +13,7 @@ nothing would end them should the fleet actor die for good (`ray.kill`, its owne
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import ray
+from ray.util.placement_group import get_current_placement_group, remove_placement_group
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +30,13 @@ GONE_S = 30.0  # long enough for a fleet that Ray kills and its supervisor creat
 
 
 def exit_process() -> None:
+    """The worker's process ends, and with it its ranks' placement group (detached, as the worker: nothing
+    else would give their resources back, review P4)."""
     logger.warning("the fleet actor that kept this worker is gone for good: exiting")
+    with contextlib.suppress(Exception):  # none (a worker of one rank), or Ray is going too
+        group = get_current_placement_group()
+        if group is not None:
+            remove_placement_group(group)
     os._exit(0)
 
 

@@ -10,7 +10,8 @@ Lifecycle of one offer:
     → the puller claims and reads (NIXL), or asks the sender to send (torch: accept_pull() from the actor's
       thread) → the sender sees the lease end (pulled, withdrawn, expired or failed): the polling thread
       (start_polling(): it answers claims within POLL_S while a forward runs) collects it and wakes the loop
-    → poll() (loop thread, between forwards) frees the lease's blocks.
+    → poll() (loop thread, between forwards) frees the lease's blocks (and raises HelperThreadFailed once the
+      polling thread has died: the worker fails, worker_runtime/thread_failure.py).
     release(transfer_id) / release_request(request_id): nobody will pull it (the puller refused or failed, the
       client left, the request was aborted): withdrawn now rather than at the lease's end.
 Every call on the sender holds one lock; blocks are freed only by the loop thread. While any lease is out the
@@ -25,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 from kv_transfer import KVHandle, KVSender, PeerInfo, PullReply, PullRequest, ReleasedBlocks
 from llm_engine.kv_cache_manager import KVCacheManager, blocks_for
+from worker_runtime.thread_failure import ThreadFailure
 
 POLL_S = 0.002  # the polling thread's period while a lease is out or a claim for withdrawn KV may still come
 IDLE_WAIT_S = 0.05  # with nothing out, the thread looks again this often (a safety net: offer() wakes it)
@@ -48,6 +50,7 @@ class KVOffers:
         self._has_offers = threading.Event()
         self._is_stopped = False
         self._thread: threading.Thread | None = None
+        self._failure = ThreadFailure(f"the KV offers' polling thread of {owner}")
 
     @property
     def num_outstanding(self) -> int:
@@ -107,6 +110,7 @@ class KVOffers:
     def poll(self) -> int:
         """Answer the pulling workers (NIXL claims) and free the blocks of every lease that ended (loop
         thread); returns how many ended."""
+        self._failure.raise_if_any()
         with self._lock:
             released, self._released = self._released + self.sender.poll(), []
         for blocks in released:
@@ -121,17 +125,21 @@ class KVOffers:
         self._thread.start()
 
     def _run(self, wake: Callable[[], None]) -> None:
-        while not self._is_stopped:
-            if not (self._offered or self.sender.expects_claims):
-                self._has_offers.clear()
-                self._has_offers.wait(IDLE_WAIT_S)
-                continue
-            with self._lock:
-                released = self.sender.poll()
-                self._released.extend(released)
-            if released:
-                wake()
-            time.sleep(POLL_S)
+        try:
+            while not self._is_stopped:
+                if not (self._offered or self.sender.expects_claims):
+                    self._has_offers.clear()
+                    self._has_offers.wait(IDLE_WAIT_S)
+                    continue
+                with self._lock:
+                    released = self.sender.poll()
+                    self._released.extend(released)
+                if released:
+                    wake()
+                time.sleep(POLL_S)
+        except BaseException as error:
+            self._failure.record(error)
+            wake()  # the loop raises it at its next poll()
 
     def _free(self, transfer_id: int) -> None:
         if self._offered.pop(transfer_id, None) is not None:

@@ -6,12 +6,14 @@ Only the loop thread touches engine state; other threads hand it commands throug
 A step that raises ends the loop: `on_error` runs on the loop thread (the worker ends every request it
 holds with an error) and `error` stays set, so the actor reports itself failed and the gateway replaces it.
 A step that never returns (a hung native call, a driver hang) raises nothing: running_s() tells how long the
-current step has run, and longest_step_s the longest that finished, so that the fleet's watchdog
-(gateway/fleet/deployment.py loads()) can take a step far past the worker's own for hung.
+current step has run, and longest_step_s the longest of the last RECENT_STEPS that finished, so that the
+fleet's watchdog (gateway/fleet/recovery.py) can take a step far past the worker's own for hung. Recent, not
+ever: one long first step (a warm-up, a compile) made every later hang wait ten times it.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -20,6 +22,8 @@ from collections.abc import Callable
 import torch
 
 logger = logging.getLogger(__name__)
+
+RECENT_STEPS = 512  # the watchdog's measure of this worker's own steps: the longest of these
 
 
 class StepLoop:
@@ -41,10 +45,15 @@ class StepLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: BaseException | None = None
         self._step_began: float | None = None  # time.monotonic() at the running step's start; None: between
-        self.longest_step_s = 0.0  # of the steps that finished
+        self._recent_steps_s: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def longest_step_s(self) -> float:
+        """The longest of the last RECENT_STEPS steps that finished (any thread)."""
+        return max(tuple(self._recent_steps_s), default=0.0)
 
     def wake(self) -> None:
         self._wake.set()
@@ -82,7 +91,7 @@ class StepLoop:
                 return
             finally:
                 self._step_began = None
-            self.longest_step_s = max(self.longest_step_s, time.monotonic() - began)
+            self._recent_steps_s.append(time.monotonic() - began)
             if delay == 0:
                 continue
             self._wake.wait(delay)

@@ -39,7 +39,7 @@ from gateway.api.extensions import (
     template_kwargs,
     truncated_prompt,
 )
-from gateway.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.api.protocol import MAX_LOGPROBS, ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.api.reasoning import ReasoningParser
 from gateway.api.request_id import RequestId
 from gateway.api.sampling_defaults import SamplingDefaults
@@ -48,7 +48,7 @@ from gateway.api.tool_parsers import ToolCallParser, choose_parser
 from gateway.api.tool_prompt import ToolPlan, plan_tools, template_messages
 from gateway.requests.prepared import PreparedRequest
 from llm_engine.config import ModelSpec
-from llm_engine.kv_cache_manager import prefix_hashes
+from llm_engine.kv_cache_manager import chain_root, prefix_hashes
 from llm_engine.params import SamplingParams
 from llm_engine.structured import GrammarSpec
 
@@ -69,6 +69,9 @@ LONG_PROMPT_TOKENS = 1024
 # template's cost grows with the messages (empty ones too), not only with the characters.
 LONG_CONVERSATION_MESSAGES = 32
 COMPLETION_MAX_TOKENS = 16  # max_tokens of a completion that names none (OpenAI's default)
+# prompt_logprobs: positions × (k + 1) entries, each a Python pair on the worker and an object in the response
+# (~120 bytes): at k = 20 a 128k-token prompt was ~300 MB through both processes (review LOW).
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 19
 T = TypeVar("T")
 
 
@@ -76,12 +79,15 @@ class Preparer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: ModelSpec, model_name: str,
                  max_request_tokens: int, default_max_tokens: int | None, block_size: int,
                  tool_call_parser: str = "auto", reasoning_parser: ReasoningParser | None = None,
-                 sampling_defaults: SamplingDefaults | None = None) -> None:
+                 sampling_defaults: SamplingDefaults | None = None,
+                 priority_scheduling: bool = False, max_logprobs: int = MAX_LOGPROBS) -> None:
         # default_max_tokens None: a chat request naming none gets the generation config's max_new_tokens,
         # else what the context leaves; sampling_defaults: --generation-config's (api/sampling_defaults.py).
         self.tokenizer = tokenizer
         self.reasoning_parser = reasoning_parser
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
+        self.priority_scheduling = priority_scheduling  # --scheduling-policy priority: else priority is 0
+        self.max_logprobs = max_logprobs  # --max-logprobs: alternatives per token a request may ask for
         template = getattr(tokenizer, "chat_template", None)
         self.tool_parser: ToolCallParser = choose_parser(tool_call_parser, template)
         self.template_knows_tools = isinstance(template, str) and "tools" in template
@@ -115,7 +121,8 @@ class Preparer:
         if request.stream and request.num_sampled > request.n:  # the best are known only at the end
             raise BadRequest("best_of: cannot be more than n with stream: true", param="best_of",
                              code="unsupported_field")
-        grammar = output_grammar(request)
+        # A grammar is checked by the grammar engine (milliseconds for a large schema): off the event loop.
+        grammar = await self._off_loop_if(has_grammar(request), lambda: output_grammar(request))
         prepared = []
         for index, item in enumerate(request.prompts):
             prompt = await self._prompt_tokens(item)
@@ -153,8 +160,9 @@ class Preparer:
         check_common(request, self.spec.vocab_size)
         if request.top_logprobs and not request.logprobs:
             raise BadRequest("top_logprobs: needs logprobs: true", param="top_logprobs")
-        plan = plan_tools(request, self.tool_parser)
-        grammar = output_grammar(request)
+        plan, grammar = await self._off_loop_if(
+            has_grammar(request) or bool(request.tools),
+            lambda: (plan_tools(request, self.tool_parser), output_grammar(request)))
         if grammar is not None and plan.grammar is not None:
             param = "structured_outputs" if request.structured_outputs is not None else "response_format"
             raise BadRequest(f"{param}: cannot be combined with a forced tool call (tool_choice "
@@ -212,8 +220,9 @@ class Preparer:
     async def _hashed(self, prepared: PreparedRequest) -> PreparedRequest:
         """With the prompt's block hashes, which the router needs for every prefill pick."""
         prompt = prepared.prompt_token_ids
+        root = chain_root(prepared.sampling.cache_salt)  # the routing belief is salted as the workers' cache
         hashes = await self._off_loop_if(len(prompt) > LONG_PROMPT_TOKENS,
-                                         lambda: prefix_hashes(prompt, self.block_size))
+                                         lambda: prefix_hashes(prompt, self.block_size, root))
         return replace(prepared, block_hashes=hashes)
 
     def check_model(self, name: str | None) -> None:
@@ -268,6 +277,20 @@ class Preparer:
         value = self.sampling_defaults.value  # the request's own, or the generation config's
         temperature, top_p = value(request, "temperature"), value(request, "top_p")
         is_greedy = temperature < MIN_TEMPERATURE or top_p < MIN_TOP_P
+        for asked, param in ((top_logprobs, "logprobs" if isinstance(request, CompletionRequest)
+                              else "top_logprobs"), (prompt_logprobs or 0, "prompt_logprobs")):
+            if asked > self.max_logprobs:
+                raise BadRequest(f"{param} asks for {asked} alternatives per token, more than this server "
+                                 f"gives (--max-logprobs {self.max_logprobs})", param=param)
+        if prompt_logprobs is not None and len(prompt) * (prompt_logprobs + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise BadRequest(f"prompt_logprobs {prompt_logprobs} over a {len(prompt)}-token prompt is "
+                             f"{len(prompt) * (prompt_logprobs + 1)} entries, more than one response carries "
+                             f"({MAX_PROMPT_LOGPROB_ENTRIES}): ask for fewer alternatives or a shorter "
+                             "prompt",
+                             param="prompt_logprobs")
+        if request.priority and not self.priority_scheduling:  # vLLM's rule: a priority that would not count
+            raise BadRequest(f"priority {request.priority} needs priority scheduling, and this server admits "
+                             "requests in arrival order (--scheduling-policy fcfs)", param="priority")
         if request.min_tokens > max_tokens:
             raise BadRequest(f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})",
                              param="min_tokens")
@@ -294,6 +317,7 @@ class Preparer:
                 stop_token_ids=self._stop_token_ids(request, grammar),
                 n=num_sampled,
                 grammar=grammar,
+                cache_salt=request.cache_salt,
             )
         except ValueError as error:
             raise BadRequest(str(error)) from None
@@ -321,3 +345,10 @@ def _fast_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[in
     if backend is not None and backend.encode(probe).ids == list(tokenizer.encode(probe)):
         return lambda text: list(backend.encode(text).ids)
     return lambda text: list(tokenizer.encode(text))
+
+
+def has_grammar(request: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether the request's output follows a grammar the engine must check (structured outputs, or a
+    response_format other than text)."""
+    return request.structured_outputs is not None or (
+        request.response_format is not None and request.response_format.type != "text")

@@ -16,6 +16,7 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary: a list of every id 
 MAX_PROMPT_LOGPROBS = 20  # as vLLM's default max_logprobs (and the engine's bound)
 MAX_CHOICE_STRINGS = 1024  # structured_outputs.choice
 MAX_GRAMMAR_CHARS = 64 * 1024  # a regex or grammar's text (as a JSON schema's)
+MAX_CACHE_SALT_CHARS = 1024  # a tenant's or a user's id, or a secret drawn per tenant
 
 
 class StructuredOutputs(BaseModel):
@@ -62,8 +63,12 @@ class VllmSamplingFields(BaseModel):
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) ends the text
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>", not their text
     structured_outputs: StructuredOutputs | None = None
-    # Admission order when requests wait for KV capacity: lower first, then arrival (vLLM's priority).
+    # Admission order when requests wait for KV capacity: lower first, then arrival (vLLM's priority);
+    # refused unless the server runs --scheduling-policy priority.
     priority: int = Field(default=0, ge=-(2**63), lt=2**63)
+    # The request's prefix-cache partition (vLLM's cache_salt): only requests with the same salt share cached
+    # KV, so one tenant cannot learn from timing or counts whether another's prompt is cached.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
 
 class VllmChatFields(BaseModel):

@@ -6,7 +6,10 @@ controller and resizer).
               be busy for seconds: a burst of schema checks, a large body; the heartbeat still comes)
     expire(): a frontend not heard for FRONTEND_SILENT_S is taken for dead (its process died or is paused):
               its counts are dropped and its id returned (the fleet actor then has every worker end that
-              frontend's output channels; if it was only paused, it resumes its requests when it wakes)
+              frontend's output channels; if it was only paused, it resumes its requests when it wakes).
+              Called every second: a call that comes FLEET_STALL_S late finds the fleet itself was
+              paused (the heartbeats sent meanwhile may still wait in its queue): it expires nobody, and
+              every frontend's silence counts from then.
     forget(prefixes): the same at once, for frontends whose process its supervisor saw exit
 admission_share(frontend_id, total, floor): the decode KV tokens that frontend may reserve, from the one
     capacity of the fleet: what each live frontend holds now stays its own; the rest goes to the frontends
@@ -27,6 +30,7 @@ from gateway.control.messages import FrontendReport
 from gateway.requests.router import LocalPrefillPolicy
 
 FRONTEND_SILENT_S = 10.0  # heartbeats come every 0.5 s: twenty missed in a row
+FLEET_STALL_S = 3.0  # expire() comes every second: this late, the fleet actor was paused or stalled
 
 
 class ReportedBooks:
@@ -36,6 +40,7 @@ class ReportedBooks:
         self.on_local_prefill: list[Callable[[int], None]] = []  # frontends tell the fleet directly
         self._reports: dict[str, FrontendReport] = {}  # frontend id → its latest report
         self._heard: dict[str, float] = {}  # frontend id → when it last reported or sent a heartbeat
+        self._last_expiry = time.monotonic()
 
     @property
     def local_prefill(self) -> LocalPrefillPolicy:
@@ -61,8 +66,13 @@ class ReportedBooks:
         return list(self._heard)
 
     def expire(self) -> list[str]:
-        """Drop the frontends not heard for FRONTEND_SILENT_S; returns their ids."""
+        """Drop the frontends not heard for FRONTEND_SILENT_S; returns their ids. None after a stall of
+        the fleet's own (review P9: a pause past the lease would otherwise expire every frontend at once)."""
         now = time.monotonic()
+        was_stalled, self._last_expiry = now - self._last_expiry > FLEET_STALL_S, now
+        if was_stalled:
+            self._heard = dict.fromkeys(self._heard, now)
+            return []
         return self._drop([f for f, at in self._heard.items() if now - at > FRONTEND_SILENT_S])
 
     def forget(self, prefixes: list[str]) -> list[str]:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, cast
 
 import ray
 
-from gateway.fleet.rank_groups import remove_rank_group
+from gateway.fleet.rank_groups import remove_rank_group, remove_rank_groups_of
 from gateway.fleet.table import worker_actor_name
 from gateway.fleet.worker_client import WorkerClient
 from gateway.fleet.workers import Worker, WorkerState
@@ -84,6 +84,7 @@ async def adopt_survivors(table: WorkerTable, keeper: str) -> list[Worker]:
     """Add the survivors that serve to `table` as ACTIVE workers (not yet wired); kill the others."""
     handles = survivors(keeper, table.digest)
     if not handles:
+        _remove_orphan_rank_groups(keeper, [])
         return []
     standings = await asyncio.gather(*(_standing(handle) for handle in handles.values()))
     adopted: list[Worker] = []
@@ -102,7 +103,15 @@ async def adopt_survivors(table: WorkerTable, keeper: str) -> list[Worker]:
         adopted.append(worker)
     logger.info("adopted %d of %d surviving workers: %s", len(adopted), len(handles),
                 ", ".join(f"{w.worker_id} ({w.role.value})" for w in adopted))
+    kept = [worker_actor_name(keeper, table.digest, w.worker_id) for w in adopted]
+    _remove_orphan_rank_groups(keeper, kept)
     return adopted
+
+
+def _remove_orphan_rank_groups(keeper: str, adopted: list[str]) -> None:
+    """The rank groups of workers that died while no fleet actor watched (none adopts them) go back."""
+    for name in remove_rank_groups_of(keeper, keep=adopted):
+        logger.warning("removed the placement group %s: its worker is gone", name)
 
 
 def layout_after_adoption(layout: dict[Role, int], adopted: list[Role]) -> dict[Role, int]:
@@ -114,6 +123,17 @@ def layout_after_adoption(layout: dict[Role, int], adopted: list[Role]) -> dict[
         role = max(Role, key=lambda r: layout[r] - target[r])
         target[role] += 1
     return target
+
+
+def adopted_degrees(adopted: list[tuple[Role, int]]) -> dict[Role, int]:
+    """The tensor-parallel degree per role (Role.DECODE's holds for mixed workers too) that the adopted
+    workers, given as (role, degree), all run at: a restarted fleet actor starts its missing workers at the
+    degrees a PUT had set before the restart, not the start's (review LOW). A role whose workers disagree
+    (a change cut short) or that has none is left out."""
+    by_role: dict[Role, set[int]] = {}
+    for role, degree in adopted:
+        by_role.setdefault(Role.DECODE if role is Role.MIXED else role, set()).add(degree)
+    return {role: next(iter(degrees)) for role, degrees in by_role.items() if len(degrees) == 1}
 
 
 async def _standing(handle: ActorHandle[WorkerActor]) -> WorkerStanding | None:

@@ -49,7 +49,7 @@ import asyncio
 import logging
 import time
 
-from gateway.fleet.adoption import adopt_survivors, layout_after_adoption
+from gateway.fleet.adoption import adopt_survivors, adopted_degrees, layout_after_adoption
 from gateway.fleet.bring_up_log import BringUpLog
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.placement import (
@@ -126,6 +126,9 @@ class PDDeployment:
         adopted = await adopt_survivors(table, table.keeper) if table.keeper else []
         if adopted:
             table.set_target(layout_after_adoption(table.config.layout(), [w.role for w in adopted]))
+            degrees = adopted_degrees([(w.role, w.tp) for w in adopted])
+            if any(table.config.tp_of(role) != degree for role, degree in degrees.items()):
+                table.retune({**table.config.role_tp, **degrees})
         missing = {role: table.target[role] - sum(w.role is role for w in adopted) for role in Role}
         roles = [role for role, count in missing.items() for _ in range(count)]
         workers = [table.create(role) for role in roles]

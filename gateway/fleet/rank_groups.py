@@ -4,13 +4,19 @@ and given back when the fleet lets the actor go.
     rank_group(config, role, actor name) → the group (named "<actor name>.ranks"); the actor in bundle 0
         (placement.actor_options), its other ranks in bundles 1.. (pool_worker/tp_ranks.py)
     remove_rank_group(actor name) ← WorkerClient.kill, and adoption's kill of a survivor it does not keep
-A worker of one rank has none.
+    remove_rank_groups_of(keeper, keep) ← adoption (the groups of workers that died while no fleet actor
+        watched) and `pdserve fleet stop` (whatever is left under the fleet's name); the worker itself removes
+        its group when it exits because its fleet is gone (worker_runtime/keeper_watch.py)
+A worker of one rank has none. The group is detached where its worker is (it outlives the fleet actor), so
+nothing but these removes it: an orphan would keep tp × (GPU + CPUs) reserved for good (review P4).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 
+import ray
 from ray.util.placement_group import (
     PlacementGroup,
     get_placement_group,
@@ -50,3 +56,17 @@ def remove_rank_group(actor_name: str) -> None:
     """Give back the placement group of a worker's ranks (none: nothing to do), once its actor is gone."""
     with contextlib.suppress(Exception):  # none by that name, or removed already
         remove_placement_group(get_placement_group(rank_group_name(actor_name)))
+
+
+def remove_rank_groups_of(keeper: str, keep: Collection[str] = ()) -> list[str]:
+    """Remove every live rank group of a worker kept by `keeper` (named "<keeper>.<digest>.<id>.ranks") but
+    those of the actors named in `keep`; returns the removed groups' names."""
+    removed = []
+    for group in ray.util.placement_group_table().values():
+        name = group.get("name") or ""
+        if (group.get("state") == "REMOVED" or not name.startswith(f"{keeper}.")
+                or not name.endswith(".ranks") or name.removesuffix(".ranks") in keep):
+            continue
+        remove_rank_group(name.removesuffix(".ranks"))
+        removed.append(name)
+    return removed

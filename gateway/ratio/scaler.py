@@ -90,9 +90,11 @@ class ScaleController:
         plan = await asyncio.to_thread(plan_size, self.planner, self.traffic.window(), self.policy)
         if plan is None:
             return None
-        # Requests finished since the last change (the fleet before it says nothing now), in the window.
+        # Requests that arrived since the last change and did not move (the fleet before it, and the
+        # change's own transients, say nothing of the fleet now), in the window.
         since = max(self._changed_at, time.monotonic() - self.policy.window_s)
-        measured = self.recent.attainment(self.ttft_slo_s, self.itl_slo_s, since=since)
+        measured = self.recent.settled_attainment(self.ttft_slo_s, self.itl_slo_s, since,
+                                                  self.policy.min_measured_requests)
         plan = corrected(plan, measured, self.current_layout(), self.policy)
         self.last_plan = {"at": time.time(), **plan.summary()}
         decision = self.sizer.decide(plan, self.current_layout(), time.monotonic())

@@ -48,6 +48,12 @@ class ScalePolicy:
     # Fewer arrivals in the window than this (but some): no plan. 1: a trickle is planned too (on its few
     # requests the smallest size holds), so that a fleet left large by a burst shrinks under light traffic.
     min_requests: int = 1
+    # A measured SLO attainment overrules the plan only over this many requests that arrived after the last
+    # change and did not move (the change's own transients are not the fleet's: review P8).
+    min_measured_requests: int = 20
+    # A measurement-driven scale-out that would undo the last scale-in waits this many dwells; each such
+    # reversal doubles the calm period before the next scale-in.
+    reversal_dwells: int = 3
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -167,7 +173,8 @@ class SizeDecision:
     at: float  # time.time()
     from_layout: Layout
     to_layout: Layout
-    reason: str  # "scale_out", "scale_in" or "rebalance"
+    # "scale_out", "scale_in", "rebalance", or "scale_out_reversal" (a measured one undoing a scale-in)
+    reason: str
     detail: str
     prediction: dict[str, object]
     measured: dict[str, object] = field(default_factory=dict)  # check_s after the change
@@ -187,12 +194,18 @@ class Sizer:
         self._last_change = float("-inf")
         self._streak: tuple[object, int] = (None, 0)  # what the last plans named (larger size, better split)
         self._smaller_since: float | None = None  # every plan since named a smaller size
+        self._last_reason = ""  # of the last decision made
+        self.calm_factor = 1.0  # in_calm_s ×: doubled by each reversal of a scale-in
 
     def note_change(self, now: float) -> None:
         """A change ended at `now`: the dwell and the calm timer start again."""
         self._last_change = now
         self._streak = (None, 0)
         self._smaller_since = None
+
+    @property
+    def in_calm_s(self) -> float:
+        return self.policy.in_calm_s * self.calm_factor
 
     def decide(self, plan: SizePlan, current: Layout, now: float) -> SizeDecision | None:
         p = self.policy
@@ -212,6 +225,16 @@ class Sizer:
             return None
         if self._streak[1] >= p.out_confirmations:
             if plan.size > n and plan.measured_attainment is not None:
+                if self._last_reason == "scale_in":  # it would undo the last scale-in: a flap?
+                    if now - self._last_change < p.reversal_dwells * p.min_dwell_s:
+                        return None
+                    self.calm_factor *= 2  # the next scale-in waits longer
+                    return self._decision(plan, current, plan.layout, "scale_out_reversal",
+                                          f"measured SLO attainment {plan.measured_attainment:.0%} on "
+                                          f"{current.label()} since the last scale-in is below "
+                                          f"{p.target_attainment:.0%}: it is undone, to "
+                                          f"{plan.layout.label()}; the next scale-in waits "
+                                          f"{self.in_calm_s:.0f} s of calm")
                 return self._decision(plan, current, plan.layout, "scale_out",
                                       f"measured SLO attainment {plan.measured_attainment:.0%} on "
                                       f"{current.label()} is below {p.target_attainment:.0%} (predicted "
@@ -230,7 +253,7 @@ class Sizer:
             return self._decision(plan, current, plan.layout, "rebalance",
                                   f"{plan.layout.label()} {predicted} {against}")
         smaller_sizes = [s for s in p.sizes if s < n]
-        if self._smaller_since is not None and now - self._smaller_since >= p.in_calm_s and smaller_sizes:
+        if self._smaller_since is not None and now - self._smaller_since >= self.in_calm_s and smaller_sizes:
             size = smaller_sizes[-1]  # n - 1 unless the per-role bounds allow no layout of that size
             smaller = plan.best_by_size.get(size)  # none when nothing arrived: all mixed serves best then
             to = smaller.layout if smaller is not None else p.layouts_of(size)[0]
@@ -239,7 +262,7 @@ class Sizer:
             return self._decision(plan, current, to, "scale_in",
                                   f"{plan.size} worker(s) ({plan.layout.label()}) predicted to hold the "
                                   f"traffic ({plan.rate:.2f} req/s, {p.headroom:.0%} headroom) for "
-                                  f"{p.in_calm_s:.0f} s: {fewer}, to {to.label()}")
+                                  f"{self.in_calm_s:.0f} s: {fewer}, to {to.label()}")
         return None
 
     def _is_better_split(self, plan: SizePlan, current: Layout) -> bool:
@@ -258,6 +281,7 @@ class Sizer:
         score = plan.best_by_size.get(size)
         return "no figure" if score is None else f"{score.attainment:.0%} SLO attainment at best"
 
-    @staticmethod
-    def _decision(plan: SizePlan, current: Layout, to: Layout, reason: str, detail: str) -> SizeDecision:
+    def _decision(self, plan: SizePlan, current: Layout, to: Layout, reason: str, detail: str
+                  ) -> SizeDecision:
+        self._last_reason = reason
         return SizeDecision(time.time(), current, to, reason, detail, plan.summary())

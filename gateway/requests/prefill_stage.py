@@ -52,6 +52,9 @@ async def prefill(state: RequestState, route: RequestRoute) -> tuple[Worker, Pre
             client.abort(attempt_id)
             raise RequestFailed(state.late("prefill", prefill_by), FailureCode.DEADLINE_EXCEEDED) from None
         except WorkerLost as error:  # its actor or step loop died, or its output stream ended
+            # The fleet's probe may find the worker alive (only its stream ended): stop the prompt there, or
+            # it runs on and its KV waits out the lease (review LOW).
+            client.abort(attempt_id)
             route.fleet.mark_failed(prefill.worker_id, f"prefill worker lost: {error}")
             continue
         except WrongRoleError:  # it changed role since it was picked: another one

@@ -70,6 +70,7 @@ class GatewayService:
         local_prefill: LocalPrefillPolicy | None = None,
         metrics: Metrics | None = None,
         tracer: RequestTracer | None = None,
+        shows_prompt_cache: bool = False,
     ) -> None:
         """Args:
         fleet: the workers (a frontend's mirror of the fleet actor's); told of every prompt routed, every
@@ -77,6 +78,8 @@ class GatewayService:
         admission: its capacity is this frontend's share of the decode KV, leased by the fleet.
         metrics: this gateway's Prometheus series (default: a set labelled with model_name).
         tracer: where finished requests' traces go (--otlp-traces-endpoint); None: not traced.
+        shows_prompt_cache: responses carry the prompt tokens found cached and why a decode worker prefilled
+            (--enable-prompt-tokens-details); off, only the metrics and traces (the operator's) have them.
         """
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -84,6 +87,7 @@ class GatewayService:
         self.router = Router(fleet, local_prefill)
         self.router.on_local_prefill.append(fleet.note_prompt)  # a decode worker prefills a prompt itself
         self.admission = admission
+        self.shows_prompt_cache = shows_prompt_cache
         self.metrics = metrics or Metrics(model_name)
         admission.on_change.append(self._admission_changed)
         self.tracer = tracer
@@ -240,9 +244,11 @@ class GatewayService:
                     self.tracer.record(self._traced(prepared, num_output), timings)
                 self._note_traffic(prepared, num_output)
                 self.fleet.note_finished(timings)
+                shown_timings = timings if self.shows_prompt_cache else timings.model_copy(
+                    update={"cached_tokens": None, "local_prefill_reason": None})
                 deltas.put_nowait(TextDelta(text, event.token_ids, event.logprobs, finish, len(choice.sent),
-                                            timings, timings.cached_tokens, event.top_logprobs,
-                                            event.prompt_logprobs, event.index))
+                                            shown_timings, shown_timings.cached_tokens or 0,
+                                            event.top_logprobs, event.prompt_logprobs, event.index))
                 return
         except RequestFailed as failed:
             outcome = "error"

@@ -9,6 +9,11 @@ from pydantic import BaseModel, Field
 
 
 class AdmissionSettings(BaseModel):
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="fcfs: requests are admitted in arrival order and a request's priority other than 0 is "
+                    "refused (400, as vLLM); priority: the admission line orders by the request's priority "
+                    "(lower first), then arrival")
     max_waiting: int = Field(
         256, ge=0,
         description="requests that may wait for decode KV capacity before 429")

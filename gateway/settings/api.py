@@ -32,6 +32,17 @@ class ApiSettings(BaseModel):
         None,
         description="a Jinja chat template replacing the tokenizer's: a file, or the template's text "
                     "(default: the model's own)")
+    max_logprobs: int = Field(
+        20, ge=0, le=20,
+        description="the most alternatives per token a request may ask for (top_logprobs, completions' "
+                    "logprobs, prompt_logprobs; more is a 400), as vLLM's flag; 0: only the chosen tokens' "
+                    "own logprobs")
+    enable_prompt_tokens_details: bool = Field(
+        False,
+        description="responses carry the prompt tokens served from the prefix cache (usage's "
+                    "prompt_tokens_details.cached_tokens, timings' cached_tokens and local_prefill_reason), "
+                    "as vLLM's flag: off by default, since the count tells one client whether another's "
+                    "prompt is cached (cache_salt keeps tenants apart)")
     generation_config: str = Field(
         "auto",
         description="sampling defaults for the fields a request leaves unset: auto (the model's "

@@ -32,6 +32,8 @@ class _Finished:
     tpot_s: float | None  # mean gap between tokens; None with fewer than two tokens
     gaps_s: tuple[float, ...]  # a strided sample of its token gaps (at most GAPS_PER_REQUEST)
     gap_weight: float  # gaps each sampled one stands for
+    arrived: float  # time.monotonic() when it reached the gateway
+    moved: bool  # its stream moved to another worker (a failure, a drain, a role change)
 
 
 class RecentLatencies:
@@ -58,7 +60,8 @@ class RecentLatencies:
         sample = tuple(gap / 1000 for gap in gaps[stride // 2::stride])
         tpot = sum(gaps) / len(gaps) / 1000 if gaps else None
         self._finished.append(_Finished(now, timings.ttft_ms / 1000, tpot, sample,
-                                        len(gaps) / len(sample) if sample else 0.0))
+                                        len(gaps) / len(sample) if sample else 0.0,
+                                        now - timings.e2e_ms / 1000, timings.num_moves > 0))
 
     def _trim(self, now: float) -> None:
         cutoff = now - self.window_s
@@ -91,6 +94,17 @@ class RecentLatencies:
             return None
         met = sum(x.ttft_s <= ttft_slo_s and (x.tpot_s is None or x.tpot_s <= tpot_slo_s) for x in window)
         return met / len(window)
+
+    def settled_attainment(self, ttft_slo_s: float, tpot_slo_s: float, since: float, min_requests: int
+                           ) -> float | None:
+        """As attainment(), over the requests that arrived at or after `since` (monotonic: a change's end)
+        and did not move: what the fleet as it is now serves, not the change's own transients (streams it
+        moved, requests that queued while it applied). None under `min_requests` of them."""
+        settled = [x for x in self._window(since) if x.arrived >= since and not x.moved]
+        if len(settled) < min_requests:
+            return None
+        return sum(x.ttft_s <= ttft_slo_s and (x.tpot_s is None or x.tpot_s <= tpot_slo_s)
+                   for x in settled) / len(settled)
 
     def itl_quantile(self, q: float, since: float = float("-inf")) -> float | None:
         """The q-quantile over tokens of the gap before each (from each request's sample, weighted)."""

@@ -11,7 +11,9 @@ class Timings(BaseModel):
     gateway_queue_ms: float  # waiting for admission (decode KV capacity)
     prefill_queue_ms: float  # on the prefill worker, before its first chunk ran
     prefill_ms: float  # first chunk to first token on the prefill worker
-    cached_tokens: int = 0  # prompt tokens the prefilling worker found in its prefix cache
+    # Prompt tokens the prefilling worker found in its prefix cache; None in responses unless the server
+    # shows them (--enable-prompt-tokens-details).
+    cached_tokens: int | None = 0
     transfer_ms: float  # pulling the prompt's KV into the decode worker
     transfer_bytes: int
     decode_queue_ms: float  # on the decode worker, waiting for blocks or for the next step

@@ -22,8 +22,9 @@ receiver's early-out. Cost: one notification round trip plus the wait for the se
 
 Handshake once per peer: the receiver loads the sender's agent metadata and prepares a descriptor list over
 all of the peer's blocks; its own blocks are prepared once at construction. Per pull only indices are passed.
-The sender learns how to reach a receiver from its claims, which carry the receiver's connection info until
-that sender has answered one, so PeerInfo still goes one way only.
+The sender learns how to reach a receiver from its claims, which carry the receiver's connection info (loaded
+when it is new or changed), so PeerInfo still goes one way only; it forgets a receiver idle for
+idle_receiver_s with no grant outstanding.
 Tensor-parallel workers (kv_transfer/backends/nixl_ranks.py): the lease, claim and grant stay with rank 0; a
 pull where either side has ranks posts, on every destination rank, one READ per source rank it shares heads
 with (kv_transfer/head_slices.py), with no notification attached; rank 0 sends PULLED once every rank's
@@ -36,6 +37,7 @@ READ could not be cancelled is reported only once it has been, so nothing lands 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -109,6 +111,8 @@ class NixlSender(KVSender):
         self.agent, self._metadata = _registered_agent(self)
         self._grants: dict[int, _Grant] = {}  # by transfer id
         self._connections: dict[str, bytes] = {}  # receiver agent name -> connection info loaded for it
+        self._last_claim: dict[str, float] = {}  # receiver agent name -> time.monotonic() of its last claim
+        self._next_sweep = 0.0
 
     def _backend_metadata(self) -> bytes:
         return msgpack.packb(self._metadata, use_bin_type=True)
@@ -132,7 +136,24 @@ class NixlSender(KVSender):
             if now > grant.hold_until:
                 del self._grants[transfer_id]
                 done.append((transfer_id, ReleaseReason.FAILED, "the granted READ did not end in its hold"))
+        if now >= self._next_sweep:
+            self._next_sweep = now + 1.0
+            self._forget_idle_receivers(now)
         return done
+
+    def _forget_idle_receivers(self, now: float) -> None:
+        granted = {grant.agent_name for grant in self._grants.values()}
+        idle = [name for name, at in self._last_claim.items()
+                if now - at > self.config.idle_receiver_s and name not in granted]
+        for agent_name in idle:
+            del self._last_claim[agent_name]
+            if self._connections.pop(agent_name, None) is not None:
+                self.agent.forget_remote(agent_name, None)
+
+    @property
+    def num_known_receivers(self) -> int:
+        """Receivers whose connection this sender holds."""
+        return len(self._connections)
 
     def _end_grant(self, agent_name: str, transfer_id: int) -> bool:
         """Forget a grant on its receiver's word; False if there is none (e.g. DROP after the hold ended)."""
@@ -148,6 +169,7 @@ class NixlSender(KVSender):
 
     def _answer(self, agent_name: str, claim: NixlNotif) -> None:
         """Grant or refuse a claim; the lease's validity is decided here, by this host's clock."""
+        self._last_claim[agent_name] = time.monotonic()
         if claim.connection_info and self._connections.get(agent_name) != claim.connection_info:
             try:
                 self.agent.add_remote(claim.connection_info)
@@ -199,27 +221,38 @@ class NixlReceiver(KVReceiver):
         self._slices = SliceReads(self.agent, self.kv_cache, self.config.rank_scratch_bytes)  # rank 0's READs
         self._slice_states: dict[tuple[str, int], str] = {}  # sliced pull -> PROC / DONE / ERR, all ranks
         self._workers: dict[str, str] = {}  # NIXL agent name -> source worker id
-        self._answered: set[str] = set()  # source workers that answered a claim: they can reach us
         self._unreleased: list[int] = []  # handles of finished READs that NIXL refused to release yet
         # Agent name of a removed peer's rank 0 → its prepared list and every rank's agent name.
         self._retiring: dict[str, tuple[int | None, tuple[str, ...]]] = {}
 
     def _on_add_peer(self, peer: PeerInfo) -> None:
+        """Load the peer's agents (every rank's) and prepare its blocks; all or nothing: what was loaded
+        before a step failed is dropped again, and the error raised (the wiring call reports it)."""
         metadata = tuple(msgpack.unpackb(peer.backend_metadata, raw=False))
-        names = tuple(self.agent.add_remote(m) for m in metadata)
-        if peer.layout.ranks or self.layout.ranks:
-            if self.ranks is not None:
-                self.ranks(LoadAgents(metadata))
-            self._rank_agents[peer.worker_id] = names
-        else:
-            self._remote_dlists[peer.worker_id] = self.agent.prep_blocks(names[0], peer.layout)
+        names: list[str] = []
+        asked_ranks = False
+        try:
+            for m in metadata:
+                names.append(self.agent.add_remote(m))
+            if peer.layout.ranks or self.layout.ranks:
+                if self.ranks is not None:
+                    asked_ranks = True
+                    self.ranks(LoadAgents(metadata))
+                self._rank_agents[peer.worker_id] = tuple(names)
+            else:
+                self._remote_dlists[peer.worker_id] = self.agent.prep_blocks(names[0], peer.layout)
+        except Exception:
+            self._rank_agents.pop(peer.worker_id, None)
+            for name in names:
+                self.agent.forget_remote(name, None)
+            if asked_ranks and self.ranks is not None:
+                with contextlib.suppress(Exception):  # the ranks that loaded them drop them
+                    self.ranks(ForgetAgents(tuple(names)))
+            raise
         self._agent_names[peer.worker_id] = names[0]
         self._workers[names[0]] = peer.worker_id
 
     def _on_remove_peer(self, worker_id: str) -> None:
-        # If the worker comes back (a new endpoint, a new agent name), it must be sent our connection info
-        # again before it can answer a claim.
-        self._answered.discard(worker_id)
         agent_name = self._agent_names.pop(worker_id, None)
         if agent_name is not None:
             self._workers.pop(agent_name, None)
@@ -230,9 +263,9 @@ class NixlReceiver(KVReceiver):
 
     def _start(self, pull: Pull, peer: PeerInfo) -> None:
         now = time.monotonic()
-        connection_info = b"" if peer.worker_id in self._answered else self._connection_info
+        # Every claim carries how to reach us: the sender may have forgotten us since (idle_receiver_s).
         claim = encode_notif(NotifKind.CLAIM, pull.handle.transfer_id, hold_s=pull.deadline - now,
-                             connection_info=connection_info)
+                             connection_info=self._connection_info)
         pull.backend_state = _Read(self._agent_names[peer.worker_id], now)
         if not self.agent.send_notif(pull.backend_state.agent_name, claim):
             pull.fail("the claim could not be sent to the sender's NIXL agent")
@@ -255,7 +288,6 @@ class NixlReceiver(KVReceiver):
             worker_id = self._workers.get(agent_name)
             if worker_id is None:
                 continue
-            self._answered.add(worker_id)
             for message in messages:
                 answer = decode_notif(message, agent_name)
                 if answer is not None:

@@ -88,6 +88,9 @@ class _Posted:
     handles: list[int] = field(default_factory=list)  # NIXL transfer handles not yet released
     failed: bool = False  # a READ failed: ERR until the pull is cancelled
     staged: list[tuple[SliceRead, int]] = field(default_factory=list)  # reads into scratch, at these offsets
+    # The staged heads were copied into the cache and DONE reported: a release NIXL refused keeps the entry
+    # until a later poll, which must not copy the scratch into those blocks again (they may hold newer KV).
+    is_reported: bool = False
 
 
 class SliceReads:
@@ -135,11 +138,12 @@ class SliceReads:
                 posted.failed = True
                 states[key] = "ERR"
             elif all(s == "DONE" for s in statuses):
-                assert self._scratch is not None or not posted.staged
-                for read, offset in posted.staged:
-                    read.copy_staged(self._scratch[offset:], self.cache)  # type: ignore[index]
-                states[key] = "DONE"
-                self.cancel(key)
+                if not posted.is_reported:
+                    assert self._scratch is not None or not posted.staged
+                    for read, offset in posted.staged:
+                        read.copy_staged(self._scratch[offset:], self.cache)  # type: ignore[index]
+                    states[key], posted.is_reported = "DONE", True
+                self.cancel(key)  # again at each poll while NIXL refuses a release
             else:
                 states[key] = "PROC"
         return states

@@ -52,7 +52,7 @@ def test_every_object_matches_its_schema(overlay: str) -> None:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     kinds = sorted(o["kind"] for o in rendered(overlay))
     volumes = ["PersistentVolumeClaim"] if "pvc" in overlay else []
-    assert kinds == sorted(["RayCluster", "Service", *volumes])
+    assert kinds == sorted(["RayCluster", "Service", "NetworkPolicy", *volumes])
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl absent: only the renderer here runs")
@@ -155,3 +155,20 @@ def test_the_service_monitor_scrapes_the_services_port_with_the_api_key() -> Non
     assert endpoint["port"] in [p["name"] for p in service["spec"]["ports"]]
     assert endpoint["path"] == "/metrics"
     assert endpoint["authorization"]["credentials"] == {"name": "pdserve-keys", "key": "PDSERVE_API_KEY"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_pod_runs_as_root_and_only_the_gateway_port_is_open_from_outside(overlay: str) -> None:
+    """Review (deploy hardening): every pod non-root under the runtime's seccomp profile, every container
+    without privilege escalation or capabilities; a NetworkPolicy opens the cluster's pods to each other
+    (Ray, UCX, NCCL ports are chosen at run time) and to others on the gateway's port only."""
+    for name, template in pod_templates(raycluster_of(overlay)).items():
+        pod = template["spec"]["securityContext"]
+        assert pod["runAsNonRoot"] and pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for container in template["spec"]["containers"]:
+            assert container["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                    "capabilities": {"drop": ["ALL"]}}, container["name"]
+    [policy] = [o for o in rendered(overlay) if o["kind"] == "NetworkPolicy"]
+    own_pods = {"podSelector": {"matchLabels": {"ray.io/cluster": "pdserve"}}}
+    assert policy["spec"]["podSelector"] == own_pods["podSelector"]
+    assert policy["spec"]["ingress"] == [{"from": [own_pods]}, {"ports": [{"port": 8000, "protocol": "TCP"}]}]

@@ -137,13 +137,14 @@ def test_the_vocabulary_split_over_two_ranks_gives_one_ranks_logprobs(tiny_llama
             engine.stop_followers()
     for a, b in zip(one, two, strict=True):
         assert a.output_token_ids == b.output_token_ids
-        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-4)
+        # The split sum rounds differently from the whole one: 1.0e-4 of -7.5 was seen (relative 1.4e-5).
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-4, rel=3e-5)
         assert [[t for t, _ in top] for top in a.output_top_logprobs] == [
             [t for t, _ in top] for top in b.output_top_logprobs]
         assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
         # A prompt's unlikely tokens have logprobs near -20: the split sum's rounding is relative there
         # (1.3e-4 of -22.5 was seen under the full suite's load, the base tree too).
-        assert a.prompt_logprobs.logprobs == pytest.approx(b.prompt_logprobs.logprobs, abs=1e-4, rel=1e-5)
+        assert a.prompt_logprobs.logprobs == pytest.approx(b.prompt_logprobs.logprobs, abs=1e-4, rel=3e-5)
         assert a.prompt_logprobs.ranks == b.prompt_logprobs.ranks
 
 

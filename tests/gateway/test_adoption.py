@@ -11,7 +11,7 @@ import time
 import pytest
 import ray
 
-from gateway.fleet.adoption import layout_after_adoption, survivors, worker_actor
+from gateway.fleet.adoption import adopted_degrees, layout_after_adoption, survivors, worker_actor
 from gateway.fleet.table import worker_actor_name
 from worker_runtime.keeper_watch import KeeperWatch
 from worker_runtime.roles import Role
@@ -31,6 +31,14 @@ def test_the_target_after_adoption_keeps_the_roles_the_fleet_had_reached() -> No
     assert layout_after_adoption(layout(1, 1), [P]) == layout(1, 1)
     # More survivors than the layout counts (a PUT had grown the fleet): every one is kept.
     assert layout_after_adoption(layout(1, 1), [P, D, D]) == layout(1, 2)
+
+
+def test_a_restart_starts_its_missing_workers_at_the_degrees_its_workers_run() -> None:
+    """Review LOW: a PUT had set the decode degree to 2, then the fleet actor restarted: the workers it
+    starts must be of the degree its adopted ones run at, not the start's. Mixed workers share decode's."""
+    assert adopted_degrees([(P, 1), (D, 2), (M, 2)]) == {P: 1, D: 2}
+    assert adopted_degrees([(P, 1), (P, 2), (D, 2)]) == {D: 2}  # prefill disagrees (a change cut short)
+    assert adopted_degrees([]) == {}
 
 
 @ray.remote(num_cpus=0)

@@ -54,6 +54,24 @@ def test_a_heartbeat_keeps_a_frontend_whose_reports_stall_and_one_taken_for_dead
     assert books.heard("frontend-b") is False  # b wakes up: the fleet had taken it for dead
 
 
+def test_a_fleet_paused_past_the_lease_expires_no_frontend_on_waking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review P9: the fleet actor paused longer than FRONTEND_SILENT_S finds every frontend silent when it
+    wakes, its heartbeats still queued: it expires none, and counts each one's silence from then on."""
+    monkeypatch.setattr(reported_books, "FRONTEND_SILENT_S", 0.05)
+    monkeypatch.setattr(reported_books, "FLEET_STALL_S", 0.2)
+    books = ReportedBooks(LocalPrefillPolicy(), on_policy=lambda: None)
+    books.report(report("frontend-a", {"w0": 3}, {}, 0))
+    books.report(report("frontend-b", {"w0": 4}, {}, 0))
+    assert books.expire() == []
+    time.sleep(0.3)  # the fleet paused: no expiry pass, no heartbeat handled
+    assert books.expire() == [] and books.in_flight("w0") == 7
+    books.heard("frontend-a")  # a's queued heartbeat; b is really gone
+    time.sleep(0.04)
+    books.heard("frontend-a")
+    time.sleep(0.04)
+    assert books.expire() == ["frontend-b"] and books.frontends() == ["frontend-a"]
+
+
 def test_admission_is_one_book_leased_by_demand_across_frontends() -> None:
     """Review N4: the capacity was split evenly per frontend, so one whose clients' connections pinned their
     requests to it answered 429 while the other's half sat idle. The fleet leases each frontend its share

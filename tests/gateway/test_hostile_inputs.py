@@ -316,3 +316,29 @@ def test_long_text_is_tokenized_and_long_ids_decoded_off_the_event_loop(tiny_cha
     assert asyncio.run(preparer.decode(tokens)) == text
     assert asyncio.run(preparer.encode("short")) == tokenizer.encode("short")
     assert [name.startswith("prompt-prep") for name in ran_on] == [True, True, False], ran_on
+
+
+def test_a_requests_grammar_is_checked_off_the_event_loop(tiny_chat_model_dir: Path) -> None:
+    """Review LOW (event-loop work left from N1): the grammar engine checks a schema in milliseconds when it
+    is large; a burst of them held the frontend's event loop. Checked on the prompt thread now."""
+    from gateway.api import structured
+
+    tokenizer = load_tokenizer(str(tiny_chat_model_dir))
+    preparer = Preparer(tokenizer, read_model_spec(str(tiny_chat_model_dir)), MODEL, 4096, 16, 16)
+    checked_on: list[str] = []
+    check = structured.check_grammar
+
+    def spy(spec: Any) -> None:
+        checked_on.append(threading.current_thread().name)
+        check(spec)
+
+    structured.check_grammar = spy  # type: ignore[assignment]
+    try:
+        schema = {"type": "object", "properties": {"only_here": {"type": "integer"}}}
+        body = ChatCompletionRequest(model=MODEL, messages=[ChatMessage(role="user", content="hi")],
+                                     response_format={"type": "json_schema",
+                                                      "json_schema": {"name": "x", "schema": schema}})
+        asyncio.run(preparer.prepare_chat(body))
+    finally:
+        structured.check_grammar = check  # type: ignore[assignment]
+    assert checked_on and checked_on[0].startswith("prompt-prep"), checked_on

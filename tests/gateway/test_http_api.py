@@ -306,6 +306,36 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client: httpx.Client, serve
     assert usage.prompt_tokens_details.cached_tokens == 48
 
 
+def prefill_tokens_computed(client: httpx.Client, since: float) -> int:
+    """Prompt tokens the prefill worker's forwards computed since `since` (its step records)."""
+    workers = client.get("/admin/pools").json()["workers"]
+    [worker] = [w["worker_id"] for w in workers if w["role"] == "prefill"]
+    steps = client.get(f"/admin/workers/{worker}/steps", params={"since": since}).json()["steps"]
+    return sum(step["num_prefill_tokens"] for step in steps)
+
+
+def test_a_cache_salt_keeps_each_tenants_prompts_apart(client: httpx.Client) -> None:
+    """Review P3: the same prompt under two salts shares no block (the second prefill computes all of it);
+    under one salt it shares as any repeated prompt; salted and unsalted never meet."""
+    prompt = list(range(3100, 3150))  # 50 tokens no other test sends: 3 full blocks of 16
+
+    def complete(**fields: object) -> tuple[int, int]:
+        """(cached_tokens in the answer, prompt tokens the prefill worker computed for it)."""
+        since = time.time()
+        answer = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2,
+                                                       "temperature": 0, **fields})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["timings"]["cached_tokens"], prefill_tokens_computed(client, since)
+
+    assert complete(cache_salt="tenant-a") == (0, 50)
+    assert complete(cache_salt="tenant-b") == (0, 50)  # the same prompt, another tenant: computed again
+    assert complete(cache_salt="tenant-a") == (48, 2)  # its own tenant's blocks: shared
+    assert complete() == (0, 50)  # no salt: the shared chain, where no tenant's blocks are
+    assert complete(cache_salt="tenant-b") == (48, 2)
+    refused = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "cache_salt": ""})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt"
+
+
 def _freeze_count(_actor: object) -> int:
     import gc  # run on the worker's actor: pickled by value
 

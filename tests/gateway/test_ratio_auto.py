@@ -34,7 +34,8 @@ def auto_server(tiny_chat_model_dir: Path, ray_local: None) -> Iterator[tuple[st
     pytest.importorskip("nixl")
     config = ServeConfig(dtype="float32",
                          model=str(tiny_chat_model_dir), served_model_name=MODEL, backend="nixl", mixed=2,
-                         ratio="auto", port=free_port(), kv_cache_mib=2, max_num_batched_tokens=64)
+                         ratio="auto", port=free_port(), kv_cache_mib=2, max_num_batched_tokens=64,
+                         enable_prompt_tokens_details=True)  # the local-prefill reason in timings
     with serving(config) as (url, app):
         # The controller runs in the fleet actor: FAST applied as a supervisor rejoining it applies its own.
         app.state.control.rejoin(FAST, local_prefill_policy(config), True, planner_settings(config))

@@ -85,3 +85,26 @@ def test_the_weighted_itl_quantile_is_the_inverted_cdf() -> None:
     # Half the weight (16 of 32 gaps) is at 10 ms: the median is 10 ms, not the next gap up.
     assert recent.itl_quantile(0.5) == 0.01
     assert recent.itl_quantile(0.51) == 0.05
+
+
+def test_the_settled_attainment_leaves_out_a_changes_own_transients() -> None:
+    """Review P8: after a scale-in, the streams it moved and the requests that queued while it applied miss
+    the SLO because of the change itself; counted, they made --scale auto add the worker back (a flap)."""
+    import time
+
+    recent = RecentLatencies(window_s=1e9)
+    changed = time.monotonic()
+    time.sleep(0.3)
+
+    def answer(ttft_ms: float, e2e_ms: float, moves: int = 0) -> Timings:
+        return timings(ttft_ms, [10.0]).model_copy(update={"e2e_ms": e2e_ms, "num_moves": moves})
+
+    for _ in range(10):
+        recent.add(answer(9000.0, 10_000.0))  # arrived 10 s ago: it queued while the change applied
+        recent.add(answer(9000.0, 200.0, moves=1))  # a stream the change moved
+    for _ in range(19):
+        recent.add(answer(100.0, 200.0))  # the fleet as it is now
+    assert recent.settled_attainment(5.0, 0.05, changed, min_requests=20) is None  # too few to judge
+    recent.add(answer(100.0, 200.0))
+    assert recent.settled_attainment(5.0, 0.05, changed, min_requests=20) == 1.0
+    assert recent.attainment(5.0, 0.05, since=changed) == pytest.approx(0.5)  # what it counted before

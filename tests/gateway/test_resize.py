@@ -37,7 +37,8 @@ def running(tiny_chat_model_dir: Path, ray_local: None) -> Any:
     pytest.importorskip("nixl")
     config = ServeConfig(dtype="float32",
                          model=str(tiny_chat_model_dir), served_model_name=MODEL, backend="nixl",
-                         port=free_port(), kv_cache_mib=2, max_num_batched_tokens=64)
+                         port=free_port(), kv_cache_mib=2, max_num_batched_tokens=64,
+                         enable_prompt_tokens_details=True)  # the local-prefill reason in timings
     with serving(config) as served:
         yield served
 

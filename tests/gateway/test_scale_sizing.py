@@ -207,6 +207,30 @@ def test_measured_attainment_below_target_overrules_an_optimistic_plan() -> None
     assert all(sizer.decide(at_max, Layout(0, 0, 3), now=t) is None for t in (0.0, 5.0, 10.0))
 
 
+def test_a_measured_scale_out_that_undoes_a_scale_in_waits_longer_and_backs_the_next_scale_in_off() -> None:
+    """Review P8: a scale-in, then measured attainment under target (the change's transients, or a plan at
+    the boundary) asking for the worker back: the reversal waits reversal_dwells dwells, is named as such, and
+    each one doubles the calm before the next scale-in, so the fleet does not flap every minute."""
+    policy = ScalePolicy(min_workers=1, max_workers=3, min_dwell_s=10.0, in_calm_s=30.0, out_confirmations=1)
+    light = plan_size(planner(policy), chat(0.3), policy)
+    assert light is not None
+    sizer = Sizer(policy)
+    two, one = light.best_by_size[2].layout, light.best_by_size[1].layout
+    assert sizer.decide(light, two, now=0.0) is None
+    shrink = sizer.decide(light, two, now=30.0)
+    assert shrink is not None and shrink.reason == "scale_in"
+    sizer.note_change(40.0)
+    back = corrected(light, 0.5, one, policy)  # measured under target on one worker: one more
+    assert sizer.decide(back, one, now=55.0) is None  # past one dwell, not past three
+    reversal = sizer.decide(back, one, now=71.0)
+    assert reversal is not None and reversal.reason == "scale_out_reversal"
+    assert "60 s of calm" in reversal.detail and sizer.in_calm_s == 60.0
+    sizer.note_change(80.0)
+    assert sizer.decide(light, two, now=90.0) is None
+    assert sizer.decide(light, two, now=140.0) is None  # 50 s of calm: no longer enough
+    assert sizer.decide(light, two, now=151.0) is not None  # 61 s
+
+
 def test_per_role_bounds_keep_every_plan_and_move_within_them() -> None:
     """--max-prefill-workers 1 --min-decode-workers 2 (a mixed worker counts for both roles): the candidates
     are the layouts within them; sizes with none are skipped, out and in alike; a split set by hand outside

@@ -46,6 +46,8 @@ def sample(field: str, tmp_path: Path) -> Any:
         return 2
     if field == "gpu_memory_utilization":  # a share, with --device cuda (base_flags)
         return 0.5
+    if field == "max_logprobs":  # its default is its bound
+        return 5
     info = ServeConfig.model_fields[field]
     kind = _value_type(info.annotation)
     if kind is bool:

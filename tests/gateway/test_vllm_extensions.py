@@ -307,7 +307,11 @@ def test_structured_outputs(sdk: openai.OpenAI, client: httpx.Client) -> None:
 
 def test_priority_and_continuous_usage_stats(sdk: openai.OpenAI, client: httpx.Client) -> None:
     prompt = random_prompts([20], VOCAB, seed=38)[0]
-    assert ids(complete(sdk, prompt, 6, priority=-5)) == ids(complete(sdk, prompt, 6, priority=7))
+    # A server admitting in arrival order (--scheduling-policy fcfs, the default) refuses a priority, as vLLM
+    # does: any client could otherwise jump the line (review, LOW list).
+    refused = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "priority": -5})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text
+    assert ids(complete(sdk, prompt, 6, priority=0)) == ids(complete(sdk, prompt, 6))
     stream = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True,
                                     extra_body={"stream_options": {"include_usage": True,
                                                                    "continuous_usage_stats": True}})
@@ -315,6 +319,21 @@ def test_priority_and_continuous_usage_stats(sdk: openai.OpenAI, client: httpx.C
     counts = [chunk.usage.completion_tokens for chunk in chunks if chunk.choices]
     assert counts == sorted(set(counts)) and counts[-1] == 6  # every chunk: the tokens so far
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+
+
+def test_responses_show_no_prompt_cache_unless_the_server_says_so(client: httpx.Client) -> None:
+    """Review P3: without --enable-prompt-tokens-details no response says whether the prompt was cached (a
+    client could probe another's prompts with it), nor why a decode worker prefilled it."""
+    body = {"model": MODEL, "prompt": list(range(3200, 3250)), "max_tokens": 2, "temperature": 0}
+    for _ in range(2):  # the second one's prompt is cached: still not said
+        answer = client.post("/v1/completions", json=body).json()
+        assert "prompt_tokens_details" not in answer["usage"]
+        timings = answer["timings"]
+        assert "cached_tokens" not in timings and "local_prefill_reason" not in timings
+    streamed = client.post("/v1/completions", json={**body, "stream": True,
+                                                     "stream_options": {"include_usage": True}})
+    chunks = [line for line in streamed.text.splitlines() if "usage" in line]
+    assert chunks and all("cached_tokens" not in line for line in chunks)
 
 
 def test_fields_once_dropped_in_silence_are_refused(client: httpx.Client) -> None:

@@ -61,7 +61,7 @@ def test_renamed_flags_set_pdserves_own() -> None:
     (["--enforce-eager", "--compile", "on"], "--enforce-eager: clashes with --compile on"),
     (["--tokenizer", "other/tokenizer"], "give --chat-template"),
     (["--load-format", "gguf"], "safetensors weights only"),
-    (["--max-logprobs", "50"], "at most 20 logprobs"),
+    (["--max-logprobs", "50"], "--max-logprobs: Input should be less than or equal to 20"),
     (["--runner", "pooling"], "text generation only"),
     (["--task", "embed"], "text generation only"),
 ])

@@ -275,3 +275,61 @@ def test_a_lease_withdrawn_is_expected_to_be_claimed_only_until_its_deadline(pai
     sender.withdraw(handle.transfer_id, "the client left")
     time.sleep(0.1)
     assert not sender.expects_claims
+
+
+def test_a_sender_forgets_an_idle_receiver_and_loads_it_again_at_its_next_claim():
+    """Review P10: a sender kept every receiver agent it ever answered (one per role change or replacement
+    of each decode worker). One idle for idle_receiver_s with no grant is forgotten; its next claim carries
+    its connection info again, and the pull works."""
+    n = next(_names)
+    sender = make_sender("nixl", f"prefill-nixl-{n}", _cache(8, seed=n),
+                         config=TransferConfig(idle_receiver_s=0.2))
+    receiver = make_receiver("nixl", f"decode-nixl-{n}", _cache(8))
+    receiver.add_peer(sender.peer_info())
+    try:
+        for dst in ([0, 1], [2, 3]):
+            handle = sender.offer([4, 5], num_tokens=20)
+            receiver.start_pull(handle, dst)
+            released: dict[int, ReleaseReason] = {}
+            results = _drive(sender, receiver, released, lambda res, rel: res and rel)
+            assert results[handle.transfer_id].state == TransferState.DONE
+            assert torch.equal(receiver.kv_cache[dst], sender.kv_cache[[4, 5]])
+            assert sender.num_known_receivers == 1
+            deadline = time.monotonic() + 5
+            while sender.num_known_receivers and time.monotonic() < deadline:
+                sender.poll()
+                time.sleep(0.05)
+            assert sender.num_known_receivers == 0  # forgotten while idle
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_peer_whose_wiring_fails_part_way_leaves_nothing_loaded_and_can_be_added_again():
+    """Review LOW: add_peer failing after the peer's agent was loaded (its blocks could not be prepared) left
+    the agent loaded and its name mapped; now all or nothing."""
+    n = next(_names)
+    sender = make_sender("nixl", f"prefill-nixl-{n}", _cache(8, seed=n))
+    receiver = make_receiver("nixl", f"decode-nixl-{n}", _cache(8))
+    forgotten: list[str] = []
+    forget, prep = receiver.agent.forget_remote, receiver.agent.prep_blocks
+
+    def broken_prep(*args: Any) -> int:
+        raise RuntimeError("injected fault: NIXL could not prepare the peer's blocks")
+
+    receiver.agent.forget_remote = lambda name, dlist: (forgotten.append(name), forget(name, dlist))[1]
+    receiver.agent.prep_blocks = broken_prep
+    try:
+        with pytest.raises(RuntimeError, match="injected fault"):
+            receiver.add_peer(sender.peer_info())
+        assert forgotten and not receiver._agent_names and sender.worker_id not in receiver.peers
+        receiver.agent.prep_blocks = prep
+        receiver.add_peer(sender.peer_info())  # wired whole now: a pull works
+        handle = sender.offer([3], num_tokens=10)
+        receiver.start_pull(handle, [6])
+        results = _drive(sender, receiver, {}, lambda res, rel: res and rel)
+        assert results[handle.transfer_id].state == TransferState.DONE
+        assert torch.equal(receiver.kv_cache[[6]], sender.kv_cache[[3]])
+    finally:
+        receiver.close()
+        sender.close()

@@ -133,3 +133,36 @@ def test_a_rank_that_cannot_post_its_reads_fails_the_pull_and_frees_every_rank(w
     dst.others = [RefusingRank(dst.name, 1, 2, dst.caches[1])]
     pulls(src, dst, TransferConfig(), [([1, 2, 5], [4, 0, 3])], expect=TransferState.FAILED)
     assert not dst.others[0]._reads._posted  # type: ignore[union-attr]  # nothing left in flight
+
+
+
+class RefusingOneRelease(RankTransfers):
+    """A rank whose NIXL refuses to release one READ handle once (as when it cannot cancel it yet)."""
+
+    def _open(self, config: TransferConfig) -> Any:
+        memory = super()._open(config)
+        agent = self._started().agent
+        release, refusals = agent.release, [True]
+        agent.release = lambda xfer: False if refusals and refusals.pop() else release(xfer)  # type: ignore
+        return memory
+
+    def close(self) -> None:  # the receiver's close: kept for the test to look after it
+        pass
+
+
+def test_a_release_nixl_refuses_once_does_not_copy_the_staged_heads_again(workers: list[Worker]) -> None:
+    """Review LOW: a pull's staged heads were copied into the cache again at every poll while NIXL refused
+    to release one of its READs, over whatever the blocks held by then (newer tokens, another request)."""
+    n = next(_names)
+    src, dst = Worker(1, f"p-ranks-{n}", seed=n), Worker(2, f"d-ranks-{n}", seed=None)
+    workers += [src, dst]
+    rank = RefusingOneRelease(dst.name, 1, 2, dst.caches[1])  # its heads are staged: the source holds all 3
+    dst.others = [rank]
+    pulls(src, dst, TransferConfig(), [([1, 2, 5], [4, 0, 3])])
+    assert torch.equal(dst.whole()[[4, 0, 3]], src.whole()[[1, 2, 5]])
+    reads = rank._started()
+    assert reads._posted  # the refused release keeps the entry
+    dst.caches[1][[4, 0, 3]] = 7.0  # newer KV written into those blocks since
+    assert reads.poll() == {}  # released now: nothing reported or copied again
+    assert not reads._posted and bool((dst.caches[1][[4, 0, 3]] == 7.0).all())
+    RankTransfers.close(rank)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
+from worker_runtime import step_loop
 from worker_runtime.step_loop import StepLoop
 
 
@@ -46,3 +48,25 @@ def test_loop_reports_a_dead_step() -> None:
             break
         time.sleep(0.01)
     assert isinstance(loop.error, RuntimeError) and not loop.is_alive
+
+
+def test_the_longest_step_is_of_the_recent_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review LOW: the watchdog's measure only grew, so one long first step (a warm-up) made every later hang
+    wait ten times it; it is the longest of the last RECENT_STEPS now."""
+    monkeypatch.setattr(step_loop, "RECENT_STEPS", 4)
+    durations = [0.2] + [0.01] * 6
+    done = threading.Event()
+
+    def step() -> float | None:
+        if not durations:
+            done.set()
+            return None
+        time.sleep(durations.pop(0))
+        return 0.0
+
+    loop = step_loop.StepLoop("recent", step)
+    assert loop.longest_step_s == 0.0
+    loop.start()
+    assert done.wait(10)
+    assert 0.005 < loop.longest_step_s < 0.1  # the 0.2 s first step is out of the window
+    loop.stop()

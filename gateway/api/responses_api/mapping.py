@@ -141,6 +141,7 @@ def to_chat(body: ResponsesRequest, model_name: str) -> ChatForm:
                         else body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": _response_format(body),
+        "cache_salt": body.cache_salt,
     }
     # Unset fields keep the chat request's own defaults (one place for each).
     try:

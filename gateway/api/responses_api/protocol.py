@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from gateway.api.protocol import MAX_MESSAGES, Text
+from gateway.api.protocol_extensions import MAX_CACHE_SALT_CHARS
 from gateway.api.protocol_tools import MAX_TOOLS
 
 MAX_PARTS = 256  # text parts of one message: each is joined into the message's text
@@ -220,6 +221,8 @@ class ResponsesRequest(_Item):
     user: str | None = None  # an end-user id for the caller's abuse monitoring
     safety_identifier: str | None = None  # the same, by its newer name
     prompt_cache_key: str | None = None  # a caching hint: pdserve's prefix cache matches by content anyway
+    # vLLM's: the request's prefix-cache partition (gateway/api/protocol_extensions.py).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @field_validator("max_output_tokens", mode="before")
     @classmethod
