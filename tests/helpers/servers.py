@@ -176,8 +176,10 @@ SHARED_DEFAULT_MAX_TOKENS = 4
 
 
 def shared_default_config(model_dir: Path) -> ServeConfig:
-    """The shared server of the default shape (tests/gateway/conftest.py)."""
-    return serve_config(model_dir, default_max_tokens=SHARED_DEFAULT_MAX_TOKENS)
+    """The shared server of the default shape (tests/gateway/conftest.py); its responses show the prompt
+    tokens found cached (the two-stage server keeps the default: they do not)."""
+    return serve_config(model_dir, default_max_tokens=SHARED_DEFAULT_MAX_TOKENS,
+                        enable_prompt_tokens_details=True)
 
 
 def two_stage_config(model_dir: Path, **overrides: object) -> ServeConfig:
