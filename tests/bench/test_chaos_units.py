@@ -74,7 +74,7 @@ def test_frontend_faults_are_drawn_only_with_several_frontends_and_each_gets_its
     config = ChaosConfig(num_frontends=2, min_each_fault=2, skip_faults=("kill_fleet",))
     assert set(drawable(config)) == set(WEIGHTS) - {"kill_fleet"}
     log = ChaosLog()
-    driver = FaultDriver(config, None, None, log, None, random.Random(0), None, None, None, None, None)  # type: ignore[arg-type]
+    driver = FaultDriver(config, None, None, log, None, random.Random(0), None, None, None, None, None, None)  # type: ignore[arg-type]
     driver.injected.update({kind: 2 for kind in drawable(config) if kind != "pause_fleet"})
     num_drawn = sum(driver.injected.values())
     log.start -= 570.0  # 570 s in: about num_drawn / 19 draws left, fewer than twice the 2 still short

@@ -5,8 +5,9 @@ past the drain timeout; invariants are checked throughout and at the end.
     PYTHONPATH=$PWD .venv/bin/python benchmarks/chaos.py --duration-s 300 --out benchmarks/results/chaos
 
 The deployed configuration (issue 31): `--frontends 2` serves with `--api-server-count 2 --fleet-name chaos`
-and also SIGKILLs and SIGSTOPs (4, 6, 12 s) frontends, sends loop-heavy bursts (large distinct schemas,
-MiB-sized /tokenize), SIGKILLs and SIGSTOPs the fleet actor and SIGSTOPs busy workers, and plants faults in
+and also SIGKILLs and SIGSTOPs (4, 6, 12, 15 s) frontends, sends loop-heavy bursts (80 large distinct
+schemas, MiB-sized /tokenize), SIGKILLs and SIGSTOPs (6, 12 s) the fleet actor, SIGSTOPs busy workers,
+sends one prompt as two tenants with different cache salts (no block shared: tenants.py), and plants faults in
 the workers and their KV transfers through Ray (hung and raising steps, a query of death, stalled pulls,
 lost releases with expiring leases, a peer of another KV layout, forged claims:
 tests/reliability/chaoslib/worker_faults.py); each kind at least --min-each times. Every request opens its own
@@ -113,6 +114,8 @@ def serve_args(config: ChaosConfig, is_tiny: bool) -> list[str]:
         args += ["--api-server-count", str(config.num_frontends), "--fleet-name", "chaos"]
         if has_serve_flag("--step-watchdog-s"):
             args += ["--step-watchdog-s", "10"]
+        if has_serve_flag("--enable-prompt-tokens-details"):  # salted_tenants reads cached_tokens
+            args += ["--enable-prompt-tokens-details"]
     return args
 
 

@@ -25,7 +25,7 @@ from tests.reliability.chaoslib.log import ChaosLog
 from tests.reliability.chaoslib.traffic import ChaosRecord, connection_failed, error_answer
 from tests.reliability.soaklib.traffic import WORDS
 
-NUM_SCHEMAS = 50
+NUM_SCHEMAS = 80  # the review's burst: more than the worker's 64 cached grammars
 PROPERTIES_PER_SCHEMA = 200
 NUM_TOKENIZE = 4
 TOKENIZE_CHARS = 900_000

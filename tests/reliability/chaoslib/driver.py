@@ -19,6 +19,7 @@ With several frontends (ChaosConfig.num_frontends > 1), also (FRONTENDS_ONLY):
   pause_worker                    SIGSTOP a busy worker for 8 s (fleet_faults.py)
   loop_burst                      large distinct schemas and MiB-sized /tokenize at once (burst.py)
   restart_supervisor              stop `pdserve serve` and start it again over its fleet (supervisor.py)
+  salted_tenants                  one prompt under two cache salts shares no block (tenants.py)
   hang_step, step_error, query_of_death, stall_pulls, lost_release, mismatched_peer, forged_claim
                                   inside the workers and their transfers (worker_faults.py)
 Each drawable kind is drawn at least min_each_fault times where the run's time allows: once the kinds
@@ -48,6 +49,7 @@ from tests.reliability.chaoslib.fleet_faults import FleetFaults
 from tests.reliability.chaoslib.frontends import FrontendMap
 from tests.reliability.chaoslib.log import ChaosLog
 from tests.reliability.chaoslib.supervisor import SupervisorRestarts
+from tests.reliability.chaoslib.tenants import SaltedTenants
 from tests.reliability.chaoslib.watch import PoolWatch
 from tests.reliability.chaoslib.worker_faults import KINDS as WORKER_FAULT_KINDS
 from tests.reliability.chaoslib.worker_faults import WorkerFaults
@@ -58,11 +60,12 @@ WEIGHTS = {"kill_busy": 0.3, "put_layout": 0.25, "auto_on": 0.08, "auto_off": 0.
            "kill_frontend": 0.1, "pause_frontend": 0.12, "loop_burst": 0.1, "kill_fleet": 0.06,
            "pause_fleet": 0.08, "pause_worker": 0.1,
            "hang_step": 0.06, "step_error": 0.06, "query_of_death": 0.05, "stall_pulls": 0.06,
-           "lost_release": 0.05, "mismatched_peer": 0.04, "forged_claim": 0.04, "restart_supervisor": 0.04}
+           "lost_release": 0.05, "mismatched_peer": 0.04, "forged_claim": 0.04, "restart_supervisor": 0.04,
+           "salted_tenants": 0.06}
 # Drawn only against several frontends and a fleet actor (a paused worker and a burst make sense in one
 # process too, but one process's run stays as it was).
 FRONTENDS_ONLY = ("kill_frontend", "pause_frontend", "loop_burst", "kill_fleet", "pause_fleet",
-                  "pause_worker", "restart_supervisor", *WORKER_FAULT_KINDS)
+                  "pause_worker", "restart_supervisor", "salted_tenants", *WORKER_FAULT_KINDS)
 ROLES = ("prefill", "decode", "mixed")
 
 
@@ -91,6 +94,7 @@ class FaultDriver:
     burst: LoopBurst
     workers: WorkerFaults
     supervisor: SupervisorRestarts | None  # several frontends only
+    tenants: SaltedTenants
     faults: Counter[str] = field(default_factory=Counter)  # by kind and result, e.g. "kill_busy:decode"
     injected: Counter[str] = field(default_factory=Counter)  # by kind, those not skipped
     last_accepted: dict[str, int] | None = None  # the layout of the last PUT answered 200 with no error
@@ -159,6 +163,8 @@ class FaultDriver:
             return result
         if kind == "pause_fleet":
             return await self.fleet.pause_fleet()
+        if kind == "salted_tenants":
+            return await self.tenants.probe()
         if kind == "restart_supervisor":  # as kill_fleet: the PUTs in flight answer first
             await asyncio.gather(*self._puts, return_exceptions=True)
             assert self.supervisor is not None, "a supervisor restart needs several frontends"

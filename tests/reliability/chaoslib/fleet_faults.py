@@ -7,7 +7,8 @@
                 a row and /admin/pools answering with every worker active; every worker active at the kill
                 must be among them, the same one ("fleet_adopts_workers"). Meanwhile the watch does not
                 count /admin/pools' silence (the fleet is down on purpose).
-  pause_fleet   SIGSTOP the fleet actor for 6 s, then SIGCONT: nothing may be replaced because of it
+  pause_fleet   SIGSTOP the fleet actor for 6 or 12 s (in turn: 12 s is past the frontends' 10 s lease of
+                the fleet's silence), then SIGCONT: nothing may be replaced because of it
                 (tests/reliability/chaoslib/departures.py); whether /health said 503 meanwhile is noted.
   pause_worker  SIGSTOP a busy worker for 8 s, then SIGCONT (a hung worker): the fleet may replace it or
                 not; its requests must end within their deadlines like any other.
@@ -28,7 +29,7 @@ from tests.reliability.chaoslib.watch import PoolWatch
 
 PROBE_EVERY_S = 0.5
 HEALTHY_IN_A_ROW = 4  # fresh connections: both frontends answer among them, most likely
-FLEET_PAUSE_S = 6.0
+FLEET_PAUSES_S = (6.0, 12.0)
 WORKER_PAUSE_S = 8.0
 
 
@@ -40,6 +41,7 @@ class FleetFaults:
     log: ChaosLog
     watch: PoolWatch
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # one per kill_fleet
+    num_fleet_pauses: int = 0  # pause_fleet takes FLEET_PAUSES_S in turn
 
     def _fleet(self) -> psutil.Process | None:
         pid = self.target.fleet_pid()
@@ -117,16 +119,18 @@ class FleetFaults:
         fleet = self._fleet()
         if fleet is None:
             return "skipped (no fleet actor)"
+        pause_s = FLEET_PAUSES_S[self.num_fleet_pauses % len(FLEET_PAUSES_S)]
+        self.num_fleet_pauses += 1
         fleet.suspend()
         started = self.log.now()
         statuses: set[int | None] = set()
         try:
-            while self.log.now() - started < FLEET_PAUSE_S:
+            while self.log.now() - started < pause_s:
                 statuses.add(await self._health())
                 await asyncio.sleep(PROBE_EVERY_S)
         finally:
             fleet.resume()
-        self.log.event("pause_fleet", pid=fleet.pid, pause_s=FLEET_PAUSE_S, saw_503=503 in statuses,
+        self.log.event("pause_fleet", pid=fleet.pid, pause_s=pause_s, saw_503=503 in statuses,
                        start_s=round(started, 3), end_s=round(self.log.now(), 3))
         return "paused, /health said 503" if 503 in statuses else "paused, /health stayed 200"
 

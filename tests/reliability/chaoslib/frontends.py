@@ -5,10 +5,10 @@ client's port of each: chaoslib/connections.py records every request's), so that
 say that both frontends served, and which. Its faults, both on a frontend drawn at random:
   kill_frontend   SIGSTOP (it accepts nothing more), note the client ports of its connections, SIGKILL;
                   uvicorn's supervisor starts another
-  pause_frontend  SIGSTOP, note its connections, sleep 4, 6 or 12 s (in turn), SIGCONT (uvicorn's
+  pause_frontend  SIGSTOP, note its connections, sleep 4, 6, 12 or 15 s (in turn), SIGCONT (uvicorn's
                   supervisor pings its children every 0.5 s and kills one silent for
                   gateway.frontends.FRONTEND_UNANSWERED_S, 30 s: a 12 s pause is given up by the fleet's lease
-                  (10 s), not killed, and must resume serving)
+                  (10 s), not killed, and must resume serving; so is a 15 s one)
 A request whose connection was one of those noted and that ended in a connection error is "cut by a
 frontend fault" (FrontendMap.cut_of): allowed; so is any request open during a supervisor restart
 (tests/reliability/chaoslib/supervisor.py), which stops every frontend. A connection error on any other
@@ -27,7 +27,7 @@ import psutil
 from tests.reliability.chaoslib.config import ChaosConfig, ChaosTarget
 from tests.reliability.chaoslib.log import ChaosLog
 
-PAUSES_S = (4.0, 6.0, 12.0)
+PAUSES_S = (4.0, 6.0, 12.0, 15.0)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from tests.reliability.chaoslib.frontends import FrontendCut, FrontendMap
 from tests.reliability.chaoslib.log import ChaosLog
 from tests.reliability.chaoslib.reference import greedy_prompts, greedy_reference
 from tests.reliability.chaoslib.supervisor import SupervisorRestarts
+from tests.reliability.chaoslib.tenants import SaltedTenants
 from tests.reliability.chaoslib.traffic import ChaosRecord, build_specs, send
 from tests.reliability.chaoslib.watch import PoolWatch
 from tests.reliability.chaoslib.worker_faults import WorkerFaults
@@ -218,7 +219,8 @@ async def run_chaos(config: ChaosConfig, target: ChaosTarget) -> ChaosResult:
         driver = FaultDriver(config, target, client, log, watch, random.Random(config.seed + 1), frontends,
                              FleetFaults(config, target, client, log, watch), burst,
                              workers,
-                             SupervisorRestarts(config, target, log, watch, frontends) if frontends else None)
+                             SupervisorRestarts(config, target, log, watch, frontends) if frontends else None,
+                             SaltedTenants(client, log, model, random.Random(config.seed + 5)))
         log.event("start", layout=initial, num_requests=len(specs), frontends=target.frontend_pids())
         watching = [asyncio.create_task(watch.watch_forever())]
         if frontends is not None:
