@@ -26,11 +26,11 @@ FAULTS = {"kill": "SIGKILL of a busy worker", "pause_worker": "SIGSTOP of a busy
           "query_of_death": "a query of death beside the traffic", "stall_pulls": "KV pulls that hang",
           "lost_release": "lost releases, 1 s leases (handles expire)",
           "mismatched_peer": "a peer with another KV layout", "forged_claim": "forged and stale KV claims",
-          "kill_frontend": "SIGKILL of a frontend", "pause_frontend": "SIGSTOP of a frontend (4/6/12 s)",
-          "loop_burst": "a loop-heavy burst (large schemas, MiB /tokenize)",
-          "kill_fleet": "SIGKILL of the fleet actor", "pause_fleet": "SIGSTOP of the fleet actor (6 s)",
+          "kill_frontend": "SIGKILL of a frontend", "pause_frontend": "SIGSTOP of a frontend (4/6/12/15 s)",
+          "loop_burst": "a loop-heavy burst (80 large schemas, MiB /tokenize)",
+          "kill_fleet": "SIGKILL of the fleet actor", "pause_fleet": "SIGSTOP of the fleet actor (6/12 s)",
           "restart_supervisor": "the supervisor restarted (same / changed settings)",
-          "put": "a layout PUT / auto on-off"}
+          "salted_tenants": "one prompt as two tenants (cache salts)", "put": "a layout PUT / auto on-off"}
 
 
 def _span(event: dict[str, Any]) -> tuple[float, float]:
