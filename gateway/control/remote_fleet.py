@@ -134,9 +134,7 @@ class RemoteFleet:
         self._stopping.set()
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # stop() itself stays cancellable
         for worker in self.workers.values():
             worker.client.close()
 
@@ -206,8 +204,11 @@ class RemoteFleet:
             if not is_known:
                 logger.info("the fleet did not know this frontend (new to it, or taken for dead): joined")
 
+    # Both loops also end on `_stopping`: Python 3.11's asyncio.wait_for loses a cancellation that lands as
+    # its inner await finishes (fixed in 3.12), and a loop that lost stop()'s one cancel ran for ever, holding
+    # the frontend's shutdown (a test server that never stopped, twice in full test runs).
     async def _follow(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             try:
                 snapshot = await self.fleet.view(*self._seen())
             except asyncio.CancelledError:
@@ -225,9 +226,10 @@ class RemoteFleet:
                 self._view_failing_since = None
 
     async def _report(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):  # every REPORT_S, or at once for a long prompt
-                await asyncio.wait_for(self._report_now.wait(), REPORT_S)
+                async with asyncio.timeout(REPORT_S):  # not wait_for: see above
+                    await self._report_now.wait()
             self._report_now.clear()
             long_prompt, self._long_prompt = self._long_prompt, 0
             try:

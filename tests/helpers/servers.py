@@ -123,10 +123,12 @@ def _stop_stuck(loop: asyncio.AbstractEventLoop) -> None:
     where each of its tasks waits: that is a shutdown that hangs, to be found."""
     stacks = []
     for task in list(asyncio.all_tasks(loop)):  # read from this thread: a diagnosis, not a control path
-        frames = task.get_stack(limit=8)
-        where = " <- ".join(f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno} {f.f_code.co_name}"
-                            for f in reversed(frames))
-        stacks.append(f"{task.get_name()}: {where}")
+        where, awaited = [], task.get_coro()
+        while awaited is not None and (frame := getattr(awaited, "cr_frame", None)) is not None:
+            code = frame.f_code
+            where.append(f"{code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno} {code.co_name}")
+            awaited = getattr(awaited, "cr_await", None)  # down the chain of awaits to where it waits
+        stacks.append(f"{task.get_name()}: {' -> '.join(where)}")
     warnings.warn("a test server did not stop within its grace; its loop was stopped. Its tasks:\n"
                   + "\n".join(stacks), stacklevel=2)
     loop.call_soon_threadsafe(loop.stop)
