@@ -25,7 +25,7 @@ from gateway.fleet.drain import (
     check_grace,
     wait_until_empty,
 )
-from gateway.fleet.worker_errors import StillBusy
+from gateway.fleet.worker_errors import LastDecoder, StillBusy
 from gateway.fleet.workers import Worker, WorkerState, transition
 from worker_runtime.roles import Role
 
@@ -156,7 +156,7 @@ class Reshape:
         others = [w for w in self.table.workers.values() if w.is_active and w is not leaving]
         if leaving.is_active and not (new_role and new_role.can_decode) and not any(
                 w.role.can_decode for w in others):
-            raise ValueError(f"{leaving.worker_id} is the last active worker that can decode")
+            raise LastDecoder(f"{leaving.worker_id} is the last active worker that can decode")
 
     async def drain_worker(self, worker_id: str, books: BooksOnTheWay | None = None,
                            grace_s: float = DRAIN_GRACE_S, timeout_s: float = DRAIN_TIMEOUT_S) -> None:

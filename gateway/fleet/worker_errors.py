@@ -25,3 +25,8 @@ class ChannelClosed(ConnectionError):
 
 class StillBusy(RuntimeError):
     """The worker refused to change role: work landed on it after it was seen empty (nothing changed)."""
+
+
+class LastDecoder(ValueError):
+    """A drain or role change refused: it would take away the last active worker that can decode (the text
+    is the fleet's own, so an answer may show it)."""

@@ -32,6 +32,7 @@ from gateway.fleet.config import CANNOT_SERVE, DeploymentConfig, can_serve
 from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.drain import DRAIN_GRACE_S, DRAIN_TIMEOUT_S
 from gateway.fleet.placement import PlacementTimeout, resource_request
+from gateway.fleet.worker_errors import LastDecoder
 from gateway.fleet.workers import WorkerState
 from gateway.ratio.books import RoutingBooks
 from gateway.ratio.pool_layout import PoolLayout
@@ -225,13 +226,16 @@ class PoolResizer:
                     index += 1
             except Exception as error:
                 # The answer names the move and the kind of failure only: a Ray error's text carries remote
-                # tracebacks, actor ids and addresses (the log has it all). A placement timeout's text is
-                # ours: what the workers ask for and what the live nodes offer.
+                # tracebacks, actor ids and addresses (the log has it all). A placement timeout's and a
+                # refused drain's texts are ours: what the workers ask for and what the live nodes offer;
+                # which worker is the last that can decode.
                 failed = moves[len(result.done)].describe()
                 result.error = (f"the move {len(result.done) + 1} of {len(moves)} ({failed['action']} "
                                 f"{failed['role']}) failed: {type(error).__name__}")
                 if isinstance(error, PlacementTimeout):
                     result.error += f" (unplaceable, given up and its resources released: {error})"
+                elif isinstance(error, LastDecoder):
+                    result.error += f" ({error})"
                 logger.exception("pools: the change stopped after %d of %d moves", len(result.done),
                                  len(moves))
                 if role_tp is not None and not any(done.startswith("added ") for done in result.done):

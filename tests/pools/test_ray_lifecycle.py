@@ -9,6 +9,7 @@ import pytest
 
 from gateway.fleet.config import DeploymentConfig
 from gateway.fleet.deployment import PDDeployment
+from gateway.fleet.worker_errors import LastDecoder
 from gateway.requests.events import StreamEvent
 from gateway.requests.orchestrator import run_request
 from gateway.requests.router import Router
@@ -101,7 +102,7 @@ def test_add_and_drain_workers(tiny_llama_dir: Path) -> None:
             await drain
             is_gone = new_decode not in deployment.workers
             await deployment.drain_worker(new_prefill)
-            with pytest.raises(ValueError, match="last active worker that can decode"):
+            with pytest.raises(LastDecoder, match="last active worker that can decode"):
                 await deployment.drain_worker(old_decode)
             # The same request again, served by the workers that remain: the reference output.
             router.decode_tokens[old_decode] -= 10_000
