@@ -17,13 +17,17 @@ _WORKER_FAULT_MARKERS = ("connection closed by peer", "connection reset by peer"
                          "out of memory", "collective", "communicator")
 
 
+class WorkerFault(RuntimeError):
+    """A fault of the worker itself found outside a step (a tensor-parallel rank gone while it idled)."""
+
+
 def is_worker_fault(error: BaseException) -> bool:
     """Whether `error` (or what caused it) is the worker's own: memory, or its tensor-parallel group."""
     seen: set[int] = set()
     cause: BaseException | None = error
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
-        if isinstance(cause, (torch.OutOfMemoryError, MemoryError, torch.distributed.DistError)):
+        if isinstance(cause, (WorkerFault, torch.OutOfMemoryError, MemoryError, torch.distributed.DistError)):
             return True
         message = str(cause).lower()
         if any(marker in message for marker in _WORKER_FAULT_MARKERS):

@@ -50,6 +50,7 @@ from kv_transfer import (
     capabilities,
 )
 from llm_engine.config import EngineConfig
+from llm_engine.step_faults import WorkerFault
 from llm_engine.step_timeline import STEP_TOKEN_BUCKETS, StepRecord
 from pool_worker.api import StillHoldsWork, WrongRole
 from pool_worker.submissions import is_final, submit_batch
@@ -105,6 +106,7 @@ class WorkerActor:
         self._cpu_slot: int | None = None
         self._keeper = KeeperWatch(keeper).start() if keeper else None
         self._tp_ranks: TPRanks | None = None  # ranks 1.. of a tensor-parallel worker (start() makes them)
+        self._rank_loss_told = False  # a gone rank was posted to the step loop (it fails the worker)
         self._num_model_loads = 0  # in this process, as of start()
 
     def placement(self) -> WorkerPlacement:
@@ -200,11 +202,19 @@ class WorkerActor:
         """The worker's latest load (`failure` is set once its step loop has died), with how long its
         running step has run (answered here, on the actor's loop: a hung step cannot stop it)."""
         worker = self._started()
+        self._check_ranks(worker)
         compilation = self.engine.compilation
         return replace(worker.load(), role=self.role, step_running_s=worker.loop.running_s(),
                        longest_step_s=worker.loop.longest_step_s,
                        step_tokens=self._step_tokens(), compile=compilation.mode,
                        compile_reason=f"{compilation.body} body: {compilation.reason}")
+
+    def _check_ranks(self, worker: PrefillWorker | DecodeWorker) -> None:
+        # An idle tensor-parallel worker runs no all-reduce that would fail on a dead rank: without this it
+        # stays routable and its pulls wait out their deadlines (review P7). Told once; the loop then fails.
+        if self._tp_ranks is not None and not self._rank_loss_told and (gone := self._tp_ranks.ended()):
+            self._rank_loss_told = True
+            worker.fail_at_next_step(WorkerFault(f"tensor-parallel rank(s) {gone} of {self.worker_id} ended"))
 
     def _step_tokens(self) -> StepTokens:
         counts = self.engine.runner.timeline.tokens

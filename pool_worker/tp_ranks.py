@@ -13,8 +13,10 @@ Lifecycle (driven by WorkerActor.start when tensor_parallel_size > 1):
       backend reads each rank's heads where they live (NIXL), answers rank 0's transfer ops over its cache
       (kv_transfer/backends/nixl_ranks.py RankTransfers)
     → a rank that dies: rank 0's next all-reduce fails, its step loop fails the worker, and the gateway
-      replaces it as any failed worker (the other ranks go with rank 0's actor). Rank 0 that dies: Ray ends
-      the ranks it owns.
+      replaces it as any failed worker (the other ranks go with rank 0's actor). An idle worker has no
+      all-reduce to fail: each rank's `ended()` call, pending while it serves, resolves when it dies, and
+      rank 0's load() fails the worker on it (TPRanks.ended; review P7). Rank 0 that dies: Ray ends the
+      ranks it owns.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class TPRankActor:
     def __init__(self, worker_id: str, rank: int) -> None:
         self.worker_id, self.rank = worker_id, rank
         self._follower: TPFollower | None = None
+        self._replay: threading.Thread | None = None
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -59,8 +62,15 @@ class TPRankActor:
             transfers = RankTransfers(self.worker_id, self.rank, self._follower.first_kv_head,
                                       self._follower.runner.kv_cache)
             self._follower.rank_handler = transfers.handle
-        threading.Thread(target=self._serve, name=f"tp-rank-{self.rank}", daemon=True).start()
+        self._replay = threading.Thread(target=self._serve, name=f"tp-rank-{self.rank}", daemon=True)
+        self._replay.start()
         return os.getpid()
+
+    def ended(self) -> None:
+        """Returns once this rank stops replaying (rank 0 sent Stop); if the rank dies first, the call fails
+        with Ray's actor-died error: either way rank 0 sees that the rank is gone."""
+        if self._replay is not None:
+            self._replay.join()
 
     def num_steps(self) -> int:
         return 0 if self._follower is None else self._follower.num_steps
@@ -81,6 +91,7 @@ class TPRanks:
     def __init__(self, actors: list[Any], start_refs: list[Any]) -> None:
         self.actors = actors
         self._start_refs = start_refs
+        self._ended_refs: list[Any] = []  # one pending `ended()` call per rank, once all have started
         self.pids: list[int] = []
 
     @classmethod
@@ -134,6 +145,15 @@ class TPRanks:
             raise RuntimeError(f"{len(self._start_refs) - len(ready)} tensor-parallel ranks did not start in "
                                f"{timeout_s:g} s")
         self.pids = ray.get(ready)
+        self._ended_refs = [actor.ended.remote() for actor in self.actors]
+
+    def ended(self) -> list[int]:
+        """The ranks that are gone (died, or stopped replaying): a look at the pending `ended()` calls that
+        waits for nothing."""
+        if not self._ended_refs:
+            return []
+        done, _ = ray.wait(self._ended_refs, num_returns=len(self._ended_refs), timeout=0)
+        return [rank for rank, ref in enumerate(self._ended_refs, start=1) if ref in done]
 
     def kill(self) -> None:
         for actor in self.actors:

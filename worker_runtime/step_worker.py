@@ -152,6 +152,13 @@ class StepWorker(abc.ABC, Generic[RequestT, OutputT]):
             raise RuntimeError("this transfer backend cannot move KV between decode workers")
         return self.offers.peer_info()
 
+    def fail_at_next_step(self, error: BaseException) -> None:
+        """Have the step loop raise `error` at its next step, failing the worker the one way a worker fails
+        (for what the actor finds broken from outside the loop: a tensor-parallel rank gone)."""
+        def raise_it() -> None:
+            raise error
+        self._post(raise_it)
+
     def _post(self, command: Callable[[], None]) -> None:
         self._inbox.post(command)
         self.wake()

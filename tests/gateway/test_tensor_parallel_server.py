@@ -118,6 +118,21 @@ def test_a_killed_rank_takes_its_worker_down_and_the_stream_completes_elsewhere(
         worker_actor(killed[0])
 
 
+def test_an_idle_worker_whose_rank_dies_is_replaced_before_any_request_finds_it(
+        client: httpx.Client, one_rank_tokens: list[int]) -> None:
+    """An idle worker runs no all-reduce that would fail: its load() sees the rank gone (review P7), so the
+    gateway replaces it without a request having to fail there first."""
+    [victim, *_] = decode_workers(client)
+    kill_rank_1(victim)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and _has_actor(victim):
+        time.sleep(0.2)
+    assert not _has_actor(victim), "the worker with a dead rank was not replaced"
+    assert wait_until_whole(client) is None
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == one_rank_tokens
+
+
 def test_a_worker_whose_rank_0_dies_leaves_no_rank_behind(client: httpx.Client,
                                                            one_rank_tokens: list[int]) -> None:
     """Ray ends the ranks a worker's actor owns with it: no orphan keeps CPUs or memory, and the replacement
@@ -146,6 +161,14 @@ def rank_actor(worker_id: str, rank: int) -> Any:
     """The actor of a worker's rank (named after the worker's actor, whose name its keeper prefixes)."""
     [name] = [n for n in ray.util.list_named_actors() if n.endswith(f"{worker_id}-rank{rank}")]
     return ray.get_actor(name)
+
+
+def _has_actor(worker_id: str) -> bool:
+    try:
+        worker_actor(worker_id)
+    except ValueError:
+        return False
+    return True
 
 
 def _alive(actor: object) -> bool:
