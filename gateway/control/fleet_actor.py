@@ -36,7 +36,7 @@ import uuid
 import ray
 
 from gateway.control.messages import FleetInfo, FleetSnapshot, FrontendReport, WorkerEntry, frontend_prefix
-from gateway.control.plane import ControlPlane, PlannerSettings, decode_kv_tokens
+from gateway.control.plane import ControlPlane, PlannerSettings, decode_kv_tokens, kv_tokens_by_worker
 from gateway.control.reported_books import ReportedBooks
 from gateway.fleet.bring_up_log import StartProgress, announce_kv
 from gateway.fleet.config import DeploymentConfig
@@ -44,6 +44,7 @@ from gateway.fleet.deployment import PDDeployment
 from gateway.fleet.workers import WorkerState
 from gateway.ratio.ladder import ControllerPolicy
 from gateway.ratio.pool_layout import PoolLayout
+from gateway.ratio.resize import ResizeRefused
 from gateway.requests.router import LocalPrefillPolicy
 from gateway.telemetry.fleet_metrics import FleetStatus
 from gateway.telemetry.recent import RecentLatencies
@@ -110,12 +111,16 @@ class FleetActor:
             plane.books.local_prefill = local_prefill
             notes.append("the local-prefill rule was changed")
         if auto != plane.is_auto:
-            if auto:
-                plane.start_auto()
+            flag = "--scale" if plane.scaler is not None else "--ratio"
+            try:
+                if auto:
+                    plane.start_auto()
+                else:
+                    await plane.stop_auto()
+            except ResizeRefused as refused:
+                notes.append(f"{flag} auto NOT applied: {refused}")
             else:
-                await plane.stop_auto()
-            notes.append(f"{'--scale' if plane.scaler is not None else '--ratio'} "
-                         f"{'auto' if auto else 'fixed'} applied")
+                notes.append(f"{flag} {'auto' if auto else 'fixed'} applied")
         if planning != self._planning:
             notes.append("the planner's settings differ and are NOT applied (they are fixed when the fleet "
                          "starts): `pdserve fleet stop` it, then serve again")
@@ -177,9 +182,14 @@ class FleetActor:
             self._recent.add(timings)
         for note in report.traffic:
             self._traffic.note(note)
-        per_worker = self.info().kv_tokens_per_decode_worker
-        total = per_worker * len(self.plane.deployment.active(Role.DECODE, Role.MIXED))
-        return books.admission_share(report.frontend_id, total, floor=per_worker)
+        # What the active decode and mixed workers hold now (a PUT may have changed their degree since the
+        # start), from the watch's latest loads; a worker not yet in them counts the start's size.
+        deployment = self.plane.deployment
+        config = deployment.config
+        measured = kv_tokens_by_worker(deployment.last_loads, config.engine.block_size, config.watermark)
+        at_start = self.info().kv_tokens_per_decode_worker
+        held = [measured.get(w.worker_id, at_start) for w in deployment.active(Role.DECODE, Role.MIXED)]
+        return books.admission_share(report.frontend_id, sum(held), floor=min(held, default=at_start))
 
     def heartbeat(self, frontend_id: str) -> bool:
         """A frontend is alive; False: the fleet does not know it (new, or taken for dead since)."""

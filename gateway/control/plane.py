@@ -39,6 +39,7 @@ from gateway.telemetry.traffic import RecentTraffic
 from loadgen.summary import SLO
 from tuner.profile import load_profile
 from tuner.simulator import SimConfig
+from worker_runtime.load import WorkerLoad
 from worker_runtime.roles import Role
 
 
@@ -97,21 +98,26 @@ def build_planner(settings: PlannerSettings, deployment: PDDeployment, policy: C
     return LayoutPlanner(profile.fits, config, slo, candidate_layouts([sum(deployment.target.values())]))
 
 
+def kv_tokens_by_worker(loads: list[WorkerLoad], block_size: int, watermark: float) -> dict[str, int]:
+    """KV tokens each decode or mixed worker in `loads` can hold (less its watermark): admission's capacity,
+    and the longest request one worker can take. Every worker runs the same engine settings: a restarted
+    fleet whose decode workers are all pending (their node lost) reads the live prefill workers' instead.
+    Read off the loads, so that a worker replaced at another tensor-parallel degree counts what it holds."""
+    decoding = [x for x in loads if Role(x.role).can_decode] or loads
+    return {x.worker_id: int(x.num_total_blocks * block_size * (1.0 - watermark)) for x in decoding}
+
+
 async def decode_kv_tokens(deployment: PDDeployment) -> list[int]:
-    """KV tokens each decode or mixed worker can hold (less its watermark): admission's capacity, and the
-    longest request one worker can take. Every worker runs the same engine settings: a restarted fleet
-    whose decode workers are all pending (their node lost) reads the live prefill workers' instead.
+    """kv_tokens_by_worker over loads asked for now (at start, before the watch has any).
 
     Raises:
         RuntimeError: no worker answered.
     """
-    block_size = deployment.config.engine.block_size
-    usable = 1.0 - deployment.config.watermark
-    loads = await deployment.loads()
-    decoding = [x for x in loads if Role(x.role).can_decode] or loads
-    if not decoding:
+    config = deployment.config
+    tokens = kv_tokens_by_worker(await deployment.loads(), config.engine.block_size, config.watermark)
+    if not tokens:
         raise RuntimeError("no worker of the fleet answered for its KV capacity")
-    return [int(x.num_total_blocks * block_size * usable) for x in decoding]
+    return list(tokens.values())
 
 
 class ControlPlane:
@@ -150,6 +156,17 @@ class ControlPlane:
             self.start_auto()
 
     def start_auto(self) -> None:
+        """The scale controller if one is set, else the ratio controller, on.
+
+        Raises:
+            ResizeRefused: the roles start at different tensor-parallel degrees (auto moves workers between
+                roles, and a worker's ranks are fixed at its start): by PUT or by a rejoin alike.
+        """
+        prefill_tp, decode_tp = (self.deployment.config.tp_of(r) for r in (Role.PREFILL, Role.DECODE))
+        if prefill_tp != decode_tp:
+            raise ResizeRefused(f"prefill workers start at tensor-parallel degree {prefill_tp} and decode "
+                                f"workers at {decode_tp}: auto moves workers between roles, and a worker's "
+                                "ranks are fixed at its start; PUT one degree for both first")
         (self.scaler or self.controller).start()
 
     @property
@@ -249,11 +266,6 @@ class ControlPlane:
         if layout.auto is not None:
             if layout.auto and not self.deployment.can_change:
                 resizer.check(layout)  # the same 409 as any change on a fixed torch group
-            prefill_tp, decode_tp = (self.deployment.config.tp_of(r) for r in (Role.PREFILL, Role.DECODE))
-            if layout.auto and prefill_tp != decode_tp:
-                raise ResizeRefused(f"prefill workers start at tensor-parallel degree {prefill_tp} and "
-                                    f"decode workers at {decode_tp}: auto moves workers between roles, and a "
-                                    "worker's ranks are fixed at its start; PUT one degree for both first")
             if layout.auto:
                 self.start_auto()
             else:

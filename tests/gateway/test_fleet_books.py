@@ -12,9 +12,12 @@ import pytest
 
 from gateway.control import reported_books
 from gateway.control.messages import FrontendReport, frontend_id, frontend_prefix
+from gateway.control.plane import kv_tokens_by_worker
 from gateway.control.reported_books import ReportedBooks
 from gateway.requests.router import LocalPrefillPolicy
+from worker_runtime.load import WorkerLoad
 from worker_runtime.output_channels import OutputChannels
+from worker_runtime.roles import Role
 
 
 def report(frontend_id: str, in_flight: dict[str, int], prefill: dict[str, int], longest: int
@@ -144,3 +147,15 @@ def test_a_frontend_whose_process_exited_is_forgotten_at_once_and_only_it() -> N
     assert books.forget([frontend_prefix("node-a", 41)]) == [exited]  # not pid 412, not node-b's pid 41
     assert sorted(books.frontends()) == sorted([sibling, elsewhere]) and books.in_flight("w0") == 10
     assert books.heard(exited) is False  # a report it still sends finds it new: it joins again
+
+
+def test_admission_capacity_is_read_off_each_decoding_workers_latest_load() -> None:
+    """A decode worker replaced at another tensor-parallel degree holds another number of blocks: the share
+    the fleet leases counts what each holds now, not the size read at start (review LOW: admission after a
+    degree change). With no decoding worker live, the prefill workers' (same engine settings) stand in."""
+    def load(worker_id: str, role: Role, blocks: int) -> WorkerLoad:
+        return WorkerLoad(worker_id, role, 0, 0, 0, 0, blocks, blocks, 0)
+
+    loads = [load("p0", Role.PREFILL, 64), load("d0", Role.DECODE, 128), load("m0", Role.MIXED, 32)]
+    assert kv_tokens_by_worker(loads, block_size=16, watermark=0.25) == {"d0": 1536, "m0": 384}
+    assert kv_tokens_by_worker(loads[:1], block_size=16, watermark=0.0) == {"p0": 1024}
