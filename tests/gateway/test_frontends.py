@@ -40,6 +40,7 @@ MAX_TOKENS = 1000  # 1000 steps, seconds for six streams on this tiny model: the
 # 1.6 s on CI's machine, and the streams then ended whole before the grace.
 SHUTDOWN_GRACE_S = 2
 STOPPED_STEP_S = 0.005
+KILLED_STEP_S = 0.01  # a killed frontend's test: the survivor's 1000 tokens take at least 10 s
 PROMPT = "The quick brown fox"
 
 
@@ -270,7 +271,12 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
     with two_frontends.client() as client:
         reference = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
                                                          "max_tokens": MAX_TOKENS, "temperature": 0}).json()
+        [decode_worker] = [w["worker_id"] for w in client.get("/admin/pools").json()["workers"]
+                           if w["role"] == "decode"]
     expected = reference["choices"][0]["text"]
+    # Slowed steps: the survivor's streams must outlast the fleet's ending of the victim's (unslowed, 1000
+    # tokens took under 2 s, which a loaded machine's exit watch can take: then nothing is proven).
+    probe(supervisor, "--slow", decode_worker, str(KILLED_STEP_S))
     pids = frontend_pids(supervisor)
     streams, readers = two_streams_on_each(two_frontends, pids)
     victim, survivor = pids
@@ -288,6 +294,7 @@ def test_a_frontend_killed_mid_stream_loses_only_its_own_streams(two_frontends: 
               30, "the fleet's line that the frontend exited")
     for reader in readers:
         reader.join(120)
+    probe(supervisor, "--heal", decode_worker)
     for stream in streams[victim]:  # cut: the connection ended without the end of the stream
         assert not stream.done and len(stream.texts) < MAX_TOKENS
     for stream in streams[survivor]:  # whole, and the same greedy text as before the kill
