@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from gateway.api.extensions import echoed_message
+from gateway.api.extensions import echoed_message, prompt_logprobs_k
 from gateway.api.logprob_format import TokenTexts, chat_logprobs, vllm_prompt_logprobs
 from gateway.api.protocol import (
     ChatChoice,
@@ -30,6 +30,7 @@ from gateway.api.stream_frames import (
     TextFrames,
     continuous_usage,
     guarded,
+    off_loop_if,
     sse,
     timings_of,
     usage_of,
@@ -45,8 +46,16 @@ async def chat_response(service: GatewayService, texts: TokenTexts, body: ChatCo
                         tool_parser: ToolCallParser | None = None, reasoning: ReasoningParser | None = None
                         ) -> ChatCompletionResponse:
     """The whole answer, one choice per index; each split into reasoning and content with `reasoning`, and
-    its content read for tool calls with `tool_parser`."""
+    its content read for tool calls with `tool_parser`. Rendered off the event loop when the prompt was
+    scored (prompt_logprobs: up to MAX_PROMPT_LOGPROB_ENTRIES objects)."""
     choices = await Collected.of(deltas)
+    return await off_loop_if(prompt_logprobs_k(body) is not None, lambda: _chat_answer(
+        service, texts, body, prepared, choices, tool_parser, reasoning))
+
+
+def _chat_answer(service: GatewayService, texts: TokenTexts, body: ChatCompletionRequest,
+                 prepared: PreparedRequest, choices: list[Collected], tool_parser: ToolCallParser | None,
+                 reasoning: ReasoningParser | None) -> ChatCompletionResponse:
     lasts = [got.final for got in choices]
     echoed = echoed_message(body)
     starts = reasoning is not None and reasoning.starts_in_reasoning(body.chat_template_kwargs,

@@ -19,6 +19,7 @@ from gateway.api.chat_responses import chat_response, chat_stream
 from gateway.api.delivery import BoundedStreamingResponse
 from gateway.api.disconnect import all_or_none, unless_client_leaves
 from gateway.api.errors import documented
+from gateway.api.extensions import prompt_logprobs_k
 from gateway.api.logprob_format import TokenIdTexts, TokenTexts
 from gateway.api.protocol import (
     ChatCompletionRequest,
@@ -29,6 +30,7 @@ from gateway.api.protocol import (
 )
 from gateway.api.request_id import request_id_of
 from gateway.api.responses import completion_response, completion_stream
+from gateway.api.stream_frames import off_loop_if
 from gateway.requests.prepared import PreparedRequest
 from gateway.requests.service import GatewayService
 from gateway.telemetry.tracing import trace_headers
@@ -88,7 +90,8 @@ async def respond(service: GatewayService, body: CompletionRequest | ChatComplet
         response = await unless_client_leaves(request, answer)
     finally:
         await deltas.aclose()  # aborts both workers unless the request finished
-    return JSONResponse(response.model_dump(exclude_none=True))
+    return await off_loop_if(prompt_logprobs_k(body) is not None,
+                             lambda: JSONResponse(response.model_dump(exclude_none=True)))
 
 async def respond_batch(service: GatewayService, body: CompletionRequest, batch: list[PreparedRequest],
                         request: Request) -> Response:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from gateway.api.extensions import prompt_logprobs_k
 from gateway.api.logprob_format import (
     CompletionLogprobsBuilder,
     TokenTexts,
@@ -31,6 +32,7 @@ from gateway.api.stream_frames import (
     TextFrames,
     continuous_usage,
     guarded,
+    off_loop_if,
     sse,
     timings_of,
     usage_of,
@@ -56,11 +58,12 @@ async def completion_response(service: GatewayService, texts: TokenTexts, body: 
     if len(choices) > body.n:
         choices = _best(choices, body.n)
     first_index = prepared.batch_index * len(choices)  # a batch's choices: prompt by prompt, as OpenAI's
-    return CompletionResponse(
+    # Off the event loop when the prompt was scored: up to MAX_PROMPT_LOGPROB_ENTRIES objects to build.
+    return await off_loop_if(prompt_logprobs_k(body) is not None, lambda: CompletionResponse(
         id=prepared.request_id, model=service.model_name, usage=usage_of(prepared, lasts),
         timings=timings_of(lasts),
         choices=[_completion_choice(service, texts, body, prepared, got, first_index + i)
-                 for i, got in enumerate(choices)])
+                 for i, got in enumerate(choices)]))
 
 
 def _best(choices: list[Collected], n: int) -> list[Collected]:

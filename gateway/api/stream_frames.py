@@ -1,6 +1,8 @@
 """What the OpenAI framings share (gateway/api/responses.py for completions, gateway/api/chat_responses.py for
 chat): usage, SSE events, the fast text-only chunk, the error event that ends a failed stream, a choice's
-deltas joined for a whole response.
+deltas joined for a whole response, and the rendering of a whole response whose prompt was scored off the
+event loop (off_loop_if: prompt_logprobs make up to MAX_PROMPT_LOGPROB_ENTRIES objects, seconds of Python
+that every other request on the frontend would wait behind).
 
 A stream that fails after its headers went out (no worker could finish it, a deadline passed) ends with an
 OpenAI-shaped error event, `data: {"error": {...}}`, then `data: [DONE]`: never a silent cut.
@@ -13,9 +15,11 @@ stream_options.continuous_usage_stats every chunk carries the usage so far (Runn
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from gateway.api.protocol import (
     ChatCompletionRequest,
@@ -33,6 +37,12 @@ from gateway.telemetry.timings import Timings
 from llm_engine.params import TopLogprobs
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def off_loop_if(is_heavy: bool, render: Callable[[], T]) -> T:
+    """render() in a thread when it is heavy (the loop then only switches to it), else here."""
+    return await asyncio.to_thread(render) if is_heavy else render()
 
 
 def usage_of(prepared: PreparedRequest, lasts: list[TextDelta]) -> Usage:
