@@ -5,6 +5,12 @@ whole-head copy, one READ of whole blocks, the destination's rank 0 scattering t
 backend did before, and the torch backend still does).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/tp_handoff.py [--model DIR] [--tokens 256 2048] [--repeats 7]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/tp_handoff.py --kv-shape llama-8b --tokens 4096 \
+        --kv-cache-mib 1100
+
+--kv-shape llama-8b builds a random model with a Llama-3-8B's KV (32 layers, 8 KV heads of 128, blocks of
+16 tokens: 2 MiB a block, 128 KiB a token) and small weights: what the handoff moves is what an 8B moves,
+past the 64 MiB rank scratch from 512 tokens on (SmolLM2's 2048-token KV fits it).
 
 Each handoff is timed from the offer (the gather first, for staging) until the destination holds the KV (the
 scatter last) and the source is told PULLED. Both workers' rank 0 live in this process, their other ranks in
@@ -105,6 +111,8 @@ def main() -> None:
                         help="prompt lengths handed over")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--kv-cache-mib", type=int, default=128, help="each worker's KV budget")
+    parser.add_argument("--kv-shape", choices=("model", "llama-8b"), default="model",
+                        help="llama-8b: a random model with a Llama-3-8B's KV shape instead of --model")
     args = parser.parse_args()
     import torch
 
@@ -113,6 +121,15 @@ def main() -> None:
 
     torch.set_num_threads(1)
     model_dir = args.model or str(prepare_default_model())
+    if args.kv_shape == "llama-8b":
+        import tempfile
+
+        from llm_engine.tiny_model import build_tiny_model
+
+        out = Path(tempfile.mkdtemp(prefix="kv-8b-"))
+        model_dir = str(build_tiny_model("llama", out, num_hidden_layers=32, num_attention_heads=8,
+                                         num_key_value_heads=8, head_dim=128, hidden_size=256,
+                                         intermediate_size=256))
     base = EngineConfig(model_dir, dtype=args.dtype, device="cpu", compile="off",
                         kv_cache_bytes=args.kv_cache_mib << 20)
     rows = []

@@ -6,9 +6,11 @@ one row (one token of one layer's K or V). So a pair of ranks that hold the same
 (one descriptor per block; NIXL merges adjacent ones), and a pair whose heads differ reads either
     staged: the source rank's whole blocks into a scratch buffer of the destination rank, then a local copy
         of the shared heads into the cache (more bytes over the wire where the source holds heads the
-        destination rank does not, one descriptor per block), or
+        destination rank does not, one descriptor per block); a pull larger than the scratch is staged in
+        ranges of blocks through one slot of it, each range read once the last one is copied out
+        (kv_transfer/backends/nixl_ranks.py SliceReads), or
     direct: one descriptor per row (layers × 2 × block_size per block, each the shared heads × head_dim
-        elements), straight into the cache: what a pull does when its scratch is taken.
+        elements), straight into the cache: what a pull does only when no slot of its scratch is free.
 Why staged first: a descriptor costs about a microsecond in UCX here whatever its size (15,360 rows of
 128-256 bytes: 13 ms to post), and a row is 64-512 bytes in the models we serve. Why not head-major blocks
 (vLLM's NixlConnector asks for them with heterogeneous TP): every kernel reads the token-major layout.
@@ -16,7 +18,7 @@ Why staged first: a descriptor costs about a microsecond in UCX here whatever it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -53,6 +55,15 @@ class SliceRead:
         whole = self.same_heads
         return (_descriptors(self.dst, self.dst_ids, self.lo, self.hi, self.rows, self.head_bytes, whole),
                 _descriptors(self.src, self.src_ids, self.lo, self.hi, self.rows, self.head_bytes, whole))
+
+    @property
+    def src_block_bytes(self) -> int:
+        return self._block_bytes(self.src)
+
+    def split(self, max_blocks: int) -> list[SliceRead]:
+        """The same read in ranges of at most `max_blocks` blocks, in order."""
+        ranges = (slice(i, i + max_blocks) for i in range(0, len(self.src_ids), max_blocks))
+        return [replace(self, src_ids=self.src_ids[r], dst_ids=self.dst_ids[r]) for r in ranges]
 
     def staged(self, scratch: int, device_id: int) -> tuple[np.ndarray, np.ndarray]:
         """(local, remote) descriptors of the source's whole blocks into scratch bytes from address

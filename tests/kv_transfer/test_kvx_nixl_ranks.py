@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kv_transfer import ReleaseReason, TransferConfig, TransferState, make_receiver, make_sender
+from kv_transfer.backends.nixl_agent import NixlAgent
 from kv_transfer.backends.nixl_ranks import PostReads, RankTransfers
 from kv_transfer.enums import BackendName
 
@@ -110,6 +111,30 @@ def test_pulls_that_find_the_scratch_taken_read_row_by_row(workers: list[Worker]
     assert torch.equal(dst.whole()[[4, 0, 3, 1, 2, 5]], src.whole()[[1, 2, 5, 0, 3, 6]])
 
 
+def test_a_pull_larger_than_the_scratch_is_staged_range_by_range_not_row_by_row(
+        workers: list[Worker], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review P6: a pull the scratch cannot take whole went row by row (layers × 2 × block_size descriptors a
+    block: 2 M for a 32k prompt of an 8B model); now it goes through a slot of the scratch, a range of blocks
+    at a time, each range's heads copied out before the next is read into the same slot."""
+    n = next(_names)
+    src, dst = Worker(1, f"p-ranks-{n}", seed=n), Worker(2, f"d-ranks-{n}", seed=None)
+    workers += [src, dst]
+    posted: list[int] = []  # descriptors of each READ any rank posts
+    read_descriptors = NixlAgent.read_descriptors
+
+    def counted(self: NixlAgent, layout: Any, local: Any, agent_name: str, remote: Any) -> Any:
+        posted.append(len(local))
+        return read_descriptors(self, layout, local, agent_name, remote)
+
+    monkeypatch.setattr(NixlAgent, "read_descriptors", counted)
+    block = src.caches[0][0].nbytes  # a whole-head source block
+    # Two blocks of scratch for pulls of three: each rank's slot holds one block (SLOT_SHARE).
+    pulls(src, dst, TransferConfig(rank_scratch_bytes=2 * block), [([1, 2, 5], [4, 0, 3])])
+    assert torch.equal(dst.whole()[[4, 0, 3]], src.whole()[[1, 2, 5]])
+    assert not dst.whole()[[1, 2, 5, 6, 7]].any()
+    assert posted == [1] * 6, posted  # both destination ranks, three ranges of one block each
+
+
 def test_a_backend_that_stages_kv_refuses_ranks(workers: list[Worker]) -> None:
     worker = Worker(2, "torch-ranks", seed=None)
     workers.append(worker)
@@ -137,13 +162,23 @@ def test_a_rank_that_cannot_post_its_reads_fails_the_pull_and_frees_every_rank(w
 
 
 class RefusingOneRelease(RankTransfers):
-    """A rank whose NIXL refuses to release one READ handle once (as when it cannot cancel it yet)."""
+    """A rank whose NIXL refuses to release one READ handle once (as when it cannot cancel it yet), and
+    calls `on_refuse` then."""
+
+    on_refuse: Any = None
 
     def _open(self, config: TransferConfig) -> Any:
         memory = super()._open(config)
         agent = self._started().agent
         release, refusals = agent.release, [True]
-        agent.release = lambda xfer: False if refusals and refusals.pop() else release(xfer)  # type: ignore
+
+        def refusing(xfer: int) -> bool:
+            if refusals and refusals.pop():
+                self.on_refuse()
+                return False
+            return release(xfer)
+
+        agent.release = refusing  # type: ignore[method-assign]
         return memory
 
     def close(self) -> None:  # the receiver's close: kept for the test to look after it
@@ -157,12 +192,18 @@ def test_a_release_nixl_refuses_once_does_not_copy_the_staged_heads_again(worker
     src, dst = Worker(1, f"p-ranks-{n}", seed=n), Worker(2, f"d-ranks-{n}", seed=None)
     workers += [src, dst]
     rank = RefusingOneRelease(dst.name, 1, 2, dst.caches[1])  # its heads are staged: the source holds all 3
+    copied: list[torch.Tensor] = []
+
+    def overwrite() -> None:  # the heads are copied by the time a release is asked: then written over
+        copied.append(dst.caches[1][[4, 0, 3]].clone())
+        dst.caches[1][[4, 0, 3]] = 7.0
+
+    rank.on_refuse = overwrite
     dst.others = [rank]
     pulls(src, dst, TransferConfig(), [([1, 2, 5], [4, 0, 3])])
-    assert torch.equal(dst.whole()[[4, 0, 3]], src.whole()[[1, 2, 5]])
+    assert torch.equal(dst.caches[0][[4, 0, 3]], src.caches[0][[1, 2, 5]][..., :2, :])
+    assert torch.equal(copied[0], src.caches[0][[1, 2, 5]][..., 2:, :])  # rank 1's head, copied once
+    assert bool((dst.caches[1][[4, 0, 3]] == 7.0).all())  # and not again after the refused release
     reads = rank._started()
-    assert reads._posted  # the refused release keeps the entry
-    dst.caches[1][[4, 0, 3]] = 7.0  # newer KV written into those blocks since
-    assert reads.poll() == {}  # released now: nothing reported or copied again
-    assert not reads._posted and bool((dst.caches[1][[4, 0, 3]] == 7.0).all())
+    assert reads.poll() == {} and not reads._posted
     RankTransfers.close(rank)
