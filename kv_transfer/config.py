@@ -27,7 +27,8 @@ class TransferConfig:
     ucx_cma_seg_size: str = "64M"
     # Each receiving rank of a tensor-parallel worker (NIXL): a buffer for the whole source blocks of pulls
     # whose ranks hold other heads, copied into the cache locally once read (kv_transfer/head_slices.py);
-    # a pull that finds it full reads row by row instead. Allocated at the first such pull.
+    # a pull larger than its free room goes through a slot of a quarter of it, range by range; one that
+    # finds no slot free reads row by row. Allocated at the first such pull.
     rank_scratch_bytes: int = 64 << 20
     # A NIXL sender forgets a receiver (its metadata, its UCX endpoint) that has claimed nothing this long and
     # holds no grant: a receiver's agent changes with every role change and replacement, and a long-lived
