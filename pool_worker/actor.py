@@ -50,7 +50,6 @@ from kv_transfer import (
     capabilities,
 )
 from llm_engine.config import EngineConfig
-from llm_engine.step_faults import WorkerFault
 from llm_engine.step_timeline import STEP_TOKEN_BUCKETS, StepRecord
 from pool_worker.api import StillHoldsWork, WrongRole
 from pool_worker.submissions import is_final, submit_batch
@@ -213,6 +212,8 @@ class WorkerActor:
         # An idle tensor-parallel worker runs no all-reduce that would fail on a dead rank: without this it
         # stays routable and its pulls wait out their deadlines (review P7). Told once; the loop then fails.
         if self._tp_ranks is not None and not self._rank_loss_told and (gone := self._tp_ranks.ended()):
+            from llm_engine.step_faults import WorkerFault  # torch: the started worker's side only
+
             self._rank_loss_told = True
             worker.fail_at_next_step(WorkerFault(f"tensor-parallel rank(s) {gone} of {self.worker_id} ended"))
 
