@@ -393,7 +393,8 @@ def test_a_paused_frontend_and_a_dead_fleet_actor_kill_no_healthy_worker_and_hea
     pids = frontend_pids(supervisor)  # uvicorn may have replaced the paused one
     streams, readers = two_streams_on_each(two_frontends, pids)
     os.kill(fleet_actor_pid(supervisor), signal.SIGKILL)
-    until(lambda: client.get("/health").status_code == 503, 15, "/health to say the fleet is gone")
+    # Seconds here; 30 s is a hang bound under a loaded machine (15 s was once missed in a full run).
+    until(lambda: client.get("/health").status_code == 503, 30, "/health to say the fleet is gone")
     assert "fleet" in client.get("/health").json().get("reason", "")
     # Every frontend (fresh connections spread over both) says so once it follows the new fleet.
     until(lambda: all(two_frontends.get("/health").status_code == 200
