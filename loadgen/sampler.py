@@ -45,5 +45,6 @@ async def sample_metrics(
                 samples.append(parse_sample(response.text, time.perf_counter() - start))
         except httpx.HTTPError:
             pass
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
+        with contextlib.suppress(TimeoutError):  # asyncio.timeout: a cancel is never lost (3.11's wait_for)
+            async with asyncio.timeout(interval_s):
+                await stop.wait()

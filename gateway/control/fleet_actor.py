@@ -154,8 +154,9 @@ class FleetActor:
         """The fleet, once its version is past `after_version` of `epoch` (or after VIEW_POLL_S, as it is);
         at once for a caller that knew another epoch."""
         if epoch == self._epoch and self._version <= after_version:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), VIEW_POLL_S)
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout: a caller's cancel is never lost
+                async with asyncio.timeout(VIEW_POLL_S):
+                    await self._changed.wait()
         return self._snapshot()
 
     def _snapshot(self) -> FleetSnapshot:

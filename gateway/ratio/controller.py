@@ -110,8 +110,11 @@ class RatioController:
 
     async def _run(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):  # woken early by a long prompt, or the interval passed
-                await asyncio.wait_for(self._wake.wait(), self.policy.interval_s)
+            # Woken early by a long prompt, or the interval passed. asyncio.timeout, not wait_for: Python
+            # 3.11's wait_for drops a cancel (stop()) landing as a long prompt wakes it: the loop ran on.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.policy.interval_s):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 await self.tick()

@@ -106,3 +106,31 @@ def test_a_layout_predicted_no_better_than_the_margin_is_not_moved_to() -> None:
                                  planner=LayoutPlanner(MODEL, sim_config(), SLO_, LADDER), traffic=traffic)
     for level in (0, 1):
         assert asyncio.run(controller._plan(signals(level))) is None
+
+
+class IdleController(RatioController):
+    """The controller's loop with nothing to decide (no fleet here): what is tested is that it stops."""
+
+    async def tick(self) -> None:  # type: ignore[override]
+        return None
+
+
+def test_the_controller_stops_even_when_a_cancel_lands_as_a_long_prompt_wakes_it() -> None:
+    """Like the frontend's report loop (tests/gateway/test_remote_fleet_join.py): the controller waited with
+    asyncio.wait_for, which in Python 3.11 loses a cancel that lands as its inner wait finishes; `PUT
+    /admin/pools {"auto": false}` would then wait on a loop that never ends. Each round wakes the loop (a
+    long prompt noted) as it stops it."""
+    policy = ControllerPolicy(interval_s=3600.0)
+
+    async def rounds() -> int:
+        num_stopped = 0
+        for i in range(200):
+            controller = IdleController(None, Books(), None, RecentLatencies(), policy)  # type: ignore[arg-type]
+            controller.start()
+            await asyncio.sleep(0.001 * (i % 4))
+            controller.note_prompt(1 << 20)
+            await asyncio.wait_for(controller.stop(), 5.0)
+            num_stopped += 1
+        return num_stopped
+
+    assert asyncio.run(rounds()) == 200
