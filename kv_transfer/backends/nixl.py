@@ -57,8 +57,8 @@ from kv_transfer.backends.nixl_ranks import (
     PollReads,
     PostReads,
     RankMemory,
-    SliceReads,
 )
+from kv_transfer.backends.slice_reads import SliceReads
 from kv_transfer.enums import BackendName, ReleaseReason, TransferState
 from kv_transfer.head_slices import plan_slice_reads
 from kv_transfer.layout import rank_slices_layout
