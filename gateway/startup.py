@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from gateway.config import ServeConfig
 from gateway.serve_settings import base_url
 from llm_engine.model_files import ModelNotFoundError, read_model_spec, resolve_model
+from llm_engine.weight_schemes import check_quantization_flag, read_checkpoint_scheme
 from worker_runtime.process_heap import freeze_startup_heap
 
 
@@ -25,6 +26,7 @@ def resolve_model_dir(config: ServeConfig) -> str:
     if config.model is None:
         from llm_engine.default_model import prepare_default_model
 
+        check_quantization_flag(config.quantization, None)  # the default model is not quantized
         return str(prepare_default_model())
     try:
         model_dir = str(resolve_model(config.model, config.revision, weights=False))
@@ -32,6 +34,7 @@ def resolve_model_dir(config: ServeConfig) -> str:
         raise ModelNotFoundError(f"--model {error}") from None
     try:
         spec = read_model_spec(model_dir)  # here, not in every worker's traceback
+        check_quantization_flag(config.quantization, read_checkpoint_scheme(model_dir))
     except ValueError as error:
         raise ValueError(f"--model {config.model}: {error}") from None
     spec.with_max_model_len(config.max_model_len)  # a --max-model-len beyond the context: refused here too

@@ -7,7 +7,7 @@ lean family (llm_engine/lean_model.py) from this and the safetensors files start
 Only what transformers would read the same way is taken: every shape field explicit in the file, the
 family defaults that do not differ between the families (silu, untied embeddings, no attention bias but
 Qwen2's q/k/v), plain rotary (rope type "default"). Anything else (a rope scaling, a sliding window the
-layers mix, biases on o_proj or the MLP, quantisation, .bin weights) goes through transformers' own
+layers mix, biases on o_proj or the MLP, .bin weights) goes through transformers' own
 reading and model (llm_engine/model_loader.py); tests/engine/test_checkpoint_config.py holds this reading
 to transformers' on every family.
 """
@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from llm_engine.weight_schemes import WeightScheme, read_weight_scheme
 
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SAFETENSORS_FILE = "model.safetensors"
@@ -44,6 +46,8 @@ class LeanConfig:
     qkv_bias: bool  # Qwen2: q/k/v carry a bias (o_proj and the MLP none)
     qk_norm: bool  # Qwen3: an RMSNorm over each head's q and k
     sliding_window: int | None  # Mistral's window over every layer; None: full attention
+    # compressed-tensors integer weights (llm_engine/weight_schemes.py); None: the weights as they are
+    weight_scheme: WeightScheme | None = None
 
 
 def _rope_theta(raw: dict[str, Any]) -> float | str:
@@ -79,7 +83,11 @@ def _weights_present(path: Path) -> bool:
 
 
 def read_lean_config(model_dir: str | Path) -> LeanConfig | str:
-    """The lean family's shape from `model_dir`'s config.json, or why transformers must read it."""
+    """The lean family's shape from `model_dir`'s config.json, or why transformers must read it.
+
+    Raises:
+        UnsupportedQuantization: its quantization_config is one pdserve does not serve.
+    """
     path = Path(model_dir)
     raw = json.loads((path / "config.json").read_text())
     architecture = next(iter(raw.get("architectures") or []), None)
@@ -88,8 +96,6 @@ def read_lean_config(model_dir: str | Path) -> LeanConfig | str:
     missing = [name for name in _REQUIRED if raw.get(name) is None]
     if missing:
         return f"config.json does not name {', '.join(missing)}"
-    if raw.get("quantization_config"):
-        return "quantised weights"
     if raw.get("hidden_act", "silu") != "silu":
         return f"activation {raw['hidden_act']!r}"
     if raw.get("mlp_bias") or (architecture != "Qwen2ForCausalLM" and raw.get("attention_bias")):
@@ -121,4 +127,5 @@ def read_lean_config(model_dir: str | Path) -> LeanConfig | str:
         qkv_bias=architecture == "Qwen2ForCausalLM",
         qk_norm=architecture == "Qwen3ForCausalLM",
         sliding_window=window,
+        weight_scheme=read_weight_scheme(raw),
     )

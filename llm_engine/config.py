@@ -155,6 +155,9 @@ class ModelSpec:
     vocab_size: int
     max_model_len: int  # prompt + output tokens one request may hold
     eos_token_ids: tuple[int, ...]
+    # The linear layers' weights: "unquantized", or the checkpoint's integer scheme ("w8a8", "w4a16-g64";
+    # llm_engine/weight_schemes.py)
+    weights: str = "unquantized"
 
     def with_max_model_len(self, max_model_len: int | None) -> ModelSpec:
         """This spec with a shorter context (None: as it is).

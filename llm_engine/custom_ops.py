@@ -2,7 +2,9 @@
 
     with step_context(metadata):    # the runner, around one forward
         body(input_ids, positions)  # each layer → pdserve::paged_attention(q, k, v, layer, scale)
-                                    #            → pdserve::packed_linear(x, handle) (CPU, oneDNN prepacked)
+                                    #            → pdserve::packed_linear(x, handle) (CPU, oneDNN prepacked;
+                                    #              integer weight-only layers)
+                                    #            → pdserve::int8_gemm(xq, handle) (W8A8's oneDNN int8 GEMM)
                                     #            → pdserve::tp_all_reduce(x, group) (tensor parallel ranks)
 Why ops: inductor fuses the plain torch code between them (norms, rotary, SiLU·mul, residual adds) and sees
 each op as one call with a known output shape (its fake), so the graph never breaks on the paged attention's
@@ -40,6 +42,14 @@ class EagerLinear(Protocol):
     def eager_forward(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+class Int8Gemm(Protocol):
+    """What the int8 op needs of a layer (llm_engine/quantized_linear.py Int8Linear)."""
+
+    out_features: int
+
+    def int8_gemm(self, quantized_x: torch.Tensor) -> torch.Tensor: ...
+
+
 class _StepState(threading.local):
     # Per thread: a body compiled beside serving warms up on its own thread (no context: attention computes
     # nothing) while the worker's step thread runs forwards in theirs (llm_engine/compilation.py).
@@ -49,6 +59,7 @@ class _StepState(threading.local):
 _step = _StepState()
 # Packed linears by handle. Weak: an engine's layers go when it goes (tests build many in one process).
 _packed_linears: weakref.WeakValueDictionary[int, EagerLinear] = weakref.WeakValueDictionary()
+_int8_linears: weakref.WeakValueDictionary[int, Int8Gemm] = weakref.WeakValueDictionary()
 _next_handle = 0
 
 
@@ -107,6 +118,27 @@ def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
 @packed_linear.register_fake
 def _packed_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], _packed_linears[handle].out_features)
+
+
+def register_int8_linear(layer: Int8Gemm) -> int:
+    """A handle the compiled graph names an int8 layer by (its oneDNN-packed weight is opaque too)."""
+    global _next_handle
+    handle, _next_handle = _next_handle, _next_handle + 1
+    _int8_linears[handle] = layer
+    return handle
+
+
+@torch.library.custom_op("pdserve::int8_gemm", mutates_args=())
+def int8_gemm(quantized_x: torch.Tensor, handle: int) -> torch.Tensor:
+    """int8 [rows, in_features] → float32 [rows, out_features]: Σ x·w times each output channel's weight scale
+    (the token's scale is applied outside the op, where inductor fuses it with what follows)."""
+    return _int8_linears[handle].int8_gemm(quantized_x)
+
+
+@int8_gemm.register_fake
+def _int8_gemm_fake(quantized_x: torch.Tensor, handle: int) -> torch.Tensor:
+    out_features = _int8_linears[handle].out_features
+    return quantized_x.new_empty(quantized_x.shape[0], out_features, dtype=torch.float32)
 
 
 def tp_all_reduce(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from llm_engine.checkpoint_config import SAFETENSORS_FILE, SAFETENSORS_INDEX, LeanConfig
 from llm_engine.lean_model import LayerWeights, LeanBody, LeanLayer, linear_from
+from llm_engine.quantized_linear import QuantizedWeight
 from llm_engine.rank_shares import RankShare, vocab_rows
 
 
@@ -36,7 +38,7 @@ class LeanCausalLM(nn.Module):
         self.lm_head = lm_head
 
 
-def _tensor_files(model_dir: Path) -> list[Path]:
+def tensor_files(model_dir: Path) -> list[Path]:
     index = model_dir / SAFETENSORS_INDEX
     if index.is_file():
         return sorted({model_dir / name for name in json.loads(index.read_text())["weight_map"].values()})
@@ -49,14 +51,16 @@ class _Checkpoint:
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, files: ExitStack) -> None:
         from safetensors import safe_open
 
-        self._model_dir, self._dtype, self._device = model_dir, dtype, device
+        self._model_dir, self.dtype, self._device = model_dir, dtype, device
         self._handles: dict[str, Any] = {}
-        for path in _tensor_files(model_dir):
+        for path in tensor_files(model_dir):
             handle = files.enter_context(safe_open(str(path), framework="pt"))
             self._handles.update(dict.fromkeys(handle.keys(), handle))
 
-    def take(self, name: str, rows: slice | None = None, columns: slice | None = None) -> torch.Tensor:
-        """The tensor, or its rows / columns only (read from the file as such), cast and on the device.
+    def take(self, name: str, rows: slice | None = None, columns: slice | None = None, *, cast: bool = True
+             ) -> torch.Tensor:
+        """The tensor, or its rows / columns only (read from the file as such), on the device, cast to the
+        model's dtype unless `cast` is False (a quantized layer's integers and scales).
 
         Raises:
             ValueError: the checkpoint has no such tensor, or it was taken already.
@@ -70,7 +74,7 @@ class _Checkpoint:
             view = handle.get_slice(name)
             every = slice(None)
             tensor = view[rows or every] if columns is None else view[rows or every, columns]
-        return tensor.to(device=self._device, dtype=self._dtype)
+        return tensor.to(device=self._device, dtype=self.dtype if cast else tensor.dtype)
 
 
 def rotary_table(config: LeanConfig, max_positions: int, dtype: torch.dtype, device: torch.device
@@ -108,10 +112,19 @@ def _build(config: LeanConfig, checkpoint: _Checkpoint, max_positions: int, shar
     q_rows, kv_rows = (share.q_rows(dim), share.kv_rows(dim)) if share else (None, None)
     mlp_rows = share.mlp_rows if share else None
 
+    scheme = config.weight_scheme
+
     def linear(prefix: str, bias: bool = False, rows: slice | None = None, columns: slice | None = None
-               ) -> nn.Linear:
-        weight = take(f"{prefix}.weight", rows, columns)
-        return linear_from(weight, take(f"{prefix}.bias", rows) if bias else None)
+               ) -> nn.Linear | QuantizedWeight:
+        quant = scheme.layer(prefix) if scheme is not None else None
+        if quant is None:
+            weight = take(f"{prefix}.weight", rows, columns)
+            return linear_from(weight, take(f"{prefix}.bias", rows) if bias else None)
+        # Integers and scales as stored, read whole: a rank's share is cut from the unpacked values.
+        quantized = QuantizedWeight.read(partial(take, cast=False), prefix, quant, checkpoint.dtype,
+                                         take(f"{prefix}.bias") if bias else None)
+        quantized = quantized if rows is None else quantized.rows(rows)
+        return quantized if columns is None else quantized.columns(columns)
 
     def norm(name: str) -> nn.Parameter:
         return nn.Parameter(take(name), requires_grad=False)

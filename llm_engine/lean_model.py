@@ -24,6 +24,7 @@ from torch import nn
 
 from llm_engine.checkpoint_config import LEAN_ARCHITECTURES
 from llm_engine.custom_ops import paged_attention, tp_all_reduce
+from llm_engine.quantized_linear import QuantizedWeight, cat_quantized
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -47,12 +48,25 @@ def linear_from(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Li
     return layer
 
 
-def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One nn.Linear whose output is the parts' outputs side by side (one GEMM, one weight read)."""
+Projection = nn.Linear | QuantizedWeight  # a layer's weight: as it is, or a checkpoint's integers
+
+
+def _fused_linear(parts: list[Projection]) -> nn.Module:
+    """One layer whose output is the parts' outputs side by side (one GEMM, one weight read)."""
+    quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+    if quantized:
+        if len(quantized) != len(parts):
+            raise ValueError("layers the engine fuses (q/k/v, gate/up) are quantized in part only")
+        return cat_quantized(quantized).linear()
+    linears = [p for p in parts if isinstance(p, nn.Linear)]
     with torch.no_grad():
-        weight = torch.cat([p.weight for p in parts])
-        bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None
+        weight = torch.cat([p.weight for p in linears])
+        bias = torch.cat([p.bias for p in linears]) if linears[0].bias is not None else None
     return linear_from(weight, bias)
+
+
+def _as_module(weight: Projection) -> nn.Module:
+    return weight.linear() if isinstance(weight, QuantizedWeight) else weight
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,13 +81,13 @@ class LayerWeights:
     """One decoder layer's weights as the lean layer takes them, from a transformers layer
     (`from_hf_layer`) or straight from a checkpoint (llm_engine/lean_loader.py)."""
 
-    q_proj: nn.Linear
-    k_proj: nn.Linear
-    v_proj: nn.Linear
-    o_proj: nn.Linear
-    gate_proj: nn.Linear
-    up_proj: nn.Linear
-    down_proj: nn.Linear
+    q_proj: Projection
+    k_proj: Projection
+    v_proj: Projection
+    o_proj: Projection
+    gate_proj: Projection
+    up_proj: Projection
+    down_proj: Projection
     input_norm: nn.Parameter
     post_attention_norm: nn.Parameter
     eps: float
@@ -110,10 +124,10 @@ class LeanLayer(nn.Module):
         self.scaling = head_dim**-0.5  # transformers' attention scaling for these families
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = _fused_linear([weights.q_proj, weights.k_proj, weights.v_proj])
-        self.o_proj = weights.o_proj
+        self.o_proj = _as_module(weights.o_proj)
         self.gate_up_proj = _fused_linear([weights.gate_proj, weights.up_proj])
         self.intermediate = weights.gate_proj.out_features
-        self.down_proj = weights.down_proj
+        self.down_proj = _as_module(weights.down_proj)
         self.input_norm = weights.input_norm
         self.post_attention_norm = weights.post_attention_norm
         self.eps = weights.eps

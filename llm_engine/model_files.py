@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from llm_engine.checkpoint_config import LeanConfig, read_lean_config
 from llm_engine.config import SUPPORTED_ARCHITECTURES, ModelSpec
+from llm_engine.weight_schemes import UnsupportedQuantization, read_weight_scheme
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -141,7 +142,8 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
 
     Raises:
         FileNotFoundError: the directory or its config.json does not exist.
-        ValueError: the architecture is not one the engine supports.
+        ValueError: the architecture is not one the engine supports, or its quantization
+            (UnsupportedQuantization: the message names the scheme and the supported ones).
     """
     path = Path(model_dir)
     if not path.is_dir():
@@ -162,7 +164,12 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
     if generation_config.is_file():
         eos = json.loads(generation_config.read_text()).get("eos_token_id", eos)
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    scheme = read_weight_scheme(raw)
     lean = read_lean_config(path)
+    if scheme is not None and not isinstance(lean, LeanConfig):
+        raise UnsupportedQuantization(
+            f"{str(path)!r}: quantized weights are served by the engine's own body, and this checkpoint "
+            f"needs transformers' reading ({lean})")
     if isinstance(lean, LeanConfig):  # plain rope: the context is the model's; a window caps it
         window = lean.sliding_window
         return ModelSpec(
@@ -170,7 +177,7 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
             num_kv_heads=lean.num_kv_heads, head_dim=lean.head_dim, hidden_size=lean.hidden_size,
             intermediate_size=lean.intermediate_size, vocab_size=lean.vocab_size,
             max_model_len=min(lean.max_position_embeddings, window or lean.max_position_embeddings),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_ids, weights=scheme.label if scheme is not None else "unquantized",
         )
     return _spec_from_transformers(path, supported[0], eos_ids)
 

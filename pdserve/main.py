@@ -1,7 +1,7 @@
 """The `pdserve` command line: the composition root of the product. Each command lives in its own module
 (serve, bench, tune) and registers its flags here; nothing below the command line imports this package.
 
-    pdserve prepare-model | serve | bench | tune {profile, plan, validate} | fleet {list, stop}
+    pdserve prepare-model | quantize | serve | bench | tune {profile, plan, validate} | fleet {list, stop}
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pdserve import __version__
 from pdserve.bench import add_bench_parser
 from pdserve.fleet import add_fleet_parser
+from pdserve.quantize import add_quantize_parser
 from pdserve.serve import add_serve_parser
 from pdserve.tune import add_tune_parser
 from pdserve.vllm_flags import unknown_flag_message
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="directory to write (default: the cache, ~/.cache/pdserve/models/...)"
     )
     prepare.set_defaults(handler=_prepare_model)
+    add_quantize_parser(commands)
     add_serve_parser(commands)
     add_bench_parser(commands)
     add_tune_parser(commands)

@@ -12,7 +12,7 @@ from pdserve.settings_cli import PRECEDENCE, add_model_flags, error_message, giv
 from pdserve.vllm_flags import add_vllm_flags, translate_vllm_flags
 
 # Flags beside `--field-name`, shown in the help.
-ALIASES = {"ray_address": ["--address"], "tensor_parallel_size": ["-tp"]}
+ALIASES = {"ray_address": ["--address"], "tensor_parallel_size": ["-tp"], "quantization": ["-q"]}
 
 
 def add_serve_parser(commands: Any) -> None:

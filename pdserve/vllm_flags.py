@@ -6,7 +6,7 @@ from vLLM") lists the same table.
               or the flag has nothing to act on: accepted, and one log line says so;
     renamed   the same setting under pdserve's name (--kv-cache-memory-bytes → --kv-cache-memory, --dtype
               half → float16, --enforce-eager → --compile off): the value moves there, and a log line says so;
-    refused   something pdserve cannot do yet (pipeline parallelism, quantized weights, LoRA, ...): the
+    refused   something pdserve cannot do yet (pipeline parallelism, LoRA, ...): the
               command stops before anything starts, naming the flag.
 Flags vLLM and pdserve share (--max-model-len, -tp/--tensor-parallel-size, --max-num-seqs,
 --gpu-memory-utilization, ..., and the HTTP
@@ -28,8 +28,6 @@ logger = logging.getLogger("pdserve.serve")
 
 NO_PP = ("a worker splits its model over ranks by heads (--tensor-parallel-size), not by layers (no pipeline "
          "parallelism): use -tp N, or add workers for throughput (--prefill N --decode M)")
-UNQUANTIZED = ("pdserve serves unquantized weights only (float32, bfloat16, float16): serve the unquantized "
-               "model (e.g. the id without -AWQ, -GPTQ or -FP8)")
 
 
 @dataclass(frozen=True)
@@ -185,7 +183,6 @@ FLAGS: tuple[VllmFlag, ...] = (
         "there is no sleep mode: scale a pool down with PUT /admin/pools instead"), takes_value=False),
     VllmFlag(("--swap-space",), "accepted: a preempted request is recomputed",
              no_op("a preempted request is recomputed, never swapped to CPU memory")),
-    VllmFlag(("-q", "--quantization"), "refused: unquantized weights only", refused(UNQUANTIZED)),
     VllmFlag(("--lora-modules",), "refused: no LoRA adapters", refused(
         "LoRA adapters are not served: merge the adapter into the model (peft's merge_and_unload) and serve "
         "the merged model"), takes_many=True),

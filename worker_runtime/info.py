@@ -27,9 +27,9 @@ class WorkerInfo:
 
 @dataclass(frozen=True)
 class WorkerRuntime:
-    """How the worker computes: its dtype, GEMM kernel and cores (in /admin/pools and the metrics)."""
+    """How the worker computes: dtype, weights, GEMM kernel and cores (in /admin/pools and the metrics)."""
 
-    dtype: str  # of weights and KV cache, "auto" resolved
+    dtype: str  # of activations and KV cache (and of the weights, unquantized), "auto" resolved
     linear_kernel: str  # "torch", or the kernels in use ("onednn-packed+zentorch"; llm_engine/linear_kernels)
     linear_kernel_reason: str  # the probe's verdict, or why there was none
     linear_kernel_speedup: float | None  # probe: F.linear time over the chosen kernels' (None: no probe)
@@ -49,6 +49,8 @@ class WorkerRuntime:
     # How KV leaves and arrives at several ranks: "rank slices" (each rank's heads read where they live,
     # kv_transfer/head_slices.py) or "rank 0 staging" (whole-head blocks through rank 0); "" at one rank.
     tp_kv_handoff: str = ""
+    # The linear layers' weights: "unquantized", or the checkpoint's integer scheme ("w8a8", "w4a16-g64")
+    weights: str = "unquantized"
 
     @classmethod
     def of(cls, engine: LLMEngine, num_threads: int, cpu_ids: tuple[int, ...],
@@ -62,7 +64,8 @@ class WorkerRuntime:
                    engine.kv_block_bytes // engine.config.block_size,
                    kv.num_blocks, kv.num_tokens, kv.num_bytes,
                    kv.source, engine.config.tensor_parallel_size, tp_rank_pids,
-                   "" if engine.mirror is None else "rank 0 staging" if engine.stages_kv else "rank slices")
+                   "" if engine.mirror is None else "rank 0 staging" if engine.stages_kv else "rank slices",
+                   engine.spec.weights)
 
 
 @dataclass(frozen=True)

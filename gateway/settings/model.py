@@ -7,6 +7,7 @@ from typing import Self
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from llm_engine.model_files import check_model_name, is_local_path
+from llm_engine.weight_schemes import QUANTIZATION_FLAG_NAMES, check_quantization_flag
 
 
 class ModelSettings(BaseModel):
@@ -21,6 +22,12 @@ class ModelSettings(BaseModel):
     served_model_name: str | None = Field(
         None,
         description="model name clients send (default: the id as given, or the model directory's name)")
+    quantization: str | None = Field(
+        None,
+        description="the checkpoint's quantization method, as vLLM's -q names it: compressed-tensors (int8 "
+                    "W8A8 / W8A16, int4 W4A16; `pdserve quantize` writes one), checked against its "
+                    "config.json "
+                    "(default: what the checkpoint's quantization_config says, or unquantized)")
 
     @field_validator("model")
     @classmethod
@@ -28,6 +35,13 @@ class ModelSettings(BaseModel):
         if model is not None:
             check_model_name(model)  # its form only: the id is resolved at start (gateway/startup.py)
         return model
+
+    @field_validator("quantization")
+    @classmethod
+    def _quantization_is_served(cls, quantization: str | None) -> str | None:
+        if quantization is not None and quantization not in QUANTIZATION_FLAG_NAMES:
+            check_quantization_flag(quantization, None)  # raises, naming the flag and what is served
+        return quantization
 
     @model_validator(mode="after")
     def _revision_of_an_id(self) -> Self:

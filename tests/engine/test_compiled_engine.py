@@ -21,7 +21,7 @@ from llm_engine.compilation import BackgroundCompile, CompileError, CompileMode,
 from llm_engine.hardware import check_device_present, resolve_device
 from llm_engine.lean_model import LeanBody
 from llm_engine.tiny_model import build_tiny_model
-from tests.helpers.reference import hf_greedy, random_prompts
+from tests.helpers.reference import assert_close_as_vllm_does, hf_greedy, hf_greedy_top5, random_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -58,30 +58,6 @@ def test_compiled_float32_greedy_equals_transformers(family: str, tmp_path: Path
     outputs = [list(c.output_token_ids) for c in engine.generate(shared, GREEDY)]
     assert outputs == hf_greedy(model_dir, shared, 8)
     assert engine.block_pool.is_whole()
-
-
-def hf_greedy_top5(model_dir: Path, prompt: list[int], steps: int, dtype: torch.dtype
-                   ) -> tuple[list[int], list[set[int]]]:
-    """transformers' greedy tokens for `prompt` (stopping at EOS, as the engine's request does: forcing
-    tokens past it would mask EOS out of these scores only), and its top-5 token ids at each step."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    return tokens, [set(scores[0].topk(5).indices.tolist()) for scores in out.scores]
-
-
-def assert_close_as_vllm_does(ours: list[int], our_top: list[set[int]], theirs: list[int],
-                              their_top: list[set[int]]) -> None:
-    """vLLM's check_logprobs_close: equal up to the first difference, and there each side's token is in the
-    other's top-5 (nothing is compared after it: the contexts differ from then on)."""
-    for position, (a, b) in enumerate(zip(ours, theirs, strict=False)):  # equal prefixes end together
-        if a != b:
-            assert a in their_top[position] and b in our_top[position], f"diverged at {position}"
-            return
 
 
 @pytest.mark.compile

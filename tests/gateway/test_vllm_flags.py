@@ -50,7 +50,9 @@ def test_renamed_flags_set_pdserves_own() -> None:
     (["-tp", "0"], "--tensor-parallel-size: Input should be greater than or equal to 1"),
     (["-pp", "2"], "-pp/--pipeline-parallel-size 2"),
     (["-dp", "2"], "--prefill N --decode M"),
-    (["--quantization", "awq"], "-q/--quantization awq: pdserve serves unquantized weights only"),
+    (["--quantization", "awq"], "-q/--quantization 'awq': pdserve serves checkpoints already quantized by "
+                                "compressed-tensors"),
+    (["-q", "fp8"], "`pdserve quantize` writes one"),
     (["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"], "merge the adapter into the model"),
     (["--enable-lora"], "--enable-lora: LoRA adapters are not served"),
     (["--no-enable-prefix-caching"], "--no-enable-prefix-caching: pdserve's prefix cache is always on"),

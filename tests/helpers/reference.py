@@ -46,3 +46,27 @@ def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """[len(token_ids), V] float32 logits of a plain forward."""
     with torch.inference_mode():
         return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def hf_greedy_top5(model_dir: Path, prompt: list[int], steps: int, dtype: torch.dtype
+                   ) -> tuple[list[int], list[set[int]]]:
+    """transformers' greedy tokens for `prompt` (stopping at EOS, as the engine's request does: forcing
+    tokens past it would mask EOS out of these scores only), and its top-5 token ids at each step."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, [set(scores[0].topk(5).indices.tolist()) for scores in out.scores]
+
+
+def assert_close_as_vllm_does(ours: list[int], our_top: list[set[int]], theirs: list[int],
+                              their_top: list[set[int]]) -> None:
+    """vLLM's check_logprobs_close: equal up to the first difference, and there each side's token is in the
+    other's top-5 (nothing is compared after it: the contexts differ from then on)."""
+    for position, (a, b) in enumerate(zip(ours, theirs, strict=False)):  # equal prefixes end together
+        if a != b:
+            assert a in their_top[position] and b in our_top[position], f"diverged at {position}"
+            return
