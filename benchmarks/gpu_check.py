@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.closeness import first_divergence, reference
+from benchmarks.quant_step import step_seconds
 
 RESULTS: dict[str, Any] = {}
 
@@ -216,11 +217,7 @@ def main() -> None:
             for i in range(16):
                 engine.add_request([i + 1] * 64, SamplingParams(max_tokens=args.repeats + 4, temperature=0.0))
             engine.step()
-            times = []
-            while engine.has_unfinished():
-                start = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - start)
+            times = step_seconds(engine)
             timings[f"decode 16@64, {name}, ms"] = round(1e3 * statistics.median(times), 2)
         two.stop_followers()
         follower.join(timeout=60)

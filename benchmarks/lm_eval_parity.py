@@ -48,12 +48,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def pdserve(model_dir: str, port: int, startup_s: float = 600.0) -> Iterator[str]:
-    """A `pdserve serve` subprocess (1 prefill + 1 decode, fp32) for the block; yields its base URL.
+def pdserve(model_dir: str, port: int, startup_s: float = 600.0, dtype: str = "float32",
+            extra: tuple[str, ...] = ()) -> Iterator[str]:
+    """A `pdserve serve` subprocess (1 prefill + 1 decode, fp32 unless `dtype`, and `extra` flags) for the
+    block; yields its base URL.
 
     Stopped with SIGINT, as a user's Ctrl-C, so that it shuts its own Ray cluster down."""
-    command = [sys.executable, "-m", "pdserve", "serve", "--model", model_dir, "--dtype", "float32",
-               "--prefill", "1", "--decode", "1", "--port", str(port)]
+    command = [sys.executable, "-m", "pdserve", "serve", "--model", model_dir, "--dtype", dtype,
+               "--prefill", "1", "--decode", "1", "--port", str(port), *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=env)
     url = f"http://127.0.0.1:{port}"

@@ -97,12 +97,25 @@ def decode_step_s(engine: Any, batch: int, context: int, steps: int, warmup: int
                            params)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()
+    return statistics.median(step_seconds(engine)[warmup:])
+
+
+def step_seconds(engine: Any) -> list[float]:
+    """Seconds of each engine step until it has nothing left to do."""
     times = []
     while engine.has_unfinished():
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[warmup:])
+    return times
+
+
+def write_report(out: Path, lines: list[str]) -> None:
+    """Print the report and write it to `out` (its folder made)."""
+    text = "\n".join(lines)
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
 
 
 def prefill_step_s(engine: Any, length: int, seed: int) -> float:
@@ -179,10 +192,7 @@ def main() -> None:
             lines.append(f"| {row} | " + " | ".join(cells) + " |")
         lines.append("")
         del engines
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    write_report(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,7 @@ def deployment_config(config: ServeConfig, model_dir: str) -> DeploymentConfig:
     """The fleet's settings: the layout, each worker's engine, placement and transfer."""
     engine_overrides: dict[str, object] = {
         "dtype": config.dtype, "device": config.device, "block_size": config.block_size,
+        "kv_cache_dtype": config.kv_cache_dtype,
         **kv_memory_settings(config), "gpu_memory_utilization": config.gpu_memory_utilization,
         "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens, "linear_kernel": config.linear_kernel,

@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GemmaForCausalLM", "Phi3ForCausalLM")
 DECODE_ATTENTION_CHOICES = ("auto", "sdpa", "paged-kernel")
 COMPILE_CHOICES = ("auto", "on", "off")
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names (llm_engine/kv_dtype.py)
 MiB = 1 << 20
 # The KV cache of a CPU worker when no KV memory is named (on CUDA: gpu_memory_utilization decides).
 CPU_KV_CACHE_BYTES = 512 * MiB
@@ -46,6 +47,9 @@ class EngineConfig:
     # reaches a worker names a concrete device), "cpu", "cuda" or "cuda:N".
     device: str = "auto"
     block_size: int = 16  # tokens per KV block
+    # The KV cache's element type (llm_engine/kv_dtype.py): "auto" (the model's dtype), or 8-bit floats as
+    # vLLM names them, "fp8" (= "fp8_e4m3") or "fp8_e5m2": half of bfloat16's bytes a token, kept and moved.
+    kv_cache_dtype: str = "auto"
     # The paged KV cache's memory (llm_engine/kv_sizing.py): bytes, or a fraction of the device's free memory
     # (RAM on a CPU, GPU memory on CUDA), at most one of them. Neither: CPU_KV_CACHE_BYTES on a CPU; on CUDA
     # gpu_memory_utilization × the GPU's memory, less weights and activations.
@@ -109,6 +113,9 @@ class EngineConfig:
         if self.linear_kernel not in tuple(LinearKernel):
             problems.append(f"linear_kernel must be one of {', '.join(LinearKernel)}, "
                             f"got {self.linear_kernel!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            problems.append(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, "
+                            f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
             problems.append(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:

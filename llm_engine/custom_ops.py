@@ -103,9 +103,14 @@ def _paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 def register_packed_linear(layer: EagerLinear) -> int:
     """A handle the compiled graph names `layer` by (an opaque oneDNN weight cannot be a graph input)."""
+    handle = _new_handle()
+    _packed_linears[handle] = layer
+    return handle
+
+
+def _new_handle() -> int:
     global _next_handle
     handle, _next_handle = _next_handle, _next_handle + 1
-    _packed_linears[handle] = layer
     return handle
 
 
@@ -122,8 +127,7 @@ def _packed_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
 
 def register_int8_linear(layer: Int8Gemm) -> int:
     """A handle the compiled graph names an int8 layer by (its oneDNN-packed weight is opaque too)."""
-    global _next_handle
-    handle, _next_handle = _next_handle, _next_handle + 1
+    handle = _new_handle()
     _int8_linears[handle] = layer
     return handle
 

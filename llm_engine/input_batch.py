@@ -36,7 +36,7 @@ class PreparedInput:
 class InputBatch:
     def __init__(self, kv_cache: torch.Tensor, max_blocks_per_seq: int, max_num_tokens: int,
                  num_rows: int = 64, decode_kernel: DecodeKernel | None = None,
-                 varlen_kernel: VarlenKernel | None = None) -> None:
+                 varlen_kernel: VarlenKernel | None = None, dtype: torch.dtype | None = None) -> None:
         """Args:
         kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; metadata points at it.
         decode_kernel: the C++ paged decode attention, passed to every layer; None: gather + SDPA.
@@ -45,8 +45,10 @@ class InputBatch:
         max_blocks_per_seq: the longest table a request can have (the model's context in blocks).
         max_num_tokens: tokens one forward may carry; larger batches grow the buffers.
         num_rows: initial number of table rows; doubled when more requests hold tables at once.
+        dtype: the activations' (the decode mask's); None: the cache's (an 8-bit cache's is not).
         """
         self.kv_cache = kv_cache
+        self.dtype = kv_cache.dtype if dtype is None else dtype
         self.decode_kernel = decode_kernel
         self.varlen_kernel = varlen_kernel
         self.device = kv_cache.device
@@ -206,7 +208,7 @@ class InputBatch:
         if int(context_lens.min()) != max_len and self.decode_kernel is None:  # the kernel reads lengths
             # Additive, in the model's dtype, once per step: a bool mask is converted again in every layer.
             visible = torch.arange(max_len)[None, :] < torch.from_numpy(context_lens)[:, None]  # [B, max_len]
-            mask = torch.zeros(visible.shape, dtype=self.kv_cache.dtype).masked_fill_(~visible, float("-inf"))
+            mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
             mask = mask[:, None, None].to(self.device, non_blocking=True)  # [B, 1, 1, max_len]
         first, count = int(q_rows[0]), len(q_rows)
         contiguous = int(q_rows[-1]) - first == count - 1  # then a slice: no index/index_put per layer

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from llm_engine.config import EngineConfig, ModelSpec
+from llm_engine.kv_dtype import kv_cache_torch_dtype
 from llm_engine.rank_shares import spec_shares
 
 
@@ -31,7 +32,8 @@ class KVCacheSpec:
         num_kv_heads = spec.num_kv_heads
         if config.tensor_parallel_size > 1:
             num_kv_heads = spec_shares(spec, config.tensor_parallel_size)[rank].num_kv_heads
-        return cls(spec.num_layers, num_kv_heads, spec.head_dim, config.block_size, config.torch_dtype)
+        return cls(spec.num_layers, num_kv_heads, spec.head_dim, config.block_size,
+                   kv_cache_torch_dtype(config.kv_cache_dtype, config.torch_dtype))
 
     @property
     def dtype_bytes(self) -> int:

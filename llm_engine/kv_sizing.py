@@ -188,7 +188,8 @@ def plan_kv_cache(config: EngineConfig, spec: ModelSpec, memory: DeviceMemory) -
     # Only gpu_memory_utilization's rule leaves room for activations: a named KV size is taken as is (vLLM).
     is_utilization = (config.device.startswith("cuda") and config.kv_cache_bytes is None
                       and config.kv_cache_fraction is None)
-    activation = (activation_reserve_bytes(spec, config, cache.dtype_bytes) + config.transfer_scratch_bytes
+    activation = (activation_reserve_bytes(spec, config, config.torch_dtype.itemsize)
+                  + config.transfer_scratch_bytes
                   if is_utilization else 0)
     # Tensor parallel: every rank takes as many blocks as rank 0 can hold (rank 0's share of the heads is the
     # largest). With staging (the torch backend: llm_engine/tensor_parallel.py) rank 0 also holds a

@@ -71,6 +71,11 @@ def choose_decode_attention(config: EngineConfig, spec: ModelSpec | None = None
     # SDPA: held to vLLM's standard (README, "Correctness"), not to bit parity.
     if config.decode_attention == "sdpa" or config.device != "cpu":
         return "sdpa", None
+    if config.kv_cache_dtype != "auto":  # the C++ kernel reads float32 and bfloat16 caches
+        if config.decode_attention == "paged-kernel":
+            raise RuntimeError(f"decode_attention 'paged-kernel' reads float32 and bfloat16 caches, not "
+                               f"--kv-cache-dtype {config.kv_cache_dtype}: use auto or sdpa")
+        return "sdpa", None
     unfit = None if spec is None else kernel_unfit_reason(spec.head_dim, spec.num_heads, spec.num_kv_heads,
                                                           config.block_size)
     if unfit is not None:
@@ -124,11 +129,12 @@ class ModelRunner:
         # A table never covers more than the model's context (check_request) nor more blocks than exist.
         max_blocks = min(blocks_for(spec.max_model_len, config.block_size), self.num_blocks)
         self.decode_attention, kernel = choose_decode_attention(config, spec)
-        varlen = None if varlen_fits(self.device, self.kv_cache.dtype, spec.head_dim) else varlen_kernel()
+        varlen = None if varlen_fits(self.device, config.torch_dtype, spec.head_dim) else varlen_kernel()
         if varlen is not None:  # CUDA: prefill chunks and decode tokens in one FlashAttention call
             self.decode_attention = "flash-varlen"
         self.inputs = InputBatch(self.kv_cache, max_blocks, config.max_num_batched_tokens,
-                                 num_rows=config.max_num_seqs, decode_kernel=kernel, varlen_kernel=varlen)
+                                 num_rows=config.max_num_seqs, decode_kernel=kernel, varlen_kernel=varlen,
+                                 dtype=config.torch_dtype)
         # Structured outputs: compiled grammars cached per process, a matcher per request (rebuilt from its
         # tokens wherever it runs); llguidance is loaded with the first request that has a grammar.
         self.grammar_mask = GrammarMask(GrammarCache(config.model_dir, spec.vocab_size, spec.eos_token_ids))

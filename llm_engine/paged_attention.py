@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import llm_engine.kv_dtype as kv_dtype
 from llm_engine.native_kernels import DecodeKernel
 from llm_engine.varlen_attention import VarlenBatch, attend_varlen
 
@@ -95,11 +96,12 @@ class PagedAttentionMetadata:
     varlen: VarlenBatch | None = None
 
 
-def _gather(blocks: torch.Tensor, block_ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def _gather(blocks: torch.Tensor, block_ids: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+            ) -> torch.Tensor:
     # blocks: one layer's K or V as [num_blocks, block elements]; block_ids: flat → `shape`, one contiguous
-    # copy. index_select of whole rows is ~9× faster on CPU than advanced indexing of the 6-d cache, which
-    # walks element by element.
-    return blocks.index_select(0, block_ids).view(shape)
+    # copy, in `dtype` (an 8-bit cache's values widened: llm_engine/kv_dtype.py). index_select of whole rows
+    # is ~9× faster on CPU than advanced indexing of the 6-d cache, which walks element by element.
+    return kv_dtype.load(blocks.index_select(0, block_ids).view(shape), dtype)
 
 
 def paged_attention_forward(
@@ -149,8 +151,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
     # One index_copy_ of whole rows into a 2-d view of the cache, not an index_put of (block, offset) pairs
     # into the 6-d cache, which walks element by element.
     flat = meta.views.flat
-    flat.index_copy_(0, meta.layer_slot_rows[2 * layer], key.reshape(num_tokens, -1))
-    flat.index_copy_(0, meta.layer_slot_rows[2 * layer + 1], value.reshape(num_tokens, -1))
+    kv_dtype.store(flat, meta.layer_slot_rows[2 * layer], key.reshape(num_tokens, -1))
+    kv_dtype.store(flat, meta.layer_slot_rows[2 * layer + 1], value.reshape(num_tokens, -1))
     if meta.varlen is not None:
         return attend_varlen(query, flat, layer, meta.varlen, num_kv_heads, scaling)
 
@@ -169,8 +171,9 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
         else:
             _, _, _, block_size, kv_heads, _ = meta.kv_cache.shape
             shape = (len(seg.block_ids) * block_size, kv_heads, head_dim)
-            k = _gather(layer_blocks[0], seg.block_ids, shape)[: seg.context_len].transpose(0, 1)[None]
-            v = _gather(layer_blocks[1], seg.block_ids, shape)[: seg.context_len].transpose(0, 1)[None]
+            context = seg.context_len
+            k = _gather(layer_blocks[0], seg.block_ids, shape, query.dtype)[:context].transpose(0, 1)[None]
+            v = _gather(layer_blocks[1], seg.block_ids, shape, query.dtype)[:context].transpose(0, 1)[None]
         attn = F.scaled_dot_product_attention(
             q, k, v, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scaling, enable_gqa=True
         )  # [1, H, q_len, D]
@@ -202,8 +205,9 @@ def _decode(query: torch.Tensor, meta: PagedAttentionMetadata, layer: int, d: De
         return meta.decode_kernel(q.contiguous(), keys, values, d.tables, d.context_lens, scale)
     layer_blocks = meta.views.blocks[layer]
     # [B, KVH, L, D]
-    k = _gather(layer_blocks[0], d.block_tables, d.gathered_shape)[:, : d.num_keys].transpose(1, 2)
-    v = _gather(layer_blocks[1], d.block_tables, d.gathered_shape)[:, : d.num_keys].transpose(1, 2)
+    num_keys = d.num_keys
+    k = _gather(layer_blocks[0], d.block_tables, d.gathered_shape, query.dtype)[:, :num_keys].transpose(1, 2)
+    v = _gather(layer_blocks[1], d.block_tables, d.gathered_shape, query.dtype)[:, :num_keys].transpose(1, 2)
     if query.dtype == torch.float32:
         # The query heads sharing a KV head become that head's "query positions": one SDPA call with no
         # repeated K/V (query head h reads KV head h // group, as transformers' repeat_kv does). In fp32 this

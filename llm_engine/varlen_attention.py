@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from llm_engine.kv_dtype import load
+
 # varlen_attn's signature, the parts used: (q [Tq, H, D], k [Tk, KVH, D], v, cu_seq_q [C+1] int32,
 # cu_seq_k [C+1] int32, max_q, max_k, *, scale, window_size, enable_gqa) → [Tq, H, D].
 VarlenKernel = Callable[..., torch.Tensor]
@@ -93,7 +95,9 @@ def attend_varlen(query: torch.Tensor, flat: torch.Tensor, layer: int, batch: Va
                   num_kv_heads: int, scaling: float | None) -> torch.Tensor:
     """query: [T, H, D]; flat: the cache's [rows, KVH * D] view, this step's K/V written → [T, H, D]."""
     head_dim = query.shape[-1]
-    keys = flat.index_select(0, batch.layer_key_rows[2 * layer]).view(-1, num_kv_heads, head_dim)
-    values = flat.index_select(0, batch.layer_key_rows[2 * layer + 1]).view(-1, num_kv_heads, head_dim)
+    keys = load(flat.index_select(0, batch.layer_key_rows[2 * layer]).view(-1, num_kv_heads, head_dim),
+                query.dtype)
+    values = load(flat.index_select(0, batch.layer_key_rows[2 * layer + 1]).view(-1, num_kv_heads, head_dim),
+                  query.dtype)
     return batch.kernel(query, keys, values, batch.cu_seq_q, batch.cu_seq_k, batch.max_q, batch.max_k,
                         scale=scaling, window_size=(-1, 0), enable_gqa=True)

@@ -122,12 +122,6 @@ def enforce_eager(value: bool, flags: dict[str, Any]) -> Outcome:
                    {"compile": "off"})
 
 
-def kv_cache_dtype(value: str, flags: dict[str, Any]) -> Outcome:
-    if value == "auto":
-        return Outcome("accepted, no effect: the KV cache is in the model's dtype", {})
-    raise RefusedFlag("the KV cache is kept in the model's dtype only (auto); leave the flag out")
-
-
 def tokenizer(value: str, flags: dict[str, Any]) -> Outcome:
     if value == flags.get("model"):
         return Outcome("accepted, no effect: the model's own tokenizer", {})
@@ -158,7 +152,6 @@ FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--kv-cache-memory-bytes",), "→ --kv-cache-memory (k = 1000, K = 1024, as vLLM)",
              kv_cache_memory_bytes),
     VllmFlag(("--enforce-eager",), "→ --compile off", enforce_eager, takes_value=False),
-    VllmFlag(("--kv-cache-dtype",), "auto only (the model's dtype)", kv_cache_dtype),
     VllmFlag(("-pp", "--pipeline-parallel-size"), "1 only (no pipeline parallelism yet)", only_one(NO_PP)),
     VllmFlag(("-dp", "--data-parallel-size"), "1 only: pdserve's workers are its data parallelism",
              only_one("pdserve's workers are its data parallelism: give the number of each kind, "

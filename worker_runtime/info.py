@@ -51,6 +51,7 @@ class WorkerRuntime:
     tp_kv_handoff: str = ""
     # The linear layers' weights: "unquantized", or the checkpoint's integer scheme ("w8a8", "w4a16-g64")
     weights: str = "unquantized"
+    kv_dtype: str = ""  # the KV cache's elements: the model's dtype, or "float8_e4m3fn" (fp8)
 
     @classmethod
     def of(cls, engine: LLMEngine, num_threads: int, cpu_ids: tuple[int, ...],
@@ -65,7 +66,7 @@ class WorkerRuntime:
                    kv.num_blocks, kv.num_tokens, kv.num_bytes,
                    kv.source, engine.config.tensor_parallel_size, tp_rank_pids,
                    "" if engine.mirror is None else "rank 0 staging" if engine.stages_kv else "rank slices",
-                   engine.spec.weights)
+                   engine.spec.weights, str(engine.runner.kv_cache.dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True)

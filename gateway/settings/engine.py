@@ -45,6 +45,11 @@ class EngineSettings(BaseModel):
         True,
         description="pin each worker to its own cores (--no-pin-cpus: the OS places the workers' threads)")
     block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the engine's)")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = Field(
+        None,
+        description="the KV cache's element type, vLLM's names: auto (the model's dtype) or fp8 (= fp8_e4m3) "
+                    "/ fp8_e5m2: 8-bit floats, twice the tokens in the same memory and half the bytes a "
+                    "handoff moves; every worker of the fleet keeps the same (default: the engine's, auto)")
     # Sizing (llm_engine/kv_sizing.py; None: the engine's default).
     max_model_len: int | None = Field(
         None, ge=1,

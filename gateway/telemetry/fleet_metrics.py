@@ -74,15 +74,16 @@ class FleetCollector(Collector):
         waiting.add_metric([model, GATEWAY, GATEWAY], self.num_gateway_waiting)
         # How each worker computes (1 per live worker; the labels carry the facts, Prometheus' info idiom).
         runtime = self._gauge("worker_runtime_info",
-                              "A worker's dtype, weights, GEMM kernel, decode attention, compiled or eager "
-                              "body, torch threads",
-                              ["worker", "dtype", "weights", "linear_kernel", "decode_attention", "compile",
-                               "threads"])
+                              "A worker's dtype, weights, KV cache dtype, GEMM kernel, decode attention, "
+                              "compiled or eager body, torch threads",
+                              ["worker", "dtype", "weights", "kv_dtype", "linear_kernel", "decode_attention",
+                               "compile", "threads"])
         speedup = self._gauge("linear_kernel_speedup",
                               "Load-time probe: F.linear time over the chosen GEMM kernels'", ["worker"])
         for worker_id, facts in status.runtimes.items():
-            runtime.add_metric([model, worker_id, facts.dtype, facts.weights, facts.linear_kernel,
-                                facts.decode_attention, facts.compile, str(facts.num_threads)], 1)
+            runtime.add_metric([model, worker_id, facts.dtype, facts.weights, facts.kv_dtype,
+                                facts.linear_kernel, facts.decode_attention, facts.compile,
+                                str(facts.num_threads)], 1)
             if facts.linear_kernel_speedup is not None:
                 speedup.add_metric([model, worker_id], facts.linear_kernel_speedup)
         changes = CounterMetricFamily(PREFIX + "ratio_changes",

@@ -71,7 +71,7 @@ FLEET_METRICS = (
     _m("pool_workers", "gauge", ("role",)),
     _m("queued_prompt_tokens", "gauge", ("pool",)),
     _m("worker_runtime_info", "gauge",
-       ("worker", "dtype", "weights", "linear_kernel", "decode_attention", "compile", "threads")),
+       ("worker", "dtype", "weights", "kv_dtype", "linear_kernel", "decode_attention", "compile", "threads")),
     _m("linear_kernel_speedup", "gauge", ("worker",)),
     _m("ratio_changes_total", "counter", ("from", "to", "reason")),
     _m("scale_changes_total", "counter", ("reason",)),

@@ -124,7 +124,8 @@ class TorchSender(KVSender):
             return PullReply(self.worker_id, request.transfer_id, is_accepted=False, reason=reason,
                              send_seq=-1, num_blocks=0)
         index = torch.tensor(lease.block_ids, dtype=torch.long, device=self.kv_cache.device)
-        staging = self.kv_cache.index_select(0, index)
+        # Bytes, whatever the cache's dtype: gloo sends no float8, and a block is its bytes either way
+        staging = self.kv_cache.view(torch.uint8).index_select(0, index)
         dst = request.destination_rank
         try:
             work = dist.isend(staging, dst=dst, group=self._group, tag=request.transfer_id)
@@ -208,9 +209,10 @@ class TorchReceiver(KVReceiver):
     def _post_recv(self, reply: PullReply) -> None:
         """Post the irecv matching one accepted send; its turn in the sender's posting order has come."""
         pull = self._pulls.get((reply.source_worker_id, reply.transfer_id))
-        # staging: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        staging = torch.empty((reply.num_blocks, *self.kv_cache.shape[1:]),
-                              dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+        # staging: the blocks' bytes [num_blocks, num_layers, 2, block_size, kv_heads, head_dim × dtype bytes]
+        cache_bytes = self.kv_cache.view(torch.uint8)  # as the sender sends them (accept_pull)
+        staging = torch.empty((reply.num_blocks, *cache_bytes.shape[1:]), dtype=torch.uint8,
+                              device=self.kv_cache.device)
         try:
             work = dist.irecv(staging, src=self._ranks[reply.source_worker_id], group=self._group,
                               tag=reply.transfer_id)
@@ -242,7 +244,7 @@ class TorchReceiver(KVReceiver):
             pull.fail(f"irecv failed: {completion.error}")
             return
         index = torch.tensor(pull.dst_block_ids, dtype=torch.long, device=self.kv_cache.device)
-        self.kv_cache.index_copy_(0, index, staging)
+        self.kv_cache.view(torch.uint8).index_copy_(0, index, staging)
         pull.state = TransferState.DONE
 
     def _abort(self, pull: Pull) -> bool:

@@ -21,7 +21,7 @@ from llm_engine.compilation import BackgroundCompile, CompileError, CompileMode,
 from llm_engine.hardware import check_device_present, resolve_device
 from llm_engine.lean_model import LeanBody
 from llm_engine.tiny_model import build_tiny_model
-from tests.helpers.reference import assert_close_as_vllm_does, hf_greedy, hf_greedy_top5, random_prompts
+from tests.helpers.reference import assert_engine_close_to_transformers, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -65,12 +65,8 @@ def test_compiled_float32_greedy_equals_transformers(family: str, tmp_path: Path
 def test_bfloat16_is_close_to_transformers_by_vllms_standard(compile_mode: str, tmp_path: Path) -> None:
     model_dir = build_tiny_model("llama", tmp_path / "llama")
     engine = engine_for(model_dir, dtype="bfloat16", compile=compile_mode)
-    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=True, top_logprobs=5)
-    for prompt in random_prompts([7, 30, 12], 1000, seed=3):
-        [completion] = engine.generate([prompt], params)
-        our_top = [{t for t, _ in step} for step in completion.output_top_logprobs]
-        theirs, their_top = hf_greedy_top5(model_dir, prompt, 16, torch.bfloat16)
-        assert_close_as_vllm_does(list(completion.output_token_ids), our_top, theirs, their_top)
+    assert_engine_close_to_transformers(engine, model_dir, random_prompts([7, 30, 12], 1000, seed=3), 16,
+                                        torch.bfloat16)
     assert engine.block_pool.is_whole()
 
 

@@ -24,7 +24,7 @@ from llm_engine.tiny_model import build_tiny_model
 from llm_engine.weight_schemes import LayerQuant, UnsupportedQuantization, check_quantization_flag
 from pdserve.main import main
 from tests.helpers.engines import make_pair, run_handoff
-from tests.helpers.reference import assert_close_as_vllm_does, hf_greedy_top5, random_prompts
+from tests.helpers.reference import assert_engine_close_to_transformers, random_prompts
 
 SCHEMES = {"W8A8": "w8a8", "W8A16": "w8a16", "W4A16": "w4a16-g128", "W4A16_ASYM": "w4a16-g128-asym"}
 
@@ -87,30 +87,20 @@ def test_the_engine_serves_each_scheme_as_transformers_runs_the_same_checkpoint(
     engine = LLMEngine(EngineConfig(str(model_dir), dtype="float32", kv_cache_bytes=8 << 20))
     kernels = {type(m) for m in engine.runner.model.modules()}
     assert (Int8Linear if scheme == "W8A8" else WeightOnlyLinear) in kernels
-    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=5)
-    for prompt in random_prompts([9, 40, 17], 1000, seed=5):
-        [completion] = engine.generate([prompt], params)
-        our_top = [{t for t, _ in step} for step in completion.output_top_logprobs]
-        theirs, their_top = hf_greedy_top5(reference, prompt, 12, torch.float32)
-        assert_close_as_vllm_does(list(completion.output_token_ids), our_top, theirs, their_top)
+    assert_engine_close_to_transformers(engine, reference, random_prompts([9, 40, 17], 1000, seed=5), 12)
     assert engine.block_pool.is_whole()
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("scheme", ["W8A8", "W4A16"])
-def test_the_compiled_body_serves_integer_weights_to_the_standard(scheme: str,
-                                                                  quantized: dict[str, Path]) -> None:
-    """Held to the standard, not to the eager body's tokens: inductor divides by a token's scale as a multiply
-    by its reciprocal, which rounds an activation lying on a half step to the other int8 value."""
-    model_dir = quantized[scheme]
+def test_the_compiled_body_serves_int8_weights_to_the_standard(quantized: dict[str, Path]) -> None:
+    """W8A8: the activations' rounding traced around the pdserve::int8_gemm op (the weight-only layers sit
+    whole behind pdserve::packed_linear, whose compiled path test_compiled_engine covers). Held to the
+    standard, not to the eager body's tokens: inductor divides by a token's scale as a multiply by its
+    reciprocal, which rounds an activation lying on a half step to the other int8 value."""
+    model_dir = quantized["W8A8"]
     engine = LLMEngine(EngineConfig(str(model_dir), dtype="float32", kv_cache_bytes=8 << 20, compile="on"))
     assert engine.compilation.compiled
-    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=5)
-    for prompt in random_prompts([9, 40, 17], 1000, seed=5):
-        [completion] = engine.generate([prompt], params)
-        our_top = [{t for t, _ in step} for step in completion.output_top_logprobs]
-        theirs, their_top = hf_greedy_top5(model_dir, prompt, 12, torch.float32)
-        assert_close_as_vllm_does(list(completion.output_token_ids), our_top, theirs, their_top)
+    assert_engine_close_to_transformers(engine, model_dir, random_prompts([9, 40, 17], 1000, seed=5), 12)
 
 
 @pytest.mark.parametrize("scheme", ["W8A8", "W4A16"])
@@ -121,12 +111,7 @@ def test_bfloat16_activations_over_integer_weights_keep_the_standard(scheme: str
     bfloat16 run drifts from the other within a few tokens."""
     model_dir = quantized[scheme]
     engine = LLMEngine(EngineConfig(str(model_dir), dtype="bfloat16", kv_cache_bytes=8 << 20, compile="off"))
-    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=5)
-    for prompt in random_prompts([7, 30, 12], 1000, seed=3):
-        [completion] = engine.generate([prompt], params)
-        our_top = [{t for t, _ in step} for step in completion.output_top_logprobs]
-        theirs, their_top = hf_greedy_top5(model_dir, prompt, 12, torch.float32)
-        assert_close_as_vllm_does(list(completion.output_token_ids), our_top, theirs, their_top)
+    assert_engine_close_to_transformers(engine, model_dir, random_prompts([7, 30, 12], 1000, seed=3), 12)
 
 
 @pytest.mark.parametrize("scheme", ["W8A8", "W4A16"])
@@ -191,6 +176,15 @@ def test_an_unsupported_checkpoint_is_refused_naming_its_scheme_and_the_supporte
     with pytest.raises(UnsupportedQuantization, match="not supported") as refused:
         read_model_spec(model_dir)
     assert named in str(refused.value) and "W8A8" in str(refused.value) and "W4A16" in str(refused.value)
+
+
+def test_serve_stops_at_start_on_an_unsupported_checkpoint(tiny_llama: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = _config_with(tiny_llama, tmp_path / "gptq", {"quant_method": "gptq", "bits": 4})
+    assert main(["serve", "--model", str(model_dir)]) == 2  # before any worker, any Ray
+    err = capsys.readouterr().err
+    assert f"--model {model_dir}: the checkpoint's quantization (quant_method 'gptq', 4-bit)" in err
+    assert "W4A16" in err
 
 
 def test_quantized_weights_that_only_transformers_would_read_are_refused(quantized: dict[str, Path],

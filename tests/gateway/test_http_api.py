@@ -226,7 +226,8 @@ def test_each_worker_reports_how_it_computes_on_its_own_cores(client: httpx.Clie
         runtime = worker["runtime"]
         assert (f'pdserve:worker_runtime_info{{compile="{runtime["compile"]}",'
                 f'decode_attention="{runtime["decode_attention"]}",'
-                f'dtype="float32",linear_kernel="{runtime["linear_kernel"]}",model_name="{MODEL}",'
+                f'dtype="float32",kv_dtype="float32",linear_kernel="{runtime["linear_kernel"]}",'
+                f'model_name="{MODEL}",'
                 f'threads="{runtime["num_threads"]}",weights="unquantized",'
                 f'worker="{worker["worker_id"]}"}} 1.0') in text
 

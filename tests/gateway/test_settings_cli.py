@@ -22,7 +22,7 @@ FIELDS = list(ServeConfig.model_fields)
 # Text fields whose values are checked: a valid one each.
 VALID_TEXT = {"otlp_traces_endpoint": "http://localhost:4318/v1/traces", "kv_cache_memory": "2GiB",
               "fleet_name": "main", "device": "cpu", "chat_template": "{{ messages[0].content }}",
-              "generation_config": "vllm", "root_path": "/llm"}
+              "generation_config": "vllm", "root_path": "/llm", "quantization": "compressed-tensors"}
 # List fields: a value each (given as vLLM gives it, a JSON list).
 VALID_LISTS = {"allowed_origins": ["https://app.example"], "allowed_methods": ["GET", "POST"],
                "allowed_headers": ["Authorization"]}

@@ -56,7 +56,7 @@ def test_renamed_flags_set_pdserves_own() -> None:
     (["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"], "merge the adapter into the model"),
     (["--enable-lora"], "--enable-lora: LoRA adapters are not served"),
     (["--no-enable-prefix-caching"], "--no-enable-prefix-caching: pdserve's prefix cache is always on"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
+    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype: Input should be"),
     (["--kv-transfer-config", "{}"], "--backend"),
     (["--speculative-config", "{}"], "speculative decoding"),
     (["--kv-cache-memory-bytes", "lots"], "--kv-cache-memory-bytes lots: expected a number of bytes"),

@@ -4,6 +4,7 @@ and a decode worker wired over a transfer backend."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,19 +29,23 @@ def make_engine(model_dir: Path, num_blocks: int = 256, **overrides: object) -> 
 
 
 def make_pair(model_dir: Path, decode_blocks: int = 256, lease_s: float = 30.0,
-              budget: int = 64, prefill_blocks: int | None = None, backend: str = "local"
-              ) -> tuple[PrefillWorker, DecodeWorker]:
-    prefill_config = EngineConfig(str(model_dir), dtype="float32",
-                                  kv_cache_bytes=8 << 20, max_num_batched_tokens=budget)
+              budget: int = 64, prefill_blocks: int | None = None, backend: str = "local",
+              prefill_settings: dict[str, object] | None = None,
+              decode_settings: dict[str, object] | None = None) -> tuple[PrefillWorker, DecodeWorker]:
+    """`prefill_settings` / `decode_settings`: EngineConfig fields beyond float32 (a KV cache dtype)."""
+    prefill_extra: dict[str, Any] = {"dtype": "float32", **(prefill_settings or {})}
+    decode_extra: dict[str, Any] = {"dtype": "float32", **(decode_settings or {})}
+    prefill_config = EngineConfig(str(model_dir), kv_cache_bytes=8 << 20, max_num_batched_tokens=budget,
+                                  **prefill_extra)
     if prefill_blocks is not None:
         block_bytes = LLMEngine(prefill_config).runner.cache_spec.block_bytes
-        prefill_config = EngineConfig(str(model_dir), dtype="float32",
-                                      kv_cache_bytes=prefill_blocks * block_bytes,
-                                      max_num_batched_tokens=budget)
+        prefill_config = EngineConfig(str(model_dir), kv_cache_bytes=prefill_blocks * block_bytes,
+                                      max_num_batched_tokens=budget, **prefill_extra)
     prefill_engine = LLMEngine(prefill_config, scheduler_cls=PrefillScheduler)
-    block_bytes = prefill_engine.runner.cache_spec.block_bytes
-    decode_engine = LLMEngine(EngineConfig(str(model_dir), dtype="float32",
-                                           kv_cache_bytes=decode_blocks * block_bytes),
+    sized = EngineConfig(str(model_dir), **decode_extra)
+    decode_block_bytes = KVCacheSpec.from_model(read_model_spec(model_dir), sized).block_bytes
+    decode_engine = LLMEngine(EngineConfig(str(model_dir), kv_cache_bytes=decode_blocks * decode_block_bytes,
+                                           **decode_extra),
                               watermark=0.05)
     config = TransferConfig(lease_s=lease_s)
     sender = make_sender(backend, "p0", prefill_engine.runner.kv_cache, config=config)

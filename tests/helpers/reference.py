@@ -4,6 +4,7 @@ forward's logits."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -70,3 +71,17 @@ def assert_close_as_vllm_does(ours: list[int], our_top: list[set[int]], theirs: 
         if a != b:
             assert a in their_top[position] and b in our_top[position], f"diverged at {position}"
             return
+
+
+def assert_engine_close_to_transformers(engine: Any, reference_dir: Path, prompts: list[list[int]],
+                                        steps: int, dtype: torch.dtype = torch.float32) -> None:
+    """Each prompt generated greedily by `engine` (an LLMEngine, its top-5 logprobs), one at a time, held to
+    vLLM's standard against transformers' greedy run of `reference_dir` in `dtype`."""
+    from llm_engine import SamplingParams
+
+    params = SamplingParams(max_tokens=steps, temperature=0.0, logprobs=True, top_logprobs=5)
+    for prompt in prompts:
+        [completion] = engine.generate([prompt], params)
+        our_top = [{t for t, _ in step} for step in completion.output_top_logprobs]
+        theirs, their_top = hf_greedy_top5(reference_dir, prompt, steps, dtype)
+        assert_close_as_vllm_does(list(completion.output_token_ids), our_top, theirs, their_top)

@@ -148,6 +148,27 @@ def test_incompatible_layout_is_refused_before_any_byte_moves(backend: str):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", _backends())
+def test_eight_bit_blocks_move_bit_identical(backend: str):
+    """--kv-cache-dtype fp8 on both sides: the blocks are their bytes (gloo sends no float8: the torch backend
+    moves bytes), half a bfloat16 block's."""
+    if backend == "nixl":
+        pytest.importorskip("nixl._bindings")
+    eight_bit = "float8_e4m3fn"
+    p = start_pair(backend, {**_prefill_options(), "dtype": eight_bit}, _decode_options(dtype=eight_bit))
+    try:
+        p.decode.call("add_peer", p.prefill.call("peer_info"))
+        src, dst = [3, 4, 9], [10, 11, 50]
+        handle = p.prefill.call("offer", src, 16 * len(src), 30.0)
+        assert p.pull(handle, dst) == ("DONE", "")
+        assert p.decode.call("checksum", dst) == p.prefill.call("checksum", src)
+        assert not p.decode.call("is_zero", dst)
+    finally:
+        p.decode.stop()
+        p.prefill.stop()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("pair", ["nixl"], indirect=True)  # the progress thread is NIXL's
 def test_nixl_agent_stays_off_the_cpu_when_idle(pair: tuple[str, Pair]):
     _backend, p = pair
