@@ -59,6 +59,10 @@ class ServeConfig(ApiSettings, AdmissionSettings, PlacementSettings, HttpSetting
         if self.is_auto and self.backend == "torch":
             raise ValueError(f"{auto} moves workers between roles, which the torch backend's fixed "
                              "process group cannot: use --backend nixl")
+        if self.kv_cache_dtype not in (None, "auto") and max(prefill_tp, decode_tp) > 1 and self.backend in (
+                "torch", "local"):  # their rank 0 gathers every rank's heads over gloo, which has no float8
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} with tensor-parallel workers needs "
+                             f"--backend nixl (each rank's heads read where they live), not {self.backend}")
         return self
 
     @model_validator(mode="after")

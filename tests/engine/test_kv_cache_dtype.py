@@ -91,3 +91,12 @@ def test_the_kv_cache_dtype_is_checked() -> None:
     with pytest.raises(RuntimeError, match="paged-kernel' reads float32 and bfloat16 caches"):
         choose_decode_attention(EngineConfig("unused", device="cpu", kv_cache_dtype="fp8",
                                              decode_attention="paged-kernel"))
+
+
+def test_serve_refuses_an_eight_bit_cache_over_ranks_staged_through_rank_zero(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from pdserve.main import main
+
+    argv = ["serve", "-tp", "2", "--backend", "torch", "--kv-cache-dtype", "fp8", "--device", "cpu"]
+    assert main(argv) == 2
+    assert "--kv-cache-dtype fp8 with tensor-parallel workers needs --backend nixl" in capsys.readouterr().err
