@@ -35,6 +35,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: each free_port() releases its port, so two calls can return the same one
+    (a raylet's runtime-env agent and metrics exporter once got 57045 both, and `ray start` refused)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def node_address() -> tuple[str, str]:
     """(IP, interface) of this machine's first non-loopback IPv4 interface; loopback if it has none."""
     for name, addresses in psutil.net_if_addrs().items():
@@ -71,9 +82,9 @@ class LocalRayCluster:
         self.head: RayNode | None = None
 
     def _start(self, args: list[str], resources: dict[str, float], name: str) -> RayNode:
-        ports = {flag: str(free_port()) for flag in (
-            "--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
-            "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")}
+        flags = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+                 "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
+        ports = {flag: str(port) for flag, port in zip(flags, free_ports(len(flags)), strict=True)}
         # Worker ports away from Ray's default range, which other Ray instances on this machine use, and below
         # the kernel's ephemeral range (32768-60999 on Linux), where every free_port() above comes from: a
         # worker range there could hold one of those ports, and `ray start` refuses such a clash.
