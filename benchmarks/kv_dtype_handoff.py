@@ -1,6 +1,7 @@
 """What an 8-bit KV cache buys a prefill → decode handoff, side by side in one run: the same prompts through
-`pdserve serve --prefill 1 --decode 1 --dtype bfloat16`, its KV cache in bfloat16 (`--kv-cache-dtype auto`)
-and in fp8 (e4m3), the same --kv-cache-memory each.
+`pdserve serve --prefill 1 --decode 1 --dtype bfloat16`, the two workers' KV caches in bfloat16 (`auto`) or
+fp8 (e4m3): both bfloat16, both fp8, and each way between them (`--prefill-kv-cache-dtype` /
+`--decode-kv-cache-dtype`: the handoff converts on arrival), the same --kv-cache-memory each.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/kv_dtype_handoff.py [--prompts 12] [--prompt-len 1500]
         [--out benchmarks/results/kv_dtype_handoff.md]
@@ -23,23 +24,28 @@ from benchmarks.lm_eval_parity import free_port, pdserve
 from benchmarks.quant_step import RESULTS, write_report
 from llm_engine.default_model import prepare_default_model
 
+# (prefill worker's cache, decode worker's cache), --*-kv-cache-dtype names.
+PAIRS = (("auto", "auto"), ("fp8", "fp8"), ("auto", "fp8"), ("fp8", "auto"))
+
 
 @dataclass
 class Run:
-    kv_dtype: str  # the workers' cache elements, as /admin/pools says
-    kv_tokens: int  # the smallest worker's capacity
+    kv_dtypes: str  # the prefill, then the decode worker's cache elements, as /admin/pools says
+    kv_tokens: int  # the decode worker's capacity
     num_bytes: list[int]  # per request: timings.transfer_bytes
     ms: list[float]  # per request: timings.transfer_ms
 
 
-def measure(model_dir: Path, kv_dtype: str, prompts: list[list[int]], kv_memory: str) -> Run:
+def measure(model_dir: Path, pair: tuple[str, str], prompts: list[list[int]], kv_memory: str) -> Run:
     port = free_port()
     with pdserve(str(model_dir), port, dtype="bfloat16",
-                 extra=("--kv-cache-dtype", kv_dtype, "--kv-cache-memory", kv_memory)) as url:
+                 extra=("--prefill-kv-cache-dtype", pair[0], "--decode-kv-cache-dtype", pair[1],
+                        "--kv-cache-memory", kv_memory)) as url:
         pools = httpx.get(f"{url}/admin/pools", timeout=30).json()
-        runtimes = [w["runtime"] for w in pools["workers"] if w.get("runtime")]
+        runtimes = {w["role"]: w["runtime"] for w in pools["workers"] if w.get("runtime")}
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        run = Run(runtimes[0]["kv_dtype"], min(r["num_kv_tokens"] for r in runtimes), [], [])
+        run = Run(f"{runtimes['prefill']['kv_dtype']} → {runtimes['decode']['kv_dtype']}",
+                  runtimes["decode"]["num_kv_tokens"], [], [])
         with httpx.Client(timeout=300) as client:
             for prompt in prompts:
                 body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
@@ -61,17 +67,21 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (args.prompt_len,), generator=generator).tolist()
                for _ in range(args.prompts)]
-    results = {name: measure(model_dir, name, prompts, args.kv_cache_memory) for name in ("auto", "fp8")}
-    base = statistics.median(results["auto"].num_bytes)
+    results = {pair: measure(model_dir, pair, prompts, args.kv_cache_memory) for pair in PAIRS}
+    base = results[PAIRS[0]]
     lines = [f"# KV cache dtype and the handoff (SmolLM2-135M, bfloat16, 1 prefill + 1 decode over NIXL, "
              f"{args.prompts} prompts of {args.prompt_len} tokens, --kv-cache-memory {args.kv_cache_memory})",
-             "", "| --kv-cache-dtype | cache elements | KV tokens per worker | bytes per handoff "
-             "| handoff ms, median [range] |", "|---|---|---:|---:|---:|"]
-    for name, run in results.items():
-        num_bytes = statistics.median(run.num_bytes)
-        ratio = "" if name == "auto" else f" ({num_bytes / base:.2f}×)"
-        lines.append(f"| {name} | {run.kv_dtype} | {run.kv_tokens} | {num_bytes:,.0f}{ratio} | "
-                     f"{statistics.median(run.ms):.1f} [{min(run.ms):.1f}–{max(run.ms):.1f}] |")
+             "", "| prefill / decode --kv-cache-dtype | cache elements | decode KV tokens "
+             "| bytes per handoff | handoff ms, median [range] |", "|---|---|---:|---:|---:|"]
+    for pair, run in results.items():
+        num_bytes, ms = statistics.median(run.num_bytes), statistics.median(run.ms)
+        ratios = ("", "", "") if pair == PAIRS[0] else (
+            f" ({run.kv_tokens / base.kv_tokens:.2f}×)",
+            f" ({num_bytes / statistics.median(base.num_bytes):.2f}×)",
+            f" ({ms / statistics.median(base.ms):.2f}×)")
+        spread = f"[{min(run.ms):.1f}–{max(run.ms):.1f}]"
+        lines.append(f"| {pair[0]} / {pair[1]} | {run.kv_dtypes} | {run.kv_tokens:,}{ratios[0]} | "
+                     f"{num_bytes:,.0f}{ratios[1]} | {ms:.1f} {spread}{ratios[2]} |")
     write_report(args.out, lines)
 
 

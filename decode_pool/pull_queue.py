@@ -116,7 +116,10 @@ class PullQueue:
             dst = self.engine.kv.allocate_blocks(request_id, handle.num_tokens,
                                                  chain_root(entry.request.sampling.cache_salt))
             entry.transfer_started = time.time()
-            entry.transfer_bytes = len(dst) * self.engine.kv_block_bytes
+            # What crosses the wire: the sender's blocks (of another size where the pull converts them).
+            source = self.receiver.peers.get(handle.source_worker_id)
+            block_bytes = source.layout.block_bytes if source else self.engine.kv_block_bytes
+            entry.transfer_bytes = len(dst) * block_bytes
             try:
                 with self._watcher.lock:
                     self.receiver.start_pull(handle, dst)

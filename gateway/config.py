@@ -59,9 +59,15 @@ class ServeConfig(ApiSettings, AdmissionSettings, PlacementSettings, HttpSetting
         if self.is_auto and self.backend == "torch":
             raise ValueError(f"{auto} moves workers between roles, which the torch backend's fixed "
                              "process group cannot: use --backend nixl")
-        if self.kv_cache_dtype not in (None, "auto") and max(prefill_tp, decode_tp) > 1 and self.backend in (
+        kv_dtypes = self.kv_cache_dtypes()
+        if self.is_auto and kv_dtypes[0] != kv_dtypes[1]:
+            raise ValueError(f"--prefill-kv-cache-dtype {kv_dtypes[0]} / --decode-kv-cache-dtype "
+                             f"{kv_dtypes[1]}: {auto} moves workers between roles, and a worker's KV cache "
+                             "is made at its start: give both roles one type")
+        eight_bit = next((d for d in kv_dtypes if d != "auto"), None)
+        if eight_bit and max(prefill_tp, decode_tp) > 1 and self.backend in (
                 "torch", "local"):  # their rank 0 gathers every rank's heads over gloo, which has no float8
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} with tensor-parallel workers needs "
+            raise ValueError(f"--kv-cache-dtype {eight_bit} with tensor-parallel workers needs "
                              f"--backend nixl (each rank's heads read where they live), not {self.backend}")
         return self
 

@@ -124,6 +124,9 @@ def deployment_config(config: ServeConfig, model_dir: str) -> DeploymentConfig:
                             worker_env=dict(config.worker_env or {}),
                             role_tp={role: tp for role, tp in ((Role.PREFILL, config.prefill_tp),
                                                                (Role.DECODE, config.decode_tp)) if tp},
+                            role_kv_cache_dtype={role: kv_dtype for role, kv_dtype in (
+                                (Role.PREFILL, config.prefill_kv_cache_dtype),
+                                (Role.DECODE, config.decode_kv_cache_dtype)) if kv_dtype},
                             # Each worker finds the model on its own node
                             # (pool_worker/runtime/model_source.py).
                             model_source=ModelSource.named(config.model, config.revision, model_dir),

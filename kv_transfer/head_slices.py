@@ -11,6 +11,8 @@ one row (one token of one layer's K or V). So a pair of ranks that hold the same
         (kv_transfer/backends/nixl_ranks.py SliceReads), or
     direct: one descriptor per row (layers × 2 × block_size per block, each the shared heads × head_dim
         elements), straight into the cache: what a pull does only when no slot of its scratch is free.
+A pull into a cache of another element type (kv_transfer/layout.py converts()) is always staged, whatever
+the heads: the scratch takes the source's bytes and the copy into the cache converts them.
 Why staged first: a descriptor costs about a microsecond in UCX here whatever its size (15,360 rows of
 128-256 bytes: 13 ms to post), and a row is 64-512 bytes in the models we serve. Why not head-major blocks
 (vLLM's NixlConnector asks for them with heterogeneous TP): every kernel reads the token-major layout.
@@ -23,7 +25,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kv_transfer.layout import KVLayout, RankSlice, coalesce_runs, layout_slices
+from kv_transfer.conversion import converted, torch_dtype
+from kv_transfer.layout import KVLayout, RankSlice, coalesce_runs, converts, layout_slices
 
 
 @dataclass(frozen=True)
@@ -37,13 +40,16 @@ class SliceRead:
     src_ids: np.ndarray  # uint64 block ids, pairwise with dst_ids
     dst_ids: np.ndarray
     rows: int  # rows per block: layers × 2 × block_size
-    head_bytes: int  # head_dim × element size
+    head_bytes: int  # head_dim × the source's element size
+    src_dtype: torch.dtype  # the source's elements (the scratch holds them; the copy out converts)
+    converts: bool = False  # the destination holds another element type: staged, never direct
 
     @property
     def same_heads(self) -> bool:
-        """Both ranks hold exactly the heads read: whole blocks on both sides."""
-        return (self.src.first_kv_head, self.src.num_kv_heads, self.dst.first_kv_head,
-                self.dst.num_kv_heads) == (self.lo, self.hi - self.lo, self.lo, self.hi - self.lo)
+        """Both ranks hold exactly the heads read in the same type: whole blocks read into the cache."""
+        return not self.converts and (self.src.first_kv_head, self.src.num_kv_heads, self.dst.first_kv_head,
+                                      self.dst.num_kv_heads) == (self.lo, self.hi - self.lo, self.lo,
+                                                                 self.hi - self.lo)
 
     @property
     def staged_bytes(self) -> int:
@@ -52,6 +58,8 @@ class SliceRead:
 
     def direct(self) -> tuple[np.ndarray, np.ndarray]:
         """(local, remote) descriptors, [n, 3] uint64 (address, bytes, device id): into the cache."""
+        if self.converts:
+            raise ValueError("a read that converts its elements goes through the scratch, never direct")
         whole = self.same_heads
         return (_descriptors(self.dst, self.dst_ids, self.lo, self.hi, self.rows, self.head_bytes, whole),
                 _descriptors(self.src, self.src_ids, self.lo, self.hi, self.rows, self.head_bytes, whole))
@@ -77,10 +85,11 @@ class SliceRead:
 
     def copy_staged(self, scratch: torch.Tensor, cache: torch.Tensor) -> None:
         """Once a staged read is done: the shared heads of `scratch` (uint8, from the read's first byte)
-        into the destination rank's `cache` ([blocks, layers, 2, block_size, heads, head_dim])."""
+        into the destination rank's `cache` ([blocks, layers, 2, block_size, heads, head_dim]), converted to
+        its element type where it holds another (kv_transfer/conversion.py)."""
         shape = (len(self.src_ids), *cache.shape[1:4], self.src.num_kv_heads, cache.shape[5])
-        source = scratch[:self.staged_bytes].view(cache.dtype).view(shape)[
-            :, :, :, :, self.lo - self.src.first_kv_head : self.hi - self.src.first_kv_head]
+        source = converted(scratch[:self.staged_bytes].view(self.src_dtype).view(shape)[
+            :, :, :, :, self.lo - self.src.first_kv_head : self.hi - self.src.first_kv_head], cache.dtype)
         first, last = self.lo - self.dst.first_kv_head, self.hi - self.dst.first_kv_head
         # One strided copy per run of consecutive destination blocks: 3x an index_put over the same heads.
         for read_start, block, count in coalesce_runs(tuple(range(len(self.dst_ids))),
@@ -96,7 +105,8 @@ def plan_slice_reads(src: KVLayout, dst: KVLayout, src_ids: tuple[int, ...],
     """The reads that put every destination rank's heads of `src_ids` into its blocks `dst_ids`.
 
     Args:
-        src, dst: compatible layouts (check_compatible), with or without rank slices.
+        src, dst: compatible layouts (check_compatible), with or without rank slices; where their element
+            types differ every read is staged and converted on its way into the cache.
         src_ids, dst_ids: block ids, pairwise.
 
     Returns:
@@ -105,6 +115,7 @@ def plan_slice_reads(src: KVLayout, dst: KVLayout, src_ids: tuple[int, ...],
     """
     rows = src.num_layers * 2 * src.block_size
     head_bytes = src.block_bytes // (rows * src.num_kv_heads)
+    src_dtype, converting = torch_dtype(src), converts(src, dst)
     src_blocks = np.asarray(src_ids, dtype=np.uint64)
     dst_blocks = np.asarray(dst_ids, dtype=np.uint64)
     reads: list[SliceRead] = []
@@ -113,7 +124,8 @@ def plan_slice_reads(src: KVLayout, dst: KVLayout, src_ids: tuple[int, ...],
         for s in layout_slices(src):
             lo, hi = max(covered, s.first_kv_head), min(end, s.first_kv_head + s.num_kv_heads)
             if hi > lo:
-                reads.append(SliceRead(s, d, lo, hi, src_blocks, dst_blocks, rows, head_bytes))
+                reads.append(SliceRead(s, d, lo, hi, src_blocks, dst_blocks, rows, head_bytes, src_dtype,
+                                           converting))
                 covered = hi
         if covered != end:
             raise ValueError(f"no source rank holds KV heads [{covered}, {end}) of destination rank {d.rank}")

@@ -22,11 +22,16 @@ if TYPE_CHECKING:
 
 
 class IncompatibleLayoutError(ValueError):
-    """Raised when two workers' KV layouts differ, so their blocks cannot be copied byte for byte."""
+    """Raised when two workers' KV layouts differ beyond what a pull converts: their blocks hold other
+    shapes, or elements the receiver cannot convert."""
 
 
 # What must match for two workers' blocks to mean the same bytes (addresses and device kind need not).
 _COMPARED_FIELDS = ("block_bytes", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+# What must match for a receiver to convert the blocks it pulls into its own element type: the geometry.
+_GEOMETRY_FIELDS = ("num_layers", "block_size", "num_kv_heads", "head_dim")
+# The element types a pull converts between (kv_transfer/conversion.py): the floats a KV cache holds.
+CONVERTIBLE_DTYPES = frozenset({"float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"})
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,8 @@ def layout_slices(layout: KVLayout) -> tuple[RankSlice, ...]:
 
 
 def check_compatible(source: KVLayout, destination: KVLayout) -> None:
-    """Refuse a copy between layouts whose blocks do not mean the same bytes.
+    """Refuse a pull between layouts whose blocks neither mean the same bytes nor convert: the geometry
+    must match, and the element types be equal or both in CONVERTIBLE_DTYPES (see converts()).
 
     Args:
         source: layout of the worker that holds the blocks.
@@ -163,9 +169,19 @@ def check_compatible(source: KVLayout, destination: KVLayout) -> None:
     """
     if source.fingerprint == destination.fingerprint:
         return
+    fields = _GEOMETRY_FIELDS if converts(source, destination) else _COMPARED_FIELDS
     diffs = [f"{name}: source {getattr(source, name)!r} != destination {getattr(destination, name)!r}"
-             for name in _COMPARED_FIELDS if getattr(source, name) != getattr(destination, name)]
-    raise IncompatibleLayoutError("incompatible KV layouts, refusing the transfer: " + "; ".join(diffs))
+             for name in fields if getattr(source, name) != getattr(destination, name)]
+    if diffs:
+        raise IncompatibleLayoutError("incompatible KV layouts, refusing the transfer: " + "; ".join(diffs))
+
+
+def converts(source: KVLayout, destination: KVLayout) -> bool:
+    """Whether a pull from `source` into `destination` converts its elements (bfloat16 → fp8 and back):
+    they differ in type and both types convert. The receiver then reads the source's bytes into a staging
+    buffer and writes them into its cache in its own type (kv_transfer/conversion.py)."""
+    return (source.dtype != destination.dtype and source.dtype in CONVERTIBLE_DTYPES
+            and destination.dtype in CONVERTIBLE_DTYPES)
 
 
 def check_block_ids(layout: KVLayout, block_ids: tuple[int, ...], what: str) -> None:

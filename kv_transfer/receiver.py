@@ -2,6 +2,9 @@
 
 Lifecycle of one pull (TransferState), keyed by (source_worker_id, transfer_id):
     start_pull()  -> PENDING       checked: peer known, layouts compatible, lease not over by our clock
+                                   (compatible: the same bytes, or the same geometry in element types the
+                                   pull converts, the source's bytes written into our type on arrival:
+                                   kv_transfer/conversion.py)
                   -> TRANSFERRING  bytes moving (torch: after the sender's PullReply; nixl: after its grant)
     poll()        -> DONE          destination blocks hold the source bytes
                   -> FAILED        refused, lease over, deadline passed, or backend error
@@ -38,6 +41,7 @@ class Pull:
     dst_block_ids: tuple[int, ...]  # where it goes
     started_at: float  # time.monotonic() at start_pull
     deadline: float  # time.monotonic() after which the pull is FAILED
+    source_block_bytes: int  # bytes a block takes on the wire: the sender's (a converting pull's differ)
     state: TransferState = TransferState.PENDING  # see the module docstring
     reason: str = ""  # why it FAILED
     backend_state: Any = None  # the backend's own handle (NIXL xfer handle, torch work + staging buffer)
@@ -80,7 +84,7 @@ class KVReceiver(TransferEndpoint, ABC):
             peer: the sender's peer_info().
 
         Raises:
-            IncompatibleLayoutError: the peer's blocks do not mean the same bytes as ours.
+            IncompatibleLayoutError: the peer's blocks neither mean the same bytes as ours nor convert.
             ValueError: the peer was built for another backend.
         """
         self.check_peer(peer)
@@ -96,7 +100,7 @@ class KVReceiver(TransferEndpoint, ABC):
         """Whether add_peer() would refuse this sender for what it is (any thread: it reads no state).
 
         Raises:
-            IncompatibleLayoutError: the peer's blocks do not mean the same bytes as ours.
+            IncompatibleLayoutError: the peer's blocks neither mean the same bytes as ours nor convert.
             ValueError: the peer was built for another backend.
         """
         if peer.backend != self.backend:
@@ -121,7 +125,8 @@ class KVReceiver(TransferEndpoint, ABC):
             The pull's state right after starting (FAILED at once if the lease is already over).
 
         Raises:
-            IncompatibleLayoutError: the handle's layout fingerprint differs from ours.
+            IncompatibleLayoutError: the handle's layout fingerprint is not its sender's (add_peer checked
+                that the sender's blocks are ours, or convert into ours: kv_transfer/conversion.py).
             KeyError: the source worker was never added with add_peer().
             ValueError: wrong backend, block count mismatch, ids out of range, or a duplicate pull.
         """
@@ -129,10 +134,9 @@ class KVReceiver(TransferEndpoint, ABC):
         if peer is None:
             raise KeyError(f"unknown source worker {handle.source_worker_id!r}; call add_peer() first "
                            f"(known: {sorted(self.peers)})")
-        if handle.fingerprint != self.layout.fingerprint:
-            check_compatible(peer.layout, self.layout)  # names the differing fields
-            raise IncompatibleLayoutError(
-                f"handle fingerprint {handle.fingerprint} != ours {self.layout.fingerprint}")
+        if handle.fingerprint != peer.layout.fingerprint:  # offered from another cache than add_peer saw
+            raise IncompatibleLayoutError(f"handle fingerprint {handle.fingerprint} != its sender's "
+                                          f"{peer.layout.fingerprint} (the sender changed; add it again)")
         if handle.backend != self.backend:
             raise ValueError(f"handle offered through {handle.backend}, this receiver is {self.backend}")
         dst = tuple(int(b) for b in dst_block_ids)
@@ -145,7 +149,7 @@ class KVReceiver(TransferEndpoint, ABC):
             raise ValueError(f"transfer {key} is already being pulled")
 
         now = time.monotonic()
-        pull = Pull(handle, dst, now, now + self.config.transfer_timeout_s)
+        pull = Pull(handle, dst, now, now + self.config.transfer_timeout_s, peer.layout.block_bytes)
         self._pulls[key] = pull
         # An early-out only: the two hosts' clocks may disagree, so the sender is what refuses a late pull.
         if handle.lease_deadline - self.config.lease_margin_s <= time.time():
@@ -214,7 +218,7 @@ class KVReceiver(TransferEndpoint, ABC):
             source_worker_id=pull.handle.source_worker_id,
             transfer_id=pull.handle.transfer_id,
             num_blocks=len(pull.dst_block_ids),
-            num_bytes=len(pull.dst_block_ids) * self.layout.block_bytes,
+            num_bytes=len(pull.dst_block_ids) * pull.source_block_bytes,
             duration_s=time.monotonic() - pull.started_at,
             outcome=pull.state.name,
             reason=pull.reason,

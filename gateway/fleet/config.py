@@ -47,6 +47,9 @@ class DeploymentConfig:
     # Tensor-parallel ranks of each role's workers where it differs from engine.tensor_parallel_size (a
     # mixed worker is a decode worker that prefills too: it takes the decode degree).
     role_tp: dict[Role, int] = field(default_factory=dict)
+    # The KV cache's element type of each role's workers where it differs from engine.kv_cache_dtype (mixed
+    # take the decode role's): a handoff between two types converts (kv_transfer/conversion.py).
+    role_kv_cache_dtype: dict[Role, str] = field(default_factory=dict)
     # Environment of every worker process: UCX_NET_DEVICES, UCX_TLS, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME...
     worker_env: dict[str, str] = field(default_factory=dict)
     # What each worker loads, resolved on its own node; None: engine.model_dir as it is on every node.
@@ -97,10 +100,13 @@ class DeploymentConfig:
         check_tensor_parallel(spec, degree, name)
 
     def engine_for(self, role: Role) -> EngineConfig:
-        """The engine of a worker started in `role` (its degree is fixed for its life)."""
-        tp = self.tp_of(role)
-        return self.engine if tp == self.engine.tensor_parallel_size else replace(self.engine,
-                                                                                   tensor_parallel_size=tp)
+        """The engine of a worker started in `role` (its degree and KV cache type are fixed for its life)."""
+        kv_dtype = self.role_kv_cache_dtype.get(Role.DECODE if role is Role.MIXED else role,
+                                                self.engine.kv_cache_dtype)
+        own = {"tensor_parallel_size": self.tp_of(role), "kv_cache_dtype": kv_dtype}
+        if all(getattr(self.engine, name) == value for name, value in own.items()):
+            return self.engine
+        return replace(self.engine, **own)  # type: ignore[arg-type]
 
     def layout(self) -> dict[Role, int]:
         return {Role.PREFILL: self.num_prefill, Role.DECODE: self.num_decode, Role.MIXED: self.num_mixed}

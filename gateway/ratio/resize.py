@@ -80,7 +80,7 @@ def plan_moves(current: dict[Role, int], target: dict[Role, int],
 
     Args:
         can_change: whether a worker may change from one role to the other in place (not between roles
-            whose workers have different tensor-parallel degrees: a worker's ranks are fixed at its start).
+            whose workers run different engines: a worker's ranks and KV cache are fixed at its start).
     """
     surplus = {role: current.get(role, 0) - target.get(role, 0) for role in Role}
     changes: list[Move] = []
@@ -144,7 +144,8 @@ class PoolResizer:
         current = dict(self.deployment.target)
         for worker in stale:
             current[worker.role] -= 1
-        moves = plan_moves(current, target, lambda a, b: config.tp_of(a) == config.tp_of(b))
+        # A worker changes role only where both roles run the same engine (degree, KV cache type).
+        moves = plan_moves(current, target, lambda a, b: config.engine_for(a) == config.engine_for(b))
         moves += [Move("drain", w.role, worker_id=w.worker_id) for w in stale]
         # The target counts workers still starting (a failed one's replacement, a PENDING one), but a role
         # change or a drain needs an ACTIVE worker of the role it takes from: refuse now rather than stop

@@ -9,6 +9,8 @@ from pydantic import BaseModel, Field, field_validator
 
 from llm_engine.kv_sizing import parse_memory
 
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]  # llm_engine/config.py KV_CACHE_DTYPE_NAMES
+
 
 class EngineSettings(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
@@ -45,11 +47,20 @@ class EngineSettings(BaseModel):
         True,
         description="pin each worker to its own cores (--no-pin-cpus: the OS places the workers' threads)")
     block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the engine's)")
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = Field(
+    kv_cache_dtype: KVCacheDtype | None = Field(
         None,
         description="the KV cache's element type, vLLM's names: auto (the model's dtype) or fp8 (= fp8_e4m3) "
                     "/ fp8_e5m2: 8-bit floats, twice the tokens in the same memory and half the bytes a "
-                    "handoff moves; every worker of the fleet keeps the same (default: the engine's, auto)")
+                    "handoff moves (default: the engine's, auto)")
+    prefill_kv_cache_dtype: KVCacheDtype | None = Field(
+        None,
+        description="the prefill workers' KV cache type (default: --kv-cache-dtype); where it differs from "
+                    "the decode workers', each handoff converts on arrival (the wire carries the prefill "
+                    "worker's bytes)")
+    decode_kv_cache_dtype: KVCacheDtype | None = Field(
+        None,
+        description="the decode and mixed workers' KV cache type (default: --kv-cache-dtype), e.g. fp8 for "
+                    "twice the streams beside prefill workers that keep the model's dtype")
     # Sizing (llm_engine/kv_sizing.py; None: the engine's default).
     max_model_len: int | None = Field(
         None, ge=1,
@@ -98,6 +109,11 @@ class EngineSettings(BaseModel):
         if value is not None:
             parse_memory(value)
         return value
+
+    def kv_cache_dtypes(self) -> tuple[str, str]:
+        """The KV cache type of the prefill workers, then of the decode and mixed ones (auto: the model's)."""
+        default = self.kv_cache_dtype or "auto"
+        return (self.prefill_kv_cache_dtype or default, self.decode_kv_cache_dtype or default)
 
     def tp_degrees(self) -> tuple[tuple[str, int], tuple[str, int]]:
         """(the flag that sets it, the degree) of the prefill workers, then of the decode and mixed ones."""

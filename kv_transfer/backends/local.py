@@ -2,7 +2,8 @@
 
 The receiver finds the sender through a process-local directory keyed by worker id (both live in this
 process by definition), claims its lease, and copies synchronously inside start_pull(): PENDING -> DONE, or
-FAILED if the sender refuses (lease over, unknown transfer). The sender's next poll() reports PULLED.
+FAILED if the sender refuses (lease over, unknown transfer). The sender's next poll() reports PULLED. Blocks
+bound for a cache of another element type are converted as they are copied (kv_transfer/conversion.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, ClassVar
 
+from kv_transfer.conversion import converted
 from kv_transfer.enums import BackendName, ReleaseReason, TransferState
 from kv_transfer.layout import coalesce_runs
 from kv_transfer.receiver import KVReceiver, Pull
@@ -44,9 +46,11 @@ class LocalSender(KVSender):
         if lease is None:
             return reason
         # One copy_ per run of blocks consecutive on both sides: a single pass over the bytes, where
-        # index_select + index_copy_ would make two. copy_ also crosses devices (D2H/H2D) when they differ.
+        # index_select + index_copy_ would make two. copy_ also crosses devices (D2H/H2D) when they differ;
+        # into another element type the run is converted as every backend converts (saturating 8-bit).
         for src_start, dst_start, num_blocks in coalesce_runs(lease.block_ids, dst_block_ids):
-            dst[dst_start:dst_start + num_blocks].copy_(self.kv_cache[src_start:src_start + num_blocks])
+            blocks = converted(self.kv_cache[src_start:src_start + num_blocks], dst.dtype)
+            dst[dst_start:dst_start + num_blocks].copy_(blocks)
         self._pulled.append(transfer_id)
         return ""
 

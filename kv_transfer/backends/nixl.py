@@ -29,7 +29,9 @@ Tensor-parallel workers (kv_transfer/backends/nixl_ranks.py): the lease, claim a
 pull where either side has ranks posts, on every destination rank, one READ per source rank it shares heads
 with (kv_transfer/head_slices.py), with no notification attached; rank 0 sends PULLED once every rank's
 READs are DONE, and DROP (after cancelling them all) when one fails. backend_metadata lists every rank's
-agent metadata, rank 0's first.
+agent metadata, rank 0's first. A pull into a cache of another element type (bfloat16 → fp8, or back) takes
+the same sliced way with the one rank each side has: its READ lands in the scratch, and the copy into the
+cache converts (kv_transfer/conversion.py).
 Transfer handles: each READ's handle is released exactly once, when the READ is seen DONE or ERR, when the
 deadline cancels it, or at close(). A release NIXL refuses is logged and retried at every poll(); a pull whose
 READ could not be cancelled is reported only once it has been, so nothing lands in freed destination blocks.
@@ -61,7 +63,7 @@ from kv_transfer.backends.nixl_ranks import (
 from kv_transfer.backends.slice_reads import SliceReads
 from kv_transfer.enums import BackendName, ReleaseReason, TransferState
 from kv_transfer.head_slices import plan_slice_reads
-from kv_transfer.layout import rank_slices_layout
+from kv_transfer.layout import converts, rank_slices_layout
 from kv_transfer.receiver import KVReceiver, Pull
 from kv_transfer.sender import KVSender
 
@@ -234,7 +236,9 @@ class NixlReceiver(KVReceiver):
         try:
             for m in metadata:
                 names.append(self.agent.add_remote(m))
-            if peer.layout.ranks or self.layout.ranks:
+            # Sliced: a tensor-parallel side's heads, or blocks that convert, go through SliceReads (its
+            # scratch takes the source's bytes, and the copy into the cache converts them).
+            if peer.layout.ranks or self.layout.ranks or converts(peer.layout, self.layout):
                 if self.ranks is not None:
                     asked_ranks = True
                     self.ranks(LoadAgents(metadata))

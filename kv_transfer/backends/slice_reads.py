@@ -2,9 +2,10 @@
 them): rank 0's NixlReceiver keeps one SliceReads for its own heads, every other rank one in its RankTransfers
 (kv_transfer/backends/nixl_ranks.py).
 
-    post(key, reads)  whole-block READs where both ranks hold the same heads; else the source's whole blocks
-                      into the scratch (whole, or range by range through a slot of it), or, with no slot
-                      free, one descriptor per row straight into the cache
+    post(key, reads)  whole-block READs where both ranks hold the same heads in the same type; else the
+                      source's whole blocks into the scratch (whole, or range by range through a slot of
+                      it), or, with no slot free, one descriptor per row straight into the cache (a read that
+                      converts its elements fails then: only the scratch takes the source's type)
     poll()            {key: PROC | DONE | ERR}; a staged range, once read, is copied into the cache and the
                       next range read into the same slot; DONE is reported once, the pull then forgotten
     cancel(key)       stop the READs, free the scratch; False while NIXL refuses a release
@@ -76,6 +77,9 @@ class SliceReads:
             for read in reads:
                 source = src_agents[read.src.rank]
                 staging = None if read.same_heads else self._slot(read, source)
+                if staging is None and read.converts:  # the cache cannot take the source's bytes
+                    raise RuntimeError("no room in the scratch to stage a read that converts its elements "
+                                       f"({self._scratch_bytes} bytes, all taken)")
                 if staging is None:
                     local, remote = read.direct()
                     posted.handles.append(self.agent.read_descriptors(self.layout, local, source, remote)[0])

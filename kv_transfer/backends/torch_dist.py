@@ -6,6 +6,7 @@ The sender takes part, so each pull is a round trip delivered by the caller (e.g
                                    returns a PullReply (refused if the lease is over or the id unknown)
     receiver.on_pull_reply(reply)  accepted: irecv into a staging buffer -> TRANSFERRING; refused -> FAILED
     receiver.poll()                irecv complete -> staging scattered into the destination blocks -> DONE
+                                   (converted there where the sender's element type is not ours)
     sender.poll()                  isend complete -> PULLED (timed out -> FAILED)
 The staging buffers keep the destination blocks untouched until every byte has arrived, and let the source
 blocks be freed even if a send leg never completes. The peer set is the process group, fixed up front.
@@ -36,7 +37,9 @@ import torch.distributed as dist
 
 from kv_transfer import wire
 from kv_transfer.backends.torch_group import require_group
+from kv_transfer.conversion import block_shape, torch_dtype, write_blocks
 from kv_transfer.enums import BackendName, ReleaseReason, TransferState
+from kv_transfer.layout import KVLayout
 from kv_transfer.messages import PullReply, PullRequest
 from kv_transfer.receiver import KVReceiver, Pull
 from kv_transfer.sender import KVSender
@@ -170,12 +173,14 @@ class TorchReceiver(KVReceiver):
         self._group = group
         self._rank = dist.get_rank()
         self._ranks: dict[str, int] = {}
+        self._sources: dict[str, KVLayout] = {}  # each sender's blocks, as they arrive (kept, as its rank)
         self._orders: dict[str, _SendOrder] = {}  # by source worker id
         self._outbox: list[PullRequest] = []
         self._abandoned: list[tuple[_Completion, torch.Tensor]] = []  # irecvs nobody waits for, and staging
 
     def _on_add_peer(self, peer: PeerInfo) -> None:
         self._ranks[peer.worker_id] = wire.decode(TorchPeerMetadata, peer.backend_metadata).rank
+        self._sources[peer.worker_id] = peer.layout
         self._orders[peer.worker_id] = _SendOrder()
 
     def _start(self, pull: Pull, peer: PeerInfo) -> None:
@@ -209,10 +214,11 @@ class TorchReceiver(KVReceiver):
     def _post_recv(self, reply: PullReply) -> None:
         """Post the irecv matching one accepted send; its turn in the sender's posting order has come."""
         pull = self._pulls.get((reply.source_worker_id, reply.transfer_id))
-        # staging: the blocks' bytes [num_blocks, num_layers, 2, block_size, kv_heads, head_dim × dtype bytes]
-        cache_bytes = self.kv_cache.view(torch.uint8)  # as the sender sends them (accept_pull)
-        staging = torch.empty((reply.num_blocks, *cache_bytes.shape[1:]), dtype=torch.uint8,
-                              device=self.kv_cache.device)
+        # staging: the sender's blocks' bytes, as it sends them (accept_pull), in its element type:
+        # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim × its dtype's bytes]
+        source = self._sources[reply.source_worker_id]
+        sent = torch.empty(block_shape(source), dtype=torch_dtype(source), device="meta").view(torch.uint8)
+        staging = torch.empty((reply.num_blocks, *sent.shape), dtype=torch.uint8, device=self.kv_cache.device)
         try:
             work = dist.irecv(staging, src=self._ranks[reply.source_worker_id], group=self._group,
                               tag=reply.transfer_id)
@@ -243,8 +249,9 @@ class TorchReceiver(KVReceiver):
         if completion.error:
             pull.fail(f"irecv failed: {completion.error}")
             return
-        index = torch.tensor(pull.dst_block_ids, dtype=torch.long, device=self.kv_cache.device)
-        self.kv_cache.view(torch.uint8).index_copy_(0, index, staging)
+        source = self._sources[pull.handle.source_worker_id]
+        blocks = staging.view(torch_dtype(source)).view(len(pull.dst_block_ids), *block_shape(source))
+        write_blocks(self.kv_cache, pull.dst_block_ids, blocks)  # converted where the sender's type differs
         pull.state = TransferState.DONE
 
     def _abort(self, pull: Pull) -> bool:

@@ -1,6 +1,7 @@
 """An 8-bit KV cache (--kv-cache-dtype fp8, llm_engine/kv_dtype.py): twice the tokens in the memory of a
 bfloat16 one, outputs held to vLLM's standard against transformers, handed from prefill to decode as its
-bytes (half a bfloat16 handoff's), and a peer whose cache is of another dtype refused by name."""
+bytes (half a bfloat16 handoff's) or converted on arrival where the two sides keep other types, and a peer
+whose blocks cannot convert refused by name."""
 
 from __future__ import annotations
 
@@ -79,10 +80,36 @@ def test_an_eight_bit_cache_is_handed_off_as_its_bytes(backend: str, tiny_llama:
     assert prefill.engine.block_pool.is_whole() and decode.engine.block_pool.is_whole()
 
 
-def test_a_decode_worker_with_another_kv_dtype_is_refused_naming_it(tiny_llama: Path) -> None:
-    refused = "dtype: source 'float32' != destination 'float8_e4m3fn'"
+@pytest.mark.parametrize("backend", ["local", "nixl"])
+def test_a_handoff_into_an_eight_bit_decode_worker_converts(backend: str, tiny_llama: Path) -> None:
+    """Prefill keeps the model's dtype, decode fp8 (--decode-kv-cache-dtype fp8): the decode worker holds
+    the prompt's KV as its own forward would have stored it, so its tokens are those of one fp8 engine that
+    did it all (a one-chunk prompt attends to its fresh keys, not the cache's); and back, fp8 into float32,
+    the first token (the prefill side's) is that engine's and every block comes home."""
+    if backend == "nixl":
+        pytest.importorskip("nixl._bindings")
+    eight_bit: dict[str, object] = {"kv_cache_dtype": "fp8"}
+    prompts = random_prompts([20, 45, 5], 1000, seed=11)
+    alone = LLMEngine(EngineConfig(str(tiny_llama), dtype="float32", kv_cache_bytes=8 << 20, **eight_bit))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    expected = [list(c.output_token_ids) for c in alone.generate(prompts, greedy)]
+
+    prefill, decode = make_pair(tiny_llama, backend=backend, decode_settings=eight_bit)
+    tokens = run_handoff(prefill, decode, prompts)
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
+    assert prefill.engine.block_pool.is_whole() and decode.engine.block_pool.is_whole()
+
+    prefill, decode = make_pair(tiny_llama, backend=backend, prefill_settings=eight_bit)
+    tokens = run_handoff(prefill, decode, prompts)
+    assert [tokens[f"r{i}"][0] for i in range(len(prompts))] == [e[0] for e in expected]
+    assert all(len(tokens[f"r{i}"]) == 12 for i in range(len(prompts)))
+    assert prefill.engine.block_pool.is_whole() and decode.engine.block_pool.is_whole()
+
+
+def test_a_decode_worker_whose_cache_cannot_take_the_blocks_is_refused_naming_it(tiny_llama: Path) -> None:
+    refused = "block_size: source 16 != destination 32"
     with pytest.raises(IncompatibleLayoutError, match=refused):
-        make_pair(tiny_llama, decode_settings={"kv_cache_dtype": "fp8"})  # refused as the decode side peers
+        make_pair(tiny_llama, decode_settings={"kv_cache_dtype": "fp8", "block_size": 32})
 
 
 def test_the_kv_cache_dtype_is_checked() -> None:
@@ -100,3 +127,27 @@ def test_serve_refuses_an_eight_bit_cache_over_ranks_staged_through_rank_zero(
     argv = ["serve", "-tp", "2", "--backend", "torch", "--kv-cache-dtype", "fp8", "--device", "cpu"]
     assert main(argv) == 2
     assert "--kv-cache-dtype fp8 with tensor-parallel workers needs --backend nixl" in capsys.readouterr().err
+
+
+def test_each_role_keeps_its_own_kv_cache_type_and_no_worker_changes_role_across_two(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.config import ServeConfig
+    from gateway.ratio.resize import plan_moves
+    from gateway.serve_settings import deployment_config
+    from pdserve.main import main
+    from worker_runtime.roles import Role
+
+    config = deployment_config(ServeConfig(prefill=2, decode=1, decode_kv_cache_dtype="fp8"), "m")
+    kinds = {role: config.engine_for(role).kv_cache_dtype for role in Role}
+    assert kinds == {Role.PREFILL: "auto", Role.DECODE: "fp8", Role.MIXED: "fp8"}
+    same = deployment_config(ServeConfig(kv_cache_dtype="fp8", prefill_kv_cache_dtype="fp8"), "m")
+    assert same.engine_for(Role.PREFILL) == same.engine_for(Role.DECODE)
+    # 2P+1D → 1P+2D: a prefill worker cannot become a decode worker in place (its cache is bfloat16): one is
+    # added and one drained, where one engine for both would have moved one.
+    moves = plan_moves(config.layout(), {Role.PREFILL: 1, Role.DECODE: 2, Role.MIXED: 0},
+                       lambda a, b: config.engine_for(a) == config.engine_for(b))
+    assert sorted(m.action for m in moves) == ["add", "drain"]
+
+    argv = ["serve", "--mixed", "2", "--ratio", "auto", "--decode-kv-cache-dtype", "fp8", "--device", "cpu"]
+    assert main(argv) == 2
+    assert "--ratio auto moves workers between roles, and a worker's KV cache" in capsys.readouterr().err

@@ -44,6 +44,7 @@ def serve(conn: Any, role: str, backend: str, options: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)
     from kv_transfer import KVHandle, PeerInfo, PullReply, PullRequest, TransferConfig, wire
+    from kv_transfer.conversion import converted
     from kv_transfer.registry import make_receiver, make_sender
 
     if backend == "torch":
@@ -75,6 +76,9 @@ def serve(conn: Any, role: str, backend: str, options: dict[str, Any]) -> None:
         "on_reply": lambda reply: half.on_pull_reply(wire.decode(PullReply, reply)),
         "receiver_poll": lambda: [(r.transfer_id, r.state.name, r.reason) for r in half.poll()],
         "checksum": lambda ids: checksum(kv_cache, ids),
+        # The blocks as a cache of another element type holds them (a converting pull's expected bytes).
+        "converted_checksum": lambda ids, dtype: checksum(converted(kv_cache[ids], getattr(torch, dtype)),
+                                                          list(range(len(ids)))),
         "is_zero": lambda ids: bool((kv_cache[ids] == 0).all()),
         "idle_cpu": idle_cpu,
         "records": lambda: [(r.transfer_id, r.outcome, r.num_bytes) for r in half.recorder.records],

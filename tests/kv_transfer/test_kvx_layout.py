@@ -20,7 +20,7 @@ from kv_transfer import (
     layout_from_tensor,
     wire,
 )
-from kv_transfer.layout import check_compatible
+from kv_transfer.layout import check_compatible, converts
 
 
 def _cache(num_blocks: int = 4, head_dim: int = 64, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -47,8 +47,21 @@ def test_fingerprint_ignores_addresses_and_block_count_but_not_shape_or_dtype():
 
 
 def test_incompatible_layouts_are_refused_naming_the_fields():
-    with pytest.raises(IncompatibleLayoutError, match="dtype: source 'float32' != destination 'bfloat16'"):
-        check_compatible(layout_from_tensor(_cache()), layout_from_tensor(_cache(dtype=torch.bfloat16)))
+    with pytest.raises(IncompatibleLayoutError, match="dtype: source 'float32' != destination 'int8'"):
+        check_compatible(layout_from_tensor(_cache()), layout_from_tensor(_cache(dtype=torch.int8)))
+    # Float types convert, the geometry must still match (and only it is named: the bytes differ anyway).
+    with pytest.raises(IncompatibleLayoutError, match=r"^[^;]*head_dim: source 64 != destination 32$"):
+        check_compatible(layout_from_tensor(_cache()), layout_from_tensor(_cache(head_dim=32,
+                                                                                  dtype=torch.bfloat16)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float_layouts_of_one_geometry_convert(dtype: torch.dtype):
+    source, destination = layout_from_tensor(_cache()), layout_from_tensor(_cache(dtype=dtype))
+    check_compatible(source, destination)
+    check_compatible(destination, source)
+    assert converts(source, destination) and converts(destination, source)
+    assert not converts(source, source)
 
 
 def test_non_contiguous_or_misshapen_caches_are_rejected():

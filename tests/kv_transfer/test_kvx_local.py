@@ -170,3 +170,29 @@ def test_a_peer_added_again_with_a_new_endpoint_replaces_the_stale_one(pair):
         assert torch.equal(receiver.kv_cache[[0, 1]], new.kv_cache[[15, 19]])
     finally:
         new.close()
+
+
+@pytest.mark.parametrize(("source", "destination"), [(torch.bfloat16, torch.float8_e4m3fn),
+                                                     (torch.float8_e4m3fn, torch.bfloat16),
+                                                     (torch.float32, torch.float8_e5m2)])
+def test_a_pull_into_another_element_type_converts_as_a_forward_would_store(source, destination):
+    """A bfloat16 prefill worker's blocks into an fp8 decode worker's cache and back: the receiver holds the
+    values its own forward would have written (llm_engine/kv_dtype.py store, saturating at 8-bit's range)."""
+    from llm_engine.kv_dtype import store
+
+    held = _cache(6, seed=3) * 300  # past e4m3's ±448 in places: saturated, never an inf or a NaN
+    sender = make_sender("local", "prefill-c", held.to(source))
+    receiver = make_receiver("local", "decode-c", _cache(8).to(destination))
+    receiver.add_peer(sender.peer_info())
+    handle = sender.offer([4, 1, 2], num_tokens=40)
+
+    assert receiver.start_pull(handle, [0, 6, 7]) == TransferState.DONE
+    (result,) = receiver.poll()
+    expected = torch.zeros((3, *held.shape[1:]), dtype=destination)
+    flat = expected.view(3, -1)
+    store(flat, torch.arange(3), sender.kv_cache[[4, 1, 2]].reshape(3, -1))  # as a forward writes its own
+    assert torch.equal(receiver.kv_cache[[0, 6, 7]].float(), expected.float())
+    assert torch.isfinite(receiver.kv_cache.float()).all()
+    assert result.state == TransferState.DONE
+    assert receiver.recorder.records[-1].num_bytes == 3 * sender.layout.block_bytes  # the wire's bytes
+    sender.close()

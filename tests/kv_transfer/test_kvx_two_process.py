@@ -169,6 +169,31 @@ def test_eight_bit_blocks_move_bit_identical(backend: str):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize(("source", "destination"), [("bfloat16", "float8_e4m3fn"),
+                                                     ("float8_e4m3fn", "bfloat16")])
+def test_blocks_convert_into_the_receivers_element_type(backend: str, source: str, destination: str):
+    """A bfloat16 prefill worker and an fp8 decode worker (or the reverse) peer and hand off: the source's
+    bytes cross as they are (the wire carries its type) and land converted in the receiver's cache."""
+    if backend == "nixl":
+        pytest.importorskip("nixl._bindings")
+    p = start_pair(backend, {**_prefill_options(), "dtype": source}, _decode_options(dtype=destination))
+    try:
+        p.decode.call("add_peer", p.prefill.call("peer_info"))
+        src, dst = [3, 4, 9, 10, 11], [12, 13, 50, 2, 1]
+        handle = p.prefill.call("offer", src, 16 * len(src), 30.0)
+        assert p.pull(handle, dst) == ("DONE", "")
+        assert p.decode.call("checksum", dst) == p.prefill.call("converted_checksum", src, destination)
+        assert not p.decode.call("is_zero", dst)
+        source_bytes = {"bfloat16": 2, "float8_e4m3fn": 1}[source]
+        (record,) = p.decode.call("records")
+        assert record[2] == len(src) * source_bytes * 30 * 2 * 16 * 3 * 64  # the wire's bytes: the source's
+    finally:
+        p.decode.stop()
+        p.prefill.stop()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("pair", ["nixl"], indirect=True)  # the progress thread is NIXL's
 def test_nixl_agent_stays_off_the_cpu_when_idle(pair: tuple[str, Pair]):
     _backend, p = pair
