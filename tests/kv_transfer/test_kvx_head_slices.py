@@ -76,10 +76,14 @@ def test_replicated_heads_are_read_from_the_first_rank_that_holds_them() -> None
     assert [r.src.rank for r in plan_slice_reads(src, dst, (0,), (0,))] == [0, 2]
 
 
-@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 2), (2, 3), (3, 2)])
-def test_a_staged_read_copies_the_same_heads_from_scratch(src_tp: int, dst_tp: int) -> None:
+@pytest.mark.parametrize("dst_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 2), (2, 3), (3, 2), (1, 1), (2, 2)])
+def test_a_staged_read_copies_the_same_heads_from_scratch(src_tp: int, dst_tp: int,
+                                                          dst_dtype: torch.dtype) -> None:
+    """Ranks whose heads differ stage; so does every read into a cache of another type (an fp8 destination),
+    converting as it copies out, whatever the heads."""
     src, src_caches = split(SHARES[src_tp], torch.bfloat16)
-    dst, dst_caches = split(SHARES[dst_tp], torch.bfloat16)
+    dst, dst_caches = split(SHARES[dst_tp], dst_dtype)
     for cache in src_caches:
         cache.copy_(torch.randn(cache.shape))
     src_ids, dst_ids = (0, 3), (5, 1)
@@ -90,5 +94,8 @@ def test_a_staged_read_copies_the_same_heads_from_scratch(src_tp: int, dst_tp: i
             ctypes.memmove(int(dst_addr), int(src_addr), int(length))
         if not read.same_heads:
             read.copy_staged(scratch[64:], dst_caches[read.dst.rank])
-    assert torch.equal(whole(dst_caches, SHARES[dst_tp])[list(dst_ids)],
-                       whole(src_caches, SHARES[src_tp])[list(src_ids)])
+    expected = whole(src_caches, SHARES[src_tp])[list(src_ids)].to(dst_dtype)
+    assert torch.equal(whole(dst_caches, SHARES[dst_tp])[list(dst_ids)].float(), expected.float())
+    if dst_dtype != torch.bfloat16:
+        with pytest.raises(ValueError, match="goes through the scratch"):
+            plan_slice_reads(src, dst, src_ids, dst_ids)[0].direct()
