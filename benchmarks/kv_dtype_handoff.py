@@ -1,7 +1,8 @@
 """What an 8-bit KV cache buys a prefill → decode handoff, side by side in one run: the same prompts through
 `pdserve serve --prefill 1 --decode 1 --dtype bfloat16`, the two workers' KV caches in bfloat16 (`auto`) or
-fp8 (e4m3): both bfloat16, both fp8, and each way between them (`--prefill-kv-cache-dtype` /
-`--decode-kv-cache-dtype`: the handoff converts on arrival), the same --kv-cache-memory each.
+fp8 (e4m3): both bfloat16, both fp8, each way between them (`--prefill-kv-cache-dtype` /
+`--decode-kv-cache-dtype`: the handoff converts on arrival), and both bfloat16 with fp8 on the wire
+(`--kv-transfer-dtype fp8`: the sender converts, the receiver converts back), the same --kv-cache-memory each.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/kv_dtype_handoff.py [--prompts 12] [--prompt-len 1500]
         [--out benchmarks/results/kv_dtype_handoff.md]
@@ -24,8 +25,9 @@ from benchmarks.lm_eval_parity import free_port, pdserve
 from benchmarks.quant_step import RESULTS, write_report
 from llm_engine.default_model import prepare_default_model
 
-# (prefill worker's cache, decode worker's cache), --*-kv-cache-dtype names.
-PAIRS = (("auto", "auto"), ("fp8", "fp8"), ("auto", "fp8"), ("fp8", "auto"))
+# (prefill worker's cache, decode worker's cache, the wire's), --*-kv-cache-dtype / --kv-transfer-dtype names.
+PAIRS = (("auto", "auto", "auto"), ("fp8", "fp8", "auto"), ("auto", "fp8", "auto"), ("fp8", "auto", "auto"),
+         ("auto", "auto", "fp8"))
 
 
 @dataclass
@@ -36,11 +38,11 @@ class Run:
     ms: list[float]  # per request: timings.transfer_ms
 
 
-def measure(model_dir: Path, pair: tuple[str, str], prompts: list[list[int]], kv_memory: str) -> Run:
+def measure(model_dir: Path, pair: tuple[str, str, str], prompts: list[list[int]], kv_memory: str) -> Run:
     port = free_port()
     with pdserve(str(model_dir), port, dtype="bfloat16",
                  extra=("--prefill-kv-cache-dtype", pair[0], "--decode-kv-cache-dtype", pair[1],
-                        "--kv-cache-memory", kv_memory)) as url:
+                        "--kv-transfer-dtype", pair[2], "--kv-cache-memory", kv_memory)) as url:
         pools = httpx.get(f"{url}/admin/pools", timeout=30).json()
         runtimes = {w["role"]: w["runtime"] for w in pools["workers"] if w.get("runtime")}
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
@@ -71,7 +73,7 @@ def main() -> None:
     base = results[PAIRS[0]]
     lines = [f"# KV cache dtype and the handoff (SmolLM2-135M, bfloat16, 1 prefill + 1 decode over NIXL, "
              f"{args.prompts} prompts of {args.prompt_len} tokens, --kv-cache-memory {args.kv_cache_memory})",
-             "", "| prefill / decode --kv-cache-dtype | cache elements | decode KV tokens "
+             "", "| prefill / decode cache / wire | cache elements | decode KV tokens "
              "| bytes per handoff | handoff ms, median [range] |", "|---|---|---:|---:|---:|"]
     for pair, run in results.items():
         num_bytes, ms = statistics.median(run.num_bytes), statistics.median(run.ms)
@@ -80,7 +82,7 @@ def main() -> None:
             f" ({num_bytes / statistics.median(base.num_bytes):.2f}×)",
             f" ({ms / statistics.median(base.ms):.2f}×)")
         spread = f"[{min(run.ms):.1f}–{max(run.ms):.1f}]"
-        lines.append(f"| {pair[0]} / {pair[1]} | {run.kv_dtypes} | {run.kv_tokens:,}{ratios[0]} | "
+        lines.append(f"| {' / '.join(pair)} | {run.kv_dtypes} | {run.kv_tokens:,}{ratios[0]} | "
                      f"{num_bytes:,.0f}{ratios[1]} | {ms:.1f} {spread}{ratios[2]} |")
     write_report(args.out, lines)
 

@@ -64,6 +64,11 @@ class ServeConfig(ApiSettings, AdmissionSettings, PlacementSettings, HttpSetting
             raise ValueError(f"--prefill-kv-cache-dtype {kv_dtypes[0]} / --decode-kv-cache-dtype "
                              f"{kv_dtypes[1]}: {auto} moves workers between roles, and a worker's KV cache "
                              "is made at its start: give both roles one type")
+        wire = self.kv_transfer_dtype
+        if wire not in (None, "auto") and max(prefill_tp, decode_tp) > 1 and self.backend in ("nixl", "auto"):
+            raise ValueError(f"--kv-transfer-dtype {wire} with tensor-parallel workers over nixl: each "
+                             "rank's heads are read where they live, in its cache's own type (no 8-bit copy "
+                             "per rank); give --backend torch, or leave it auto")
         eight_bit = next((d for d in kv_dtypes if d != "auto"), None)
         if eight_bit and max(prefill_tp, decode_tp) > 1 and self.backend in (
                 "torch", "local"):  # their rank 0 gathers every rank's heads over gloo, which has no float8

@@ -26,7 +26,7 @@ from gateway.ratio.sizing import ScalePolicy
 from gateway.requests.deadlines import DeadlinePolicy
 from gateway.requests.router import LocalPrefillPolicy
 from kv_transfer import TransferConfig
-from llm_engine.config import EngineConfig
+from llm_engine.config import EIGHT_BIT_KV_DTYPES, EngineConfig
 from llm_engine.kv_sizing import parse_memory
 from worker_runtime.model_source import ModelSource
 from worker_runtime.roles import Role
@@ -109,6 +109,7 @@ def deployment_config(config: ServeConfig, model_dir: str) -> DeploymentConfig:
     }
     chosen = {k: v for k, v in engine_overrides.items() if v is not None}
     engine = EngineConfig(model_dir, **chosen)  # type: ignore[arg-type]
+    wire_dtype = EIGHT_BIT_KV_DTYPES.get(config.kv_transfer_dtype or "auto", "")  # "": each cache's own
     chosen_resources = {Role.PREFILL: config.prefill_resources, Role.DECODE: config.decode_resources,
                         Role.MIXED: config.mixed_resources}
     placement: dict[str, object] = {
@@ -119,7 +120,8 @@ def deployment_config(config: ServeConfig, model_dir: str) -> DeploymentConfig:
     if config.gpus_per_worker is None and engine.device.startswith("cuda"):
         placement["num_gpus_per_worker"] = 1.0
     return DeploymentConfig(engine, num_prefill=config.prefill or 0, num_decode=config.decode or 0,
-                            num_mixed=config.mixed or 0, backend=config.backend, transfer=TransferConfig(),
+                            num_mixed=config.mixed or 0, backend=config.backend,
+                            transfer=TransferConfig(wire_dtype=wire_dtype),
                             role_resources={r: x for r, x in chosen_resources.items() if x},
                             worker_env=dict(config.worker_env or {}),
                             role_tp={role: tp for role, tp in ((Role.PREFILL, config.prefill_tp),

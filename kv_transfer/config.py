@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kv_transfer.layout import CONVERTIBLE_DTYPES
+
 
 @dataclass(frozen=True)
 class TransferConfig:
@@ -35,9 +37,17 @@ class TransferConfig:
     # sender kept them all (review P10). A receiver's claims always carry its connection info, so one that
     # comes back is loaded again.
     idle_receiver_s: float = 120.0
+    # The element type blocks cross the wire in where it differs from a sender's cache (--kv-transfer-dtype),
+    # a torch dtype name ("float8_e4m3fn"); "": the cache's own. Such a sender keeps a copy of its cache in
+    # this type (the same block ids) and converts each offered block into it; the receiver converts what
+    # arrives into its own (kv_transfer/conversion.py). Receivers ignore it.
+    wire_dtype: str = ""
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0 or self.transfer_timeout_s <= 0 or self.lease_margin_s < 0:
             raise ValueError(f"lease_s and transfer_timeout_s must be > 0, lease_margin_s >= 0: {self}")
+        if self.wire_dtype and self.wire_dtype not in CONVERTIBLE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {sorted(CONVERTIBLE_DTYPES)} or empty, got "
+                             f"{self.wire_dtype!r}")
         if self.nixl_error_mode not in ("peer", "none"):
             raise ValueError(f"nixl_error_mode must be 'peer' or 'none', got {self.nixl_error_mode!r}")

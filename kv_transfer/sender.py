@@ -8,6 +8,8 @@ Lifecycle of an offered transfer on this side:
                                   may still be on its way, so the owner keeps polling (expects_claims)
                                   until the lease would have ended, and the claim is refused at once
     poll() -> ReleasedBlocks      PULLED (receiver has its copy) | EXPIRED (lease ended) | FAILED (send leg)
+A sender given a wire dtype (TransferConfig.wire_dtype) offers its blocks in that type: offer() converts them
+into a copy of its cache in that type first, and that copy is what the backend moves.
 A lease's validity is decided only here, by this host's clock: a pull that comes after the lease ended (or
 after a withdraw) is refused. Nothing blocks: poll() is cheap and meant to be called every engine step.
 """
@@ -18,12 +20,13 @@ import os
 import socket
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from kv_transfer.capabilities import CAPABILITIES, BackendCapabilities
 from kv_transfer.endpoint import TransferEndpoint
 from kv_transfer.enums import BackendName, ReleaseReason, TransferSide
-from kv_transfer.layout import check_block_ids
+from kv_transfer.layout import check_block_ids, layout_from_tensor
 from kv_transfer.lease import Lease, LeaseTable
 from kv_transfer.messages import KVHandle, PeerInfo, PullReply, PullRequest, ReleasedBlocks
 from kv_transfer.metrics import TransferRecord
@@ -33,12 +36,15 @@ class KVSender(TransferEndpoint, ABC):
     """Base of every backend's sender. Subclasses implement the backend hooks at the bottom."""
 
     backend: ClassVar[BackendName]
+    _wire_copy: Callable[[tuple[int, ...]], None] | None = None  # converts offered blocks (config.wire_dtype)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.ranks is not None and not self.capabilities.reads_rank_slices:
             raise ValueError(f"the {self.backend} backend moves a tensor-parallel worker's KV through rank "
                              f"0's staging cache; it cannot take its ranks one by one")
+        if self.config.wire_dtype and self.config.wire_dtype != self.layout.dtype:
+            self._use_wire_copy(self.config.wire_dtype)
         self._leases = LeaseTable()
         # Until then a claim for a withdrawn lease may still arrive (its receiver had the handle): it must be
         # refused at once, or that receiver waits for its pull's deadline with its blocks allocated.
@@ -85,6 +91,8 @@ class KVSender(TransferEndpoint, ABC):
         """
         ids = tuple(int(b) for b in block_ids)
         check_block_ids(self.layout, ids, "source")
+        if self._wire_copy is not None:
+            self._wire_copy(ids)
         lease = self._leases.offer(ids, num_tokens, self.config.lease_s if lease_s is None else lease_s)
         return KVHandle(
             source_worker_id=self.worker_id,
@@ -160,6 +168,27 @@ class KVSender(TransferEndpoint, ABC):
             reason="" if reason == ReleaseReason.PULLED else why,
         ))
         return ReleasedBlocks(lease.transfer_id, lease.block_ids, reason)
+
+    def _use_wire_copy(self, dtype_name: str) -> None:
+        """Offer blocks in another element type than the cache's: the transfer endpoint becomes a copy of
+        the cache in that type (what the backend registers and peers see in peer_info), and offer() converts
+        the offered blocks into it first. Same block ids: a block has its own slot whatever is offered (a
+        block in two leases at once is written twice with the same values), so the copy never runs out."""
+        import torch  # a worker's dependency; a frontend imports kv_transfer without it
+
+        from kv_transfer.conversion import write_blocks
+
+        if self.ranks is not None:
+            raise ValueError("a tensor-parallel sender whose ranks are read one by one offers its cache's "
+                             "own element type (no wire copy per rank)")
+        cache = self.kv_cache
+        self.kv_cache = torch.empty(cache.shape, dtype=getattr(torch, dtype_name), device=cache.device)
+        self.layout = layout_from_tensor(self.kv_cache)
+
+        def convert(block_ids: tuple[int, ...]) -> None:
+            write_blocks(self.kv_cache, block_ids, cache[list(block_ids)])
+
+        self._wire_copy = convert
 
     # Backend hooks.
     @abstractmethod

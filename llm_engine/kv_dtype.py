@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
-_EIGHT_BIT = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+from llm_engine.config import EIGHT_BIT_KV_DTYPES
 
 
 def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache's torch dtype for a --kv-cache-dtype name ("auto": the model's)."""
-    return model_dtype if name == "auto" else _EIGHT_BIT[name]
+    return model_dtype if name == "auto" else getattr(torch, EIGHT_BIT_KV_DTYPES[name])
 
 
 def is_eight_bit(dtype: torch.dtype) -> bool:

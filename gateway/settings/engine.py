@@ -61,6 +61,12 @@ class EngineSettings(BaseModel):
         None,
         description="the decode and mixed workers' KV cache type (default: --kv-cache-dtype), e.g. fp8 for "
                     "twice the streams beside prefill workers that keep the model's dtype")
+    kv_transfer_dtype: KVCacheDtype | None = Field(
+        None,
+        description="the element type KV crosses the wire in: auto (each sender's cache's own) or fp8 / "
+                    "fp8_e5m2: a sender whose cache keeps more bits converts each offered block to 8 bits "
+                    "(half a bfloat16 handoff's bytes, rounded once), the receiver back into its own type; "
+                    "the sender holds an 8-bit copy of its cache for it (default: auto)")
     # Sizing (llm_engine/kv_sizing.py; None: the engine's default).
     max_model_len: int | None = Field(
         None, ge=1,

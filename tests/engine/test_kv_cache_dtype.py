@@ -151,3 +151,43 @@ def test_each_role_keeps_its_own_kv_cache_type_and_no_worker_changes_role_across
     argv = ["serve", "--mixed", "2", "--ratio", "auto", "--decode-kv-cache-dtype", "fp8", "--device", "cpu"]
     assert main(argv) == 2
     assert "--ratio auto moves workers between roles, and a worker's KV cache" in capsys.readouterr().err
+
+
+def test_the_wire_dtype_reaches_every_sender_and_is_refused_over_nixl_ranks(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.config import ServeConfig
+    from gateway.serve_settings import deployment_config
+    from pdserve.main import main
+
+    assert deployment_config(ServeConfig(kv_transfer_dtype="fp8"), "m").transfer.wire_dtype == "float8_e4m3fn"
+    assert deployment_config(ServeConfig(kv_transfer_dtype="auto"), "m").transfer.wire_dtype == ""
+    argv = ["serve", "-tp", "2", "--backend", "nixl", "--kv-transfer-dtype", "fp8", "--device", "cpu"]
+    assert main(argv) == 2
+    assert "--kv-transfer-dtype fp8 with tensor-parallel workers over nixl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["local", "nixl"])
+def test_a_wire_dtype_moves_eight_bit_blocks_between_two_full_width_caches(backend: str,
+                                                                          tiny_llama: Path) -> None:
+    """--kv-transfer-dtype fp8 between two float32 caches: a quarter of the bytes cross, every block comes
+    home, the first token (the prefill side's) is the plain engine's and every stream runs to its length (a
+    random tiny model's later tokens may flip under fp8's rounding: the real model's standard is measured in
+    benchmarks/kv_dtype_handoff.py)."""
+    if backend == "nixl":
+        pytest.importorskip("nixl._bindings")
+    from kv_transfer import TransferConfig
+
+    prompts = random_prompts([20, 45, 5], 1000, seed=11)
+    alone = LLMEngine(EngineConfig(str(tiny_llama), dtype="float32", kv_cache_bytes=8 << 20))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    expected = [list(c.output_token_ids) for c in alone.generate(prompts, greedy)]
+    prefill, decode = make_pair(tiny_llama, backend=backend,
+                                transfer_config=TransferConfig(wire_dtype="float8_e4m3fn"))
+    assert prefill.sender.layout.dtype == "float8_e4m3fn"
+    assert decode.engine.runner.kv_cache.dtype.itemsize == 4
+    tokens = run_handoff(prefill, decode, prompts)
+    assert [tokens[f"r{i}"][0] for i in range(len(prompts))] == [e[0] for e in expected]
+    assert all(len(tokens[f"r{i}"]) == 12 for i in range(len(prompts)))
+    (record, *_) = decode.receiver.recorder.records
+    assert record.num_bytes == record.num_blocks * prefill.engine.kv_block_bytes // 4
+    assert prefill.engine.block_pool.is_whole() and decode.engine.block_pool.is_whole()

@@ -31,8 +31,10 @@ def make_engine(model_dir: Path, num_blocks: int = 256, **overrides: object) -> 
 def make_pair(model_dir: Path, decode_blocks: int = 256, lease_s: float = 30.0,
               budget: int = 64, prefill_blocks: int | None = None, backend: str = "local",
               prefill_settings: dict[str, object] | None = None,
-              decode_settings: dict[str, object] | None = None) -> tuple[PrefillWorker, DecodeWorker]:
-    """`prefill_settings` / `decode_settings`: EngineConfig fields beyond float32 (a KV cache dtype)."""
+              decode_settings: dict[str, object] | None = None,
+              transfer_config: TransferConfig | None = None) -> tuple[PrefillWorker, DecodeWorker]:
+    """`prefill_settings` / `decode_settings`: EngineConfig fields beyond float32 (a KV cache dtype);
+    `transfer_config`: both halves' (a wire dtype), else one with `lease_s`."""
     prefill_extra: dict[str, Any] = {"dtype": "float32", **(prefill_settings or {})}
     decode_extra: dict[str, Any] = {"dtype": "float32", **(decode_settings or {})}
     prefill_config = EngineConfig(str(model_dir), kv_cache_bytes=8 << 20, max_num_batched_tokens=budget,
@@ -47,7 +49,7 @@ def make_pair(model_dir: Path, decode_blocks: int = 256, lease_s: float = 30.0,
     decode_engine = LLMEngine(EngineConfig(str(model_dir), kv_cache_bytes=decode_blocks * decode_block_bytes,
                                            **decode_extra),
                               watermark=0.05)
-    config = TransferConfig(lease_s=lease_s)
+    config = transfer_config or TransferConfig(lease_s=lease_s)
     sender = make_sender(backend, "p0", prefill_engine.runner.kv_cache, config=config)
     receiver = make_receiver(backend, "d0", decode_engine.runner.kv_cache, config=config)
     prefill = PrefillWorker("p0", prefill_engine, sender)

@@ -63,6 +63,14 @@ def serve(conn: Any, role: str, backend: str, options: dict[str, Any]) -> None:
         time.sleep(seconds)
         return (time.process_time() - cpu0) / (time.monotonic() - wall0)
 
+    def converted_checksum(ids: list[int], dtype: str, wire: str = "") -> str:
+        """The blocks as a cache of another element type holds them (a converting pull's expected bytes),
+        through the wire's type on the way where one is given."""
+        blocks = kv_cache[ids]
+        if wire:
+            blocks = converted(blocks, getattr(torch, wire))
+        return checksum(converted(blocks, getattr(torch, dtype)), list(range(len(ids))))
+
     commands = {
         "peer_info": lambda: wire.encode(half.peer_info()),
         "offer": lambda ids, n, lease_s: wire.encode(half.offer(ids, n, lease_s)),
@@ -76,9 +84,7 @@ def serve(conn: Any, role: str, backend: str, options: dict[str, Any]) -> None:
         "on_reply": lambda reply: half.on_pull_reply(wire.decode(PullReply, reply)),
         "receiver_poll": lambda: [(r.transfer_id, r.state.name, r.reason) for r in half.poll()],
         "checksum": lambda ids: checksum(kv_cache, ids),
-        # The blocks as a cache of another element type holds them (a converting pull's expected bytes).
-        "converted_checksum": lambda ids, dtype: checksum(converted(kv_cache[ids], getattr(torch, dtype)),
-                                                          list(range(len(ids)))),
+        "converted_checksum": converted_checksum,
         "is_zero": lambda ids: bool((kv_cache[ids] == 0).all()),
         "idle_cpu": idle_cpu,
         "records": lambda: [(r.transfer_id, r.outcome, r.num_bytes) for r in half.recorder.records],

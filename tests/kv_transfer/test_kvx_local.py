@@ -196,3 +196,28 @@ def test_a_pull_into_another_element_type_converts_as_a_forward_would_store(sour
     assert result.state == TransferState.DONE
     assert receiver.recorder.records[-1].num_bytes == 3 * sender.layout.block_bytes  # the wire's bytes
     sender.close()
+
+
+def test_a_sender_with_a_wire_dtype_offers_its_blocks_in_it():
+    """--kv-transfer-dtype fp8 between two bfloat16 caches: the blocks cross in fp8 (half the bytes) and land
+    as bfloat16 again, each value rounded once through fp8."""
+    from kv_transfer.conversion import converted
+
+    held = _cache(6, seed=5).to(torch.bfloat16)
+    sender = make_sender("local", "prefill-w", held, config=TransferConfig(wire_dtype="float8_e4m3fn"))
+    receiver = make_receiver("local", "decode-w", _cache(8).to(torch.bfloat16))
+    assert (sender.layout.dtype, sender.peer_info().layout.block_bytes) == ("float8_e4m3fn",
+                                                                           held[0].numel())
+    receiver.add_peer(sender.peer_info())
+    handle = sender.offer([5, 0], num_tokens=20)
+
+    assert receiver.start_pull(handle, [3, 1]) == TransferState.DONE
+    receiver.poll()
+    (released,) = sender.poll()
+    assert released.block_ids == (5, 0)  # the cache's blocks: the owner frees them as any others
+    through_fp8 = converted(held[[5, 0]], torch.float8_e4m3fn).to(torch.bfloat16)
+    assert torch.equal(receiver.kv_cache[[3, 1]], through_fp8)
+    assert receiver.recorder.records[-1].num_bytes == 2 * held[0].numel()  # one byte an element
+    with pytest.raises(ValueError, match="wire_dtype must be one of"):
+        TransferConfig(wire_dtype="int8")
+    sender.close()

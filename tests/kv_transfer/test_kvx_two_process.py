@@ -170,22 +170,27 @@ def test_eight_bit_blocks_move_bit_identical(backend: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", _backends())
-@pytest.mark.parametrize(("source", "destination"), [("bfloat16", "float8_e4m3fn"),
-                                                     ("float8_e4m3fn", "bfloat16")])
-def test_blocks_convert_into_the_receivers_element_type(backend: str, source: str, destination: str):
+@pytest.mark.parametrize(("source", "wire", "destination"), [("bfloat16", "", "float8_e4m3fn"),
+                                                             ("float8_e4m3fn", "", "bfloat16"),
+                                                             ("bfloat16", "float8_e4m3fn", "bfloat16")])
+def test_blocks_convert_into_the_receivers_element_type(backend: str, source: str, wire: str,
+                                                        destination: str):
     """A bfloat16 prefill worker and an fp8 decode worker (or the reverse) peer and hand off: the source's
-    bytes cross as they are (the wire carries its type) and land converted in the receiver's cache."""
+    bytes cross as they are (the wire carries its type) and land converted in the receiver's cache. With a
+    wire dtype (--kv-transfer-dtype fp8) two bfloat16 caches exchange fp8 bytes."""
     if backend == "nixl":
         pytest.importorskip("nixl._bindings")
-    p = start_pair(backend, {**_prefill_options(), "dtype": source}, _decode_options(dtype=destination))
+    p = start_pair(backend, {**_prefill_options(wire_dtype=wire), "dtype": source},
+                   _decode_options(dtype=destination))
     try:
         p.decode.call("add_peer", p.prefill.call("peer_info"))
         src, dst = [3, 4, 9, 10, 11], [12, 13, 50, 2, 1]
         handle = p.prefill.call("offer", src, 16 * len(src), 30.0)
         assert p.pull(handle, dst) == ("DONE", "")
-        assert p.decode.call("checksum", dst) == p.prefill.call("converted_checksum", src, destination)
+        expected = p.prefill.call("converted_checksum", src, destination, wire)
+        assert p.decode.call("checksum", dst) == expected
         assert not p.decode.call("is_zero", dst)
-        source_bytes = {"bfloat16": 2, "float8_e4m3fn": 1}[source]
+        source_bytes = {"bfloat16": 2, "float8_e4m3fn": 1}[wire or source]
         (record,) = p.decode.call("records")
         assert record[2] == len(src) * source_bytes * 30 * 2 * 16 * 3 * 64  # the wire's bytes: the source's
     finally:
