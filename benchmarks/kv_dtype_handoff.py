@@ -27,7 +27,7 @@ from llm_engine.default_model import prepare_default_model
 
 # (prefill worker's cache, decode worker's cache, the wire's), --*-kv-cache-dtype / --kv-transfer-dtype names.
 PAIRS = (("auto", "auto", "auto"), ("fp8", "fp8", "auto"), ("auto", "fp8", "auto"), ("fp8", "auto", "auto"),
-         ("auto", "auto", "fp8"))
+         ("auto", "auto", "fp8"), ("int8_per_token_head", "int8_per_token_head", "auto"))
 
 
 @dataclass
@@ -64,12 +64,17 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1500)
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--out", type=Path, default=RESULTS / "kv_dtype_handoff.md")
+    parser.add_argument("--pairs", default="",
+                        help="prefill/decode/wire triples to run, comma-separated (default: all; the first, "
+                             "auto/auto/auto, is always run: the ratios' base)")
     args = parser.parse_args()
+    chosen = [tuple(p.split("/")) for p in args.pairs.split(",") if p]
+    pairs = [PAIRS[0], *(p for p in PAIRS[1:] if not chosen or p in chosen)]
     model_dir = prepare_default_model()
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (args.prompt_len,), generator=generator).tolist()
                for _ in range(args.prompts)]
-    results = {pair: measure(model_dir, pair, prompts, args.kv_cache_memory) for pair in PAIRS}
+    results = {pair: measure(model_dir, pair, prompts, args.kv_cache_memory) for pair in pairs}
     base = results[PAIRS[0]]
     lines = [f"# KV cache dtype and the handoff (SmolLM2-135M, bfloat16, 1 prefill + 1 decode over NIXL, "
              f"{args.prompts} prompts of {args.prompt_len} tokens, --kv-cache-memory {args.kv_cache_memory})",

@@ -69,7 +69,12 @@ class ServeConfig(ApiSettings, AdmissionSettings, PlacementSettings, HttpSetting
             raise ValueError(f"--kv-transfer-dtype {wire} with tensor-parallel workers over nixl: each "
                              "rank's heads are read where they live, in its cache's own type (no 8-bit copy "
                              "per rank); give --backend torch, or leave it auto")
-        eight_bit = next((d for d in kv_dtypes if d != "auto"), None)
+        is_mixed_int8 = kv_dtypes[0] != kv_dtypes[1] or wire not in (None, "auto")
+        if "int8_per_token_head" in kv_dtypes and is_mixed_int8:
+            raise ValueError("--kv-cache-dtype int8_per_token_head: its blocks carry their scales and "
+                             "convert to no other type, so both roles keep it (--prefill-kv-cache-dtype / "
+                             "--decode-kv-cache-dtype) and --kv-transfer-dtype stays auto")
+        eight_bit = next((d for d in kv_dtypes if d.startswith("fp8")), None)
         if eight_bit and max(prefill_tp, decode_tp) > 1 and self.backend in (
                 "torch", "local"):  # their rank 0 gathers every rank's heads over gloo, which has no float8
             raise ValueError(f"--kv-cache-dtype {eight_bit} with tensor-parallel workers needs "

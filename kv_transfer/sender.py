@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from kv_transfer.capabilities import CAPABILITIES, BackendCapabilities
 from kv_transfer.endpoint import TransferEndpoint
 from kv_transfer.enums import BackendName, ReleaseReason, TransferSide
-from kv_transfer.layout import check_block_ids, layout_from_tensor
+from kv_transfer.layout import CONVERTIBLE_DTYPES, check_block_ids, layout_from_tensor
 from kv_transfer.lease import Lease, LeaseTable
 from kv_transfer.messages import KVHandle, PeerInfo, PullReply, PullRequest, ReleasedBlocks
 from kv_transfer.metrics import TransferRecord
@@ -181,6 +181,8 @@ class KVSender(TransferEndpoint, ABC):
         if self.ranks is not None:
             raise ValueError("a tensor-parallel sender whose ranks are read one by one offers its cache's "
                              "own element type (no wire copy per rank)")
+        if self.layout.dtype not in CONVERTIBLE_DTYPES:
+            raise ValueError(f"a cache of {self.layout.dtype} converts to no wire type")
         cache = self.kv_cache
         self.kv_cache = torch.empty(cache.shape, dtype=getattr(torch, dtype_name), device=cache.device)
         self.layout = layout_from_tensor(self.kv_cache)

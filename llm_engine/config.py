@@ -21,7 +21,7 @@ DECODE_ATTENTION_CHOICES = ("auto", "sdpa", "paged-kernel")
 COMPILE_CHOICES = ("auto", "on", "off")
 # vLLM's names of the 8-bit KV types, and torch's (llm_engine/kv_dtype.py); "auto" is the model's dtype.
 EIGHT_BIT_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-KV_CACHE_DTYPE_NAMES = ("auto", *EIGHT_BIT_KV_DTYPES)
+KV_CACHE_DTYPE_NAMES = ("auto", *EIGHT_BIT_KV_DTYPES, "int8_per_token_head")
 MiB = 1 << 20
 # The KV cache of a CPU worker when no KV memory is named (on CUDA: gpu_memory_utilization decides).
 CPU_KV_CACHE_BYTES = 512 * MiB

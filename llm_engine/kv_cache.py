@@ -1,7 +1,8 @@
 """The paged KV cache tensor: its layout and size per token and per block (how many blocks a worker gets is
 llm_engine/kv_sizing.py's).
 
-Layout: one contiguous tensor [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim].
+Layout: one contiguous tensor [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim] (an int8
+cache's heads a few elements wider: their scales, llm_engine/kv_dtype.py).
 Block-major across layers, so block i is the single byte range [i*block_bytes, (i+1)*block_bytes): a
 request's KV is a handful of contiguous regions, which is what the transfer layer moves.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from llm_engine.config import EngineConfig, ModelSpec
-from llm_engine.kv_dtype import kv_cache_torch_dtype
+from llm_engine.kv_dtype import kv_cache_torch_dtype, stored_head_dim
 from llm_engine.rank_shares import spec_shares
 
 
@@ -40,9 +41,14 @@ class KVCacheSpec:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def stored_head_dim(self) -> int:
+        """Elements a head takes in a cache row: head_dim, and an int8 cache's scale (kv_dtype.py)."""
+        return stored_head_dim(self.dtype, self.head_dim)
+
+    @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) × layers × kv heads × head dim × dtype bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """2 (K and V) × layers × kv heads × stored head dim × dtype bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.stored_head_dim * self.dtype_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -51,5 +57,5 @@ class KVCacheSpec:
     def allocate(self, num_blocks: int, device: torch.device | str) -> torch.Tensor:
         # zeros, not empty: unwritten slots are masked out anyway, but NaN garbage there would poison
         # a masked softmax row's matmul (0 * NaN = NaN).
-        shape = (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.stored_head_dim)
         return torch.zeros(shape, dtype=self.dtype, device=device)

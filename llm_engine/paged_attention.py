@@ -101,7 +101,8 @@ def _gather(blocks: torch.Tensor, block_ids: torch.Tensor, shape: tuple[int, ...
     # blocks: one layer's K or V as [num_blocks, block elements]; block_ids: flat → `shape`, one contiguous
     # copy, in `dtype` (an 8-bit cache's values widened: llm_engine/kv_dtype.py). index_select of whole rows
     # is ~9× faster on CPU than advanced indexing of the 6-d cache, which walks element by element.
-    return kv_dtype.load(blocks.index_select(0, block_ids).view(shape), dtype)
+    # The last dimension as the cache stores it (an int8 cache's heads carry their scales).
+    return kv_dtype.load(blocks.index_select(0, block_ids).view(*shape[:-1], -1), dtype)
 
 
 def paged_attention_forward(

@@ -94,10 +94,10 @@ def varlen_batch(tables: np.ndarray, rows: np.ndarray, starts: np.ndarray, count
 def attend_varlen(query: torch.Tensor, flat: torch.Tensor, layer: int, batch: VarlenBatch,
                   num_kv_heads: int, scaling: float | None) -> torch.Tensor:
     """query: [T, H, D]; flat: the cache's [rows, KVH * D] view, this step's K/V written → [T, H, D]."""
-    head_dim = query.shape[-1]
-    keys = load(flat.index_select(0, batch.layer_key_rows[2 * layer]).view(-1, num_kv_heads, head_dim),
+    stored = flat.shape[1] // num_kv_heads  # a head's elements in the cache (an int8 cache's carry scales)
+    keys = load(flat.index_select(0, batch.layer_key_rows[2 * layer]).view(-1, num_kv_heads, stored),
                 query.dtype)
-    values = load(flat.index_select(0, batch.layer_key_rows[2 * layer + 1]).view(-1, num_kv_heads, head_dim),
+    values = load(flat.index_select(0, batch.layer_key_rows[2 * layer + 1]).view(-1, num_kv_heads, stored),
                   query.dtype)
     return batch.kernel(query, keys, values, batch.cu_seq_q, batch.cu_seq_k, batch.max_q, batch.max_k,
                         scale=scaling, window_size=(-1, 0), enable_gqa=True)

@@ -51,7 +51,8 @@ class WorkerRuntime:
     tp_kv_handoff: str = ""
     # The linear layers' weights: "unquantized", or the checkpoint's integer scheme ("w8a8", "w4a16-g64")
     weights: str = "unquantized"
-    kv_dtype: str = ""  # the KV cache's elements: the model's dtype, or "float8_e4m3fn" (fp8)
+    # The KV cache's elements: the model's dtype, "float8_e4m3fn" (fp8), or "int8_per_token_head"
+    kv_dtype: str = ""
 
     @classmethod
     def of(cls, engine: LLMEngine, num_threads: int, cpu_ids: tuple[int, ...],
@@ -66,7 +67,14 @@ class WorkerRuntime:
                    kv.num_blocks, kv.num_tokens, kv.num_bytes,
                    kv.source, engine.config.tensor_parallel_size, tp_rank_pids,
                    "" if engine.mirror is None else "rank 0 staging" if engine.stages_kv else "rank slices",
-                   engine.spec.weights, str(engine.runner.kv_cache.dtype).removeprefix("torch."))
+                   engine.spec.weights, kv_dtype_label(engine))
+
+
+def kv_dtype_label(engine: LLMEngine) -> str:
+    """What the cache's elements are: the torch dtype, or the int8 scheme's name (its int8 values carry
+    scales: llm_engine/kv_dtype.py)."""
+    dtype = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
+    return engine.config.kv_cache_dtype if dtype == "int8" else dtype
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ from pydantic import BaseModel, Field, field_validator
 
 from llm_engine.kv_sizing import parse_memory
 
-KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]  # llm_engine/config.py KV_CACHE_DTYPE_NAMES
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head"]  # KV_CACHE_DTYPE_NAMES
+WireDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]  # llm_engine/config.py EIGHT_BIT_KV_DTYPES
 
 
 class EngineSettings(BaseModel):
@@ -49,9 +50,11 @@ class EngineSettings(BaseModel):
     block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: the engine's)")
     kv_cache_dtype: KVCacheDtype | None = Field(
         None,
-        description="the KV cache's element type, vLLM's names: auto (the model's dtype) or fp8 (= fp8_e4m3) "
-                    "/ fp8_e5m2: 8-bit floats, twice the tokens in the same memory and half the bytes a "
-                    "handoff moves (default: the engine's, auto)")
+        description="the KV cache's element type, vLLM's names: auto (the model's dtype); fp8 (= fp8_e4m3) / "
+                    "fp8_e5m2: 8-bit floats, twice the tokens in the same memory and half the bytes a "
+                    "handoff moves; int8_per_token_head: int8 with a float32 scale per token and head (1.88× "
+                    "the tokens at head dim 64), the scales moving with their blocks (default: the engine's, "
+                    "auto)")
     prefill_kv_cache_dtype: KVCacheDtype | None = Field(
         None,
         description="the prefill workers' KV cache type (default: --kv-cache-dtype); where it differs from "
@@ -61,7 +64,7 @@ class EngineSettings(BaseModel):
         None,
         description="the decode and mixed workers' KV cache type (default: --kv-cache-dtype), e.g. fp8 for "
                     "twice the streams beside prefill workers that keep the model's dtype")
-    kv_transfer_dtype: KVCacheDtype | None = Field(
+    kv_transfer_dtype: WireDtype | None = Field(
         None,
         description="the element type KV crosses the wire in: auto (each sender's cache's own) or fp8 / "
                     "fp8_e5m2: a sender whose cache keeps more bits converts each offered block to 8 bits "

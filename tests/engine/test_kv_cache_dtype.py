@@ -22,14 +22,17 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model("llama", tmp_path_factory.mktemp("kv8") / "llama")
 
 
-@pytest.mark.parametrize("name", ["fp8", "fp8_e5m2"])
-def test_an_eight_bit_cache_holds_twice_the_tokens(name: str, tiny_llama: Path) -> None:
+@pytest.mark.parametrize(("name", "ratio"), [("fp8", 2.0), ("fp8_e5m2", 2.0),
+                                           ("int8_per_token_head", 2 * 32 / 36)])
+def test_an_eight_bit_cache_holds_twice_the_tokens(name: str, ratio: float, tiny_llama: Path) -> None:
+    """The tiny Llama's heads are 32 wide: an int8 head takes 32 values and its 4-byte scale (SmolLM2's 64:
+    1.88×)."""
     budget = 4 << 20
     bf16 = LLMEngine(EngineConfig(str(tiny_llama), dtype="bfloat16", kv_cache_bytes=budget, compile="off"))
     eight = LLMEngine(EngineConfig(str(tiny_llama), dtype="bfloat16", kv_cache_bytes=budget, compile="off",
                                    kv_cache_dtype=name))
     assert eight.runner.kv_cache.element_size() == 1
-    assert eight.kv_capacity.num_tokens == 2 * bf16.kv_capacity.num_tokens
+    assert eight.kv_capacity.num_tokens == pytest.approx(ratio * bf16.kv_capacity.num_tokens, rel=0.02)
     assert eight.runner.decode_attention == "sdpa"  # the C++ kernel reads bfloat16 and float32 caches
     prompts = random_prompts([7, 30, 12, 45], 1000, seed=3)
     completions = eight.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
@@ -53,22 +56,25 @@ def test_an_eight_bit_cache_keeps_vllms_standard_on_the_default_model() -> None:
                                              tokenize=True, return_dict=False) for q in questions]
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=True, top_logprobs=5)
     runs = {}
-    for name in ("auto", "fp8"):
+    for name in ("auto", "fp8", "int8_per_token_head"):
         engine = LLMEngine(EngineConfig(str(model_dir), dtype="bfloat16", kv_cache_bytes=64 << 20,
                                         compile="off", decode_attention="sdpa", kv_cache_dtype=name))
         runs[name] = [engine.generate([prompt], params)[0] for prompt in prompts]
-    for ours, theirs in zip(runs["fp8"], runs["auto"], strict=True):
-        our_top = [{t for t, _ in step} for step in ours.output_top_logprobs]
-        their_top = [{t for t, _ in step} for step in theirs.output_top_logprobs]
-        assert_close_as_vllm_does(list(ours.output_token_ids), our_top, list(theirs.output_token_ids),
-                                  their_top)
+    for name in ("fp8", "int8_per_token_head"):
+        for ours, theirs in zip(runs[name], runs["auto"], strict=True):
+            our_top = [{t for t, _ in step} for step in ours.output_top_logprobs]
+            their_top = [{t for t, _ in step} for step in theirs.output_top_logprobs]
+            assert_close_as_vllm_does(list(ours.output_token_ids), our_top, list(theirs.output_token_ids),
+                                      their_top)
 
 
+@pytest.mark.parametrize("name", ["fp8", "int8_per_token_head"])
 @pytest.mark.parametrize("backend", ["local", "nixl"])
-def test_an_eight_bit_cache_is_handed_off_as_its_bytes(backend: str, tiny_llama: Path) -> None:
+def test_an_eight_bit_cache_is_handed_off_as_its_bytes(backend: str, name: str, tiny_llama: Path) -> None:
+    """The int8 cache's scales travel inside its blocks: the decode worker reads the prefill worker's."""
     if backend == "nixl":
         pytest.importorskip("nixl._bindings")
-    settings: dict[str, object] = {"kv_cache_dtype": "fp8"}
+    settings: dict[str, object] = {"kv_cache_dtype": name}
     prompts = random_prompts([20, 45, 5], 1000, seed=11)
     alone = LLMEngine(EngineConfig(str(tiny_llama), dtype="float32", kv_cache_bytes=8 << 20, **settings))
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
@@ -113,8 +119,8 @@ def test_a_decode_worker_whose_cache_cannot_take_the_blocks_is_refused_naming_it
 
 
 def test_the_kv_cache_dtype_is_checked() -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
-        EngineConfig("unused", kv_cache_dtype="int8_per_token_head")
+    with pytest.raises(ValueError, match="must be one of auto, fp8, fp8_e4m3, fp8_e5m2, int8_per_token_h"):
+        EngineConfig("unused", kv_cache_dtype="int4_per_token_head")
     with pytest.raises(RuntimeError, match="paged-kernel' reads float32 and bfloat16 caches"):
         choose_decode_attention(EngineConfig("unused", device="cpu", kv_cache_dtype="fp8",
                                              decode_attention="paged-kernel"))
@@ -164,6 +170,10 @@ def test_the_wire_dtype_reaches_every_sender_and_is_refused_over_nixl_ranks(
     argv = ["serve", "-tp", "2", "--backend", "nixl", "--kv-transfer-dtype", "fp8", "--device", "cpu"]
     assert main(argv) == 2
     assert "--kv-transfer-dtype fp8 with tensor-parallel workers over nixl" in capsys.readouterr().err
+    argv = ["serve", "--kv-cache-dtype", "int8_per_token_head", "--prefill-kv-cache-dtype", "auto",
+            "--device", "cpu"]
+    assert main(argv) == 2
+    assert "int8_per_token_head: its blocks carry their scales" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("backend", ["local", "nixl"])

@@ -233,22 +233,26 @@ def three_kv_heads_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             num_key_value_heads=3, hidden_size=192, intermediate_size=510)
 
 
-@pytest.mark.parametrize(("model", "prefill_tp", "decode_tp"), [
-    ("even", 2, 1), ("even", 1, 2), ("even", 2, 2), ("uneven", 2, 1), ("uneven", 1, 2), ("uneven", 2, 3),
-    ("even", 4, 2)])
+@pytest.mark.parametrize(("model", "prefill_tp", "decode_tp", "kv_dtype"), [
+    ("even", 2, 1, "auto"), ("even", 1, 2, "auto"), ("even", 2, 2, "auto"), ("uneven", 2, 1, "auto"),
+    ("uneven", 1, 2, "auto"), ("uneven", 2, 3, "auto"), ("even", 4, 2, "auto"),
+    ("uneven", 2, 1, "int8_per_token_head"), ("even", 1, 2, "int8_per_token_head")])
 def test_kv_handed_between_degrees_gives_one_ranks_greedy_tokens(
-        request: pytest.FixtureRequest, model: str, prefill_tp: int, decode_tp: int) -> None:
+        request: pytest.FixtureRequest, model: str, prefill_tp: int, decode_tp: int, kv_dtype: str) -> None:
     """A prefill worker of one degree hands its KV to a decode worker of another (the blocks leave and
     arrive whole-headed through rank 0's staging cache), and both end holding no block; with heads that
     split evenly (8 / 2 over 2 ranks), with heads that do not (6 / 3 over 2: rank 0 holds 2 KV heads,
-    rank 1 one), and with more ranks than KV heads (8 / 2 over 4: each KV head on two ranks)."""
+    rank 1 one), and with more ranks than KV heads (8 / 2 over 4: each KV head on two ranks). An int8 cache's
+    heads carry their scales through the gather and the scatter."""
     model_dir = request.getfixturevalue("tiny_llama_dir" if model == "even" else "three_kv_heads_dir")
-    one = [c.output_token_ids for c in LLMEngine(_engine_config(model_dir, 1)).generate(
-        PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))]
+    alone = LLMEngine(_engine_config(model_dir, 1, kv_cache_dtype=kv_dtype))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    one = [c.output_token_ids for c in alone.generate(PROMPTS, greedy)]
     with contextlib.ExitStack() as stack:
-        prefill_engine = _tp_engine(_engine_config(model_dir, prefill_tp), stack,
+        prefill_engine = _tp_engine(_engine_config(model_dir, prefill_tp, kv_cache_dtype=kv_dtype), stack,
                                     scheduler_cls=PrefillScheduler)
-        decode_engine = _tp_engine(_engine_config(model_dir, decode_tp), stack, watermark=0.05)
+        decode_engine = _tp_engine(_engine_config(model_dir, decode_tp, kv_cache_dtype=kv_dtype), stack,
+                                   watermark=0.05)
         sender = make_sender("local", "p0", prefill_engine.transfer_cache, config=TransferConfig())
         receiver = make_receiver("local", "d0", decode_engine.transfer_cache, config=TransferConfig())
         prefill = PrefillWorker("p0", prefill_engine, sender)
