@@ -3,7 +3,8 @@ against transformers running the same checkpoint, and what each scheme costs in 
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/quant_closeness.py [--schemes W8A8,W4A16] [--dtype bfloat16]
         [--prompts 20] [--max-tokens 32] [--out benchmarks/results/quant_closeness.md]
-For each scheme (`pdserve quantize` of SmolLM2-135M-Instruct, cached with benchmarks/quant_step.py's models):
+For each scheme (`pdserve quantize` of SmolLM2-135M-Instruct, cached with benchmarks/quant_step.py's models;
+`--checkpoint NAME=DIR` adds one made elsewhere, such as llm-compressor's):
 - closeness: a real `pdserve serve --prefill 1 --decode 1` answers 20 chat prompts greedily (top-5 logprobs);
   transformers (compressed-tensors' reading of the same checkpoint) generates the same prompts in float32 and
   in --dtype; per prompt, the first differing token and vLLM's verdict there (each side's token in the other's
@@ -90,9 +91,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--models", type=Path, default=RESULTS / "quant_models")
     parser.add_argument("--out", type=Path, default=RESULTS / "quant_closeness.md")
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
+                        help="also a checkpoint made elsewhere (llm-compressor's: "
+                             "benchmarks/llmcompressor_checkpoints.py), named NAME in the table")
     args = parser.parse_args()
-    schemes = args.schemes.split(",")
+    schemes = [s for s in args.schemes.split(",") if s]
     dirs = model_dirs("smollm2", ["none", *schemes], args.models)
+    for named in args.checkpoint:
+        name, _, path = named.partition("=")
+        dirs[name] = Path(path)
+        schemes.append(name)
     prompts = chat_prompts(dirs["none"], args.prompts)
     nll = {scheme: passage_nll(path) for scheme, path in dirs.items()}
     lines = [f"# Quantized SmolLM2-135M-Instruct through 1 prefill + 1 decode ({args.dtype}), "
