@@ -148,8 +148,19 @@ def _gaps(records: list[RequestRecord]) -> list[float]:
     return [gap for r in records for gap in r.itls_s]
 
 
-async def run_interference(client: httpx.AsyncClient, model: str, load: Load, prompts: Prompts
-                           ) -> dict[str, Any]:
+@dataclass
+class InterferenceRound:
+    """One round of (c): the streams alone, then with the long prompts (records relative to `started`)."""
+
+    alone: list[RequestRecord]
+    streams: list[RequestRecord]
+    longs: list[RequestRecord]
+    long_at_s: float  # when the long prompts were sent, after `started`
+    started: float  # time.time() of the second part's start: its records' sent_s count from here
+
+
+async def interference_round(client: httpx.AsyncClient, model: str, load: Load, prompts: Prompts
+                             ) -> InterferenceRound:
     start = time.perf_counter()
     alone = _checked(await asyncio.gather(*(
         send_one(client, prompts.spec(load.stream_in, load.stream_out), model, start)
@@ -157,13 +168,21 @@ async def run_interference(client: httpx.AsyncClient, model: str, load: Load, pr
     )), "streams alone")
     long_at_s = max(r.ttft_s for r in alone if r.ttft_s is not None) + load.long_delay_s
     start = time.perf_counter()  # send_one sends each request at start + its arrival_s (perf_counter clock)
+    started = time.time()
     specs = [prompts.spec(load.stream_in, load.stream_out) for _ in range(load.stream_count)]
     longs = [prompts.spec(load.long_in, load.long_out, long_at_s) for _ in range(load.long_count)]
     records = _checked(
         await asyncio.gather(*(send_one(client, spec, model, start) for spec in [*specs, *longs])),
         "streams with long prompts",
     )
-    streams, long_records = records[: load.stream_count], records[load.stream_count :]
+    return InterferenceRound(alone, records[: load.stream_count], records[load.stream_count :], long_at_s,
+                             started)
+
+
+async def run_interference(client: httpx.AsyncClient, model: str, load: Load, prompts: Prompts
+                           ) -> dict[str, Any]:
+    done = await interference_round(client, model, load, prompts)
+    alone, streams, long_records, long_at_s = done.alone, done.streams, done.longs, done.long_at_s
     # Were all four streaming when the long prompts arrived (first token before, last token after)?
     all_streaming = all(
         r.ttft_s is not None and r.e2e_s is not None and r.sent_s + r.ttft_s <= long_at_s < r.sent_s + r.e2e_s

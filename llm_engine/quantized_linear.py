@@ -35,6 +35,8 @@ INT4_OFFSET = 8  # unsigned nibble = signed int4 + 8 (compressed-tensors' packin
 # Rows up to which the weight-only layers run the packed kernels (decode steps); more: dequantize and GEMM.
 # The crossing measured on an AMX Intel at SmolLM2-1.7B's shapes: ~24 rows (benchmarks/quant_step.py).
 PACKED_MAX_ROWS = 24
+# W8A8's activations enter oneDNN as uint8 = int8 + this, its zero point (Int8Linear says why).
+UNSIGNED_ZERO_POINT = 128
 
 Take = Callable[[str], torch.Tensor]  # a checkpoint tensor by name, as stored (llm_engine/lean_loader.py)
 
@@ -171,12 +173,16 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token(x: torch.Tensor, unsigned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, columns] → (int8 values, float32 scale [rows, 1]): symmetric, scale = the row's absolute
-    maximum / 127.5, as compressed-tensors' dynamic token quantization computes it."""
+    maximum / 127.5, as compressed-tensors' dynamic token quantization computes it. `unsigned`: the same
+    values + UNSIGNED_ZERO_POINT as uint8 (what oneDNN's x86 int8 GEMM takes; see Int8Linear)."""
     x32 = x.to(torch.float32)
     scale = (x32.abs().amax(dim=-1, keepdim=True) / 127.5).clamp_min(torch.finfo(torch.float32).eps)
-    return (x32 / scale).round().clamp(-128, 127).to(torch.int8), scale
+    values = (x32 / scale).round().clamp(-128, 127)
+    if unsigned:
+        return (values + UNSIGNED_ZERO_POINT).to(torch.uint8), scale
+    return values.to(torch.int8), scale
 
 
 class Int8Linear(QuantizedLinear):
@@ -186,7 +192,11 @@ class Int8Linear(QuantizedLinear):
     """W8A8: each token's activations rounded to int8 (quantize_per_token), an int8 × int8 GEMM in oneDNN
     (AMX / VNNI where the CPU has them) with the weight packed once and its channel scales applied inside,
     then the token's scale. The rounding and the scaling are plain torch code around one op
-    (pdserve::int8_gemm), so a compiled body fuses them with the norm before and what comes after."""
+    (pdserve::int8_gemm), so a compiled body fuses them with the norm before and what comes after.
+    The activations go in unsigned, shifted by UNSIGNED_ZERO_POINT (oneDNN subtracts it back: the same
+    products to the bit): oneDNN's fast int8 kernels multiply unsigned activations by signed weights, and
+    with signed activations a CPU without AMX (AVX-512 VNNI: an AMD EPYC here) runs its reference kernel,
+    130× (1 row) to 2000× (256 rows) slower than bfloat16."""
 
     def __init__(self, weight: QuantizedWeight) -> None:
         super().__init__(weight)
@@ -199,11 +209,11 @@ class Int8Linear(QuantizedLinear):
 
     def int8_gemm(self, quantized_x: torch.Tensor) -> torch.Tensor:
         return torch.ops.onednn.qlinear_pointwise(
-            quantized_x, 1.0, 0, self.packed_weight, self.weight_scale, self.weight_zero_points, None, 1.0, 0,
-            torch.float32, "none", [], "")
+            quantized_x, 1.0, UNSIGNED_ZERO_POINT, self.packed_weight, self.weight_scale,
+            self.weight_zero_points, None, 1.0, 0, torch.float32, "none", [], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
-        quantized, scale = quantize_per_token(x.reshape(-1, self.in_features))
+        quantized, scale = quantize_per_token(x.reshape(-1, self.in_features), unsigned=True)
         if torch.compiler.is_compiling():
             accumulated = int8_gemm(quantized.contiguous(), self.handle)
         else:  # the function behind the op: an op called eagerly imports dynamo (llm_engine/custom_ops.py)
