@@ -6,8 +6,9 @@ The interference workload of benchmarks/vs_vllm.py (4 streams 256 in / 128 out a
 --pdserve-args say otherwise). After each round, every decoding worker's forwards in the round's window
 (GET /admin/workers/{id}/steps): their median; each stream gap over --factor × that median is matched to the
 forward that ran longest during it, and reported with that forward's duration and `slow_cause`
-(llm_engine/step_causes.py: a compile, a collection, or neither); a gap no forward covers by half is
-"between forwards" (the loop's other work: a pull, the output channel, the gateway).
+(llm_engine/step_causes.py: a compile, a collection, or neither) when that one forward covers half of it;
+else, when the worker's forwards of its usual length cover most of it, the worker made the tokens and they
+were held on their way out (the output channel, the gateway, the client); else the worker waited.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/gap_causes.py [--rounds 5] [--factor 10]
         [--pdserve-args "--dtype bfloat16"] [--out benchmarks/results/gap_causes]
@@ -62,20 +63,35 @@ def stream_gaps(records: list[RequestRecord], started: float) -> list[tuple[floa
 
 def explain(start: float, seconds: float, steps: dict[str, list[dict[str, Any]]],
             medians: dict[str, float]) -> Gap:
-    """The forward that ran longest within [start, start + seconds], and what its worker said of it."""
+    """What each decoding worker did within [start, start + seconds]: one long forward (and what the worker
+    said of it), forwards of its usual length one after another (the tokens were made, then held on their
+    way to the client), or no forward (the worker waited)."""
     best: tuple[float, str, dict[str, Any]] | None = None
+    covered: dict[str, tuple[float, int]] = {}  # per worker: seconds of the gap under its forwards, how many
     for worker_id, worker_steps in steps.items():
         for step in worker_steps:
             begin, end = step["started"], step["started"] + step["duration_ms"] / 1000
             overlap = min(end, start + seconds) - max(begin, start)
-            if overlap > 0 and (best is None or overlap > best[0]):
+            if overlap <= 0:
+                continue
+            seconds_so_far, count = covered.get(worker_id, (0.0, 0))
+            covered[worker_id] = (seconds_so_far + overlap, count + 1)
+            if best is None or overlap > best[0]:
                 best = (overlap, worker_id, step)
-    if best is None or best[0] < seconds / 2:
-        return Gap(start, seconds, "", 0.0, "between forwards: no forward covers half of it")
+    if best is None:
+        return Gap(start, seconds, "", 0.0, "no forward ran: the worker waited")
     _, worker_id, step = best
-    cause = step.get("slow_cause") or (f"a forward of {step['duration_ms']:.0f} ms, under the worker's own "
-                                       f"slow mark (median {medians[worker_id]:.1f} ms)")
-    return Gap(start, seconds, worker_id, step["duration_ms"], cause)
+    if best[0] >= seconds / 2:
+        cause = step.get("slow_cause") or (f"a forward of {step['duration_ms']:.0f} ms, under the worker's "
+                                           f"own slow mark (median {medians[worker_id]:.1f} ms)")
+        return Gap(start, seconds, worker_id, step["duration_ms"], cause)
+    busy, count = covered[worker_id]
+    if busy >= seconds / 2:
+        return Gap(start, seconds, worker_id, step["duration_ms"],
+                   f"the worker kept stepping ({count} forwards, {busy / seconds:.0%} of the gap): its "
+                   "tokens were made and held on their way out (output channel → gateway → client)")
+    return Gap(start, seconds, worker_id, step["duration_ms"],
+               f"the worker mostly waited ({count} forwards, {busy / seconds:.0%} of the gap)")
 
 
 async def decoding_steps(client: httpx.AsyncClient, since: float) -> dict[str, list[dict[str, Any]]]:
