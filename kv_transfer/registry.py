@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,12 +43,25 @@ class BackendSpec:
     is_available: Callable[[], bool]  # cheap check that the backend can run in this process
 
 
+# nixl's wheels for each accelerator stack, in the order nixl takes the first installed when it finds no CUDA.
+NIXL_VARIANTS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
+
+
+def _nixl_bindings_module() -> str:
+    """The module whose import says whether nixl runs here. nixl's own `nixl._bindings`, except where torch
+    is a CPU build not imported yet (a fleet actor, which holds no torch): nixl imports torch (1.4 s) to ask
+    its CUDA version and, finding none, takes the first variant installed, as this does without torch."""
+    if "torch" in sys.modules or not importlib.metadata.version("torch").endswith("+cpu"):
+        return "nixl._bindings"
+    return next((f"{v}._bindings" for v in NIXL_VARIANTS if importlib.util.find_spec(v)), "nixl._bindings")
+
+
 @functools.cache
 def _nixl_is_available() -> bool:
     if importlib.util.find_spec("nixl") is None:
         return False
     try:
-        importlib.import_module("nixl._bindings")
+        importlib.import_module(_nixl_bindings_module())
     except ImportError as exc:  # e.g. the meta package without a CUDA-variant wheel
         logger.info("nixl is installed but does not import: %s", exc)
         return False

@@ -68,7 +68,10 @@ class EngineConfig:
     # 0.1 s bounded the largest gap from 0.65 to 0.19 s but cost a third of 16-client throughput).
     max_prefill_s_beside_decode: float = 0.0
     enable_prefix_caching: bool = True  # share full blocks of identical prefixes between requests
-    linear_kernel: str = "auto"  # GEMM kernel of every linear layer (llm_engine/linear_kernels.py)
+    # GEMM kernel of every linear layer (llm_engine/linear_kernels.py). PDSERVE_LINEAR_KERNEL sets the default
+    # (the test suite's fleets run torch: auto's probe imports zentorch on AMD CPUs, and with it dynamo and
+    # inductor, 2.8 s of every worker start; the probe and each kernel have their own tests).
+    linear_kernel: str = field(default_factory=lambda: os.environ.get("PDSERVE_LINEAR_KERNEL", "auto"))
     # Decode attention: "auto" (the C++ kernel on a CPU where it builds, else SDPA; model_runner.py says
     # why), "sdpa" (gather each sequence's KV, torch SDPA) or "paged-kernel" (pdserve's C++ kernel,
     # llm_engine/csrc/: reads each sequence's own blocks in place; CPU only; in bf16 not bit-identical to

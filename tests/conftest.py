@@ -22,6 +22,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # path has its own tests (tests/engine/test_compiled_engine.py). Workers get it through the EngineConfig the
 # driver builds, which reads this default.
 os.environ.setdefault("PDSERVE_COMPILE", "off")
+# Their linears on F.linear: --linear-kernel auto's probe imports zentorch on AMD CPUs (dynamo and inductor
+# with it: 2.8 s of CPU in every worker start, a quarter of a small fleet's); tests/engine/
+# test_kernels_and_dtypes.py covers the probe and each kernel.
+os.environ.setdefault("PDSERVE_LINEAR_KERNEL", "torch")
 
 
 # The fixtures that hand out a shared server (by their function's name), and the shape each one serves.
