@@ -12,10 +12,14 @@ serving frontend's memory.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,3 +95,22 @@ def test_a_frontend_loads_the_tokenizer_the_supervisor_chose_without_torch(tiny_
     assert result.returncode == 0, result.stderr
     loaded = json.loads(result.stdout.splitlines()[-1])
     assert loaded == {"ids": expected, "text": reference.decode(expected), "torch": False}
+
+
+NIXL_PROBE = """
+import json, sys
+from kv_transfer.registry import _nixl_is_available
+print(json.dumps({"nixl": _nixl_is_available(), "torch": "torch" in sys.modules}))
+"""
+
+
+def test_the_fleet_actors_transfer_backend_check_imports_no_torch_on_a_cpu_build() -> None:
+    """`--backend auto` is resolved in the fleet actor, which holds no torch: nixl's own import asks torch its
+    CUDA version (importing it: 1.4 CPU-s of every fleet start), which a CPU build of torch cannot have."""
+    if not importlib.metadata.version("torch").endswith("+cpu"):
+        pytest.skip("torch here is not a CPU build: nixl's own check runs, and imports it")
+    result = subprocess.run([sys.executable, "-c", NIXL_PROBE], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout.splitlines()[-1])
+    assert answer == {"nixl": importlib.util.find_spec("nixl") is not None, "torch": False}
