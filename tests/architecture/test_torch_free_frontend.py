@@ -97,20 +97,30 @@ def test_a_frontend_loads_the_tokenizer_the_supervisor_chose_without_torch(tiny_
     assert loaded == {"ids": expected, "text": reference.decode(expected), "torch": False}
 
 
-NIXL_PROBE = """
+
+CPU_BUILD_PROBE = """
 import json, sys
+from gateway.config import ServeConfig
 from kv_transfer.registry import _nixl_is_available
-print(json.dumps({"nixl": _nixl_is_available(), "torch": "torch" in sys.modules}))
+from llm_engine.hardware import check_device_present, resolve_device
+config = ServeConfig(model={model_dir!r})
+check_device_present(resolve_device(config.device or "auto"))
+print(json.dumps({{"device": resolve_device("auto"), "nixl": _nixl_is_available(),
+                  "torch": "torch" in sys.modules}}))
 """
 
 
-def test_the_fleet_actors_transfer_backend_check_imports_no_torch_on_a_cpu_build() -> None:
-    """`--backend auto` is resolved in the fleet actor, which holds no torch: nixl's own import asks torch its
-    CUDA version (importing it: 1.4 CPU-s of every fleet start), which a CPU build of torch cannot have."""
+def test_the_supervisor_and_fleet_actor_checks_import_no_torch_on_a_cpu_build(tiny_chat_model_dir: Path
+                                                                              ) -> None:
+    """What `pdserve serve`'s supervisor checks before Ray starts (the settings, `--device auto`), and what
+    the fleet actor resolves `--backend auto` with, hold no torch where torch is a CPU build: it would cost
+    each process 1.4 CPU-s (nixl's own import asks torch its CUDA version) to learn what such a build cannot
+    have."""
     if not importlib.metadata.version("torch").endswith("+cpu"):
-        pytest.skip("torch here is not a CPU build: nixl's own check runs, and imports it")
-    result = subprocess.run([sys.executable, "-c", NIXL_PROBE], cwd=ROOT, capture_output=True, text=True,
+        pytest.skip("torch here is not a CPU build: asking it whether it sees a GPU imports it")
+    probe = CPU_BUILD_PROBE.format(model_dir=str(tiny_chat_model_dir))
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
                             timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout.splitlines()[-1])
-    assert answer == {"nixl": importlib.util.find_spec("nixl") is not None, "torch": False}
+    assert answer == {"device": "cpu", "nixl": importlib.util.find_spec("nixl") is not None, "torch": False}
