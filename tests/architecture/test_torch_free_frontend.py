@@ -97,7 +97,6 @@ def test_a_frontend_loads_the_tokenizer_the_supervisor_chose_without_torch(tiny_
     assert loaded == {"ids": expected, "text": reference.decode(expected), "torch": False}
 
 
-
 CPU_BUILD_PROBE = """
 import json, sys
 from gateway.config import ServeConfig
